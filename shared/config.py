@@ -1,0 +1,110 @@
+"""One `ServerConfig`, filled from CLI flags and `BATCHSERVE_*` environment variables, given to every process.
+
+Each field has a CLI flag (`--page-size`) and an environment variable (`BATCHSERVE_PAGE_SIZE`);
+a flag given on the command line wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+Policy = Literal["prefill-first", "mixed", "fixed"]
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ServerConfig(msgspec.Struct, kw_only=True):
+    # model
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_context: int = 0  # 0: the model's own context length
+    # KV cache
+    page_size: int = 16
+    kv_capacity_tokens: int = 0  # 0: derived from kv_memory_gb
+    kv_memory_gb: float = 1.0
+    # scheduler
+    policy: Policy = "mixed"
+    max_running_requests: int = 64
+    prefill_budget: int = 2048
+    max_waiting: int = 1024
+    # worker
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 0  # 0: max_running_requests
+    # api
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""  # "": the model argument
+    # processes
+    runtime_dir: str = ""  # "": $RUNTIME_DIRECTORY or a fresh temporary directory
+    log_format: Literal["text", "json"] = "text"
+    drain_timeout_s: float = 30.0
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "ServerConfig":
+        return msgspec.json.decode(data, type=cls)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ServerConfig":
+        return cls.from_json(Path(path).read_bytes())
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """Add one CLI flag per `ServerConfig` field (or per field in `only`); defaults stay unset."""
+    for field in msgspec.structs.fields(ServerConfig):
+        if only is not None and field.name not in only:
+            continue
+        default = field.default
+        if isinstance(default, bool):
+            parser.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(_flag(field.name), dest=field.name, type=type(default), default=None,
+                                help=f"(default: {default!r}; env BATCHSERVE_{field.name.upper()})")
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
+    """Defaults < `BATCHSERVE_*` environment < CLI flags < explicit overrides. Bad values raise ValueError."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for field in msgspec.structs.fields(ServerConfig):
+        raw = env.get(f"BATCHSERVE_{field.name.upper()}")
+        if raw is not None and raw != "":
+            values[field.name] = _parse_env(field.name, raw, field.default)
+        cli = getattr(args, field.name, None)
+        if cli is not None:
+            values[field.name] = cli
+    values.update(overrides)
+    try:
+        return msgspec.convert(values, ServerConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad configuration: {exc}") from None
+
+
+def _parse_env(name: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"BATCHSERVE_{name.upper()}: expected a boolean, got {raw!r}")
+    try:
+        return type(default)(raw)
+    except ValueError:
+        raise ValueError(f"BATCHSERVE_{name.upper()}: expected {type(default).__name__}, got {raw!r}") from None
+
+
+def cache_dir() -> Path:
+    """Where converted models and downloaded wheels live (`BATCHSERVE_CACHE`, default ~/.cache/batchserve)."""
+    return Path(os.environ.get("BATCHSERVE_CACHE") or Path.home() / ".cache" / "batchserve")
