@@ -149,3 +149,13 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+
+
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    """scheduler -> api (for /metrics), sent after steps (at most every ~100 ms) and when idle."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    batch_sizes: list[int] = []  # requests per step since the previous stats message
