@@ -98,6 +98,10 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     stop: StopParams = StopParams()
     arrival_time: float = 0.0  # time.time() at the api
+    # The client gave no max_tokens, so `stop.max_tokens` is the api's default (16 for completions,
+    # max_context for chat): the tokenizer lowers it to `max_context - prompt_len` when it is
+    # larger, instead of rejecting the request as too long.
+    clamp_max_tokens: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):

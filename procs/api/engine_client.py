@@ -1,0 +1,45 @@
+"""The only interface between the HTTP app and the rest of the server.
+
+The api process's real implementation (`engine_client_zmq.py`) sends `GenerateRequest` /
+`AbortRequest` to the tokenizer and routes the detokenizer's `TextDelta`s (and `RequestRejected`s,
+`SchedulerStats`) back by request id. Tests use an in-process fake.
+
+Contract, as the app relies on it:
+- `generate(request)` returns an async iterator for one request. It yields `TextDelta`s until one
+  has `finish_reason` set (that one carries `usage`), or exactly one `RequestRejected`. The app
+  validates everything first: nothing invalid is ever passed in.
+- When the app stops reading early (client gone, error) it calls `await abort(rid)` exactly once
+  and then closes the iterator (`aclose()` when the iterator has one). The iterator itself must not
+  send an abort; on close it only forgets its per-request state. A request that ended normally (a
+  finish_reason or a rejection) is never aborted.
+- `set_stats_listener(listener)`: the app registers one callback at `create_app`; the client calls
+  it (on the event loop thread) with every `SchedulerStats` it receives, in order. Push, not pull,
+  because each message's `batch_sizes` must be observed exactly once.
+- `is_healthy()` gates `GET /health` (200 only when True) and new requests (503 when False).
+- Optional lifecycle: if the client has `async start()` / `async close()`, the app awaits them on
+  startup and cleanup, inside the event loop the server runs (so sockets and reader tasks are
+  created on that loop).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable, Protocol, runtime_checkable
+
+from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta
+
+EngineEvent = TextDelta | RequestRejected
+StatsListener = Callable[[SchedulerStats], None]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str  # served model name: GET /v1/models and the "model" field check
+    max_context: int  # context length in tokens (prompt + completion)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def set_stats_listener(self, listener: StatsListener) -> None: ...
