@@ -163,3 +163,24 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_used_tokens: int
     kv_total_tokens: int
     batch_sizes: list[int] = []  # requests per step since the previous stats message
+
+
+# ---------------------------------------------------------------------------------------------
+# Process control (`batchserve serve` and systemd units).
+
+
+class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
+    """worker -> scheduler once the model is loaded: what the KV pool and the model can hold."""
+
+    kv_capacity_tokens: int
+    eos_token_ids: list[int]
+    max_context: int
+    page_size: int
+
+
+class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
+    """every process -> api about once a second; the api is healthy only while all are fresh and ready."""
+
+    process: str  # "tokenizer" | "scheduler" | "worker" | "detokenizer"
+    pid: int
+    ready: bool = True
