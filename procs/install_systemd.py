@@ -1,0 +1,186 @@
+"""`batchserve install-systemd`: write the systemd units and the env file for this virtualenv.
+
+The unit templates live in `systemd/` next to the packages (a source checkout, installed with
+`pip install -e .`); `@VENV@`, `@SOURCE@` and `@PROTECT_HOME@` are filled in here. The example env
+file `systemd/batchserve.env` is generated from `ServerConfig` by `render_env_file()`, and a test
+keeps the two equal, so every setting is documented there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from procs.cli import CliError
+from shared.config import ServerConfig
+
+SOURCE_DIR = Path(__file__).resolve().parents[1]
+TEMPLATE_DIR = SOURCE_DIR / "systemd"
+ENV_FILE_NAME = "batchserve.env"
+UNIT_DIR = Path("etc/systemd/system")
+ENV_DIR = Path("etc/batchserve")
+SERVICE_USER = "batchserve"
+
+# In start order; systemd stops them in the reverse order (api first, worker last).
+PROCESS_ORDER = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
+UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in PROCESS_ORDER))
+
+# ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
+HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
+_PLACEHOLDER = re.compile(r"@[A-Z_]+@")
+
+# One line per ServerConfig field, shown above its variable in the env file.
+FIELD_DOCS: dict[str, str] = {
+    "model": "Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a .gguf file.",
+    "dtype": "Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16.",
+    "device": "Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.",
+    "max_context": "Longest prompt + completion in tokens; 0 = the model's own context length.",
+    "page_size": "Tokens per KV-cache page.",
+    "kv_capacity_tokens": "KV-cache capacity in tokens; 0 = derived from BATCHSERVE_KV_MEMORY_GB.",
+    "kv_memory_gb": "GiB of device memory for the KV cache when BATCHSERVE_KV_CAPACITY_TOKENS is 0.",
+    "policy": "Scheduling policy: prefill-first, mixed or fixed.",
+    "max_running_requests": "Most requests decoded together (request-table slots).",
+    "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",
+    "max_waiting": "Most requests queued before new ones are refused.",
+    "attention_backend": "Attention kernels: auto, torch or flashinfer (CUDA only).",
+    "disable_cuda_graph": "true: run decode steps eagerly instead of replaying CUDA graphs.",
+    "cuda_graph_max_bs": "Largest decode batch captured as a CUDA graph; 0 = BATCHSERVE_MAX_RUNNING_REQUESTS.",
+    "host": "Address the HTTP api listens on (0.0.0.0 for every interface).",
+    "port": "HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see batchserve-api.service).",
+    "served_model_name": "Model name reported by /v1/models and expected in requests; empty = BATCHSERVE_MODEL.",
+    "runtime_dir": "Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY (/run/batchserve under systemd).",
+    "log_format": "stderr log lines, which journald collects: text, or json for one JSON object per line\n"
+                  "(request logs included; read them with `journalctl -u 'batchserve-*' -o cat`).",
+    "drain_timeout_s": "Seconds a stopping process waits for in-flight requests; keep below the units'\n"
+                       "TimeoutStopSec= (45 s).",
+}
+
+# Settings the example env file sets instead of leaving at the default (journald reads JSON well).
+ENV_FILE_OVERRIDES: dict[str, str] = {"log_format": "json"}
+
+ENV_FILE_HEADER = """\
+# batchserve settings for the systemd units: /etc/batchserve/batchserve.env
+# Read by every batchserve-*.service (EnvironmentFile=). Each line sets one ServerConfig field;
+# a commented-out line shows the default. After an edit: systemctl restart batchserve.target
+#
+# Set by the units themselves (override here if needed): BATCHSERVE_CACHE=/var/cache/batchserve
+# (converted models, compiled kernels), HOME=/var/lib/batchserve.
+"""
+
+
+def env_var(field_name: str) -> str:
+    return f"BATCHSERVE_{field_name.upper()}"
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def render_env_file() -> str:
+    """The example env file: every ServerConfig field, documented, with its default."""
+    fields = msgspec.structs.fields(ServerConfig)
+    undocumented = [f.name for f in fields if f.name not in FIELD_DOCS]
+    if undocumented:
+        raise KeyError(f"ServerConfig fields without an entry in FIELD_DOCS: {', '.join(undocumented)}")
+    parts = [ENV_FILE_HEADER]
+    for field in fields:
+        doc = "\n".join(f"# {line}" for line in FIELD_DOCS[field.name].splitlines())
+        default = _env_value(field.default)
+        if field.name in ENV_FILE_OVERRIDES:
+            line = f"{env_var(field.name)}={ENV_FILE_OVERRIDES[field.name]}"
+            doc += f" (default: {default})"
+        else:
+            line = f"#{env_var(field.name)}={default}"
+        parts.append(f"{doc}\n{line}\n")
+    return "\n".join(parts)
+
+
+def needs_home_access(*paths: Path) -> bool:
+    return any(path.resolve().is_relative_to(home) for path in paths for home in HOME_DIRS)
+
+
+def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes") -> str:
+    text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
+            .replace("@PROTECT_HOME@", protect_home))
+    left = _PLACEHOLDER.search(text)
+    if left:
+        raise ValueError(f"unit template has an unknown placeholder {left.group()}")
+    return text
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: Path
+    text: str
+    mode: int
+    keep_existing: bool  # an existing file is left alone (the env file, without --force)
+
+
+def plan_files(prefix: Path, venv: Path, force: bool = False) -> list[PlannedFile]:
+    """Every file install-systemd writes, rendered for `venv`, under `prefix`."""
+    if not TEMPLATE_DIR.is_dir():
+        raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
+                       "checkout (pip install -e .)")
+    protect_home = "read-only" if needs_home_access(venv, SOURCE_DIR) else "yes"
+    files = [PlannedFile(prefix / UNIT_DIR / name,
+                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home),
+                         0o644, keep_existing=False)
+             for name in UNIT_NAMES]
+    files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(), 0o644, keep_existing=not force))
+    return files
+
+
+def next_steps(prefix: Path) -> str:
+    root = "" if prefix == Path("/") else f"  # (files written under {prefix}; copy them to / first)\n"
+    return (f"Next, as root:\n{root}"
+            "  getent group render >/dev/null || groupadd --system render\n"
+            f"  id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --user-group "
+            f"--home-dir /var/lib/{SERVICE_USER} --shell /usr/sbin/nologin {SERVICE_USER}\n"
+            "  systemctl daemon-reload && systemctl enable --now batchserve.target\n"
+            "Then: systemctl status 'batchserve-*'   journalctl -u 'batchserve-*' -f\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix", type=Path, default=Path("/"),
+                        help="root to install under (default: /): units in PREFIX/etc/systemd/system, "
+                             "settings in PREFIX/etc/batchserve/batchserve.env")
+    parser.add_argument("--venv", type=Path, default=Path(sys.prefix),
+                        help="virtualenv whose bin/batchserve the units run (default: this one, %(default)s)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing batchserve.env")
+
+
+def main(args: argparse.Namespace) -> int:
+    venv = Path(args.venv).absolute()
+    executable = venv / "bin" / "batchserve"
+    if not executable.is_file():
+        raise CliError(f"{executable} does not exist: --venv must be a virtualenv with batchserve installed")
+    prefix = Path(args.prefix).absolute()
+    for planned in plan_files(prefix, venv, force=args.force):
+        exists = planned.path.exists()
+        if planned.keep_existing and exists:
+            print(f"keep     {planned.path} (exists; --force replaces it)")
+            continue
+        verb = "replace" if exists else "write"
+        if args.dry_run:
+            print(f"--- would {verb} {planned.path} (mode {planned.mode:o})\n{planned.text}")
+            continue
+        try:
+            planned.path.parent.mkdir(parents=True, exist_ok=True)
+            planned.path.write_text(planned.text)
+            planned.path.chmod(planned.mode)
+        except PermissionError as exc:
+            raise CliError(f"cannot write {planned.path} ({exc.strerror}): run as root, or use --prefix") from None
+        print(f"{verb:<8} {planned.path}")
+    if needs_home_access(venv, SOURCE_DIR):
+        print(f"note: {venv} or {SOURCE_DIR} is under a home directory: the units use ProtectHome=read-only, "
+              f"and the {SERVICE_USER} user needs read access there", file=sys.stderr)
+    print(next_steps(prefix))
+    return 0
