@@ -1,0 +1,187 @@
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+
+Everything runs as whole-batch tensor ops; the only Python work per request is reading its
+`SamplingParams` into a few small parameter tensors. Filters apply in vLLM's order: temperature,
+then top-k, top-p, min-p (min-p relative to the most likely token).
+
+Sampling is an exponential race (Gumbel-max): the token is `argmax(logit / T - log(E))` with
+`E ~ Exp(1)` per token, which picks token `i` with probability `softmax(logit / T)[i]` without a
+normalisation or a cumulative sum. Unseeded rows draw `E` from the global torch RNG. Seeded rows
+derive `E` from a counter-based hash of `(seed, sample_count, token_id)`, so a seeded request gets
+the same tokens whatever else is in its batch, whatever its row and on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shared.messages import SamplingParams
+
+__all__ = ["sample_batch"]
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so the int64 hash never
+# relies on signed overflow (which could differ between devices).
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x27D4EB2F
+_MUL_C = 0x165667B1
+
+
+def sample_batch(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int]
+) -> torch.Tensor:
+    """Pick one token per row of `logits` ([n, vocab], any float dtype and device).
+
+    `params[i]` and `sample_counts[i]` (tokens request i has sampled so far) belong to row i.
+    Returns [n] int64 token ids on the logits' device.
+    """
+    n, vocab = logits.shape
+    if n != len(params) or n != len(sample_counts):
+        raise ValueError(f"{n} logit rows but {len(params)} params and {len(sample_counts)} counts")
+    if all(p.temperature == 0.0 for p in params):
+        return logits.argmax(dim=-1)
+
+    device = logits.device
+    greedy = [p.temperature == 0.0 for p in params]
+    # One host->device copy for all float parameters: temperature, top_p, min_p, top_k.
+    table = torch.tensor(
+        [
+            (
+                1.0 if g else p.temperature,
+                p.top_p,
+                p.min_p,
+                float(vocab if p.top_k < 0 or p.top_k >= vocab else p.top_k),
+            )
+            for p, g in zip(params, greedy)
+        ],
+        dtype=torch.float32,
+    ).to(device, non_blocking=True)
+    temperature, top_p, min_p, top_k = table.unbind(dim=1)
+
+    # Shift so each row's max is 0 before dividing: extreme temperatures then give finite values
+    # or -inf (never inf - inf = NaN), and the min-p threshold becomes a constant log(min_p).
+    scores = logits.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)
+
+    topk_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
+    sort_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if topk_rows:
+        max_k = max(params[i].top_k for i in topk_rows)
+        _apply_top_k_rows(scores, topk_rows, top_k, max_k)
+    if sort_rows:
+        _apply_top_k_top_p_rows(scores, sort_rows, top_k, top_p)
+    # min-p: keep p_i >= min_p * p_max, i.e. score_i >= log(min_p) since max score is 0.
+    # min_p == 0 gives log(0) = -inf, which filters nothing.
+    scores.masked_fill_(scores < torch.log(min_p).unsqueeze(1), float("-inf"))
+
+    scores.sub_(_log_exponential_noise(params, sample_counts, n, vocab, device))
+    sampled = scores.argmax(dim=-1)
+    if any(greedy):
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+        sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+    return sampled
+
+
+def _rows_view(scores: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The listed rows of `scores` (the tensor itself when that is every row) and their index."""
+    if len(rows) == scores.shape[0]:
+        return scores, None
+    index = torch.tensor(rows, dtype=torch.long).to(scores.device, non_blocking=True)
+    return scores.index_select(0, index), index
+
+
+def _apply_top_k_rows(
+    scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, max_k: int
+) -> None:
+    """Top-k without a full sort: keep each row's k best tokens (exactly k, ties broken by topk)."""
+    sub, index = _rows_view(scores, rows)
+    k = top_k if index is None else top_k.index_select(0, index)
+    _, best = sub.topk(max_k, dim=-1)
+    rank = torch.arange(max_k, device=sub.device).unsqueeze(0)
+    keep = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, best, rank < k.unsqueeze(1))
+    sub.masked_fill_(~keep, float("-inf"))
+    if index is not None:
+        scores.index_copy_(0, index, sub)
+
+
+def _apply_top_k_top_p_rows(
+    scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, top_p: torch.Tensor
+) -> None:
+    """Top-k then top-p on a sorted copy of the listed rows (as vLLM's apply_top_k_top_p)."""
+    sub, index = _rows_view(scores, rows)
+    k = top_k if index is None else top_k.index_select(0, index)
+    p = top_p if index is None else top_p.index_select(0, index)
+    vocab = sub.shape[1]
+    ascending, order = sub.sort(dim=-1)
+    positions = torch.arange(vocab, device=sub.device).unsqueeze(0)
+    ascending.masked_fill_(positions < (vocab - k).unsqueeze(1), float("-inf"))
+    # Drop the least likely tokens while the mass of everything above them still reaches top_p.
+    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cumulative <= (1.0 - p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    ascending.masked_fill_(drop, float("-inf"))
+    sub.scatter_(1, order, ascending)
+    if index is not None:
+        scores.index_copy_(0, index, sub)
+
+
+def _log_exponential_noise(
+    params: Sequence[SamplingParams], sample_counts: Sequence[int], n: int, vocab: int, device
+) -> torch.Tensor:
+    """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key."""
+    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None]
+    if not seeded_rows:
+        return _log_torch_exponential(n, vocab, device)
+    keys = torch.tensor(
+        [_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
+    ).to(device, non_blocking=True)
+    seeded = _log_hash_exponential(keys, vocab)
+    if len(seeded_rows) == n:
+        return seeded
+    noise = _log_torch_exponential(n, vocab, device)
+    index = torch.tensor(seeded_rows, dtype=torch.long).to(device, non_blocking=True)
+    return noise.index_copy_(0, index, seeded)
+
+
+def _log_torch_exponential(n: int, vocab: int, device) -> torch.Tensor:
+    noise = torch.empty(n, vocab, dtype=torch.float32, device=device).exponential_()
+    # exponential_ may return exactly 0 on some devices; log(0) = -inf would pick that token.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()
+
+
+def _row_key(seed: int, count: int) -> tuple[int, int]:
+    """Two 32-bit words from (seed, count) via splitmix64; computed on the host per seeded row."""
+    x = (_splitmix64(seed & _MASK64) ^ (count & _MASK64)) & _MASK64
+    x = _splitmix64(x)
+    return (x & _MASK32, x >> 32)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche permutation on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * _MUL_A) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * _MUL_B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * _MUL_C) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _log_hash_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log(E) for rows keyed by `keys` ([rows, 2] int64 32-bit words), one value per token id."""
+    token = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
+    bits = _mix32(_mix32(token ^ keys[:, :1]) ^ keys[:, 1:])
+    # 23 random bits + 1/2: uniform strictly inside (0, 1) in float32, so E = -log(u) is in (0, 17).
+    uniform = ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return uniform.log_().neg_().log_()
+
