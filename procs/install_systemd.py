@@ -102,6 +102,39 @@ def render_env_file() -> str:
     return "\n".join(parts)
 
 
+def read_unit(text: str) -> dict[str, list[tuple[str, str]]]:
+    """A unit file as {section: [(key, value), ...]}, repeated keys kept in order (DeviceAllow=)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+        elif "=" in line and current is not None:
+            key, value = line.split("=", 1)
+            current.append((key.strip(), value.strip()))
+        else:
+            raise ValueError(f"line {number}: not a [section] or key=value: {raw!r}")
+    return sections
+
+
+def unit_values(unit: dict[str, list[tuple[str, str]]], section: str, key: str) -> list[str]:
+    return [value for k, value in unit.get(section, []) if k == key]
+
+
+def read_env_file(text: str) -> dict[str, str]:
+    """An EnvironmentFile= as systemd reads the simple KEY=VALUE lines this project writes."""
+    env: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and line[0] not in "#;":
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
+
+
 def needs_home_access(*paths: Path) -> bool:
     return any(path.resolve().is_relative_to(home) for path in paths for home in HOME_DIRS)
 
