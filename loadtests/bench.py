@@ -1,0 +1,197 @@
+"""`batchserve bench`: measure an OpenAI-compatible endpoint, or (`--compare`) this server under each
+scheduling policy plus the transformers static-batching baseline, on one workload in one run.
+
+Reports completed/failed requests, request/s, input and output tokens/s, and mean/p50/p90/p99 of
+TTFT, ITL, TPOT and end-to-end latency (definitions in `loadtests.metrics`), never throughput alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadtests.report import RunRecord, format_ratios, format_table, write_json
+from loadtests.runner import LoadPoint
+from loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerStartError
+from loadtests.targets import Plan, bench_server, bench_transformers, bench_url
+from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
+                                chat_workload, random_workload)
+from procs.cli import CliError
+from shared.config import DEFAULT_MODEL, ServerConfig
+
+POLICIES = ("mixed", "prefill-first", "fixed")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to measure (without --compare)")
+    target.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in requests; with --compare "
+                        "also the model the servers and the transformers baseline load")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="chat")
+    target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+
+    load = parser.add_argument_group("workload")
+    load.add_argument("--workload", choices=("random", "chat"), default="random",
+                      help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--input-len", default="128:512", help="prompt tokens, N or MIN:MAX (random workload)")
+    load.add_argument("--output-len", default="64:256", help="output tokens, N or MIN:MAX (random workload)")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup", type=int, default=2, help="requests sent before each measurement, not counted")
+    load.add_argument("--tokenizer", default="auto", help="auto: the model's tokenizer when it resolves, else "
+                      "words; words: a word list; or a tokenizer.json / model folder")
+    load.add_argument("--concurrency", help="comma list, e.g. 1,8,32: requests kept in flight (default 8)")
+    load.add_argument("--request-rate", help="comma list of requests/s (Poisson arrivals), inf allowed")
+
+    comp = parser.add_argument_group("comparison")
+    comp.add_argument("--compare", action="store_true",
+                      help="start `batchserve serve` under each --policies entry, then the transformers baseline")
+    comp.add_argument("--policies", default=",".join(POLICIES), help="comma list of server policies to run")
+    comp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    comp.add_argument("--compare-url", action="append", default=[], metavar="[NAME=]URL",
+                      help="another running server to add to the table (repeatable)")
+    comp.add_argument("--compare-model", help="model name sent to --compare-url servers (default: --model)")
+    comp.add_argument("--max-batch-size", type=int, default=ServerConfig().max_running_requests,
+                      help="servers' --max-running-requests and the transformers batch size")
+    comp.add_argument("--server-args", default="", help="extra flags for every started server, one string")
+    comp.add_argument("--serve-command", default=shlex.join(DEFAULT_SERVE_COMMAND),
+                      help="command that starts a server; --model/--policy/--host/--port are appended")
+    comp.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    comp.add_argument("--baseline-device", default="auto", help="device of the transformers baseline")
+    comp.add_argument("--log-dir", type=Path, help="where server logs go (default: a temporary directory)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", type=Path, help="write results as JSON")
+    out.add_argument("--plot", type=Path, help="write a PNG of throughput, TTFT and ITL over the sweep")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def parse_points(concurrency: str | None, request_rate: str | None) -> list[LoadPoint]:
+    if concurrency and request_rate:
+        raise CliError("give --concurrency or --request-rate, not both")
+    if request_rate:
+        try:
+            rates = [float(v) for v in request_rate.split(",")]
+        except ValueError:
+            raise CliError(f"--request-rate: expected numbers separated by commas, got {request_rate!r}") from None
+        if any(not r > 0 for r in rates):
+            raise CliError(f"--request-rate: every rate must be > 0, got {request_rate!r}")
+        return [LoadPoint(request_rate=r) for r in rates]
+    try:
+        levels = [int(v) for v in (concurrency or "8").split(",")]
+    except ValueError:
+        raise CliError(f"--concurrency: expected integers separated by commas, got {concurrency!r}") from None
+    if any(c < 1 for c in levels):
+        raise CliError(f"--concurrency: every level must be >= 1, got {concurrency!r}")
+    return [LoadPoint(concurrency=c) for c in levels]
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A Hugging Face model folder for `model`: a folder path as is, else the worker's model resolver."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from procs.worker import resolve_model
+    except ImportError:
+        raise CliError(f"cannot resolve model {model!r}: give a Hugging Face model folder") from None
+    return Path(resolve_model(model))
+
+
+def prompt_builder(choice: str, model: str, need_model: bool) -> tuple[PromptBuilder, str]:
+    if choice == "words":
+        return WordPromptBuilder(), "words"
+    if choice != "auto":
+        path = Path(choice)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise CliError(f"--tokenizer: no tokenizer.json at {choice!r}")
+        return TokenizerPromptBuilder(path), str(path)
+    try:
+        tokenizer_json = resolve_model_dir(model) / "tokenizer.json"
+    except Exception as exc:  # noqa: BLE001 - any resolver failure: fall back, unless the model is required anyway
+        if need_model:
+            raise
+        print(f"bench: model {model!r} did not resolve ({exc}); prompts from a word list", file=sys.stderr)
+        return WordPromptBuilder(), "words"
+    if tokenizer_json.is_file():
+        return TokenizerPromptBuilder(tokenizer_json), str(tokenizer_json)
+    return WordPromptBuilder(), "words"
+
+
+def _named_url(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep:
+        return text, text
+    if not name or not url:
+        raise CliError(f"--compare-url: expected [NAME=]URL, got {text!r}")
+    return name, url
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        raise CliError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.warmup < 0:
+        raise CliError(f"--warmup must be >= 0, got {args.warmup}")
+    points = parse_points(args.concurrency, args.request_rate)
+    policies = [p for p in args.policies.split(",") if p] if args.compare else []
+    if unknown := [p for p in policies if p not in POLICIES]:
+        raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")
+    with_transformers = args.compare and not args.no_transformers
+    builder, tokenizer_desc = prompt_builder(args.tokenizer, args.model, need_model=with_transformers)
+    if args.workload == "chat":
+        specs = chat_workload(args.num_prompts, args.seed, builder)
+        warmup = chat_workload(args.warmup, args.seed + 1, builder) if args.warmup else []
+    else:
+        lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
+        specs = random_workload(args.num_prompts, *lens, args.seed, builder)
+        warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
+    plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress)
+
+    records: list[RunRecord] = []
+    try:
+        if not args.compare:
+            records += bench_url("server", args.base_url, args.model, plan)
+        else:
+            log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="batchserve-bench-"))
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for policy in policies:
+                records += bench_server(policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
+                                        shlex.split(args.server_args), log_dir, args.health_timeout, plan)
+        for text in args.compare_url:
+            name, url = _named_url(text)
+            records += bench_url(name, url, args.compare_model or args.model, plan)
+        if with_transformers:
+            records += bench_transformers(resolve_model_dir(args.model), args.max_batch_size,
+                                          args.baseline_device, plan)
+    except ServerStartError as exc:
+        raise CliError(str(exc)) from None
+
+    configs = {r.config for r in records}
+    baselines = [b for b in ("fixed", "transformers") if b in configs and len(configs) > 1]
+    print("\n" + format_table(records))
+    for baseline in baselines:
+        print("\n" + format_ratios(records, baseline))
+    if args.output:
+        write_json(args.output, _workload_info(args, tokenizer_desc, len(warmup)), records, baselines)
+        print(f"\nresults: {args.output}")
+    if args.plot:
+        from loadtests.plot import plot_sweep
+
+        plot_sweep(records, args.plot, title=f"{args.model}, {args.workload} workload, {args.num_prompts} prompts")
+        print(f"plot: {args.plot}")
+    return 1 if any(r.metrics.completed == 0 for r in records) else 0
+
+
+def _workload_info(args: argparse.Namespace, tokenizer_desc: str, num_warmup: int) -> dict[str, Any]:
+    return {
+        "workload": args.workload, "num_prompts": args.num_prompts, "seed": args.seed,
+        "input_len": args.input_len if args.workload == "random" else "chat mix",
+        "output_len": args.output_len if args.workload == "random" else "chat mix",
+        "endpoint": args.endpoint, "model": args.model, "prompts_from": tokenizer_desc, "warmup": num_warmup,
+        "max_batch_size": args.max_batch_size if args.compare else None,
+    }

@@ -1,0 +1,125 @@
+"""Async streaming client for OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
+
+One call sends one request and records, with `time.perf_counter()`, when it was sent, when each
+chunk carrying content arrived, and when the stream ended. Token counts come from the final
+usage chunk (`stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from loadtests.workload import RequestSpec
+
+Endpoint = Literal["completions", "chat"]
+ENDPOINT_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request. Timestamps are `time.perf_counter()` seconds."""
+
+    success: bool = False
+    error: str = ""
+    send_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    end_time: float = 0.0  # end of the stream (or of the last token, for in-process runners)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False  # False: counts fell back to the spec / number of content chunks
+    text: str = ""
+
+
+def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,  # so output lengths are exactly as asked
+        "temperature": 0.0,
+    }
+    if endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        payload["prompt"] = spec.prompt
+    return payload
+
+
+def chunk_content(chunk: dict[str, Any], endpoint: Endpoint) -> str:
+    """The text a streamed chunk adds ("" for role-only, usage-only or empty chunks)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if endpoint == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: Endpoint, model: str,
+                       spec: RequestSpec) -> RequestResult:
+    """Send one streaming request; never raises for server or network errors (they become failures)."""
+    url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
+    result = RequestResult(send_time=time.perf_counter())
+    parts: list[str] = []
+    done = False
+    try:
+        async with session.post(url, json=build_payload(spec, endpoint, model)) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                result.error = f"HTTP {resp.status}: {body}"
+                result.end_time = time.perf_counter()
+                return result
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                    result.end_time = now
+                    return result
+                content = chunk_content(chunk, endpoint)
+                if content:
+                    result.chunk_times.append(now)
+                    parts.append(content)
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    result.usage_reported = True
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.end_time = time.perf_counter()
+        return result
+    result.end_time = time.perf_counter()
+    result.text = "".join(parts)
+    if not done:
+        result.error = "stream ended without [DONE]"
+    elif not result.chunk_times:
+        result.error = "no content in the stream"
+    else:
+        result.success = True
+        if not result.usage_reported:
+            result.prompt_tokens = spec.input_len
+            result.output_tokens = len(result.chunk_times)
+    return result
+
+
+def make_session(timeout_s: float) -> aiohttp.ClientSession:
+    """A session with no connection cap (the arrival process decides concurrency)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )

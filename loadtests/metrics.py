@@ -1,0 +1,104 @@
+"""Metric arithmetic, with the definitions of vLLM's and SGLang's serving benchmarks.
+
+- TTFT: first content chunk - send time.
+- ITL: every gap between successive content chunks, pooled over all requests.
+- TPOT: per request, (e2e - TTFT) / (output_tokens - 1); requests with one output token have none.
+- E2E latency: end of stream - send time.
+- Throughputs divide totals over successful requests by the benchmark duration.
+Failed requests count only in `failed`; they contribute no latencies and no tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from loadtests.client import RequestResult
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and percentiles in milliseconds; None when there were no samples."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    @classmethod
+    def of_seconds(cls, samples: Sequence[float]) -> "Distribution":
+        if len(samples) == 0:
+            return cls(0, None, None, None, None)
+        ms = np.asarray(samples, dtype=np.float64) * 1000.0
+        p50, p90, p99 = (float(v) for v in np.percentile(ms, PERCENTILES))
+        return cls(len(ms), float(ms.mean()), p50, p90, p99)
+
+
+@dataclass(frozen=True)
+class BenchMetrics:
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # requests/s
+    input_throughput: float  # tokens/s
+    output_throughput: float  # tokens/s
+    ttft_ms: Distribution
+    itl_ms: Distribution
+    tpot_ms: Distribution
+    e2e_ms: Distribution
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ttft(result: RequestResult) -> float:
+    return result.chunk_times[0] - result.send_time
+
+
+def inter_token_latencies(result: RequestResult) -> list[float]:
+    times = result.chunk_times
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def tpot(result: RequestResult) -> float | None:
+    if result.output_tokens <= 1:
+        return None
+    return (e2e_latency(result) - ttft(result)) / (result.output_tokens - 1)
+
+
+def e2e_latency(result: RequestResult) -> float:
+    return result.end_time - result.send_time
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchMetrics:
+    """Aggregate one benchmark run; `duration_s` is wall time from first send to last completion."""
+    if duration_s <= 0:
+        raise ValueError(f"duration must be > 0, got {duration_s}")
+    ok = [r for r in results if r.success]
+    ttfts = [ttft(r) for r in ok]
+    itls = [gap for r in ok for gap in inter_token_latencies(r)]
+    tpots = [t for t in (tpot(r) for r in ok) if t is not None]
+    e2es = [e2e_latency(r) for r in ok]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    return BenchMetrics(
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        request_throughput=len(ok) / duration_s,
+        input_throughput=total_in / duration_s,
+        output_throughput=total_out / duration_s,
+        ttft_ms=Distribution.of_seconds(ttfts),
+        itl_ms=Distribution.of_seconds(itls),
+        tpot_ms=Distribution.of_seconds(tpots),
+        e2e_ms=Distribution.of_seconds(e2es),
+    )

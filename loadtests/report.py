@@ -1,0 +1,118 @@
+"""Benchmark results as text tables and JSON: absolute numbers, then ratios to a baseline."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from loadtests.metrics import BenchMetrics
+from loadtests.runner import LoadPoint
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    config: str  # "mixed", "prefill-first", "fixed", "transformers", a URL's label, or "server"
+    point: LoadPoint
+    metrics: BenchMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.point.request_rate
+        return {
+            "config": self.config,
+            "concurrency": self.point.concurrency,
+            "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_run(record: RunRecord) -> str:
+    m = record.metrics
+    lines = [
+        f"============ {record.config} @ {record.point.label()} ============",
+        f"{'Successful requests:':<34}{m.completed}",
+        f"{'Failed requests:':<34}{m.failed}",
+        f"{'Benchmark duration (s):':<34}{m.duration_s:.2f}",
+        f"{'Total input tokens:':<34}{m.total_input_tokens}",
+        f"{'Total generated tokens:':<34}{m.total_output_tokens}",
+        f"{'Request throughput (req/s):':<34}{m.request_throughput:.2f}",
+        f"{'Input token throughput (tok/s):':<34}{m.input_throughput:.2f}",
+        f"{'Output token throughput (tok/s):':<34}{m.output_throughput:.2f}",
+    ]
+    for name, dist in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("TPOT", m.tpot_ms), ("E2E latency", m.e2e_ms)):
+        lines.append(f"{name + ' (ms)':<14} mean {_ms(dist.mean):>9}  p50 {_ms(dist.p50):>9}  "
+                     f"p90 {_ms(dist.p90):>9}  p99 {_ms(dist.p99):>9}")
+    return "\n".join(lines)
+
+
+TABLE_HEADER = (f"{'load':<16}{'config':<16}{'ok':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>11}"
+                f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}")
+
+
+def format_table(records: Sequence[RunRecord]) -> str:
+    """All runs, grouped by load point; latencies in ms."""
+    rows = [TABLE_HEADER, "-" * len(TABLE_HEADER)]
+    for r in records:
+        m = r.metrics
+        rows.append(f"{r.point.label():<16}{r.config:<16}{m.completed:>5}{m.failed:>5}{m.request_throughput:>8.2f}"
+                    f"{m.output_throughput:>11.1f}{_ms(m.ttft_ms.p50):>10}{_ms(m.ttft_ms.p99):>10}"
+                    f"{_ms(m.itl_ms.p50):>9}{_ms(m.itl_ms.p99):>9}{_ms(m.tpot_ms.p50):>10}")
+    return "\n".join(rows)
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+def ratio_rows(records: Sequence[RunRecord], baseline: str) -> list[dict[str, Any]]:
+    """Per load point and config, each metric divided by the baseline config's at the same point.
+
+    Throughput ratio > 1 is better; latency ratios < 1 are better.
+    """
+    base_by_point = {r.point: r.metrics for r in records if r.config == baseline}
+    rows = []
+    for r in records:
+        base = base_by_point.get(r.point)
+        if base is None or r.config == baseline:
+            continue
+        m = r.metrics
+        rows.append({
+            "config": r.config, "point": r.point.label(), "baseline": baseline,
+            "output_throughput": _ratio(m.output_throughput, base.output_throughput),
+            "ttft_p50": _ratio(m.ttft_ms.p50, base.ttft_ms.p50),
+            "ttft_p99": _ratio(m.ttft_ms.p99, base.ttft_ms.p99),
+            "itl_p50": _ratio(m.itl_ms.p50, base.itl_ms.p50),
+            "itl_p99": _ratio(m.itl_ms.p99, base.itl_ms.p99),
+        })
+    return rows
+
+
+def format_ratios(records: Sequence[RunRecord], baseline: str) -> str:
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    header = (f"{'load':<16}{'config':<16}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'ITL p50':>9}{'ITL p99':>9}")
+    rows = [f"ratios vs {baseline} (throughput: higher is better; latencies: lower is better)", header,
+            "-" * len(header)]
+    for row in ratio_rows(records, baseline):
+        rows.append(f"{row['point']:<16}{row['config']:<16}{x(row['output_throughput']):>10}{x(row['ttft_p50']):>10}"
+                    f"{x(row['ttft_p99']):>10}{x(row['itl_p50']):>9}{x(row['itl_p99']):>9}")
+    return "\n".join(rows)
+
+
+def write_json(path: Path, workload: dict[str, Any], records: Sequence[RunRecord], baselines: Sequence[str]) -> None:
+    doc = {
+        "workload": workload,
+        "runs": [r.to_dict() for r in records],
+        "ratios": {b: ratio_rows(records, b) for b in baselines},
+    }
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")

@@ -1,0 +1,158 @@
+"""Benchmark workloads: what each request asks for, and when it is sent.
+
+A workload is a list of `RequestSpec`s generated from a seed, so every configuration in a
+comparison run sees exactly the same prompts and output lengths. Arrival times come from a
+separate seeded Poisson process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt: str
+    input_len: int  # intended prompt length in tokens (the prompt is built to be about this long)
+    output_len: int  # tokens asked for; requests use ignore_eos so the server produces exactly this many
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    low: int
+    high: int  # inclusive
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> "LengthRange":
+        """`"128"` (fixed) or `"64:256"` (uniform, inclusive)."""
+        parts = text.split(":")
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{what}: expected N or MIN:MAX, got {text!r}") from None
+        if len(values) == 1:
+            values = values * 2
+        if len(values) != 2 or values[0] < 1 or values[1] < values[0]:
+            raise ValueError(f"{what}: expected 1 <= MIN <= MAX, got {text!r}")
+        return cls(values[0], values[1])
+
+    def draw(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.low, self.high + 1))
+
+
+class PromptBuilder(Protocol):
+    def build(self, rng: np.random.Generator, num_tokens: int) -> str: ...
+
+
+# Common short English words; with a leading space each is one token in the usual BPE vocabularies,
+# so a prompt of n words is about n tokens long.
+WORDS: tuple[str, ...] = tuple(dict.fromkeys(
+    """the of and to in is was for on that with as by at from his it an were are which this be
+    has had one or first their its after new who they have her she two been other when there all
+    during into school time may years more most only over city some world would where later up
+    such used many can state about national out known university united then made under film also
+    team through these season year well being both including war while will between american
+    series part three since second team same well each home work game back people life day house
+    water music book open light field power story right long place small great old land high
+    line road night name river early family group round head hand point food young word fire
+    church music side table green black white red blue south north east west king party data""".split()
+))
+
+
+class WordPromptBuilder:
+    """Prompts of random common words: no tokenizer needed, length in tokens approximately right."""
+
+    def build(self, rng: np.random.Generator, num_tokens: int) -> str:
+        idx = rng.integers(0, len(WORDS), size=num_tokens)
+        return " ".join(WORDS[i] for i in idx)
+
+
+class TokenizerPromptBuilder:
+    """Prompts decoded from random token ids of the model's own tokenizer (as vLLM's random dataset).
+
+    Decoding then re-encoding can merge or split tokens, so the text is re-encoded and cut to
+    `num_tokens` once; the result is within a few tokens of the target.
+    """
+
+    def __init__(self, tokenizer_json: Path):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        special = set(self.tokenizer.get_added_tokens_decoder())
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=False)
+        self.ids = np.array([i for i in range(vocab) if i not in special], dtype=np.int64)
+        if len(self.ids) == 0:
+            raise ValueError(f"{tokenizer_json}: tokenizer has no ordinary tokens")
+
+    def build(self, rng: np.random.Generator, num_tokens: int) -> str:
+        ids = rng.choice(self.ids, size=num_tokens).tolist()
+        text = self.tokenizer.decode(ids)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids[:num_tokens]
+        return self.tokenizer.decode(ids)
+
+
+def random_workload(
+    num_prompts: int, input_len: LengthRange, output_len: LengthRange, seed: int, builder: PromptBuilder
+) -> list[RequestSpec]:
+    """`num_prompts` requests with lengths drawn uniformly from the ranges; same seed, same workload."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    specs = []
+    for _ in range(num_prompts):
+        n_in, n_out = input_len.draw(rng), output_len.draw(rng)
+        specs.append(RequestSpec(builder.build(rng, n_in), n_in, n_out))
+    return specs
+
+
+@dataclass(frozen=True)
+class ChatClass:
+    """One kind of chat traffic: how often it occurs, how long its prompt and answer are."""
+
+    name: str
+    weight: float
+    instruction: str
+    input_len: LengthRange
+    output_len: LengthRange
+
+
+# A chat-like mix: mostly short questions, some longer conversations, a few long documents.
+CHAT_MIX: tuple[ChatClass, ...] = (
+    ChatClass("short question", 0.55, "Answer briefly:", LengthRange(16, 96), LengthRange(24, 128)),
+    ChatClass("conversation", 0.25, "Continue this conversation:", LengthRange(128, 512), LengthRange(48, 192)),
+    ChatClass("summary", 0.12, "Summarize the following notes:", LengthRange(512, 1280), LengthRange(64, 160)),
+    ChatClass("code", 0.08, "Write code that does the following:", LengthRange(64, 256), LengthRange(128, 320)),
+)
+
+
+def chat_workload(num_prompts: int, seed: int, builder: PromptBuilder,
+                  mix: Sequence[ChatClass] = CHAT_MIX) -> list[RequestSpec]:
+    """`num_prompts` requests whose kind is drawn from `mix` by weight; same seed, same workload."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    weights = np.array([c.weight for c in mix], dtype=np.float64)
+    kinds = rng.choice(len(mix), size=num_prompts, p=weights / weights.sum())
+    specs = []
+    for k in kinds:
+        kind = mix[int(k)]
+        n_in, n_out = kind.input_len.draw(rng), kind.output_len.draw(rng)
+        body = builder.build(rng, max(1, n_in - len(kind.instruction.split())))
+        specs.append(RequestSpec(f"{kind.instruction} {body}", n_in, n_out))
+    return specs
+
+
+def poisson_arrivals(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (seconds from start) of a Poisson process at `request_rate`; inf: all at once."""
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be > 0, got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num_requests)
+    gaps[0] = 0.0  # the first request starts the clock
+    return np.cumsum(gaps).tolist()
