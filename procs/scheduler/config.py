@@ -1,0 +1,57 @@
+"""The scheduler's knobs (`SchedulerConfig`) and the checks that refuse unworkable combinations."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Policy = Literal["prefill-first", "mixed", "fixed"]
+POLICIES: tuple[str, ...] = ("prefill-first", "mixed", "fixed")
+
+
+class SchedulerConfigError(ValueError):
+    """A `SchedulerConfig` that the scheduler cannot run (names the offending field)."""
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Limits of the chapter: request slots, prefill token budget, KV capacity; plus the policy.
+
+    `kv_capacity_tokens` is rounded down to whole pages; the worker's pool holds one more page
+    (page 0, the dummy page padded rows write into), see `Scheduler.num_pool_pages`.
+    """
+
+    max_running_requests: int
+    prefill_budget: int
+    kv_capacity_tokens: int
+    page_size: int = 1
+    policy: Policy = "prefill-first"
+    max_context: int = 0  # 0: no limit besides KV capacity
+    max_waiting: int = 0  # 0: unbounded waiting queue
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_context", "max_waiting"):
+            if getattr(self, name) < 0:
+                raise SchedulerConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.kv_capacity_tokens < self.page_size:
+            raise SchedulerConfigError(
+                f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one page of "
+                f"page_size ({self.page_size}) tokens")
+        if self.policy == "mixed" and self.prefill_budget <= self.max_running_requests:
+            # Decode tokens count against the budget under `mixed`; with every slot decoding, a
+            # budget <= slots would leave nothing for prefill and a waiting request could starve.
+            raise SchedulerConfigError(
+                f"policy 'mixed' needs prefill_budget > max_running_requests "
+                f"(got prefill_budget={self.prefill_budget}, max_running_requests="
+                f"{self.max_running_requests}): otherwise decodes can use the whole budget and "
+                f"waiting requests starve")
+
+    @property
+    def num_kv_pages(self) -> int:
+        """Pages the allocator hands out (page 0 excluded)."""
+        return self.kv_capacity_tokens // self.page_size

@@ -1,0 +1,203 @@
+"""`batchserve simulate SCENARIO.json`: run a scheduling scenario through the real scheduler.
+
+The model is replaced by `ScriptedExecutor` (request X emits EOS as its `output_tokens`-th token);
+everything else (queues, slots, KV pages, budget, policy) is the production `Scheduler`. Output is
+the step trace of SCHEDULING.md as JSON lines, or a table like the chapter's Figures 3 and 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, TextIO
+
+import msgspec
+
+from procs.cli import CliError
+from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
+from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
+from procs.scheduler.executor import ScriptedExecutor
+from shared.messages import SamplingParams, StopParams
+
+EOS_TOKEN_ID = 2
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_running_requests: PositiveInt
+    prefill_budget: PositiveInt
+    kv_capacity_tokens: PositiveInt
+    page_size: PositiveInt = 1
+    max_context: NonNegativeInt = 0
+    policy: str | None = None  # the scenario's default policy; `--policy` wins
+
+
+class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    arrival_step: NonNegativeInt
+    input_tokens: PositiveInt
+    output_tokens: PositiveInt
+    max_tokens: PositiveInt | None = None  # default: output_tokens
+
+
+class ScenarioCancel(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    before_step: NonNegativeInt
+
+
+class Scenario(msgspec.Struct):
+    config: ScenarioConfig
+    requests: list[ScenarioRequest]
+    cancels: list[ScenarioCancel] = []
+    name: str = ""
+    source: str = ""
+    expected: dict[str, Any] = {}
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be simulated; the message names the field."""
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(f"cannot read: {exc.strerror or exc}") from None
+    try:
+        scenario = msgspec.json.decode(data, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ScenarioError(f"not valid JSON: {exc}") from None
+    ids: set[str] = set()
+    arrival: dict[str, int] = {}
+    for i, request in enumerate(scenario.requests):
+        if request.id in ids:
+            raise ScenarioError(f"duplicate request id {request.id!r} - at `$.requests[{i}].id`")
+        ids.add(request.id)
+        arrival[request.id] = request.arrival_step
+    for i, cancel in enumerate(scenario.cancels):
+        if cancel.id not in ids:
+            raise ScenarioError(f"cancel of unknown request {cancel.id!r} - at `$.cancels[{i}].id`")
+        if cancel.before_step < arrival[cancel.id]:
+            raise ScenarioError(
+                f"request {cancel.id!r} is cancelled before step {cancel.before_step} but arrives at "
+                f"step {arrival[cancel.id]} - at `$.cancels[{i}].before_step`")
+    return scenario
+
+
+def scheduler_config(scenario: Scenario, policy: str | None) -> SchedulerConfig:
+    chosen = policy or scenario.config.policy or "prefill-first"
+    if chosen not in POLICIES:
+        raise ScenarioError(f"policy must be one of {', '.join(POLICIES)}, got {chosen!r} - at `$.config.policy`")
+    c = scenario.config
+    try:
+        return SchedulerConfig(max_running_requests=c.max_running_requests, prefill_budget=c.prefill_budget,
+                               kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
+                               max_context=c.max_context, policy=chosen)  # type: ignore[arg-type]
+    except SchedulerConfigError as exc:
+        raise ScenarioError(f"{exc} - at `$.config`") from None
+
+
+def run_scenario(scenario: Scenario, config: SchedulerConfig) -> list[StepOutput]:
+    """Every step until all requests have finished or been cancelled (idle steps included)."""
+    scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
+    outputs_of = {r.id: r.output_tokens for r in scenario.requests}
+
+    def output_tokens(slot: int) -> int:
+        rid = scheduler.rid_in_slot(slot)
+        assert rid is not None, f"the scheduler planned slot {slot}, which holds no request"
+        return outputs_of[rid]
+
+    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID)
+    arrivals = sorted(scenario.requests, key=lambda r: r.arrival_step)  # stable: scenario order within a step
+    cancels = sorted(scenario.cancels, key=lambda c: c.before_step)
+    next_arrival = next_cancel = 0
+    trace: list[StepOutput] = []
+    step = 0
+    while True:
+        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= step:
+            r = arrivals[next_arrival]
+            next_arrival += 1
+            prompt = [(7 * i + 11) % 1000 + 3 for i in range(r.input_tokens)]
+            stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
+            try:
+                scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop)
+            except RequestRejectedError as exc:
+                index = scenario.requests.index(r)
+                raise ScenarioError(f"{exc} - at `$.requests[{index}]`") from None
+        cancelled_now = False
+        while next_cancel < len(cancels) and cancels[next_cancel].before_step <= step:
+            # abort() is False (the cancel is ignored) for a request that already finished.
+            cancelled_now |= scheduler.abort(cancels[next_cancel].id)
+            next_cancel += 1
+        if not scheduler.has_unfinished() and next_arrival == len(arrivals):
+            if cancelled_now:
+                trace.append(scheduler.step(executor))  # an empty step that reports the last cancellations
+            return trace
+        trace.append(scheduler.step(executor))
+        step += 1
+
+
+def trace_record(out: StepOutput) -> dict[str, Any]:
+    return {"step": out.step, "prefill": [[rid, n] for rid, n in out.prefill], "decode": list(out.decode),
+            "finished": list(out.finished), "cancelled": list(out.cancelled)}
+
+
+def write_jsonl(trace: list[StepOutput], stream: TextIO) -> None:
+    for out in trace:
+        stream.write(json.dumps(trace_record(out)) + "\n")
+
+
+def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> None:
+    """A row per step: what ran, cumulative output tokens per request, what finished or was cancelled."""
+    ids = [r.id for r in scenario.requests]
+    prompt_len = {r.id: r.input_tokens for r in scenario.requests}
+    done_prefill = dict.fromkeys(ids, 0)
+    outputs = dict.fromkeys(ids, 0)
+    rows = [("Step", "Current execution", "Outputs (" + " / ".join(ids) + ")", "Finished", "Cancelled")]
+    for out in trace:
+        parts = []
+        if out.decode:
+            parts.append("Decode: " + ", ".join(out.decode))
+        if out.prefill:
+            chunks = []
+            for rid, n in out.prefill:
+                whole = done_prefill[rid] == 0 and n == prompt_len[rid]
+                done_prefill[rid] += n
+                chunks.append(rid if whole else f"{rid} [{done_prefill[rid] - n}:{done_prefill[rid]} of {prompt_len[rid]}]")
+            parts.append("Prefill: " + ", ".join(chunks))
+        for rid, _ in out.new_tokens:
+            outputs[rid] += 1
+        rows.append((str(out.step), " + ".join(parts) or "Idle", " / ".join(str(outputs[i]) for i in ids),
+                     ", ".join(out.finished), ", ".join(out.cancelled)))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    for k, row in enumerate(rows):
+        stream.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
+        if k == 0:
+            stream.write("  ".join("-" * w for w in widths) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="scenario JSON file (config, requests, optional cancels)")
+    parser.add_argument("--policy", choices=POLICIES, default=None,
+                        help="scheduling policy (default: the scenario's config.policy, else prefill-first)")
+    parser.add_argument("--format", choices=("jsonl", "table"), default="jsonl",
+                        help="jsonl: the SCHEDULING.md trace, one step per line; table: like the chapter's figures")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        scenario = load_scenario(args.scenario)
+        trace = run_scenario(scenario, scheduler_config(scenario, args.policy))
+    except ScenarioError as exc:
+        raise CliError(f"{args.scenario}: {exc}") from None
+    if args.format == "table":
+        write_table(scenario, trace, sys.stdout)
+    else:
+        write_jsonl(trace, sys.stdout)
+    return 0
