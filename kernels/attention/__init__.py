@@ -1,0 +1,51 @@
+"""Attention backends behind one interface (`plan` per step, `forward` per layer), chosen by name."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from procs.worker.kv_cache import KVCache
+
+BackendFactory = Callable[["KVCache", int, int, int, float], AttentionBackend]
+
+
+def _torch_backend() -> type[AttentionBackend]:
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend
+
+
+# name -> loader of the backend class (imported lazily: a CUDA backend must not be imported on CPU)
+BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend}
+
+
+def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
+    BACKENDS[name] = loader
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """`auto` picks flashinfer on CUDA when it is registered and importable, torch otherwise."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" and "flashinfer" in BACKENDS:
+        try:
+            BACKENDS["flashinfer"]()
+            return "flashinfer"
+        except ImportError:
+            pass
+    return "torch"
+
+
+def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int,
+                   scale: float) -> AttentionBackend:
+    name = resolve_backend_name(name, kv_cache.device.type)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "create_backend", "register_backend",
+           "resolve_backend_name"]

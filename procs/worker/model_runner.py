@@ -1,0 +1,179 @@
+"""`ModelRunner`: the worker's engine core. Owns the model, the KV pool and the page table, and
+executes one `ForwardBatch` per call: apply page-table updates, run the packed forward, sample."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata, create_backend
+from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
+from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
+from procs.worker.models.llama import LlamaModel
+from shared.config import ServerConfig
+from shared.messages import ForwardBatch, SamplingParams, StepResult
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _greedy_only(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int]) -> torch.Tensor:
+    if any(p.temperature != 0 for p in params):
+        raise ValueError("kernels.sampling is not available: only greedy (temperature 0) requests can run")
+    return logits.argmax(dim=-1)
+
+
+def _sampler():
+    try:
+        from kernels.sampling import sample_batch
+    except ImportError:
+        return _greedy_only
+    return sample_batch
+
+
+class ModelRunner:
+    """Executes `ForwardBatch`es on one model replica.
+
+    KV capacity: `kv_capacity_tokens` if > 0 (rounded up to whole pages), else as many pages as
+    `kv_memory_gb` GiB holds; page 0 is the dummy page and is not counted in `kv_capacity_tokens`.
+    `max_context` 0 means the model's max_position_embeddings.
+    """
+
+    def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
+                 page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 1.0,
+                 max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto"):
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        self.model_dir = resolve_model(model)
+        self.config: ModelConfig = load_model_config(self.model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self._max_context = max_context or self.config.max_position_embeddings
+        if self._max_context < 1:
+            raise ValueError(f"max_context must be positive, got {max_context}")
+        tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
+        self.model = LlamaModel.from_tensors(self.config, tensors, max_positions=self._max_context,
+                                             dtype=self.dtype, device=self.device)
+        cfg = self.config
+        num_pages = num_pages_for(
+            page_size, capacity_tokens=kv_capacity_tokens, memory_gb=kv_memory_gb,
+            bytes_per_token=kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
+        )
+        self.kv_cache = KVCache(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+            num_pages=num_pages, max_running_requests=max_running_requests,
+            max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
+        )
+        self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
+                                        cfg.head_dim, cfg.head_dim ** -0.5)
+        self._sample_batch = _sampler()
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> "ModelRunner":
+        return cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
+                   kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
+                   max_running_requests=config.max_running_requests, max_context=config.max_context,
+                   attention_backend=config.attention_backend)
+
+    # -- properties the scheduler sizes itself by ---------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_cache.kv_capacity_tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_cache.page_size
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.kv_cache.max_running_requests
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        self._check(batch)
+        self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
+        with torch.inference_mode():
+            logits = self.forward_logits(batch)
+            if logits is None:
+                return StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
+            sampling = [p for p, s in zip(batch.sampling, batch.samples) if s]
+            counts = [c for c, s in zip(batch.sample_counts, batch.samples) if s]
+            token_ids = self._sample_batch(logits, sampling, counts)
+        return StepResult(step=batch.step, next_token_ids=token_ids.to(torch.int32).cpu().numpy())
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run the batch's forward pass (page table already applied); float32 logits of sampling requests."""
+        device = self.device
+        to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
+        self.attention.plan(AttentionMetadata(
+            slots=list(batch.slots), prefix_lens=list(batch.prefix_lens), extend_lens=list(batch.extend_lens),
+            kv_locs=to_device(batch.kv_locs),
+        ))
+        ends = np.cumsum(batch.extend_lens) - 1
+        rows = ends[np.asarray(batch.samples, dtype=bool)]
+        return self.model.forward(to_device(batch.input_ids), to_device(batch.positions), self.attention,
+                                  to_device(rows) if len(rows) else None)
+
+    def _check(self, batch: ForwardBatch) -> None:
+        """Reject a malformed batch with a ValueError before it can corrupt the KV pool."""
+        n = batch.num_requests
+        if not (len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.samples) == len(batch.sampling)
+                == len(batch.sample_counts) == n):
+            raise ValueError("ForwardBatch per-request lists differ in length")
+        tokens = batch.num_tokens
+        if sum(batch.extend_lens) != tokens or batch.positions.shape[0] != tokens or batch.kv_locs.shape[0] != tokens:
+            raise ValueError(f"ForwardBatch: sum(extend_lens)={sum(batch.extend_lens)}, input_ids={tokens}, "
+                             f"positions={batch.positions.shape[0]}, kv_locs={batch.kv_locs.shape[0]} disagree")
+        if n == 0:
+            raise ValueError("ForwardBatch has no requests")
+        if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
+            raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
+        if min(batch.slots) < 0 or max(batch.slots) >= self.max_running_requests:
+            raise ValueError(f"ForwardBatch: slot out of range [0, {self.max_running_requests})")
+        if max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)) > self._max_context:
+            raise ValueError(f"ForwardBatch: a request exceeds max_context {self._max_context}")
+        pool_tokens = self.kv_cache.num_pages * self.page_size
+        if int(batch.kv_locs.min()) < 0 or int(batch.kv_locs.max()) >= pool_tokens:
+            raise ValueError(f"ForwardBatch: kv_locs out of range [0, {pool_tokens})")
+        if int(batch.positions.min()) < 0 or int(batch.positions.max()) >= self._max_context:
+            raise ValueError(f"ForwardBatch: position out of range [0, {self._max_context})")
+        if int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= self.vocab_size:
+            raise ValueError(f"ForwardBatch: token id out of range [0, {self.vocab_size})")

@@ -1,0 +1,138 @@
+"""Llama / Qwen2 / Qwen3 decoder on packed inputs (no padding), our own code over plain tensors.
+
+Input is one packed sequence of `[num_tokens]` ids and positions covering every request of the
+step; request boundaries live in the attention backend's plan. Projections are fused at load
+(q|k|v and gate|up), Qwen2 adds a qkv bias, Qwen3 a per-head RMSNorm on q and k before rotary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionBackend
+from kernels.ops import apply_rotary, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from procs.worker.loader import ModelConfig, ModelLoadError
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_positions: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        take = _WeightTaker(weights, dtype, device)
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        self.final_norm = take("model.norm.weight")
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        if weights:
+            raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
+        if self.embed.shape != (config.vocab_size, config.hidden_size):
+            raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match config "
+                                 f"({config.vocab_size}, {config.hidden_size})")
+        rope = config.rope
+        inv_freq = rope_inv_freq(config.head_dim, rope.theta, rope.kind, rope.factor, rope.low_freq_factor,
+                                 rope.high_freq_factor, rope.original_max_position_embeddings)
+        cos, sin = rope_cos_sin_cache(inv_freq, max_positions)
+        self.rope_cos = cos.to(device=device, dtype=dtype)
+        self.rope_sin = sin.to(device=device, dtype=dtype)
+
+    def _layer(self, take: "_WeightTaker", i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        cfg = self.config
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]),
+            qkv_bias=take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"])
+            if cfg.qkv_bias else None,
+            q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            o=take(p + "self_attn.o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=take(p + "mlp.down_proj.weight"),
+        )
+
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], **kwargs) -> "LlamaModel":
+        return cls(config, dict(tensors), **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        cos = self.rope_cos[positions]
+        sin = self.rope_sin[positions]
+        hidden = self.embed[input_ids]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            h = rms_norm(hidden, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attended = attention.forward(q, k, v, index)
+            hidden = residual + F.linear(attended.reshape(num_tokens, self.q_size), layer.o)
+            residual = hidden
+            h = rms_norm(hidden, layer.post_norm, eps)
+            hidden = residual + F.linear(silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+        if logits_rows is None:
+            return None
+        last = rms_norm(hidden[logits_rows], self.final_norm, eps)
+        return self.lm_head_logits(last)
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # torch.mm(W, x.T) beats F.linear(x, W) for the tall LM head at small batch (see bench_engine)
+        return torch.mm(self.lm_head, hidden.t()).t().float()
+
+
+class _WeightTaker:
+    """Pops named tensors from a checkpoint dict, converting dtype/device; clear error when missing."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+
+    def _pop(self, name: str) -> torch.Tensor:
+        try:
+            return self.weights.pop(name)
+        except KeyError:
+            raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self._pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        return torch.cat([self._pop(n) for n in names], dim=0).to(device=self.device, dtype=self.dtype).contiguous()

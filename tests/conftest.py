@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight Hugging Face model folders built inside the test session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+TINY_VOCAB = 320
+
+
+def write_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A WordLevel tokenizer over words `w0..wN` plus <unk>/<s>/</s>, with a simple chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(out_dir)
+
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool = False,
+                     **overrides: Any) -> Path:
+    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (fp32) into out_dir."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "qwen3":
+        fields["head_dim"] = 16
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**fields)).to(torch.float32).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    if with_tokenizer:
+        write_tiny_tokenizer(out_dir, fields["vocab_size"])
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False, seed=0, **config)` -> folder.
+
+    Folders are built once per distinct argument set and shared across the session (treat them as read-only).
+    """
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama", **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            built[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+        return built[key]
+
+    return make
