@@ -137,6 +137,9 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
+    # Set on a request's first delta only, for the detokenizer's per-request state:
+    stop: tuple[str, ...] = ()  # stop strings (StopParams.stop)
+    prompt_tail: list[int] = []  # the prompt's last few ids: context for decoding the first tokens
 
 
 class Usage(msgspec.Struct, kw_only=True):
