@@ -1,0 +1,44 @@
+"""OpenAI-style error answers: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request the api answers with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": None}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode(error_body(status, message, param)),
+        content_type="application/json",
+        headers=headers,
+    )

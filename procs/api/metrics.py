@@ -1,0 +1,64 @@
+"""Prometheus metrics of the api process, in a registry of its own (one per app).
+
+Scheduler gauges come from `SchedulerStats` pushed by the engine client; latencies and token
+counts are measured here, per request. Names (all prefixed `batchserve_`):
+
+gauges     num_requests_running, num_requests_waiting, kv_cache_used_tokens, kv_cache_total_tokens,
+           api_requests_in_flight
+histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between successive token
+           deliveries of one request), e2e_request_latency_seconds, batch_size (requests per step)
+counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
+           (a client that disconnects counts as finish_reason="abort"),
+           request_rejected_total{status}
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from shared.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class ApiMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("batchserve_num_requests_running", "Requests in the scheduler's running set", registry=r)
+        self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
+        self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
+        self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
+        self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
+        self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("batchserve_inter_token_latency_seconds",
+                             "Time between successive token deliveries of one request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("batchserve_e2e_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.batch_size = Histogram("batchserve_batch_size", "Requests per model step", buckets=_BATCH_BUCKETS,
+                                    registry=r)
+        self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("batchserve_generation_tokens", "Generated tokens", registry=r)
+        self.success = Counter("batchserve_request_success", "Requests that ended, by finish reason",
+                               ["finish_reason"], registry=r)
+        self.rejected = Counter("batchserve_request_rejected", "Requests refused, by HTTP status", ["status"],
+                                registry=r)
+
+    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.kv_used_tokens)
+        self.kv_total.set(stats.kv_total_tokens)
+        for size in stats.batch_sizes:
+            self.batch_size.observe(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,93 @@
+"""Request bodies of the OpenAI-compatible endpoints, as msgspec structs.
+
+Decoding a body with `decode_body` checks every field's type, so a wrong type is an error that
+names the field. Fields OpenAI clients commonly send that we do not implement are declared so that
+a non-default value can be refused (see `validation.py`); unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+import msgspec
+
+from procs.api.errors import ApiError
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class TextContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextContentPart] | None = None
+
+
+class CommonRequestFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at their neutral values (we do not implement them).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionRequest(CommonRequestFields, kw_only=True):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(CommonRequestFields, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
+
+# msgspec names the offending location as "at `$.field[0].sub`" or "field `name`".
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING_RE = re.compile(r"missing required field `([^`]*)`")
+
+
+def _param_of(message: str) -> str | None:
+    missing = _MISSING_RE.search(message)
+    path = _PATH_RE.search(message)
+    if missing:
+        prefix = path.group(1) + "." if path and path.group(1) else ""
+        return prefix + missing.group(1)
+    if path and path.group(1):
+        return path.group(1)
+    return None
+
+
+def decode_body(body: bytes, schema: type[T]) -> T:
+    """The body as `schema`, or an `ApiError` (400) whose message and `param` name the bad field."""
+    if not body.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        raise ApiError(400, f"invalid request: {message}", param=_param_of(message)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
