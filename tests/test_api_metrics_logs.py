@@ -1,0 +1,168 @@
+"""/metrics after real requests and pushed scheduler stats; the request log line in text and JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_fake_engine import FakeEngine
+from procs.api.app import create_app
+from shared.config import ServerConfig
+from shared.logs import JsonFormatter, TextFormatter, log_event, setup_logging
+from shared.messages import SchedulerStats
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text page."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(page: dict, name: str, **labels) -> float:
+    return page[(name, tuple(sorted(labels.items())))]
+
+
+class CaptureRequestLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self):
+        logger = logging.getLogger("batchserve.requests")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("batchserve.requests")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
+def test_metrics_move_after_requests_and_stats():
+    async def go():
+        engine = FakeEngine(delay=0.002)
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            resp = await client.get("/metrics")
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+            before = samples(await resp.text())
+            for path, body in [("/v1/completions", {"prompt": "a b c", "stream": True}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}],
+                                                         "max_tokens": 2}),
+                               ("/v1/completions", {"prompt": "x", "top_k": 0})]:  # the last one: a 400
+                await (await client.post(path, json=body)).read()
+            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
+                                             kv_total_tokens=4096, batch_sizes=[1, 3, 3]))
+            after = samples(await (await client.get("/metrics")).text())
+        return before, after
+
+    before, after = run(go())
+    for name in ("batchserve_num_requests_running", "batchserve_num_requests_waiting",
+                 "batchserve_kv_cache_used_tokens", "batchserve_kv_cache_total_tokens",
+                 "batchserve_api_requests_in_flight", "batchserve_prompt_tokens_total",
+                 "batchserve_generation_tokens_total", "batchserve_time_to_first_token_seconds_count",
+                 "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
+                 "batchserve_batch_size_count"):
+        assert value(before, name) == 0, name
+    assert value(after, "batchserve_num_requests_running") == 3
+    assert value(after, "batchserve_num_requests_waiting") == 5
+    assert value(after, "batchserve_kv_cache_used_tokens") == 640
+    assert value(after, "batchserve_kv_cache_total_tokens") == 4096
+    assert value(after, "batchserve_batch_size_count") == 3 and value(after, "batchserve_batch_size_sum") == 7
+    assert value(after, "batchserve_time_to_first_token_seconds_count") == 2
+    assert value(after, "batchserve_e2e_request_latency_seconds_count") == 2
+    # 4 tokens streamed (3 gaps) + 2 tokens (1 gap)
+    assert value(after, "batchserve_inter_token_latency_seconds_count") == 4
+    assert value(after, "batchserve_inter_token_latency_seconds_sum") > 0
+    assert value(after, "batchserve_prompt_tokens_total") == 3 + 2
+    assert value(after, "batchserve_generation_tokens_total") == 4 + 2
+    assert value(after, "batchserve_request_success_total", finish_reason="stop") == 1
+    assert value(after, "batchserve_request_success_total", finish_reason="length") == 1
+    assert value(after, "batchserve_request_rejected_total", status="400") == 1
+
+
+def test_metrics_count_a_disconnect_as_abort():
+    async def go():
+        engine = FakeEngine(first_delay=30)
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"}))
+            await engine.received.wait()
+            task.cancel()
+            await asyncio.wait_for(engine.aborted.wait(), 5)
+            return samples(await (await client.get("/metrics")).text())
+
+    page = run(go())
+    assert value(page, "batchserve_request_success_total", finish_reason="abort") == 1
+
+
+def _request_log_records(engine: FakeEngine, requests: list[tuple[str, dict]]) -> list[logging.LogRecord]:
+    async def go():
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            for path, body in requests:
+                await (await client.post(path, json=body)).read()
+
+    with CaptureRequestLog() as capture:
+        run(go())
+    return capture.records
+
+
+def test_request_log_one_line_per_request_in_both_formats():
+    records = _request_log_records(FakeEngine(delay=0.001), [
+        ("/v1/completions", {"prompt": "a b c", "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": ""}),
+    ])
+    assert len(records) == 3
+    ok, cut, bad = (json.loads(JsonFormatter().format(r)) for r in records)
+    assert ok["logger"] == "batchserve.requests" and ok["level"] == "INFO" and ok["message"] == "request"
+    assert ok["rid"].startswith("cmpl-") and ok["endpoint"] == "completions" and ok["stream"] is True
+    assert (ok["status"], ok["finish_reason"], ok["prompt_tokens"], ok["completion_tokens"]) == (200, "stop", 3, 4)
+    assert 0 <= ok["ttft_s"] <= ok["latency_s"]
+    assert cut["rid"].startswith("chatcmpl-") and cut["finish_reason"] == "length" and cut["completion_tokens"] == 2
+    assert bad["status"] == 400 and bad["finish_reason"] is None and bad["ttft_s"] is None
+    assert "prompt must not be empty" in bad["error"]
+
+    text = TextFormatter().format(records[0])
+    assert "\n" not in text
+    fields = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', text))
+    assert fields["rid"] == ok["rid"] and fields["prompt_tokens"] == "3" and fields["completion_tokens"] == "4"
+    assert fields["finish_reason"] == "stop" and float(fields["ttft_s"]) >= 0 and float(fields["latency_s"]) > 0
+    assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO batchserve\.requests request rid=", text)
+    bad_text = TextFormatter().format(records[2])
+    assert 'error="prompt must not be empty"' in bad_text and "ttft_s=null" in bad_text
+
+
+def test_setup_logging_writes_one_line_per_record_to_stderr(capfd):
+    logger = logging.getLogger("batchserve.requests")
+    try:
+        setup_logging("json")
+        setup_logging("json")  # idempotent: still one line per record
+        log_event(logger, "request", rid="r1", prompt_tokens=3, note="two words")
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert json.loads(err[0])["rid"] == "r1" and json.loads(err[0])["note"] == "two words"
+        setup_logging("text")
+        log_event(logger, "request", rid="r2", prompt_tokens=3, note="two words")
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].endswith('request rid=r2 prompt_tokens=3 note="two words"')
+    finally:
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if type(handler).__name__ == "_BatchserveHandler":
+                root.removeHandler(handler)
