@@ -96,7 +96,7 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_dir():
         return path
     try:
-        from procs.worker import resolve_model
+        from procs.worker.loader import resolve_model
     except ImportError:
         raise CliError(f"cannot resolve model {model!r}: give a Hugging Face model folder") from None
     return Path(resolve_model(model))

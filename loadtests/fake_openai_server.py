@@ -96,11 +96,17 @@ def build_app(script: FakeServerScript) -> web.Application:
         await send("[DONE]")
         return resp
 
+    async def text_completions(request: web.Request) -> web.StreamResponse:
+        return await completions(request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await completions(request, chat=True)
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", lambda r: completions(r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: completions(r, chat=True))
+    app.router.add_post("/v1/completions", text_completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     return app
 
 

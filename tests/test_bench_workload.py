@@ -1,0 +1,82 @@
+"""Workload generation of `batchserve bench`: seeding, lengths, prompts, Poisson arrivals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadtests.workload import (CHAT_MIX, WORDS, LengthRange, TokenizerPromptBuilder, WordPromptBuilder,
+                                chat_workload, poisson_arrivals, random_workload)
+
+
+def test_same_seed_same_workload_different_seed_different():
+    ins, outs = LengthRange(8, 64), LengthRange(4, 32)
+    a = random_workload(20, ins, outs, seed=1, builder=WordPromptBuilder())
+    b = random_workload(20, ins, outs, seed=1, builder=WordPromptBuilder())
+    c = random_workload(20, ins, outs, seed=2, builder=WordPromptBuilder())
+    assert a == b
+    assert a != c
+    assert chat_workload(15, 3, WordPromptBuilder()) == chat_workload(15, 3, WordPromptBuilder())
+    assert chat_workload(15, 3, WordPromptBuilder()) != chat_workload(15, 4, WordPromptBuilder())
+
+
+def test_random_lengths_stay_in_range_and_word_prompts_have_the_asked_length():
+    specs = random_workload(200, LengthRange(5, 9), LengthRange(3, 3), seed=0, builder=WordPromptBuilder())
+    assert {s.output_len for s in specs} == {3}
+    assert {s.input_len for s in specs} == set(range(5, 10))  # inclusive range, all values drawn
+    for s in specs:
+        words = s.prompt.split()
+        assert len(words) == s.input_len and set(words) <= set(WORDS)
+
+
+def test_chat_mix_draws_every_kind_within_its_ranges():
+    specs = chat_workload(400, seed=0, builder=WordPromptBuilder())
+    seen = set()
+    for s in specs:
+        kind = next(k for k in CHAT_MIX if s.prompt.startswith(k.instruction))
+        seen.add(kind.name)
+        assert kind.input_len.low <= s.input_len <= kind.input_len.high
+        assert kind.output_len.low <= s.output_len <= kind.output_len.high
+    assert seen == {k.name for k in CHAT_MIX}
+
+
+def test_tokenizer_prompts_are_about_the_asked_token_length(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 200)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    builder = TokenizerPromptBuilder(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    for n in (1, 17, 100):
+        prompt = builder.build(rng, n)
+        ids = tok.encode(prompt).ids
+        assert len(ids) == n
+        assert 1 not in ids  # special tokens are never drawn
+
+
+def test_length_range_parsing():
+    assert LengthRange.parse("128", "x") == LengthRange(128, 128)
+    assert LengthRange.parse("16:64", "x") == LengthRange(16, 64)
+    for bad in ("0", "9:3", "a:b", "1:2:3", ""):
+        with pytest.raises(ValueError, match="x"):
+            LengthRange.parse(bad, "x")
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_are_seeded():
+    rate = 20.0
+    times = poisson_arrivals(4000, rate, seed=7)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and np.all(gaps >= 0)
+    assert np.mean(gaps) == pytest.approx(1 / rate, rel=0.05)
+    # exponential gaps: standard deviation equals the mean
+    assert np.std(gaps) == pytest.approx(1 / rate, rel=0.08)
+    assert poisson_arrivals(50, rate, seed=7) == times[:50]
+    assert poisson_arrivals(50, rate, seed=8) != times[:50]
+    assert poisson_arrivals(5, math.inf, seed=0) == [0.0] * 5
+    with pytest.raises(ValueError):
+        poisson_arrivals(5, 0.0, seed=0)
