@@ -110,6 +110,21 @@ def test_chat_whole_answer_shape_and_defaults():
     run(go())
 
 
+def test_explicit_nulls_mean_defaults():
+    async def go():
+        engine = FakeEngine()
+        nulls = {k: None for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                   "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
+                                   "presence_penalty", "frequency_penalty", "logprobs")}
+        async with api(engine) as client:
+            assert (await client.post("/v1/completions", json={"prompt": "x", "echo": None, **nulls})).status == 200
+            assert (await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None, **nulls})).status == 200
+        for req in engine.requests:
+            assert req.sampling == SamplingParams() and not req.stop.ignore_eos and req.stop.stop == ()
+    run(go())
+
+
 # ---- streaming shapes
 
 
@@ -208,6 +223,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    ({"prompt": [2**31]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
 ]
 
 BAD_CHATS = [
@@ -219,6 +239,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user"}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"text": "a"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),

@@ -8,10 +8,11 @@ Contract, as the app relies on it:
 - `generate(request)` returns an async iterator for one request. It yields `TextDelta`s until one
   has `finish_reason` set (that one carries `usage`), or exactly one `RequestRejected`. The app
   validates everything first: nothing invalid is ever passed in.
-- When the app stops reading early (client gone, error) it calls `await abort(rid)` exactly once
-  and then closes the iterator (`aclose()` when the iterator has one). The iterator itself must not
-  send an abort; on close it only forgets its per-request state. A request that ended normally (a
-  finish_reason or a rejection) is never aborted.
+- When the app stops reading early (client gone, engine error) it calls `await abort(rid)` exactly
+  once. Whatever the ending, it then closes the iterator (`aclose()`, when the iterator has one, as
+  an async generator does). The iterator itself must not send an abort; on close it only forgets
+  its per-request state. A request that ended normally (a finish_reason or a rejection) is never
+  aborted. An exception raised by the iterator becomes an HTTP 500 (and an abort).
 - `set_stats_listener(listener)`: the app registers one callback at `create_app`; the client calls
   it (on the event loop thread) with every `SchedulerStats` it receives, in order. Push, not pull,
   because each message's `batch_sizes` must be observed exactly once.

@@ -2,7 +2,8 @@
 
 Decoding a body with `decode_body` checks every field's type, so a wrong type is an error that
 names the field. Fields OpenAI clients commonly send that we do not implement are declared so that
-a non-default value can be refused (see `validation.py`); unknown fields are ignored, as OpenAI does.
+a non-default value can be refused (see `validation.py`); unknown fields are ignored, as OpenAI does. Optional fields also accept an explicit `null`, which
+means the default.
 """
 
 from __future__ import annotations
@@ -39,26 +40,26 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    ignore_eos: bool | None = None
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Accepted only at their neutral values (we do not implement them).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 class CompletionRequest(CommonRequestFields, kw_only=True):
     prompt: str | list[int]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
 
 class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
 

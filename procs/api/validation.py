@@ -21,6 +21,7 @@ from shared.messages import ChatMessage, GenerateRequest, SamplingParams, StopPa
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
@@ -49,8 +50,8 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     else:
         if not req.prompt:
             raise ApiError(400, "prompt must not be empty", "prompt")
-        if any(t < 0 for t in req.prompt):
-            raise ApiError(400, "prompt token ids must be non-negative", "prompt")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in req.prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
         prompt_ids = list(req.prompt)
 
     max_tokens, clamp = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS,
@@ -60,7 +61,7 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
         sampling=_sampling(req), stop=_stop(req, max_tokens),
         arrival_time=time.time(), clamp_max_tokens=clamp,
     )
-    return ValidatedRequest(generate, req.stream, _include_usage(req))
+    return ValidatedRequest(generate, bool(req.stream), _include_usage(req))
 
 
 def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
@@ -80,18 +81,18 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
         sampling=_sampling(req), stop=_stop(req, max_tokens),
         arrival_time=time.time(), clamp_max_tokens=clamp,
     )
-    return ValidatedRequest(generate, req.stream, _include_usage(req))
+    return ValidatedRequest(generate, bool(req.stream), _include_usage(req))
 
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
     if req.model is not None and req.model != model_name:
         raise ApiError(400, f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model")
-    if req.n != 1:
+    if req.n is not None and req.n != 1:
         raise ApiError(400, f"n must be 1 (got {req.n}): one choice per request", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0.0:
+        if getattr(req, name) not in (None, 0.0):
             raise ApiError(400, f"{name} is not supported (only 0)", name)
 
 
@@ -104,7 +105,7 @@ def _sampling(req: CommonRequestFields) -> SamplingParams:
         raise ApiError(400, f"temperature must be a finite number >= 0 (got {temperature})", "temperature")
     if not (0.0 < top_p <= 1.0):
         raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", "top_p")
-    if top_k == 0 or top_k < -1:
+    if top_k == 0 or top_k < -1 or top_k > MAX_TOKEN_ID:
         raise ApiError(400, f"top_k must be -1 (off) or >= 1 (got {top_k})", "top_k")
     if not (0.0 <= min_p <= 1.0):
         raise ApiError(400, f"min_p must be in [0, 1] (got {min_p})", "min_p")
@@ -118,9 +119,9 @@ def _stop(req: CommonRequestFields, max_tokens: int) -> StopParams:
     if any(s == "" for s in stop):
         raise ApiError(400, "stop strings must not be empty", "stop")
     stop_ids = tuple(req.stop_token_ids or ())
-    if any(t < 0 for t in stop_ids):
-        raise ApiError(400, "stop_token_ids must be non-negative", "stop_token_ids")
-    return StopParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, stop_token_ids=stop_ids, stop=stop)
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
+        raise ApiError(400, f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
+    return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop)
 
 
 def _max_tokens(given: int | None, param: str, default: int, max_context: int,
