@@ -216,9 +216,6 @@ def _usage(final: TextDelta, tracker: RequestTracker) -> Usage:
                  total_tokens=tracker.completion_tokens)
 
 
-def _dumps(obj) -> str:
-    return msgspec.json.encode(obj).decode()
-
 
 def _json(obj, status: int = 200, rid: str | None = None) -> web.Response:
     headers = {"X-Request-Id": rid} if rid else None
