@@ -1,0 +1,67 @@
+"""The api process: the HTTP app (`procs.api.app`) on a `ZmqEngineClient`, with drain on SIGTERM.
+
+Ready (sd_notify) once it listens and every backend process has reported ready. On SIGTERM/SIGINT
+it drains: new requests get 503 (the engine client reports unhealthy), requests already running
+may finish for up to `drain_timeout_s`, then the server closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvloop
+
+from procs.api.app import HANDLERS_KEY
+from procs.api.engine_client_zmq import ZmqEngineClient
+from procs.api.server import start_api
+from procs.runtime import resolve_runtime_dir
+from procs.tokenizer.prompts import model_context_length
+from shared.config import ServerConfig
+from shared.ipc import Endpoints
+from shared.readiness import notify_ready, notify_stopping
+
+log = logging.getLogger("batchserve.api")
+DRAIN_POLL_S = 0.05
+
+
+async def serve(config: ServerConfig) -> int:
+    from procs.worker.loader import resolve_model
+
+    model_dir = resolve_model(config.model)
+    engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
+                             model_context_length(model_dir, config))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    runner = await start_api(engine, config)
+    try:
+        while not engine.backends_ready() and not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.1)
+            except TimeoutError:
+                pass
+        if not stop.is_set():
+            notify_ready()
+            log.info("api ready on http://%s:%d", config.host, config.port)
+        await stop.wait()
+        notify_stopping()
+        engine.draining = True  # new requests and /health now answer 503
+        handlers = runner.app[HANDLERS_KEY]
+        deadline = time.monotonic() + config.drain_timeout_s
+        log.info("draining %d requests (up to %gs)", handlers.in_flight, config.drain_timeout_s)
+        while handlers.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if handlers.in_flight:
+            log.warning("drain timeout: %d requests still running are cut off", handlers.in_flight)
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def run(config: ServerConfig) -> int:
+    return uvloop.run(serve(config))

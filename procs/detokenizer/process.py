@@ -1,0 +1,83 @@
+"""The detokenizer process: `TokenDelta` (scheduler) -> `TextDelta` (api).
+
+One `IncrementalDetokenizer` per request, created from the request's first delta (which carries
+its stop strings and the prompt's tail). When a stop string matches, the request is finished to
+the api at once (finish_reason "stop") and the scheduler is told to abort it, so generation stops
+within a step; the scheduler's own final delta for it is then dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from procs.detokenizer.incremental import IncrementalDetokenizer
+from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from shared.config import ServerConfig
+from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
+from shared.messages import AbortRequest, TextDelta, TokenDelta, Usage
+
+log = logging.getLogger("batchserve.detokenizer")
+
+
+class Detokenizers:
+    """Per-request detokenizer state; `handle` returns the TextDelta to send (if any) and whether to
+    abort the request in the scheduler."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.active: dict[str, IncrementalDetokenizer] = {}
+        self.stopped: set[str] = set()  # finished by a stop string, awaiting the scheduler's last delta
+
+    def handle(self, delta: TokenDelta) -> tuple[TextDelta | None, bool]:
+        rid = delta.rid
+        if rid in self.stopped:
+            if delta.finish_reason is not None:
+                self.stopped.discard(rid)
+            return None, False
+        detok = self.active.get(rid)
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=delta.stop)
+            self.active[rid] = detok
+        text = detok.add(delta.token_ids).text
+        finish = delta.finish_reason
+        abort = False
+        if finish is not None and not detok.stopped:
+            text += detok.finish()
+        if detok.stopped:
+            abort = finish is None  # still generating in the scheduler: stop it there
+            if abort:
+                self.stopped.add(rid)
+            finish = "stop"
+        if finish is None:
+            return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids)), False
+        del self.active[rid]
+        usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                      total_tokens=delta.prompt_tokens + delta.completion_tokens)
+        return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids), finish_reason=finish,
+                         usage=usage), abort
+
+
+def run(config: ServerConfig) -> int:
+    from procs.worker.loader import load_tokenizer
+
+    rt = ProcessRuntime("detokenizer", config)
+    rt.install_signal_handlers()
+    rt.start_heartbeat()
+    inbox: Receiver[DetokenizerInbox] = Receiver(rt.ctx, rt.endpoints.detokenizer, TokenDelta)
+    to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
+    to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
+    try:
+        detokenizers = Detokenizers(load_tokenizer(config.model))
+        rt.ready()
+        while not rt.stopping.is_set():
+            delta = inbox.recv(POLL_INTERVAL_S)
+            if delta is None:
+                continue
+            text_delta, abort = detokenizers.handle(delta)
+            if abort:
+                to_scheduler.send(AbortRequest(rid=delta.rid))
+            if text_delta is not None:
+                to_api.send(text_delta)
+        return 0
+    finally:
+        rt.close()

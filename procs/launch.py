@@ -1,0 +1,68 @@
+"""`batchserve proc NAME`: run one of the five processes, as systemd (or `batchserve serve`) starts it.
+
+Configuration: `--config FILE` (a `ServerConfig` as JSON, what `serve` writes), overridden by
+`BATCHSERVE_*` environment variables, overridden by command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+import msgspec
+
+from shared.config import ServerConfig, add_config_arguments, config_from_args
+from shared.logs import setup_logging
+
+# process name -> module with `run(config: ServerConfig) -> int`
+PROCESSES: dict[str, str] = {
+    "api": "procs.api.process",
+    "tokenizer": "procs.tokenizer.process",
+    "scheduler": "procs.scheduler.process",
+    "worker": "procs.worker.process",
+    "detokenizer": "procs.detokenizer.process",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(PROCESSES), help="which process to run")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it")
+    add_config_arguments(parser)
+
+
+def load_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> ServerConfig:
+    """File < `BATCHSERVE_*` environment < flags."""
+    env = dict(os.environ) if env is None else env
+    if not args.config:
+        return config_from_args(args, env)
+    try:
+        base = ServerConfig.load(args.config)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {args.config} not found") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"config file {args.config}: {exc}") from None
+    explicit = config_from_args(args, env)
+    changed = {
+        field.name: getattr(explicit, field.name)
+        for field in msgspec.structs.fields(ServerConfig)
+        if getattr(args, field.name, None) is not None or env.get(f"BATCHSERVE_{field.name.upper()}")
+    }
+    return msgspec.structs.replace(base, **changed)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    setup_logging(config.log_format)
+    module = importlib.import_module(PROCESSES[args.name])
+    try:
+        return int(module.run(config) or 0)
+    except (ValueError, FileNotFoundError):
+        raise  # a configuration error: one line from the CLI, exit status 2 (systemd will not retry)
+    except Exception:
+        logging.getLogger(f"batchserve.{args.name}").exception("%s process failed", args.name)
+        sys.stderr.flush()
+        return 1

@@ -1,0 +1,229 @@
+"""The scheduler process: the `Scheduler` core driven by sockets.
+
+Startup: wait for the worker's `WorkerInfo` (KV capacity, page size, EOS ids, context length),
+size the scheduler by it, then report ready. Loop: take in every queued request and abort, run
+one step on the worker (`RemoteWorker`: ForwardBatch out through a shared-memory double buffer,
+StepResult back), send each request's new tokens to the detokenizer, and `SchedulerStats` to the
+api (every ~100 ms while busy, every second while idle).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from procs.scheduler.config import SchedulerConfig
+from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
+from procs.scheduler.executor import ExecutorError
+from shared.config import ServerConfig
+from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
+from shared.messages import (
+    AbortRequest,
+    ForwardBatch,
+    RequestRejected,
+    SchedulerStats,
+    StepResult,
+    TokenDelta,
+    TokenizedRequest,
+    WorkerInfo,
+)
+from shared.shm import DoubleBuffer
+
+log = logging.getLogger("batchserve.scheduler")
+
+STATS_BUSY_INTERVAL_S = 0.1
+STATS_IDLE_INTERVAL_S = 1.0
+PROMPT_TAIL = 8  # prompt ids the detokenizer gets as decoding context
+WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
+
+
+class WorkerGone(RuntimeError):
+    """The worker stopped answering while we were stopping."""
+
+
+class RemoteWorker:
+    """The scheduler's executor: one ForwardBatch out, its StepResult back (one step in flight)."""
+
+    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime) -> None:
+        self.to_worker = to_worker
+        self.results = results
+        self.rt = rt
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        self.to_worker.send(batch)
+        stop_seen: float | None = None
+        while True:
+            result = self.results.recv(POLL_INTERVAL_S)
+            if result is not None:
+                if result.step != batch.step:
+                    raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
+                return result
+            if self.rt.stopping.is_set():
+                stop_seen = stop_seen or time.monotonic()
+                if time.monotonic() - stop_seen > WORKER_STOP_GRACE_S:
+                    raise WorkerGone(f"no result for step {batch.step} from the worker")
+
+
+@dataclass
+class _Live:
+    prompt_tokens: int
+    stop: tuple[str, ...]
+    prompt_tail: list[int]
+    generated: int = 0
+    started: bool = False
+
+
+class TokenDeltas:
+    """Turns a `StepOutput` into one `TokenDelta` per request (first delta carries the stop strings)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, _Live] = {}
+
+    def add(self, request: TokenizedRequest) -> None:
+        prompt = request.prompt_ids
+        self.live[request.rid] = _Live(int(prompt.shape[0]), tuple(request.stop.stop),
+                                       [int(t) for t in prompt[-PROMPT_TAIL:]])
+
+    def from_step(self, out: StepOutput) -> list[TokenDelta]:
+        tokens: dict[str, list[int]] = {}
+        for rid, token in out.new_tokens:
+            tokens.setdefault(rid, []).append(int(token))
+        deltas = []
+        for rid, ids in tokens.items():
+            deltas.append(self._delta(rid, ids, out.finish_reasons.get(rid)))
+        for rid in out.finished:
+            if rid not in tokens:
+                deltas.append(self._delta(rid, [], out.finish_reasons.get(rid, "stop")))
+        for rid in out.cancelled:
+            deltas.append(self._delta(rid, [], "abort"))
+        return deltas
+
+    def _delta(self, rid: str, ids: list[int], finish_reason: str | None) -> TokenDelta:
+        state = self.live.get(rid)
+        if state is None:  # aborted before we tracked it: still close it downstream
+            return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason)
+        state.generated += len(ids)
+        first = not state.started
+        state.started = True
+        delta = TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=state.prompt_tokens,
+                           completion_tokens=state.generated, stop=state.stop if first else (),
+                           prompt_tail=state.prompt_tail if first else [])
+        if finish_reason is not None:
+            del self.live[rid]
+        return delta
+
+
+def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
+        kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
+        max_context=info.max_context, max_waiting=config.max_waiting,
+    )
+
+
+class SchedulerLoop:
+    def __init__(self, config: ServerConfig, rt: ProcessRuntime) -> None:
+        self.config = config
+        self.rt = rt
+        self.step_buffer = DoubleBuffer("steps")
+        self.inbox: Receiver[SchedulerInbox] = Receiver(rt.ctx, rt.endpoints.scheduler, SchedulerInbox)
+        self.results: Receiver[StepsInbox] = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
+        self.to_worker: Sender[WorkerInbox] = Sender(rt.ctx, rt.endpoints.worker, writer=self.step_buffer)
+        self.to_detokenizer: Sender[DetokenizerInbox] = Sender(rt.ctx, rt.endpoints.detokenizer)
+        self.to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
+        self.executor = RemoteWorker(self.to_worker, self.results, rt)
+        self.deltas = TokenDeltas()
+        self.scheduler: Scheduler | None = None
+        self._early: list[TokenizedRequest | AbortRequest] = []
+        self._batch_sizes: list[int] = []
+        self._last_stats = 0.0
+        self._was_busy = False
+
+    def wait_for_worker(self) -> bool:
+        """Buffer requests until the worker says what it can hold; False if stopped first."""
+        while not self.rt.stopping.is_set():
+            message = self.inbox.recv(POLL_INTERVAL_S)
+            if isinstance(message, WorkerInfo):
+                self.scheduler = Scheduler(scheduler_config(self.config, message),
+                                           eos_token_ids=message.eos_token_ids)
+                log.info("worker ready", extra={"fields": {
+                    "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
+                    "max_context": message.max_context, "policy": self.config.policy}})
+                for early in self._early:
+                    self.handle(early)
+                self._early.clear()
+                return True
+            if message is not None:
+                self._early.append(message)
+        return False
+
+    def handle(self, message: SchedulerInbox) -> None:
+        assert self.scheduler is not None
+        if isinstance(message, TokenizedRequest):
+            try:
+                self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop)
+            except RequestRejectedError as exc:
+                self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=str(exc),
+                                                 param=exc.param))
+                return
+            self.deltas.add(message)
+        elif isinstance(message, AbortRequest):
+            self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
+        # A repeated WorkerInfo (the worker re-announces itself while idle) needs nothing.
+
+    def run(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        while not self.rt.stopping.is_set():
+            busy = sched.has_unfinished()
+            first = self.inbox.recv(0 if busy else POLL_INTERVAL_S)
+            if first is not None:
+                self.handle(first)
+                for message in self.inbox.recv_ready():
+                    self.handle(message)
+            if sched.has_unfinished():
+                out = sched.step(self.executor)
+                for delta in self.deltas.from_step(out):
+                    self.to_detokenizer.send(delta)
+                if out.batch_size:
+                    self._batch_sizes.append(out.batch_size)
+                elif not out.cancelled:  # nothing could run: wait for a message rather than spin
+                    message = self.inbox.recv(0.005)
+                    if message is not None:
+                        self.handle(message)
+            self._maybe_send_stats(busy)
+
+    def _maybe_send_stats(self, busy: bool) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        now = time.monotonic()
+        just_idle = self._was_busy and not sched.has_unfinished()  # report the empty state at once
+        self._was_busy = sched.has_unfinished()
+        if not just_idle and now - self._last_stats < (STATS_BUSY_INTERVAL_S if busy else STATS_IDLE_INTERVAL_S):
+            return
+        self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                                        kv_used_tokens=sched.kv_used_tokens,
+                                        kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes))
+        self._batch_sizes = []
+        self._last_stats = now
+
+
+def run(config: ServerConfig) -> int:
+    rt = ProcessRuntime("scheduler", config)
+    rt.install_signal_handlers()
+    rt.start_heartbeat()
+    loop = SchedulerLoop(config, rt)
+    try:
+        if not loop.wait_for_worker():
+            return 0
+        rt.ready()
+        try:
+            loop.run()
+        except WorkerGone as exc:
+            log.warning("%s; stopping", exc)
+        return 0
+    finally:
+        rt.close()
+        loop.step_buffer.close()

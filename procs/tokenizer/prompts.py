@@ -1,0 +1,94 @@
+"""Turning a `GenerateRequest` into prompt token ids, and refusing prompts that cannot run.
+
+Used by the tokenizer process; the offline engine can use the same class so that both tokenize
+identically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from shared.config import ServerConfig
+from shared.messages import GenerateRequest, TokenizedRequest
+
+
+class PromptRejected(ValueError):
+    """The request cannot run; becomes a `RequestRejected` (HTTP `status`) naming `param`."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def model_context_length(model_dir: Path, config: ServerConfig) -> int:
+    """Tokens a request may span (prompt + completion): `config.max_context` or the model's own."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    native = int(raw.get("max_position_embeddings") or 2048)
+    return min(config.max_context, native) if config.max_context > 0 else native
+
+
+class PromptTokenizer:
+    """Chat template + tokenization + the length checks of the tokenizer process."""
+
+    def __init__(self, tokenizer: Any, max_context: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def load(cls, config: ServerConfig) -> "PromptTokenizer":
+        from procs.worker.loader import load_tokenizer, resolve_model
+
+        model_dir = resolve_model(config.model)
+        return cls(load_tokenizer(model_dir), model_context_length(model_dir, config))
+
+    def prompt_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
+        """The prompt's token ids and the name of the field they came from."""
+        if request.messages is not None:
+            if not request.messages:
+                raise PromptRejected("messages must not be empty", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [msgspec.structs.asdict(m) for m in request.messages],
+                    tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja raises for roles/orders a template does not accept
+                raise PromptRejected(f"the chat template cannot render these messages: {exc}", "messages") from None
+            # The template already wrote any BOS it wants: do not add special tokens twice.
+            return list(self.tokenizer.encode(text, add_special_tokens=False)), "messages"
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise PromptRejected(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+            return ids, "prompt"
+        if request.prompt is None or request.prompt == "":
+            raise PromptRejected("prompt must not be empty", "prompt")
+        return list(self.tokenizer.encode(request.prompt)), "prompt"
+
+    def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
+        """Tokenize and check the length; raises `PromptRejected`."""
+        ids, field = self.prompt_ids(request)
+        n = len(ids)
+        if n == 0:
+            raise PromptRejected(f"{field} must not be empty", field)
+        if n >= self.max_context:
+            raise PromptRejected(
+                f"the prompt has {n} tokens; the context length is {self.max_context} tokens "
+                f"(prompt + at least one generated token)", field)
+        stop = request.stop
+        room = self.max_context - n
+        if stop.max_tokens > room:
+            if not request.clamp_max_tokens:
+                raise PromptRejected(
+                    f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the context length "
+                    f"of {self.max_context} tokens", "max_tokens")
+            stop = msgspec.structs.replace(stop, max_tokens=room)
+        return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
+                                sampling=request.sampling, stop=stop, arrival_time=request.arrival_time)

@@ -1,0 +1,58 @@
+"""The worker process: loads the model (`ModelRunner`), announces what it holds, executes steps.
+
+Ready once the model is loaded: it then sends `WorkerInfo` to the scheduler (again every few
+seconds while idle, so a restarted scheduler learns it too). Each `ForwardBatch` arrives as views
+of the scheduler's shared-memory double buffer; the sampled ids go back through the worker's own.
+SIGTERM: finish the step in progress, then exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from shared.config import ServerConfig
+from shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
+from shared.messages import ForwardBatch, WorkerInfo
+from shared.shm import DoubleBuffer
+
+log = logging.getLogger("batchserve.worker")
+ANNOUNCE_INTERVAL_S = 2.0
+
+
+def run(config: ServerConfig) -> int:
+    from procs.worker.model_runner import ModelRunner
+
+    rt = ProcessRuntime("worker", config)
+    rt.install_signal_handlers()
+    rt.start_heartbeat()
+    result_buffer = DoubleBuffer("results", half_bytes=1 << 16)
+    inbox: Receiver[WorkerInbox] = Receiver(rt.ctx, rt.endpoints.worker, ForwardBatch)
+    to_steps: Sender[StepsInbox] = Sender(rt.ctx, rt.endpoints.steps, writer=result_buffer)
+    to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
+    try:
+        started = time.monotonic()
+        runner = ModelRunner.from_config(config)
+        info = WorkerInfo(kv_capacity_tokens=runner.kv_capacity_tokens, eos_token_ids=list(runner.eos_token_ids),
+                          max_context=runner.max_context, page_size=runner.page_size)
+        log.info("model loaded", extra={"fields": {
+            "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
+            "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
+            "seconds": round(time.monotonic() - started, 2)}})
+        to_scheduler.send(info)
+        announced = time.monotonic()
+        rt.ready()
+        while not rt.stopping.is_set():
+            batch = inbox.recv(POLL_INTERVAL_S)
+            if batch is None:
+                if time.monotonic() - announced > ANNOUNCE_INTERVAL_S:
+                    to_scheduler.send(info)
+                    announced = time.monotonic()
+                continue
+            to_steps.send(runner.execute(batch))
+            announced = time.monotonic()
+        return 0
+    finally:
+        rt.close()
+        result_buffer.close()
