@@ -1,0 +1,309 @@
+"""Tests for the incremental detokenizer and stop strings (procs/detokenizer), on small tokenizers
+built in the test: a byte-level BPE (splits emoji and CJK across tokens) and a Metaspace one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from procs.detokenizer.incremental import IncrementalDetokenizer
+from procs.detokenizer.stop_strings import StopStringMatcher
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "Hello world, this is a small corpus for a byte-level BPE.",
+    "The quick brown fox jumps over the lazy dog. STOP here. Done.",
+    "中文字符和日本語のテキスト、한국어도 있습니다。",
+    "Emoji: 😀 🎉 👍🏽 🇫🇷 and accents: héllo, naïve, façade, Ørsted.",
+    "Numbers 12345 and symbols !@#$%^&*() <tag> </tag>",
+]
+MULTILINGUAL = "Hi 😀! 中文 and 日本語, naïve café 👍🏽 🇫🇷 done."
+
+
+def _train_byte_level_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+BYTE_BPE = _train_byte_level_bpe()
+VOCAB = BYTE_BPE.get_vocab_size()
+SPECIAL_IDS = [BYTE_BPE.token_to_id(t) for t in SPECIAL_TOKENS]
+HF_BYTE_BPE = PreTrainedTokenizerFast(tokenizer_object=BYTE_BPE)
+
+
+def _stream(detok: IncrementalDetokenizer, chunks: list[list[int]]) -> list[str]:
+    return [detok.add(chunk).text for chunk in chunks]
+
+
+def _one_token_per_char(text: str) -> list[int]:
+    """Token ids for `text` with every character encoded on its own (so stop strings span tokens)."""
+    return [i for ch in text for i in BYTE_BPE.encode(ch).ids]
+
+
+def test_multibyte_characters_are_never_split() -> None:
+    ids = BYTE_BPE.encode(MULTILINGUAL).ids
+    partial = [i for i in ids if "\ufffd" in BYTE_BPE.decode([i])]
+    assert partial, "the corpus must make the BPE split some characters across tokens"
+    detok = IncrementalDetokenizer(BYTE_BPE)
+    pieces = _stream(detok, [[i] for i in ids])
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.finish() == MULTILINGUAL
+    assert any(p == "" for p in pieces)  # text was held while a character was incomplete
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE_BPE, HF_BYTE_BPE], ids=["tokenizers", "transformers"])
+def test_byte_level_tokens_one_byte_at_a_time(tokenizer) -> None:
+    # Single-byte tokens only: a 4-byte emoji takes four tokens to complete.
+    text = "a😀b中c"
+    ids = _byte_tokens(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = _stream(detok, [[i] for i in ids])
+    assert pieces == ["a", "", "", "", "😀", "b", "", "", "中", "c"]
+    assert detok.finish() == ""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by the ByteLevel pre-tokenizer."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+
+
+def _byte_tokens(text: str) -> list[int]:
+    """One single-byte token per UTF-8 byte of `text`."""
+    return [BYTE_BPE.token_to_id(_BYTE_TO_UNICODE[b]) for b in text.encode()]
+
+
+token_ids = st.lists(
+    st.one_of(
+        st.integers(0, VOCAB - 1),
+        st.sampled_from(SPECIAL_IDS),
+        st.integers(VOCAB, VOCAB + 50),  # ids a padded model vocab may produce: decode skips them
+    ),
+    max_size=40,
+)
+
+
+def _chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ids=token_ids,
+    prompt=st.lists(st.integers(0, VOCAB - 1), max_size=8),
+    cuts=st.lists(st.integers(0, 64), max_size=10),
+    skip_special=st.booleans(),
+    use_hf=st.booleans(),
+)
+def test_stream_concatenates_to_full_decode(
+    ids: list[int], prompt: list[int], cuts: list[int], skip_special: bool, use_hf: bool
+) -> None:
+    tokenizer = HF_BYTE_BPE if use_hf else BYTE_BPE
+    expected = BYTE_BPE.decode(ids, skip_special_tokens=skip_special)
+    if use_hf:
+        assert expected == HF_BYTE_BPE.decode(ids, skip_special_tokens=skip_special)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt, skip_special_tokens=skip_special)
+    emitted = ""
+    for chunk in _chunked(ids, cuts):
+        emitted += detok.add(chunk).text
+        # Whatever was sent is final: it is a prefix of the full decode (no half character that a
+        # later byte turns into something else).
+        assert expected.startswith(emitted)
+    assert emitted + detok.finish() == expected
+    assert detok.finish() == ""
+
+
+def test_decode_work_per_token_stays_bounded() -> None:
+    class CountingTokenizer:
+        decoded_tokens = 0
+
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            CountingTokenizer.decoded_tokens += len(ids)
+            return BYTE_BPE.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = BYTE_BPE.encode(" ".join(CORPUS) * 10).ids
+    detok = IncrementalDetokenizer(CountingTokenizer(), prompt_ids=ids[:50])
+    text = "".join(detok.add([i]).text for i in ids) + detok.finish()
+    assert text == BYTE_BPE.decode(ids)
+    # Windows of a few tokens, two decodes per step: linear, not quadratic, in the length.
+    assert CountingTokenizer.decoded_tokens < 12 * len(ids)
+
+
+def _metaspace_tokenizer() -> Tokenizer:
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return tok
+
+
+def test_prompt_context_keeps_the_leading_space() -> None:
+    tok = _metaspace_tokenizer()
+    assert tok.decode([2]) == "world"  # the decoder drops the first token's leading space
+    detok = IncrementalDetokenizer(tok, prompt_ids=[1])
+    assert [detok.add([t]).text for t in (2, 3, 4)] == [" world", "!", " again"]
+    assert detok.finish() == ""
+    alone = IncrementalDetokenizer(tok)
+    assert "".join(alone.add([t]).text for t in (1, 2, 3)) + alone.finish() == "Hello world!"
+
+
+# --- stop strings -----------------------------------------------------------------------------
+
+
+def _run(text: str, stop: list[str], per_token: bool = True) -> tuple[list[str], str, IncrementalDetokenizer]:
+    ids = _one_token_per_char(text)
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=stop)
+    chunks = [[i] for i in ids] if per_token else [ids]
+    pieces = _stream(detok, chunks)
+    return pieces, detok.finish(), detok
+
+
+def test_stop_string_spanning_token_boundaries() -> None:
+    pieces, tail, detok = _run("The fox STOP here", ["STOP"])
+    assert "".join(pieces) + tail == "The fox "
+    assert detok.stopped and detok.stop_string == "STOP"
+    assert tail == ""
+    # Nothing after the match is ever emitted, whatever comes next.
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    assert detok.add(BYTE_BPE.encode("The fox ST").ids).text == "The fox "
+    out = detok.add(BYTE_BPE.encode("OP and more").ids)
+    assert out.text == "" and out.stopped
+    assert detok.add(BYTE_BPE.encode("more text").ids).text == ""
+    assert detok.add([5]).stopped
+    assert detok.finish() == ""
+
+
+def test_stop_output_reports_the_match_on_the_step_that_found_it() -> None:
+    ids = _one_token_per_char("ab<end>cd")
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["<end>"])
+    outs = [detok.add([i]) for i in ids]
+    first_stop = next(k for k, o in enumerate(outs) if o.stopped)
+    assert first_stop == 6  # the ">" token completes "<end>"
+    assert outs[first_stop].stop_string == "<end>"
+    assert "".join(o.text for o in outs) == "ab"
+    assert not any(o.stopped for o in outs[:first_stop])
+
+
+def test_multiple_stop_strings_earliest_wins() -> None:
+    pieces, tail, detok = _run("one two three four", ["four", "two", "three"])
+    assert "".join(pieces) + tail == "one "
+    assert detok.stop_string == "two"
+    # Overlapping candidates at the same start: the whole text before it is the same either way.
+    pieces, tail, detok = _run("xx abcd", ["abc", "abcd", "bc"])
+    assert "".join(pieces) + tail == "xx "
+    assert detok.stop_string in {"abc", "abcd"}
+
+
+def test_stop_string_at_the_very_first_token() -> None:
+    ids = BYTE_BPE.encode("Hello world").ids
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["Hel"])
+    out = detok.add(ids[:1])
+    assert out.text == "" and out.stopped and out.stop_string == "Hel"
+    assert detok.add(ids[1:]).text == "" and detok.finish() == ""
+
+
+def test_held_back_text_is_released_when_the_match_fails() -> None:
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    texts = [detok.add([i]).text for i in _one_token_per_char("xSTO")]
+    assert texts == ["x", "", "", ""]
+    assert detok.add(_one_token_per_char("P")).stopped
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    texts = [detok.add([i]).text for i in _one_token_per_char("xSTOX")]
+    assert texts == ["x", "", "", "", "STOX"]
+    # A partial prefix at the end of generation comes out of finish().
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    assert "".join(detok.add([i]).text for i in _one_token_per_char("aST")) == "a"
+    assert detok.finish() == "ST" and not detok.stopped
+
+
+def test_stop_string_of_multibyte_characters() -> None:
+    text = "前文中文後"
+    ids = _byte_tokens(text)
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=["中文"])
+    pieces = [detok.add([i]).text for i in ids]
+    assert "".join(pieces) == "前文" and detok.stopped
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_empty_stop_strings_are_ignored() -> None:
+    pieces, tail, detok = _run("abc", ["", "zz"])
+    assert "".join(pieces) + tail == "abc" and not detok.stopped
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab中😀 ", max_size=30),
+    stops=st.lists(st.text(alphabet="ab中😀 ", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_stop_strings_property(text: str, stops: list[str], cuts: list[int]) -> None:
+    ids = BYTE_BPE.encode(text).ids
+    # Reference: stream the text one character at a time and stop at the first completed match.
+    expected, matched = text, None
+    for end in range(1, len(text) + 1):
+        ending_here = [s for s in stops if text[:end].endswith(s)]
+        if ending_here:
+            matched = max(ending_here, key=len)
+            expected = text[: end - len(matched)]
+            break
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=stops)
+    emitted = ""
+    for chunk in _chunked(ids, cuts):
+        out = detok.add(chunk)
+        emitted += out.text
+        assert expected.startswith(emitted)
+    emitted += detok.finish()
+    assert emitted == expected
+    assert detok.stop_string == matched and detok.stopped == (matched is not None)
+
+
+def test_matcher_holds_the_longest_partial_prefix() -> None:
+    m = StopStringMatcher(["abcd", "cx"])
+    assert m.feed("zzab") == "zz" and m.held == "ab"
+    assert m.feed("c") == "" and m.held == "abc"
+    assert m.feed("y") == "abcy" and m.held == ""
+    assert m.feed("abc") == "" and m.held == "abc"
+    assert m.feed("x") == "ab" and m.matched == "cx"
+    assert m.feed("anything") == "" and m.flush() == ""
+
+
+def test_matcher_without_stops_passes_text_through() -> None:
+    m = StopStringMatcher()
+    assert not m.active and m.feed("abc") == "abc" and m.flush() == ""
+
+
+def test_add_after_finish_is_an_error() -> None:
+    detok = IncrementalDetokenizer(BYTE_BPE)
+    detok.add([5])
+    detok.finish()
+    with pytest.raises(RuntimeError):
+        detok.add([6])
+
+
+def test_unsupported_tokenizer_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        IncrementalDetokenizer(object())
