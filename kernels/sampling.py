@@ -52,8 +52,8 @@ def sample_batch(
             (
                 1.0 if g else p.temperature,
                 p.top_p,
-                p.min_p,
-                float(vocab if p.top_k < 0 or p.top_k >= vocab else p.top_k),
+                min(p.min_p, 1.0),  # above 1 would filter out every token
+                float(p.top_k if 0 < p.top_k < vocab else vocab),  # 0 or -1: no top-k
             )
             for p, g in zip(params, greedy)
         ],
@@ -66,8 +66,11 @@ def sample_batch(
     scores = logits.float()
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)
 
-    topk_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
-    sort_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    # Greedy rows are answered by argmax below, so they skip the filters.
+    topk_rows = [
+        i for i, p in enumerate(params) if not greedy[i] and 0 < p.top_k < vocab and p.top_p >= 1.0
+    ]
+    sort_rows = [i for i, p in enumerate(params) if not greedy[i] and p.top_p < 1.0]
     if topk_rows:
         max_k = max(params[i].top_k for i in topk_rows)
         _apply_top_k_rows(scores, topk_rows, top_k, max_k)
@@ -77,7 +80,7 @@ def sample_batch(
     # min_p == 0 gives log(0) = -inf, which filters nothing.
     scores.masked_fill_(scores < torch.log(min_p).unsqueeze(1), float("-inf"))
 
-    scores.sub_(_log_exponential_noise(params, sample_counts, n, vocab, device))
+    scores.sub_(_log_exponential_noise(params, sample_counts, greedy, vocab, device))
     sampled = scores.argmax(dim=-1)
     if any(greedy):
         greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
@@ -129,10 +132,16 @@ def _apply_top_k_top_p_rows(
 
 
 def _log_exponential_noise(
-    params: Sequence[SamplingParams], sample_counts: Sequence[int], n: int, vocab: int, device
+    params: Sequence[SamplingParams],
+    sample_counts: Sequence[int],
+    greedy: Sequence[bool],
+    vocab: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key."""
-    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None]
+    """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key.
+    Greedy rows get global-RNG noise that is never used (cheaper than a hash)."""
+    n = len(params)
+    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
     if not seeded_rows:
         return _log_torch_exponential(n, vocab, device)
     keys = torch.tensor(
@@ -146,7 +155,7 @@ def _log_exponential_noise(
     return noise.index_copy_(0, index, seeded)
 
 
-def _log_torch_exponential(n: int, vocab: int, device) -> torch.Tensor:
+def _log_torch_exponential(n: int, vocab: int, device: torch.device) -> torch.Tensor:
     noise = torch.empty(n, vocab, dtype=torch.float32, device=device).exponential_()
     # exponential_ may return exactly 0 on some devices; log(0) = -inf would pick that token.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny).log_()

@@ -232,3 +232,10 @@ def test_low_precision_logits() -> None:
 def test_length_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError):
         sample_batch(torch.zeros(2, 4), [SamplingParams()], [0, 0])
+
+
+def test_top_k_zero_means_no_top_k(row: torch.Tensor) -> None:
+    logits = row.unsqueeze(0).expand(DRAWS, -1).contiguous()
+    params = [SamplingParams(top_k=0, top_p=0.999, seed=s) for s in range(DRAWS)]
+    tokens = sample_batch(logits, params, [0] * DRAWS)
+    assert _chi_square(tokens, row.softmax(-1)) < CHI2_CRITICAL_DF7
