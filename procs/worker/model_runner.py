@@ -14,7 +14,7 @@ from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
-from shared.messages import ForwardBatch, SamplingParams, StepResult
+from shared.messages import ForwardBatch, SamplingParams, StepResult, WorkerInfo
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -124,6 +124,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def worker_info(self) -> WorkerInfo:
+        """What the scheduler sizes itself by (sent by the worker process at start)."""
+        return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
+                          max_context=self.max_context, page_size=self.page_size)
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -1,0 +1,104 @@
+"""`OfflineEngine`: the scheduler core and the worker core in one process, without sockets.
+
+The same `Scheduler` the server's scheduler process runs plans every step, and the `ModelRunner`
+the worker process runs executes it directly (it *is* the executor). Prompts are tokenized and
+checked by the tokenizer process's `PromptTokenizer`, text comes from the detokenizer's
+`IncrementalDetokenizer`, so offline output is what the server would stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from procs.detokenizer.incremental import IncrementalDetokenizer
+from procs.scheduler.core import Scheduler
+from procs.scheduler.process import scheduler_config
+from procs.tokenizer.prompts import PromptTokenizer
+from shared.config import ServerConfig
+from shared.messages import GenerateRequest, TokenizedRequest
+
+
+@dataclass
+class Completion:
+    """One finished request: the generated ids (stop token included), its text and why it ended."""
+
+    rid: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Live:
+    completion: Completion
+    detokenizer: IncrementalDetokenizer
+
+
+class OfflineEngine:
+    """Loads the model once; `generate()` runs a list of requests to completion as one workload."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from procs.worker.loader import load_tokenizer
+        from procs.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.runner = ModelRunner.from_config(config)
+        self.tokenizer: Any = load_tokenizer(self.runner.model_dir)
+        self.prompts = PromptTokenizer(self.tokenizer, self.runner.max_context)
+        self.scheduler = Scheduler(scheduler_config(config, self.runner.worker_info()),
+                                   eos_token_ids=self.runner.eos_token_ids)
+
+    def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
+        """Tokenize and length-check one request (raises `PromptRejected` naming the field)."""
+        return self.prompts.tokenize(request)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """Run every request through the scheduler; completions in the order of `requests`."""
+        tokenized = [self.tokenize(r) for r in requests]  # reject bad input before anything runs
+        live: dict[str, _Live] = {}
+        for request in tokenized:
+            ids = [int(t) for t in request.prompt_ids]
+            self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop)
+            live[request.rid] = _Live(Completion(request.rid, ids), IncrementalDetokenizer(
+                self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
+        done = [live[r.rid].completion for r in tokenized]
+        while self.scheduler.has_unfinished():
+            out = self.scheduler.step(self.runner)
+            new: dict[str, list[int]] = {}
+            for rid, token in out.new_tokens:
+                new.setdefault(rid, []).append(int(token))
+            for rid, ids in new.items():
+                state = live[rid]
+                state.completion.token_ids.extend(ids)
+                piece = state.detokenizer.add(ids)
+                state.completion.text += piece.text
+                if piece.stopped and rid not in out.finished:
+                    # A stop string ended the text: stop generating now, as the server does.
+                    self.scheduler.abort(rid)
+                    self._finish(live.pop(rid), "stop")
+            for rid in out.finished:
+                if rid in live:
+                    self._finish(live.pop(rid), out.finish_reasons[rid])
+        return done
+
+    @staticmethod
+    def _finish(state: _Live, reason: str) -> None:
+        state.completion.text += state.detokenizer.finish()
+        state.completion.finish_reason = "stop" if state.detokenizer.stopped else reason
+
+
+def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+            sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None) -> GenerateRequest:
+    """Build a `GenerateRequest` from plain values (for the CLI and tests)."""
+    from shared.messages import ChatMessage, SamplingParams, StopParams
+
+    return GenerateRequest(
+        rid=rid, prompt=prompt,
+        messages=None if messages is None else [ChatMessage(**m) for m in messages],
+        sampling=msgspec.convert(sampling or {}, SamplingParams),
+        stop=msgspec.convert(stop or {}, StopParams),
+    )

@@ -1,0 +1,105 @@
+"""`batchserve generate`: one-shot offline generation, all prompts as one workload through the scheduler.
+
+    batchserve generate --prompt "Hello" --prompt "Hi there" --max-tokens 32 --json
+    batchserve generate --chat --prompts-file prompts.jsonl --temperature 0 --policy prefill-first
+
+With `--json`, one line per prompt, in order:
+`{"prompt": ..., "token_ids": [...], "text": ..., "finish_reason": "stop"|"length"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from procs.cli import CliError
+from shared.config import add_config_arguments, config_from_args
+
+ENGINE_FIELDS = ("model", "dtype", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
+                 "policy", "max_running_requests", "prefill_budget", "attention_backend")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", type=Path, help="a file with one JSON string per line")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template (as a user message)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--stop-token-id", action="append", type=int, default=[], help="a stop token id (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
+    add_config_arguments(parser, only=ENGINE_FIELDS)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            raise CliError(f"--prompts-file: no such file: {args.prompts_file}")
+        for number, line in enumerate(args.prompts_file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CliError(f"--prompts-file line {number}: not JSON ({exc.msg})") from None
+            if not isinstance(prompt, str):
+                raise CliError(f"--prompts-file line {number}: expected a JSON string, got {type(prompt).__name__}")
+            prompts.append(prompt)
+    if not prompts:
+        raise CliError("no prompts: give --prompt TEXT or --prompts-file FILE")
+    if any(p == "" for p in prompts):
+        raise CliError("a prompt is empty")
+    return prompts
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise CliError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k == 0 or args.top_k < -1:
+        raise CliError(f"--top-k must be -1 (off) or >= 1, got {args.top_k}")
+    if not 0 <= args.min_p <= 1:
+        raise CliError(f"--min-p must be in [0, 1], got {args.min_p}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from procs.engine import OfflineEngine, request
+    from procs.tokenizer.prompts import PromptRejected
+
+    prompts = read_prompts(args)
+    check_sampling(args)
+    config = config_from_args(args)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                "seed": args.seed}
+    stop = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "stop": args.stop,
+            "stop_token_ids": args.stop_token_id}
+    requests = [
+        request(f"prompt-{i}", prompt=None if args.chat else p,
+                messages=[{"role": "user", "content": p}] if args.chat else None, sampling=sampling, stop=stop)
+        for i, p in enumerate(prompts)
+    ]
+    engine = OfflineEngine(config)
+    try:
+        completions = engine.generate(requests)
+    except PromptRejected as exc:
+        raise CliError(f"{exc.param or 'prompt'}: {exc.message}") from None
+    for prompt, completion in zip(prompts, completions):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "token_ids": completion.token_ids, "text": completion.text,
+                              "finish_reason": completion.finish_reason}, ensure_ascii=False))
+        else:
+            print(completion.text if len(prompts) == 1 else f"--- {prompt}\n{completion.text}")
+    sys.stdout.flush()
+    return 0
+

@@ -1,0 +1,103 @@
+"""`batchserve generate` and the `OfflineEngine` under it: the scheduler core driving the worker core
+in one process gives transformers' greedy tokens under every policy, honours stop strings, and
+answers bad input with a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from procs.cli import main as cli_main
+from procs.engine import OfflineEngine, request
+from shared.config import ServerConfig
+from test_model_equivalence import transformers_greedy
+
+PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama", with_tokenizer=True, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    return transformers_greedy(model_dir, prompt_ids, NEW_TOKENS)
+
+
+def _greedy_requests(**stop):
+    return [request(f"r{i}", prompt=p, sampling={"temperature": 0},
+                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, **stop}) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("policy", ["prefill-first", "mixed", "fixed"])
+def test_offline_engine_matches_transformers_under_every_policy(model_dir, reference, policy):
+    # A budget of 8 chunks the 14-token prompt; 2 slots make requests wait and join mid-stream.
+    config = ServerConfig(model=str(model_dir), policy=policy, prefill_budget=8, max_running_requests=2,
+                          page_size=4, kv_capacity_tokens=256)
+    completions = OfflineEngine(config).generate(_greedy_requests())
+    assert [c.token_ids for c in completions] == reference
+    assert all(c.finish_reason == "length" for c in completions)
+
+
+def test_stop_string_ends_text_and_generation(model_dir, reference):
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, kv_capacity_tokens=512))
+    full = engine.generate(_greedy_requests())[0]
+    stop_word = full.text.split()[3]  # the 4th generated word
+    first = full.text.split().index(stop_word)
+    stopped = engine.generate([request("s", prompt=PROMPTS[0], sampling={"temperature": 0},
+                                       stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, "stop": [stop_word]})])[0]
+    assert stopped.finish_reason == "stop"
+    assert stop_word not in stopped.text
+    assert stopped.text.split() == full.text.split()[:first]
+    assert stopped.token_ids == full.token_ids[:first + 1]  # generation stopped within the matching step
+    assert engine.scheduler.kv_used_tokens == 0 and not engine.scheduler.has_unfinished()
+
+
+def test_generate_cli_json_lines(model_dir, reference, capsys):
+    args = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-tokens", str(NEW_TOKENS),
+            "--ignore-eos", "--json", "--page-size", "4", "--kv-capacity-tokens", "512"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    assert cli_main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS
+    assert [line["token_ids"] for line in lines] == reference
+    assert all(line["finish_reason"] == "length" and line["text"] for line in lines)
+
+
+def test_generate_cli_prompts_file_and_chat(model_dir, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) + "\n")
+    assert cli_main(["generate", "--model", str(model_dir), "--prompts-file", str(prompts_file), "--chat",
+                     "--temperature", "0", "--max-tokens", "3", "--json", "--kv-capacity-tokens", "512"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS[:2]
+    assert all(1 <= len(line["token_ids"]) <= 3 for line in lines)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "no prompts"),
+    (["--prompt", "w5", "--max-tokens", "0"], "--max-tokens"),
+    (["--prompt", "w5", "--top-p", "0"], "--top-p"),
+    (["--prompt", "w5", "--policy", "lifo"], "policy"),
+    (["--prompts-file", "/nonexistent/prompts.jsonl"], "--prompts-file"),
+    (["--prompt", "w5", "--max-tokens", "100000"], "max_tokens"),
+])
+def test_generate_cli_bad_input_is_one_line(model_dir, capsys, extra, message):
+    status = cli_main(["generate", "--model", str(model_dir), "--kv-capacity-tokens", "512", *extra])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_generate_cli_unknown_model(capsys):
+    assert cli_main(["generate", "--model", "/nonexistent/model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/model" in err and "Traceback" not in err
