@@ -103,9 +103,14 @@ def scheduler_config(scenario: Scenario, policy: str | None) -> SchedulerConfig:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
 
-def run_scenario(scenario: Scenario, config: SchedulerConfig) -> list[StepOutput]:
-    """Every step until all requests have finished or been cancelled (idle steps included)."""
-    scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
+def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
+                 scheduler: Scheduler | None = None) -> list[StepOutput]:
+    """Every step until all requests have finished or been cancelled (idle steps included).
+
+    `scheduler`: a fresh one built from `config` with EOS id `EOS_TOKEN_ID`, to inspect afterwards.
+    """
+    if scheduler is None:
+        scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
     outputs_of = {r.id: r.output_tokens for r in scenario.requests}
 
     def output_tokens(slot: int) -> int:

@@ -1,0 +1,266 @@
+"""Test harness for the scheduler: a fake model that audits every ForwardBatch, and a driver that
+replays a workload while checking SCHEDULING.md's rules with an independent bookkeeping of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from procs.scheduler import Scheduler, SchedulerConfig, StepOutput
+from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+
+EOS = 2
+FIRST_TOKEN = 100  # the k-th sampled token (0-based) of every request is FIRST_TOKEN + k, unless EOS
+
+
+@dataclass
+class Job:
+    """A request of a workload: it emits EOS as its `output_tokens`-th token."""
+
+    rid: str
+    arrival_step: int
+    input_tokens: int
+    output_tokens: int
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_after: int | None = None  # its (stop_after)-th token, FIRST_TOKEN + stop_after - 1, is a stop token id
+    cancel_before_step: int | None = None
+
+    @property
+    def limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else self.output_tokens
+
+    def stop_params(self) -> StopParams:
+        stop_ids = () if self.stop_after is None else (FIRST_TOKEN + self.stop_after - 1,)
+        return StopParams(max_tokens=self.limit, ignore_eos=self.ignore_eos, stop_token_ids=stop_ids)
+
+    def expected_end(self) -> tuple[int, str]:
+        """(tokens generated, finish reason) if never cancelled."""
+        ends = [(self.limit, "length")]
+        if not self.ignore_eos:
+            ends.append((self.output_tokens, "stop"))
+        if self.stop_after is not None and self.stop_after != self.output_tokens:  # that one is EOS instead
+            ends.append((self.stop_after, "stop"))
+        n = min(e[0] for e in ends)
+        return n, "stop" if any(e == (n, "stop") for e in ends) else "length"
+
+
+class AuditingExecutor:
+    """Plays the worker: keeps its own page table from the batch's updates and checks that every
+    token is fed at the right position, into a page its request owns, and that decodes feed back
+    exactly the token sampled last."""
+
+    def __init__(self, scheduler: Scheduler, jobs: dict[str, Job]) -> None:
+        self.scheduler = scheduler
+        self.jobs = jobs
+        self.P = scheduler.page_size
+        self.page_table: dict[tuple[int, int], int] = {}
+        self.page_owner: dict[int, str] = {}
+        self.slot_rid: dict[int, str] = {}
+        self.written: dict[str, int] = {}  # KV positions written per request
+        self.sampled: dict[str, list[int]] = {}
+        self.calls = 0
+
+    def forget(self, rid: str) -> None:
+        """The request ended: its slot row and pages may be reused by others from now on."""
+        for slot, owner in list(self.slot_rid.items()):
+            if owner == rid:
+                del self.slot_rid[slot]
+                for key in [k for k in self.page_table if k[0] == slot]:
+                    del self.page_table[key]
+        for page in [p for p, owner in self.page_owner.items() if owner == rid]:
+            del self.page_owner[page]
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        self.calls += 1
+        n = batch.num_requests
+        assert n > 0, "an empty batch was executed"
+        for name in ("prefix_lens", "extend_lens", "samples", "sampling", "sample_counts"):
+            assert len(getattr(batch, name)) == n, name
+        assert len(set(batch.slots)) == n, "a slot appears twice in one batch"
+        for name in ("input_ids", "positions", "kv_locs", "page_table_slots", "page_table_cols", "page_table_pages"):
+            assert getattr(batch, name).dtype == np.int32, name
+        assert batch.num_tokens == sum(batch.extend_lens)
+        assert batch.positions.shape == batch.kv_locs.shape == batch.input_ids.shape
+
+        for slot in batch.slots:
+            rid = self.scheduler.rid_in_slot(slot)
+            assert rid is not None, f"slot {slot} holds no request"
+            if self.slot_rid.get(slot) != rid:
+                assert slot not in self.slot_rid, f"slot {slot} reused while {self.slot_rid[slot]} still holds it"
+                self.slot_rid[slot] = rid
+        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
+                                   batch.page_table_pages.tolist()):
+            rid = self.slot_rid[slot]
+            assert 1 <= page < self.scheduler.num_pool_pages, f"page {page} outside 1..{self.scheduler.num_pool_pages - 1}"
+            assert page not in self.page_owner, f"page {page} given to {rid} while {self.page_owner[page]} holds it"
+            assert (slot, col) not in self.page_table, f"page-table entry ({slot}, {col}) overwritten"
+            assert col < self.scheduler.max_pages_per_request
+            self.page_owner[page] = rid
+            self.page_table[(slot, col)] = page
+
+        out: list[int] = []
+        offset = 0
+        for i, slot in enumerate(batch.slots):
+            rid = self.slot_rid[slot]
+            job = self.jobs[rid]
+            p, e = batch.prefix_lens[i], batch.extend_lens[i]
+            assert p == self.written.get(rid, 0), f"{rid}: prefix {p} but {self.written.get(rid, 0)} positions written"
+            sl = slice(offset, offset + e)
+            offset += e
+            positions = batch.positions[sl]
+            assert positions.tolist() == list(range(p, p + e))
+            expected_locs = [self.page_table[(slot, q // self.P)] * self.P + q % self.P for q in range(p, p + e)]
+            assert batch.kv_locs[sl].tolist() == expected_locs, f"{rid}: kv_locs off its pages"
+            sampled = self.sampled.setdefault(rid, [])
+            if sampled:  # prompt done: a decode feeding back the last sampled token
+                assert e == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], f"{rid}: bad decode input"
+            else:
+                assert p + e <= job.input_tokens
+                assert batch.samples[i] == (p + e == job.input_tokens)
+            self.written[rid] = p + e
+            assert batch.sample_counts[i] == len(sampled)
+            if batch.samples[i]:
+                k = len(sampled)
+                token = EOS if k + 1 == job.output_tokens else FIRST_TOKEN + k
+                sampled.append(token)
+                out.append(token)
+        assert offset == batch.num_tokens
+        return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
+
+
+@dataclass
+class _Book:
+    """The driver's own view of one request, kept from StepOutputs only."""
+
+    job: Job
+    admitted: bool = False
+    admit_seq: int = -1
+    prefilled: int = 0
+    generated: int = 0
+    fed: int = 0
+    ended: str = ""  # "", "finished", "cancelled"
+    tokens: list[int] = field(default_factory=list)
+
+
+def pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 5000) -> list[StepOutput]:
+    """Replay `jobs` step by step; assert every scheduling rule and invariant along the way."""
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    by_rid = {j.rid: j for j in jobs}
+    ex = AuditingExecutor(sched, by_rid)
+    books = {j.rid: _Book(j) for j in jobs}
+    waiting: list[str] = []  # the driver's own FIFO
+    P = config.page_size
+    usable_pages = config.kv_capacity_tokens // P
+    last_arrival = max(j.arrival_step for j in jobs)
+    trace: list[StepOutput] = []
+    admissions = 0
+
+    for step in range(max_steps):
+        for j in jobs:
+            if j.arrival_step == step:
+                sched.add_request(j.rid, list(range(3, 3 + j.input_tokens)), SamplingParams(), j.stop_params())
+                waiting.append(j.rid)
+        cancelled_now: list[str] = []
+        for j in jobs:
+            if j.cancel_before_step == step:
+                b = books[j.rid]
+                assert sched.abort(j.rid) == (b.ended == "" and j.arrival_step <= step)
+                if j.arrival_step <= step and not b.ended:
+                    b.ended = "cancelled"
+                    cancelled_now.append(j.rid)
+                    if j.rid in waiting:
+                        waiting.remove(j.rid)
+                    ex.forget(j.rid)
+        if step > last_arrival and all(b.ended for b in books.values()):
+            break
+
+        # What SCHEDULING.md says about the head of the queue, from the driver's own books.
+        live_admitted = sorted((b for b in books.values() if b.admitted and not b.ended), key=lambda b: b.admit_seq)
+        free_slots = config.max_running_requests - len(live_admitted)
+        reserved = sum(pages(b.job.input_tokens + b.job.limit - (b.generated - b.fed), P) for b in live_admitted)
+        head = books[waiting[0]] if waiting else None
+        head_fits = head is not None and pages(head.job.input_tokens + head.job.limit, P) + reserved <= usable_pages
+        decodable = [b.job.rid for b in live_admitted if b.prefilled == b.job.input_tokens]
+
+        out = sched.step(ex)
+        trace.append(out)
+        assert out.step == step
+
+        prefill_rids = [rid for rid, _ in out.prefill]
+        old_chunks = sum(n for rid, n in out.prefill if books[rid].admitted)
+        if config.policy == "mixed":
+            assert out.decode == decodable, "mixed decodes every request that finished its prefill"
+            assert sum(n for _, n in out.prefill) + len(out.decode) <= config.prefill_budget
+        else:
+            assert sum(n for _, n in out.prefill) <= config.prefill_budget
+            if out.prefill:
+                assert not out.decode, f"{config.policy}: a step is either prefill or decode"
+            else:
+                assert out.decode == decodable, f"{config.policy}: decode every request done with prefill"
+        if head is not None and config.policy != "fixed":
+            budget_left = config.prefill_budget - old_chunks - (len(out.decode) if config.policy == "mixed" else 0)
+            should = free_slots > 0 and budget_left > 0 and head_fits
+            assert (head.job.rid in prefill_rids) == should, (
+                f"step {step}: head {head.job.rid} admitted={head.job.rid in prefill_rids}, expected {should} "
+                f"(free slots {free_slots}, budget left {budget_left}, fits {head_fits})")
+        if config.policy == "fixed":
+            if any(not books[rid].admitted for rid in prefill_rids):
+                assert not live_admitted, "fixed: nobody joins a running group"
+            if head is not None and not live_admitted:
+                assert head.job.rid in prefill_rids, "fixed: a new group forms as soon as the last one ends"
+
+        # Apply the step to the books.
+        for rid, n in out.prefill:
+            b = books[rid]
+            if not b.admitted:
+                assert waiting and waiting[0] == rid, f"{rid} admitted out of FIFO order"
+                waiting.pop(0)
+                b.admitted = True
+                b.admit_seq = admissions
+                admissions += 1
+            assert 1 <= n and b.prefilled + n <= b.job.input_tokens
+            b.prefilled += n
+        for rid in out.decode:
+            books[rid].fed += 1
+        for rid, token in out.new_tokens:
+            books[rid].generated += 1
+            books[rid].tokens.append(token)
+        assert out.batch_size == len(out.prefill) + len(out.decode)
+        assert set(out.finish_reasons) == set(out.finished)
+        for rid in out.finished:
+            b = books[rid]
+            n, reason = b.job.expected_end()
+            assert (b.generated, out.finish_reasons[rid]) == (n, reason), rid
+            assert b.prefilled == b.job.input_tokens, "chunks must add up to the prompt"
+            b.ended = "finished"
+            ex.forget(rid)
+        assert sorted(out.cancelled) == sorted(cancelled_now)
+
+        # Invariants after every step.
+        live = [b for b in books.values() if b.admitted and not b.ended]
+        assert sched.num_running == len(live)
+        assert sched.num_waiting == len(waiting)
+        assert sched.kv_used_tokens <= sched.kv_capacity_tokens
+        assert sched.kv_used_tokens == P * sum(pages(b.prefilled + b.fed, P) for b in live)
+        assert sched.kv_reserved_tokens == P * sum(
+            pages(b.job.input_tokens + b.job.limit - (b.generated - b.fed), P) for b in live)
+        assert sched.kv_reserved_tokens <= sched.kv_capacity_tokens
+    else:
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    # Everything ended and nothing leaked.
+    assert all(b.ended for b in books.values())
+    assert not sched.has_unfinished()
+    assert sched.num_running == sched.num_waiting == 0
+    assert sched.kv_used_tokens == 0 and sched.kv_reserved_tokens == 0
+    assert sched.allocator.num_free == usable_pages
+    assert sched.table.has_free_slot and sched.table.num_used == 0
+    assert all(sched.rid_in_slot(s) is None for s in range(config.max_running_requests))
+    return trace
