@@ -243,7 +243,7 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{unit.name} still running {limit:.0f}s after SIGTERM\n{host.all_logs()}") from None
             assert status == 0, f"{unit.name} exited {status} after SIGTERM\n{host.all_logs()}"
-            print(f"{unit.name}: exit 0 {time.monotonic() - started:.2f}s after SIGTERM (TimeoutStopSec={limit:.0f}s)")
+            print(f"{unit.name} (pid {proc.pid}): exit 0 {time.monotonic() - started:.2f}s after SIGTERM (TimeoutStopSec={limit:.0f}s)")
     finally:
         for proc, notify in procs.values():
             if proc.poll() is None:
