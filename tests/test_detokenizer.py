@@ -3,10 +3,11 @@ built in the test: a byte-level BPE (splits emoji and CJK across tokens) and a M
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
@@ -169,6 +170,57 @@ def test_prompt_context_keeps_the_leading_space() -> None:
     assert detok.finish() == ""
     alone = IncrementalDetokenizer(tok)
     assert "".join(alone.add([t]).text for t in (1, 2, 3)) + alone.finish() == "Hello world!"
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama/Mistral-style SentencePiece BPE: characters outside the vocab become <0xXX> tokens,
+    and the decoder shows each byte of an incomplete sequence as its own U+FFFD."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "a", "b", "c", "▁a", "▁b", "ab", "é", "中"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+BYTE_FALLBACK = _byte_fallback_tokenizer()
+
+
+def test_byte_fallback_tokenizer_shows_one_replacement_per_byte() -> None:
+    ids = BYTE_FALLBACK.encode("a😀").ids
+    assert BYTE_FALLBACK.decode(ids[:-1]).endswith("\ufffd\ufffd\ufffd")  # held back as a whole
+    detok = IncrementalDetokenizer(BYTE_FALLBACK)
+    assert [detok.add([i]).text for i in ids] == ["a", "", "", "", "😀"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab c中é日😀ñ", max_size=30),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+)
+def test_byte_fallback_stream_matches_full_decode(text: str, cuts: list[int]) -> None:
+    ids = BYTE_FALLBACK.encode(text).ids
+    expected = BYTE_FALLBACK.decode(ids)
+    detok = IncrementalDetokenizer(BYTE_FALLBACK)
+    emitted = ""
+    for chunk in _chunked(ids, cuts):
+        emitted += detok.add(chunk).text
+        assert expected.startswith(emitted)
+    assert emitted + detok.finish() == expected
+
+
+def test_numpy_ids_are_accepted() -> None:
+    ids = BYTE_BPE.encode(MULTILINGUAL).ids
+    detok = IncrementalDetokenizer(BYTE_BPE, prompt_ids=np.array(ids[:3], dtype=np.int32))
+    text = "".join(detok.add(np.array([i], dtype=np.int32)).text for i in ids[3:])
+    assert text + detok.add(np.array([], dtype=np.int32)).text + detok.finish() == BYTE_BPE.decode(
+        ids[3:]
+    )
 
 
 # --- stop strings -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ where the text was last complete. Decoding from there keeps whatever the decoder
 of a sequence (a SentencePiece tokenizer drops the first leading space) identical between the
 window decode and the text already emitted, and byte-level BPE tokens that carry part of a UTF-8
 character never leave half a character: while the window's text ends in U+FFFD (an incomplete
-sequence so far) its last character is held back.
+sequence so far) those trailing characters are held back.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class IncrementalDetokenizer:
     `add(ids)` returns the new text that is safe to send; `finish()` returns what was held back
     (a partial stop-string prefix, an incomplete UTF-8 tail) once generation has ended. The
     concatenation of everything returned equals `decode(all generated ids)` up to the first stop
-    string, which is never included.
+    string, which is never included. (One exception, shared with vLLM: a byte-fallback tokenizer
+    whose output ends in invalid UTF-8 decodes the whole final byte run as U+FFFDs, including
+    characters already sent; valid UTF-8 output always matches.)
     """
 
     def __init__(
@@ -109,7 +111,7 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the new text that is safe to send."""
         if self._finished:
             raise RuntimeError("add() after finish()")
-        if self.stopped or not token_ids:
+        if self.stopped or len(token_ids) == 0:
             return self._output("")
         self._ids.extend(int(t) for t in token_ids)
         return self._output(self._stop.feed(self._decode_new(final=False)))
@@ -127,11 +129,13 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, *, final: bool) -> str:
         text = self._decode(self._ids[self._prefix_offset :])
-        incomplete = text.endswith(REPLACEMENT_CHAR) and not final
-        stable_end = len(text) - 1 if incomplete else len(text)
+        # Hold the whole trailing run of U+FFFD: byte-level BPE shows an incomplete character as
+        # one U+FFFD, but byte-fallback decoders (Llama/Mistral SentencePiece) show one per byte.
+        stable_end = len(text) if final else len(text.rstrip(REPLACEMENT_CHAR))
         new_text = text[self._emitted_len : stable_end] if stable_end > self._emitted_len else ""
+        # max(): a byte-fallback run can turn already-sent text into U+FFFDs until it completes.
         self._emitted_len = max(self._emitted_len, stable_end)
-        if not incomplete:
+        if stable_end == len(text):
             self._advance_window()
         return new_text
 
