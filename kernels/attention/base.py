@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -19,15 +19,16 @@ class AttentionMetadata:
     Requests are in batch order; request i owns the next `extend_lens[i]` rows of the packed q/k/v
     and attends to its first `prefix_lens[i] + extend_lens[i]` cached tokens (causally for its own
     chunk), which it finds through `page_table[slots[i]]`. `kv_locs` are the flat pool indices where
-    the step's new K/V go. A padded decode batch (CUDA-graph sizes) appends rows with extend_len 1,
-    prefix_len 0, a slot whose page-table row points at page 0 and kv_loc 0, so padding only ever
-    touches the dummy page.
+    the step's new K/V go. A padded decode batch (CUDA-graph sizes) ends with `num_padding` rows of
+    extend_len 1 and prefix_len 0 whose kv_loc is in the dummy page 0; backends let them attend to
+    the dummy page only (their slot is ignored), so padding never reads or writes real KV.
     """
 
     slots: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
     kv_locs: torch.Tensor  # [num_tokens] int64 on the device
+    num_padding: int = 0  # trailing padded decode rows (see above)
 
     @property
     def num_tokens(self) -> int:
@@ -55,3 +56,20 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H, D]; stores k/v at the planned kv_locs."""
+
+
+class CudaGraphAttentionBackend(AttentionBackend):
+    """A backend whose padded decode step can be captured in a CUDA graph.
+
+    `init_cuda_graphs(batch_sizes)` allocates fixed-size index buffers once; `plan_cuda_graph`
+    (a decode batch padded to one of those sizes) rewrites them in place, so a graph captured after
+    one such plan replays correctly after a later one.
+    """
+
+    @abstractmethod
+    def init_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Allocate the static decode buffers for these (padded) batch sizes."""
+
+    @abstractmethod
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        """Like `plan`, for a decode-only batch whose size is one of the `init_cuda_graphs` sizes."""

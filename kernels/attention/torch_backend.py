@@ -73,6 +73,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
             index = self._token_index(torch.tensor(decode_slots, dtype=torch.int64, device=device), max(decode_lens))
+            if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
+                index[-metadata.num_padding:] = 0
             valid = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
             self._decode = _DecodeGroup(rows, torch.where(valid, index, 0), valid[:, None, None, :])
 
