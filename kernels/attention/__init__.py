@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata
+import torch
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
 
 if TYPE_CHECKING:
     from procs.worker.kv_cache import KVCache
@@ -18,18 +20,28 @@ def _torch_backend() -> type[AttentionBackend]:
     return TorchAttentionBackend
 
 
+def _flashinfer_backend() -> type[AttentionBackend]:
+    """Raises `FlashInferUnavailable` (an ImportError and a ValueError) where flashinfer is missing."""
+    from kernels.attention.flashinfer import FlashInferAttentionBackend, import_flashinfer
+
+    import_flashinfer()
+    return FlashInferAttentionBackend
+
+
 # name -> loader of the backend class (imported lazily: a CUDA backend must not be imported on CPU)
-BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend}
+BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend, "flashinfer": _flashinfer_backend}
 
 
 def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
     BACKENDS[name] = loader
 
 
-def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` picks flashinfer on CUDA when it is registered and importable, torch otherwise."""
+def resolve_backend_name(name: str, device_type: str, dtype: "torch.dtype | None" = None) -> str:
+    """`auto` picks flashinfer on CUDA (at 16-bit dtypes) when it is registered and importable, torch otherwise."""
     if name != "auto":
         return name
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return "torch"
     if device_type == "cuda" and "flashinfer" in BACKENDS:
         try:
             BACKENDS["flashinfer"]()
@@ -41,11 +53,11 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int,
                    scale: float) -> AttentionBackend:
-    name = resolve_backend_name(name, kv_cache.device.type)
+    name = resolve_backend_name(name, kv_cache.device.type, kv_cache.dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
     return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "create_backend", "register_backend",
-           "resolve_backend_name"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "CudaGraphAttentionBackend", "create_backend",
+           "register_backend", "resolve_backend_name"]

@@ -1,0 +1,177 @@
+"""Attention on flashinfer's paged-KV kernels (CUDA, float16/bfloat16).
+
+The pool's per-layer K/V `[num_pages, page_size, kv_heads, head_dim]` is flashinfer's NHD layout, so
+the kernels read it in place. Per step, `plan()` turns the batch into flashinfer's page lists
+(`indptr` / `indices` / `last_page_len`, gathered from the page table on the device) and plans one
+wrapper, once for all layers:
+- decode-only steps (every request feeds one token): `BatchDecodeWithPagedKVCacheWrapper`;
+- steps with prefill chunks (alone or beside decodes): `BatchPrefillWithPagedKVCacheWrapper` with
+  `qo_indptr` and a causal mask (flashinfer aligns a request's queries with the end of its KV, which
+  is exactly a chunk after its cached prefix).
+Every layer writes its new K/V at `kv_locs` with a plain `index_copy_` into the pool, then runs the
+planned wrapper.
+
+CUDA graphs: `init_cuda_graphs` builds one decode wrapper per captured batch size with
+`use_cuda_graph=True` over shared fixed-size indptr / indices / last_page_len buffers, and
+`plan_cuda_graph` rewrites those buffers (and the wrapper's plan) in place before each replay.
+Padded rows get one page, the dummy page 0, holding one token.
+
+flashinfer is imported lazily: this module imports on any machine, and asking for the backend
+where flashinfer (or CUDA) is missing is a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from kernels.attention.base import AttentionMetadata, CudaGraphAttentionBackend
+
+if TYPE_CHECKING:
+    from procs.worker.kv_cache import KVCache
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class FlashInferUnavailable(ImportError, ValueError):
+    """flashinfer cannot be imported. An ImportError (so `auto` falls back to torch) and a ValueError
+    (so an explicit `--attention-backend flashinfer` is reported as a user error)."""
+
+
+def import_flashinfer() -> ModuleType:
+    try:
+        import flashinfer
+    except (ImportError, OSError, RuntimeError) as exc:  # missing, or its CUDA libraries don't load
+        raise FlashInferUnavailable(
+            "attention backend 'flashinfer' needs the flashinfer package (pip install flashinfer-python) "
+            f"and a CUDA GPU: {exc}; use --attention-backend torch") from exc
+    return flashinfer
+
+
+def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """flashinfer's tensor-core decode pays off once a KV head serves 4 or more query heads."""
+    return num_heads // num_kv_heads >= 4
+
+
+@dataclass
+class PageLists:
+    """flashinfer's CSR description of each request's KV pages."""
+
+    indptr: torch.Tensor  # [batch + 1] int32, host: request i's pages are indices[indptr[i]:indptr[i+1]]
+    indices: torch.Tensor  # [indptr[-1]] int32, device
+    last_page_len: torch.Tensor  # [batch] int32, host: tokens in each request's last page (1..page_size)
+
+
+def page_lists(metadata: AttentionMetadata, page_table: torch.Tensor, page_size: int) -> PageLists:
+    """Page lists for a step whose new K/V are already in the pool: request i's KV is its first
+    `prefix_lens[i] + extend_lens[i]` tokens; padded rows hold one token in the dummy page 0."""
+    n = len(metadata.slots)
+    real = n - metadata.num_padding
+    kv_lens = np.asarray(metadata.prefix_lens, dtype=np.int64) + np.asarray(metadata.extend_lens, dtype=np.int64)
+    kv_lens[real:] = 1
+    num_pages = (kv_lens + page_size - 1) // page_size
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(num_pages, out=indptr[1:])
+    last_page_len = kv_lens - (num_pages - 1) * page_size
+    real_pages = int(indptr[real])
+    indices = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=page_table.device)  # padding: page 0
+    if real_pages:
+        # flat page-table positions (slot, column) of every real request's pages, gathered on the device
+        width = page_table.shape[1]
+        counts = num_pages[:real]
+        columns = np.arange(real_pages, dtype=np.int64) - np.repeat(indptr[:real], counts)
+        flat = np.repeat(np.asarray(metadata.slots[:real], dtype=np.int64) * width, counts) + columns
+        flat_t = torch.from_numpy(flat).to(page_table.device, non_blocking=True)
+        indices[:real_pages] = page_table.view(-1).index_select(0, flat_t)
+    return PageLists(indptr=torch.from_numpy(indptr.astype(np.int32)), indices=indices,
+                     last_page_len=torch.from_numpy(last_page_len.astype(np.int32)))
+
+
+class FlashInferAttentionBackend(CudaGraphAttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
+        if kv_cache.device.type != "cuda":
+            raise ValueError(f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
+                             "use --attention-backend torch")
+        if kv_cache.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"attention backend 'flashinfer' needs --dtype bfloat16 or float16, got {kv_cache.dtype}; "
+                             "use --attention-backend torch for float32")
+        self._flashinfer = import_flashinfer()
+        device = kv_cache.device
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
+        self._prefill_wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode_wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self._tensor_cores)
+        self._graph_wrappers: dict[int, Any] = {}
+        self._wrapper: Any = None  # the wrapper planned for this step
+        self._kv_locs: torch.Tensor | None = None
+
+    # -- per step ---------------------------------------------------------------------------------
+
+    def _shape_args(self) -> tuple[int, int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size
+
+    def _plan_decode(self, wrapper: Any, metadata: AttentionMetadata) -> None:
+        pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
+        wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
+                     pos_encoding_mode="NONE", sm_scale=self.scale,
+                     q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+        self._wrapper = wrapper
+        self._kv_locs = metadata.kv_locs
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        if all(length == 1 for length in metadata.extend_lens):
+            self._plan_decode(self._decode_wrapper, metadata)
+            return
+        pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
+        qo_indptr = torch.zeros(len(metadata.extend_lens) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(metadata.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+        self._prefill_wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
+                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
+                                   q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+        self._wrapper = self._prefill_wrapper
+        self._kv_locs = metadata.kv_locs
+
+    # -- CUDA graphs --------------------------------------------------------------------------------
+
+    def init_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        max_bs = max(batch_sizes)
+        device = self.kv_cache.device
+        # Shared by every size's wrapper: one graph runs at a time and its plan rewrites them first.
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self._graph_wrappers = {
+            size: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+                paged_kv_indptr_buffer=self._graph_indptr[:size + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:size],
+            )
+            for size in batch_sizes
+        }
+
+    def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
+        size = len(metadata.slots)
+        wrapper = self._graph_wrappers.get(size)
+        if wrapper is None:
+            raise ValueError(f"no CUDA-graph decode buffers for batch size {size} "
+                             f"(initialised: {sorted(self._graph_wrappers)})")
+        if any(length != 1 for length in metadata.extend_lens):
+            raise ValueError("plan_cuda_graph takes decode-only batches")
+        self._plan_decode(wrapper, metadata)
+
+    # -- per layer --------------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
+        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+        return self._wrapper.run(q.contiguous(), (self.kv_cache.k[layer], self.kv_cache.v[layer]))
