@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, create_backend
+from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
@@ -65,7 +66,8 @@ class ModelRunner:
 
     def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
                  page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 1.0,
-                 max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto"):
+                 max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
+                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.model_dir = resolve_model(model)
@@ -91,13 +93,21 @@ class ModelRunner:
         self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self._sample_batch = _sampler()
+        # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
+        # (CUDA graphs where the backend allows); disable_cuda_graph: every step runs the plain eager path.
+        if cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
+        self.graph_runner: DecodeGraphRunner | None = None if disable_cuda_graph else DecodeGraphRunner(
+            self.model, self.attention, self.kv_cache,
+            max_batch_size=min(cuda_graph_max_bs or max_running_requests, max_running_requests))
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> "ModelRunner":
         return cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
                    kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
                    max_running_requests=config.max_running_requests, max_context=config.max_context,
-                   attention_backend=config.attention_backend)
+                   attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
+                   cuda_graph_max_bs=config.cuda_graph_max_bs)
 
     # -- properties the scheduler sizes itself by ---------------------------------------------------
 
@@ -146,6 +156,8 @@ class ModelRunner:
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Run the batch's forward pass (page table already applied); float32 logits of sampling requests."""
+        if self.graph_runner is not None and self.graph_runner.handles(batch):
+            return self.graph_runner.forward_logits(batch)
         device = self.device
         to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
         self.attention.plan(AttentionMetadata(

@@ -1,0 +1,152 @@
+"""Decode steps on static, padded buffers: CUDA-graph replay on CUDA, the same path eagerly elsewhere.
+
+A decode batch of b requests runs at the smallest captured size s >= b (sizes 1, 2, 4, 8, then every
+8 up to the largest, which is always included). Its ids, positions and KV locations are copied into
+static buffers; rows b..s-1 are padding (token 0 at position 0, K/V written into the dummy page 0,
+attending to the dummy page only), and only the real rows' logits are returned.
+
+On CUDA with a `CudaGraphAttentionBackend` (flashinfer) one graph per size is captured at start and
+replayed after the backend rewrites its static plan buffers. Elsewhere (CPU, or the torch backend,
+whose per-step plan is not capturable) the same padded buffers run through the model eagerly, so
+the padding logic is exercised on every machine; there only the real rows get the LM head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
+from procs.worker.kv_cache import KVCache
+from procs.worker.models.llama import LlamaModel
+from shared.messages import ForwardBatch
+
+SMALL_SIZES = (1, 2, 4, 8)
+SIZE_STEP = 8
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8, up to and including `max_batch_size` (so every size has a bucket)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max batch size for CUDA graphs must be >= 1, got {max_batch_size}")
+    sizes = {s for s in SMALL_SIZES if s <= max_batch_size}
+    sizes.update(range(SMALL_SIZES[-1] + SIZE_STEP, max_batch_size + 1, SIZE_STEP))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
+class DecodeGraphRunner:
+    """Runs decode-only batches of up to `max_batch_size` requests padded to a captured size."""
+
+    def __init__(self, model: LlamaModel, attention: AttentionBackend, kv_cache: KVCache, *, max_batch_size: int):
+        self.model = model
+        self.attention = attention
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.batch_sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = self.batch_sizes[-1]
+        size = self.max_batch_size
+        # rows: input ids, positions, kv_locs; zeros are exactly the padding values
+        self._inputs = torch.zeros((3, size), dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"
+        self._staging = self._inputs if not pinned else torch.zeros((3, size), dtype=torch.int64, pin_memory=True)
+        self._staging_np = self._staging.numpy()
+        self._rows = torch.arange(size, dtype=torch.int64, device=self.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_logits: dict[int, torch.Tensor] = {}
+        self.steps_per_size: Counter[int] = Counter()  # padded steps run, by padded size
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0  # device memory taken by capture (torch.cuda.mem_get_info before/after)
+        if self.device.type == "cuda" and isinstance(attention, CudaGraphAttentionBackend):
+            self._capture()
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return bool(self._graphs)
+
+    def bucket_for(self, batch_size: int) -> int:
+        """The smallest captured size >= batch_size."""
+        for size in self.batch_sizes:
+            if size >= batch_size:
+                return size
+        raise ValueError(f"batch of {batch_size} exceeds the largest captured size {self.max_batch_size}")
+
+    def handles(self, batch: ForwardBatch) -> bool:
+        """Decode-only batches up to the largest size; prefill, mixed and larger batches run eagerly."""
+        return batch.num_requests <= self.max_batch_size and batch.is_decode_only
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """float32 logits of the batch's sampling requests (page table already applied)."""
+        n = batch.num_requests
+        size = self.bucket_for(n)
+        staged = self._staging_np
+        staged[0, :n] = batch.input_ids
+        staged[1, :n] = batch.positions
+        staged[2, :n] = batch.kv_locs
+        staged[:, n:size] = 0
+        if self._staging is not self._inputs:
+            self._inputs[:, :size].copy_(self._staging[:, :size], non_blocking=True)
+        padding = size - n
+        metadata = AttentionMetadata(
+            slots=list(batch.slots) + [0] * padding, prefix_lens=list(batch.prefix_lens) + [0] * padding,
+            extend_lens=[1] * size, kv_locs=self._inputs[2, :size], num_padding=padding,
+        )
+        self.steps_per_size[size] += 1
+        samples = np.asarray(batch.samples, dtype=bool)
+        if not samples.any():
+            self._run_eager(metadata, size, None)
+            return None
+        rows = self._rows[:n] if samples.all() else torch.from_numpy(np.flatnonzero(samples)).to(self.device)
+        graph = self._graphs.get(size)
+        if graph is None:
+            return self._run_eager(metadata, size, rows)
+        self.attention.plan_cuda_graph(metadata)
+        graph.replay()
+        return self._graph_logits[size][rows]  # a copy: the static output is overwritten by the next replay
+
+    def _run_eager(self, metadata: AttentionMetadata, size: int, rows: torch.Tensor | None) -> torch.Tensor | None:
+        self.attention.plan(metadata)
+        return self._forward_static(size, rows)
+
+    def _forward_static(self, size: int, rows: torch.Tensor | None) -> torch.Tensor | None:
+        return self.model.forward(self._inputs[0, :size], self._inputs[1, :size], self.attention, rows)
+
+    # -- capture ----------------------------------------------------------------------------------
+
+    def _padding_metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slots=[0] * size, prefix_lens=[0] * size, extend_lens=[1] * size,
+                                 kv_locs=self._inputs[2, :size], num_padding=size)
+
+    def _capture(self) -> None:
+        """Capture one graph per size, largest first so the smaller ones reuse its memory pool.
+        Warm-up and capture run all-padding batches: they touch only the dummy page."""
+        attention = self.attention
+        assert isinstance(attention, CudaGraphAttentionBackend)
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        attention.init_cuda_graphs(self.batch_sizes)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        with torch.inference_mode():
+            for size in reversed(self.batch_sizes):
+                rows = self._rows[:size]
+                attention.plan_cuda_graph(self._padding_metadata(size))
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm-up: lazy initialisation and autotuning stay out of the graph
+                        self._forward_static(size, rows)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward_static(size, rows)
+                self._graphs[size] = graph
+                self._graph_logits[size] = logits
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
