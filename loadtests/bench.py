@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("workload")
     load.add_argument("--workload", choices=("random", "chat"), default="random",
                       help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix")
-    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--num-prompts", default="100", help="requests per load point: one number, or a comma "
+                      "list with one entry per point (each a prefix of the same seeded workload)")
     load.add_argument("--input-len", default="128:512", help="prompt tokens, N or MIN:MAX (random workload)")
     load.add_argument("--output-len", default="64:256", help="output tokens, N or MIN:MAX (random workload)")
     load.add_argument("--seed", type=int, default=0)
@@ -90,6 +91,20 @@ def parse_points(concurrency: str | None, request_rate: str | None) -> list[Load
     return [LoadPoint(concurrency=c) for c in levels]
 
 
+def parse_num_prompts(text: str, num_points: int) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise CliError(f"--num-prompts: expected integers separated by commas, got {text!r}") from None
+    if any(c < 1 for c in counts):
+        raise CliError(f"--num-prompts: every count must be >= 1, got {text!r}")
+    if len(counts) == 1:
+        return counts * num_points
+    if len(counts) != num_points:
+        raise CliError(f"--num-prompts: {len(counts)} counts for {num_points} load points")
+    return counts
+
+
 def resolve_model_dir(model: str) -> Path:
     """A Hugging Face model folder for `model`: a folder path as is, else the worker's model resolver."""
     path = Path(model)
@@ -133,24 +148,24 @@ def _named_url(text: str) -> tuple[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1:
-        raise CliError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.warmup < 0:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
     points = parse_points(args.concurrency, args.request_rate)
+    counts = parse_num_prompts(args.num_prompts, len(points))
+    num_prompts = max(counts)
     policies = [p for p in args.policies.split(",") if p] if args.compare else []
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")
     with_transformers = args.compare and not args.no_transformers
     builder, tokenizer_desc = prompt_builder(args.tokenizer, args.model, need_model=with_transformers)
     if args.workload == "chat":
-        specs = chat_workload(args.num_prompts, args.seed, builder)
+        specs = chat_workload(num_prompts, args.seed, builder)
         warmup = chat_workload(args.warmup, args.seed + 1, builder) if args.warmup else []
     else:
         lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
-        specs = random_workload(args.num_prompts, *lens, args.seed, builder)
+        specs = random_workload(num_prompts, *lens, args.seed, builder)
         warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
-    plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress)
+    plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress, counts)
 
     records: list[RunRecord] = []
     try:
@@ -177,19 +192,21 @@ def main(args: argparse.Namespace) -> int:
     for baseline in baselines:
         print("\n" + format_ratios(records, baseline))
     if args.output:
-        write_json(args.output, _workload_info(args, tokenizer_desc, len(warmup)), records, baselines)
+        write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records, baselines)
         print(f"\nresults: {args.output}")
     if args.plot:
         from loadtests.plot import plot_sweep
 
-        plot_sweep(records, args.plot, title=f"{args.model}, {args.workload} workload, {args.num_prompts} prompts")
+        plot_sweep(records, args.plot, title=f"{args.model}, {args.workload} workload, {args.num_prompts} prompts, "
+                   f"{args.endpoint} endpoint")
         print(f"plot: {args.plot}")
     return 1 if any(r.metrics.completed == 0 for r in records) else 0
 
 
-def _workload_info(args: argparse.Namespace, tokenizer_desc: str, num_warmup: int) -> dict[str, Any]:
+def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: str,
+                   num_warmup: int) -> dict[str, Any]:
     return {
-        "workload": args.workload, "num_prompts": args.num_prompts, "seed": args.seed,
+        "workload": args.workload, "num_prompts": counts, "seed": args.seed,
         "input_len": args.input_len if args.workload == "random" else "chat mix",
         "output_len": args.output_len if args.workload == "random" else "chat mix",
         "endpoint": args.endpoint, "model": args.model, "prompts_from": tokenizer_desc, "warmup": num_warmup,

@@ -30,12 +30,16 @@ class Plan:
     endpoint: Endpoint
     request_timeout_s: float = 600.0
     show_progress: bool = True
+    num_prompts: Sequence[int] = ()  # per point (a prefix of `specs`); empty: all of `specs` at every point
+
+    def specs_for(self, index: int) -> Sequence[RequestSpec]:
+        return self.specs[: self.num_prompts[index]] if self.num_prompts else self.specs
 
 
 async def _sweep(label: str, send: Sender, plan: Plan) -> list[RunRecord]:
     records = []
-    for point in plan.points:
-        metrics, _ = await measure(send, plan.specs, point, plan.seed, warmup=plan.warmup,
+    for i, point in enumerate(plan.points):
+        metrics, _ = await measure(send, plan.specs_for(i), point, plan.seed, warmup=plan.warmup,
                                    desc=f"{label} @ {point.label()}", show_progress=plan.show_progress)
         record = RunRecord(label, point, metrics)
         print(format_run(record), flush=True)

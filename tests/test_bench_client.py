@@ -159,7 +159,7 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
     with FakeServerThread() as other:
         status = cli_main([
             "bench", "--compare", "--serve-command", f"{shlex.quote(sys.executable)} -m loadtests.fake_openai_server --token-interval-ms 1",
-            "--model", str(tiny_model), "--endpoint", "chat", "--num-prompts", "6", "--input-len", "3:6",
+            "--model", str(tiny_model), "--endpoint", "chat", "--num-prompts", "3,6", "--input-len", "3:6",
             "--output-len", "2:5", "--concurrency", "1,3", "--max-batch-size", "3", "--warmup", "1",
             "--compare-url", f"other={other.base_url}", "--output", str(out), "--plot", str(plot),
             "--no-progress", "--log-dir", str(tmp_path / "logs"),
@@ -168,7 +168,10 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
     doc = json.loads(out.read_text())
     configs = ["mixed", "prefill-first", "fixed", "other", "transformers"]
     assert [(r["config"], r["concurrency"]) for r in doc["runs"]] == [(c, n) for c in configs for n in (1, 3)]
-    assert all(r["metrics"]["completed"] == 6 and r["metrics"]["failed"] == 0 for r in doc["runs"])
+    # per-point request counts: 3 at concurrency 1, 6 at concurrency 3
+    assert all(r["metrics"]["completed"] == {1: 3, 3: 6}[r["concurrency"]] for r in doc["runs"])
+    assert all(r["metrics"]["failed"] == 0 for r in doc["runs"])
+    assert doc["workload"]["num_prompts"] == [3, 6]
     assert set(doc["ratios"]) == {"fixed", "transformers"}
     assert len(doc["ratios"]["fixed"]) == 8  # 4 other configs x 2 points
     assert doc["workload"]["prompts_from"].endswith("tokenizer.json")
@@ -182,6 +185,7 @@ def test_cli_user_errors_are_one_line(capsys):
     assert cli_main(["bench", "--concurrency", "0"]) == 2
     assert "--concurrency" in capsys.readouterr().err
     assert cli_main(["bench", "--concurrency", "1", "--request-rate", "2"]) == 2
+    assert cli_main(["bench", "--concurrency", "1,2", "--num-prompts", "1,2,3"]) == 2
     assert cli_main(["bench", "--input-len", "9:3", "--tokenizer", "words"]) == 2
     assert cli_main(["bench", "--compare", "--policies", "fastest", "--no-transformers"]) == 2
     err = capsys.readouterr().err

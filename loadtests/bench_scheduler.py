@@ -1,0 +1,128 @@
+"""Time one scheduler iteration with 256 running and 1,000 waiting requests (fake executor).
+
+Run: `.venv/bin/python loadtests/bench_scheduler.py [--steps N]`. Scheduler time = `Scheduler.step()`
+wall time minus the time spent inside the executor (reported on its own line). Three workloads:
+
+- decode:  prefill-first, every slot decoding, nobody finishing (the steady state of a full server);
+- churn:   mixed, ~5 requests finish per step and their slots are refilled from the queue with
+           128-token prompts (admission, chunking, page allocation and release every step);
+- paged:   as churn, with 16-token pages.
+
+The reference line is a bare Python loop that touches each of the 256 running requests once: the
+floor of any per-request Python scheduler, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from procs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams  # noqa: E402
+
+RUNNING = 256
+WAITING = 1000
+EOS = 2
+
+
+class TimedFakeExecutor:
+    """Vectorised fake model; the request in slot s emits EOS once (sampled + s) hits `period`."""
+
+    def __init__(self, period: int) -> None:
+        self.period = period
+        self.seconds = 0.0
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        t0 = time.perf_counter()
+        samples = np.asarray(batch.samples, dtype=bool)
+        counts = np.asarray(batch.sample_counts, dtype=np.int64)[samples]
+        slots = np.asarray(batch.slots, dtype=np.int64)[samples]
+        ids = np.where((counts + slots) % self.period == self.period - 1, EOS, 100).astype(np.int32)
+        result = StepResult(step=batch.step, next_token_ids=ids)
+        self.seconds += time.perf_counter() - t0
+        return result
+
+
+def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, list[int]]:
+    config = SchedulerConfig(max_running_requests=RUNNING, prefill_budget=8192, page_size=page_size,
+                             kv_capacity_tokens=(RUNNING + WAITING) * 1024, policy=policy)  # type: ignore[arg-type]
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    prompt = list(range(3, 3 + 128))
+    counter = [0]
+
+    def refill() -> None:
+        while sched.num_waiting < WAITING:
+            sched.add_request(f"r{counter[0]}", prompt, SamplingParams(), StopParams(max_tokens=max_tokens))
+            counter[0] += 1
+
+    refill()
+    sched.refill = refill  # type: ignore[attr-defined]
+    return sched, counter
+
+
+def run(name: str, policy: str, page_size: int, period: int, steps: int) -> None:
+    sched, _ = build(policy, page_size, max_tokens=10**6 if period == 0 else 900)
+    executor = TimedFakeExecutor(period if period else 10**9)
+    # Fill all 256 slots (the first steps prefill) before timing.
+    while sched.num_running < RUNNING or sched.decode_manager.running_reqs.__len__() < RUNNING:
+        sched.step(executor)
+        sched.refill()  # type: ignore[attr-defined]
+    sched_times: list[float] = []
+    exec_times: list[float] = []
+    sizes: list[int] = []
+    for _ in range(steps):
+        executor.seconds = 0.0
+        t0 = time.perf_counter()
+        out = sched.step(executor)
+        total = time.perf_counter() - t0
+        sched_times.append(total - executor.seconds)
+        exec_times.append(executor.seconds)
+        sizes.append(out.batch_size)
+        sched.refill()  # type: ignore[attr-defined]
+    assert sched.num_waiting == WAITING
+    q = statistics.quantiles([t * 1e6 for t in sched_times], n=100)
+    print(f"{name:<8} scheduler step: median {statistics.median(sched_times) * 1e6:7.1f} us   p90 {q[89]:7.1f} us   "
+          f"p99 {q[98]:7.1f} us   | executor median {statistics.median(exec_times) * 1e6:6.1f} us   "
+          f"| batch size mean {statistics.fmean(sizes):5.1f}, running {sched.num_running}, waiting {sched.num_waiting}")
+
+
+def reference_loop(steps: int) -> None:
+    class Req:
+        __slots__ = ("kv_len",)
+
+        def __init__(self) -> None:
+            self.kv_len = 0
+
+    reqs = [Req() for _ in range(RUNNING)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for r in reqs:
+            r.kv_len += 1
+        times.append(time.perf_counter() - t0)
+    print(f"{'ref':<8} bare Python loop over {RUNNING} requests, one attribute update each: "
+          f"median {statistics.median(times) * 1e6:7.1f} us")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    print(f"{RUNNING} running, {WAITING} waiting, {args.steps} timed steps each (target: well under 1000 us)")
+    run("decode", "prefill-first", 1, 0, args.steps)
+    run("churn", "mixed", 1, 50, args.steps)
+    run("paged", "mixed", 16, 50, args.steps)
+    reference_loop(args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
