@@ -1,8 +1,9 @@
 """Attention in plain torch, for any device; the reference the tests trust.
 
 Per step, `plan()` turns the batch into index tensors once:
-- decode rows (extend_len 1) are batched together: their cached tokens are gathered through the page
-  table into a padded `[b, max_len]` index (padding reads the dummy page) with a length mask;
+- decode rows (extend_len 1) are batched together: their pages are gathered through the page table
+  into a padded `[b, max_pages * page_size]` key/value tensor (padding reads the dummy page) with a
+  length mask;
 - prefill chunks run one request at a time through `F.scaled_dot_product_attention` (a varlen kernel
   does not exist on CPU): a fresh prompt attends causally to its own k/v directly, a later chunk
   attends to its cached prefix plus the causal part of the chunk, gathered through the page table.
@@ -23,15 +24,15 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata
 class _PrefillChunk:
     start: int  # first row in the packed arrays
     length: int
-    kv_index: torch.Tensor | None  # [prefix + length] flat pool indices; None: attend to the chunk's own k/v
+    pages: torch.Tensor | None  # [pages] holding the prefix + chunk; None: attend to the chunk's own k/v
     mask: torch.Tensor | None  # [length, prefix + length] bool, True = may attend
 
 
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor | None  # packed rows of the decode tokens; None: all rows, in order
-    kv_index: torch.Tensor  # [b, max_len] flat pool indices (dummy page where masked)
-    mask: torch.Tensor  # [b, 1, 1, max_len] bool, True = may attend
+    pages: torch.Tensor  # [b, max_pages] pages of each row (dummy page 0 past its length)
+    mask: torch.Tensor  # [b, 1, 1, max_pages * page_size] bool, True = may attend
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -62,37 +63,44 @@ class TorchAttentionBackend(AttentionBackend):
                 self._prefills.append(_PrefillChunk(start, length, None, None))
             else:
                 total = prefix + length
-                index = self._token_index(torch.tensor([slot], device=device), total)[0]
+                pages = self._pages(torch.tensor([slot], device=device), torch.tensor([total], device=device), total)
                 query_pos = torch.arange(prefix, total, device=device)
                 mask = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
-                self._prefills.append(_PrefillChunk(start, length, index, mask))
+                self._prefills.append(_PrefillChunk(start, length, pages[0], mask))
             start += length
         self._decode = None
         if decode_rows:
             all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed
             rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            index = self._token_index(torch.tensor(decode_slots, dtype=torch.int64, device=device), max(decode_lens))
-            if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
-                index[-metadata.num_padding:] = 0
-            valid = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
-            self._decode = _DecodeGroup(rows, torch.where(valid, index, 0), valid[:, None, None, :])
+            pages = self._pages(torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
+            valid = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=device)[None, :] < lens[:, None]
+            self._decode = _DecodeGroup(rows, pages, valid[:, None, None, :])
 
-    def _token_index(self, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """Flat pool indices [len(slots), length] of positions 0..length-1 of each slot's sequence."""
+    def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Pages [len(slots), ceil(max_len / page_size)] holding each slot's first `lens` tokens.
+
+        Gathering whole pages is ~10x faster on CPU than gathering token rows; columns past a
+        request's own pages point at the dummy page so stale page-table entries are never read.
+        """
         page_size = self.kv_cache.page_size
-        num_cols = -(-length // page_size)
+        num_cols = -(-max_len // page_size)
         pages = self.kv_cache.page_table[slots, :num_cols].to(torch.int64)
-        offsets = torch.arange(page_size, device=pages.device)
-        return (pages[:, :, None] * page_size + offsets).reshape(len(slots), -1)[:, :length]
+        cols = torch.arange(num_cols, device=pages.device)[None, :]
+        return torch.where(cols * page_size < lens[:, None], pages, 0)
+
+    def _gather(self, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Tokens of the given pages: [*pages.shape[:-1], num_cols * page_size, kv_heads, head_dim]."""
+        tokens = pool.index_select(0, pages.reshape(-1))
+        return tokens.view(*pages.shape[:-1], pages.shape[-1] * pool.shape[1], *pool.shape[2:])
 
     # -- per layer --------------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_pool = self.kv_cache.k_flat[layer]
-        v_pool = self.kv_cache.v_flat[layer]
-        k_pool.index_copy_(0, self._kv_locs, k)
-        v_pool.index_copy_(0, self._kv_locs, v)
+        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
+        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+        k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
+        v_pool = self.kv_cache.v[layer]
         decode = self._decode
         if decode is not None and decode.rows is None:
             return self._attend_decode(q, k_pool, v_pool, decode)
@@ -101,10 +109,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[decode.rows] = self._attend_decode(q[decode.rows], k_pool, v_pool, decode)
         for chunk in self._prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            if chunk.kv_index is None:
+            if chunk.pages is None:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = k_pool[chunk.kv_index], v_pool[chunk.kv_index]
+                total = chunk.mask.shape[1]
+                keys = self._gather(k_pool, chunk.pages)[:total]
+                values = self._gather(v_pool, chunk.pages)[:total]
             attended = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True,
@@ -114,8 +124,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        decode: _DecodeGroup) -> torch.Tensor:
-        keys = k_pool[decode.kv_index].transpose(1, 2)  # [b, kv_heads, max_len, head_dim]
-        values = v_pool[decode.kv_index].transpose(1, 2)
+        keys = self._gather(k_pool, decode.pages).transpose(1, 2)  # [b, kv_heads, max_len, head_dim]
+        values = self._gather(v_pool, decode.pages).transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=decode.mask, scale=self.scale, enable_gqa=True,
         )

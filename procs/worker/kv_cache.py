@@ -48,12 +48,10 @@ class KVCache:
         self.device = device
         self.dtype = dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # torch.empty: pages are written before they are read; only the dummy page must hold finite
-        # values, because masked-out gathers read it (0 * NaN would still poison a row).
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for pool in (*self.k, *self.v):
-            pool[0].zero_()
+        # zeros, not empty: attention gathers whole pages and masks the unwritten tail of a request's
+        # last page, and a masked 0 * NaN from uninitialised memory would still poison the row.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_flat = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.k]
         self.v_flat = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.v]
         self.page_table = torch.zeros((max_running_requests, max_pages_per_request), dtype=torch.int32, device=device)

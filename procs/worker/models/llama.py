@@ -89,19 +89,18 @@ class LlamaModel:
         cos = self.rope_cos[positions]
         sin = self.rope_sin[positions]
         hidden = self.embed[input_ids]
+        heads_qk = cfg.num_heads + cfg.num_kv_heads
         for index, layer in enumerate(self.layers):
             residual = hidden
             h = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads_qk, cfg.head_dim)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+                qk = torch.cat((rms_norm(qk[:, :cfg.num_heads], layer.q_norm, eps),
+                                rms_norm(qk[:, cfg.num_heads:], layer.k_norm, eps)), dim=1)
+            qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
             hidden = residual + F.linear(attended.reshape(num_tokens, self.q_size), layer.o)
             residual = hidden
