@@ -1,0 +1,159 @@
+"""Process plumbing without starting a server: typed sockets, sd_notify, config precedence, and the
+per-process logic (prompt checks, token deltas, stop strings in the detokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from procs import launch
+from procs.detokenizer.process import Detokenizers
+from procs.scheduler.core import StepOutput
+from procs.scheduler.process import TokenDeltas
+from procs.tokenizer.prompts import PromptRejected, PromptTokenizer
+from shared.config import ServerConfig
+from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
+from shared.messages import (AbortRequest, ChatMessage, GenerateRequest, SamplingParams, StopParams, TokenDelta,
+                             TokenizedRequest, WorkerInfo)
+from shared.readiness import notify, notify_ready
+from shared.shm import SharedRing
+
+
+def test_typed_sockets_carry_a_union_in_order_with_prompt_ids_in_shared_memory(tmp_path):
+    ep = Endpoints.in_dir(tmp_path)
+    ctx = zmq.Context()
+    ring = SharedRing("test-ipc")
+    try:
+        sender = Sender(ctx, ep.scheduler, writer=ring)  # connects before the receiver binds: queued
+        prompt = np.arange(1000, dtype=np.int32)
+        sender.send(TokenizedRequest(rid="a", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams()))
+        sender.send(AbortRequest(rid="a"))
+        sender.send(WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[2], max_context=32, page_size=16))
+        receiver: Receiver[SchedulerInbox] = Receiver(ctx, ep.scheduler, SchedulerInbox)
+        got = [receiver.recv(5) for _ in range(3)]
+        assert isinstance(got[0], TokenizedRequest) and (got[0].prompt_ids == prompt).all()
+        assert got[1] == AbortRequest(rid="a") and isinstance(got[2], WorkerInfo)
+        assert ring.read_pos == ring.write_pos  # the receiver released the prompt's space
+        assert receiver.recv(0.01) is None and receiver.recv_ready() == []
+    finally:
+        ctx.destroy(linger=0)
+        ring.close()
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_notify_ready_speaks_sd_notify(tmp_path, monkeypatch, abstract):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if abstract:
+        name = f"batchserve-test-{uuid.uuid4().hex}"
+        sock.bind("\0" + name)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    else:
+        sock.bind(str(tmp_path / "notify"))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    with sock:
+        assert notify_ready()
+        assert sock.recv(100).decode() == f"READY=1\nMAINPID={os.getpid()}"
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert notify("READY=1") is False  # outside systemd / serve: nothing to tell
+
+
+def test_proc_config_precedence_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(ServerConfig(model="from-file", port=1111, page_size=32, policy="fixed").to_json())
+    parser = argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    args = parser.parse_args(["worker", "--config", str(path), "--port", "3333"])
+    config = launch.load_config(args, env={"BATCHSERVE_PORT": "2222", "BATCHSERVE_POLICY": "mixed"})
+    assert (config.model, config.page_size) == ("from-file", 32)  # file
+    assert config.policy == "mixed"  # env over file
+    assert config.port == 3333  # flag over env
+    with pytest.raises(FileNotFoundError):
+        launch.load_config(parser.parse_args(["api", "--config", str(tmp_path / "missing.json")]), env={})
+
+
+class WordTokenizer:
+    """Stands in for a Hugging Face tokenizer: words "w<i>" <-> ids."""
+
+    def __len__(self):
+        return 100
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(w[1:]) for w in text.split()]
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        if any(m["role"] not in ("user", "assistant", "system") for m in messages):
+            raise ValueError("unknown role")
+        return " ".join(m["content"] for m in messages) + " w99"
+
+
+def request(**kw) -> GenerateRequest:
+    return GenerateRequest(rid="r", **kw)
+
+
+def test_prompt_checks_name_the_field():
+    tok = PromptTokenizer(WordTokenizer(), max_context=10)
+    ok = tok.tokenize(request(prompt="w1 w2", stop=StopParams(max_tokens=8)))
+    assert ok.prompt_ids.tolist() == [1, 2] and ok.prompt_ids.dtype == np.int32
+    chat = tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")], stop=StopParams(max_tokens=2)))
+    assert chat.prompt_ids.tolist() == [3, 99]
+    clamped = tok.tokenize(request(prompt="w1 w2 w3", stop=StopParams(max_tokens=100), clamp_max_tokens=True))
+    assert clamped.stop.max_tokens == 7
+    cases = [
+        (request(prompt=""), "prompt"),
+        (request(prompt_token_ids=[]), "prompt"),
+        (request(prompt_token_ids=[1, 100]), "prompt"),  # outside the vocabulary
+        (request(messages=[]), "messages"),
+        (request(messages=[ChatMessage(role="robot", content="w1")]), "messages"),
+        (request(prompt=" ".join(["w1"] * 10)), "prompt"),  # no room for one generated token
+        (request(prompt="w1 w2", stop=StopParams(max_tokens=9)), "max_tokens"),
+    ]
+    for req, param in cases:
+        with pytest.raises(PromptRejected) as info:
+            tok.tokenize(req)
+        assert info.value.param == param and info.value.status == 400, (req, info.value)
+
+
+def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
+    deltas = TokenDeltas()
+    deltas.add(TokenizedRequest(rid="a", prompt_ids=np.arange(20, dtype=np.int32), sampling=SamplingParams(),
+                                stop=StopParams(stop=("x",))))
+    first = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 7)]))
+    assert first == [TokenDelta(rid="a", token_ids=[7], prompt_tokens=20, completion_tokens=1, stop=("x",),
+                                prompt_tail=list(range(12, 20)))]
+    last = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], finished=["a"],
+                                       finish_reasons={"a": "length"}))
+    assert last == [TokenDelta(rid="a", token_ids=[8], finish_reason="length", prompt_tokens=20,
+                               completion_tokens=2)]
+    assert deltas.live == {}
+    # an abort of a request never seen still closes it downstream
+    assert deltas.from_step(StepOutput(step=2, cancelled=["zzz"])) == [
+        TokenDelta(rid="zzz", token_ids=[], finish_reason="abort")]
+
+
+def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama", with_tokenizer=True))
+    d = Detokenizers(tok)
+    out, abort = d.handle(TokenDelta(rid="a", token_ids=[5], prompt_tokens=3, completion_tokens=1, stop=("w7",),
+                                     prompt_tail=[3, 4]))
+    assert out.finish_reason is None and not abort
+    out, abort = d.handle(TokenDelta(rid="a", token_ids=[6, 7, 8], prompt_tokens=3, completion_tokens=4))
+    assert abort and out.finish_reason == "stop" and "w7" not in out.text and "w6" in out.text
+    assert out.usage is not None and out.usage.completion_tokens == 4
+    # later tokens and the scheduler's final (abort) delta for it are dropped, and it is forgotten
+    assert d.handle(TokenDelta(rid="a", token_ids=[9])) == (None, False)
+    assert d.handle(TokenDelta(rid="a", token_ids=[], finish_reason="abort")) == (None, False)
+    assert d.active == {} and d.stopped == set()
+    # a request that ends by length gets its held-back text and usage
+    d.handle(TokenDelta(rid="b", token_ids=[5], prompt_tokens=1, completion_tokens=1, stop=("w55",)))
+    out, abort = d.handle(TokenDelta(rid="b", token_ids=[], finish_reason="length", prompt_tokens=1,
+                                     completion_tokens=1))
+    assert out.finish_reason == "length" and not abort and out.usage.total_tokens == 2
