@@ -15,10 +15,11 @@ LOCUSTFILE = Path(__file__).resolve().parents[1] / "loadtests" / "locustfile.py"
 USERS = 2
 
 
-def run_locust(host: str, out_dir: Path, max_requests: int) -> tuple[int, dict[str, dict[str, Any]], str]:
+def run_locust(host: str, out_dir: Path, max_requests: int,
+               model: str = "fake") -> tuple[int, dict[str, dict[str, Any]], str]:
     """Run headless (127.0.0.1 only; users, run time and requests bounded); stats per entry name."""
     env = {**os.environ, "BATCHSERVE_LOCUST_MAX_TOKENS": "8", "BATCHSERVE_LOCUST_PROMPT_WORDS": "6",
-           "BATCHSERVE_LOCUST_MAX_REQUESTS": str(max_requests)}
+           "BATCHSERVE_LOCUST_MAX_REQUESTS": str(max_requests), "BATCHSERVE_LOCUST_MODEL": model}
     stats_file = out_dir / "stats"
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(USERS),
                "--spawn-rate", str(USERS), "--run-time", "20s", "--stop-timeout", "5", "--host", host,

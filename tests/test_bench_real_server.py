@@ -1,0 +1,47 @@
+"""`batchserve bench` and the Locust user against the real server (`batchserve serve`, tiny random model)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
+from procs.cli import main as cli_main
+from test_locust_user import run_locust
+
+
+@pytest.fixture(scope="module")
+def real_server(tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir("llama", with_tokenizer=True)
+    log = tmp_path_factory.mktemp("bench-real") / "serve.log"
+    command = [*DEFAULT_SERVE_COMMAND, "--model", str(model), "--kv-capacity-tokens", "4096",
+               "--max-running-requests", "8", "--prefill-budget", "256"]
+    with ServerProcess(command, log, health_timeout_s=240) as server:
+        yield server, model
+
+
+def test_bench_against_the_real_server(real_server, tmp_path):
+    server, model = real_server
+    out = tmp_path / "bench.json"
+    status = cli_main(["bench", "--base-url", server.base_url, "--model", str(model), "--tokenizer", str(model),
+                       "--endpoint", "completions", "--num-prompts", "6", "--input-len", "4:12",
+                       "--output-len", "3:6", "--concurrency", "3", "--warmup", "1", "--output", str(out),
+                       "--no-progress"])
+    assert status == 0, server.log_tail()
+    (run,) = json.loads(out.read_text())["runs"]
+    m = run["metrics"]
+    assert (m["completed"], m["failed"]) == (6, 0)
+    # ignore_eos: the usage counts are exactly the requested output lengths (3..6 tokens each)
+    assert 6 * 3 <= m["total_output_tokens"] <= 6 * 6
+    assert m["ttft_ms"]["count"] == 6 and m["itl_ms"]["count"] > 0
+
+
+def test_locust_against_the_real_server(real_server, tmp_path):
+    server, model = real_server
+    status, stats, output = run_locust(server.base_url, tmp_path, max_requests=4, model=str(model))
+    assert status == 0, output + server.log_tail()
+    assert stats["chat stream"]["num_requests"] >= 4 and stats["TTFT"]["num_requests"] >= 4
+    assert all(entry["num_failures"] == 0 for entry in stats.values())
