@@ -59,6 +59,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
 
 class _Plan(NamedTuple):
     prefill: list[tuple[Request, int]]
+    prefill_slots: np.ndarray
     decode_slots: np.ndarray
     decode_rids: list[str]
     decode_sampling: list[SamplingParams]
@@ -175,7 +176,7 @@ class Scheduler:
             self.prefill_manager.pending_list.remove(request)
             del self._live[rid]
         else:
-            self._release(request)
+            self._release([request])
         self._cancelled.append(rid)
         return True
 
@@ -206,14 +207,14 @@ class Scheduler:
         if policy == "mixed":
             slots, rids, sampling = self.decode_manager.batch_view()
             prefill = self._plan_prefill(budget - len(rids), admit=True)
-            return _Plan(prefill, slots, rids, sampling)
+            return _Plan(prefill, _slots_of(prefill), slots, rids, sampling)
         # prefill-first, and fixed: a group forms only when nobody is admitted, then runs to the end.
         admit = policy == "prefill-first" or self.table.num_used == 0
         prefill = self._plan_prefill(budget, admit=admit)
         if prefill:
-            return _Plan(prefill, _EMPTY_I64, [], [])
+            return _Plan(prefill, _slots_of(prefill), _EMPTY_I64, [], [])
         slots, rids, sampling = self.decode_manager.batch_view()
-        return _Plan(prefill, slots, rids, sampling)
+        return _Plan(prefill, _EMPTY_I64, slots, rids, sampling)
 
     def _plan_prefill(self, budget: int, *, admit: bool) -> list[tuple[Request, int]]:
         """SCHEDULING.md step 3: mid-chunk requests first, then FIFO admissions while they fit."""
@@ -288,30 +289,38 @@ class Scheduler:
             sampling = list(plan.decode_sampling)
             sample_counts = table.generated[ds].tolist()
 
-        for request, n in plan.prefill:
-            slot = request.slot
-            p0 = request.prefilled
-            p1 = p0 + n
-            have = int(table.num_pages[slot])
-            want = self._pages_for(p1)
-            if want > have:
-                pages = self.allocator.alloc(want - have)
-                table.ensure_columns(want)
-                table.page_table[slot, have:want] = pages
-                table.num_pages[slot] = want
-                upd_slots.append(np.full(want - have, slot, dtype=np.int64))
-                upd_cols.append(np.arange(have, want, dtype=np.int64))
+        if plan.prefill:
+            # All chunks at once: a fixed number of numpy calls however many requests prefill.
+            reqs = [r for r, _ in plan.prefill]
+            lens = [n for _, n in plan.prefill]
+            starts = [r.prefilled for r in reqs]
+            pslots = plan.prefill_slots
+            n_arr = np.asarray(lens, dtype=np.int64)
+            p0 = np.asarray(starts, dtype=np.int64)
+            have = table.num_pages[pslots]
+            want = -(-(p0 + n_arr) // P)
+            need = want - have  # >= 0: pages already held cover the tokens prefilled so far
+            total = int(need.sum())
+            if total:
+                pages = self.allocator.alloc(total)
+                table.ensure_columns(int(want.max()))
+                gslots = np.repeat(pslots, need)
+                gcols = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(need) - need - have, need)
+                table.page_table[gslots, gcols] = pages
+                table.num_pages[pslots] = want
+                upd_slots.append(gslots)
+                upd_cols.append(gcols)
                 upd_pages.append(pages)
-            pos = np.arange(p0, p1, dtype=np.int64)
-            ids_parts.append(request.prompt[p0:p1])
+            pos = np.arange(int(n_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_arr) - n_arr - p0, n_arr)
+            ids_parts.append(np.concatenate([r.prompt[a:a + n] for r, a, n in zip(reqs, starts, lens)]))
             pos_parts.append(pos)
-            loc_parts.append(table.page_table[slot, pos // P].astype(np.int64) * P + pos % P)
-            slots.append(slot)
-            prefix_lens.append(p0)
-            extend_lens.append(n)
-            samples.append(p1 == request.prompt_len)
-            sampling.append(request.sampling)
-            sample_counts.append(0)
+            loc_parts.append(table.page_table[np.repeat(pslots, n_arr), pos // P].astype(np.int64) * P + pos % P)
+            slots += pslots.tolist()
+            prefix_lens += starts
+            extend_lens += lens
+            samples += [a + n == r.prompt_len for r, a, n in zip(reqs, starts, lens)]
+            sampling += [r.sampling for r in reqs]
+            sample_counts += [0] * len(reqs)
 
         return ForwardBatch(
             step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, samples=samples,
@@ -335,27 +344,33 @@ class Scheduler:
 
         if ds.shape[0]:
             table.kv_len[ds] += 1
-        for request, n in plan.prefill:
-            request.prefilled += n
-            table.kv_len[request.slot] += n
-        for request in completing:
-            self.prefill_manager.chunking.remove(request)
-            self.decode_manager.add(request)
-            # Its first sampled token will not be fed back before the next decode: T shrinks by one.
-            slot = request.slot
-            shrunk = self._pages_for(request.prompt_len + request.max_tokens - 1)
-            self._reserved_pages -= int(table.reserved_pages[slot]) - shrunk
-            table.reserved_pages[slot] = shrunk
+        if plan.prefill:
+            table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
+            for request, n in plan.prefill:
+                request.prefilled += n
+        if completing:
+            chunking = self.prefill_manager.chunking
+            self.prefill_manager.chunking = [r for r in chunking if r.prefilled < r.prompt_len]
+            for request in completing:
+                self.decode_manager.add(request)
+            # A first sampled token is not fed back before the next decode: T(r) shrinks by one.
+            cslots = np.fromiter((r.slot for r in completing), dtype=np.int64, count=len(completing))
+            shrunk = -(-np.fromiter((r.prompt_len + r.max_tokens - 1 for r in completing), dtype=np.int64,
+                                    count=len(completing)) // self.page_size)
+            self._reserved_pages -= int((table.reserved_pages[cslots] - shrunk).sum())
+            table.reserved_pages[cslots] = shrunk
 
         if completing:
-            sample_slots = np.concatenate([ds, np.fromiter((r.slot for r in completing), dtype=np.int64)])
+            sample_slots = np.concatenate([ds, cslots])
             sample_rids = plan.decode_rids + [r.rid for r in completing]
         else:
             sample_slots, sample_rids = ds, plan.decode_rids
         table.generated[sample_slots] += 1
         table.last_token[sample_slots] = token_ids
         reached_limit = table.generated[sample_slots] >= table.token_limit[sample_slots]
-        if self.eos_token_ids.shape[0]:
+        if self.eos_token_ids.shape[0] == 1:
+            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[sample_slots]
+        elif self.eos_token_ids.shape[0]:
             stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[sample_slots]
         else:
             stopped = np.zeros(num_sampling, dtype=bool)
@@ -369,27 +384,23 @@ class Scheduler:
         out.batch_size = batch.num_requests
         done = np.flatnonzero(stopped | reached_limit).tolist()
         if done:
-            finished: list[str] = []
-            reasons: dict[str, str] = {}
-            for i in done:
-                rid = sample_rids[i]
-                finished.append(rid)
-                reasons[rid] = "stop" if stopped[i] else "length"
-                self._release(table.requests[int(sample_slots[i])])
-            out.finished = finished
-            out.finish_reasons = reasons
+            out.finished = [sample_rids[i] for i in done]
+            out.finish_reasons = {sample_rids[i]: "stop" if stopped[i] else "length" for i in done}
+            self._release([self._live[rid] for rid in out.finished])
 
-    def _release(self, request: Request) -> None:
-        """Give back the slot and every KV page of an admitted request, and forget it."""
-        if request.rid in self.decode_manager.running_reqs:
-            self.decode_manager.remove(request.rid)
-        else:
-            self.prefill_manager.chunking.remove(request)
-        slot = request.slot
-        self._reserved_pages -= int(self.table.reserved_pages[slot])
-        self.allocator.free(self.table.release(slot))
-        request.slot = -1
-        del self._live[request.rid]
+    def _release(self, requests: list[Request]) -> None:
+        """Give back the slots and every KV page of admitted requests, and forget them."""
+        for request in requests:
+            if request.prefilled < request.prompt_len:
+                self.prefill_manager.chunking.remove(request)
+            else:
+                self.decode_manager.remove(request.rid)
+            del self._live[request.rid]
+        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
+        self._reserved_pages -= int(self.table.reserved_pages[slots].sum())
+        self.allocator.free(self.table.release(slots))
+        for request in requests:
+            request.slot = -1
 
     @staticmethod
     def _validate_prompt(rid: str, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -408,6 +419,10 @@ class Scheduler:
         if int(prompt.min()) < 0 or int(prompt.max()) > _INT32_MAX:
             raise RequestRejectedError(rid, "prompt token ids must be in [0, 2**31)", param="prompt")
         return prompt.astype(np.int32, copy=True)
+
+
+def _slots_of(items: list[tuple[Request, int]]) -> np.ndarray:
+    return np.fromiter((r.slot for r, _ in items), dtype=np.int64, count=len(items))
 
 
 def _concat_i32(parts: list[np.ndarray]) -> np.ndarray:

@@ -54,13 +54,16 @@ class RequestTable:
         self.reserved_pages[slot] = reserved_pages
         return slot
 
-    def release(self, slot: int) -> np.ndarray:
-        """Empty the row; returns the pages it held (for the allocator)."""
-        pages = self.page_table[slot, : self.num_pages[slot]].copy()
-        self.requests[slot] = None
-        self.num_pages[slot] = 0
-        self.reserved_pages[slot] = 0
-        self._free_slots.append(slot)
+    def release(self, slots: np.ndarray) -> np.ndarray:
+        """Empty the rows; returns the pages they held (for the allocator)."""
+        counts = self.num_pages[slots]
+        width = int(counts.max()) if slots.shape[0] else 0
+        pages = self.page_table[slots, :width][np.arange(width) < counts[:, None]]
+        self.num_pages[slots] = 0
+        self.reserved_pages[slots] = 0
+        for slot in slots.tolist():
+            self.requests[slot] = None
+            self._free_slots.append(slot)
         return pages
 
     def ensure_columns(self, count: int) -> None:
