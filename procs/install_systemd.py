@@ -139,6 +139,22 @@ def needs_home_access(*paths: Path) -> bool:
     return any(path.resolve().is_relative_to(home) for path in paths for home in HOME_DIRS)
 
 
+def code_paths(venv: Path) -> list[Path]:
+    """What the units execute or import: the venv, its interpreter (a venv's python is a symlink,
+    e.g. into ~/.pyenv), and this source checkout (an editable install imports from it)."""
+    paths = [venv, SOURCE_DIR]
+    for name in ("python3", "python"):
+        interpreter = venv / "bin" / name
+        if interpreter.exists():
+            paths.append(interpreter.resolve())
+            break
+    return paths
+
+
+def protect_home_for(venv: Path) -> str:
+    return "read-only" if needs_home_access(*code_paths(venv)) else "yes"
+
+
 def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes") -> str:
     text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
             .replace("@PROTECT_HOME@", protect_home))
@@ -161,7 +177,7 @@ def plan_files(prefix: Path, venv: Path, force: bool = False) -> list[PlannedFil
     if not TEMPLATE_DIR.is_dir():
         raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
                        "checkout (pip install -e .)")
-    protect_home = "read-only" if needs_home_access(venv, SOURCE_DIR) else "yes"
+    protect_home = protect_home_for(venv)
     files = [PlannedFile(prefix / UNIT_DIR / name,
                          render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home),
                          0o644, keep_existing=False)
@@ -212,8 +228,10 @@ def main(args: argparse.Namespace) -> int:
         except PermissionError as exc:
             raise CliError(f"cannot write {planned.path} ({exc.strerror}): run as root, or use --prefix") from None
         print(f"{verb:<8} {planned.path}")
-    if needs_home_access(venv, SOURCE_DIR):
-        print(f"note: {venv} or {SOURCE_DIR} is under a home directory: the units use ProtectHome=read-only, "
-              f"and the {SERVICE_USER} user needs read access there", file=sys.stderr)
+    under_home = [str(path) for path in code_paths(venv) if needs_home_access(path)]
+    if under_home:
+        print(f"note: {', '.join(under_home)} under a home directory: the units use ProtectHome=read-only, "
+              f"and the {SERVICE_USER} user needs read access there (better: a venv outside /home and /root)",
+              file=sys.stderr)
     print(next_steps(prefix))
     return 0

@@ -125,6 +125,7 @@ def test_protect_home_relaxed_only_for_code_under_home() -> None:
     template = (inst.TEMPLATE_DIR / "batchserve-api.service").read_text()
     assert "ProtectHome=yes" in inst.render_unit(template, Path("/opt/venv"), Path("/opt/src"))
     assert inst.needs_home_access(Path("/home/someone/venv"))
+    assert inst.needs_home_access(Path("/root/.pyenv/versions/3.11.7/bin/python3"))
     assert not inst.needs_home_access(Path("/opt/venv"), Path("/srv/batchserve"))
     with pytest.raises(ValueError, match="@NEW@"):
         inst.render_unit(template + "\n# @NEW@\n", Path("/opt/venv"))
@@ -148,7 +149,9 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         assert get("KillMode") == ["mixed"], name
         # Draining must finish before systemd escalates to SIGKILL.
         assert seconds(get("TimeoutStopSec")[0]) >= ServerConfig().drain_timeout_s + 10, name
-        for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "yes"),
+        # ProtectHome=yes unless the venv, its interpreter or the source is under /home or /root.
+        assert get("ProtectHome") == [inst.protect_home_for(Path(sys.prefix).absolute())], name
+        for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
                            ("PrivateTmp", "yes"), ("ProtectKernelTunables", "yes"),
                            ("ProtectControlGroups", "yes"), ("CapabilityBoundingSet", "")):
             assert get(key) == [value], (name, key)

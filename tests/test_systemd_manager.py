@@ -1,0 +1,231 @@
+"""The installed units under a real systemd: a user manager (`systemd --user`) in a private mount
+namespace, so nothing of it is visible outside the test. It starts `batchserve.target`, which must
+reach `active` only once all five services sent READY=1; one HTTP request is served; the worker is
+killed with SIGKILL and must come back with every unit that needs it restarted after it; a second
+request is served; stopping the target must stop every service cleanly (exit 0 within
+TimeoutStopSec=, so `Result=success`).
+
+What differs from a system install: a user manager cannot switch users, so `User=`, `Group=` and
+`SupplementaryGroups=` are dropped from the copies; `EnvironmentFile=` points at the staged env
+file; there is no journald, so `StandardOutput=`/`StandardError=` append to files; an added
+`ExecStopPost=` records how each main process ended (a cleanly stopped unit is unloaded). Everything
+else (Type=notify, ordering, Requires=/PartOf=, RuntimeDirectory=, the sandboxing) is the
+installed text. Files live under /dev/shm: `PrivateTmp=yes` hides /tmp, and
+/dev/shm is visible to every unit (the processes share memory through it).
+
+Skipped where a manager cannot run: not root, no systemd binary, or no mount namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from procs import install_systemd as inst
+
+SYSTEMD = Path("/lib/systemd/systemd")
+SERVICES = [name for name in inst.UNIT_NAMES if name.endswith(".service")]
+DROPPED_KEYS = ("User=", "Group=", "SupplementaryGroups=")
+START_LIMIT_S = 300.0
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not SYSTEMD.exists() or shutil.which("unshare") is None or shutil.which("systemctl") is None,
+    reason="needs root, systemd, systemctl and unshare to run a private systemd user manager")
+
+
+class UserManager:
+    """`systemd --user` in its own mount namespace (so /run/systemd/system can exist only there)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "XDG_RUNTIME_DIR": str(base / "xdg"), "XDG_CONFIG_HOME": str(base / "config"),
+            "XDG_CACHE_HOME": str(base / "cache"), "XDG_STATE_HOME": str(base / "state"),
+            "XDG_DATA_HOME": str(base / "data"), "HOME": str(base / "home"),
+        }
+        for key in ("XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME", "HOME"):
+            Path(self.env[key]).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.unit_dir = base / "config" / "systemd" / "user"
+        self.unit_dir.mkdir(parents=True)
+        self.log = (base / "manager.log").open("wb")
+        # /run/systemd/system marks "booted with systemd"; the inaccessible nodes are what PID 1
+        # creates at boot and what ProtectHome=/ProtectKernelTunables=/... mount over hidden paths.
+        boot = ("mount -t tmpfs tmpfs /run/systemd && mkdir -p /run/systemd/system /run/systemd/inaccessible && "
+                "cd /run/systemd/inaccessible && touch reg && mkdir dir && mknod chr c 0 0 && mknod blk b 0 0 && "
+                f"mkfifo fifo && {sys.executable} -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"sock\")' && "
+                "chmod 0000 reg dir chr blk fifo sock && cd / && "
+                f"exec {SYSTEMD} --user --log-target=console --log-level=notice")
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", boot],
+                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def systemctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["systemctl", "--user", "--no-pager", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def wait_up(self, timeout_s: float = 20) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self.systemctl("show", "-p", "Version").returncode == 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.systemctl("show", unit, *(f"-p{p}" for p in props)).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def journal(self) -> str:
+        status = self.systemctl("status", "batchserve-*", "-n", "30").stdout
+        logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}\n"
+                       for p in sorted((self.base / "logs").glob("*.log")))
+        return f"{status}\n{logs}--- manager\n{(self.base / 'manager.log').read_text(errors='replace')[-3000:]}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the manager stops its units, then exits
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def run_base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="bs-sdm-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete(port: int) -> dict:
+    """One completion; the api reports healthy a heartbeat after READY, so a 503 is retried briefly."""
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+                model_id = json.load(response)["data"][0]["id"]
+            request = urllib.request.Request(
+                f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": model_id, "prompt": "w5 w6 w7", "max_tokens": 3,
+                                 "temperature": 0}).encode())
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def main_pids(manager: UserManager) -> dict[str, str]:
+    return {name: manager.show(name, "MainPID")["MainPID"] for name in SERVICES}
+
+
+def wait_all_active(manager: UserManager, timeout_s: float, previous: dict[str, str] | None = None) -> dict[str, str]:
+    """Every service active/running (with a MainPID other than `previous`'s, when given)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {n: manager.show(n, "ActiveState", "SubState", "MainPID") for n in SERVICES}
+        if all(s["ActiveState"] == "active" and s["SubState"] == "running" for s in states.values()):
+            pids = {n: s["MainPID"] for n, s in states.items()}
+            if previous is None or all(pids[n] != previous[n] for n in SERVICES):
+                return pids
+        time.sleep(0.5)
+    raise AssertionError(f"not every service came up within {timeout_s:.0f}s: {states}\n{manager.journal()}")
+
+
+def test_units_under_systemd_start_restart_together_and_stop_cleanly(
+        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+    prefix = run_base / "root"
+    batchserve = Path(sys.prefix) / "bin" / "batchserve"
+    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix)],
+                               capture_output=True, text=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    model = shutil.copytree(tiny_model_dir("llama", with_tokenizer=True), run_base / "model")
+    port = free_port()
+    env_file = prefix / inst.ENV_DIR / inst.ENV_FILE_NAME
+    with env_file.open("a") as f:
+        f.write(f"BATCHSERVE_MODEL={model}\nBATCHSERVE_PORT={port}\nBATCHSERVE_DEVICE=cpu\n"
+                f"BATCHSERVE_KV_CAPACITY_TOKENS=4096\n")
+
+    (run_base / "logs").mkdir()
+    manager = UserManager(run_base)
+    try:
+        if not manager.wait_up():
+            pytest.skip(f"a systemd user manager does not run here:\n{manager.journal()}")
+        for name in inst.UNIT_NAMES:
+            lines = (prefix / inst.UNIT_DIR / name).read_text().splitlines()
+            lines = [line for line in lines if not line.startswith(DROPPED_KEYS)]
+            lines = [f"EnvironmentFile={env_file}" if line.startswith("EnvironmentFile=") else line for line in lines]
+            # No journald in the private manager: what would go to the journal goes to a file.
+            lines = [f"{line.split('=')[0]}=append:{run_base / 'logs' / name}.log"
+                     if line.startswith(("StandardOutput=", "StandardError=")) else line for line in lines]
+            if name.endswith(".service"):  # record how each main process ended, and when
+                lines.append(f"ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
+                             f">> $$RUNTIME_DIRECTORY/exits.log'")
+            (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
+        assert manager.systemctl("daemon-reload").returncode == 0
+
+        # The target's start job finishes only when every service sent READY=1 (After= + Type=notify).
+        started = time.monotonic()
+        result = manager.systemctl("start", "batchserve.target", timeout=START_LIMIT_S)
+        assert result.returncode == 0, f"{result.stderr}\n{manager.journal()}"
+        pids = wait_all_active(manager, 10)  # Wants= lets the target succeed even if a service failed
+        print(f"batchserve.target active {time.monotonic() - started:.1f}s after start")
+        assert (run_base / "xdg" / "batchserve" / "worker.sock").exists()  # RuntimeDirectory=
+        assert complete(port)["usage"]["completion_tokens"] >= 1
+
+        # A dead worker: it is restarted, and so is every unit that needs it, after it.
+        os.kill(int(pids["batchserve-worker.service"]), signal.SIGKILL)
+        killed = time.monotonic()
+        new_pids = wait_all_active(manager, START_LIMIT_S, previous=pids)
+        print(f"all five restarted {time.monotonic() - killed:.1f}s after the worker was killed")
+        assert manager.show("batchserve-worker.service", "NRestarts")["NRestarts"] == "1"
+        assert complete(port)["usage"]["completion_tokens"] >= 1
+
+        # Stop: api first, worker last; each drains and exits 0 within its TimeoutStopSec=.
+        result = manager.systemctl("stop", "batchserve.target", timeout=120)
+        assert result.returncode == 0, result.stderr
+        exits_log = run_base / "xdg" / "batchserve" / "exits.log"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            states = {n: manager.show(n, "ActiveState", "Result") for n in SERVICES}
+            if all(s["ActiveState"] in ("inactive", "failed") for s in states.values()):
+                break
+            time.sleep(0.5)
+        # A unit that failed (non-zero exit, TimeoutStopSec= hit) stays loaded as 'failed'.
+        assert all(s["ActiveState"] == "inactive" for s in states.values()), (states, manager.journal())
+        ends = [line.split() for line in exits_log.read_text().splitlines()]
+        print("\n".join(" ".join(end) for end in ends))
+        final = {name: (code, status, float(at)) for name, code, status, at in ends}  # the last end of each
+        for name in SERVICES:
+            assert final[name][:2] == ("exited", "0"), (name, final[name], manager.journal())
+        assert ("batchserve-worker.service", "killed", "KILL") in [tuple(e[:3]) for e in ends]
+        stopped = sorted(SERVICES, key=lambda n: final[n][2])
+        assert stopped[0] == "batchserve-api.service" and stopped[-1] == "batchserve-worker.service", ends
+        assert new_pids != pids
+        # RuntimeDirectoryPreserve=yes: the shared directory outlives the units.
+        assert (run_base / "xdg" / "batchserve").is_dir()
+    finally:
+        manager.close()
