@@ -178,8 +178,10 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
                     if j.rid in waiting:
                         waiting.remove(j.rid)
                     ex.forget(j.rid)
-        if step > last_arrival and all(b.ended for b in books.values()):
+        if step > last_arrival and all(b.ended for b in books.values()) and not cancelled_now:
             break
+        assert sched.has_unfinished() == (bool(cancelled_now) or any(
+            not b.ended and b.job.arrival_step <= step for b in books.values()))
 
         # What SCHEDULING.md says about the head of the queue, from the driver's own books.
         live_admitted = sorted((b for b in books.values() if b.admitted and not b.ended), key=lambda b: b.admit_seq)

@@ -131,7 +131,8 @@ class Scheduler:
         return self._step
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        """True while requests wait or run, or aborts are still to be reported by a `step()`."""
+        return bool(self._live) or bool(self._cancelled)
 
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]

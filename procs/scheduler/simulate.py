@@ -135,14 +135,11 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             except RequestRejectedError as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"{exc} - at `$.requests[{index}]`") from None
-        cancelled_now = False
         while next_cancel < len(cancels) and cancels[next_cancel].before_step <= step:
-            # abort() is False (the cancel is ignored) for a request that already finished.
-            cancelled_now |= scheduler.abort(cancels[next_cancel].id)
+            scheduler.abort(cancels[next_cancel].id)  # ignored (False) for a request that already finished
             next_cancel += 1
+        # Cancellations not yet reported keep has_unfinished() true: the last ones get a step line.
         if not scheduler.has_unfinished() and next_arrival == len(arrivals):
-            if cancelled_now:
-                trace.append(scheduler.step(executor))  # an empty step that reports the last cancellations
             return trace
         trace.append(scheduler.step(executor))
         step += 1
