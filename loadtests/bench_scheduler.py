@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class TimedFakeExecutor:
         return result
 
 
-def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, list[int]]:
+def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, Callable[[], None]]:
     # Room for every slot's full reservation: the queue waits for slots, not for KV.
     config = SchedulerConfig(max_running_requests=RUNNING, prefill_budget=8192, page_size=page_size,
                              kv_capacity_tokens=RUNNING * (128 + max_tokens + page_size),
@@ -66,19 +67,18 @@ def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, list
             counter[0] += 1
 
     refill()
-    sched.refill = refill  # type: ignore[attr-defined]
-    return sched, counter
+    return sched, refill
 
 
 def run(name: str, policy: str, page_size: int, period: int, steps: int) -> None:
-    sched, _ = build(policy, page_size, max_tokens=steps + 1000 if period == 0 else 900)
+    sched, refill = build(policy, page_size, max_tokens=steps + 1000 if period == 0 else 900)
     executor = TimedFakeExecutor(period if period else 10**12)
     # Fill all 256 slots (the first steps prefill) before timing.
     for _ in range(100):
         if len(sched.decode_manager.running_reqs) == RUNNING:
             break
         sched.step(executor)
-        sched.refill()  # type: ignore[attr-defined]
+        refill()
     sched_times: list[float] = []
     exec_times: list[float] = []
     sizes: list[int] = []
@@ -92,7 +92,7 @@ def run(name: str, policy: str, page_size: int, period: int, steps: int) -> None
         exec_times.append(executor.seconds)
         sizes.append(out.batch_size)
         ended += len(out.finished)
-        sched.refill()  # type: ignore[attr-defined]
+        refill()
     assert sched.num_waiting == WAITING
     q = statistics.quantiles([t * 1e6 for t in sched_times], n=100)
     print(f"{name:<8} scheduler step: median {statistics.median(sched_times) * 1e6:7.1f} us   p90 {q[89]:7.1f} us   "
