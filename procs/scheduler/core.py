@@ -166,7 +166,12 @@ class Scheduler:
         self.prefill_manager.pending_list.append(request)
 
     def abort(self, rid: str) -> bool:
-        """Cancel `rid`, freeing its slot and KV pages now. False if it is unknown or already ended."""
+        """Cancel `rid`, freeing its slot and KV pages now; reported in the next `StepOutput.cancelled`.
+
+        False if it is unknown or already ended. Called from inside `executor.execute`, it is applied
+        when that step ends (True is returned at once; if the request finishes in that very step, the
+        step reports it finished and no cancellation follows).
+        """
         request = self._live.get(rid)
         if request is None:
             return False
