@@ -8,11 +8,12 @@ TTFT, ITL, TPOT and end-to-end latency (definitions in `loadtests.metrics`), nev
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from loadtests.report import RunRecord, format_ratios, format_table, write_json
 from loadtests.runner import LoadPoint
@@ -63,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="command that starts a server; --model/--policy/--host/--port are appended")
     comp.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for /health")
     comp.add_argument("--baseline-device", default="auto", help="device of the transformers baseline")
+    comp.add_argument("--torch-threads", type=int, default=0, help="torch CPU threads for the started servers "
+                      "(OMP_NUM_THREADS) and the transformers baseline alike; 0: torch's default")
     comp.add_argument("--log-dir", type=Path, help="where server logs go (default: a temporary directory)")
 
     out = parser.add_argument_group("output")
@@ -148,6 +151,8 @@ def _named_url(text: str) -> tuple[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.torch_threads < 0:
+        raise CliError(f"--torch-threads must be >= 0, got {args.torch_threads}")
     if args.warmup < 0:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
     points = parse_points(args.concurrency, args.request_rate)
@@ -167,40 +172,57 @@ def main(args: argparse.Namespace) -> int:
         warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
     plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress, counts)
 
-    records: list[RunRecord] = []
-    try:
-        if not args.compare:
-            records += bench_url("server", args.base_url, args.model, plan)
-        else:
-            log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="batchserve-bench-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            for policy in policies:
-                records += bench_server(policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
-                                        shlex.split(args.server_args), log_dir, args.health_timeout, plan)
-        for text in args.compare_url:
-            name, url = _named_url(text)
-            records += bench_url(name, url, args.compare_model or args.model, plan)
-        if with_transformers:
-            records += bench_transformers(resolve_model_dir(args.model), args.max_batch_size,
-                                          args.baseline_device, plan)
-    except ServerStartError as exc:
-        raise CliError(str(exc)) from None
+    # every target, in order; each is measured even if an earlier one failed to start
+    targets: list[tuple[str, Callable[[], list[RunRecord]]]] = []
+    if not args.compare:
+        targets.append(("server", lambda: bench_url("server", args.base_url, args.model, plan)))
+    else:
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="batchserve-bench-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for policy in policies:
+            targets.append((policy, functools.partial(
+                bench_server, policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
+                shlex.split(args.server_args), log_dir, args.health_timeout, plan, args.torch_threads)))
+    for text in args.compare_url:
+        name, url = _named_url(text)
+        targets.append((name, functools.partial(bench_url, name, url, args.compare_model or args.model, plan)))
+    if with_transformers:
+        model_dir = resolve_model_dir(args.model)
+        targets.append(("transformers", functools.partial(
+            bench_transformers, model_dir, args.max_batch_size, args.baseline_device, plan, args.torch_threads)))
 
-    configs = {r.config for r in records}
-    baselines = [b for b in ("fixed", "transformers") if b in configs and len(configs) > 1]
+    records: list[RunRecord] = []
+    errors: list[str] = []
+    for name, run in targets:
+        try:
+            records += run()
+        except ServerStartError as exc:
+            errors.append(f"{name}: {exc}")
+            print(f"batchserve bench: error: {name}: {exc}", file=sys.stderr, flush=True)
+        if args.output:  # after every target, so a long run interrupted later keeps what it measured
+            write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records,
+                       _baselines(records), errors)
+
+    baselines = _baselines(records)
     print("\n" + format_table(records))
     for baseline in baselines:
         print("\n" + format_ratios(records, baseline))
     if args.output:
-        write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records, baselines)
         print(f"\nresults: {args.output}")
-    if args.plot:
+    if args.plot and records:
         from loadtests.plot import plot_sweep
 
         plot_sweep(records, args.plot, title=f"{args.model}, {args.workload} workload, {args.num_prompts} prompts, "
                    f"{args.endpoint} endpoint")
         print(f"plot: {args.plot}")
+    if errors:
+        return 2
     return 1 if any(r.metrics.completed == 0 for r in records) else 0
+
+
+def _baselines(records: list[RunRecord]) -> list[str]:
+    configs = {r.config for r in records}
+    return [b for b in ("fixed", "transformers") if b in configs and len(configs) > 1]
 
 
 def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: str,

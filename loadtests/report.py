@@ -109,10 +109,12 @@ def format_ratios(records: Sequence[RunRecord], baseline: str) -> str:
     return "\n".join(rows)
 
 
-def write_json(path: Path, workload: dict[str, Any], records: Sequence[RunRecord], baselines: Sequence[str]) -> None:
+def write_json(path: Path, workload: dict[str, Any], records: Sequence[RunRecord], baselines: Sequence[str],
+               errors: Sequence[str] = ()) -> None:
     doc = {
         "workload": workload,
         "runs": [r.to_dict() for r in records],
         "ratios": {b: ratio_rows(records, b) for b in baselines},
+        "errors": list(errors),
     }
     path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 DEFAULT_SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "procs.cli", "serve")
 
@@ -30,11 +30,12 @@ class ServerProcess:
     """`command` plus `--host 127.0.0.1 --port P`, in its own process group, its output in `log_path`."""
 
     def __init__(self, command: Sequence[str], log_path: Path, health_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 30.0):
+                 stop_timeout_s: float = 30.0, env: Mapping[str, str] | None = None):
         self.port = free_port()
         self.command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.health_timeout_s, self.stop_timeout_s = health_timeout_s, stop_timeout_s
+        self.env = None if env is None else {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -52,7 +53,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             # a new session: the server's child processes share its group, so stop() reaches them all
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -59,19 +59,27 @@ def bench_url(label: str, base_url: str, model: str, plan: Plan) -> list[RunReco
 
 
 def bench_server(policy: str, serve_command: Sequence[str], model: str, max_batch_size: int,
-                 server_args: Sequence[str], log_dir: Path, health_timeout_s: float, plan: Plan) -> list[RunRecord]:
+                 server_args: Sequence[str], log_dir: Path, health_timeout_s: float, plan: Plan,
+                 torch_threads: int = 0) -> list[RunRecord]:
     """Start `serve_command` under `policy` on a free port, measure it, stop it."""
     command = [*serve_command, "--model", model, "--policy", policy,
                "--max-running-requests", str(max_batch_size), *server_args]
     log_path = log_dir / f"server-{policy}.log"
     print(f"starting {policy} server (log: {log_path})", file=sys.stderr, flush=True)
-    with ServerProcess(command, log_path, health_timeout_s=health_timeout_s) as server:
+    env = {"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else None  # torch's intra-op threads
+    with ServerProcess(command, log_path, health_timeout_s=health_timeout_s, env=env) as server:
         return bench_url(policy, server.base_url, model, plan)
 
 
-def bench_transformers(model_dir: Path, max_batch_size: int, device: str, plan: Plan) -> list[RunRecord]:
+def bench_transformers(model_dir: Path, max_batch_size: int, device: str, plan: Plan,
+                       torch_threads: int = 0) -> list[RunRecord]:
     """The static-batching baseline, in this process."""
+    import torch
+
     from loadtests.hf_baseline import TransformersStaticBatcher
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
 
     print(f"loading transformers baseline from {model_dir}", file=sys.stderr, flush=True)
     batcher = TransformersStaticBatcher(model_dir, max_batch_size, plan.endpoint, device)

@@ -162,7 +162,7 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
             "--model", str(tiny_model), "--endpoint", "chat", "--num-prompts", "3,6", "--input-len", "3:6",
             "--output-len", "2:5", "--concurrency", "1,3", "--max-batch-size", "3", "--warmup", "1",
             "--compare-url", f"other={other.base_url}", "--output", str(out), "--plot", str(plot),
-            "--no-progress", "--log-dir", str(tmp_path / "logs"),
+            "--no-progress", "--log-dir", str(tmp_path / "logs"), "--torch-threads", "1",
         ])
     assert status == 0
     doc = json.loads(out.read_text())
@@ -192,9 +192,16 @@ def test_cli_user_errors_are_one_line(capsys):
     assert "--input-len" in err and "fastest" in err and "Traceback" not in err
 
 
-def test_cli_reports_a_server_that_never_gets_healthy(tmp_path, capsys):
-    status = cli_main(["bench", "--compare", "--no-transformers", "--policies", "mixed", "--tokenizer", "words",
-                       "--serve-command", f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)'", "--num-prompts", "1",
-                       "--log-dir", str(tmp_path)])
+def test_cli_reports_a_server_that_never_gets_healthy_and_keeps_the_rest(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    with FakeServerThread() as other:
+        status = cli_main(["bench", "--compare", "--no-transformers", "--policies", "mixed", "--tokenizer", "words",
+                           "--serve-command", f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)'",
+                           "--num-prompts", "2", "--input-len", "3", "--output-len", "2", "--log-dir", str(tmp_path),
+                           "--compare-url", other.base_url, "--output", str(out), "--no-progress"])
     assert status == 2
-    assert "exited with status 3" in capsys.readouterr().err
+    assert "mixed: server exited with status 3" in capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert [r["config"] for r in doc["runs"]] == [other.base_url]  # the other target was still measured
+    assert doc["runs"][0]["metrics"]["completed"] == 2
+    assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("mixed:")

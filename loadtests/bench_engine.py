@@ -1,0 +1,243 @@
+"""Engine-level benchmark: this worker's ModelRunner against `transformers.generate`, same weights,
+same prompts, same process, same threads.
+
+Prints decode tokens/s at several batch sizes, prefill tokens/s for 512-token prompts, the ratio,
+and where a decode step's time goes (attention, linear layers, LM head, sampling, other torch ops,
+Python/dispatch overhead).
+
+    .venv/bin/python -m loadtests.bench_engine [--batch-sizes 1,8,32,64] [--decode-steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections import defaultdict
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from procs.worker.loader import resolve_model
+from procs.worker.model_runner import ModelRunner
+from shared.config import DEFAULT_MODEL
+from shared.messages import ForwardBatch, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class StaticPlan:
+    """Pages for a fixed set of requests, handed out up front; builds prefill and decode batches."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]], new_tokens: int):
+        page_size = runner.page_size
+        self.runner = runner
+        self.prompts = prompts
+        self.lens = [len(p) for p in prompts]
+        next_page = 1
+        self.pages: list[list[int]] = []
+        for prompt in prompts:
+            count = -(-(len(prompt) + new_tokens) // page_size)
+            self.pages.append(list(range(next_page, next_page + count)))
+            next_page += count
+        if next_page > runner.kv_cache.num_pages:
+            raise ValueError("KV pool too small for this benchmark")
+        self.step = 0
+
+    def _loc(self, i: int, pos: int) -> int:
+        page_size = self.runner.page_size
+        return self.pages[i][pos // page_size] * page_size + pos % page_size
+
+    def _batch(self, tokens: list[list[int]], prefix: list[int], with_pages: bool) -> ForwardBatch:
+        n = len(tokens)
+        i32 = lambda xs: np.asarray(xs, dtype=np.int32)
+        slots = [i for i in range(n) for _ in self.pages[i]] if with_pages else []
+        cols = [c for i in range(n) for c in range(len(self.pages[i]))] if with_pages else []
+        pages = [p for i in range(n) for p in self.pages[i]] if with_pages else []
+        self.step += 1
+        return ForwardBatch(
+            step=self.step, slots=list(range(n)), prefix_lens=prefix, extend_lens=[len(t) for t in tokens],
+            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+            input_ids=i32([t for ts in tokens for t in ts]),
+            positions=i32([prefix[i] + j for i, ts in enumerate(tokens) for j in range(len(ts))]),
+            kv_locs=i32([self._loc(i, prefix[i] + j) for i, ts in enumerate(tokens) for j in range(len(ts))]),
+            page_table_slots=i32(slots), page_table_cols=i32(cols), page_table_pages=i32(pages),
+        )
+
+    def prefill(self) -> ForwardBatch:
+        return self._batch(self.prompts, [0] * len(self.prompts), with_pages=True)
+
+    def decode(self, last: list[int]) -> ForwardBatch:
+        batch = self._batch([[t] for t in last], list(self.lens), with_pages=False)
+        self.lens = [n + 1 for n in self.lens]
+        return batch
+
+
+def run_engine(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+    """(prefill seconds, seconds for `steps` decode steps, generated tokens)."""
+    plan = StaticPlan(runner, prompts, steps + 1)
+    started = time.perf_counter()
+    last = runner.execute(plan.prefill()).next_token_ids.tolist()
+    prefill_s = time.perf_counter() - started
+    outputs = [[t] for t in last]
+    started = time.perf_counter()
+    for _ in range(steps):
+        last = runner.execute(plan.decode(last)).next_token_ids.tolist()
+        for out, token in zip(outputs, last):
+            out.append(token)
+    return prefill_s, time.perf_counter() - started, outputs
+
+
+def run_transformers(model, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+    """Same measure for `generate` (equal-length prompts, so no padding): decode = T(steps+1) - T(1)."""
+    ids = torch.tensor(prompts)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kwargs)
+        total_s = time.perf_counter() - started
+    return prefill_s, max(total_s - prefill_s, 1e-9), out[:, ids.shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a decode step's time goes
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
+    attention, model = runner.attention, runner.model
+    saved = (attention.forward, model.lm_head_logits, runner._sample_batch, F.linear)
+    attention.forward = timers.wrap("attention (KV write + gather + SDPA)", attention.forward)
+    model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
+    runner._sample_batch = timers.wrap("sampling", runner._sample_batch)
+    F.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", F.linear)
+    try:
+        yield
+    finally:
+        attention.forward, model.lm_head_logits, runner._sample_batch, F.linear = saved
+
+
+def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:
+    timers = Timers()
+    with instrumented(runner, timers):
+        _, decode_s, _ = run_engine(runner, prompts, steps)
+    step_ms = decode_s / steps * 1000
+    # Only the decode steps count: subtract the prefill step's share by re-running it timed alone.
+    prefill_timers = Timers()
+    with instrumented(runner, prefill_timers):
+        plan = StaticPlan(runner, prompts, 1)
+        runner.execute(plan.prefill())
+    parts = {k: (v - prefill_timers.seconds[k]) / steps * 1000 for k, v in timers.seconds.items()}
+    # Time inside torch ops vs outside (Python, dispatch, batch building), from the profiler.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        _, prof_decode_s, _ = run_engine(runner, prompts, steps)
+        prof_total_s = time.perf_counter() - started
+    op_s = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
+    op_share = min(op_s / prof_total_s, 1.0)
+    accounted = sum(parts.values())
+    print(f"  batch {len(prompts)}: decode step {step_ms:.1f} ms")
+    for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"    {name:<40} {ms:7.1f} ms  {100 * ms / step_ms:5.1f}%")
+    rest = step_ms - accounted
+    print(f"    {'rest: norms, rotary, embedding, adds, python':<40} {rest:7.1f} ms  {100 * rest / step_ms:5.1f}%")
+    print(f"    (profiler: {100 * op_share:.0f}% of the step is inside torch ops, "
+          f"{100 * (1 - op_share):.0f}% Python/dispatch/batch building)")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request for decode runs")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-batches", default="1,4", help="numbers of prefill-len prompts prefilled at once")
+    parser.add_argument("--breakdown-batches", default="1,32")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prefill_batches = [int(b) for b in args.prefill_batches.split(",")]
+
+    model_dir = resolve_model(args.model)
+    capacity = max(max(batch_sizes) * (args.prompt_len + args.decode_steps + 32),
+                   max(prefill_batches) * (args.prefill_len + 32))
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=capacity,
+                         max_running_requests=max(max(batch_sizes), max(prefill_batches)),
+                         max_context=max(args.prompt_len + args.decode_steps, args.prefill_len) + 64)
+    reference = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompts_for = lambda b, n: rng.integers(100, runner.vocab_size, size=(b, n)).tolist()
+    print(f"model {args.model} ({model_dir}), fp32 CPU, torch threads {torch.get_num_threads()}, "
+          f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps")
+
+    # warm-up both (first calls allocate and pick kernels)
+    warm = prompts_for(2, 16)
+    run_engine(runner, warm, 2)
+    if reference is not None:
+        run_transformers(reference, warm, 2)
+
+    print("\ndecode tokens/s (batch of equal-length prompts, greedy)")
+    print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}")
+    for b in batch_sizes:
+        prompts = prompts_for(b, args.prompt_len)
+        _, ours_s, ours_out = run_engine(runner, prompts, args.decode_steps)
+        ours = b * args.decode_steps / ours_s
+        if reference is None:
+            print(f"  {b:>5} {ours:>10.1f}")
+            continue
+        _, theirs_s, theirs_out = run_transformers(reference, prompts, args.decode_steps)
+        theirs = b * args.decode_steps / theirs_s
+        same = sum(o == t for o, t in zip(ours_out, theirs_out))
+        print(f"  {b:>5} {ours:>10.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x  {same:>5}/{b:<5}", flush=True)
+
+    print(f"\nprefill tokens/s ({args.prefill_len}-token prompts)")
+    print(f"  {'prompts':>7} {'engine':>10} {'transformers':>13} {'ratio':>7}")
+    for b in prefill_batches:
+        prompts = prompts_for(b, args.prefill_len)
+        ours_s = min(run_engine(runner, prompts, 0)[0] for _ in range(2))
+        ours = b * args.prefill_len / ours_s
+        if reference is None:
+            print(f"  {b:>7} {ours:>10.1f}")
+            continue
+        theirs_s = min(run_transformers(reference, prompts, 0)[0] for _ in range(2))
+        theirs = b * args.prefill_len / theirs_s
+        print(f"  {b:>7} {ours:>10.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x", flush=True)
+
+    print("\nwhere an engine decode step goes")
+    for b in [int(x) for x in args.breakdown_batches.split(",")]:
+        decode_breakdown(runner, prompts_for(b, args.prompt_len), args.decode_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
