@@ -16,8 +16,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 SERVING_LINE = re.compile(r"batchserve: serving .* at (http://\S+) .*?; (worker=\d+ .*?api=\d+);")
 
@@ -139,26 +137,17 @@ def pid_alive(pid: int) -> bool:
 
 
 def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = False,
-                     kv_capacity_tokens: int = 4096, page_size: int = 16) -> list[list[int]]:
-    """Each prompt's greedy tokens, run alone through the scheduler core and the worker core in-process."""
-    from procs.scheduler.config import SchedulerConfig
-    from procs.scheduler.core import Scheduler
-    from procs.worker.model_runner import ModelRunner
-    from shared.messages import SamplingParams, StopParams
+                     **config: object) -> list[list[int]]:
+    """Each prompt's greedy tokens, run alone through `OfflineEngine` (the scheduler core and the worker
+    core in one process, no sockets)."""
+    from procs.engine import OfflineEngine
+    from shared.config import ServerConfig
+    from shared.messages import GenerateRequest, SamplingParams, StopParams
 
-    runner = ModelRunner(str(model), page_size=page_size, kv_capacity_tokens=kv_capacity_tokens,
-                         max_running_requests=4)
+    engine = OfflineEngine(ServerConfig(model=str(model), **config))
     outputs = []
-    for prompt in prompts:
-        sched = Scheduler(SchedulerConfig(max_running_requests=4, prefill_budget=2048,
-                                          kv_capacity_tokens=runner.kv_capacity_tokens, page_size=runner.page_size,
-                                          policy="mixed", max_context=runner.max_context),
-                          eos_token_ids=runner.eos_token_ids)
-        sched.add_request("r", np.asarray(prompt, np.int32), SamplingParams(temperature=0.0),
-                          StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
-        tokens: list[int] = []
-        while sched.has_unfinished():
-            out = sched.step(runner)
-            tokens += [t for rid, t in out.new_tokens]
-        outputs.append(tokens)
+    for i, prompt in enumerate(prompts):
+        req = GenerateRequest(rid=f"ref-{i}", prompt_token_ids=list(prompt), sampling=SamplingParams(temperature=0.0),
+                              stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        outputs.append(engine.generate([req])[0].token_ids)
     return outputs

@@ -1,8 +1,8 @@
 """End to end on a tiny random model: `batchserve serve` (five real processes) driven over HTTP.
 
-One server for the module. Greedy outputs are checked token for token against the same scheduler
-core and worker core run in-process (tiny tokenizer: token id t <-> word "w<t>", so text maps back
-to ids exactly).
+One server for the module. Greedy outputs are checked token for token against `OfflineEngine` (the
+same scheduler core and worker core in one process, no sockets); the tiny tokenizer maps token id t
+to the word "w<t>", so text maps back to ids exactly.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    return reference_greedy(model, PROMPTS, MAX_TOKENS, ignore_eos=True)
+    return reference_greedy(model, PROMPTS, MAX_TOKENS, ignore_eos=True, kv_capacity_tokens=4096)
 
 
 def completion_body(model, prompt, **kw):
@@ -67,7 +67,7 @@ def test_non_streamed_and_streamed_greedy_match_the_in_process_engine(server, mo
 
 def test_text_prompt_and_chat_go_through_the_tokenizer(server, model):
     # "w5 w6 w7" tokenizes to [5, 6, 7]; the chat template renders "w5 w6 w7 " -> the same ids
-    expected = visible(reference_greedy(model, [[5, 6, 7]], MAX_TOKENS, ignore_eos=True)[0])
+    expected = visible(reference_greedy(model, [[5, 6, 7]], MAX_TOKENS, ignore_eos=True, kv_capacity_tokens=4096)[0])
     status, body = http(f"{server.url}/v1/completions", completion_body(model, "w5 w6 w7"))
     assert status == 200 and words_to_ids(body["choices"][0]["text"]) == expected
     chat = {"model": str(model), "messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": MAX_TOKENS,
