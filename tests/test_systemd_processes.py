@@ -55,15 +55,18 @@ class Unit:
         return float(value)
 
 
-def start_order(units: dict[str, Unit]) -> list[Unit]:
-    """Services in an order systemd may start them: each after every unit it is After=."""
+def start_waves(units: dict[str, Unit]) -> list[list[Unit]]:
+    """The services grouped as systemd starts them: a wave starts once every unit it is After= is
+    up (READY=1); units in one wave start together. systemd stops the waves in reverse."""
     done: list[str] = []
+    waves: list[list[Unit]] = []
     while len(done) < len(units):
-        ready = [n for n, u in units.items() if n not in done
-                 and set(" ".join(u.get("Unit", "After")).split()) & set(units) <= set(done)]
+        ready = sorted(n for n, u in units.items() if n not in done
+                       and set(" ".join(u.get("Unit", "After")).split()) & set(units) <= set(done))
         assert ready, "ordering cycle"
-        done += sorted(ready)
-    return [units[n] for n in done]
+        waves.append([units[n] for n in ready])
+        done += ready
+    return waves
 
 
 def expand_specifiers(value: str, dirs: dict[str, Path]) -> str:
@@ -201,22 +204,31 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
     port = free_port()
     host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True), BATCHSERVE_PORT=port))
     procs: dict[str, tuple[subprocess.Popen, NotifySocket]] = {}
-    order = start_order(host.services)
-    assert order[0].name == "batchserve-worker.service" and order[-1].name == "batchserve-api.service"
+    waves = start_waves(host.services)
+    assert [[u.name for u in wave] for wave in waves] == [
+        ["batchserve-worker.service"], ["batchserve-scheduler.service"],
+        ["batchserve-detokenizer.service", "batchserve-tokenizer.service"], ["batchserve-api.service"]]
     try:
-        for unit in order:  # each one only after the previous reported READY=1 (After= + Type=notify)
-            proc, notify = procs[unit.name] = host.start(unit)
-            try:
-                notify.wait_ready(proc, min(unit.seconds("TimeoutStartSec"), STARTUP_LIMIT_S))
-            except AssertionError as exc:
-                raise AssertionError(f"{unit.name}: {exc}\n{host.all_logs()}") from None
+        for wave in waves:  # a wave starts only once the previous one reported READY=1 (After= + Type=notify)
+            spawned = time.time()
+            for unit in wave:
+                procs[unit.name] = host.start(unit)
+            for unit in wave:
+                proc, notify = procs[unit.name]
+                try:
+                    ready_at = notify.wait_ready(proc, min(unit.seconds("TimeoutStartSec"), STARTUP_LIMIT_S))
+                except AssertionError as exc:
+                    raise AssertionError(f"{unit.name}: {exc}\n{host.all_logs()}") from None
+                print(f"{unit.name} (pid {proc.pid}): READY=1 {ready_at - spawned:.2f}s after start")
 
         # Every socket lives in the shared RuntimeDirectory.
         sockets = {p.name for p in host.run_dir.iterdir()}
         assert {"worker.sock", "scheduler.sock", "api.sock"} <= sockets, sockets
 
         base = f"http://127.0.0.1:{port}"
+        asked = time.monotonic()
         wait_healthy(base, host)
+        print(f"/health 200 {time.monotonic() - asked:.2f}s after the api's READY=1")
         with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
             model_id = json.load(response)["data"][0]["id"]
         request = urllib.request.Request(
@@ -231,19 +243,23 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
         assert 1 <= body["usage"]["completion_tokens"] <= 4
         assert body["usage"]["prompt_tokens"] in (3, 4)  # with or without BOS
 
-        # systemd stops in the reverse of the start order, waiting for each to exit before the next.
-        for unit in reversed(order):
-            proc, notify = procs[unit.name]
-            assert proc.poll() is None, f"{unit.name} died while serving\n{host.all_logs()}"
-            limit = unit.seconds("TimeoutStopSec")
+        # systemd stops the waves in reverse, each wave only after the previous one has exited.
+        for wave in reversed(waves):
             started = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                status = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{unit.name} still running {limit:.0f}s after SIGTERM\n{host.all_logs()}") from None
-            assert status == 0, f"{unit.name} exited {status} after SIGTERM\n{host.all_logs()}"
-            print(f"{unit.name} (pid {proc.pid}): exit 0 {time.monotonic() - started:.2f}s after SIGTERM (TimeoutStopSec={limit:.0f}s)")
+            for unit in wave:
+                proc, _ = procs[unit.name]
+                assert proc.poll() is None, f"{unit.name} died while serving\n{host.all_logs()}"
+                proc.send_signal(signal.SIGTERM)
+            for unit in wave:
+                proc, _ = procs[unit.name]
+                limit = unit.seconds("TimeoutStopSec")
+                try:
+                    status = proc.wait(timeout=max(0.0, started + limit - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{unit.name} still running {limit:.0f}s after SIGTERM\n{host.all_logs()}") from None
+                assert status == 0, f"{unit.name} exited {status} after SIGTERM\n{host.all_logs()}"
+                print(f"{unit.name} (pid {proc.pid}): exit 0 {time.monotonic() - started:.2f}s after SIGTERM "
+                      f"(TimeoutStopSec={limit:.0f}s)")
     finally:
         for proc, notify in procs.values():
             if proc.poll() is None:
