@@ -33,6 +33,7 @@ UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in PR
 # ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
 _PLACEHOLDER = re.compile(r"@[A-Z_]+@")
+_UNIT_UNSAFE = re.compile(r"[\s\"'%$\\]")  # would be split, expanded or unquoted in ExecStart=
 
 # One line per ServerConfig field, shown above its variable in the env file.
 FIELD_DOCS: dict[str, str] = {
@@ -208,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     venv = Path(args.venv).absolute()
+    if _UNIT_UNSAFE.search(str(venv)):
+        raise CliError(f"{venv}: a venv path with spaces, quotes, '%', '$' or '\\' would need escaping in "
+                       "ExecStart=; use a plain path (e.g. /opt/batchserve/venv)")
     executable = venv / "bin" / "batchserve"
     if not executable.is_file():
         raise CliError(f"{executable} does not exist: --venv must be a virtualenv with batchserve installed")

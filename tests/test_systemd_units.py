@@ -121,6 +121,15 @@ def test_bad_venv_is_a_clear_error(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_venv_path_that_systemd_would_split_is_refused(tmp_path: Path) -> None:
+    venv = tmp_path / "my venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "batchserve").write_text("")
+    result = run_install("--prefix", str(tmp_path / "root"), "--venv", str(venv))
+    assert result.returncode == 2 and "would need escaping" in result.stderr
+    assert not (tmp_path / "root").exists()
+
+
 def test_protect_home_relaxed_only_for_code_under_home() -> None:
     template = (inst.TEMPLATE_DIR / "batchserve-api.service").read_text()
     assert "ProtectHome=yes" in inst.render_unit(template, Path("/opt/venv"), Path("/opt/src"))
