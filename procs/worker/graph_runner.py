@@ -54,6 +54,8 @@ class DecodeGraphRunner:
         pinned = self.device.type == "cuda"
         self._staging = self._inputs if not pinned else torch.zeros((3, size), dtype=torch.int64, pin_memory=True)
         self._staging_np = self._staging.numpy()
+        # set once the last host-to-device copy out of the (pinned) staging buffer has completed
+        self._staged_copy = torch.cuda.Event() if pinned else None
         self._rows = torch.arange(size, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[int, torch.Tensor] = {}
@@ -84,6 +86,8 @@ class DecodeGraphRunner:
         """float32 logits of the batch's sampling requests (page table already applied)."""
         n = batch.num_requests
         size = self.bucket_for(n)
+        if self._staged_copy is not None:
+            self._staged_copy.synchronize()  # don't overwrite a buffer an async copy may still read
         staged = self._staging_np
         staged[0, :n] = batch.input_ids
         staged[1, :n] = batch.positions
@@ -91,6 +95,7 @@ class DecodeGraphRunner:
         staged[:, n:size] = 0
         if self._staging is not self._inputs:
             self._inputs[:, :size].copy_(self._staging[:, :size], non_blocking=True)
+            self._staged_copy.record()
         padding = size - n
         metadata = AttentionMetadata(
             slots=list(batch.slots) + [0] * padding, prefix_lens=list(batch.prefix_lens) + [0] * padding,

@@ -222,7 +222,7 @@ def bench_decode(args: argparse.Namespace) -> None:
     hits both alike) and each side reports its median round."""
     backend = "auto" if args.device.startswith("cuda") else "torch"
     on_label, off_label = ("graphs", "no graphs") if args.device.startswith("cuda") else ("padded", "unpadded")
-    max_running = max(args.batch_sizes)
+    max_running = args.max_running or max(args.batch_sizes)
     runners: dict[str, ModelRunner] = {}
     for label, graphs in ((on_label, True), (off_label, False)):
         free_before = free_memory(args.device)
@@ -268,6 +268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--max-running", type=int, default=0,
+                        help="benchmark runners' max_running_requests, hence graph sizes (0: the largest batch size)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--round-steps", type=int, default=16)
