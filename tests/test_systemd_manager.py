@@ -62,9 +62,10 @@ class UserManager:
         self.unit_dir = base / "config" / "systemd" / "user"
         self.unit_dir.mkdir(parents=True)
         self.log = (base / "manager.log").open("wb")
-        # /run/systemd/system marks "booted with systemd"; the inaccessible nodes are what PID 1
-        # creates at boot and what ProtectHome=/ProtectKernelTunables=/... mount over hidden paths.
-        boot = ("mount -t tmpfs tmpfs /run/systemd && mkdir -p /run/systemd/system /run/systemd/inaccessible && "
+        # A fresh /run for the manager alone: /run/systemd/system marks "booted with systemd"; the
+        # inaccessible nodes are what PID 1 creates at boot and what ProtectHome=,
+        # ProtectKernelTunables=, ... mount over the paths they hide.
+        boot = ("mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system /run/systemd/inaccessible && "
                 "cd /run/systemd/inaccessible && touch reg && mkdir dir && mknod chr c 0 0 && mknod blk b 0 0 && "
                 f"mkfifo fifo && {sys.executable} -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"sock\")' && "
                 "chmod 0000 reg dir chr blk fifo sock && cd / && "
