@@ -74,6 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
             pages = self._pages(torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
+            if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
+                pages[-metadata.num_padding:] = 0
             valid = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=device)[None, :] < lens[:, None]
             self._decode = _DecodeGroup(rows, pages, valid[:, None, None, :])
 
