@@ -233,4 +233,7 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
         "output_len": args.output_len if args.workload == "random" else "chat mix",
         "endpoint": args.endpoint, "model": args.model, "prompts_from": tokenizer_desc, "warmup": num_warmup,
         "max_batch_size": args.max_batch_size if args.compare else None,
+        "server_args": args.server_args if args.compare else None,
+        "torch_threads": args.torch_threads or None,
+        "command": shlex.join(["batchserve", *sys.argv[1:]]),
     }
