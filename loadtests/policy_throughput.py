@@ -1,9 +1,11 @@
 """Output tokens/s of N concurrent streaming requests under each scheduling policy, in one run.
 
-For each policy a fresh `batchserve serve --policy P` is started (same model, same limits), N
-streaming completions of exactly M tokens each (`ignore_eos`) are sent at once, and the output
-tokens/s (all tokens / wall time from the first send to the last token) plus mean TTFT are printed
-side by side.
+One `batchserve serve --policy P` per policy is started (same model, same limits; all of them up
+at once, idle servers cost nothing), then in each round every server gets a burst of N streaming
+completions of exactly M tokens each (`ignore_eos`), sent at once; the policy order rotates between
+rounds so that a shared machine's background load hits every policy alike. Printed side by side:
+output tokens/s (all tokens / wall time from the first send to the last token) per round and the
+median, and mean TTFT.
 
     .venv/bin/python -m loadtests.policy_throughput                     # default model, 32 x 128
     .venv/bin/python -m loadtests.policy_throughput --model DIR -n 8 --max-tokens 16
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -59,13 +62,14 @@ async def _burst(base_url: str, n: int, max_tokens: int) -> dict[str, float]:
             "mean_ttft_s": sum(f for _, f in results) / n}
 
 
-def run_policy(policy: str, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
+def start_server(policy: str, args: argparse.Namespace, log_dir: Path) -> ServerProcess:
     command = [sys.executable, "-m", "procs.cli", "serve", "--model", args.model, "--policy", policy,
                "--max-running-requests", str(args.max_running_requests),
                "--kv-capacity-tokens", str(args.kv_capacity_tokens)]
-    with ServerProcess(command, log_dir / f"serve-{policy}.log", health_timeout_s=900) as server:
-        asyncio.run(_burst(server.base_url, min(2, args.n), 4))  # warm-up: first-call costs out of the numbers
-        return asyncio.run(_burst(server.base_url, args.n, args.max_tokens))
+    server = ServerProcess(command, log_dir / f"serve-{policy}.log", health_timeout_s=900)
+    server.start()
+    asyncio.run(_burst(server.base_url, min(2, args.n), 4))  # warm-up: first-call costs out of the numbers
+    return server
 
 
 def main() -> int:
@@ -76,16 +80,30 @@ def main() -> int:
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--kv-capacity-tokens", type=int, default=16384)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per policy (order rotated each round)")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="policy-throughput-"))
-    rows = {}
-    for policy in args.policies:
-        rows[policy] = run_policy(policy, args, log_dir)
-        print(f"{policy:>14}: {rows[policy]['tok_per_s']:8.1f} output tok/s", file=sys.stderr, flush=True)
-    print(f"\n{args.n} concurrent streams x {args.max_tokens} tokens, model {args.model} (server logs in {log_dir})")
-    print(f"{'policy':>14} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'mean TTFT s':>12}")
-    for policy, r in rows.items():
-        print(f"{policy:>14} {r['tokens']:7.0f} {r['wall_s']:8.2f} {r['tok_per_s']:8.1f} {r['mean_ttft_s']:12.2f}")
+    servers: dict[str, ServerProcess] = {}
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in args.policies}
+    try:
+        for policy in args.policies:
+            servers[policy] = start_server(policy, args, log_dir)
+        for r in range(args.rounds):
+            order = args.policies[r % len(args.policies):] + args.policies[:r % len(args.policies)]
+            for policy in order:
+                result = asyncio.run(_burst(servers[policy].base_url, args.n, args.max_tokens))
+                runs[policy].append(result)
+                print(f"round {r}: {policy:>14} {result['tok_per_s']:8.1f} output tok/s", file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"\n{args.n} concurrent streams x {args.max_tokens} tokens, model {args.model}, {args.rounds} round(s) "
+          f"(server logs in {log_dir})")
+    print(f"{'policy':>14} {'median tok/s':>13} {'per round tok/s':>24} {'mean TTFT s':>12}")
+    for policy, results in runs.items():
+        rates = [r["tok_per_s"] for r in results]
+        ttft = statistics.median(r["mean_ttft_s"] for r in results)
+        print(f"{policy:>14} {statistics.median(rates):13.1f} {' '.join(f'{x:.1f}' for x in rates):>24} {ttft:12.2f}")
     return 0
 
 
