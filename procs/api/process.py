@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 
+import msgspec
 import uvloop
 
 from procs.api.app import HANDLERS_KEY
@@ -25,6 +26,7 @@ from shared.readiness import notify_ready, notify_stopping
 
 log = logging.getLogger("batchserve.api")
 DRAIN_POLL_S = 0.05
+AIOHTTP_SHUTDOWN_S = 1.0
 
 
 async def serve(config: ServerConfig) -> int:
@@ -38,7 +40,11 @@ async def serve(config: ServerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    runner = await start_api(engine, config)
+    # The drain below is ours; aiohttp's own shutdown wait only has to cut off what outlived it.
+    try:
+        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S))
+    except OSError as exc:  # port in use, address not available: a configuration error
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     try:
         while not engine.backends_ready() and not stop.is_set():
             try:

@@ -14,7 +14,7 @@ import time
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
-from shared.messages import ForwardBatch, WorkerInfo
+from shared.messages import ForwardBatch
 from shared.shm import DoubleBuffer
 
 log = logging.getLogger("batchserve.worker")
@@ -34,8 +34,7 @@ def run(config: ServerConfig) -> int:
     try:
         started = time.monotonic()
         runner = ModelRunner.from_config(config)
-        info = WorkerInfo(kv_capacity_tokens=runner.kv_capacity_tokens, eos_token_ids=list(runner.eos_token_ids),
-                          max_context=runner.max_context, page_size=runner.page_size)
+        info = runner.worker_info()
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
