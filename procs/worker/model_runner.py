@@ -4,18 +4,18 @@ executes one `ForwardBatch` per call: apply page-table updates, run the packed f
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
 import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, create_backend
+from kernels.sampling import sample_batch
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
-from shared.messages import ForwardBatch, SamplingParams, StepResult, WorkerInfo
+from shared.messages import ForwardBatch, StepResult, WorkerInfo
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -40,20 +40,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def _greedy_only(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int]) -> torch.Tensor:
-    if any(p.temperature != 0 for p in params):
-        raise ValueError("kernels.sampling is not available: only greedy (temperature 0) requests can run")
-    return logits.argmax(dim=-1)
-
-
-def _sampler():
-    try:
-        from kernels.sampling import sample_batch
-    except ImportError:
-        return _greedy_only
-    return sample_batch
 
 
 class ModelRunner:
@@ -92,7 +78,7 @@ class ModelRunner:
         )
         self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
-        self._sample_batch = _sampler()
+        self._sample_batch = sample_batch
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # (CUDA graphs where the backend allows); disable_cuda_graph: every step runs the plain eager path.
         if cuda_graph_max_bs < 0:
