@@ -230,6 +230,7 @@ def bench_decode(args: argparse.Namespace) -> None:
         log(f"bench {label}: backend {runners[label].attention.name}, {describe_graphs(runners[label])}, "
             f"runner {(free_before - free_memory(args.device)) / 2**20:.0f} MiB")
     steps = args.warmup_steps + args.rounds * args.round_steps
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     rows = []
     for batch_size in args.batch_sizes:
         benches = {label: DecodeBench(runner, batch_size, args.prompt_len, steps) for label, runner in runners.items()}
@@ -240,15 +241,15 @@ def bench_decode(args: argparse.Namespace) -> None:
         rates: dict[str, list[float]] = {label: [] for label in benches}
         for _ in range(args.rounds):
             for label, bench in benches.items():
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(args.round_steps):
                     bench.decode()
-                rates[label].append(batch_size * args.round_steps / (time.perf_counter() - start))
+                rates[label].append(batch_size * args.round_steps / (clock() - start))
         on, off = float(np.median(rates[on_label])), float(np.median(rates[off_label]))
         log(f"  batch {batch_size}: {on_label} {on:.1f}, {off_label} {off:.1f} tokens/s")
         rows.append((batch_size, on, off))
-    print(f"decode tokens/s (prompt {args.prompt_len}, median of {args.rounds} alternating rounds of "
-          f"{args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)")
+    print(f"decode tokens/s by {args.clock} time (prompt {args.prompt_len}, median of {args.rounds} alternating "
+          f"rounds of {args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)")
     print(f"{'batch':>6} {on_label:>12} {off_label:>12} {'ratio':>7}")
     for batch_size, on, off in rows:
         print(f"{batch_size:>6} {on:>12.1f} {off:>12.1f} {on / off:>7.2f}")
@@ -274,6 +275,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--round-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=4)
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="process: CPU time of this process (steadier than wall time on a shared CPU box)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--skip-equality", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     args = parser.parse_args(argv)
@@ -284,6 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available here: nothing to check (use --device cpu for the padded path)")
         return 2
