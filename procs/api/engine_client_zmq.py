@@ -13,6 +13,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+import msgspec
 import zmq.asyncio
 
 from procs.api.engine_client import EngineEvent, StatsListener
@@ -59,7 +60,11 @@ class ZmqEngineClient:
     async def _read(self, inbox: AsyncReceiver[ApiInbox]) -> None:
         try:
             while True:
-                message = await inbox.recv()
+                try:
+                    message = await inbox.recv()
+                except msgspec.ValidationError as exc:  # a peer's bug must not stop all routing
+                    log.error("dropped an undecodable message: %s", exc)
+                    continue
                 if isinstance(message, (TextDelta, RequestRejected)):
                     queue = self._streams.get(message.rid)
                     if queue is not None:  # else: the request was aborted and forgotten
