@@ -62,7 +62,7 @@ class ZmqEngineClient:
             while True:
                 try:
                     message = await inbox.recv()
-                except msgspec.ValidationError as exc:  # a peer's bug must not stop all routing
+                except msgspec.DecodeError as exc:  # a peer's bug must not stop all routing
                     log.error("dropped an undecodable message: %s", exc)
                     continue
                 if isinstance(message, (TextDelta, RequestRejected)):
