@@ -220,7 +220,10 @@ def _describe_status(code: int | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from procs.scheduler.process import check_config
+
     config = config_from_args(args)
+    check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
     chosen = config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     if chosen:
         runtime_dir, owns = Path(chosen), False

@@ -157,3 +157,10 @@ def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_mod
     out, abort = d.handle(TokenDelta(rid="b", token_ids=[], finish_reason="length", prompt_tokens=1,
                                      completion_tokens=1))
     assert out.finish_reason == "length" and not abort and out.usage.total_tokens == 2
+
+
+def test_serve_refuses_an_unworkable_policy_before_starting_anything(capsys):
+    from procs.cli import main
+
+    assert main(["serve", "--policy", "mixed", "--prefill-budget", "8", "--max-running-requests", "16"]) == 2
+    assert "prefill_budget" in capsys.readouterr().err

@@ -123,6 +123,12 @@ def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
     )
 
 
+def check_config(config: ServerConfig) -> None:
+    """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
+    scheduler_config(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[],
+                                        max_context=0, page_size=config.page_size))
+
+
 class SchedulerLoop:
     def __init__(self, config: ServerConfig, rt: ProcessRuntime) -> None:
         self.config = config
@@ -211,6 +217,7 @@ class SchedulerLoop:
 
 
 def run(config: ServerConfig) -> int:
+    check_config(config)
     rt = ProcessRuntime("scheduler", config)
     rt.install_signal_handlers()
     rt.start_heartbeat()
