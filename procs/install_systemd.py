@@ -32,6 +32,8 @@ UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in PR
 
 # ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
+# PrivateTmp=yes gives each unit an empty /tmp; code under these needs PrivateTmp=no.
+TMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
 _PLACEHOLDER = re.compile(r"@[A-Z_]+@")
 _UNIT_UNSAFE = re.compile(r"[\s\"'%$\\]")  # would be split, expanded or unquoted in ExecStart=
 
@@ -156,9 +158,19 @@ def protect_home_for(venv: Path) -> str:
     return "read-only" if needs_home_access(*code_paths(venv)) else "yes"
 
 
-def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes") -> str:
+def needs_host_tmp(*paths: Path) -> bool:
+    return any(path.resolve().is_relative_to(tmp) for path in paths for tmp in TMP_DIRS)
+
+
+def private_tmp_for(venv: Path) -> str:
+    """PrivateTmp=yes would hide code that lives under /tmp (a CI clone, a throwaway venv)."""
+    return "no" if needs_host_tmp(*code_paths(venv)) else "yes"
+
+
+def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes",
+                private_tmp: str = "yes") -> str:
     text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
-            .replace("@PROTECT_HOME@", protect_home))
+            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp))
     left = _PLACEHOLDER.search(text)
     if left:
         raise ValueError(f"unit template has an unknown placeholder {left.group()}")
@@ -179,8 +191,9 @@ def plan_files(prefix: Path, venv: Path, force: bool = False) -> list[PlannedFil
         raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
                        "checkout (pip install -e .)")
     protect_home = protect_home_for(venv)
+    private_tmp = private_tmp_for(venv)
     files = [PlannedFile(prefix / UNIT_DIR / name,
-                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home),
+                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home, private_tmp),
                          0o644, keep_existing=False)
              for name in UNIT_NAMES]
     files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(), 0o644, keep_existing=not force))
@@ -237,5 +250,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: {', '.join(under_home)} under a home directory: the units use ProtectHome=read-only, "
               f"and the {SERVICE_USER} user needs read access there (better: a venv outside /home and /root)",
               file=sys.stderr)
+    under_tmp = [str(path) for path in code_paths(venv) if needs_host_tmp(path)]
+    if under_tmp:
+        print(f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
+              "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)", file=sys.stderr)
     print(next_steps(prefix))
     return 0

@@ -140,6 +140,15 @@ def test_protect_home_relaxed_only_for_code_under_home() -> None:
         inst.render_unit(template + "\n# @NEW@\n", Path("/opt/venv"))
 
 
+def test_private_tmp_relaxed_only_for_code_under_tmp() -> None:
+    template = (inst.TEMPLATE_DIR / "batchserve-worker.service").read_text()
+    assert "PrivateTmp=yes" in inst.render_unit(template, Path("/opt/venv"), Path("/opt/src"))
+    assert "PrivateTmp=no" in inst.render_unit(template, Path("/tmp/ci/.venv"), Path("/tmp/ci"), private_tmp="no")
+    assert inst.needs_host_tmp(Path("/tmp/ci-check/.venv"), Path("/opt/src"))
+    assert inst.needs_host_tmp(Path("/var/tmp/venv"))
+    assert not inst.needs_host_tmp(Path("/opt/venv"), Path("/srv/batchserve"))
+
+
 # --- what the units say ---------------------------------------------------------------------------
 
 def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dict) -> None:
@@ -161,7 +170,8 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         # ProtectHome=yes unless the venv, its interpreter or the source is under /home or /root.
         assert get("ProtectHome") == [inst.protect_home_for(Path(sys.prefix).absolute())], name
         for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
-                           ("PrivateTmp", "yes"), ("ProtectKernelTunables", "yes"),
+                           ("PrivateTmp", inst.private_tmp_for(Path(sys.prefix).absolute())),
+                           ("ProtectKernelTunables", "yes"),
                            ("ProtectControlGroups", "yes"), ("CapabilityBoundingSet", "")):
             assert get(key) == [value], (name, key)
         families = get("RestrictAddressFamilies")[0].split()
