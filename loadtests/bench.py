@@ -13,12 +13,12 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from loadtests.report import RunRecord, format_ratios, format_table, write_json
 from loadtests.runner import LoadPoint
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerStartError
-from loadtests.targets import Plan, bench_server, bench_transformers, bench_url
+from loadtests.server_process import DEFAULT_SERVE_COMMAND
+from loadtests.targets import Opener, Plan, measure_targets, server_target, transformers_target, url_target
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
                                 chat_workload, random_workload)
 from procs.cli import CliError
@@ -46,12 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--warmup", type=int, default=2, help="requests sent before each measurement, not counted")
     load.add_argument("--tokenizer", default="auto", help="auto: the model's tokenizer when it resolves, else "
                       "words; words: a word list; or a tokenizer.json / model folder")
+    load.add_argument("--rounds", type=int, default=1, help="measure every (target, load point) this many times, "
+                      "interleaved with the other targets in rotated order, and pool the results")
     load.add_argument("--concurrency", help="comma list, e.g. 1,8,32: requests kept in flight (default 8)")
     load.add_argument("--request-rate", help="comma list of requests/s (Poisson arrivals), inf allowed")
 
     comp = parser.add_argument_group("comparison")
     comp.add_argument("--compare", action="store_true",
-                      help="start `batchserve serve` under each --policies entry, then the transformers baseline")
+                      help="start `batchserve serve` under each --policies entry, side by side, and the "
+                      "transformers baseline; every load point measures each of them in turn")
     comp.add_argument("--policies", default=",".join(POLICIES), help="comma list of server policies to run")
     comp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     comp.add_argument("--compare-url", action="append", default=[], metavar="[NAME=]URL",
@@ -153,6 +156,8 @@ def _named_url(text: str) -> tuple[str, str]:
 def main(args: argparse.Namespace) -> int:
     if args.torch_threads < 0:
         raise CliError(f"--torch-threads must be >= 0, got {args.torch_threads}")
+    if args.rounds < 1:
+        raise CliError(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
     points = parse_points(args.concurrency, args.request_rate)
@@ -172,37 +177,29 @@ def main(args: argparse.Namespace) -> int:
         warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
     plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress, counts)
 
-    # every target, in order; each is measured even if an earlier one failed to start
-    targets: list[tuple[str, Callable[[], list[RunRecord]]]] = []
+    endpoint = args.endpoint
+    openers: list[tuple[str, Opener]] = []
     if not args.compare:
-        targets.append(("server", lambda: bench_url("server", args.base_url, args.model, plan)))
+        openers.append(("server", functools.partial(url_target, args.base_url, args.model, endpoint)))
     else:
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="batchserve-bench-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         for policy in policies:
-            targets.append((policy, functools.partial(
-                bench_server, policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
-                shlex.split(args.server_args), log_dir, args.health_timeout, plan, args.torch_threads)))
+            openers.append((policy, functools.partial(
+                server_target, policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
+                shlex.split(args.server_args), log_dir, args.health_timeout, endpoint, args.torch_threads)))
     for text in args.compare_url:
         name, url = _named_url(text)
-        targets.append((name, functools.partial(bench_url, name, url, args.compare_model or args.model, plan)))
+        openers.append((name, functools.partial(url_target, url, args.compare_model or args.model, endpoint)))
     if with_transformers:
-        model_dir = resolve_model_dir(args.model)
-        targets.append(("transformers", functools.partial(
-            bench_transformers, model_dir, args.max_batch_size, args.baseline_device, plan, args.torch_threads)))
+        openers.append(("transformers", functools.partial(
+            transformers_target, resolve_model_dir(args.model), args.max_batch_size, args.baseline_device, endpoint,
+            args.torch_threads)))
 
-    records: list[RunRecord] = []
-    errors: list[str] = []
-    for name, run in targets:
-        try:
-            records += run()
-        except ServerStartError as exc:
-            errors.append(f"{name}: {exc}")
-            print(f"batchserve bench: error: {name}: {exc}", file=sys.stderr, flush=True)
-        if args.output:  # after every target, so a long run interrupted later keeps what it measured
-            write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records,
-                       _baselines(records), errors)
-
+    records, errors = measure_targets(openers, plan, args.rounds)
+    if args.output:
+        write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records,
+                   _baselines(records), errors)
     baselines = _baselines(records)
     print("\n" + format_table(records))
     for baseline in baselines:
@@ -234,6 +231,6 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
         "endpoint": args.endpoint, "model": args.model, "prompts_from": tokenizer_desc, "warmup": num_warmup,
         "max_batch_size": args.max_batch_size if args.compare else None,
         "server_args": args.server_args if args.compare else None,
-        "torch_threads": args.torch_threads or None,
+        "torch_threads": args.torch_threads or None, "rounds": args.rounds,
         "command": shlex.join(["batchserve", *sys.argv[1:]]),
     }

@@ -1,21 +1,26 @@
 """Things a benchmark can measure: an endpoint URL, this server started under a policy, the transformers baseline.
 
-Each returns one `RunRecord` per load point, measured on the same workload by the same runner.
+All are measured on the same workload by the same runner, one `RunRecord` per target and load point.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
-from loadtests.client import Endpoint, make_session, send_request
+import aiohttp
+
+from loadtests.client import Endpoint, RequestResult, make_session, send_request
+from loadtests.metrics import summarize
 from loadtests.report import RunRecord, format_run
 from loadtests.runner import LoadPoint, Sender, measure
-from loadtests.server_process import ServerProcess
+from loadtests.server_process import ServerProcess, ServerStartError
 from loadtests.workload import RequestSpec
 
 
@@ -36,43 +41,35 @@ class Plan:
         return self.specs[: self.num_prompts[index]] if self.num_prompts else self.specs
 
 
-async def _sweep(label: str, send: Sender, plan: Plan) -> list[RunRecord]:
-    records = []
-    for i, point in enumerate(plan.points):
-        metrics, _ = await measure(send, plan.specs_for(i), point, plan.seed, warmup=plan.warmup,
-                                   desc=f"{label} @ {point.label()}", show_progress=plan.show_progress)
-        record = RunRecord(label, point, metrics)
-        print(format_run(record), flush=True)
-        records.append(record)
-    return records
+# A target, once opened, turns the shared HTTP session into a sender for its requests.
+SenderFactory = Callable[[aiohttp.ClientSession], Sender]
+Opener = Callable[[], AbstractContextManager[SenderFactory]]
 
 
-def bench_url(label: str, base_url: str, model: str, plan: Plan) -> list[RunRecord]:
-    """Measure an already running OpenAI-compatible server."""
-
-    async def run() -> list[RunRecord]:
-        async with make_session(plan.request_timeout_s) as session:
-            send = functools.partial(send_request, session, base_url, plan.endpoint, model)
-            return await _sweep(label, send, plan)
-
-    return asyncio.run(run())
+@contextlib.contextmanager
+def url_target(base_url: str, model: str, endpoint: Endpoint) -> Iterator[SenderFactory]:
+    """An already running OpenAI-compatible server."""
+    yield lambda session: functools.partial(send_request, session, base_url, endpoint, model)
 
 
-def bench_server(policy: str, serve_command: Sequence[str], model: str, max_batch_size: int,
-                 server_args: Sequence[str], log_dir: Path, health_timeout_s: float, plan: Plan,
-                 torch_threads: int = 0) -> list[RunRecord]:
-    """Start `serve_command` under `policy` on a free port, measure it, stop it."""
+@contextlib.contextmanager
+def server_target(policy: str, serve_command: Sequence[str], model: str, max_batch_size: int,
+                  server_args: Sequence[str], log_dir: Path, health_timeout_s: float, endpoint: Endpoint,
+                  torch_threads: int = 0) -> Iterator[SenderFactory]:
+    """`serve_command` under `policy` on a free port, stopped when the context ends."""
     command = [*serve_command, "--model", model, "--policy", policy,
                "--max-running-requests", str(max_batch_size), *server_args]
     log_path = log_dir / f"server-{policy}.log"
     print(f"starting {policy} server (log: {log_path})", file=sys.stderr, flush=True)
     env = {"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else None  # torch's intra-op threads
     with ServerProcess(command, log_path, health_timeout_s=health_timeout_s, env=env) as server:
-        return bench_url(policy, server.base_url, model, plan)
+        with url_target(server.base_url, model, endpoint) as factory:
+            yield factory
 
 
-def bench_transformers(model_dir: Path, max_batch_size: int, device: str, plan: Plan,
-                       torch_threads: int = 0) -> list[RunRecord]:
+@contextlib.contextmanager
+def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpoint: Endpoint,
+                        torch_threads: int = 0) -> Iterator[SenderFactory]:
     """The static-batching baseline, in this process."""
     import torch
 
@@ -80,10 +77,59 @@ def bench_transformers(model_dir: Path, max_batch_size: int, device: str, plan: 
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-
     print(f"loading transformers baseline from {model_dir}", file=sys.stderr, flush=True)
-    batcher = TransformersStaticBatcher(model_dir, max_batch_size, plan.endpoint, device)
+    batcher = TransformersStaticBatcher(model_dir, max_batch_size, endpoint, device)
     try:
-        return asyncio.run(_sweep("transformers", batcher.send, plan))
+        yield lambda session: batcher.send
     finally:
         batcher.close()
+
+
+async def _measure_all(targets: Sequence[tuple[str, SenderFactory]], plan: Plan, rounds: int) -> list[RunRecord]:
+    """For each load point, each target in turn, `rounds` times with the order rotated every round.
+
+    Interleaving puts every configuration under the same background load on a shared machine;
+    the rounds of one (target, point) are pooled: latencies together, tokens over the summed durations.
+    """
+    pooled: dict[tuple[str, int], tuple[list[RequestResult], float]] = {}
+    async with make_session(plan.request_timeout_s) as session:
+        senders = [(label, factory(session)) for label, factory in targets]
+        for i, point in enumerate(plan.points):
+            for r in range(rounds):
+                shift = r % len(senders)
+                for label, send in senders[shift:] + senders[:shift]:
+                    metrics, results = await measure(send, plan.specs_for(i), point, plan.seed,
+                                                     warmup=plan.warmup, desc=f"{label} @ {point.label()}",
+                                                     show_progress=plan.show_progress)
+                    if rounds > 1:
+                        print(f"{label} @ {point.label()} round {r + 1}/{rounds}: {metrics.output_throughput:.2f} "
+                              f"output tok/s, ITL p99 {metrics.itl_ms.p99} ms", file=sys.stderr, flush=True)
+                    done, duration = pooled.get((label, i), ([], 0.0))
+                    pooled[(label, i)] = (done + results, duration + metrics.duration_s)
+            for label, _ in senders:
+                results, duration = pooled[(label, i)]
+                record = RunRecord(label, point, summarize(results, duration))
+                print(format_run(record), flush=True)
+    return [RunRecord(label, point, summarize(*pooled[(label, i)]))
+            for i, point in enumerate(plan.points) for label, _ in targets]
+
+
+def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,
+                    rounds: int = 1) -> tuple[list[RunRecord], list[str]]:
+    """Open every target (servers started side by side, idle while another is measured), measure, close.
+
+    A target that fails to start is reported in the returned errors; the others are still measured.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    errors: list[str] = []
+    with contextlib.ExitStack() as stack:
+        opened = []
+        for label, opener in openers:
+            try:
+                opened.append((label, stack.enter_context(opener())))
+            except ServerStartError as exc:
+                errors.append(f"{label}: {exc}")
+                print(f"batchserve bench: error: {label}: {exc}", file=sys.stderr, flush=True)
+        records = asyncio.run(_measure_all(opened, plan, rounds)) if opened else []
+    return records, errors

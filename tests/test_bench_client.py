@@ -167,7 +167,8 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
     assert status == 0
     doc = json.loads(out.read_text())
     configs = ["mixed", "prefill-first", "fixed", "other", "transformers"]
-    assert [(r["config"], r["concurrency"]) for r in doc["runs"]] == [(c, n) for c in configs for n in (1, 3)]
+    # servers side by side: each load point measures every configuration in turn
+    assert [(r["config"], r["concurrency"]) for r in doc["runs"]] == [(c, n) for n in (1, 3) for c in configs]
     # per-point request counts: 3 at concurrency 1, 6 at concurrency 3
     assert all(r["metrics"]["completed"] == {1: 3, 3: 6}[r["concurrency"]] for r in doc["runs"])
     assert all(r["metrics"]["failed"] == 0 for r in doc["runs"])
@@ -198,10 +199,11 @@ def test_cli_reports_a_server_that_never_gets_healthy_and_keeps_the_rest(tmp_pat
         status = cli_main(["bench", "--compare", "--no-transformers", "--policies", "mixed", "--tokenizer", "words",
                            "--serve-command", f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)'",
                            "--num-prompts", "2", "--input-len", "3", "--output-len", "2", "--log-dir", str(tmp_path),
-                           "--compare-url", other.base_url, "--output", str(out), "--no-progress"])
+                           "--compare-url", other.base_url, "--output", str(out), "--no-progress",
+                           "--rounds", "2"])
     assert status == 2
     assert "mixed: server exited with status 3" in capsys.readouterr().err
     doc = json.loads(out.read_text())
     assert [r["config"] for r in doc["runs"]] == [other.base_url]  # the other target was still measured
-    assert doc["runs"][0]["metrics"]["completed"] == 2
+    assert doc["runs"][0]["metrics"]["completed"] == 4  # two rounds of two requests, pooled
     assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("mixed:")
