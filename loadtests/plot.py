@@ -31,6 +31,7 @@ def plot_sweep(records: Sequence[RunRecord], path: Path, title: str = "") -> Non
     configs = list(dict.fromkeys(r.config for r in records))
     finite_rates = [r.point.value for r in records if not math.isinf(r.point.value)]
     inf_at = (max(finite_rates) * 2) if finite_rates else 1.0  # where an infinite request rate is drawn
+    has_inf = any(math.isinf(r.point.value) for r in records)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, metric) in zip(axes.flat, PANELS):
         for config in configs:
@@ -44,8 +45,12 @@ def plot_sweep(records: Sequence[RunRecord], path: Path, title: str = "") -> Non
             ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("concurrency" if axis == "concurrency" else "request rate (req/s)")
-        if len({r.point.value for r in records}) > 2:
+        xs_all = sorted({inf_at if math.isinf(r.point.value) else r.point.value for r in records})
+        if len(xs_all) > 2:
             ax.set_xscale("log", base=2)
+        # inf_at lies above every finite value, so it labels only the infinite request rate
+        ax.set_xticks(xs_all, ["inf" if x == inf_at and has_inf else f"{x:g}" for x in xs_all])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
     axes.flat[0].legend()
     if title:

@@ -1,0 +1,54 @@
+"""Ratio tables, JSON and the plot of `batchserve bench`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from loadtests.metrics import BenchMetrics, Distribution
+from loadtests.plot import plot_sweep
+from loadtests.report import RunRecord, format_ratios, format_table, ratio_rows, write_json
+from loadtests.runner import LoadPoint
+
+
+def metrics(out_tps: float, ttft: float, itl: float) -> BenchMetrics:
+    d = lambda v: Distribution(10, v, v, v * 1.5, v * 2)  # noqa: E731
+    return BenchMetrics(10, 0, 1.0, 100, int(out_tps), 10.0, 100.0, out_tps, d(ttft), d(itl), d(itl), d(ttft + itl))
+
+
+RECORDS = [
+    RunRecord("mixed", LoadPoint(request_rate=2.0), metrics(200, 50, 10)),
+    RunRecord("fixed", LoadPoint(request_rate=2.0), metrics(100, 100, 5)),
+    RunRecord("mixed", LoadPoint(request_rate=math.inf), metrics(400, 80, 20)),
+    RunRecord("fixed", LoadPoint(request_rate=math.inf), metrics(100, 400, 10)),
+]
+
+
+def test_ratios_are_per_load_point_against_the_baseline():
+    rows = ratio_rows(RECORDS, "fixed")
+    assert [(r["config"], r["point"]) for r in rows] == [("mixed", "rate 2/s"), ("mixed", "rate inf/s")]
+    assert rows[0]["output_throughput"] == pytest.approx(2.0)
+    assert rows[0]["ttft_p50"] == pytest.approx(0.5) and rows[0]["itl_p99"] == pytest.approx(2.0)
+    assert rows[1]["output_throughput"] == pytest.approx(4.0) and rows[1]["ttft_p99"] == pytest.approx(0.2)
+    text = format_ratios(RECORDS, "fixed")
+    assert "4.00x" in text and "0.20x" in text
+    assert format_table(RECORDS).count("\n") == 1 + len(RECORDS)
+
+
+def test_json_is_strict_and_names_infinite_rates(tmp_path):
+    path = tmp_path / "out.json"
+    write_json(path, {"workload": "random"}, RECORDS, ["fixed"], errors=["x: failed"])
+    doc = json.loads(path.read_text())  # would fail on NaN/Infinity tokens
+    assert [r["request_rate"] for r in doc["runs"]] == [2.0, 2.0, "inf", "inf"]
+    assert doc["runs"][0]["metrics"]["itl_ms"]["p99"] == 20.0
+    assert doc["errors"] == ["x: failed"] and len(doc["ratios"]["fixed"]) == 2
+
+
+def test_plot_writes_a_png_with_an_infinite_rate(tmp_path):
+    path = tmp_path / "plot.png"
+    plot_sweep(RECORDS, path, title="t")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError):
+        plot_sweep([], path)
