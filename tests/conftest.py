@@ -45,6 +45,12 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
     fields.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields)).to(torch.float32).eval()
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            elif "norm" in name:
+                param.normal_(1.0, 0.2)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     if with_tokenizer:

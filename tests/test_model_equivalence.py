@@ -18,6 +18,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low
 MODELS = {
     "llama": dict(arch="llama"),
     "llama-rope-llama3": dict(arch="llama", rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+    "llama-biases": dict(arch="llama", attention_bias=True, mlp_bias=True),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3"),
 }
@@ -37,12 +38,14 @@ def transformers_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run all tokens without suppressing EOS (min_new_tokens would)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0)
+            assert out.shape[1] == len(prompt) + max_new_tokens
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
 

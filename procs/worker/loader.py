@@ -211,6 +211,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False  # attention_bias on Llama / Qwen3 also biases o_proj (Qwen2: q, k, v only)
+    mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -243,6 +245,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         qk_norm=architecture == "Qwen3ForCausalLM",
+        o_bias=architecture != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
         rope=_rope_config(raw, config_path),
         eos_token_ids=_eos_token_ids(Path(model_dir), raw),
     )

@@ -26,9 +26,12 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: torch.Tensor
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
     down: torch.Tensor
+    down_bias: torch.Tensor | None
 
 
 class LlamaModel:
@@ -71,9 +74,12 @@ class LlamaModel:
             q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
             o=take(p + "self_attn.o_proj.weight"),
+            o_bias=take(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
             post_norm=take(p + "post_attention_layernorm.weight"),
             gate_up=take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            gate_up_bias=take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if cfg.mlp_bias else None,
             down=take(p + "mlp.down_proj.weight"),
+            down_bias=take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None,
         )
 
     @classmethod
@@ -102,10 +108,11 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
-            hidden = residual + F.linear(attended.reshape(num_tokens, self.q_size), layer.o)
+            hidden = residual + F.linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
             residual = hidden
             h = rms_norm(hidden, layer.post_norm, eps)
-            hidden = residual + F.linear(silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            hidden = residual + F.linear(silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
+                                         layer.down_bias)
         if logits_rows is None:
             return None
         last = rms_norm(hidden[logits_rows], self.final_norm, eps)
