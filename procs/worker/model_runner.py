@@ -60,9 +60,11 @@ class ModelRunner:
         self.config: ModelConfig = load_model_config(self.model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self._max_context = max_context or self.config.max_position_embeddings
-        if self._max_context < 1:
-            raise ValueError(f"max_context must be positive, got {max_context}")
+        # Never past the model's own positions (the tokenizer process takes the same minimum).
+        native = self.config.max_position_embeddings
+        self._max_context = min(max_context, native) if max_context > 0 else native
+        if max_context < 0:
+            raise ValueError(f"max_context must be >= 0 (0: the model's own), got {max_context}")
         tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
         self.model = LlamaModel.from_tensors(self.config, tensors, max_positions=self._max_context,
                                              dtype=self.dtype, device=self.device)
