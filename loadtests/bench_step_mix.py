@@ -41,8 +41,9 @@ def _batch(plan: StaticPlan, rows: list[tuple[int, list[int], int]], pages_for: 
 
 def measure(runner: ModelRunner, running: int, prompt_len: int, prefill_len: int, repeats: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 10000, size=prompt_len).tolist() for _ in range(running)]
-    prompts.append(rng.integers(100, 10000, size=prefill_len).tolist())  # the newcomer
+    vocab = runner.vocab_size
+    prompts = [rng.integers(1, vocab, size=prompt_len).tolist() for _ in range(running)]
+    prompts.append(rng.integers(1, vocab, size=prefill_len).tolist())  # the newcomer
     plan = StaticPlan(runner, prompts, new_tokens=2 * repeats + 2)
     runner.execute(_batch(plan, [(i, prompts[i], 0) for i in range(running)], list(range(running))))
     lens = [prompt_len] * running
