@@ -58,6 +58,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+WEIGHT_FIRST_MAX_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). On CPU, for 2..128 rows (decode batches), `mm(weight, x.T)` picks a
+    faster MKL kernel than `F.linear`: measured on the default model's decode steps, 2.9x at batch 2,
+    1.2x at 8, 1.1x at 32, 1.07x at 64; for 512-token prefills F.linear is ~10% faster and stays.
+    The result is made contiguous for the views that follow."""
+    if 1 < x.shape[0] <= WEIGHT_FIRST_MAX_ROWS and x.device.type == "cpu":
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out.add_(bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for a fused [tokens, 2 * intermediate] projection output."""
     half = gate_up.shape[-1] // 2

@@ -18,9 +18,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from procs.worker.loader import resolve_model
+from procs.worker.models import llama
 from procs.worker.model_runner import ModelRunner
 from shared.config import DEFAULT_MODEL
 from shared.messages import ForwardBatch, SamplingParams
@@ -156,15 +156,15 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     attention, model = runner.attention, runner.model
-    saved = (attention.forward, model.lm_head_logits, runner._sample_batch, F.linear)
+    saved = (attention.forward, model.lm_head_logits, runner._sample_batch, llama.linear)
     attention.forward = timers.wrap("attention (KV write + gather + SDPA)", attention.forward)
     model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
     runner._sample_batch = timers.wrap("sampling", runner._sample_batch)
-    F.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", F.linear)
+    llama.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", llama.linear)
     try:
         yield
     finally:
-        attention.forward, model.lm_head_logits, runner._sample_batch, F.linear = saved
+        attention.forward, model.lm_head_logits, runner._sample_batch, llama.linear = saved
 
 
 def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:

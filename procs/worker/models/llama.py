@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend
-from kernels.ops import apply_rotary, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from kernels.ops import apply_rotary, linear, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
@@ -99,7 +98,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             residual = hidden
             h = rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads_qk, cfg.head_dim)
             if layer.q_norm is not None:
@@ -108,10 +107,10 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
-            hidden = residual + F.linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+            hidden = residual + linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
             residual = hidden
             h = rms_norm(hidden, layer.post_norm, eps)
-            hidden = residual + F.linear(silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
+            hidden = residual + linear(silu_and_mul(linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
                                          layer.down_bias)
         if logits_rows is None:
             return None
