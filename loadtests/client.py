@@ -51,6 +51,14 @@ def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str
     return payload
 
 
+def sse_data(raw: bytes) -> str | None:
+    """The payload of one server-sent-events line (`data: ...`); None for any other line."""
+    line = raw.decode("utf-8", errors="replace").strip()
+    if not line.startswith("data:"):
+        return None
+    return line[len("data:"):].strip()
+
+
 def chunk_content(chunk: dict[str, Any], endpoint: Endpoint) -> str:
     """The text a streamed chunk adds ("" for role-only, usage-only or empty chunks)."""
     choices = chunk.get("choices") or []
@@ -77,10 +85,9 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                 result.end_time = time.perf_counter()
                 return result
             async for raw in resp.content:  # one SSE line at a time
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
+                data = sse_data(raw)
+                if data is None:
                     continue
-                data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     done = True
                     break

@@ -19,7 +19,7 @@ import time
 
 from locust import HttpUser, constant, events, task
 
-from loadtests.client import chunk_content
+from loadtests.client import chunk_content, sse_data
 from loadtests.workload import WORDS
 from shared.config import DEFAULT_MODEL
 
@@ -70,10 +70,9 @@ class StreamingChatUser(HttpUser):
             size = 0
             for raw in resp.iter_lines():
                 size += len(raw)
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
+                data = sse_data(raw)
+                if data is None:
                     continue
-                data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     done = True
                     break
