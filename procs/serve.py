@@ -142,10 +142,7 @@ class Supervisor:
         announced = False
         while True:
             self._read_notifications(0.2)
-            dead = self._dead_child()
-            if dead is not None:
-                _say(f"the {dead.name} process (pid {dead.pid}) exited with status "
-                     f"{_describe_status(dead.popen.returncode)}; stopping the others")
+            if self._report_dead("; stopping the others"):
                 return 1
             if self.signals:
                 if not announced:
@@ -159,6 +156,15 @@ class Supervisor:
                       f"http://{self.config.host}:{self.config.port} (ready in "
                       f"{time.monotonic() - started:.1f}s; {pids}; runtime dir {self.runtime_dir})", flush=True)
 
+    def _report_dead(self, suffix: str) -> bool:
+        """Name a child that exited unexpectedly, if any (True: one did)."""
+        dead = self._dead_child()
+        if dead is None:
+            return False
+        _say(f"the {dead.name} process (pid {dead.pid}) exited with status "
+             f"{_describe_status(dead.popen.returncode)}{suffix}")
+        return True
+
     def _drain(self) -> int:
         """Stop the api first (it drains), then the backend; a second signal cuts it short."""
         _say(f"draining (up to {self.config.drain_timeout_s:g}s); signal again to stop now")
@@ -169,10 +175,7 @@ class Supervisor:
         deadline = time.monotonic() + self.config.drain_timeout_s + BACKEND_STOP_TIMEOUT_S
         while api.popen.poll() is None and time.monotonic() < deadline and self.signals == signals_seen:
             self._read_notifications(0.2)
-            dead = self._dead_child()
-            if dead is not None:
-                _say(f"the {dead.name} process (pid {dead.pid}) exited with status "
-                     f"{_describe_status(dead.popen.returncode)} while draining")
+            if self._report_dead(" while draining"):
                 return 1
         if api.popen.poll() is None:
             _say("the api did not finish draining in time; stopping it")
