@@ -10,8 +10,8 @@ import torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 like transformers' LlamaRMSNorm."""
-    if x.dtype == torch.float32:  # skip the two no-op casts: this runs 2x per layer per step
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if x.dtype == torch.float32:  # torch's own op: bit-identical to the formula below in fp32, fewer ops
+        return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)
     dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
@@ -58,21 +58,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-WEIGHT_FIRST_MAX_ROWS = 128
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The form `linear` runs fastest from. On CPU at fp32 that is oneDNN's pre-reordered (blocked)
+    layout: measured against MKL's sgemm behind `F.linear` on the default model's shapes (2 cores,
+    AVX2), 1.5-2x faster for decode batches of 1-64 rows, 2.3x for the LM head at batch 32, and
+    1.2-1.4x for 512-row prefills. Elsewhere the plain weight is already the best form."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_linear_available():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). On CPU, for 2..128 rows (decode batches), `mm(weight, x.T)` picks a
-    faster MKL kernel than `F.linear`: measured on the default model's decode steps, 2.9x at batch 2,
-    1.2x at 8, 1.1x at 32, 1.07x at 64; for 512-token prefills F.linear is ~10% faster and stays.
-    The result is made contiguous for the views that follow."""
-    if 1 < x.shape[0] <= WEIGHT_FIRST_MAX_ROWS and x.device.type == "cpu":
-        out = torch.mm(weight, x.t()).t().contiguous()
-        return out if bias is None else out.add_(bias)
+    """x @ weight.T (+ bias), for a weight from `pack_linear_weight`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for a fused [tokens, 2 * intermediate] projection output."""
     half = gate_up.shape[-1] // 2
-    return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
+    return torch.nn.functional.silu(gate_up[..., :half]).mul_(gate_up[..., half:])

@@ -175,7 +175,8 @@ def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) 
     # Time inside torch ops vs outside (Python, dispatch, batch building), from the profiler.
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     _, prof_decode_s, _ = run_engine(runner, prompts, steps, lambda: profiler)
-    op_s = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key.startswith("aten::")) / 1e6
+    ops = [e for e in profiler.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
+    op_s = sum(e.self_cpu_time_total for e in ops) / 1e6
     op_share = min(op_s / prof_decode_s, 1.0)
     print(f"  batch {len(prompts)}: decode step {step_ms:.1f} ms")
     for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):

@@ -13,14 +13,14 @@ from typing import Iterable
 import torch
 
 from kernels.attention import AttentionBackend
-from kernels.ops import apply_rotary, linear, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from kernels.ops import apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
+    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]; projections are in `pack_linear_weight` form
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -47,9 +47,9 @@ class LlamaModel:
         self.final_norm = take("model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-            self.lm_head = self.embed
+            self.lm_head = pack_linear_weight(self.embed)  # a packed copy where packing applies
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = pack_linear_weight(take("lm_head.weight"))
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
         if self.embed.shape != (config.vocab_size, config.hidden_size):
@@ -67,17 +67,18 @@ class LlamaModel:
         cfg = self.config
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=take.cat([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]),
+            qkv=take.linear_weight([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                    p + "self_attn.v_proj.weight"]),
             qkv_bias=take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"])
             if cfg.qkv_bias else None,
             q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
             k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-            o=take(p + "self_attn.o_proj.weight"),
+            o=take.linear_weight([p + "self_attn.o_proj.weight"]),
             o_bias=take(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=take.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            gate_up=take.linear_weight([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             gate_up_bias=take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if cfg.mlp_bias else None,
-            down=take(p + "mlp.down_proj.weight"),
+            down=take.linear_weight([p + "mlp.down_proj.weight"]),
             down_bias=take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None,
         )
 
@@ -107,19 +108,18 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
-            hidden = residual + linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+            hidden = linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias).add_(residual)
             residual = hidden
             h = rms_norm(hidden, layer.post_norm, eps)
-            hidden = residual + linear(silu_and_mul(linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
-                                         layer.down_bias)
+            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
+            hidden = linear(silu_and_mul(gate_up), layer.down, layer.down_bias).add_(residual)
         if logits_rows is None:
             return None
         last = rms_norm(hidden[logits_rows], self.final_norm, eps)
         return self.lm_head_logits(last)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # torch.mm(W, x.T) beats F.linear(x, W) for the tall LM head at small batch (see bench_engine)
-        return torch.mm(self.lm_head, hidden.t()).t().float()
+        return linear(hidden, self.lm_head).float()
 
 
 class _WeightTaker:
@@ -141,3 +141,7 @@ class _WeightTaker:
 
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self._pop(n) for n in names], dim=0).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def linear_weight(self, names: list[str]) -> torch.Tensor:
+        """The named projections fused along the output dimension, in `linear`'s packed form."""
+        return pack_linear_weight(self.cat(names))
