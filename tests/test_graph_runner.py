@@ -24,7 +24,9 @@ PAGES_PER_REQUEST = 4  # 16 tokens: prompts up to 9 plus a few decode steps
 
 
 def make_runner(model_dir, **kwargs) -> ModelRunner:
+    """A CPU runner that takes the padded path (which CUDA graphs replay) for decode steps."""
     kwargs.setdefault("max_running_requests", MAX_RUNNING)
+    kwargs.setdefault("pad_decode", True)
     return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=PAGE_SIZE,
                        kv_capacity_tokens=PAGE_SIZE * PAGES_PER_REQUEST * MAX_RUNNING, **kwargs)
 
@@ -248,10 +250,16 @@ def test_disable_cuda_graph_runs_plain_eager(model_dir, eager_runner):
     assert ModelRunner.from_config(config).graph_runner is None
 
 
-def test_cuda_graph_max_bs_caps_buckets(model_dir):
+def test_cpu_decode_runs_unpadded_by_default(model_dir):
+    """Nothing is captured on CPU, so padding would only cost: decode takes the plain eager path."""
     config = ServerConfig(model=str(model_dir), device="cpu", page_size=PAGE_SIZE, kv_capacity_tokens=256,
-                          max_running_requests=MAX_RUNNING, cuda_graph_max_bs=4)
-    assert ModelRunner.from_config(config).graph_runner.batch_sizes == [1, 2, 4]
+                          max_running_requests=MAX_RUNNING)
+    assert ModelRunner.from_config(config).graph_runner is None
+    assert make_runner(model_dir, pad_decode=None).graph_runner is None
+
+
+def test_cuda_graph_max_bs_caps_buckets(model_dir):
+    assert make_runner(model_dir, cuda_graph_max_bs=4).graph_runner.batch_sizes == [1, 2, 4]
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         make_runner(model_dir, cuda_graph_max_bs=-1)
     assert make_runner(model_dir, cuda_graph_max_bs=64).graph_runner.max_batch_size == MAX_RUNNING

@@ -7,8 +7,10 @@ attending to the dummy page only), and only the real rows' logits are returned.
 
 On CUDA with a `CudaGraphAttentionBackend` (flashinfer) one graph per size is captured at start and
 replayed after the backend rewrites its static plan buffers. Elsewhere (CPU, or the torch backend,
-whose per-step plan is not capturable) the same padded buffers run through the model eagerly, so
-the padding logic is exercised on every machine; there only the real rows get the LM head.
+whose per-step plan is not capturable) nothing is captured and the padded buffers run through the
+model eagerly; only the real rows get the LM head. `ModelRunner` takes this path there only when
+asked (`pad_decode=True`, as the tests do to check the padding logic on CPU): without replay,
+padding is pure cost.
 """
 
 from __future__ import annotations
@@ -62,8 +64,13 @@ class DecodeGraphRunner:
         self.steps_per_size: Counter[int] = Counter()  # padded steps run, by padded size
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory taken by capture (torch.cuda.mem_get_info before/after)
-        if self.device.type == "cuda" and isinstance(attention, CudaGraphAttentionBackend):
+        if self.can_capture(attention):
             self._capture()
+
+    @staticmethod
+    def can_capture(attention: AttentionBackend) -> bool:
+        """Whether decode steps on this backend's device can be captured as CUDA graphs."""
+        return attention.kv_cache.device.type == "cuda" and isinstance(attention, CudaGraphAttentionBackend)
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -61,13 +61,14 @@ def flashinfer_status() -> str | None:
 class Variant:
     label: str
     backend: str
-    graphs: bool  # False: disable_cuda_graph (plain eager path)
+    graphs: bool  # True: the padded static-buffer path (replaying CUDA graphs where captured); False: plain eager
 
 
 def build_runner(args: argparse.Namespace, variant: Variant, max_running: int) -> ModelRunner:
     return ModelRunner(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                        kv_memory_gb=args.kv_memory_gb, max_running_requests=max_running, max_context=args.max_context,
-                       attention_backend=variant.backend, disable_cuda_graph=not variant.graphs)
+                       attention_backend=variant.backend, disable_cuda_graph=not variant.graphs,
+                       pad_decode=variant.graphs)
 
 
 def release_memory() -> None:

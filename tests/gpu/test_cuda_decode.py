@@ -164,9 +164,11 @@ def test_capture_and_padded_replay_touch_only_the_dummy_page(model_dir):
 
 
 def test_torch_backend_padded_path_on_cuda(model_dir):
-    """Without a graph-capable backend the padded path runs eagerly on CUDA too, with equal tokens."""
+    """Without a graph-capable backend decode runs unpadded; asked for, the padded path runs eagerly
+    on CUDA too, with equal tokens."""
     prompts = prompts_for(5, seed=3)
-    padded = cuda_runner(model_dir, "torch", graphs=True)
+    assert cuda_runner(model_dir, "torch", graphs=True).graph_runner is None  # nothing to replay: no padding
+    padded = cuda_runner(model_dir, "torch", graphs=True, pad_decode=True)
     assert not padded.graph_runner.uses_cuda_graphs
     eager = cuda_runner(model_dir, "torch", graphs=False)
     assert generate_greedy(padded, prompts, 6, arrival_gap=1) == generate_greedy(eager, prompts, 6, arrival_gap=1)
