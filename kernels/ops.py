@@ -1,5 +1,6 @@
-"""Small model ops as plain torch (RMSNorm, rotary embedding, SiLU-and-mul), written to match
-transformers' Llama arithmetic exactly in fp32 so greedy outputs are token-identical."""
+"""The model's ops as plain torch: RMSNorm, rotary embedding and SiLU-and-mul, written to match
+transformers' Llama arithmetic exactly in fp32 so greedy outputs are token-identical, and the linear
+layers on pre-packed weights."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from typing import Iterable
 import torch
 
 from kernels.attention import AttentionBackend
-from kernels.ops import apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from kernels.ops import (apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache, rope_inv_freq,
+                         silu_and_mul)
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
