@@ -11,7 +11,7 @@ import torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 like transformers' LlamaRMSNorm."""
-    if x.dtype == torch.float32:  # torch's own op: bit-identical to the formula below in fp32, fewer ops
+    if x.dtype == torch.float32 and x.device.type == "cpu":  # torch's op: on CPU bit-identical to the formula below
         return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -59,8 +59,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def _onednn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's packed-weight linear ops (x86 CPU builds do)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     layout: measured against MKL's sgemm behind `F.linear` on the default model's shapes (2 cores,
     AVX2), 1.5-2x faster for decode batches of 1-64 rows, 2.3x for the LM head at batch 32, and
     1.2-1.4x for 512-row prefills. Elsewhere the plain weight is already the best form."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_linear_available():
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_linear_available():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
 

@@ -1,4 +1,4 @@
-"""Decode steps on static, padded buffers: CUDA-graph replay on CUDA, the same path eagerly elsewhere.
+"""Decode steps on static, padded buffers: CUDA-graph replay on CUDA; eagerly elsewhere, when asked.
 
 A decode batch of b requests runs at the smallest captured size s >= b (sizes 1, 2, 4, 8, then every
 8 up to the largest, which is always included). Its ids, positions and KV locations are copied into
