@@ -280,7 +280,8 @@ def test_batches_beyond_largest_bucket_and_prefills_run_eagerly(model_dir):
 
 
 def test_flashinfer_unavailable_on_cpu_is_a_clear_error(model_dir, padded_runner):
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu") == "cpu"  # fp32 on the CPU: the C decode kernel
+    assert resolve_backend_name("auto", "cpu", torch.bfloat16) == "torch"
     assert resolve_backend_name("auto", "cuda", torch.float32) == "torch"
     with pytest.raises(ValueError, match="flashinfer"):
         create_backend("flashinfer", padded_runner.kv_cache, 4, 2, 16, 0.25)

@@ -20,6 +20,12 @@ def _torch_backend() -> type[AttentionBackend]:
     return TorchAttentionBackend
 
 
+def _cpu_backend() -> type[AttentionBackend]:
+    from kernels.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend
+
+
 def _flashinfer_backend() -> type[AttentionBackend]:
     """Raises `FlashInferUnavailable` (an ImportError and a ValueError) where flashinfer is missing."""
     from kernels.attention.flashinfer import FlashInferAttentionBackend, import_flashinfer
@@ -29,7 +35,8 @@ def _flashinfer_backend() -> type[AttentionBackend]:
 
 
 # name -> loader of the backend class (imported lazily: a CUDA backend must not be imported on CPU)
-BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"torch": _torch_backend, "flashinfer": _flashinfer_backend}
+BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "torch": _torch_backend, "cpu": _cpu_backend, "flashinfer": _flashinfer_backend}
 
 
 def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
@@ -37,9 +44,15 @@ def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) ->
 
 
 def resolve_backend_name(name: str, device_type: str, dtype: "torch.dtype | None" = None) -> str:
-    """`auto` picks flashinfer on CUDA (at 16-bit dtypes) when it is registered and importable, torch otherwise."""
+    """`auto` picks flashinfer on CUDA (at 16-bit dtypes) when it is registered and importable, cpu for
+    float32 on the CPU where the C kernels build, torch otherwise."""
     if name != "auto":
         return name
+    if device_type == "cpu" and dtype in (None, torch.float32) and "cpu" in BACKENDS:
+        from kernels import native
+
+        if native.available():
+            return "cpu"
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return "torch"
     if device_type == "cuda" and "flashinfer" in BACKENDS:

@@ -29,10 +29,11 @@ class _PrefillChunk:
 
 
 @dataclass
-class _DecodeGroup:
+class DecodeGroup:
     rows: torch.Tensor | None  # packed rows of the decode tokens; None: all rows, in order
-    pages: torch.Tensor  # [b, max_pages] pages of each row (dummy page 0 past its length)
-    mask: torch.Tensor  # [b, 1, 1, max_pages * page_size] additive: 0 = may attend, -inf = masked
+    pages: torch.Tensor  # [b, max_pages] int64 pages of each row (dummy page 0 past its length)
+    lens: torch.Tensor  # [b] int64 tokens each row attends to (its cached prefix and itself)
+    mask: torch.Tensor | None  # [b, 1, 1, max_pages * page_size] additive: 0 = may attend, -inf = masked
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -41,7 +42,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._kv_locs: torch.Tensor | None = None
-        self._decode: _DecodeGroup | None = None
+        self._decode: DecodeGroup | None = None
         self._prefills: list[_PrefillChunk] = []
 
     # -- per step ---------------------------------------------------------------------------------
@@ -76,10 +77,13 @@ class TorchAttentionBackend(AttentionBackend):
             pages = self._pages(torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
             if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
                 pages[-metadata.num_padding:] = 0
-            valid = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=device)[None, :] < lens[:, None]
-            # an additive float mask: SDPA's CPU kernel runs it a little faster than a boolean one
-            mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=device).masked_fill_(~valid, float("-inf"))
-            self._decode = _DecodeGroup(rows, pages, mask[:, None, None, :])
+            self._decode = self._plan_decode(rows, pages, lens)
+
+    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor) -> DecodeGroup:
+        valid = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=pages.device)[None, :] < lens[:, None]
+        # an additive float mask: SDPA's CPU kernel runs it a little faster than a boolean one
+        mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=pages.device).masked_fill_(~valid, float("-inf"))
+        return DecodeGroup(rows, pages, lens, mask[:, None, None, :])
 
     def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
         """Pages [len(slots), ceil(max_len / page_size)] holding each slot's first `lens` tokens.
@@ -101,8 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
     # -- per layer --------------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
-        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+        self._write_kv(k, v, layer)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
         v_pool = self.kv_cache.v[layer]
         decode = self._decode
@@ -126,8 +129,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = attended[0].transpose(0, 1)
         return out
 
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
+        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
+        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       decode: _DecodeGroup) -> torch.Tensor:
+                       decode: DecodeGroup) -> torch.Tensor:
         keys = self._gather(k_pool, decode.pages).transpose(1, 2)  # [b, kv_heads, max_len, head_dim]
         values = self._gather(v_pool, decode.pages).transpose(1, 2)
         # One query token per row, so the query heads sharing a kv head can stand in for query

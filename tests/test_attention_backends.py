@@ -1,5 +1,6 @@
-"""The torch attention backend against a naive per-request reference: mixed prefill chunks (fresh
-and with a cached prefix) and decodes in one step, pages scattered, padded rows on the dummy page."""
+"""The torch attention backend, and the cpu backend (its decode in C), against a naive per-request
+reference: mixed prefill chunks (fresh and with a cached prefix) and decodes in one step, pages
+scattered, padded rows on the dummy page."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def _naive(q, keys, values, prefix):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
-def test_mixed_step_matches_naive_attention(page_size):
+def test_mixed_step_matches_naive_attention(page_size, backend_name):
     torch.manual_seed(0)
     cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
                     max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend("torch", cache, HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5)
     # (slot, prefix, extend): decode, fresh prefill, continued chunk, decode, 1-token fresh prompt, padded row
     rows = [(3, 9, 1), (0, 0, 6), (5, 7, 4), (1, 20, 1), (6, 0, 1), (7, 0, 1)]
     padded_slot = 7

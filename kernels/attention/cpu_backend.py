@@ -1,0 +1,43 @@
+"""The torch backend with decode attention and the KV-pool write in C (`kernels.native`): fp32 on the CPU.
+
+Decode rows attend straight from the paged pool instead of gathering their pages into a padded
+copy and running SDPA over it; at batch 32 on the default model that is about 3x less attention
+time per layer. Prefill chunks keep the torch backend's SDPA path (compute-bound: SDPA's blocked
+kernel is the better one there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import native
+from kernels.attention.base import AttentionMetadata
+from kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.kv_cache.device.type != "cpu" or self.kv_cache.dtype != torch.float32:
+            raise ValueError(f"the cpu attention backend runs float32 on the CPU, not "
+                             f"{self.kv_cache.dtype} on {self.kv_cache.device.type}")
+        if not native.available():
+            raise native.NativeKernelError("the cpu attention backend needs the C kernels, which could not be built")
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        super().plan(metadata)
+        native.check_locs(metadata.kv_locs, self.kv_cache.num_pages * self.kv_cache.page_size)
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
+        native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], self._kv_locs, k, v, locs_checked=True)
+
+    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor) -> DecodeGroup:
+        native.check_pages(pages, lens, self.kv_cache.num_pages, self.kv_cache.page_size)
+        return DecodeGroup(rows, pages, lens, mask=None)
+
+    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       decode: DecodeGroup) -> torch.Tensor:
+        return native.paged_decode_attention(q, k_pool, v_pool, decode.pages, decode.lens, self.scale,
+                                             pages_checked=True)

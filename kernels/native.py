@@ -1,0 +1,248 @@
+"""CPU kernels in C (`kernels/csrc/`), compiled on first use with the machine's C compiler and called
+through ctypes on the tensors' memory.
+
+Why C and not torch ops: a CPU decode step is many small ops, and some of them (paged attention)
+have no torch form that avoids copying. A few hundred lines of plain C with OpenMP do better. Why
+not a torch C++ extension: compiling against torch's headers takes about a minute per fresh machine;
+plain C builds in well under a second and needs no Python headers.
+
+The library is built with `-march=native` for the machine it runs on and cached under
+`BATCHSERVE_CACHE/kernels/`, named by a hash of the sources, flags, compiler and CPU. Where no
+compiler works, or `BATCHSERVE_NATIVE_KERNELS=0`, `library()` returns None and callers keep their
+torch path. OpenMP: torch is imported first, so the library's `libgomp.so.1` resolves to the runtime
+torch already loaded and both share one thread pool and `torch.set_num_threads`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = sorted(SOURCE_DIR.glob("*.c"))
+HEADERS = sorted(SOURCE_DIR.glob("*.h"))
+BASE_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC"]  # gnu11: a*b+c may fuse to FMA
+DISABLE_ENV = "BATCHSERVE_NATIVE_KERNELS"
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# exported function -> (restype, argtypes)
+SIGNATURES = {
+    "paged_decode_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                              _i64, _i64, _f32]),
+    "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
+    "rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
+    "silu_and_mul": (None, [_ptr, _i64, _i64, _i64, _ptr]),
+    "write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]),
+}
+
+
+class NativeKernelError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` depends on: the architecture and, on Linux, the CPU's feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+def _build(compiler: str, flags: list[str], target: Path) -> None:
+    """Compile into a temporary file and rename it into place, so concurrent builders never see half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise NativeKernelError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they are disabled or cannot be built (logged once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found (set CC): CPU attention uses the slower torch path")
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    errors = []
+    # OpenMP where the compiler has it (gcc does; Apple's clang does not): otherwise one thread.
+    for flags in ([*BASE_FLAGS, "-fopenmp"], BASE_FLAGS):
+        key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), *flags, version, _cpu_signature(),
+                                        torch.__version__]).encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"batchserve_kernels-{key}.so"
+        try:
+            if not path.exists():
+                _build(compiler, flags, path)
+            return _load(path)
+        except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    log.warning("could not build the C kernels; CPU attention uses the slower torch path:\n%s", "\n".join(errors))
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def applies_to(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernels can take these tensors: fp32 on the CPU, and the kernels built."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise NativeKernelError("the C kernels are not available on this machine")
+    return lib
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    """x is fp32 on the CPU, and contiguous within each row of its first dimension."""
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", f"{name} must be float32 on the CPU")
+    _check(x.dim() >= 1 and (x.shape[0] == 0 or x[0].is_contiguous()), f"{name} must be contiguous within each row")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [rows, dim] (rows may be strided) -> a new contiguous [rows, dim]."""
+    _check(x.dim() == 2 and weight.shape == x.shape[1:] and weight.is_contiguous(), "x [rows, dim], weight [dim]")
+    _check_rows(x, "x")
+    _check_rows(weight, "weight")  # fp32 on the CPU; contiguous checked above
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().rms_norm(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), x.shape[1], eps, out.data_ptr())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [rows, heads, head_dim] by cos/sin [rows, head_dim]."""
+    rows, heads, head_dim = x.shape
+    _check(cos.shape == sin.shape == (rows, head_dim) and cos.is_contiguous() and sin.is_contiguous()
+           and head_dim % 2 == 0, "cos and sin must be contiguous [rows, head_dim], head_dim even")
+    _check_rows(x, "x")
+    _check_rows(cos, "cos")
+    _check_rows(sin, "sin")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().rotary(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [rows, 2 * half] -> [rows, half]."""
+    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up must be [rows, 2 * half]")
+    _check_rows(gate_up, "gate_up")
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, half), dtype=torch.float32)
+    _lib().silu_and_mul(gate_up.data_ptr(), rows, gate_up.stride(0), half, out.data_ptr())
+    return out
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             *, locs_checked: bool = False) -> None:
+    """k_pool.flatten(0, 1)[locs] = k (and v alike): pools [pages, page_size, kv_heads, head_dim], k/v
+    [tokens, kv_heads, head_dim] (rows may be strided), locs [tokens] int64 flat token slots.
+    `locs_checked`: the caller ran `check_locs` on these locs already."""
+    _check(k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape == v_pool.shape, "pools must match")
+    _check(k.shape == v.shape == (locs.shape[0], *k_pool.shape[2:]), "k/v must be [tokens, kv_heads, head_dim]")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("k", k), ("v", v)):
+        _check_rows(t, name)
+    if not locs_checked:
+        check_locs(locs, k_pool.shape[0] * k_pool.shape[1])
+    _lib().write_kv(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2] * k_pool.shape[3], locs.data_ptr(),
+                    locs.shape[0], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+
+
+def check_locs(locs: torch.Tensor, num_slots: int) -> None:
+    """The bound `write_kv` trusts: every loc is a token slot of the pool."""
+    _check(locs.dtype == torch.int64 and locs.dim() == 1 and locs.is_contiguous() and locs.device.type == "cpu",
+           "locs must be a contiguous int64 CPU vector")
+    if locs.numel():
+        _check(int(locs.min()) >= 0 and int(locs.max()) < num_slots, "a KV location is outside the pool")
+
+
+def check_pages(pages: torch.Tensor, lens: torch.Tensor, num_pages: int, page_size: int) -> None:
+    """The bounds the C code trusts: every page inside the pool, 1 <= lens <= max_pages * page_size."""
+    _check(pages.dtype == lens.dtype == torch.int64 and pages.is_contiguous() and lens.is_contiguous()
+           and pages.dim() == 2 and lens.shape == pages.shape[:1], "pages [b, max_pages] and lens [b] must be int64")
+    if lens.numel():
+        _check(int(lens.min()) >= 1 and int(lens.max()) <= pages.shape[1] * page_size,
+               "lens out of [1, max_pages * page_size]")
+        _check(int(pages.min()) >= 0 and int(pages.max()) < num_pages, "a page index is outside the pool")
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
+                           lens: torch.Tensor, scale: float, *, pages_checked: bool = False) -> torch.Tensor:
+    """Attention of one query token per row over its cached tokens, read through its page list.
+
+    q [b, heads, head_dim] (rows may be strided, heads and dims contiguous), k_pool/v_pool
+    [num_pages, page_size, kv_heads, head_dim], pages [b, max_pages] int64, lens [b] int64 with
+    1 <= lens <= max_pages * page_size; all fp32 on the CPU. Returns [b, heads, head_dim].
+    `pages_checked`: the caller ran `check_pages` on these pages and lens already (once per step
+    rather than once per layer).
+    """
+    lib = _lib()
+    batch, heads, head_dim = q.shape
+    num_pages, page_size, kv_heads, pool_head_dim = k_pool.shape
+    _check(q.dtype == k_pool.dtype == v_pool.dtype == torch.float32, "q, k_pool and v_pool must be float32")
+    _check(all(t.device.type == "cpu" for t in (q, k_pool, v_pool, pages, lens)), "tensors must be on the CPU")
+    _check(pool_head_dim == head_dim and heads % kv_heads == 0 and v_pool.shape == k_pool.shape,
+           f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
+    _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
+    if not pages_checked:
+        check_pages(pages, lens, num_pages, page_size)
+    _check(lens.shape[0] == batch, f"{batch} query rows but {lens.shape[0]} lens")
+    if batch == 0:
+        return q.new_empty(q.shape)
+    max_pages = pages.shape[1]
+    out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
+    status = lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                                        pages.data_ptr(), max_pages, lens.data_ptr(), out.data_ptr(), batch, heads,
+                                        kv_heads, head_dim, page_size, scale)
+    if status != 0:
+        raise MemoryError("paged_decode_attention could not allocate its scratch memory")
+    return out
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,110 @@
+"""The C kernels (`kernels.native`): paged decode attention against a plain softmax reference over
+many shapes (the specialised and the generic paths), its input checks, and the fallback when the
+kernels are disabled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.attention import create_backend, resolve_backend_name
+from procs.worker.kv_cache import KVCache
+
+
+def _reference(q, k_pool, v_pool, pages, lens, scale):
+    page_size = k_pool.shape[1]
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pool.shape[2]
+    for row, length in enumerate(lens.tolist()):
+        tokens = [int(pages[row, t // page_size]) * page_size + t % page_size for t in range(length)]
+        keys = k_pool.flatten(0, 1)[tokens].repeat_interleave(group, dim=1)  # [len, heads, dim]
+        values = v_pool.flatten(0, 1)[tokens].repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,thd->ht", q[row].double(), keys.double()) * scale).softmax(-1)
+        out[row] = torch.einsum("ht,thd->hd", probs, values.double()).float()
+    return out
+
+
+def _case(heads, kv_heads, head_dim, page_size, lens, *, q_spread=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_pages = -(-max(lens) // page_size) + 1  # one spare column: pages past a row's length are ignored
+    num_pages = len(lens) * max_pages + 1
+    k_pool = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    pages = (torch.randperm(num_pages - 1, generator=gen)[:len(lens) * max_pages] + 1).view(len(lens), max_pages)
+    # q as a strided view, the way the model hands it over (q and k heads share one projection row)
+    qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen) * q_spread
+    return qk[:, :heads], k_pool, v_pool, pages.contiguous(), torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64),  # the default model: specialised path
+    (8, 1, 128),  # group 8, head_dim 128: specialised
+    (4, 4, 64),  # no GQA
+    (12, 1, 64),  # group 12: generic path
+    (6, 2, 12),  # head_dim not a multiple of 8: generic path
+    (4, 2, 16),  # head_dim 16: generic path
+])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_paged_decode_attention_matches_softmax_reference(heads, kv_heads, head_dim, page_size):
+    lens = [1, 2, 7, 8, 9, 16, 17, 40, 3]
+    q, k_pool, v_pool, pages, lens_t = _case(heads, kv_heads, head_dim, page_size, lens)
+    scale = head_dim ** -0.5
+    out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, scale)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens_t, scale), atol=2e-6, rtol=2e-5)
+
+
+def test_peaked_and_flat_softmax_stay_accurate():
+    """Scores spread over hundreds (many exp terms underflow) and all-equal keys (uniform weights)."""
+    q, k_pool, v_pool, pages, lens = _case(9, 3, 64, 16, [33, 64, 5], q_spread=30.0, seed=1)
+    out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens, 1.0)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens, 1.0), atol=1e-5, rtol=1e-4)
+    k_pool.zero_()
+    out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens, 1.0)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens, 1.0), atol=2e-6, rtol=2e-5)
+
+
+def test_bad_inputs_are_clear_errors_not_crashes():
+    q, k_pool, v_pool, pages, lens = _case(4, 2, 64, 4, [3, 5])
+    call = lambda **kw: native.paged_decode_attention(**{**dict(q=q, k_pool=k_pool, v_pool=v_pool, pages=pages,
+                                                                 lens=lens, scale=0.1), **kw})
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(pages=torch.full_like(pages, k_pool.shape[0]))
+    with pytest.raises(ValueError, match="lens out of"):
+        call(lens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="lens out of"):
+        call(lens=torch.tensor([3, pages.shape[1] * 4 + 1]))
+    with pytest.raises(ValueError, match="float32"):
+        call(q=q.double())
+    with pytest.raises(ValueError, match="int64"):
+        call(pages=pages.int())
+    with pytest.raises(ValueError, match="shapes disagree"):
+        call(q=torch.randn(2, 3, 64))
+    assert call(q=q[:0], lens=lens[:0], pages=pages[:0]).shape == (0, 4, 64)
+
+
+def test_disabled_kernels_fall_back_to_the_torch_backend(monkeypatch):
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, max_running_requests=2,
+                    max_pages_per_request=4, dtype=torch.float32, device=torch.device("cpu"))
+    assert native.available()  # this machine builds them (CI too: a C compiler is part of the setup)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        assert resolve_backend_name("auto", "cpu", torch.float32) == "torch"
+        with pytest.raises(native.NativeKernelError, match="could not be built"):
+            create_backend("cpu", cache, 4, 2, 16, 0.25)
+        with pytest.raises(native.NativeKernelError, match="not available"):
+            native.paged_decode_attention(torch.randn(1, 4, 16), cache.k[0], cache.v[0],
+                                          torch.ones(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.25)
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+    assert native.available()
+
+
+def test_cpu_backend_refuses_other_dtypes():
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, max_running_requests=2,
+                    max_pages_per_request=4, dtype=torch.bfloat16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        create_backend("cpu", cache, 4, 2, 16, 0.25)
