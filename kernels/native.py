@@ -43,9 +43,9 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                               _i64, _i64, _f32]),
+    "argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
     "rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
-    "silu_and_mul": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]),
 }
 
@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found (set CC): CPU attention uses the slower torch path")
+        log.warning("no C compiler found (set CC): CPU ops run in torch, slower")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     errors = []
@@ -117,7 +117,7 @@ def library() -> ctypes.CDLL | None:
             return _load(path)
         except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
-    log.warning("could not build the C kernels; CPU attention uses the slower torch path:\n%s", "\n".join(errors))
+    log.warning("could not build the C kernels; CPU ops run in torch, slower:\n%s", "\n".join(errors))
     return None
 
 
@@ -127,7 +127,22 @@ def available() -> bool:
 
 def applies_to(*tensors: torch.Tensor) -> bool:
     """Whether the C kernels can take these tensors: fp32 on the CPU, and the kernels built."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return library() is not None
+
+
+def rows_contiguous(x: torch.Tensor) -> bool:
+    """Whether x is contiguous within each index of its first dimension (the rows may be strided).
+    Plain stride arithmetic: the kernels are called ~6 times per layer, so their checks must be cheap."""
+    shape, strides = x.shape, x.stride()
+    expected = 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _lib() -> ctypes.CDLL:
@@ -139,15 +154,26 @@ def _lib() -> ctypes.CDLL:
 
 def _check_rows(x: torch.Tensor, name: str) -> None:
     """x is fp32 on the CPU, and contiguous within each row of its first dimension."""
-    _check(x.dtype == torch.float32 and x.device.type == "cpu", f"{name} must be float32 on the CPU")
-    _check(x.dim() >= 1 and (x.shape[0] == 0 or x[0].is_contiguous()), f"{name} must be contiguous within each row")
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        raise ValueError(f"{name} must be float32 on the CPU")
+    if x.dim() < 1 or not rows_contiguous(x):
+        raise ValueError(f"{name} must be contiguous within each row")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [rows, n] (rows may be strided), with torch's ties and NaN answer."""
+    _check(x.dim() == 2 and x.shape[1] > 0, "x must be [rows, n] with n > 0")
+    _check_rows(x, "x")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().argmax_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [rows, dim] (rows may be strided) -> a new contiguous [rows, dim]."""
     _check(x.dim() == 2 and weight.shape == x.shape[1:] and weight.is_contiguous(), "x [rows, dim], weight [dim]")
     _check_rows(x, "x")
-    _check_rows(weight, "weight")  # fp32 on the CPU; contiguous checked above
+    _check_rows(weight, "weight")
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rms_norm(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), x.shape[1], eps, out.data_ptr())
     return out
@@ -158,21 +184,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     rows, heads, head_dim = x.shape
     _check(cos.shape == sin.shape == (rows, head_dim) and cos.is_contiguous() and sin.is_contiguous()
            and head_dim % 2 == 0, "cos and sin must be contiguous [rows, head_dim], head_dim even")
-    _check_rows(x, "x")
-    _check_rows(cos, "cos")
-    _check_rows(sin, "sin")
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        _check_rows(t, name)
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rotary(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
-    return out
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up [rows, 2 * half] -> [rows, half]."""
-    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up must be [rows, 2 * half]")
-    _check_rows(gate_up, "gate_up")
-    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((rows, half), dtype=torch.float32)
-    _lib().silu_and_mul(gate_up.data_ptr(), rows, gate_up.stride(0), half, out.data_ptr())
     return out
 
 
@@ -193,7 +208,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, locs: torch.Tensor, k: 
 
 def check_locs(locs: torch.Tensor, num_slots: int) -> None:
     """The bound `write_kv` trusts: every loc is a token slot of the pool."""
-    _check(locs.dtype == torch.int64 and locs.dim() == 1 and locs.is_contiguous() and locs.device.type == "cpu",
+    _check(locs.dtype == torch.int64 and locs.dim() == 1 and locs.is_contiguous() and locs.is_cpu,
            "locs must be a contiguous int64 CPU vector")
     if locs.numel():
         _check(int(locs.min()) >= 0 and int(locs.max()) < num_slots, "a KV location is outside the pool")
@@ -222,15 +237,17 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     lib = _lib()
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, pool_head_dim = k_pool.shape
-    _check(q.dtype == k_pool.dtype == v_pool.dtype == torch.float32, "q, k_pool and v_pool must be float32")
-    _check(all(t.device.type == "cpu" for t in (q, k_pool, v_pool, pages, lens)), "tensors must be on the CPU")
-    _check(pool_head_dim == head_dim and heads % kv_heads == 0 and v_pool.shape == k_pool.shape,
-           f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
+    _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
+    _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu and pages.is_cpu and lens.is_cpu, "tensors must be on the CPU")
+    if pool_head_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
+                         f"v_pool {tuple(v_pool.shape)}")
     _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
     if not pages_checked:
         check_pages(pages, lens, num_pages, page_size)
-    _check(lens.shape[0] == batch, f"{batch} query rows but {lens.shape[0]} lens")
+    if lens.shape[0] != batch:
+        raise ValueError(f"{batch} query rows but {lens.shape[0]} lens")
     if batch == 0:
         return q.new_empty(q.shape)
     max_pages = pages.shape[1]

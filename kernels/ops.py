@@ -1,11 +1,12 @@
 """The model's ops: RMSNorm, rotary embedding and SiLU-and-mul, and the linear layers on pre-packed
 weights.
 
-Each small op has a plain-torch form (`*_torch`), written to match transformers' Llama arithmetic in
-fp32 so greedy outputs are token-identical, and runs the C kernel of `kernels.native` instead where
-that applies (fp32 on the CPU): one pass over memory instead of a chain of small torch ops. The C
-rotary embedding is bit-identical to the torch form; RMSNorm and SiLU sum and exponentiate in their
-own order, a few ulp apart."""
+RMSNorm and the rotary embedding have a plain-torch form (`*_torch`), written to match transformers'
+Llama arithmetic in fp32 so greedy outputs are token-identical, and run the C kernel of
+`kernels.native` instead where that applies (fp32 on the CPU): one pass over memory instead of a
+chain of small torch ops (about 2x faster per call at decode sizes). The C rotary embedding is
+bit-identical to the torch form; the C RMSNorm sums its squares in its own order, a few ulp apart.
+SiLU-and-mul stays torch: a C version with a vectorised exp measured no faster than torch's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kernels import native
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension."""
-    if x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and native.applies_to(x, weight):
+    if x.dim() == 2 and native.applies_to(x, weight) and native.rows_contiguous(x) and weight.is_contiguous():
         return native.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
@@ -66,8 +67,7 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> tuple[torc
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [tokens, heads, head_dim] by per-token cos/sin [tokens, head_dim] (rotate-half layout)."""
-    if (x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
-            and native.applies_to(x, cos, sin)):
+    if native.applies_to(x, cos, sin) and native.rows_contiguous(x) and cos.is_contiguous() and sin.is_contiguous():
         return native.rotary(x, cos, sin)
     return apply_rotary_torch(x, cos, sin)
 
@@ -105,11 +105,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for a fused [tokens, 2 * intermediate] projection output."""
-    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and native.applies_to(gate_up):
-        return native.silu_and_mul(gate_up)
-    return silu_and_mul_torch(gate_up)
-
-
-def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]).mul_(gate_up[..., half:])

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import native
+
 from shared.messages import SamplingParams
 
 __all__ = ["sample_batch"]
@@ -42,7 +44,7 @@ def sample_batch(
     if n != len(params) or n != len(sample_counts):
         raise ValueError(f"{n} logit rows but {len(params)} params and {len(sample_counts)} counts")
     if all(p.temperature == 0.0 for p in params):
-        return logits.argmax(dim=-1)
+        return _argmax(logits)
 
     device = logits.device
     greedy = [p.temperature == 0.0 for p in params]
@@ -81,11 +83,19 @@ def sample_batch(
     scores.masked_fill_(scores < torch.log(min_p).unsqueeze(1), float("-inf"))
 
     scores.sub_(_log_exponential_noise(params, sample_counts, greedy, vocab, device))
-    sampled = scores.argmax(dim=-1)
+    sampled = _argmax(scores)
     if any(greedy):
         greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
-        sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        sampled = torch.where(greedy_mask, _argmax(logits), sampled)
     return sampled
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1); in C for fp32 on the CPU, where torch's runs on one thread without vectors
+    (0.70 ms vs about 0.1 ms for the default model's vocabulary at batch 32)."""
+    if x.dim() == 2 and x.shape[1] and native.applies_to(x) and native.rows_contiguous(x):
+        return native.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _rows_view(scores: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -50,7 +50,7 @@ FIELD_DOCS: dict[str, str] = {
     "max_running_requests": "Most requests decoded together (request-table slots).",
     "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",
     "max_waiting": "Most requests queued before new ones are refused.",
-    "attention_backend": "Attention kernels: auto, torch or flashinfer (CUDA only).",
+    "attention_backend": "Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or flashinfer (CUDA only).",
     "disable_cuda_graph": "true: run decode steps eagerly instead of replaying CUDA graphs.",
     "cuda_graph_max_bs": "Largest decode batch captured as a CUDA graph; 0 = BATCHSERVE_MAX_RUNNING_REQUESTS.",
     "host": "Address the HTTP api listens on (0.0.0.0 for every interface).",

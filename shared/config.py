@@ -33,7 +33,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     prefill_budget: int = 2048
     max_waiting: int = 1024
     # worker
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 0  # 0: max_running_requests
     # api

@@ -9,6 +9,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, create_backend
 from procs.worker.kv_cache import KVCache
+from native_marks import requires_native_kernels
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -25,7 +26,7 @@ def _naive(q, keys, values, prefix):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", pytest.param("cpu", marks=requires_native_kernels)])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_mixed_step_matches_naive_attention(page_size, backend_name):
     torch.manual_seed(0)

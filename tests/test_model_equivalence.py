@@ -1,6 +1,7 @@
 """Greedy tokens from ModelRunner are identical to transformers' `generate` (fp32, CPU) on tiny
 random-weight Llama / Qwen2 / Qwen3 models, however the batch is cut: one packed prefill,
-chunked prefill, prefills mixed into other requests' decodes, page size 1 and 16."""
+chunked prefill, prefills mixed into other requests' decodes, page size 1 and 16; with the C
+kernels (the default where they build) and with torch alone."""
 
 from __future__ import annotations
 
@@ -73,6 +74,26 @@ def test_greedy_matches_transformers(references, model, schedule, page_size):
     runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=page_size, kv_capacity_tokens=2048,
                          max_running_requests=8)
     got = generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES[schedule])
+    assert got == expected
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_torch_only_path_matches_transformers(references, model, monkeypatch):
+    """Where the C kernels cannot be built (no compiler, or BATCHSERVE_NATIVE_KERNELS=0) every op
+    runs in torch: the same tokens."""
+    from kernels import native
+
+    model_dir, prompts, expected = references(model)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
+                             max_running_requests=8)
+        assert runner.attention.name == "torch"
+        got = generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES["mixed"])
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
     assert got == expected
 
 

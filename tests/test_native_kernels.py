@@ -10,6 +10,9 @@ import torch
 from kernels import native
 from kernels.attention import create_backend, resolve_backend_name
 from procs.worker.kv_cache import KVCache
+from native_marks import requires_native_kernels
+
+pytestmark = requires_native_kernels
 
 
 def _reference(q, k_pool, v_pool, pages, lens, scale):
@@ -86,7 +89,6 @@ def test_bad_inputs_are_clear_errors_not_crashes():
 def test_disabled_kernels_fall_back_to_the_torch_backend(monkeypatch):
     cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=8, max_running_requests=2,
                     max_pages_per_request=4, dtype=torch.float32, device=torch.device("cpu"))
-    assert native.available()  # this machine builds them (CI too: a C compiler is part of the setup)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     native.library.cache_clear()
     try:
@@ -108,3 +110,31 @@ def test_cpu_backend_refuses_other_dtypes():
                     max_pages_per_request=4, dtype=torch.bfloat16, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="float32 on the CPU"):
         create_backend("cpu", cache, 4, 2, 16, 0.25)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 63, 64, 65, 200, 49152])
+def test_argmax_rows_gives_torchs_answer(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n + 3, generator=gen)[:, 1:n + 1]  # strided rows
+    x[1] = 0.0  # all tied: the first index
+    x[2, n // 2] = float("nan")  # a NaN wins (torch ranks it above every number) ...
+    x[3, -1] = float("nan")
+    x[3, n // 3] = float("nan")  # ... the first NaN of the row
+    x[4] = float("-inf")
+    x[5, n // 2:] = 10.0  # ties at the max: the first of them
+    x[6, 0] = float("inf")
+    assert torch.equal(native.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_a_compiler_that_fails_leaves_the_torch_forms_in_charge(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        assert "could not build the C kernels" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*"))  # no half-written library left behind
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.available()

@@ -19,6 +19,9 @@ static inline void store8(float *p, vec8 v) { memcpy(p, &v, sizeof v); }
 
 static inline vec8 splat8(float x) { return (vec8){x, x, x, x, x, x, x, x}; }
 
+/* Rows below this many floats run on one thread: a decode batch is not worth the fork. */
+enum { PARALLEL_MIN_FLOATS = 1 << 15 };
+
 static inline float sum8(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 /* mask ? a : b, lane by lane (C has no vector ?:). */
