@@ -45,6 +45,8 @@ SIGNATURES = {
                                               _i64, _i64, _f32]),
     "argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
+    "add_rms_norm": (None, [_ptr, _ptr, _i64, _i64, _ptr, _f32, _ptr]),
+    "silu_and_mul": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
     "write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]),
 }
@@ -179,6 +181,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x += residual in place (both contiguous [rows, dim]), then (RMSNorm(x) as a new tensor, x)."""
+    _check(x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:],
+           "x and residual [rows, dim], weight [dim]")
+    _check(x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous(), "x, residual, weight contiguous")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        _check_rows(t, name)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps,
+                        out.data_ptr())
+    return out, x
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x [rows, heads, head_dim] by cos/sin [rows, head_dim]."""
     rows, heads, head_dim = x.shape
@@ -188,6 +204,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         _check_rows(t, name)
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rotary(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [rows, 2 * half] (rows may be strided) -> [rows, half]."""
+    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up must be [rows, 2 * half]")
+    _check_rows(gate_up, "gate_up")
+    rows, half = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, half), dtype=torch.float32)
+    _lib().silu_and_mul(gate_up.data_ptr(), rows, gate_up.stride(0), half, out.data_ptr())
     return out
 
 

@@ -1,12 +1,12 @@
-"""The model's ops: RMSNorm, rotary embedding and SiLU-and-mul, and the linear layers on pre-packed
-weights.
+"""The model's ops: RMSNorm (alone or after the residual add), rotary embedding and SiLU-and-mul, and
+the linear layers on pre-packed weights.
 
-RMSNorm and the rotary embedding have a plain-torch form (`*_torch`), written to match transformers'
-Llama arithmetic in fp32 so greedy outputs are token-identical, and run the C kernel of
-`kernels.native` instead where that applies (fp32 on the CPU): one pass over memory instead of a
-chain of small torch ops (about 2x faster per call at decode sizes). The C rotary embedding is
-bit-identical to the torch form; the C RMSNorm sums its squares in its own order, a few ulp apart.
-SiLU-and-mul stays torch: a C version with a vectorised exp measured no faster than torch's."""
+Each small op has a plain-torch form (`*_torch`), written to match transformers' Llama arithmetic in
+fp32 so greedy outputs are token-identical, and runs the C kernel of `kernels.native` instead where
+that applies (fp32 on the CPU): one pass over memory instead of a chain of small torch ops (measured
+inside a batch-32 decode step of the default model: RMSNorm ~27 vs ~35 us a call, rotary ~27 vs ~40,
+SiLU-and-mul ~37 vs 55-125). The C rotary embedding is bit-identical to the torch form; the C RMSNorm
+sums its squares and the C SiLU exponentiates in their own way, a few ulp apart."""
 
 from __future__ import annotations
 
@@ -22,6 +22,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and native.applies_to(x, weight) and native.rows_contiguous(x) and weight.is_contiguous():
         return native.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's step: x += residual in place, then (RMSNorm(x), x)."""
+    if (x.dim() == 2 and native.applies_to(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()
+            and weight.is_contiguous()):
+        return native.add_rms_norm(x, residual, weight, eps)
+    x.add_(residual)
+    return rms_norm_torch(x, weight, eps), x
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,5 +115,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for a fused [tokens, 2 * intermediate] projection output."""
+    if gate_up.dim() == 2 and native.applies_to(gate_up) and native.rows_contiguous(gate_up):
+        return native.silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]).mul_(gate_up[..., half:])

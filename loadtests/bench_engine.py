@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from kernels import native
 from procs.worker.loader import resolve_model
 from procs.worker.models import llama
 from procs.worker.model_runner import ModelRunner
@@ -165,7 +166,7 @@ class Timers:
 def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     attention, model = runner.attention, runner.model
     saved = (attention.forward, model.lm_head_logits, runner._sample_batch, llama.linear)
-    attention.forward = timers.wrap("attention (KV write + gather + SDPA)", attention.forward)
+    attention.forward = timers.wrap(f"attention (KV write + attend, {attention.name} backend)", attention.forward)
     model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
     runner._sample_batch = timers.wrap("sampling", runner._sample_batch)
     llama.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", llama.linear)
@@ -180,19 +181,36 @@ def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) 
     _, decode_s, _ = run_engine(runner, prompts, steps, lambda: instrumented(runner, timers))
     step_ms = decode_s / steps * 1000
     parts = {k: v / steps * 1000 for k, v in timers.seconds.items()}
-    # Time inside torch ops vs outside (Python, dispatch, batch building), from the profiler.
+    # Time inside torch ops (the profiler) and inside the C kernels (timed calls) vs the rest
+    # (Python, dispatch, batch building).
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    _, prof_decode_s, _ = run_engine(runner, prompts, steps, lambda: profiler)
+    kernel_timers = Timers()
+    with c_kernels_timed(kernel_timers):
+        _, prof_decode_s, _ = run_engine(runner, prompts, steps, lambda: profiler)
     ops = [e for e in profiler.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
-    op_s = sum(e.self_cpu_time_total for e in ops) / 1e6
-    op_share = min(op_s / prof_decode_s, 1.0)
+    op_share = min(sum(e.self_cpu_time_total for e in ops) / 1e6 / prof_decode_s, 1.0)
+    c_share = min(sum(kernel_timers.seconds.values()) / prof_decode_s, 1.0 - op_share)
     print(f"  batch {len(prompts)}: decode step {step_ms:.1f} ms")
     for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"    {name:<44} {ms:7.1f} ms  {100 * ms / step_ms:5.1f}%")
     rest = step_ms - sum(parts.values())
-    print(f"    {'rest: norms, rotary, embedding, adds, python':<44} {rest:7.1f} ms  {100 * rest / step_ms:5.1f}%")
-    print(f"    (profiler: {100 * op_share:.0f}% of the step is inside torch ops, "
-          f"{100 * (1 - op_share):.0f}% Python/dispatch/batch building)")
+    print(f"    {'rest: norms, rotary, SiLU, embedding, adds, python':<44} {rest:7.1f} ms  {100 * rest / step_ms:5.1f}%")
+    print(f"    (profiler: {100 * op_share:.0f}% of the step is inside torch ops, {100 * c_share:.0f}% inside the C "
+          f"kernels, {100 * (1 - op_share - c_share):.0f}% Python/dispatch/batch building)")
+
+
+@contextlib.contextmanager
+def c_kernels_timed(timers: Timers) -> Iterator[None]:
+    """Time every call into `kernels.native`'s C kernels (callers look them up on the module)."""
+    names = ("paged_decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv", "argmax_rows")
+    saved = {name: getattr(native, name) for name in names}
+    for name, fn in saved.items():
+        setattr(native, name, timers.wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(native, name, fn)
 
 
 # ---------------------------------------------------------------------------------------------

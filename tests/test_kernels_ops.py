@@ -9,8 +9,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from kernels import native
-from kernels.ops import (apply_rotary, apply_rotary_torch, linear, onednn_linear_available, pack_linear_weight,
-                         rms_norm, rms_norm_torch, silu_and_mul)
+from kernels.ops import (add_rms_norm, apply_rotary, apply_rotary_torch, linear, onednn_linear_available,
+                         pack_linear_weight, rms_norm, rms_norm_torch, silu_and_mul, silu_and_mul_torch)
 from native_marks import requires_native_kernels
 
 
@@ -45,9 +45,9 @@ def test_torch_rms_norm_is_bit_identical_to_transformers() -> None:
     assert torch.equal(rms_norm_torch(x, reference.weight.data, 1e-6), reference(x).detach())
 
 
-def test_silu_and_mul_matches_the_unfused_formula() -> None:
+def test_torch_silu_and_mul_matches_the_unfused_formula() -> None:
     gate_up = torch.randn(5, 16)
-    assert torch.equal(silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :8]) * gate_up[:, 8:])
+    assert torch.equal(silu_and_mul_torch(gate_up), torch.nn.functional.silu(gate_up[:, :8]) * gate_up[:, 8:])
 
 
 # The C kernels (fp32 CPU) against the torch forms, on strided rows as the model hands them over
@@ -63,6 +63,26 @@ def test_native_rms_norm_is_within_a_few_ulp_of_torch(rows: int, dim: int) -> No
     out = rms_norm(x, weight, 1e-6)
     assert native.applies_to(x) and out.is_contiguous()
     torch.testing.assert_close(out, rms_norm_torch(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@requires_native_kernels
+@pytest.mark.parametrize("rows,dim", [(1, 576), (32, 576), (600, 100), (3, 7)])
+def test_native_add_rms_norm_adds_exactly_and_norms_within_a_few_ulp(rows: int, dim: int) -> None:
+    torch.manual_seed(dim)
+    x, residual, weight = torch.randn(rows, dim) * 3, torch.randn(rows, dim), torch.randn(dim)
+    expected_sum = x + residual
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    assert summed is x and torch.equal(x, expected_sum)  # in place, and the add rounds as torch's does
+    torch.testing.assert_close(normed, rms_norm_torch(expected_sum, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@requires_native_kernels
+@pytest.mark.parametrize("rows,half", [(1, 1536), (5, 8), (300, 203)])
+def test_native_silu_and_mul_is_close_to_torch(rows: int, half: int) -> None:
+    torch.manual_seed(half)
+    gate_up = torch.randn(rows, 2 * half + 3)[:, :2 * half] * 8  # strided rows
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's clamp range, and zeros
+    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), rtol=3e-7, atol=1e-7)
 
 
 @requires_native_kernels

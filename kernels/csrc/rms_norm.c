@@ -6,22 +6,37 @@
 
 #include "vec8.h"
 
-/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), like transformers' LlamaRMSNorm in fp32. */
+/* out = weight * (x / sqrt(mean(x^2) + eps)) for one row, like transformers' LlamaRMSNorm in fp32. */
+static inline void norm_row(const float *restrict x, const float *restrict weight, int64_t dim, float eps,
+                            float *restrict out) {
+    vec8 squares = splat8(0.0f);
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+        const vec8 v = load8(x + d);
+        squares += v * v;
+    }
+    float total = sum8(squares);
+    for (; d < dim; d++) total += x[d] * x[d];
+    const float inv_rms = 1.0f / sqrtf(total / (float)dim + eps);
+    for (d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv_rms);
+}
+
+/* out [rows, dim] = RMSNorm of each (possibly strided) row of x. */
 void rms_norm(const float *restrict x, int64_t rows, int64_t x_stride, const float *restrict weight, int64_t dim,
               float eps, float *restrict out) {
 #pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, weight, dim, eps, out + r * dim);
+}
+
+/* The residual stream's step: x += residual (in place, rows of x contiguous [rows, dim]), then
+ * out = RMSNorm(x). One pass instead of an add and a norm. */
+void add_rms_norm(float *restrict x, const float *restrict residual, int64_t rows, int64_t dim,
+                  const float *restrict weight, float eps, float *restrict out) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * dim;
-        vec8 squares = splat8(0.0f);
-        int64_t d = 0;
-        for (; d + 8 <= dim; d += 8) {
-            const vec8 v = load8(xr + d);
-            squares += v * v;
-        }
-        float total = sum8(squares);
-        for (; d < dim; d++) total += xr[d] * xr[d];
-        const float inv_rms = 1.0f / sqrtf(total / (float)dim + eps);
-        for (d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv_rms);
+        float *xr = x + r * dim;
+        const float *res = residual + r * dim;
+        for (int64_t d = 0; d < dim; d++) xr[d] += res[d];
+        norm_row(xr, weight, dim, eps, out + r * dim);
     }
 }

@@ -13,8 +13,8 @@ from typing import Iterable
 import torch
 
 from kernels.attention import AttentionBackend
-from kernels.ops import (apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache, rope_inv_freq,
-                         silu_and_mul)
+from kernels.ops import (add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache,
+                         rope_inv_freq, silu_and_mul)
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
@@ -97,9 +97,11 @@ class LlamaModel:
         sin = self.rope_sin[positions]
         hidden = self.embed[input_ids]
         heads_qk = cfg.num_heads + cfg.num_kv_heads
+        # The residual stream: each sublayer's output is added to `residual` by the norm that follows
+        # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
+        residual = hidden
+        h = rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            h = rms_norm(hidden, layer.input_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads_qk, cfg.head_dim)
@@ -109,15 +111,15 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
-            hidden = linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias).add_(residual)
-            residual = hidden
-            h = rms_norm(hidden, layer.post_norm, eps)
+            out = linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+            h, residual = add_rms_norm(out, residual, layer.post_norm, eps)
             gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-            hidden = linear(silu_and_mul(gate_up), layer.down, layer.down_bias).add_(residual)
+            out = linear(silu_and_mul(gate_up), layer.down, layer.down_bias)
+            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            h, residual = add_rms_norm(out, residual, next_norm, eps)
         if logits_rows is None:
             return None
-        last = rms_norm(hidden[logits_rows], self.final_norm, eps)
-        return self.lm_head_logits(last)
+        return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
