@@ -83,6 +83,9 @@ def _build(compiler: str, flags: list[str], target: Path) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise NativeKernelError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users (a service account) from loading it
+        with open(tmp, "rb") as built:
+            os.fsync(built.fileno())  # renamed only once on disk: never an empty library after a crash
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -97,28 +100,48 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _build_and_load(compiler: str, flags: list[str], path: Path) -> ctypes.CDLL:
+    if path.exists():
+        try:
+            return _load(path)
+        except (OSError, AttributeError):  # a library that does not load (left by an old crash): rebuild it
+            path.unlink(missing_ok=True)
+    _build(compiler, flags, path)
+    return _load(path)
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they are disabled or cannot be built (logged once)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if disabled():
         return None
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found (set CC): CPU ops run in torch, slower")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     errors = []
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("C compiler %s does not run (%s): CPU ops run in torch, slower", compiler, exc)
+        return None
     # OpenMP where the compiler has it (gcc does; Apple's clang does not): otherwise one thread.
     for flags in ([*BASE_FLAGS, "-fopenmp"], BASE_FLAGS):
         key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), *flags, version, _cpu_signature(),
                                         torch.__version__]).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"batchserve_kernels-{key}.so"
         try:
-            if not path.exists():
-                _build(compiler, flags, path)
-            return _load(path)
-        except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+            lib = _build_and_load(compiler, flags, path)
+        except (NativeKernelError, OSError, AttributeError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
+            continue
+        if errors:
+            log.warning("C kernels built without OpenMP (one thread), after:\n%s", "\n".join(errors))
+        return lib
     log.warning("could not build the C kernels; CPU ops run in torch, slower:\n%s", "\n".join(errors))
     return None
 
@@ -187,6 +210,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _check(x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:],
            "x and residual [rows, dim], weight [dim]")
     _check(x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous(), "x, residual, weight contiguous")
+    size = x.numel() * x.element_size()
+    _check(x.data_ptr() + size <= residual.data_ptr() or residual.data_ptr() + size <= x.data_ptr() or size == 0,
+           "x and residual must not overlap")
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         _check_rows(t, name)
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -240,10 +266,19 @@ def check_locs(locs: torch.Tensor, num_slots: int) -> None:
         _check(int(locs.min()) >= 0 and int(locs.max()) < num_slots, "a KV location is outside the pool")
 
 
+MAX_CONTEXT = 2 ** 31 - 1  # max_pages * page_size: the C code sizes scratch buffers with it
+
+
+def _check_page_layout(pages: torch.Tensor, lens: torch.Tensor, page_size: int) -> None:
+    _check(pages.dtype == lens.dtype == torch.int64 and pages.is_contiguous() and lens.is_contiguous()
+           and pages.dim() == 2 and lens.shape == pages.shape[:1] and pages.is_cpu and lens.is_cpu,
+           "pages [b, max_pages] and lens [b] must be contiguous int64 CPU tensors")
+    _check(page_size >= 1 and pages.shape[1] * page_size <= MAX_CONTEXT, "max_pages * page_size out of range")
+
+
 def check_pages(pages: torch.Tensor, lens: torch.Tensor, num_pages: int, page_size: int) -> None:
     """The bounds the C code trusts: every page inside the pool, 1 <= lens <= max_pages * page_size."""
-    _check(pages.dtype == lens.dtype == torch.int64 and pages.is_contiguous() and lens.is_contiguous()
-           and pages.dim() == 2 and lens.shape == pages.shape[:1], "pages [b, max_pages] and lens [b] must be int64")
+    _check_page_layout(pages, lens, page_size)
     if lens.numel():
         _check(int(lens.min()) >= 1 and int(lens.max()) <= pages.shape[1] * page_size,
                "lens out of [1, max_pages * page_size]")
@@ -258,19 +293,22 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     [num_pages, page_size, kv_heads, head_dim], pages [b, max_pages] int64, lens [b] int64 with
     1 <= lens <= max_pages * page_size; all fp32 on the CPU. Returns [b, heads, head_dim].
     `pages_checked`: the caller ran `check_pages` on these pages and lens already (once per step
-    rather than once per layer).
+    rather than once per layer), so only their scan for out-of-range values is skipped.
     """
     lib = _lib()
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, pool_head_dim = k_pool.shape
     _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
     _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu and pages.is_cpu and lens.is_cpu, "tensors must be on the CPU")
-    if pool_head_dim != head_dim or heads % kv_heads or v_pool.shape != k_pool.shape:
+    if (min(heads, kv_heads, head_dim) < 1 or pool_head_dim != head_dim or heads % kv_heads
+            or v_pool.shape != k_pool.shape):
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
                          f"v_pool {tuple(v_pool.shape)}")
     _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
-    if not pages_checked:
+    if pages_checked:
+        _check_page_layout(pages, lens, page_size)
+    else:
         check_pages(pages, lens, num_pages, page_size)
     if lens.shape[0] != batch:
         raise ValueError(f"{batch} query rows but {lens.shape[0]} lens")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
+from kernels import native, ops
 from kernels.attention import create_backend, resolve_backend_name
 from procs.worker.kv_cache import KVCache
 from native_marks import requires_native_kernels
@@ -138,3 +138,54 @@ def test_a_compiler_that_fails_leaves_the_torch_forms_in_charge(monkeypatch, tmp
         monkeypatch.undo()
         native.library.cache_clear()
     assert native.available()
+
+
+def test_shapes_outside_the_kernels_reach_are_refused_or_take_the_generic_path():
+    # group 1 x head_dim 1064 once collided with the specialised (group 2, head_dim 64) case
+    q, k_pool, v_pool, pages, lens = _case(1, 1, 1064, 4, [3, 6])
+    out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens, 0.03)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens, 0.03), atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="shapes disagree"):  # no heads
+        native.paged_decode_attention(torch.empty(1, 0, 1064), k_pool, v_pool, pages[:1], lens[:1], 0.03)
+    with pytest.raises(ValueError, match="shapes disagree"):  # no kv heads
+        empty_pool = torch.empty(k_pool.shape[0], 4, 0, 1064)
+        native.paged_decode_attention(q, empty_pool, empty_pool, pages, lens, 0.03)
+    with pytest.raises(ValueError, match="out of range"):  # max_pages * page_size would wrap in C's int64
+        native.check_pages(torch.zeros(1, 4, dtype=torch.int64), torch.tensor([100000]), 1, 2 ** 62 + 1)
+
+
+def test_silu_below_the_exp_range_matches_torch():
+    gate_up = torch.zeros(2, 32)
+    gate_up[0, :16] = torch.tensor([-1e38, -1e30, -89.0, -88.7, -88.5, -87.9, float("-inf"), -0.0] * 2)
+    gate_up[1, :16] = torch.linspace(-100, 100, 16)
+    gate_up[:, 16:] = 3.0
+    torch.testing.assert_close(native.silu_and_mul(gate_up), ops.silu_and_mul_torch(gate_up), equal_nan=True,
+                               rtol=3e-7, atol=0.0)
+
+
+def test_add_rms_norm_refuses_overlapping_inputs():
+    buffer = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="overlap"):
+        native.add_rms_norm(buffer[1:], buffer[:-1], torch.ones(8), 1e-6)
+
+
+def test_a_corrupt_cached_library_is_rebuilt_and_readable_by_others(monkeypatch, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(first))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        (built,) = (first / "kernels").glob("*.so")
+        assert built.stat().st_mode & 0o777 == 0o755  # a service account can load what root built
+        # another cache holding an empty file under that name (what a crash mid-write could leave);
+        # a second path, since the first is mapped into this process now
+        (second / "kernels").mkdir(parents=True)
+        (second / "kernels" / built.name).write_bytes(b"")
+        monkeypatch.setenv("BATCHSERVE_CACHE", str(second))
+        native.library.cache_clear()
+        assert native.library() is not None and (second / "kernels" / built.name).stat().st_size > 0
+        monkeypatch.setenv(native.DISABLE_ENV, "off")
+        assert native.disabled()
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()

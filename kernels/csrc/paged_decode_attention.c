@@ -104,22 +104,25 @@ static inline __attribute__((always_inline)) void attend_group_fixed(
 }
 
 #define FIXED_CASE(G, D)                                                                                        \
-    case (G) * 1000 + (D):                                                                                      \
+    case G:                                                                                                     \
         attend_group_fixed(q, k_pool, v_pool, tokens, len, G, D, token_stride, scale, scores, stride, out); \
         return
 
 static void attend_group(const float *q, const float *k_pool, const float *v_pool, const int64_t *tokens,
                          int64_t len, int64_t group, int64_t head_dim, int64_t token_stride, float scale,
                          float *scores, int64_t stride, float *out) {
-    switch (group * 1000 + head_dim) {
-        FIXED_CASE(1, 64); FIXED_CASE(2, 64); FIXED_CASE(3, 64); FIXED_CASE(4, 64);
-        FIXED_CASE(5, 64); FIXED_CASE(6, 64); FIXED_CASE(7, 64); FIXED_CASE(8, 64);
-        FIXED_CASE(1, 128); FIXED_CASE(2, 128); FIXED_CASE(3, 128); FIXED_CASE(4, 128);
-        FIXED_CASE(5, 128); FIXED_CASE(6, 128); FIXED_CASE(7, 128); FIXED_CASE(8, 128);
-        default:
-            attend_group_generic(q, k_pool, v_pool, tokens, len, group, head_dim, token_stride, scale, scores,
-                                 stride, out);
+    if (head_dim == 64) {
+        switch (group) {
+            FIXED_CASE(1, 64); FIXED_CASE(2, 64); FIXED_CASE(3, 64); FIXED_CASE(4, 64);
+            FIXED_CASE(5, 64); FIXED_CASE(6, 64); FIXED_CASE(7, 64); FIXED_CASE(8, 64);
+        }
+    } else if (head_dim == 128) {
+        switch (group) {
+            FIXED_CASE(1, 128); FIXED_CASE(2, 128); FIXED_CASE(3, 128); FIXED_CASE(4, 128);
+            FIXED_CASE(5, 128); FIXED_CASE(6, 128); FIXED_CASE(7, 128); FIXED_CASE(8, 128);
+        }
     }
+    attend_group_generic(q, k_pool, v_pool, tokens, len, group, head_dim, token_stride, scale, scores, stride, out);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */

@@ -14,7 +14,10 @@ void silu_and_mul(const float *restrict gate_up, int64_t rows, int64_t stride, i
         int64_t i = 0;
         for (; i + 8 <= half; i += 8) {
             const vec8 g = load8(gate + i);
-            store8(o + i, g / (splat8(1.0f) + exp8(-g)) * load8(up + i));
+            /* where e^-g overflows, torch's g / (1 + inf) is -0 (NaN for -inf): g * 0 gives both, where
+             * exp8's clamp would leave a tiny nonzero */
+            const vec8 silu = select8(g < splat8(-EXP_MAX_ARG), g * splat8(0.0f), g / (splat8(1.0f) + exp8(-g)));
+            store8(o + i, silu * load8(up + i));
         }
         for (; i < half; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }

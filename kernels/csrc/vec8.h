@@ -24,6 +24,9 @@ enum { PARALLEL_MIN_FLOATS = 1 << 15 };
 
 static inline float sum8(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
+/* ln(FLT_MAX): the largest x whose e^x is a finite float. */
+#define EXP_MAX_ARG 88.7228391f
+
 /* mask ? a : b, lane by lane (C has no vector ?:). */
 static inline vec8 select8(ivec8 mask, vec8 a, vec8 b) {
     ivec8 ia, ib;
@@ -35,11 +38,11 @@ static inline vec8 select8(ivec8 mask, vec8 a, vec8 b) {
     return out;
 }
 
-/* e^x within ~2 ulp of expf for x in [-87, 88] (clamped outside, where it under/overflows anyway):
+/* e^x within ~2 ulp of expf for x in [-87, 88.72] (clamped outside: e^x under/overflows there anyway):
  * x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-6 polynomial, 2^n built in the exponent bits. */
 static inline vec8 exp8(vec8 x) {
     x = select8(x < splat8(-87.0f), splat8(-87.0f), x);
-    x = select8(x > splat8(88.0f), splat8(88.0f), x);
+    x = select8(x > splat8(EXP_MAX_ARG), splat8(EXP_MAX_ARG), x);
     const vec8 t = x * splat8(1.44269504088896341f) + splat8(0.5f);
     ivec8 n_int = __builtin_convertvector(t, ivec8); /* truncation toward zero ... */
     n_int += (ivec8)(__builtin_convertvector(n_int, vec8) > t); /* ... made floor: n = round(x / ln2) */
@@ -52,7 +55,7 @@ static inline vec8 exp8(vec8 x) {
     p = p * r + splat8(1.6666665459e-1f);
     p = p * r + splat8(5.0000001201e-1f);
     p = p * r * r + r + splat8(1.0f);
-    /* 2^n in two factors: n reaches 128 at x = 88, one past the largest normal exponent */
+    /* 2^n in two factors: n reaches 128 near the top, one past the largest normal exponent */
     const ivec8 half_n = n_int >> 1;
     const ivec8 bits_a = (half_n + 127) << 23, bits_b = (n_int - half_n + 127) << 23;
     vec8 two_a, two_b;
