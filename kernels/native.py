@@ -155,7 +155,7 @@ def applies_to(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dtype is not torch.float32 or not t.is_cpu:
             return False
-    return library() is not None
+    return available()
 
 
 def rows_contiguous(x: torch.Tensor) -> bool:

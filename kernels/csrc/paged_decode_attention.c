@@ -7,7 +7,7 @@
  *
  * Per row and kv head, the query heads sharing that kv head are one "group": each key and value is
  * loaded once for the whole group. The group size and head_dim are compile-time constants in the
- * common cases (see attend_row), so accumulators live in registers; other shapes take a generic loop.
+ * common cases (see attend_group), so accumulators live in registers; other shapes take a generic loop.
  *
  * Layouts (all contiguous except q's rows): q [batch, heads, head_dim] with row stride q_row_stride,
  * k_pool/v_pool [num_pages, page_size, kv_heads, head_dim], pages [batch, max_pages] int64,

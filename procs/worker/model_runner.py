@@ -62,8 +62,8 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         # Never past the model's own positions (the tokenizer process takes the same minimum).
-        native = self.config.max_position_embeddings
-        self._max_context = min(max_context, native) if max_context > 0 else native
+        model_positions = self.config.max_position_embeddings
+        self._max_context = min(max_context, model_positions) if max_context > 0 else model_positions
         if max_context < 0:
             raise ValueError(f"max_context must be >= 0 (0: the model's own), got {max_context}")
         tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
