@@ -32,6 +32,13 @@ class Job:
     def limit(self) -> int:
         return self.max_tokens if self.max_tokens is not None else self.output_tokens
 
+    def prompt(self) -> list[int]:
+        return list(range(3, 3 + self.input_tokens))
+
+    def scripted(self, k: int) -> int:
+        """Its k-th sampled token (0-based)."""
+        return EOS if k + 1 == self.output_tokens else FIRST_TOKEN + k
+
     def stop_params(self) -> StopParams:
         stop_ids = () if self.stop_after is None else (FIRST_TOKEN + self.stop_after - 1,)
         return StopParams(max_tokens=self.limit, ignore_eos=self.ignore_eos, stop_token_ids=stop_ids)
@@ -49,8 +56,9 @@ class Job:
 
 class AuditingExecutor:
     """Plays the worker: keeps its own page table from the batch's updates and checks that every
-    token is fed at the right position, into a page its request owns, and that decodes feed back
-    exactly the token sampled last."""
+    token is fed at the right position, into a page its request owns, that prefill feeds the prompt
+    (followed, when recomputing after a preemption, by exactly the tokens sampled before) and that
+    decodes feed back exactly the token sampled last."""
 
     def __init__(self, scheduler: Scheduler, jobs: dict[str, Job]) -> None:
         self.scheduler = scheduler
@@ -59,12 +67,13 @@ class AuditingExecutor:
         self.page_table: dict[tuple[int, int], int] = {}
         self.page_owner: dict[int, str] = {}
         self.slot_rid: dict[int, str] = {}
-        self.written: dict[str, int] = {}  # KV positions written per request
+        self.written: dict[str, int] = {}  # KV positions written per request since its (re-)admission
+        self.fill: dict[str, list[int]] = {}  # what its (re-)admission prefills: prompt + tokens sampled before
         self.sampled: dict[str, list[int]] = {}
         self.calls = 0
 
     def forget(self, rid: str) -> None:
-        """The request ended: its slot row and pages may be reused by others from now on."""
+        """The request ended or was preempted: its slot row and pages may be reused by others from now on."""
         for slot, owner in list(self.slot_rid.items()):
             if owner == rid:
                 del self.slot_rid[slot]
@@ -72,6 +81,7 @@ class AuditingExecutor:
                     del self.page_table[key]
         for page in [p for p, owner in self.page_owner.items() if owner == rid]:
             del self.page_owner[page]
+        self.written.pop(rid, None)
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.calls += 1
@@ -85,12 +95,18 @@ class AuditingExecutor:
         assert batch.num_tokens == sum(batch.extend_lens)
         assert batch.positions.shape == batch.kv_locs.shape == batch.input_ids.shape
 
+        for slot, rid in list(self.slot_rid.items()):
+            if self.scheduler.rid_in_slot(slot) != rid:  # preempted in this step (a worker is never told)
+                self.forget(rid)
         for slot in batch.slots:
             rid = self.scheduler.rid_in_slot(slot)
             assert rid is not None, f"slot {slot} holds no request"
             if self.slot_rid.get(slot) != rid:
                 assert slot not in self.slot_rid, f"slot {slot} reused while {self.slot_rid[slot]} still holds it"
+                assert rid not in self.written, f"{rid} moved to slot {slot} without being preempted"
                 self.slot_rid[slot] = rid
+                self.written[rid] = 0
+                self.fill[rid] = self.jobs[rid].prompt() + self.sampled.get(rid, [])
         for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
                                    batch.page_table_pages.tolist()):
             rid = self.slot_rid[slot]
@@ -107,7 +123,7 @@ class AuditingExecutor:
             rid = self.slot_rid[slot]
             job = self.jobs[rid]
             p, e = batch.prefix_lens[i], batch.extend_lens[i]
-            assert p == self.written.get(rid, 0), f"{rid}: prefix {p} but {self.written.get(rid, 0)} positions written"
+            assert p == self.written[rid], f"{rid}: prefix {p} but {self.written[rid]} positions written"
             sl = slice(offset, offset + e)
             offset += e
             positions = batch.positions[sl]
@@ -115,16 +131,17 @@ class AuditingExecutor:
             expected_locs = [self.page_table[(slot, q // self.P)] * self.P + q % self.P for q in range(p, p + e)]
             assert batch.kv_locs[sl].tolist() == expected_locs, f"{rid}: kv_locs off its pages"
             sampled = self.sampled.setdefault(rid, [])
-            if sampled:  # prompt done: a decode feeding back the last sampled token
+            fill = self.fill[rid]
+            if p >= len(fill):  # prompt done: a decode feeding back the last sampled token
                 assert e == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], f"{rid}: bad decode input"
             else:
-                assert p + e <= job.input_tokens
-                assert batch.samples[i] == (p + e == job.input_tokens)
+                assert p + e <= len(fill)
+                assert batch.input_ids[sl].tolist() == fill[p:p + e], f"{rid}: prefill fed the wrong tokens"
+                assert batch.samples[i] == (p + e == len(fill))
             self.written[rid] = p + e
             assert batch.sample_counts[i] == len(sampled)
             if batch.samples[i]:
-                k = len(sampled)
-                token = EOS if k + 1 == job.output_tokens else FIRST_TOKEN + k
+                token = job.scripted(len(sampled))
                 sampled.append(token)
                 out.append(token)
         assert offset == batch.num_tokens
@@ -137,16 +154,33 @@ class _Book:
 
     job: Job
     admitted: bool = False
-    admit_seq: int = -1
-    prefilled: int = 0
+    admit_seq: int = -1  # of its latest admission
+    first_admit_seq: int = -1
+    prefilled: int = 0  # of `fill_len`, since its latest admission
     generated: int = 0
-    fed: int = 0
+    fed: int = 0  # since its latest admission
+    fill_len: int = 0  # what its latest admission prefills: the prompt + tokens generated before
     ended: str = ""  # "", "finished", "cancelled"
+    preemptions: int = 0
     tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fill_len = self.job.input_tokens
 
 
 def pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+def estimate(percent: int, remaining: int) -> int:
+    """ceil(rho * remaining), as SCHEDULING.md computes it."""
+    return (percent * remaining + 99) // 100
+
+
+def reservation(b: _Book, percent: int, page_size: int) -> int:
+    """Pages of allocated(r) + est(r): KV held, prompt still to prefill, estimated future tokens."""
+    allocated = b.prefilled + b.fed
+    return pages(allocated + (b.fill_len - b.prefilled) + estimate(percent, b.job.limit - b.generated), page_size)
 
 
 def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 5000) -> list[StepOutput]:
@@ -155,8 +189,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
     by_rid = {j.rid: j for j in jobs}
     ex = AuditingExecutor(sched, by_rid)
     books = {j.rid: _Book(j) for j in jobs}
-    waiting: list[str] = []  # the driver's own FIFO
+    waiting: list[str] = []  # the driver's own queue
     P = config.page_size
+    percent = config.kv_reserve_percent
     usable_pages = config.kv_capacity_tokens // P
     last_arrival = max(j.arrival_step for j in jobs)
     trace: list[StepOutput] = []
@@ -165,7 +200,7 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
     for step in range(max_steps):
         for j in jobs:
             if j.arrival_step == step:
-                sched.add_request(j.rid, list(range(3, 3 + j.input_tokens)), SamplingParams(), j.stop_params())
+                sched.add_request(j.rid, j.prompt(), SamplingParams(), j.stop_params())
                 waiting.append(j.rid)
         cancelled_now: list[str] = []
         for j in jobs:
@@ -186,61 +221,86 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         # What SCHEDULING.md says about the head of the queue, from the driver's own books.
         live_admitted = sorted((b for b in books.values() if b.admitted and not b.ended), key=lambda b: b.admit_seq)
         free_slots = config.max_running_requests - len(live_admitted)
-        reserved = sum(pages(b.job.input_tokens + b.job.limit - (b.generated - b.fed), P) for b in live_admitted)
+        reserved = sum(reservation(b, percent, P) for b in live_admitted)
         head = books[waiting[0]] if waiting else None
-        head_fits = head is not None and pages(head.job.input_tokens + head.job.limit, P) + reserved <= usable_pages
-        decodable = [b.job.rid for b in live_admitted if b.prefilled == b.job.input_tokens]
+        head_fits = head is not None and reservation(head, percent, P) + reserved <= usable_pages
+        decodable = [b.job.rid for b in live_admitted if b.prefilled == b.fill_len]
+        chunking = [b.job.rid for b in live_admitted if b.prefilled < b.fill_len]
 
         out = sched.step(ex)
         trace.append(out)
         assert out.step == step
 
+        # Step 3b: victims are the most recently admitted, and none of this step's admissions.
+        assert out.preempted == [b.job.rid for b in reversed(live_admitted)][:len(out.preempted)], (
+            f"step {step}: preempted {out.preempted}, not the most recently admitted first")
+        if percent == 100:
+            assert not out.preempted, "the worst-case reservation never preempts"
         prefill_rids = [rid for rid, _ in out.prefill]
+        admitted_now = [rid for rid in prefill_rids if not books[rid].admitted]
+        assert not (admitted_now and out.preempted), "a step that admits never preempts"
         old_chunks = sum(n for rid, n in out.prefill if books[rid].admitted)
+        planned_prefill = bool(out.prefill) or bool(set(chunking) & set(out.preempted))
         if config.policy == "mixed":
-            assert out.decode == decodable, "mixed decodes every request that finished its prefill"
+            assert out.decode == [d for d in decodable if d not in out.preempted], "mixed decodes every running request"
             assert sum(n for _, n in out.prefill) + len(out.decode) <= config.prefill_budget
         else:
             assert sum(n for _, n in out.prefill) <= config.prefill_budget
-            if out.prefill:
+            if planned_prefill:
                 assert not out.decode, f"{config.policy}: a step is either prefill or decode"
-            else:
+            elif not out.preempted:
                 assert out.decode == decodable, f"{config.policy}: decode every request done with prefill"
-        if head is not None and config.policy != "fixed":
+            else:
+                assert out.decode in ([], [d for d in decodable if d not in out.preempted])
+        if head is not None and config.policy != "fixed" and not out.preempted:
             budget_left = config.prefill_budget - old_chunks - (len(out.decode) if config.policy == "mixed" else 0)
             should = free_slots > 0 and budget_left > 0 and head_fits
             assert (head.job.rid in prefill_rids) == should, (
                 f"step {step}: head {head.job.rid} admitted={head.job.rid in prefill_rids}, expected {should} "
                 f"(free slots {free_slots}, budget left {budget_left}, fits {head_fits})")
         if config.policy == "fixed":
-            if any(not books[rid].admitted for rid in prefill_rids):
+            if admitted_now:
                 assert not live_admitted, "fixed: nobody joins a running group"
             if head is not None and not live_admitted:
                 assert head.job.rid in prefill_rids, "fixed: a new group forms as soon as the last one ends"
 
-        # Apply the step to the books.
+        # Apply the step to the books: preemptions first (they happened before the batch ran).
+        for rid in out.preempted:
+            b = books[rid]
+            b.admitted = False
+            b.prefilled = b.fed = 0
+            b.fill_len = b.job.input_tokens + b.generated
+            b.preemptions += 1
+            ex.forget(rid)
+            before = [w for w in waiting if books[w].first_admit_seq >= 0 and books[w].first_admit_seq < b.first_admit_seq]
+            waiting.insert(len(before), rid)
         for rid, n in out.prefill:
             b = books[rid]
             if not b.admitted:
-                assert waiting and waiting[0] == rid, f"{rid} admitted out of FIFO order"
+                assert waiting and waiting[0] == rid, f"{rid} admitted out of queue order"
                 waiting.pop(0)
                 b.admitted = True
                 b.admit_seq = admissions
+                if b.first_admit_seq < 0:
+                    b.first_admit_seq = admissions
                 admissions += 1
-            assert 1 <= n and b.prefilled + n <= b.job.input_tokens
+            assert 1 <= n and b.prefilled + n <= b.fill_len
             b.prefilled += n
         for rid in out.decode:
             books[rid].fed += 1
         for rid, token in out.new_tokens:
-            books[rid].generated += 1
-            books[rid].tokens.append(token)
+            b = books[rid]
+            assert token == b.job.scripted(b.generated), f"{rid}: token {b.generated} is not its scripted one"
+            b.generated += 1
+            b.tokens.append(token)
         assert out.batch_size == len(out.prefill) + len(out.decode)
         assert set(out.finish_reasons) == set(out.finished)
         for rid in out.finished:
             b = books[rid]
             n, reason = b.job.expected_end()
             assert (b.generated, out.finish_reasons[rid]) == (n, reason), rid
-            assert b.prefilled == b.job.input_tokens, "chunks must add up to the prompt"
+            assert b.tokens == [b.job.scripted(k) for k in range(n)], f"{rid}: tokens lost or repeated"
+            assert b.prefilled == b.fill_len, "chunks must add up to the prompt"
             b.ended = "finished"
             ex.forget(rid)
         assert sorted(out.cancelled) == sorted(cancelled_now)
@@ -251,9 +311,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         assert sched.num_waiting == len(waiting)
         assert sched.kv_used_tokens <= sched.kv_capacity_tokens
         assert sched.kv_used_tokens == P * sum(pages(b.prefilled + b.fed, P) for b in live)
-        assert sched.kv_reserved_tokens == P * sum(
-            pages(b.job.input_tokens + b.job.limit - (b.generated - b.fed), P) for b in live)
-        assert sched.kv_reserved_tokens <= sched.kv_capacity_tokens
+        assert sched.kv_reserved_tokens == P * sum(reservation(b, percent, P) for b in live)
+        if percent == 100:
+            assert sched.kv_reserved_tokens <= sched.kv_capacity_tokens
     else:
         raise AssertionError(f"not done after {max_steps} steps")
 

@@ -39,7 +39,7 @@ def _normalise(trace: list[dict]) -> list[dict]:
 def test_the_shared_scenarios_are_all_covered() -> None:
     names = {p.name for p, _ in CASES}
     assert {"figure3.json", "figure8.json", "chunked.json", "admission.json"} <= names
-    assert {"cancels.json", "paged_admission.json", "idle_and_last_cancel.json"} <= names
+    assert {"cancels.json", "paged_admission.json", "idle_and_last_cancel.json", "preemption.json"} <= names
 
 
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])
@@ -49,8 +49,10 @@ def test_simulate_reproduces_the_expected_trace(path: Path, policy: str, capsys:
     got = [json.loads(line) for line in lines]
     expected = json.loads(path.read_text())["expected"][policy]
     assert _normalise(got) == _normalise(expected)
-    for line in lines:  # exactly the documented keys, in order
-        assert list(json.loads(line)) == ["step", "prefill", "decode", "finished", "cancelled"]
+    for line in lines:  # exactly the documented keys, in order; `preempted` only on steps that preempt
+        keys = list(json.loads(line))
+        assert keys in (["step", "prefill", "decode", "finished", "cancelled"],
+                        ["step", "prefill", "decode", "finished", "cancelled", "preempted"])
 
 
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])
@@ -81,6 +83,14 @@ def test_table_shows_chunks_and_mixed_steps(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "Decode: B + Prefill: C [0:1023 of 2500]" in out
     assert "Decode: B + Prefill: C [2046:2500 of 2500]" in out
+
+
+def test_table_shows_preemptions_and_the_recompute(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["simulate", str(LOCAL / "preemption.json"), "--format", "table"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "Preempted"
+    assert lines[10].split() == ["8", "Decode:", "A", "8", "/", "7", "/", "3", "B"]
+    assert "Prefill: B [0:8 of 11]" in lines[12] and "Prefill: B [8:11 of 11]" in lines[13]
 
 
 def test_table_shows_cancellations_and_idle_steps(capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,6 +128,10 @@ def test_table_shows_cancellations_and_idle_steps(capsys: pytest.CaptureFixture[
      ' "requests": []}', "prefill_budget > max_running_requests"),
     ('{"config": {"max_running_requests": 4, "prefill_budget": 9, "kv_capacity_tokens": 50, "policy": "lifo"},'
      ' "requests": []}', "$.config.policy"),
+    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50, "kv_reserve_ratio": 0},'
+     ' "requests": []}', "kv_reserve_ratio must be in (0, 1]"),
+    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50,'
+     ' "kv_reserve_ratio": 0.125}, "requests": []}', "whole number of percents"),
     ('{"config": ', "not valid JSON"),
 ])
 def test_bad_scenarios_exit_2_with_the_field_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -14,6 +14,14 @@ class SchedulerConfigError(ValueError):
     """A `SchedulerConfig` that the scheduler cannot run (names the offending field)."""
 
 
+def check_reserve_ratio(ratio: float) -> None:
+    """0 < ratio <= 1 in whole percents (0.05, not 0.055), else `SchedulerConfigError`."""
+    if not 0 < ratio <= 1:
+        raise SchedulerConfigError(f"kv_reserve_ratio must be in (0, 1], got {ratio}")
+    if abs(ratio * 100 - round(ratio * 100)) > 1e-6:
+        raise SchedulerConfigError(f"kv_reserve_ratio must be a whole number of percents (e.g. 0.05), got {ratio}")
+
+
 class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Limits of the chapter: request slots, prefill token budget, KV capacity; plus the policy.
 
@@ -28,6 +36,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     policy: Policy = "prefill-first"
     max_context: int = 0  # 0: no limit besides KV capacity
     max_waiting: int = 0  # 0: unbounded waiting queue
+    # rho of SCHEDULING.md: the share of each request's remaining max_tokens that admission reserves
+    # (whole percents); 1 reserves the worst case and never preempts.
+    kv_reserve_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -36,6 +47,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in ("max_context", "max_waiting"):
             if getattr(self, name) < 0:
                 raise SchedulerConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        check_reserve_ratio(self.kv_reserve_ratio)
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.kv_capacity_tokens < self.page_size:
@@ -50,6 +62,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"(got prefill_budget={self.prefill_budget}, max_running_requests="
                 f"{self.max_running_requests}): otherwise decodes can use the whole budget and "
                 f"waiting requests starve")
+
+    @property
+    def kv_reserve_percent(self) -> int:
+        """`kv_reserve_ratio` in whole percents (1..100), the integer the reservation arithmetic uses."""
+        return round(self.kv_reserve_ratio * 100)
 
     @property
     def num_kv_pages(self) -> int:

@@ -1,4 +1,5 @@
-"""The chapter's two request pools: `PrefillManager.pending_list` and `DecodeManager.running_reqs`."""
+"""The chapter's two request pools and what each plans: `PrefillManager.pending_list` (waiting
+queue, prefill chunks and admissions within a budget) and `DecodeManager.running_reqs` (the decode set)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,75 @@ from collections import deque
 
 import numpy as np
 
+from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.request import Request
+from procs.scheduler.request_table import RequestTable
 from shared.messages import SamplingParams
 
 
 class PrefillManager:
     """Requests whose prompt is not fully prefilled.
 
-    `pending_list`: the waiting queue (FIFO, not admitted: no slot, no KV).
+    `pending_list`: the waiting queue (not admitted: no slot, no KV). FIFO, except that preempted
+    requests go back ahead of every request never admitted, in the order of their first admission.
     `chunking`: admitted requests with prompt tokens left (mid-chunk), in admission order; their
     next chunks are planned before any new admission, so they keep priority.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, table: RequestTable, kv: KVManager) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
+        self._table = table
+        self._kv = kv
+        self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
+
+    def plan(self, budget: int, *, admit: bool) -> list[tuple[Request, int]]:
+        """SCHEDULING.md step 3: mid-chunk requests first, then FIFO admissions while they fit.
+
+        Each item is (request, prompt tokens this step); admitted requests get their slot here.
+        """
+        items: list[tuple[Request, int]] = []
+        for request in self.chunking:
+            if budget <= 0:
+                return items
+            n = min(request.prompt_len - request.prefilled, budget)
+            items.append((request, n))
+            budget -= n
+        pending = self.pending_list
+        if not admit or not pending:
+            return items
+        reserved = -1  # sum of reservations, computed once the head is considered
+        while pending and budget > 0 and self._table.has_free_slot:
+            head = pending[0]
+            pages = self._kv.reservation(head)
+            if reserved < 0:
+                reserved = self._kv.reserved_pages()
+            if pages + reserved > self._kv.num_pages:
+                break  # no skipping ahead: the head waits, and so does everyone behind it
+            pending.popleft()
+            self._admit(head)
+            reserved += pages
+            n = min(head.prompt_len, budget)
+            items.append((head, n))
+            budget -= n
+        return items
+
+    def _admit(self, request: Request) -> None:
+        seq = self._admissions
+        self._admissions += 1
+        if request.first_admitted < 0:
+            request.first_admitted = seq
+        request.slot = self._table.acquire(request, seq)
+        self.chunking.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """Put a preempted request back: ahead of every never-admitted request, behind the preempted
+        ones that were first admitted before it."""
+        pending = self.pending_list
+        index = 0
+        while index < len(pending) and 0 <= pending[index].first_admitted < request.first_admitted:
+            index += 1
+        pending.insert(index, request)
 
 
 class DecodeManager:

@@ -119,7 +119,7 @@ def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
     return SchedulerConfig(
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
-        max_context=info.max_context, max_waiting=config.max_waiting,
+        max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
     )
 
 
@@ -144,6 +144,7 @@ class SchedulerLoop:
         self.scheduler: Scheduler | None = None
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
+        self._preemptions = 0
         self._last_stats = 0.0
         self._was_busy = False
 
@@ -193,6 +194,11 @@ class SchedulerLoop:
                 out = sched.step(self.executor)
                 for delta in self.deltas.from_step(out):
                     self.to_detokenizer.send(delta)
+                if out.preempted:
+                    self._preemptions += len(out.preempted)
+                    log.info("preempted", extra={"fields": {
+                        "step": out.step, "rids": out.preempted, "kv_used_tokens": sched.kv_used_tokens,
+                        "num_waiting": sched.num_waiting}})
                 if out.batch_size:
                     self._batch_sizes.append(out.batch_size)
                 elif not out.cancelled:  # nothing could run: wait for a message rather than spin
@@ -211,8 +217,11 @@ class SchedulerLoop:
             return
         self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                                         kv_used_tokens=sched.kv_used_tokens,
-                                        kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes))
+                                        kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
+                                        preemptions=self._preemptions,
+                                        kv_reserve_ratio=sched.config.kv_reserve_ratio))
         self._batch_sizes = []
+        self._preemptions = 0
         self._last_stats = now
 
 

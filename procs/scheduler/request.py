@@ -8,18 +8,36 @@ from shared.messages import SamplingParams, StopParams
 
 
 class Request:
-    __slots__ = ("rid", "prompt", "prompt_len", "sampling", "stop", "max_tokens", "stop_ids", "slot", "prefilled")
+    """`prompt` is what a (re-)admission prefills: the client's prompt, followed after a preemption by
+    the tokens generated before it (SCHEDULING.md's recompute). `num_prompt_tokens` stays the client's."""
+
+    __slots__ = ("rid", "prompt", "prompt_len", "num_prompt_tokens", "sampling", "stop", "max_tokens", "stop_ids",
+                 "slot", "prefilled", "first_admitted")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams) -> None:
         self.rid = rid
         self.prompt = prompt  # int32 [prompt_len]
         self.prompt_len = int(prompt.shape[0])
+        self.num_prompt_tokens = self.prompt_len
         self.sampling = sampling
         self.stop = stop
         self.max_tokens = stop.max_tokens
         self.stop_ids = frozenset(stop.stop_token_ids)
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
+        self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
+
+    @property
+    def num_generated_before(self) -> int:
+        """Tokens generated before its last preemption (they are part of `prompt` now)."""
+        return self.prompt_len - self.num_prompt_tokens
+
+    def recompute_with(self, generated: np.ndarray) -> None:
+        """Preempted: every token generated so far joins the prompt, prefilled again from the start."""
+        self.prompt = np.concatenate([self.prompt[:self.num_prompt_tokens], generated.astype(np.int32)])
+        self.prompt_len = int(self.prompt.shape[0])
+        self.prefilled = 0
+        self.slot = -1
 
     def __repr__(self) -> str:
         return f"Request({self.rid!r}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"

@@ -23,15 +23,18 @@ class RequestTable:
         self.max_columns = max_columns
         self.requests: list[Request | None] = [None] * num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # stack: slot 0 is handed out first
+        self.admit_seq = np.full(num_slots, -1, dtype=np.int64)  # admission sequence number; -1: free
+        self.prompt_len = np.zeros(num_slots, dtype=np.int64)  # tokens to prefill (recompute included)
         self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions holding KV: prefilled + fed back
-        self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled so far
+        self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled so far (before preemptions too)
         self.token_limit = np.zeros(num_slots, dtype=np.int64)  # max_tokens
         self.last_token = np.zeros(num_slots, dtype=np.int32)  # next decode input
         self.check_eos = np.zeros(num_slots, dtype=bool)  # not ignore_eos
         self.has_stop_ids = np.zeros(num_slots, dtype=bool)
         self.num_pages = np.zeros(num_slots, dtype=np.int64)  # pages held (row prefix of page_table)
-        self.reserved_pages = np.zeros(num_slots, dtype=np.int64)  # held + may still need
         self.page_table = np.zeros((num_slots, min(_INITIAL_COLUMNS, max_columns)), dtype=np.int32)
+        # Generated ids, kept so that a preempted request can be recomputed from them.
+        self.output_ids = np.zeros((num_slots, _INITIAL_COLUMNS), dtype=np.int32)
 
     @property
     def num_used(self) -> int:
@@ -41,18 +44,27 @@ class RequestTable:
     def has_free_slot(self) -> bool:
         return bool(self._free_slots)
 
-    def acquire(self, request: Request, reserved_pages: int) -> int:
+    def acquire(self, request: Request, admit_seq: int) -> int:
         slot = self._free_slots.pop()
         self.requests[slot] = request
+        generated_before = request.num_generated_before
+        self.admit_seq[slot] = admit_seq
+        self.prompt_len[slot] = request.prompt_len
         self.kv_len[slot] = 0
-        self.generated[slot] = 0
+        self.generated[slot] = generated_before
         self.token_limit[slot] = request.max_tokens
         self.last_token[slot] = 0
         self.check_eos[slot] = not request.stop.ignore_eos
         self.has_stop_ids[slot] = bool(request.stop_ids)
         self.num_pages[slot] = 0
-        self.reserved_pages[slot] = reserved_pages
+        if request.max_tokens > self.output_ids.shape[1]:
+            self.output_ids = _widen(self.output_ids, max(request.max_tokens, 2 * self.output_ids.shape[1]))
+        self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens:]
         return slot
+
+    def most_recent_slot(self) -> int:
+        """The slot of the most recently admitted request (a re-admission counts from its re-admission)."""
+        return int(self.admit_seq.argmax())
 
     def release(self, slots: np.ndarray) -> np.ndarray:
         """Empty the rows; returns the pages they held (for the allocator)."""
@@ -60,18 +72,21 @@ class RequestTable:
         width = int(counts.max()) if slots.shape[0] else 0
         pages = self.page_table[slots, :width][np.arange(width) < counts[:, None]]
         self.num_pages[slots] = 0
-        self.reserved_pages[slots] = 0
+        self.admit_seq[slots] = -1
         for slot in slots.tolist():
             self.requests[slot] = None
             self._free_slots.append(slot)
         return pages
 
     def ensure_columns(self, count: int) -> None:
-        cols = self.page_table.shape[1]
-        if count <= cols:
+        if count <= self.page_table.shape[1]:
             return
         if count > self.max_columns:
             raise ValueError(f"a request needs {count} page-table columns, more than the {self.max_columns} allowed")
-        grown = np.zeros((self.num_slots, min(self.max_columns, max(count, 2 * cols))), dtype=np.int32)
-        grown[:, :cols] = self.page_table
-        self.page_table = grown
+        self.page_table = _widen(self.page_table, min(self.max_columns, max(count, 2 * self.page_table.shape[1])))
+
+
+def _widen(table: np.ndarray, columns: int) -> np.ndarray:
+    grown = np.zeros((table.shape[0], columns), dtype=table.dtype)
+    grown[:, :table.shape[1]] = table
+    return grown

@@ -32,6 +32,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_capacity_tokens: PositiveInt
     page_size: PositiveInt = 1
     max_context: NonNegativeInt = 0
+    kv_reserve_ratio: float = 1.0  # SCHEDULING.md's rho: < 1 reserves an estimate and may preempt
     policy: str | None = None  # the scenario's default policy; `--policy` wins
 
 
@@ -98,7 +99,8 @@ def scheduler_config(scenario: Scenario, policy: str | None) -> SchedulerConfig:
     try:
         return SchedulerConfig(max_running_requests=c.max_running_requests, prefill_budget=c.prefill_budget,
                                kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
-                               max_context=c.max_context, policy=chosen)  # type: ignore[arg-type]
+                               max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
+                               policy=chosen)  # type: ignore[arg-type]
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -146,8 +148,12 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
 
 
 def trace_record(out: StepOutput) -> dict[str, Any]:
-    return {"step": out.step, "prefill": [[rid, n] for rid, n in out.prefill], "decode": list(out.decode),
-            "finished": list(out.finished), "cancelled": list(out.cancelled)}
+    """A step of the trace; `preempted` appears only on steps that preempt (SCHEDULING.md)."""
+    record = {"step": out.step, "prefill": [[rid, n] for rid, n in out.prefill], "decode": list(out.decode),
+              "finished": list(out.finished), "cancelled": list(out.cancelled)}
+    if out.preempted:
+        record["preempted"] = list(out.preempted)
+    return record
 
 
 def write_jsonl(trace: list[StepOutput], stream: TextIO) -> None:
@@ -156,27 +162,35 @@ def write_jsonl(trace: list[StepOutput], stream: TextIO) -> None:
 
 
 def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> None:
-    """A row per step: what ran, cumulative output tokens per request, what finished or was cancelled."""
+    """A row per step: what ran, cumulative output tokens per request, what finished or was cancelled
+    (and, when any step preempts, what was preempted)."""
     ids = [r.id for r in scenario.requests]
     prompt_len = {r.id: r.input_tokens for r in scenario.requests}
+    to_prefill = dict(prompt_len)  # a preempted request recomputes its prompt and outputs
     done_prefill = dict.fromkeys(ids, 0)
     outputs = dict.fromkeys(ids, 0)
-    rows = [("Step", "Current execution", "Outputs (" + " / ".join(ids) + ")", "Finished", "Cancelled")]
+    preempts = any(out.preempted for out in trace)
+    header = ("Step", "Current execution", "Outputs (" + " / ".join(ids) + ")", "Finished", "Cancelled")
+    rows = [header + ("Preempted",) if preempts else header]
     for out in trace:
+        for rid in out.preempted:
+            to_prefill[rid] = prompt_len[rid] + outputs[rid]
+            done_prefill[rid] = 0
         parts = []
         if out.decode:
             parts.append("Decode: " + ", ".join(out.decode))
         if out.prefill:
             chunks = []
             for rid, n in out.prefill:
-                whole = done_prefill[rid] == 0 and n == prompt_len[rid]
+                whole = done_prefill[rid] == 0 and n == to_prefill[rid]
                 done_prefill[rid] += n
-                chunks.append(rid if whole else f"{rid} [{done_prefill[rid] - n}:{done_prefill[rid]} of {prompt_len[rid]}]")
+                chunks.append(rid if whole else f"{rid} [{done_prefill[rid] - n}:{done_prefill[rid]} of {to_prefill[rid]}]")
             parts.append("Prefill: " + ", ".join(chunks))
         for rid, _ in out.new_tokens:
             outputs[rid] += 1
-        rows.append((str(out.step), " + ".join(parts) or "Idle", " / ".join(str(outputs[i]) for i in ids),
-                     ", ".join(out.finished), ", ".join(out.cancelled)))
+        row = (str(out.step), " + ".join(parts) or "Idle", " / ".join(str(outputs[i]) for i in ids),
+               ", ".join(out.finished), ", ".join(out.cancelled))
+        rows.append(row + (", ".join(out.preempted),) if preempts else row)
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     for k, row in enumerate(rows):
         stream.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")

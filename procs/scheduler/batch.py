@@ -1,0 +1,116 @@
+"""A planned step (`StepPlan`) and its packing into the `ForwardBatch` the worker executes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from procs.scheduler.kv_manager import PageTableUpdates
+from procs.scheduler.request import Request
+from procs.scheduler.request_table import RequestTable
+from shared.messages import ForwardBatch, SamplingParams
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+
+
+class StepPlan(NamedTuple):
+    """What one step runs: decodes (slots, ids, sampling, in admission order), then prefill chunks."""
+
+    prefill: list[tuple[Request, int]]  # (request, prompt tokens this step)
+    prefill_slots: np.ndarray
+    decode_slots: np.ndarray
+    decode_rids: list[str]
+    decode_sampling: list[SamplingParams]
+
+    @classmethod
+    def of(cls, prefill: list[tuple[Request, int]],
+           decode: tuple[np.ndarray, list[str], list[SamplingParams]] = (_EMPTY_I64, [], [])) -> "StepPlan":
+        slots = np.fromiter((r.slot for r, _ in prefill), dtype=np.int64, count=len(prefill))
+        return cls(prefill, slots, *decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode_slots.shape[0]
+
+    def slots_and_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every item's slot and the KV positions it adds this step (decodes first)."""
+        if not self.prefill:
+            return self.decode_slots, np.ones(self.decode_slots.shape[0], dtype=np.int64)
+        tokens = np.fromiter((n for _, n in self.prefill), dtype=np.int64, count=len(self.prefill))
+        if not self.decode_slots.shape[0]:
+            return self.prefill_slots, tokens
+        return (np.concatenate([self.decode_slots, self.prefill_slots]),
+                np.concatenate([np.ones(self.decode_slots.shape[0], dtype=np.int64), tokens]))
+
+    def without(self, slots: list[int]) -> "StepPlan":
+        """The plan minus the items of `slots` (preempted requests)."""
+        gone = set(slots)
+        keep = [i for i, s in enumerate(self.decode_slots.tolist()) if s not in gone]
+        return StepPlan.of([(r, n) for r, n in self.prefill if r.slot not in gone], (
+            self.decode_slots[keep], [self.decode_rids[i] for i in keep], [self.decode_sampling[i] for i in keep]))
+
+
+def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, table: RequestTable,
+                        page_size: int) -> ForwardBatch:
+    """Pack decodes first, then prefill chunks, into the worker's arrays (pages already allocated)."""
+    P = page_size
+    ds = plan.decode_slots
+    ids_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+    loc_parts: list[np.ndarray] = []
+    slots: list[int] = []
+    prefix_lens: list[int] = []
+    extend_lens: list[int] = []
+    samples: list[bool] = []
+    sampling: list[SamplingParams] = []
+    sample_counts: list[int] = []
+
+    nd = ds.shape[0]
+    if nd:
+        pos = table.kv_len[ds]
+        ids_parts.append(table.last_token[ds])
+        pos_parts.append(pos)
+        loc_parts.append(table.page_table[ds, pos // P].astype(np.int64) * P + pos % P)
+        slots = ds.tolist()
+        prefix_lens = pos.tolist()
+        extend_lens = [1] * nd
+        samples = [True] * nd
+        sampling = list(plan.decode_sampling)
+        sample_counts = table.generated[ds].tolist()
+
+    if plan.prefill:
+        # All chunks at once: a fixed number of numpy calls however many requests prefill.
+        reqs = [r for r, _ in plan.prefill]
+        lens = [n for _, n in plan.prefill]
+        starts = [r.prefilled for r in reqs]
+        pslots = plan.prefill_slots
+        n_arr = np.asarray(lens, dtype=np.int64)
+        p0 = np.asarray(starts, dtype=np.int64)
+        pos = np.arange(int(n_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_arr) - n_arr - p0, n_arr)
+        ids_parts.append(np.concatenate([r.prompt[a:a + n] for r, a, n in zip(reqs, starts, lens)]))
+        pos_parts.append(pos)
+        loc_parts.append(table.page_table[np.repeat(pslots, n_arr), pos // P].astype(np.int64) * P + pos % P)
+        slots += pslots.tolist()
+        prefix_lens += starts
+        extend_lens += lens
+        samples += [a + n == r.prompt_len for r, a, n in zip(reqs, starts, lens)]
+        sampling += [r.sampling for r in reqs]
+        sample_counts += table.generated[pslots].tolist()  # > 0 when recomputing after a preemption
+
+    return ForwardBatch(
+        step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, samples=samples,
+        sampling=sampling, sample_counts=sample_counts,
+        input_ids=_concat_i32(ids_parts), positions=_concat_i32(pos_parts), kv_locs=_concat_i32(loc_parts),
+        page_table_slots=_concat_i32([updates.slots]), page_table_cols=_concat_i32([updates.cols]),
+        page_table_pages=_concat_i32([updates.pages]),
+    )
+
+
+def _concat_i32(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return _EMPTY_I32
+    if len(parts) == 1:
+        return parts[0].astype(np.int32, copy=False)
+    return np.concatenate(parts).astype(np.int32, copy=False)
