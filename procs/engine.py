@@ -51,6 +51,7 @@ class OfflineEngine:
         self.prompts = PromptTokenizer(self.tokenizer, self.runner.max_context)
         self.scheduler = Scheduler(scheduler_config(config, self.runner.worker_info()),
                                    eos_token_ids=self.runner.eos_token_ids)
+        self.preemptions = 0  # requests preempted for KV (and recomputed) so far
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
         """Tokenize and length-check one request (raises `PromptRejected` naming the field)."""
@@ -68,6 +69,7 @@ class OfflineEngine:
         done = [live[r.rid].completion for r in tokenized]
         while self.scheduler.has_unfinished():
             out = self.scheduler.step(self.runner)
+            self.preemptions += len(out.preempted)
             new: dict[str, list[int]] = {}
             for rid, token in out.new_tokens:
                 new.setdefault(rid, []).append(int(token))

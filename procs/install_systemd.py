@@ -50,6 +50,8 @@ FIELD_DOCS: dict[str, str] = {
     "max_running_requests": "Most requests decoded together (request-table slots).",
     "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",
     "max_waiting": "Most requests queued before new ones are refused.",
+    "kv_reserve_ratio": "Share of a request's remaining max_tokens reserved in the KV cache at admission (0.01-1);\n"
+                        "below 1 more requests run at once, and the newest is preempted (recomputed later) if KV runs out.",
     "attention_backend": "Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or flashinfer (CUDA only).",
     "disable_cuda_graph": "true: run decode steps eagerly instead of replaying CUDA graphs.",
     "cuda_graph_max_bs": "Largest decode batch captured as a CUDA graph; 0 = BATCHSERVE_MAX_RUNNING_REQUESTS.",

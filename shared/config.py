@@ -32,6 +32,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_running_requests: int = 64
     prefill_budget: int = 2048
     max_waiting: int = 1024
+    # Share of each request's remaining max_tokens reserved at admission (SCHEDULING.md's rho; whole
+    # percents). Chosen by measurement: loadtests/results/reserve_ratio_cpu.txt, README "Admission".
+    kv_reserve_ratio: float = 0.1
     # worker
     attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
     disable_cuda_graph: bool = False

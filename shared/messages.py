@@ -166,6 +166,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_used_tokens: int
     kv_total_tokens: int
     batch_sizes: list[int] = []  # requests per step since the previous stats message
+    preemptions: int = 0  # requests preempted since the previous stats message
+    kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (SCHEDULING.md's rho)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,7 +68,10 @@ def test_metrics_move_after_requests_and_stats():
                                ("/v1/completions", {"prompt": "x", "top_k": 0})]:  # the last one: a 400
                 await (await client.post(path, json=body)).read()
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
-                                             kv_total_tokens=4096, batch_sizes=[1, 3, 3]))
+                                             kv_total_tokens=4096, batch_sizes=[1, 3, 3], preemptions=2,
+                                             kv_reserve_ratio=0.05))
+            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
+                                             kv_total_tokens=4096, preemptions=1, kv_reserve_ratio=0.05))
             after = samples(await (await client.get("/metrics")).text())
         return before, after
 
@@ -78,8 +81,10 @@ def test_metrics_move_after_requests_and_stats():
                  "batchserve_api_requests_in_flight", "batchserve_prompt_tokens_total",
                  "batchserve_generation_tokens_total", "batchserve_time_to_first_token_seconds_count",
                  "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
-                 "batchserve_batch_size_count"):
+                 "batchserve_batch_size_count", "batchserve_preemptions_total"):
         assert value(before, name) == 0, name
+    assert value(after, "batchserve_preemptions_total") == 3  # counts add up across stats messages
+    assert value(after, "batchserve_kv_reserve_ratio") == 0.05
     assert value(after, "batchserve_num_requests_running") == 3
     assert value(after, "batchserve_num_requests_waiting") == 5
     assert value(after, "batchserve_kv_cache_used_tokens") == 640

@@ -4,12 +4,12 @@ Scheduler gauges come from `SchedulerStats` pushed by the engine client; latenci
 counts are measured here, per request. Names (all prefixed `batchserve_`):
 
 gauges     num_requests_running, num_requests_waiting, kv_cache_used_tokens, kv_cache_total_tokens,
-           api_requests_in_flight
+           api_requests_in_flight, kv_reserve_ratio (the scheduler's configured ratio)
 histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between successive token
            deliveries of one request), e2e_request_latency_seconds, batch_size (requests per step)
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
-           request_rejected_total{status}
+           request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed)
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class ApiMetrics:
         self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
         self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
+        self.reserve_ratio = Gauge("batchserve_kv_reserve_ratio",
+                                   "Share of remaining max_tokens reserved in the KV cache at admission", registry=r)
+        self.preemptions = Counter("batchserve_preemptions", "Requests preempted (KV freed, recomputed later)",
+                                   registry=r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -57,6 +61,9 @@ class ApiMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
+        self.reserve_ratio.set(stats.kv_reserve_ratio)
+        if stats.preemptions:
+            self.preemptions.inc(stats.preemptions)
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
 
