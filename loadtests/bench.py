@@ -20,7 +20,7 @@ from loadtests.runner import LoadPoint
 from loadtests.server_process import DEFAULT_SERVE_COMMAND
 from loadtests.targets import Opener, Plan, measure_targets, server_target, transformers_target, url_target
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
-                                chat_workload, random_workload)
+                                chat_workload, questions_workload, random_workload)
 from procs.cli import CliError
 from shared.config import DEFAULT_MODEL, ServerConfig
 
@@ -36,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     load = parser.add_argument_group("workload")
-    load.add_argument("--workload", choices=("random", "chat"), default="random",
-                      help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix")
+    load.add_argument("--workload", choices=("random", "chat", "questions"), default="random",
+                      help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix; "
+                      "questions: everyday chat questions sent without max_tokens (answered until EOS), "
+                      "sampled at temperature 0.7 with a seed per request")
     load.add_argument("--num-prompts", default="100", help="requests per load point: one number, or a comma "
                       "list with one entry per point (each a prefix of the same seeded workload)")
     load.add_argument("--input-len", default="128:512", help="prompt tokens, N or MIN:MAX (random workload)")
@@ -63,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     comp.add_argument("--max-batch-size", type=int, default=ServerConfig().max_running_requests,
                       help="servers' --max-running-requests and the transformers batch size")
     comp.add_argument("--server-args", default="", help="extra flags for every started server, one string")
+    comp.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                      help="a server per variant (and policy) with these extra flags, e.g. "
+                      "rho0.1='--kv-reserve-ratio 0.1' (repeatable)")
     comp.add_argument("--serve-command", default=shlex.join(DEFAULT_SERVE_COMMAND),
                       help="command that starts a server; --model/--policy/--host/--port are appended")
     comp.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -144,6 +149,16 @@ def prompt_builder(choice: str, model: str, need_model: bool) -> tuple[PromptBui
     return WordPromptBuilder(), "words"
 
 
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name or "/" in name:
+        raise CliError(f"--variant: expected NAME=ARGS (a name without '/'), got {text!r}")
+    try:
+        return name, shlex.split(flags)
+    except ValueError as exc:
+        raise CliError(f"--variant {name}: {exc}") from None
+
+
 def _named_url(text: str) -> tuple[str, str]:
     name, sep, url = text.partition("=")
     if not sep:
@@ -167,10 +182,19 @@ def main(args: argparse.Namespace) -> int:
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")
     with_transformers = args.compare and not args.no_transformers
+    if with_transformers and args.workload == "questions":
+        raise CliError("the questions workload has no output lengths to give transformers.generate: "
+                       "add --no-transformers")
+    variants = [_variant(text) for text in args.variant]
+    if variants and not args.compare:
+        raise CliError("--variant needs --compare")
     builder, tokenizer_desc = prompt_builder(args.tokenizer, args.model, need_model=with_transformers)
     if args.workload == "chat":
         specs = chat_workload(num_prompts, args.seed, builder)
         warmup = chat_workload(args.warmup, args.seed + 1, builder) if args.warmup else []
+    elif args.workload == "questions":
+        specs = questions_workload(num_prompts, args.seed)
+        warmup = questions_workload(args.warmup, args.seed + 1) if args.warmup else []
     else:
         lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
         specs = random_workload(num_prompts, *lens, args.seed, builder)
@@ -185,9 +209,12 @@ def main(args: argparse.Namespace) -> int:
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="batchserve-bench-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         for policy in policies:
-            openers.append((policy, functools.partial(
-                server_target, policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
-                shlex.split(args.server_args), log_dir, args.health_timeout, endpoint, args.torch_threads)))
+            for name, extra in variants or [("", [])]:
+                label = "/".join(part for part in (policy if len(policies) > 1 or not name else "", name) if part)
+                openers.append((label, functools.partial(
+                    server_target, policy, shlex.split(args.serve_command), args.model, args.max_batch_size,
+                    [*shlex.split(args.server_args), *extra], log_dir, args.health_timeout, endpoint,
+                    args.torch_threads, label)))
     for text in args.compare_url:
         name, url = _named_url(text)
         openers.append((name, functools.partial(url_target, url, args.compare_model or args.model, endpoint)))
@@ -226,8 +253,10 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
                    num_warmup: int) -> dict[str, Any]:
     return {
         "workload": args.workload, "num_prompts": counts, "seed": args.seed,
-        "input_len": args.input_len if args.workload == "random" else "chat mix",
-        "output_len": args.output_len if args.workload == "random" else "chat mix",
+        "input_len": args.input_len if args.workload == "random" else f"{args.workload} workload",
+        "output_len": args.output_len if args.workload == "random" else (
+            "until EOS (no max_tokens)" if args.workload == "questions" else "chat mix"),
+        "variants": args.variant,
         "endpoint": args.endpoint, "model": args.model, "prompts_from": tokenizer_desc, "warmup": num_warmup,
         "max_batch_size": args.max_batch_size if args.compare else None,
         "server_args": args.server_args if args.compare else None,

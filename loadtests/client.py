@@ -38,12 +38,15 @@ class RequestResult:
 def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model,
-        "max_tokens": spec.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,  # so output lengths are exactly as asked
-        "temperature": 0.0,
+        "temperature": spec.temperature,
     }
+    if spec.output_len is not None:
+        payload["max_tokens"] = spec.output_len
+        payload["ignore_eos"] = True  # so output lengths are exactly as asked
+    if spec.seed is not None:
+        payload["seed"] = spec.seed
     if endpoint == "chat":
         payload["messages"] = [{"role": "user", "content": spec.prompt}]
     else:

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from loadtests.metrics import BenchMetrics
 from loadtests.runner import LoadPoint
+from loadtests.server_stats import ServerStats
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,12 @@ class RunRecord:
     config: str  # "mixed", "prefill-first", "fixed", "transformers", a URL's label, or "server"
     point: LoadPoint
     metrics: BenchMetrics
+    server: ServerStats | None = None  # sampled from a batchserve /metrics during the run
+
+    def preemptions_per_100(self) -> float | None:
+        if self.server is None or not self.metrics.completed + self.metrics.failed:
+            return None
+        return 100.0 * self.server.preemptions / (self.metrics.completed + self.metrics.failed)
 
     def to_dict(self) -> dict[str, Any]:
         rate = self.point.request_rate
@@ -25,6 +32,7 @@ class RunRecord:
             "concurrency": self.point.concurrency,
             "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
             "metrics": self.metrics.to_dict(),
+            "server": None if self.server is None else self.server.to_dict(),
         }
 
 
@@ -48,6 +56,10 @@ def format_run(record: RunRecord) -> str:
     for name, dist in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("TPOT", m.tpot_ms), ("E2E latency", m.e2e_ms)):
         lines.append(f"{name + ' (ms)':<14} mean {_ms(dist.mean):>9}  p50 {_ms(dist.p50):>9}  "
                      f"p90 {_ms(dist.p90):>9}  p99 {_ms(dist.p99):>9}")
+    if record.server is not None:
+        lines.append(f"{'Peak running requests:':<34}{record.server.peak_running}")
+        lines.append(f"{'Preemptions (per 100 requests):':<34}{record.server.preemptions} "
+                     f"({record.preemptions_per_100():.1f})")
     return "\n".join(lines)
 
 
@@ -55,14 +67,24 @@ TABLE_HEADER = (f"{'load':<16}{'config':<16}{'ok':>5}{'fail':>5}{'req/s':>8}{'ou
                 f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}")
 
 
+SERVER_HEADER = f"{'peak run':>9}{'preempt/100':>12}"
+
+
 def format_table(records: Sequence[RunRecord]) -> str:
-    """All runs, grouped by load point; latencies in ms."""
-    rows = [TABLE_HEADER, "-" * len(TABLE_HEADER)]
+    """All runs, grouped by load point; latencies in ms. Server-side columns when any run has them."""
+    with_server = any(r.server is not None for r in records)
+    header = TABLE_HEADER + (SERVER_HEADER if with_server else "")
+    rows = [header, "-" * len(header)]
     for r in records:
         m = r.metrics
-        rows.append(f"{r.point.label():<16}{r.config:<16}{m.completed:>5}{m.failed:>5}{m.request_throughput:>8.2f}"
-                    f"{m.output_throughput:>11.1f}{_ms(m.ttft_ms.p50):>10}{_ms(m.ttft_ms.p99):>10}"
-                    f"{_ms(m.itl_ms.p50):>9}{_ms(m.itl_ms.p99):>9}{_ms(m.tpot_ms.p50):>10}")
+        row = (f"{r.point.label():<16}{r.config:<16}{m.completed:>5}{m.failed:>5}{m.request_throughput:>8.2f}"
+               f"{m.output_throughput:>11.1f}{_ms(m.ttft_ms.p50):>10}{_ms(m.ttft_ms.p99):>10}"
+               f"{_ms(m.itl_ms.p50):>9}{_ms(m.itl_ms.p99):>9}{_ms(m.tpot_ms.p50):>10}")
+        if with_server:
+            per_100 = r.preemptions_per_100()
+            row += (f"{'-' if r.server is None else r.server.peak_running:>9}"
+                    f"{'-' if per_100 is None else f'{per_100:.1f}':>12}")
+        rows.append(row)
     return "\n".join(rows)
 
 

@@ -21,6 +21,7 @@ from loadtests.metrics import summarize
 from loadtests.report import RunRecord, format_run
 from loadtests.runner import LoadPoint, Sender, measure
 from loadtests.server_process import ServerProcess, ServerStartError
+from loadtests.server_stats import ServerStats, ServerStatsProbe
 from loadtests.workload import RequestSpec
 
 
@@ -41,35 +42,47 @@ class Plan:
         return self.specs[: self.num_prompts[index]] if self.num_prompts else self.specs
 
 
-# A target, once opened, turns the shared HTTP session into a sender for its requests.
 SenderFactory = Callable[[aiohttp.ClientSession], Sender]
-Opener = Callable[[], AbstractContextManager[SenderFactory]]
+
+
+@dataclass(frozen=True)
+class OpenTarget:
+    """A target, once opened: it turns the shared HTTP session into a sender for its requests, and may
+    have a batchserve `/metrics` page to sample while it is measured."""
+
+    sender: SenderFactory
+    metrics_url: str | None = None
+
+
+Opener = Callable[[], AbstractContextManager[OpenTarget]]
 
 
 @contextlib.contextmanager
-def url_target(base_url: str, model: str, endpoint: Endpoint) -> Iterator[SenderFactory]:
-    """An already running OpenAI-compatible server."""
-    yield lambda session: functools.partial(send_request, session, base_url, endpoint, model)
+def url_target(base_url: str, model: str, endpoint: Endpoint) -> Iterator[OpenTarget]:
+    """An already running OpenAI-compatible server (its /metrics is sampled if it is batchserve's)."""
+    yield OpenTarget(lambda session: functools.partial(send_request, session, base_url, endpoint, model),
+                     base_url.rstrip("/") + "/metrics")
 
 
 @contextlib.contextmanager
 def server_target(policy: str, serve_command: Sequence[str], model: str, max_batch_size: int,
                   server_args: Sequence[str], log_dir: Path, health_timeout_s: float, endpoint: Endpoint,
-                  torch_threads: int = 0) -> Iterator[SenderFactory]:
+                  torch_threads: int = 0, label: str = "") -> Iterator[OpenTarget]:
     """`serve_command` under `policy` on a free port, stopped when the context ends."""
     command = [*serve_command, "--model", model, "--policy", policy,
                "--max-running-requests", str(max_batch_size), *server_args]
-    log_path = log_dir / f"server-{policy}.log"
-    print(f"starting {policy} server (log: {log_path})", file=sys.stderr, flush=True)
+    label = label or policy
+    log_path = log_dir / f"server-{label.replace('/', '-')}.log"
+    print(f"starting {label} server (log: {log_path})", file=sys.stderr, flush=True)
     env = {"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else None  # torch's intra-op threads
     with ServerProcess(command, log_path, health_timeout_s=health_timeout_s, env=env) as server:
-        with url_target(server.base_url, model, endpoint) as factory:
-            yield factory
+        with url_target(server.base_url, model, endpoint) as target:
+            yield target
 
 
 @contextlib.contextmanager
 def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpoint: Endpoint,
-                        torch_threads: int = 0) -> Iterator[SenderFactory]:
+                        torch_threads: int = 0) -> Iterator[OpenTarget]:
     """The static-batching baseline, in this process."""
     import torch
 
@@ -80,38 +93,44 @@ def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpo
     print(f"loading transformers baseline from {model_dir}", file=sys.stderr, flush=True)
     batcher = TransformersStaticBatcher(model_dir, max_batch_size, endpoint, device)
     try:
-        yield lambda session: batcher.send
+        yield OpenTarget(lambda session: batcher.send)
     finally:
         batcher.close()
 
 
-async def _measure_all(targets: Sequence[tuple[str, SenderFactory]], plan: Plan, rounds: int) -> list[RunRecord]:
+async def _measure_all(targets: Sequence[tuple[str, OpenTarget]], plan: Plan, rounds: int) -> list[RunRecord]:
     """For each load point, each target in turn, `rounds` times with the order rotated every round.
 
     Interleaving puts every configuration under the same background load on a shared machine;
     the rounds of one (target, point) are pooled: latencies together, tokens over the summed durations.
     """
-    pooled: dict[tuple[str, int], tuple[list[RequestResult], float]] = {}
+    pooled: dict[tuple[str, int], tuple[list[RequestResult], float, ServerStats | None]] = {}
     async with make_session(plan.request_timeout_s) as session:
-        senders = [(label, factory(session)) for label, factory in targets]
+        senders = [(label, target.sender(session), target.metrics_url) for label, target in targets]
         for i, point in enumerate(plan.points):
             for r in range(rounds):
                 shift = r % len(senders)
-                for label, send in senders[shift:] + senders[:shift]:
-                    metrics, results = await measure(send, plan.specs_for(i), point, plan.seed,
-                                                     warmup=plan.warmup, desc=f"{label} @ {point.label()}",
-                                                     show_progress=plan.show_progress)
+                for label, send, metrics_url in senders[shift:] + senders[:shift]:
+                    probe = ServerStatsProbe(session, metrics_url) if metrics_url else None
+                    async with probe or contextlib.nullcontext():
+                        metrics, results = await measure(send, plan.specs_for(i), point, plan.seed,
+                                                         warmup=plan.warmup, desc=f"{label} @ {point.label()}",
+                                                         show_progress=plan.show_progress)
                     if rounds > 1:
                         print(f"{label} @ {point.label()} round {r + 1}/{rounds}: {metrics.output_throughput:.2f} "
                               f"output tok/s, ITL p99 {metrics.itl_ms.p99} ms", file=sys.stderr, flush=True)
-                    done, duration = pooled.get((label, i), ([], 0.0))
-                    pooled[(label, i)] = (done + results, duration + metrics.duration_s)
-            for label, _ in senders:
-                results, duration = pooled[(label, i)]
-                record = RunRecord(label, point, summarize(results, duration))
-                print(format_run(record), flush=True)
-    return [RunRecord(label, point, summarize(*pooled[(label, i)]))
-            for i, point in enumerate(plan.points) for label, _ in targets]
+                    done, duration, server = pooled.get((label, i), ([], 0.0, None))
+                    stats = probe.stats if probe else None
+                    pooled[(label, i)] = (done + results, duration + metrics.duration_s,
+                                          stats.merged(server) if stats else server)
+            for label, _, _ in senders:
+                print(format_run(_record(label, point, *pooled[(label, i)])), flush=True)
+    return [_record(label, point, *pooled[(label, i)]) for i, point in enumerate(plan.points) for label, _ in targets]
+
+
+def _record(label: str, point: LoadPoint, results: list[RequestResult], duration: float,
+            server: ServerStats | None) -> RunRecord:
+    return RunRecord(label, point, summarize(results, duration), server)
 
 
 def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,

@@ -19,7 +19,11 @@ import numpy as np
 class RequestSpec:
     prompt: str
     input_len: int  # intended prompt length in tokens (the prompt is built to be about this long)
-    output_len: int  # tokens asked for; requests use ignore_eos so the server produces exactly this many
+    # Tokens asked for, with ignore_eos so the server produces exactly this many; None: no max_tokens
+    # at all (the openai client's default), the request ends at EOS or at the end of the context.
+    output_len: int | None
+    temperature: float = 0.0
+    seed: int | None = None  # sampling seed: with temperature > 0 the same tokens on every target
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,39 @@ def chat_workload(num_prompts: int, seed: int, builder: PromptBuilder,
         body = builder.build(rng, max(1, n_in - len(kind.instruction.split())))
         specs.append(RequestSpec(f"{kind.instruction} {body}", n_in, n_out))
     return specs
+
+
+# Everyday chat questions, answered until the model's EOS: the traffic of clients that send no max_tokens.
+QUESTIONS: tuple[str, ...] = (
+    "What is the capital of France?", "How do I boil an egg?", "Why is the sky blue?",
+    "What are three tips for better sleep?", "Explain photosynthesis to a child.", "What is a prime number?",
+    "Write a haiku about the sea.", "How does a refrigerator keep food cold?", "What is the difference between "
+    "weather and climate?", "Give me a recipe for pancakes.", "What causes the seasons on Earth?",
+    "How do vaccines work?", "Suggest a name for a pet turtle.", "What is machine learning?",
+    "How many continents are there, and what are they?", "Write a short poem about autumn leaves.",
+    "What should I pack for a weekend camping trip?", "How do airplanes stay in the air?",
+    "What is the Pythagorean theorem?", "Explain what a CPU does.", "How can I save money on groceries?",
+    "What is the tallest mountain in the world?", "Describe a cat in three sentences.",
+    "How do I make a good cup of coffee?", "What is the water cycle?", "Why do leaves change colour in autumn?",
+    "What is a black hole?", "Give me three ideas for a rainy day.", "How does the internet work?",
+    "What is the meaning of the word 'ephemeral'?", "How do bees make honey?", "What is inflation?",
+    "Write a limerick about a frog.", "How do I start learning to play the guitar?",
+    "What are the planets in our solar system?", "Why is exercise good for you?", "What is a noun?",
+    "How does a rainbow form?", "Tell me a fun fact about octopuses.", "What is the speed of light?",
+)
+QUESTION_TEMPERATURE = 0.7  # a usual chat setting; every request carries its own seed
+
+
+def questions_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
+    """`num_prompts` chat questions (cycled in a seeded order) with no max_tokens, sampled at
+    QUESTION_TEMPERATURE with a per-request seed: every target generates the very same tokens."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(QUESTIONS))
+    seeds = rng.integers(0, 2**31 - 1, size=num_prompts)
+    return [RequestSpec(QUESTIONS[order[i % len(QUESTIONS)]], len(QUESTIONS[order[i % len(QUESTIONS)]].split()),
+                        None, QUESTION_TEMPERATURE, int(seeds[i])) for i in range(num_prompts)]
 
 
 def poisson_arrivals(num_requests: int, request_rate: float, seed: int) -> list[float]:

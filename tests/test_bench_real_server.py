@@ -45,3 +45,22 @@ def test_locust_against_the_real_server(real_server, tmp_path):
     assert status == 0, output + server.log_tail()
     assert stats["chat stream"]["num_requests"] >= 4 and stats["TTFT"]["num_requests"] >= 4
     assert all(entry["num_failures"] == 0 for entry in stats.values())
+
+
+def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tmp_path):
+    """One server per --variant; the table gains the server's peak running requests and preemptions.
+    With the whole remaining context reserved (ratio 1) only two 512-token requests fit in 1,024 tokens;
+    with 5 % all four questions run at once."""
+    model = tiny_model_dir("llama", with_tokenizer=True)
+    out = tmp_path / "bench.json"
+    status = cli_main(["bench", "--compare", "--policies", "mixed", "--no-transformers", "--model", str(model),
+                       "--workload", "questions", "--num-prompts", "4", "--concurrency", "4", "--warmup", "0",
+                       "--server-args", "--kv-capacity-tokens 1024 --page-size 16",
+                       "--variant", "whole=--kv-reserve-ratio 1", "--variant", "five=--kv-reserve-ratio 0.05",
+                       "--log-dir", str(tmp_path), "--output", str(out), "--no-progress"])
+    assert status == 0, (tmp_path / "server-five.log").read_text()[-3000:]
+    runs = {run["config"]: run for run in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"whole", "five"}
+    assert all(run["metrics"]["completed"] == 4 for run in runs.values())
+    assert runs["whole"]["server"]["peak_running"] <= 2 and runs["whole"]["server"]["preemptions"] == 0
+    assert runs["five"]["server"]["peak_running"] >= 3

@@ -80,3 +80,20 @@ def test_poisson_arrivals_have_the_asked_rate_and_are_seeded():
     assert poisson_arrivals(5, math.inf, seed=0) == [0.0] * 5
     with pytest.raises(ValueError):
         poisson_arrivals(5, 0.0, seed=0)
+
+
+def test_questions_send_no_max_tokens_and_a_seed_each():
+    from loadtests.client import build_payload
+    from loadtests.workload import QUESTION_TEMPERATURE, QUESTIONS, questions_workload
+
+    specs = questions_workload(len(QUESTIONS) + 5, seed=0)
+    assert specs == questions_workload(len(QUESTIONS) + 5, seed=0) != questions_workload(len(QUESTIONS) + 5, seed=1)
+    assert {s.prompt for s in specs} == set(QUESTIONS)  # every question, then cycling
+    assert len({s.seed for s in specs}) == len(specs)
+    assert all(s.output_len is None and s.temperature == QUESTION_TEMPERATURE for s in specs)
+    payload = build_payload(specs[0], "chat", "m")
+    assert "max_tokens" not in payload and "ignore_eos" not in payload
+    assert payload["seed"] == specs[0].seed and payload["temperature"] == QUESTION_TEMPERATURE
+    fixed = build_payload(random_workload(1, LengthRange(4, 4), LengthRange(7, 7), 0, WordPromptBuilder())[0],
+                          "completions", "m")
+    assert fixed["max_tokens"] == 7 and fixed["ignore_eos"] is True and "seed" not in fixed
