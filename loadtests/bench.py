@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -223,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
             transformers_target, resolve_model_dir(args.model), args.max_batch_size, args.baseline_device, endpoint,
             args.torch_threads)))
 
+    # SIGTERM unwinds like Ctrl-C, so the servers started for --compare are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     records, errors = measure_targets(openers, plan, args.rounds)
     if args.output:
         write_json(args.output, _workload_info(args, counts, tokenizer_desc, len(warmup)), records,

@@ -7,6 +7,7 @@ usage chunk (`stream_options.include_usage`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
                     result.usage_reported = True
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.end_time = time.perf_counter()
         return result

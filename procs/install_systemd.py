@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from procs.cli import CliError
-from shared.config import ServerConfig
+from shared.config import ServerConfig, field_default
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
@@ -49,15 +49,27 @@ FIELD_DOCS: dict[str, str] = {
     "policy": "Scheduling policy: prefill-first, mixed or fixed.",
     "max_running_requests": "Most requests decoded together (request-table slots).",
     "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",
-    "max_waiting": "Most requests queued before new ones are refused.",
+    "max_waiting": "Most requests queued before new ones are refused (at most max_running_requests +\n"
+                   "max_waiting requests are in the server at once; more get 503 and Retry-After).",
     "kv_reserve_ratio": "Share of a request's remaining max_tokens reserved in the KV cache at admission (0.01-1);\n"
                         "below 1 more requests run at once, and the newest is preempted (recomputed later) if KV runs out.",
+    "step_timeout_s": "Seconds a model step may take before the worker counts as hung: every request in flight\n"
+                      "then fails (503 / an error event) and the scheduler exits for a restart. Generous: a long\n"
+                      "prefill chunk on a CPU takes seconds.",
     "attention_backend": "Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or flashinfer (CUDA only).",
     "disable_cuda_graph": "true: run decode steps eagerly instead of replaying CUDA graphs.",
     "cuda_graph_max_bs": "Largest decode batch captured as a CUDA graph; 0 = BATCHSERVE_MAX_RUNNING_REQUESTS.",
     "host": "Address the HTTP api listens on (0.0.0.0 for every interface).",
     "port": "HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see batchserve-api.service).",
     "served_model_name": "Model name reported by /v1/models and expected in requests; empty = BATCHSERVE_MODEL.",
+    "api_key": "API keys (comma-separated): /v1/* then needs `Authorization: Bearer <key>` (else 401);\n"
+               "/health and /metrics stay open. Empty: no authentication. Keep this file 0640 root:batchserve.",
+    "api_key_file": "A file with one API key per line (# comments allowed), read at start; adds to BATCHSERVE_API_KEY.",
+    "header_timeout_s": "Seconds a client may take to send a request's headers; also how long an idle\n"
+                        "keep-alive connection stays open.",
+    "body_timeout_s": "Seconds a client may take to send a request's body (else 408).",
+    "max_connections": "Open HTTP connections at most; more are answered 503 at once. The api raises its\n"
+                       "open-file limit to the hard limit at start.",
     "runtime_dir": "Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY (/run/batchserve under systemd).",
     "log_format": "stderr log lines, which journald collects: text, or json for one JSON object per line\n"
                   "(request logs included; read them with `journalctl -u 'batchserve-*' -o cat`).",
@@ -85,6 +97,8 @@ def env_var(field_name: str) -> str:
 def _env_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
     return str(value)
 
 
@@ -97,7 +111,7 @@ def render_env_file() -> str:
     parts = [ENV_FILE_HEADER]
     for field in fields:
         doc = "\n".join(f"# {line}" for line in FIELD_DOCS[field.name].splitlines())
-        default = _env_value(field.default)
+        default = _env_value(field_default(field))
         if field.name in ENV_FILE_OVERRIDES:
             line = f"{env_var(field.name)}={ENV_FILE_OVERRIDES[field.name]}"
             doc += f" (default: {default})"

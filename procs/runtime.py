@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -16,10 +18,12 @@ import zmq
 from shared.config import ServerConfig
 from shared.ipc import Endpoints, Sender
 from shared.messages import Heartbeat
-from shared.readiness import notify_ready, notify_stopping
+from shared.shm import remove_stale_segments
+from shared.readiness import notify_ready, notify_stopping, notify_watchdog, watchdog_enabled
 
 HEARTBEAT_INTERVAL_S = 1.0
 POLL_INTERVAL_S = 0.1  # how often blocking loops look at the stop flag
+WATCHDOG_INTERVAL_S = 1.0  # WATCHDOG=1 at most this often (WatchdogSec= is far longer)
 
 log = logging.getLogger("batchserve.process")
 
@@ -30,10 +34,18 @@ def default_runtime_dir() -> Path:
 
 
 def resolve_runtime_dir(config: ServerConfig) -> Path:
-    """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY`, else `default_runtime_dir()`."""
+    """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY`, else `default_runtime_dir()`;
+    created if missing, and made private (0700) even if it existed: it holds every socket."""
     chosen = config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    path = Path(chosen) if chosen else default_runtime_dir()
+    return make_private_dir(Path(chosen) if chosen else default_runtime_dir())
+
+
+def make_private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.chmod(path, 0o700)
+    except PermissionError:
+        raise ValueError(f"runtime dir {path}: not ours, so it cannot be made private (0700)") from None
     return path
 
 
@@ -44,11 +56,16 @@ class ProcessRuntime:
         self.name = name
         self.config = config
         self.runtime_dir = resolve_runtime_dir(config)
+        stale = remove_stale_segments()
+        if stale:
+            log.info("removed shared memory left by stopped processes", extra={"fields": {"segments": stale}})
         self.endpoints = Endpoints.in_dir(self.runtime_dir)
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
         self._ready = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._watchdog = watchdog_enabled()
+        self._last_watchdog = 0.0
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT ask the main loop to finish (it looks at `stopping` between steps)."""
@@ -71,7 +88,8 @@ class ProcessRuntime:
         sender.socket.setsockopt(zmq.LINGER, 0)
         try:
             while not self.stopping.is_set():
-                sender.send(Heartbeat(process=self.name, pid=os.getpid(), ready=self._ready.is_set()))
+                sender.send(Heartbeat(process=self.name, pid=os.getpid(), ready=self._ready.is_set(),
+                                      host=socket.gethostname()))
                 self.stopping.wait(HEARTBEAT_INTERVAL_S)
         finally:
             sender.close()
@@ -81,6 +99,16 @@ class ProcessRuntime:
         self._ready.set()
         notify_ready()
         log.info("%s ready", self.name, extra={"fields": {"pid": os.getpid()}})
+
+    def alive(self) -> None:
+        """Called by the main loop whenever it makes progress or idles: systemd's watchdog
+        (`WatchdogSec=`) restarts a unit whose main loop stops calling this."""
+        if not self._watchdog:
+            return
+        now = time.monotonic()
+        if now - self._last_watchdog >= WATCHDOG_INTERVAL_S:
+            self._last_watchdog = now
+            notify_watchdog()
 
     def close(self) -> None:
         self.stopping.set()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from procs.runtime import make_private_dir
 from shared.config import ServerConfig, add_config_arguments, config_from_args
 from shared.shm import remove_segments_of
 
@@ -190,6 +191,7 @@ class Supervisor:
                 child.expected_exit = True
                 if child.popen.poll() is None:
                     child.signal(signal.SIGTERM)
+                    child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
         deadline = time.monotonic() + BACKEND_STOP_TIMEOUT_S
         for child in self.children.values():
             try:
@@ -229,8 +231,7 @@ def main(args: argparse.Namespace) -> int:
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
     chosen = config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     if chosen:
-        runtime_dir, owns = Path(chosen), False
-        runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        runtime_dir, owns = make_private_dir(Path(chosen)), False
     else:
         runtime_dir, owns = Path(tempfile.mkdtemp(prefix="batchserve-")), True
     config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))

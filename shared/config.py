@@ -34,7 +34,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_waiting: int = 1024
     # Share of each request's remaining max_tokens reserved at admission (SCHEDULING.md's rho; whole
     # percents). Chosen by measurement: loadtests/results/reserve_ratio_cpu.txt, README "Admission".
-    kv_reserve_ratio: float = 0.1
+    kv_reserve_ratio: float = 0.05
+    # A step without a result for this long fails every request in flight and stops the scheduler
+    # (a hung or dead worker); generous, since a long prefill chunk on a CPU takes seconds.
+    step_timeout_s: float = 30.0
     # worker
     attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -43,6 +46,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = ""  # "": the model argument
+    api_key: list[str] = []  # required as `Authorization: Bearer <key>` on /v1/*; none: no authentication
+    api_key_file: str = ""  # one key per line (blank lines and # comments skipped)
+    header_timeout_s: float = 10.0  # to send a request's headers, and how long an idle keep-alive lasts
+    body_timeout_s: float = 60.0  # to send a request's body
+    max_connections: int = 10000  # open HTTP connections; more are answered 503 at once
     # processes
     runtime_dir: str = ""  # "": $RUNTIME_DIRECTORY or a fresh temporary directory
     log_format: Literal["text", "json"] = "text"
@@ -64,17 +72,25 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_default(field: msgspec.structs.FieldInfo) -> Any:
+    return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """Add one CLI flag per `ServerConfig` field (or per field in `only`); defaults stay unset."""
+    """Add one CLI flag per `ServerConfig` field (or per field in `only`); defaults stay unset.
+    A list field's flag is repeatable."""
     for field in msgspec.structs.fields(ServerConfig):
         if only is not None and field.name not in only:
             continue
-        default = field.default
+        default = field_default(field)
+        help_text = f"(default: {default!r}; env BATCHSERVE_{field.name.upper()})"
         if isinstance(default, bool):
             parser.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(default, list):
+            parser.add_argument(_flag(field.name), dest=field.name, action="append", default=None,
+                                help=f"repeatable {help_text}, comma-separated")
         else:
-            parser.add_argument(_flag(field.name), dest=field.name, type=type(default), default=None,
-                                help=f"(default: {default!r}; env BATCHSERVE_{field.name.upper()})")
+            parser.add_argument(_flag(field.name), dest=field.name, type=type(default), default=None, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
@@ -84,7 +100,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     for field in msgspec.structs.fields(ServerConfig):
         raw = env.get(f"BATCHSERVE_{field.name.upper()}")
         if raw is not None and raw != "":
-            values[field.name] = _parse_env(field.name, raw, field.default)
+            values[field.name] = _parse_env(field.name, raw, field_default(field))
         cli = getattr(args, field.name, None)
         if cli is not None:
             values[field.name] = cli
@@ -102,6 +118,8 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"BATCHSERVE_{name.upper()}: expected a boolean, got {raw!r}")
+    if isinstance(default, list):
+        return [item.strip() for item in raw.split(",") if item.strip()]
     try:
         return type(default)(raw)
     except ValueError:

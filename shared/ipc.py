@@ -16,6 +16,7 @@ Topology (`Endpoints`, ipc:// paths in the runtime directory):
     scheduler    --TokenDelta-->                               detokenizer.sock (detokenizer binds)
     tokenizer, scheduler, detokenizer, worker
                  --TextDelta|RequestRejected|SchedulerStats|Heartbeat--> api.sock (api binds)
+    scheduler    --BackendFailure (the worker stalled)-->      api.sock
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import zmq.asyncio
 from shared.codec import Decoder, Encoder
 from shared.messages import (
     AbortRequest,
+    BackendFailure,
     ForwardBatch,
     GenerateRequest,
     Heartbeat,
@@ -52,7 +54,7 @@ SchedulerInbox = TokenizedRequest | AbortRequest | WorkerInfo
 WorkerInbox = ForwardBatch
 StepsInbox = StepResult
 DetokenizerInbox = TokenDelta
-ApiInbox = TextDelta | RequestRejected | SchedulerStats | Heartbeat
+ApiInbox = TextDelta | RequestRejected | SchedulerStats | Heartbeat | BackendFailure
 
 _HWM = 1_000_000  # messages queued per peer before send blocks: never in practice
 _LINGER_MS = 2000  # how long close() waits for queued messages to leave

@@ -189,3 +189,12 @@ class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     process: str  # "tokenizer" | "scheduler" | "worker" | "detokenizer"
     pid: int
     ready: bool = True
+    host: str = ""  # socket.gethostname(): where `pid` may be checked for liveness
+
+
+class BackendFailure(msgspec.Struct, tag=True, kw_only=True):
+    """scheduler -> api: `process` stopped making progress (e.g. no step result within the step
+    timeout); the api fails every request in flight and answers 503 until the backend is restarted."""
+
+    process: str
+    reason: str

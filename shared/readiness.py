@@ -31,3 +31,16 @@ def notify_ready() -> bool:
 
 def notify_stopping() -> bool:
     return notify("STOPPING=1")
+
+
+def watchdog_enabled() -> bool:
+    """systemd set `WatchdogSec=` for this process (`$WATCHDOG_USEC`, for our pid if it names one)."""
+    if not os.environ.get("WATCHDOG_USEC"):
+        return False
+    pid = os.environ.get("WATCHDOG_PID")
+    return pid is None or pid == str(os.getpid())
+
+
+def notify_watchdog() -> bool:
+    """The main loop is making progress (systemd restarts the unit if this stops for WatchdogSec=)."""
+    return notify("WATCHDOG=1")

@@ -27,6 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shared.liveness import pid_gone
+
 SEGMENT_PREFIX = "batchserve"
 _ALIGN = 64  # cache-line aligned allocations
 _RING_HEADER = 64  # the ring's header holds the reader's position (u64 at offset 0)
@@ -71,6 +73,20 @@ def remove_segments_of(pid: int) -> list[str]:
             removed.append(path.name)
         except FileNotFoundError:
             pass
+    return removed
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments of every process that is gone (what a killed process left behind; each
+    process runs this at start, so a restarted stack cleans up after the one before it)."""
+    shm_dir = Path("/dev/shm")
+    if not shm_dir.is_dir():
+        return []
+    removed = []
+    pids = {int(p.name.split("-")[1]) for p in shm_dir.glob(f"{SEGMENT_PREFIX}-*-*") if p.name.split("-")[1].isdigit()}
+    for pid in sorted(pids):
+        if pid_gone(pid):
+            removed += remove_segments_of(pid)
     return removed
 
 

@@ -18,12 +18,14 @@ class FakeEngine:
 
     def __init__(self, tokens: list[str] | None = None, *, delay: float = 0.0, first_delay: float = 0.0,
                  reject: tuple[int, str, str | None] | None = None, model_name: str = "fake-model",
-                 max_context: int = 128, fail_with: Exception | None = None) -> None:
+                 max_context: int = 128, fail_with: Exception | None = None,
+                 fail_after: int | None = None) -> None:
         self.tokens = ["Hello", ",", " world", "!"] if tokens is None else tokens
         self.delay = delay
         self.first_delay = first_delay
         self.reject = reject
         self.fail_with = fail_with
+        self.fail_after = fail_after  # tokens streamed before a 503 rejection (a backend that died)
         self.model_name = model_name
         self.max_context = max_context
         self.healthy = True
@@ -57,6 +59,9 @@ class FakeEngine:
             for i in range(n):
                 if i and self.delay:
                     await asyncio.sleep(self.delay)
+                if i == self.fail_after:
+                    yield RequestRejected(rid=request.rid, status=503, message="the worker process exited")
+                    return
                 last = i == n - 1
                 yield TextDelta(
                     rid=request.rid, text=self.tokens[i], token_ids=[100 + i],
@@ -71,8 +76,8 @@ class FakeEngine:
         self.aborts.append(rid)
         self.aborted.set()
 
-    def is_healthy(self) -> bool:
-        return self.healthy
+    def health_problem(self) -> str | None:
+        return None if self.healthy else "the fake engine is unhealthy"
 
     def set_stats_listener(self, listener) -> None:
         self._listener = listener

@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.liveness import pid_gone
+
 REPO = Path(__file__).resolve().parent.parent
 SERVING_LINE = re.compile(r"batchserve: serving .* at (http://\S+) .*?; (worker=\d+ .*?api=\d+);")
 
@@ -125,15 +127,7 @@ def wait_until(predicate, timeout: float = 15, interval: float = 0.1) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (not yet reaped by a live parent) counts as gone
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return not pid_gone(pid)
 
 
 def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = False,

@@ -40,3 +40,27 @@ def test_full_waiting_queue_gets_503_with_retry_after(tiny_model_dir, tmp_path):
                           and metric(server.url, "batchserve_kv_cache_used_tokens") == 0, timeout=30)
     finally:
         assert server.stop() == 0
+
+
+def test_a_burst_admits_exactly_running_plus_waiting(tiny_model_dir, tmp_path):
+    """The api's in-flight cap and the scheduler's cap agree: of 200 requests sent at once, exactly
+    8 running + 16 waiting are admitted (and complete); every other one gets 503 at once."""
+    model = tiny_model_dir("llama", with_tokenizer=True)
+    server = start_server(model, tmp_path / "serve.log", "--max-running-requests", "8", "--max-waiting", "16",
+                          "--kv-capacity-tokens", "8192")
+    body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+
+    async def burst() -> list[int]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one() -> int:
+                async with session.post(f"{server.url}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status
+            return await asyncio.gather(*(one() for _ in range(200)))
+
+    try:
+        statuses = asyncio.run(burst())
+        assert (statuses.count(200), statuses.count(503)) == (24, 176), sorted(set(statuses))
+        assert wait_until(lambda: metric(server.url, "batchserve_num_requests_running") == 0, timeout=30)
+    finally:
+        assert server.stop() == 0

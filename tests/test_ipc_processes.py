@@ -20,7 +20,7 @@ from procs.scheduler.process import TokenDeltas
 from procs.tokenizer.prompts import PromptRejected, PromptTokenizer
 from shared.config import ServerConfig
 from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
-from shared.messages import (AbortRequest, ChatMessage, GenerateRequest, SamplingParams, StopParams, TokenDelta,
+from shared.messages import (AbortRequest, ChatMessage, ForwardBatch, GenerateRequest, SamplingParams, StopParams, TokenDelta,
                              TokenizedRequest, WorkerInfo)
 from shared.readiness import notify, notify_ready
 from shared.shm import SharedRing
@@ -113,6 +113,7 @@ def test_prompt_checks_name_the_field():
         (request(messages=[ChatMessage(role="robot", content="w1")]), "messages"),
         (request(prompt=" ".join(["w1"] * 10)), "prompt"),  # no room for one generated token
         (request(prompt="w1 w2", stop=StopParams(max_tokens=9)), "max_tokens"),
+        (request(prompt="w1", stop=StopParams(max_tokens=2, stop_token_ids=(5, 100))), "stop_token_ids"),
     ]
     for req, param in cases:
         with pytest.raises(PromptRejected) as info:
@@ -164,3 +165,78 @@ def test_serve_refuses_an_unworkable_policy_before_starting_anything(capsys):
 
     assert main(["serve", "--policy", "mixed", "--prefill-budget", "8", "--max-running-requests", "16"]) == 2
     assert "prefill_budget" in capsys.readouterr().err
+
+
+def test_the_watchdog_is_fed_only_under_a_systemd_watchdog(tmp_path, monkeypatch):
+    from procs.runtime import ProcessRuntime
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.settimeout(1)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    config = ServerConfig(runtime_dir=str(tmp_path / "run"))
+    with sock:
+        rt = ProcessRuntime("worker", config)
+        rt.alive()  # no WatchdogSec=: nothing sent
+        monkeypatch.setenv("WATCHDOG_USEC", "60000000")
+        rt_watched = ProcessRuntime("worker", config)
+        rt_watched.alive()
+        rt_watched.alive()  # at most once a second
+        assert sock.recv(100) == b"WATCHDOG=1"
+        sock.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            sock.recv(100)
+        monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
+        rt_other = ProcessRuntime("worker", config)
+        rt_other.alive()
+        with pytest.raises(TimeoutError):
+            sock.recv(100)
+        for runtime in (rt, rt_watched, rt_other):
+            runtime.ctx.destroy(linger=0)
+
+
+def test_the_runtime_dir_is_made_private_even_if_it_exists(tmp_path):
+    from procs.runtime import resolve_runtime_dir
+
+    loose = tmp_path / "run"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    assert resolve_runtime_dir(ServerConfig(runtime_dir=str(loose))) == loose
+    assert loose.stat().st_mode & 0o777 == 0o700
+
+
+def test_api_keys_from_flags_and_environment():
+    from shared.config import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(["--api-key", "a", "--api-key", "b"])
+    assert config_from_args(args, env={}).api_key == ["a", "b"]
+    assert config_from_args(parser.parse_args([]), env={"BATCHSERVE_API_KEY": "x, y,"}).api_key == ["x", "y"]
+    assert config_from_args(parser.parse_args([]), env={}).api_key == []
+
+
+def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
+    import time
+
+    from procs.runtime import ProcessRuntime
+    from procs.scheduler.process import RemoteWorker, WorkerStalled
+    from shared.messages import StepResult
+
+    rt = ProcessRuntime("scheduler", ServerConfig(runtime_dir=str(tmp_path)))
+    try:
+        results: Receiver = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
+        to_worker: Sender = Sender(rt.ctx, rt.endpoints.worker)  # nobody listens: the step never comes back
+        worker = RemoteWorker(to_worker, results, rt, step_timeout_s=0.3)
+        batch = ForwardBatch(step=7, slots=[0], prefix_lens=[0], extend_lens=[1], samples=[True],
+                             sampling=[SamplingParams()], sample_counts=[0],
+                             **{name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0,
+                                               dtype=np.int32)
+                                for name in ("input_ids", "positions", "kv_locs", "page_table_slots",
+                                             "page_table_cols", "page_table_pages")})
+        start = time.monotonic()
+        with pytest.raises(WorkerStalled, match="no result for step 7"):
+            worker.execute(batch)
+        assert 0.3 <= time.monotonic() - start < 2
+    finally:
+        rt.ctx.destroy(linger=0)

@@ -141,13 +141,16 @@ def test_duplicate_ids_are_rejected_until_the_first_one_ends() -> None:
     sched.add_request("A", np.array([3, 4], dtype=np.int64), GREEDY, StopParams(max_tokens=1))
 
 
-def test_full_waiting_queue_answers_503() -> None:
-    sched = make(max_waiting=2)
-    for rid in ("A", "B"):
+def test_a_full_server_answers_503_counting_running_and_waiting() -> None:
+    sched = make(slots=2, max_waiting=2)
+    for rid in ("A", "B", "C"):
         sched.add_request(rid, [3], GREEDY, StopParams())
-    with pytest.raises(RequestRejectedError, match="waiting queue is full") as info:
-        sched.add_request("C", [3], GREEDY, StopParams())
+    sched.step(Recorder())  # A and B run, C waits
+    sched.add_request("D", [3], GREEDY, StopParams())
+    with pytest.raises(RequestRejectedError, match="server is full") as info:
+        sched.add_request("E", [3], GREEDY, StopParams())
     assert info.value.status == 503
+    assert sched.num_running == 2 and sched.num_waiting == 2
 
 
 def test_abort_waiting_mid_chunk_and_running_frees_everything_at_once() -> None:

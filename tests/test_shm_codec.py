@@ -166,6 +166,27 @@ def test_remove_segments_of_a_dead_owner():
         ring.shm.close()
 
 
+def test_stale_segments_of_dead_processes_are_removed_and_live_ones_kept():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shared.shm import remove_stale_segments
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Path("/dev/shm") / segment_name("stale", pid=dead.pid)
+    stale.write_bytes(b"x")
+    ring = SharedRing("alive")  # ours: this process runs
+    try:
+        removed = remove_stale_segments()
+        assert stale.name in removed and not stale.exists()
+        assert Path("/dev/shm", segment_name("alive")).exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        ring.close()
+
+
 def test_unknown_extension_and_missing_reader_are_validation_errors():
     buf = DoubleBuffer("test-db5", half_bytes=4096)
     try:

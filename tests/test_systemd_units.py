@@ -159,6 +159,7 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         assert get("EnvironmentFile") == ["/etc/batchserve/batchserve.env"], name
         # Shared by all five; without Preserve= stopping one unit would delete the others' sockets.
         assert get("RuntimeDirectory") == ["batchserve"] and get("RuntimeDirectoryPreserve") == ["yes"], name
+        assert get("RuntimeDirectoryMode") == ["0700"], name  # the sockets are for the service user only
         assert get("CacheDirectory") == ["batchserve"] and get("StateDirectory") == ["batchserve"], name
         assert "BATCHSERVE_CACHE=%C/batchserve" in " ".join(get("Environment")), name
         assert get("User") == ["batchserve"] and get("DynamicUser") == [], name
@@ -177,6 +178,17 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         families = get("RestrictAddressFamilies")[0].split()
         assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families), name
         assert inst.unit_values(unit, "Unit", "PartOf")[0] == "batchserve.target", name
+
+
+def test_the_step_loops_are_watched(units: dict) -> None:
+    """The worker's and scheduler's main loops send WATCHDOG=1; a loop stuck past WatchdogSec= is
+    restarted. It must outlast a legitimately slow step (the step timeout)."""
+    for name in SERVICES:
+        watchdog = inst.unit_values(units[name], "Service", "WatchdogSec")
+        if any(process in name for process in ("worker", "scheduler")):
+            assert seconds(watchdog[0]) > ServerConfig().step_timeout_s, name
+        else:
+            assert watchdog == [], name
 
 
 def test_worker_can_reach_the_gpu_and_others_cannot(units: dict) -> None:

@@ -3,10 +3,13 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
 GET /health, GET /metrics. Every error is an OpenAI error body (`errors.py`).
 
-A request's life here: decode + validate (400 names the field) -> admission (503 + Retry-After when
-the engine is unhealthy or `max_running_requests + max_waiting` requests are already in flight at
-the api) -> `engine.generate` -> wait for the first event, so that an engine rejection is still a
-plain 400/503 -> JSON answer, or SSE headers and chunks. If the request did not end normally
+A request's life here: API key (401, when keys are configured) -> JSON body within
+`body_timeout_s` (408) -> decode + validate (400 names the field) -> admission (503 + Retry-After
+when the engine cannot serve or `max_running_requests + max_waiting` requests are already in flight
+at the api) -> `engine.generate` -> wait for the first event, so that an engine rejection is still a
+plain 400/503 -> JSON answer, or SSE headers and chunks. If the engine fails once the stream has
+started (a backend died or stalled, or the drain ran out), the stream ends with a chunk whose
+finish_reason is "abort", an error event and [DONE]. If the request did not end normally
 (client disconnected, broken stream, engine error) the `finally` sends `engine.abort(rid)` once.
 Disconnects are seen two ways: aiohttp cancels the handler (`handler_cancellation=True`, which
 `run_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
@@ -23,6 +26,7 @@ from typing import AsyncIterator, Callable
 import msgspec
 from aiohttp import web
 
+from procs.api.auth import auth_middleware, load_api_keys
 from procs.api.engine_client import EngineClient, EngineEvent
 from procs.api.errors import ApiError, error_body, error_response
 from procs.api.metrics import ApiMetrics
@@ -87,9 +91,10 @@ class ApiHandlers:
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.is_healthy():
+        problem = self.engine.health_problem()
+        if problem is None:
             return _json({"status": "ok"})
-        return _json({"status": "unavailable"}, status=503)
+        return _json({"status": "unavailable", "reason": problem}, status=503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         self.metrics.in_flight.set(self.in_flight)
@@ -110,14 +115,17 @@ class ApiHandlers:
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, self.metrics)
         try:
-            body = await request.read()
+            body = await self._read_body(request)
             validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name,
                                  max_context=self.engine.max_context)
             tracker.stream = validated.stream
             self._admit()
         except ApiError as exc:
             tracker.refused(exc.status, exc.message)
-            return _error(exc.status, exc.message, exc.param, rid)
+            response = _error(exc.status, exc.message, exc.param, rid)
+            if exc.status == 408:
+                response.force_close()  # the rest of the body is not worth waiting for
+            return response
 
         shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage)
         self.in_flight += 1
@@ -140,9 +148,18 @@ class ApiHandlers:
                 await self._abort(rid)
             await run.close()
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_type != "application/json":
+            raise ApiError(400, f"Content-Type must be application/json (got {request.content_type})")
+        try:
+            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s") from None
+
     def _admit(self) -> None:
-        if not self.engine.is_healthy():
-            raise ApiError(503, "the engine is not ready; retry shortly")
+        problem = self.engine.health_problem()
+        if problem is not None:
+            raise ApiError(503, f"the server cannot take requests now ({problem}); retry shortly")
         if self.in_flight >= self.max_in_flight:
             raise ApiError(503, f"the server is at capacity ({self.in_flight} requests in flight); retry shortly")
 
@@ -182,9 +199,10 @@ class ApiHandlers:
             await response.write(sse_event(start))
         event: EngineEvent = first
         while True:
-            if isinstance(event, RequestRejected):
+            if isinstance(event, RequestRejected):  # mid-stream: the engine failed, or the drain ran out
                 tracker.refused(event.status, event.message)
-                await response.write(sse_event(error_body(event.status, event.message, event.param)) + SSE_DONE)
+                await response.write(sse_event(shapes.finish_chunk("abort"))
+                                     + sse_event(error_body(event.status, event.message, event.param)) + SSE_DONE)
                 break
             tracker.on_delta(event)
             if event.text:
@@ -255,7 +273,9 @@ def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The api's aiohttp application around `engine` (see `engine_client.py` for the contract)."""
     handlers = ApiHandlers(engine, config)
     engine.set_stats_listener(handlers.metrics.observe_scheduler_stats)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_error_middleware])
+    keys = load_api_keys(config)
+    middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[HANDLERS_KEY] = handlers
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)

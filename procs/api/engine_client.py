@@ -16,7 +16,9 @@ Contract, as the app relies on it:
 - `set_stats_listener(listener)`: the app registers one callback at `create_app`; the client calls
   it (on the event loop thread) with every `SchedulerStats` it receives, in order. Push, not pull,
   because each message's `batch_sizes` must be observed exactly once.
-- `is_healthy()` gates `GET /health` (200 only when True) and new requests (503 when False).
+- `health_problem()` gates `GET /health` (200 only when None, else 503 with the reason) and new
+  requests (503 unless None). Once the engine knows it cannot finish the requests in flight (a
+  backend process died or stalled), each of their iterators yields a 503 `RequestRejected`.
 - Optional lifecycle: if the client has `async start()` / `async close()`, the app awaits them on
   startup and cleanup, inside the event loop the server runs (so sockets and reader tasks are
   created on that loop).
@@ -41,6 +43,6 @@ class EngineClient(Protocol):
 
     async def abort(self, rid: str) -> None: ...
 
-    def is_healthy(self) -> bool: ...
+    def health_problem(self) -> str | None: ...
 
     def set_stats_listener(self, listener: StatsListener) -> None: ...

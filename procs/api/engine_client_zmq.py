@@ -1,29 +1,48 @@
 """The api process's `EngineClient`: requests to the tokenizer, answers from the api socket.
 
 One reader task receives everything addressed to the api (`TextDelta`, `RequestRejected` from the
-tokenizer/scheduler/detokenizer, `SchedulerStats`, `Heartbeat`) and routes request events to the
-per-request queue of `generate`. Health = every backend process sent a ready heartbeat recently
-(and the api is not draining).
+tokenizer/scheduler/detokenizer, `SchedulerStats`, `Heartbeat`, `BackendFailure`) and routes
+request events to the per-request queue of `generate`.
+
+Failure: a watch task looks at the backend processes every `WATCH_INTERVAL_S`. A process that was
+ready and then dies (its pid is gone, checked where it runs on this host), stops sending heartbeats,
+or is reported stalled by the scheduler (`BackendFailure`) puts the client in a failed state: every
+request in flight ends at once with a 503 `RequestRejected` naming the cause, and new requests are
+refused, until every backend process has been restarted (new pids, ready again). The api process
+does the same to whatever is still running when its drain times out (`fail_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import msgspec
 import zmq.asyncio
 
 from procs.api.engine_client import EngineEvent, StatsListener
+from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import AbortRequest, GenerateRequest, Heartbeat, RequestRejected, SchedulerStats, TextDelta
+from shared.messages import (AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected, SchedulerStats,
+                             TextDelta)
 
 log = logging.getLogger("batchserve.api")
 
 BACKEND_PROCESSES = ("tokenizer", "scheduler", "worker", "detokenizer")
 HEARTBEAT_STALE_S = 3.5  # heartbeats come every second; three missed ones mean the process is gone
+WATCH_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class _Beat:
+    at: float  # time.monotonic() of arrival
+    pid: int
+    ready: bool
+    local: bool  # the process runs on this host: its pid can be checked
 
 
 class ZmqEngineClient:
@@ -32,12 +51,15 @@ class ZmqEngineClient:
         self.model_name = model_name
         self.max_context = max_context
         self.draining = False
+        self.failure: str | None = None  # why the backend cannot serve; None: it can (or is starting)
+        self._failed_pids: dict[str, int] = {}  # the processes to be restarted before the failure clears
         self._streams: dict[str, asyncio.Queue[EngineEvent]] = {}
-        self._heartbeats: dict[str, tuple[float, bool]] = {}
+        self._heartbeats: dict[str, _Beat] = {}
+        self._host = socket.gethostname()
         self._stats_listener: StatsListener | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._to_tokenizer: AsyncSender[TokenizerInbox] | None = None
-        self._reader: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle (awaited by the app on its loop)
 
@@ -45,13 +67,14 @@ class ZmqEngineClient:
         self._ctx = zmq.asyncio.Context()
         inbox: AsyncReceiver[ApiInbox] = AsyncReceiver(self._ctx, self.endpoints.api, ApiInbox)
         self._to_tokenizer = AsyncSender(self._ctx, self.endpoints.tokenizer)
-        self._reader = asyncio.get_running_loop().create_task(self._read(inbox))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read(inbox)), loop.create_task(self._watch())]
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
             try:
-                await self._reader
+                await task
             except asyncio.CancelledError:
                 pass
         if self._ctx is not None:
@@ -70,11 +93,64 @@ class ZmqEngineClient:
                     if queue is not None:  # else: the request was aborted and forgotten
                         queue.put_nowait(message)
                 elif isinstance(message, Heartbeat):
-                    self._heartbeats[message.process] = (time.monotonic(), message.ready)
+                    self._heartbeats[message.process] = _Beat(time.monotonic(), message.pid, message.ready,
+                                                              message.host == self._host)
                 elif isinstance(message, SchedulerStats) and self._stats_listener is not None:
                     self._stats_listener(message)
+                elif isinstance(message, BackendFailure):
+                    # The scheduler exits after reporting: both it and the process it names restart.
+                    self._fail(f"the {message.process} process stopped making progress: {message.reason}",
+                               (message.process, "scheduler"))
         finally:
             inbox.close()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.failure is None:
+                problem = self._lost_backend()
+                if problem is not None:
+                    self._fail(*problem)
+            elif self.backends_ready() and all(self._heartbeats[name].pid != pid
+                                               for name, pid in self._failed_pids.items()):
+                log.warning("every backend process is ready again; serving", extra={"fields": {
+                    "after": self.failure}})
+                self.failure = None
+                self._failed_pids = {}
+
+    def _lost_backend(self) -> tuple[str, tuple[str, ...]] | None:
+        """A backend process that was ready and is gone: (why, (its name,)); None if all are fine."""
+        now = time.monotonic()
+        for name in BACKEND_PROCESSES:
+            beat = self._heartbeats.get(name)
+            if beat is None or not beat.ready:
+                continue  # still starting: not a failure
+            if beat.local and pid_gone(beat.pid):
+                return f"the {name} process (pid {beat.pid}) exited", (name,)
+            if now - beat.at > HEARTBEAT_STALE_S:
+                return (f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
+                        f"(stopped or hung)"), (name,)
+        return None
+
+    def _fail(self, reason: str, processes: tuple[str, ...]) -> None:
+        if self.failure is None:
+            log.error("backend failure: %s; failing %d requests in flight", reason, len(self._streams))
+            self.failure = reason
+        for name in processes:
+            if name in self._heartbeats:
+                self._failed_pids.setdefault(name, self._heartbeats[name].pid)
+        self.fail_all(f"the server cannot complete this request: {reason}")
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight now with a 503 `RequestRejected` carrying `message`, and ask
+        the backend (best effort: it may be gone) to drop them."""
+        streams, self._streams = self._streams, {}
+        for rid, queue in streams.items():
+            queue.put_nowait(RequestRejected(rid=rid, status=503, message=message))
+        if streams and self._to_tokenizer is not None:
+            sender = self._to_tokenizer
+            for rid in streams:  # queued by ZeroMQ; a restarted tokenizer ignores unknown ids
+                asyncio.get_running_loop().create_task(sender.send(AbortRequest(rid=rid)))
 
     # ---- EngineClient
 
@@ -84,13 +160,21 @@ class ZmqEngineClient:
     def backends_ready(self) -> bool:
         now = time.monotonic()
         for name in BACKEND_PROCESSES:
-            seen = self._heartbeats.get(name)
-            if seen is None or not seen[1] or now - seen[0] > HEARTBEAT_STALE_S:
+            beat = self._heartbeats.get(name)
+            if beat is None or not beat.ready or now - beat.at > HEARTBEAT_STALE_S:
                 return False
         return True
 
-    def is_healthy(self) -> bool:
-        return not self.draining and self._reader is not None and not self._reader.done() and self.backends_ready()
+    def health_problem(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if any(task.done() for task in self._tasks) or not self._tasks:
+            return "the api's engine client is not running"
+        if self.failure is not None:
+            return self.failure
+        if not self.backends_ready():
+            return "the backend processes are not ready"
+        return None
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
         return self._events(request)

@@ -9,6 +9,7 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -2,7 +2,8 @@
 
 Ready (sd_notify) once it listens and every backend process has reported ready. On SIGTERM/SIGINT
 it drains: new requests get 503 (the engine client reports unhealthy), requests already running
-may finish for up to `drain_timeout_s`, then the server closes.
+may finish for up to `drain_timeout_s`; whatever is still running then ends with an error event
+(finish_reason "abort"), and the server closes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shared.readiness import notify_ready, notify_stopping
 log = logging.getLogger("batchserve.api")
 DRAIN_POLL_S = 0.05
 AIOHTTP_SHUTDOWN_S = 1.0
+CUT_OFF_S = 1.0
 
 
 async def serve(config: ServerConfig) -> int:
@@ -49,7 +51,7 @@ async def serve(config: ServerConfig) -> int:
         while not engine.backends_ready() and not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), 0.1)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         if not stop.is_set():
             notify_ready()
@@ -64,6 +66,11 @@ async def serve(config: ServerConfig) -> int:
             await asyncio.sleep(DRAIN_POLL_S)
         if handlers.in_flight:
             log.warning("drain timeout: %d requests still running are cut off", handlers.in_flight)
+            engine.fail_all(f"the server is shutting down: the request did not finish within the drain "
+                            f"timeout of {config.drain_timeout_s:g} s")
+            deadline = time.monotonic() + CUT_OFF_S  # time for their handlers to write the last event
+            while handlers.in_flight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
     finally:
         await runner.cleanup()
     return 0

@@ -65,6 +65,9 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True):
 
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
 
+# A high surrogate escape (\uD800-\uDBFF) with no low surrogate escape after it: not valid text.
+_LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
 # msgspec names the offending location as "at `$.field[0].sub`" or "field `name`".
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
@@ -91,4 +94,9 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         message = str(exc)
         raise ApiError(400, f"invalid request: {message}", param=_param_of(message)) from None
     except msgspec.DecodeError as exc:
+        if _LONE_SURROGATE_RE.search(body):
+            raise ApiError(400, "request body is not valid JSON: a \\uD800-\\uDBFF escape is not followed by a "
+                                "low surrogate (a lone surrogate is not text)") from None
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's nesting limit, reached by a crafted body
+        raise ApiError(400, "request body nests arrays or objects too deeply") from None

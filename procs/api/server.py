@@ -1,46 +1,53 @@
-"""Run the api's HTTP application with uvloop: `run_api(engine, config)`.
+"""Run the api's HTTP application on uvloop: `await start_api(engine, config)` on a running loop, or
+`run_api(engine, config)`, which blocks until SIGINT/SIGTERM.
 
-Blocks until SIGINT/SIGTERM, then stops accepting connections and gives open requests up to
-`config.drain_timeout_s` to finish (aiohttp's graceful shutdown). The engine client's optional
-`start()`/`close()` run inside this loop (see `engine_client.py`).
+Both listen through `CappedSite` (a cap on open connections, answered 503), give slow clients
+`header_timeout_s` for their headers (aiohttp's keep-alive timeout, which also runs from the
+moment a connection opens) and raise the open-file limit first. The engine client's optional
+`start()`/`close()` run inside the loop (see `engine_client.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 
 import uvloop
 from aiohttp import web
 
 from procs.api.app import create_app
+from procs.api.connections import CappedSite, raise_open_file_limit
 from procs.api.engine_client import EngineClient
 from shared.config import ServerConfig
 
 logger = logging.getLogger("batchserve.api")
 
 
-def run_api(engine: EngineClient, config: ServerConfig) -> None:
-    """Serve `engine` on `config.host:config.port` until a termination signal."""
-    app = create_app(engine, config)
-    logger.info("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        loop=uvloop.new_event_loop(),
-        handler_cancellation=True,  # a client that disconnects cancels its handler -> engine.abort
-        shutdown_timeout=config.drain_timeout_s,
-        access_log=None,  # the request log (logger batchserve.requests) replaces aiohttp's access log
-        print=None,
-    )
-
-
 async def start_api(engine: EngineClient, config: ServerConfig) -> web.AppRunner:
-    """Start the app on the running loop (for callers that own their loop); `await runner.cleanup()` stops it."""
+    """Start the app on the running loop; `await runner.cleanup()` stops it (waiting up to
+    `config.drain_timeout_s` for open requests)."""
+    max_connections = raise_open_file_limit(config.max_connections)
     runner = web.AppRunner(create_app(engine, config), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.drain_timeout_s)
+                           shutdown_timeout=config.drain_timeout_s, keepalive_timeout=config.header_timeout_s)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    await CappedSite(runner, config.host, config.port, max_connections=max_connections).start()
+    logger.info("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
     return runner
 
 
+def run_api(engine: EngineClient, config: ServerConfig) -> None:
+    """Serve `engine` on `config.host:config.port` until a termination signal."""
+
+    async def serve() -> None:
+        runner = await start_api(engine, config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    uvloop.run(serve())

@@ -11,7 +11,6 @@ the engine. Defaults (as vLLM's):
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from shared.messages import ChatMessage, GenerateRequest, SamplingParams, StopPa
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -101,8 +101,8 @@ def _sampling(req: CommonRequestFields) -> SamplingParams:
     top_p = 1.0 if req.top_p is None else req.top_p
     top_k = -1 if req.top_k is None else req.top_k
     min_p = 0.0 if req.min_p is None else req.min_p
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ApiError(400, f"temperature must be a finite number >= 0 (got {temperature})", "temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails too
+        raise ApiError(400, f"temperature must be in [0, {MAX_TEMPERATURE:g}] (got {temperature})", "temperature")
     if not (0.0 < top_p <= 1.0):
         raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", "top_p")
     if top_k == 0 or top_k < -1 or top_k > MAX_TOKEN_ID:

@@ -148,9 +148,12 @@ class Scheduler:
             raise RequestRejectedError(
                 rid, f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
                 f"in the KV cache of {self.kv_capacity_tokens} tokens", param="max_tokens")
-        if self.config.max_waiting and self.num_waiting >= self.config.max_waiting:
+        # The same cap as the api's: running + waiting, so a burst admits exactly that many.
+        capacity = self.config.max_running_requests + self.config.max_waiting
+        if self.config.max_waiting and len(self._live) >= capacity:
             raise RequestRejectedError(
-                rid, f"the waiting queue is full ({self.config.max_waiting} requests)", status=503)
+                rid, f"the server is full ({self.config.max_running_requests} running + {self.config.max_waiting} "
+                f"waiting requests)", status=503)
         request = Request(rid, prompt, sampling, stop)
         self._live[rid] = request
         self.prefill_manager.pending_list.append(request)

@@ -21,6 +21,7 @@ from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import (
     AbortRequest,
+    BackendFailure,
     ForwardBatch,
     RequestRejected,
     SchedulerStats,
@@ -43,16 +44,25 @@ class WorkerGone(RuntimeError):
     """The worker stopped answering while we were stopping."""
 
 
-class RemoteWorker:
-    """The scheduler's executor: one ForwardBatch out, its StepResult back (one step in flight)."""
+class WorkerStalled(RuntimeError):
+    """No result for a step within the step timeout: the worker is hung, dead or far too slow."""
 
-    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime) -> None:
+
+class RemoteWorker:
+    """The scheduler's executor: one ForwardBatch out, its StepResult back (one step in flight).
+
+    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`."""
+
+    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime,
+                 step_timeout_s: float) -> None:
         self.to_worker = to_worker
         self.results = results
         self.rt = rt
+        self.step_timeout_s = step_timeout_s
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.to_worker.send(batch)
+        sent = time.monotonic()
         stop_seen: float | None = None
         while True:
             result = self.results.recv(POLL_INTERVAL_S)
@@ -60,9 +70,13 @@ class RemoteWorker:
                 if result.step != batch.step:
                     raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
                 return result
+            now = time.monotonic()
+            if now - sent > self.step_timeout_s:
+                raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
+                                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")
             if self.rt.stopping.is_set():
-                stop_seen = stop_seen or time.monotonic()
-                if time.monotonic() - stop_seen > WORKER_STOP_GRACE_S:
+                stop_seen = stop_seen or now
+                if now - stop_seen > WORKER_STOP_GRACE_S:
                     raise WorkerGone(f"no result for step {batch.step} from the worker")
 
 
@@ -139,7 +153,7 @@ class SchedulerLoop:
         self.to_worker: Sender[WorkerInbox] = Sender(rt.ctx, rt.endpoints.worker, writer=self.step_buffer)
         self.to_detokenizer: Sender[DetokenizerInbox] = Sender(rt.ctx, rt.endpoints.detokenizer)
         self.to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
-        self.executor = RemoteWorker(self.to_worker, self.results, rt)
+        self.executor = RemoteWorker(self.to_worker, self.results, rt, config.step_timeout_s)
         self.deltas = TokenDeltas()
         self.scheduler: Scheduler | None = None
         self._early: list[TokenizedRequest | AbortRequest] = []
@@ -184,6 +198,7 @@ class SchedulerLoop:
         sched = self.scheduler
         assert sched is not None
         while not self.rt.stopping.is_set():
+            self.rt.alive()
             busy = sched.has_unfinished()
             first = self.inbox.recv(0 if busy else POLL_INTERVAL_S)
             if first is not None:
@@ -239,6 +254,12 @@ def run(config: ServerConfig) -> int:
             loop.run()
         except WorkerGone as exc:
             log.warning("%s; stopping", exc)
+        except WorkerStalled as exc:
+            # Every request in flight is lost with the step: the api fails them and answers 503; the
+            # supervisor (serve, or systemd's watchdog on the worker) restarts the stack.
+            log.error("%s; stopping", exc)
+            loop.to_api.send(BackendFailure(process="worker", reason=str(exc)))
+            return 1
         return 0
     finally:
         rt.close()

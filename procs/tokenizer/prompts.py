@@ -83,6 +83,10 @@ class PromptTokenizer:
                 f"the prompt has {n} tokens; the context length is {self.max_context} tokens "
                 f"(prompt + at least one generated token)", field)
         stop = request.stop
+        bad = [t for t in stop.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise PromptRejected(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                 "stop_token_ids")
         room = self.max_context - n
         if stop.max_tokens > room:
             if not request.clamp_max_tokens:

@@ -43,6 +43,7 @@ def run(config: ServerConfig) -> int:
         announced = time.monotonic()
         rt.ready()
         while not rt.stopping.is_set():
+            rt.alive()
             batch = inbox.recv(POLL_INTERVAL_S)
             if batch is None:
                 if time.monotonic() - announced > ANNOUNCE_INTERVAL_S:

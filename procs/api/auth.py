@@ -1,0 +1,61 @@
+"""API keys: `/v1/*` needs `Authorization: Bearer <key>` when any key is configured.
+
+`/health` and `/metrics` stay open (load balancers and Prometheus call them without a key).
+Keys come from `--api-key` / `BATCHSERVE_API_KEY` and `--api-key-file` (one per line); they are
+compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from procs.api.errors import error_body
+from shared.config import ServerConfig
+
+PROTECTED_PREFIX = "/v1/"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def load_api_keys(config: ServerConfig) -> tuple[bytes, ...]:
+    """Every configured key; raises ValueError (a CLI message) for an unreadable file or an empty key."""
+    keys = list(config.api_key)
+    if config.api_key_file:
+        try:
+            text = Path(config.api_key_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"api_key_file {config.api_key_file}: {exc.strerror or exc}") from None
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"api_key_file {config.api_key_file}: no keys in it")
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        raise ValueError("an API key is empty or contains whitespace")
+    return tuple(key.encode() for key in keys)
+
+
+def _unauthorized(message: str) -> web.Response:
+    body = error_body(401, message)
+    body["error"]["code"] = "invalid_api_key"
+    return web.Response(status=401, body=msgspec.json.encode(body), content_type="application/json",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def auth_middleware(keys: tuple[bytes, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith(PROTECTED_PREFIX):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not given.strip():
+                return _unauthorized("You didn't provide an API key: send `Authorization: Bearer <key>`.")
+            token = given.strip().encode()
+            # compare_digest against every key (no early exit that would time which one matched)
+            if not sum(hmac.compare_digest(token, key) for key in keys):
+                return _unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return check_api_key
