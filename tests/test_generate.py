@@ -11,7 +11,7 @@ import pytest
 from procs.cli import main as cli_main
 from procs.engine import OfflineEngine, request
 from shared.config import ServerConfig
-from test_model_equivalence import transformers_greedy
+from test_model_equivalence import transformers_greedy_text
 
 PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33"]
 NEW_TOKENS = 12
@@ -24,11 +24,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    return transformers_greedy(model_dir, prompt_ids, NEW_TOKENS)
+    return transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS)
 
 
 def _greedy_requests(**stop):

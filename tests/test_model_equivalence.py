@@ -35,6 +35,14 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENS]
 
 
+def transformers_greedy_text(model_dir, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """`transformers_greedy` for text prompts, tokenized by the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return transformers_greedy(model_dir, [tokenizer.encode(p) for p in prompts], max_new_tokens)
+
+
 def transformers_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 

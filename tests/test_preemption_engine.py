@@ -8,7 +8,7 @@ import pytest
 
 from procs.engine import OfflineEngine, request
 from shared.config import DEFAULT_MODEL, ServerConfig
-from test_model_equivalence import transformers_greedy
+from test_model_equivalence import transformers_greedy_text
 
 PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33",
            "w40 w41"]
@@ -23,10 +23,7 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def alone(model_dir):
     """Each prompt's greedy tokens from transformers, one request at a time."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return transformers_greedy(model_dir, [tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS)
+    return transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("page_size, capacity", [(1, 48), (16, 48)])
