@@ -39,6 +39,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # rho of SCHEDULING.md: the share of each request's remaining max_tokens that admission reserves
     # (whole percents); 1 reserves the worst case and never preempts.
     kv_reserve_ratio: float = 1.0
+    # Share the KV of prompt prefixes across requests (radix tree over full pages); off: the chapter.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):

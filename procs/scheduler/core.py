@@ -52,6 +52,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finish_reasons: dict[str, str] = {}  # rid -> "stop" | "length"
     batch_size: int = 0  # requests in the executed batch; 0: idle step
     preempted: list[str] = []  # back in the waiting queue (step 3b), in preemption order
+    cached_tokens: dict[str, int] = {}  # rid -> prompt tokens found in the prefix cache, with its first token
 
 
 class Scheduler:
@@ -92,7 +93,10 @@ class Scheduler:
 
     @property
     def kv_used_tokens(self) -> int:
-        return self.allocator.num_used * self.page_size
+        """KV positions held for running requests (their own pages and the cached pages they use);
+        cached pages nobody uses are free to evict and not counted."""
+        evictable = self.kv.cache.num_evictable if self.kv.cache is not None else 0
+        return (self.allocator.num_used - evictable) * self.page_size
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -253,12 +257,15 @@ class Scheduler:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
             for request, n in plan.prefill:
                 request.prefilled += n
+                self.kv.cache_prompt_pages(request)
         if completing:
             chunking = self.prefill_manager.chunking
             self.prefill_manager.chunking = [r for r in chunking if r.prefilled < r.prompt_len]
             for request in completing:
                 self.decode_manager.add(request)
             cslots = np.fromiter((r.slot for r in completing), dtype=np.int64, count=len(completing))
+            out.cached_tokens = {r.rid: r.cached_tokens for r in completing
+                                 if r.cached_tokens and r.num_generated_before == 0}
             sample_slots = np.concatenate([ds, cslots])
             sample_rids = plan.decode_rids + [r.rid for r in completing]
         else:
@@ -296,7 +303,7 @@ class Scheduler:
                 self.decode_manager.remove(request.rid)
             if forget:
                 del self._live[request.rid]
-        self.kv.release(np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests)))
+        self.kv.release(requests)
         for request in requests:
             request.slot = -1
 

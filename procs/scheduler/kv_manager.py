@@ -9,16 +9,25 @@ est_future(r) = ceil(rho * (max_tokens - generated)). A waiting request X fits w
 With rho = 1 that is the chapter's worst case: reservations only shrink and no step can run out of
 pages. With rho < 1 a request can outgrow its estimate, and step 3b preempts the most recently
 admitted requests until the pages the planned step needs fit in the pool.
+
+With the prefix cache, a request starts on the cached pages of its prompt's longest cached prefix
+(`attach`), its completed prompt pages join the cache as its prefill goes (`cache_prompt_pages`),
+and all its completed pages when it ends. Its reservation then leaves out the cache pages it uses
+(`shared_pages`): those are counted once, as the cache's referenced pages, however many requests
+share them, and cache pages nobody references count as free (they are evicted, least recently used
+first, when an allocation needs them). With the cache off or empty, every number above is unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.kv_allocator import KVAllocatorError, PageAllocator
+from procs.scheduler.prefix_cache import CachedPage, PrefixCache
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 
@@ -43,6 +52,11 @@ class KVManager:
         self.reserve_percent = config.kv_reserve_percent
         self.allocator = PageAllocator(self.num_pages)
         self.table = table
+        self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
+        self._attached: list[PageTableUpdates] = []  # cached pages of new admissions, for the next batch
+        self.hit_tokens = 0  # prompt tokens found in the cache at admissions (counters for /metrics)
+        self.queried_tokens = 0
+        self.evicted_pages = 0
 
     def pages_for(self, tokens: int | np.ndarray) -> int | np.ndarray:
         return -(-tokens // self.page_size)
@@ -52,18 +66,75 @@ class KVManager:
         return (self.reserve_percent * remaining + 99) // 100
 
     # ---------------------------------------------------------------- admission
-    def reservation(self, request: Request) -> int:
-        """Pages a waiting request reserves on admission (its whole prompt is still to prefill)."""
-        return int(self.pages_for(request.prompt_len + self.future_estimate(
-            request.max_tokens - request.num_generated_before)))
+    def lookup(self, request: Request) -> list[CachedPage]:
+        """The cached pages its prompt starts with (at least its last prompt token is left to compute)."""
+        if self.cache is None:
+            return []
+        return self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size)
+
+    def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:
+        """Pages admitting a waiting request adds to the reserved total: its own (the prompt past the
+        cached prefix, and the estimated future), plus the cached pages nobody referenced yet."""
+        own = int(self.pages_for(request.prompt_len + self.future_estimate(
+            request.max_tokens - request.num_generated_before))) - len(cached)
+        return own + sum(1 for node in cached if node.refs == 0)
 
     def reserved_pages(self) -> int:
-        """Sum of reservation(r) over the admitted requests, from the request table's columns."""
+        """Sum of reservation(r) over the admitted requests, from the request table's columns, plus the
+        cache pages they use (counted once however many share them)."""
         t = self.table
         used = t.admit_seq >= 0
         tokens = np.maximum(t.kv_len[used], t.prompt_len[used]) + self.future_estimate(
             t.token_limit[used] - t.generated[used])
-        return int(self.pages_for(tokens).sum())
+        own = int(self.pages_for(tokens).sum()) - int(t.shared_pages[used].sum())
+        return own + (self.cache.num_referenced if self.cache is not None else 0)
+
+    def attach(self, request: Request, cached: list[CachedPage]) -> None:
+        """An admitted request starts on `cached`: they become its first pages, already computed."""
+        if self.cache is None:
+            return
+        self.queried_tokens += request.prompt_len
+        if not cached:
+            return
+        self.cache.reference(cached)
+        request.cache_path = list(cached)
+        t, slot, m = self.table, request.slot, len(cached)
+        pages = np.fromiter((node.page for node in cached), dtype=np.int32, count=m)
+        t.ensure_columns(m)
+        t.page_table[slot, :m] = pages
+        t.num_pages[slot] = t.shared_pages[slot] = m
+        t.kv_len[slot] = request.prefilled = m * self.page_size
+        self.hit_tokens += m * self.page_size
+        self._attached.append(PageTableUpdates(np.full(m, slot, dtype=np.int64), np.arange(m, dtype=np.int64), pages))
+
+    def cache_prompt_pages(self, request: Request) -> None:
+        """After a prefill chunk: the prompt's newly completed full pages join the cache."""
+        if self.cache is not None:
+            self._insert(request, request.prefilled // self.page_size, request.prompt)
+
+    def _insert(self, request: Request, pages: int, tokens: np.ndarray) -> None:
+        """Its pages `len(cache_path)..pages-1` (whose KV is computed) join the cache, extending its path.
+
+        A page someone else cached first stays its own (a duplicate); its path goes on through that
+        node only if others use it, so that referencing it never pins a page the cache could free."""
+        cache = self.cache
+        assert cache is not None
+        path = request.cache_path
+        first = len(path)
+        if pages <= first:
+            return
+        t, slot = self.table, request.slot
+        parent = path[-1] if path else cache.root
+        row = t.page_table[slot]
+        for col, key in enumerate(cache.page_keys(tokens, first, pages), first):
+            node, created = cache.insert(parent, key, int(row[col]))
+            if created:
+                t.shared_pages[slot] += 1
+            elif node.refs == 0:
+                return
+            cache.reference((node,))
+            path.append(node)
+            parent = node
 
     # ---------------------------------------------------------------- a planned step
     def growth(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -77,7 +148,8 @@ class KVManager:
 
         Returns the victims' slots in preemption order; [] in the common case, at the cost of a sum.
         """
-        excess = self.allocator.num_used + int(growth.sum()) - self.num_pages
+        evictable = self.cache.num_evictable if self.cache is not None else 0
+        excess = self.allocator.num_used - evictable + int(growth.sum()) - self.num_pages
         if excess <= 0:
             return []
         t = self.table
@@ -91,7 +163,10 @@ class KVManager:
                 raise KVAllocatorError(f"preempting every request leaves {excess} pages short")
             admit_seq[slot] = -1
             victims.append(slot)
-            excess -= int(t.num_pages[slot] + planned[slot])
+            # Its own pages and planned growth, and the cache pages only it uses (they become evictable).
+            request = t.requests[slot]
+            sole = self.cache.sole_references(request.cache_path) if self.cache is not None and request else 0
+            excess -= int(t.num_pages[slot] - t.shared_pages[slot] + planned[slot]) + sole
         return victims
 
     def allocate(self, slots: np.ndarray, growth: np.ndarray) -> PageTableUpdates:
@@ -106,14 +181,43 @@ class KVManager:
             total = int(growth.sum())
             new_slots = np.repeat(slots, growth)
             new_cols = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(growth) - growth - have, growth)
+        attached, self._attached = self._attached, []
         if not total:
-            return NO_UPDATES
+            return _joined(attached) if attached else NO_UPDATES
+        if total > self.allocator.num_free and self.cache is not None:
+            evicted = self.cache.evict(total - self.allocator.num_free)
+            self.evicted_pages += int(evicted.shape[0])
+            self.allocator.free(evicted)
         pages = self.allocator.alloc(total)
         t.ensure_columns(int(new_cols.max()) + 1)
         t.page_table[new_slots, new_cols] = pages
         t.num_pages[slots] = have + growth
-        return PageTableUpdates(new_slots, new_cols, pages)
+        return _joined([*attached, PageTableUpdates(new_slots, new_cols, pages)])
 
-    def release(self, slots: np.ndarray) -> None:
-        """Empty the slots' table rows and give their pages back."""
-        self.allocator.free(self.table.release(slots))
+    def release(self, requests: list[Request]) -> None:
+        """Empty their table rows and give back their pages. With the cache, their completed pages join
+        it first (prompt and generated tokens; a partial last page stays out), and only the pages the
+        cache did not take go back to the allocator."""
+        slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
+        cache = self.cache
+        if cache is None:
+            self.allocator.free(self.table.release(slots))
+            return
+        t = self.table
+        for request in requests:
+            slot = request.slot
+            done = request.num_generated_before
+            outputs = t.output_ids[slot, done:t.generated[slot]]
+            self._insert(request, int(t.kv_len[slot]) // self.page_size, np.concatenate([request.prompt, outputs]))
+        cached = np.fromiter((node.page for r in requests for node in r.cache_path), dtype=np.int32)
+        pages = t.release(slots)
+        self.allocator.free(pages[~np.isin(pages, cached)])
+        for request in requests:
+            cache.dereference(request.cache_path)
+            request.cache_path = []
+
+
+def _joined(parts: list[PageTableUpdates]) -> PageTableUpdates:
+    if len(parts) == 1:
+        return parts[0]
+    return PageTableUpdates(*(np.concatenate([getattr(p, f) for p in parts]) for f in PageTableUpdates._fields))

@@ -8,6 +8,7 @@ from collections import deque
 import numpy as np
 
 from procs.scheduler.kv_manager import KVManager
+from procs.scheduler.prefix_cache import CachedPage
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from shared.messages import SamplingParams
@@ -47,25 +48,28 @@ class PrefillManager:
         reserved = -1  # sum of reservations, computed once the head is considered
         while pending and budget > 0 and self._table.has_free_slot:
             head = pending[0]
-            pages = self._kv.reservation(head)
+            cached = self._kv.lookup(head)
+            pages = self._kv.reservation(head, cached)
             if reserved < 0:
                 reserved = self._kv.reserved_pages()
             if pages + reserved > self._kv.num_pages:
                 break  # no skipping ahead: the head waits, and so does everyone behind it
             pending.popleft()
-            self._admit(head)
+            self._admit(head, cached)
             reserved += pages
-            n = min(head.prompt_len, budget)
+            n = min(head.prompt_len - head.prefilled, budget)
             items.append((head, n))
             budget -= n
         return items
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, cached: list[CachedPage]) -> None:
         seq = self._admissions
         self._admissions += 1
+        request.slot = self._table.acquire(request, seq)
+        self._kv.attach(request, cached)  # starts past its cached prefix
         if request.first_admitted < 0:
             request.first_admitted = seq
-        request.slot = self._table.acquire(request, seq)
+            request.cached_tokens = request.prefilled
         self.chunking.append(request)
 
     def requeue(self, request: Request) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from procs.scheduler.prefix_cache import CachedPage
 from shared.messages import SamplingParams, StopParams
 
 
@@ -12,7 +13,7 @@ class Request:
     the tokens generated before it (SCHEDULING.md's recompute). `num_prompt_tokens` stays the client's."""
 
     __slots__ = ("rid", "prompt", "prompt_len", "num_prompt_tokens", "sampling", "stop", "max_tokens", "stop_ids",
-                 "slot", "prefilled", "first_admitted")
+                 "slot", "prefilled", "first_admitted", "cache_path", "cached_tokens")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams) -> None:
         self.rid = rid
@@ -26,6 +27,8 @@ class Request:
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
         self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
+        self.cache_path: list[CachedPage] = []  # prefix-cache nodes it references (a path from the root)
+        self.cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
 
     @property
     def num_generated_before(self) -> int:

@@ -32,6 +32,7 @@ class RequestTable:
         self.check_eos = np.zeros(num_slots, dtype=bool)  # not ignore_eos
         self.has_stop_ids = np.zeros(num_slots, dtype=bool)
         self.num_pages = np.zeros(num_slots, dtype=np.int64)  # pages held (row prefix of page_table)
+        self.shared_pages = np.zeros(num_slots, dtype=np.int64)  # of those, prefix-cache pages (not its own)
         self.page_table = np.zeros((num_slots, min(_INITIAL_COLUMNS, max_columns)), dtype=np.int32)
         # Generated ids, kept so that a preempted request can be recomputed from them.
         self.output_ids = np.zeros((num_slots, _INITIAL_COLUMNS), dtype=np.int32)
@@ -57,6 +58,7 @@ class RequestTable:
         self.check_eos[slot] = not request.stop.ignore_eos
         self.has_stop_ids[slot] = bool(request.stop_ids)
         self.num_pages[slot] = 0
+        self.shared_pages[slot] = 0
         if request.max_tokens > self.output_ids.shape[1]:
             self.output_ids = _widen(self.output_ids, max(request.max_tokens, 2 * self.output_ids.shape[1]))
         self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens:]
@@ -72,6 +74,7 @@ class RequestTable:
         width = int(counts.max()) if slots.shape[0] else 0
         pages = self.page_table[slots, :width][np.arange(width) < counts[:, None]]
         self.num_pages[slots] = 0
+        self.shared_pages[slots] = 0
         self.admit_seq[slots] = -1
         for slot in slots.tolist():
             self.requests[slot] = None

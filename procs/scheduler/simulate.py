@@ -33,6 +33,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     page_size: PositiveInt = 1
     max_context: NonNegativeInt = 0
     kv_reserve_ratio: float = 1.0  # SCHEDULING.md's rho: < 1 reserves an estimate and may preempt
+    prefix_cache: bool = False  # share the KV of common prompt prefixes (requests' `shared_prefix`)
     policy: str | None = None  # the scenario's default policy; `--policy` wins
 
 
@@ -42,6 +43,7 @@ class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
     input_tokens: PositiveInt
     output_tokens: PositiveInt
     max_tokens: PositiveInt | None = None  # default: output_tokens
+    shared_prefix: NonNegativeInt = 0  # the first tokens of its prompt are the ones every such request has
 
 
 class ScenarioCancel(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,6 +79,9 @@ def load_scenario(path: str | Path) -> Scenario:
     ids: set[str] = set()
     arrival: dict[str, int] = {}
     for i, request in enumerate(scenario.requests):
+        if request.shared_prefix > request.input_tokens:
+            raise ScenarioError(f"shared_prefix ({request.shared_prefix}) exceeds input_tokens ({request.input_tokens})"
+                                f" - at `$.requests[{i}].shared_prefix`")
         if request.id in ids:
             raise ScenarioError(f"duplicate request id {request.id!r} - at `$.requests[{i}].id`")
         ids.add(request.id)
@@ -100,9 +105,16 @@ def scheduler_config(scenario: Scenario, policy: str | None) -> SchedulerConfig:
         return SchedulerConfig(max_running_requests=c.max_running_requests, prefill_budget=c.prefill_budget,
                                kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
                                max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
-                               policy=chosen)  # type: ignore[arg-type]
+                               prefix_cache=c.prefix_cache, policy=chosen)  # type: ignore[arg-type]
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
+
+
+def scenario_prompt(index: int, request: ScenarioRequest) -> list[int]:
+    """Token ids of a request's prompt: `shared_prefix` tokens common to all requests, then its own
+    (no other request's prompt has them, so nothing else is ever found in a prefix cache)."""
+    shared = min(request.shared_prefix, request.input_tokens)
+    return [3 + i for i in range(shared)] + [5000 + 1000 * index + i for i in range(request.input_tokens - shared)]
 
 
 def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
@@ -130,7 +142,7 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_step <= step:
             r = arrivals[next_arrival]
             next_arrival += 1
-            prompt = [(7 * i + 11) % 1000 + 3 for i in range(r.input_tokens)]
+            prompt = scenario_prompt(scenario.requests.index(r), r)
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
                 scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop)

@@ -1,0 +1,128 @@
+"""The prefix cache: a radix tree from token ids to the KV pages that hold them, one node per full page.
+
+A node stands for one page of `page_size` tokens, keyed by those tokens, below the node of the page
+before it; so a root-to-node path is a token prefix and its pages hold that prefix's KV (which only
+depends on the tokens before it). Only full pages are cached: a request's partial last page stays
+its own. Requests reference the nodes of the prefix they use (`refs`); a referenced node and its
+ancestors are never evicted. Referenced nodes always form paths from the root (a request references
+every node on its path), so every unreferenced node can be evicted, leaves first, least recently
+used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class CachedPage:
+    __slots__ = ("key", "page", "parent", "children", "refs", "last_used")
+
+    def __init__(self, key: bytes, page: int, parent: "CachedPage | None") -> None:
+        self.key = key  # the page's token ids (int32 bytes)
+        self.page = page  # KV page id
+        self.parent = parent
+        self.children: dict[bytes, CachedPage] = {}
+        self.refs = 0  # requests using this page's KV (through their path)
+        self.last_used = 0
+
+    def __repr__(self) -> str:
+        return f"CachedPage(page={self.page}, refs={self.refs}, children={len(self.children)})"
+
+
+class PrefixCache:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = CachedPage(b"", -1, None)
+        self.num_pages = 0  # pages the tree holds
+        self.num_referenced = 0  # of those, pages some request references
+        self._clock = 0
+        self._evictable: list[tuple[int, int, CachedPage]] = []  # (last_used, tiebreak, node) of unreferenced leaves
+        self._pushes = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return self.num_pages - self.num_referenced
+
+    def page_keys(self, tokens: np.ndarray, first: int, last: int) -> list[bytes]:
+        """Keys of full pages `first..last-1` of `tokens`."""
+        P = self.page_size
+        data = np.ascontiguousarray(tokens[first * P:last * P], dtype=np.int32).tobytes()
+        step = 4 * P
+        return [data[i:i + step] for i in range(0, len(data), step)]
+
+    # ---------------------------------------------------------------- lookups
+    def match(self, tokens: np.ndarray, max_pages: int) -> list[CachedPage]:
+        """The nodes of the longest cached prefix of `tokens`, at most `max_pages` pages."""
+        node, path = self.root, []
+        for key in self.page_keys(tokens, 0, min(max_pages, len(tokens) // self.page_size)):
+            node = node.children.get(key)  # type: ignore[assignment]
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    # ---------------------------------------------------------------- references
+    def reference(self, nodes: Sequence[CachedPage]) -> None:
+        for node in nodes:
+            if node.refs == 0:
+                self.num_referenced += 1
+            node.refs += 1
+
+    def dereference(self, nodes: Sequence[CachedPage]) -> None:
+        self._clock += 1
+        for node in reversed(nodes):
+            node.refs -= 1
+            node.last_used = self._clock
+            if node.refs == 0:
+                self.num_referenced -= 1
+                if not node.children:
+                    self._push(node)
+
+    def sole_references(self, nodes: Sequence[CachedPage]) -> int:
+        """How many of `nodes` only one request references (they become evictable when it lets go)."""
+        return sum(1 for node in nodes if node.refs == 1)
+
+    # ---------------------------------------------------------------- insertion and eviction
+    def insert(self, parent: CachedPage, key: bytes, page: int) -> tuple[CachedPage, bool]:
+        """The child of `parent` for `key`: a new node holding `page` (True), or the one already there
+        (False: `page` is a duplicate and stays with its owner)."""
+        node = parent.children.get(key)
+        if node is not None:
+            return node, False
+        node = CachedPage(key, page, parent)
+        parent.children[key] = node
+        self.num_pages += 1
+        return node, True
+
+    def evict(self, count: int) -> np.ndarray:
+        """Remove up to `count` unreferenced pages, least recently used leaves first; their page ids."""
+        freed: list[int] = []
+        heap = self._evictable
+        while len(freed) < count and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.refs or node.children or node.parent is None:  # stale entry: used or grown since
+                continue
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self.num_pages -= 1
+            freed.append(node.page)
+            if parent is not self.root and parent.refs == 0 and not parent.children:
+                self._push(parent)
+        return np.asarray(freed, dtype=np.int32)
+
+    def _push(self, node: CachedPage) -> None:
+        self._pushes += 1
+        heapq.heappush(self._evictable, (node.last_used, self._pushes, node))
+
+    def pages(self) -> list[int]:
+        """Every cached page id (for audits)."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node.page)
+            stack.extend(node.children.values())
+        return out

@@ -1,0 +1,297 @@
+"""The prefix cache in the scheduler: a radix tree over full KV pages, shared by reference count.
+
+The strongest check is `KVContentExecutor`: a fake worker that remembers, for every KV position of
+the pool, which token at which position was written there, and before every step verifies that each
+request's whole context (through its page table, shared pages included) holds exactly its own
+tokens. Random workloads with shared prefixes, tight pools, preemption and cancels run through it
+while the tree's reference counts are audited against the requests that hold them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
+from procs.scheduler.prefix_cache import PrefixCache
+from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+
+EOS = 2
+FIRST = 100
+
+
+# ------------------------------------------------------------------ the tree on its own
+
+def _ids(*values: int) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def test_match_insert_reference_and_lru_eviction_of_leaves():
+    cache = PrefixCache(page_size=2)
+    tokens = _ids(1, 2, 3, 4, 5, 6, 7)
+    assert cache.match(tokens, 3) == []
+    keys = cache.page_keys(tokens, 0, 3)
+    a, new_a = cache.insert(cache.root, keys[0], page=10)
+    b, new_b = cache.insert(a, keys[1], page=11)
+    c, _ = cache.insert(b, keys[2], page=12)
+    assert new_a and new_b and cache.num_pages == 3
+    assert cache.insert(a, keys[1], page=99) == (b, False)  # already there: 99 stays with its owner
+    assert [n.page for n in cache.match(tokens, 3)] == [10, 11, 12]
+    assert [n.page for n in cache.match(tokens, 2)] == [10, 11]  # at most max_pages
+    assert [n.page for n in cache.match(_ids(1, 2, 3, 9, 5, 6), 3)] == [10]  # diverges in page 2
+
+    other, _ = cache.insert(a, cache.page_keys(_ids(0, 0, 8, 8), 1, 2)[0], page=13)  # a second branch
+    cache.reference([a, b, c])
+    cache.reference([a, other])
+    assert cache.num_referenced == 4 and cache.num_evictable == 0
+    assert cache.evict(4).tolist() == []  # everything in use
+    cache.dereference([a, other])  # `other` is the least recently used leaf
+    cache.dereference([a, b, c])
+    assert cache.num_referenced == 0
+    assert cache.evict(1).tolist() == [13]
+    assert cache.evict(5).tolist() == [12, 11, 10]  # leaves first: c, then b, then a
+    assert cache.num_pages == 0 and cache.match(tokens, 3) == []
+
+
+# ------------------------------------------------------------------ a fake worker that checks KV contents
+
+class KVContentExecutor:
+    """Writes (token, position) into a simulated pool and checks every request's context each step."""
+
+    def __init__(self, sched: Scheduler, prompts: dict[str, list[int]], outputs: dict[str, int]) -> None:
+        self.sched, self.prompts, self.outputs = sched, prompts, outputs
+        self.P = sched.page_size
+        self.page_table: dict[tuple[int, int], int] = {}
+        self.kv: dict[int, tuple[int, int]] = {}  # flat KV location -> (token id, position)
+        self.sampled: dict[str, list[int]] = {}
+        self.reused_tokens = 0  # context positions read from pages another request wrote
+
+    def token(self, rid: str, k: int) -> int:
+        return EOS if k + 1 == self.outputs[rid] else FIRST + k
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
+                                   batch.page_table_pages.tolist()):
+            self.page_table[(slot, col)] = page
+        out, offset = [], 0
+        writers: dict[int, str] = {}
+        for i, slot in enumerate(batch.slots):
+            rid = self.sched.rid_in_slot(slot)
+            sampled = self.sampled.setdefault(rid, [])
+            seq = self.prompts[rid] + sampled
+            p, e = batch.prefix_lens[i], batch.extend_lens[i]
+            part = slice(offset, offset + e)
+            offset += e
+            assert batch.positions[part].tolist() == list(range(p, p + e))
+            assert batch.input_ids[part].tolist() == seq[p:p + e], f"{rid}: fed the wrong tokens"
+            assert batch.sample_counts[i] == len(sampled)
+            for q, loc in zip(range(p, p + e), batch.kv_locs[part].tolist()):
+                assert loc == self.page_table[(slot, q // self.P)] * self.P + q % self.P
+                assert writers.setdefault(loc, rid) == rid, "two requests write one KV position in one step"
+                self.kv[loc] = (seq[q], q)
+            for q in range(p):  # the context this step attends to, through the page table
+                loc = self.page_table[(slot, q // self.P)] * self.P + q % self.P
+                assert self.kv.get(loc) == (seq[q], q), f"{rid}: KV at position {q} is not its own token"
+            if batch.samples[i]:
+                token = self.token(rid, len(sampled))
+                sampled.append(token)
+                out.append(token)
+        return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
+
+
+def audit_references(sched: Scheduler) -> None:
+    """Every node's reference count is the number of admitted requests whose path holds it; paths run
+    from the root; no page is both cached and free, or cached and some request's own page."""
+    cache = sched.kv.cache
+    admitted = [sched.table.requests[s] for s in range(sched.table.num_slots) if sched.table.requests[s]]
+    counts: dict[int, int] = {}
+    for request in admitted:
+        parent = cache.root
+        for node in request.cache_path:
+            assert node.parent is parent, "a request's cache path is not a path from the root"
+            counts[id(node)] = counts.get(id(node), 0) + 1
+            parent = node
+    stack, referenced, tree_pages = list(cache.root.children.values()), 0, []
+    while stack:
+        node = stack.pop()
+        assert node.refs == counts.get(id(node), 0), f"page {node.page}: refs {node.refs}"
+        referenced += node.refs > 0
+        tree_pages.append(node.page)
+        stack.extend(node.children.values())
+    assert referenced == cache.num_referenced and len(tree_pages) == cache.num_pages
+    free = set(sched.allocator._free[:sched.allocator.num_free].tolist())
+    own: list[int] = []
+    for request in admitted:
+        slot = request.slot
+        row = sched.table.page_table[slot, :sched.table.num_pages[slot]].tolist()
+        shared = {n.page for n in request.cache_path}
+        own += [p for p in row if p not in shared]
+        assert sum(p in shared for p in row) == sched.table.shared_pages[slot]
+    assert not (set(tree_pages) & free) and not (set(tree_pages) & set(own)) and not (set(own) & free)
+    assert len(own) == len(set(own)), "a page is two requests' own"
+    assert len(tree_pages) + len(own) + len(free) == sched.num_kv_pages
+
+
+@dataclass
+class Job:
+    rid: str
+    arrival: int
+    prompt: list[int]
+    outputs: int
+    cancel_before: int | None = None
+
+
+def run(config: SchedulerConfig, jobs: list[Job], max_steps: int = 4000) -> tuple[Scheduler, KVContentExecutor]:
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    ex = KVContentExecutor(sched, {j.rid: j.prompt for j in jobs}, {j.rid: j.outputs for j in jobs})
+    ended: set[str] = set()
+    for step in range(max_steps):
+        for job in jobs:
+            if job.arrival == step:
+                sched.add_request(job.rid, job.prompt, SamplingParams(), StopParams(max_tokens=job.outputs))
+            if job.cancel_before == step and job.arrival <= step and sched.abort(job.rid):
+                ended.add(job.rid)
+        if len(ended) == len(jobs) and step > max(j.arrival for j in jobs) and not sched.has_unfinished():
+            break
+        out = sched.step(ex)
+        for rid in out.finished:
+            ended.add(rid)
+            assert ex.sampled[rid] == [ex.token(rid, k) for k in range(ex.outputs[rid])], f"{rid}: tokens lost"
+        assert sched.kv_used_tokens <= sched.kv_capacity_tokens
+        audit_references(sched)
+    else:
+        raise AssertionError("not done")
+    assert sched.num_running == sched.num_waiting == 0 and sched.kv.cache.num_referenced == 0
+    assert sched.allocator.num_free + sched.kv.cache.num_pages == sched.num_kv_pages
+    sched.allocator.free(sched.kv.cache.evict(sched.num_kv_pages))
+    assert sched.allocator.num_free == sched.num_kv_pages
+    return sched, ex
+
+
+@st.composite
+def shared_prefix_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
+    page_size = draw(st.sampled_from((1, 2, 4, 16)))
+    policy = draw(st.sampled_from(POLICIES))
+    slots = draw(st.integers(1, 6))
+    bases = [[draw(st.integers(3, 60)) for _ in range(draw(st.integers(0, 40)))] for _ in range(draw(st.integers(1, 3)))]
+    jobs = []
+    for i in range(draw(st.integers(1, 10))):
+        prompt = draw(st.sampled_from(bases)) + [draw(st.integers(3, 60)) for _ in range(draw(st.integers(1, 12)))]
+        job = Job(f"r{i}", draw(st.integers(0, 12)), prompt, draw(st.integers(1, 20)))
+        if draw(st.integers(0, 4)) == 0:
+            job.cancel_before = job.arrival + draw(st.integers(0, 25))
+        jobs.append(job)
+    largest = max(-(-(len(j.prompt) + j.outputs) // page_size) for j in jobs)
+    config = SchedulerConfig(max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 30)),
+                             kv_capacity_tokens=(largest + draw(st.integers(0, 2 * largest))) * page_size,
+                             page_size=page_size, policy=policy, prefix_cache=True,
+                             kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])))
+    return config, jobs
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared_prefix_workloads())
+def test_shared_prefixes_keep_every_kv_position_right_and_references_exact(workload):
+    run(*workload)
+
+
+def test_a_later_request_starts_after_the_cached_prefix_and_reads_pages_it_did_not_write():
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
+                             prefix_cache=True)
+    system = list(range(10, 22))  # 12 tokens: 3 full pages
+    first, second = Job("A", 0, system + [5, 6], 3), Job("B", 6, system + [7], 2)
+    sched, ex = run(config, [first, second])
+    assert sched.kv.hit_tokens == 12 and sched.kv.queried_tokens == 14 + 13
+
+
+def test_a_whole_prompt_in_the_cache_still_computes_its_last_token():
+    config = SchedulerConfig(max_running_requests=1, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
+                             prefix_cache=True)
+    prompt = list(range(10, 18))  # exactly 2 pages
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    ex = KVContentExecutor(sched, {"A": prompt, "B": prompt}, {"A": 2, "B": 2})
+    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=2))
+    while sched.has_unfinished():
+        sched.step(ex)
+    sched.add_request("B", prompt, SamplingParams(), StopParams(max_tokens=2))
+    out = sched.step(ex)
+    assert out.prefill == [("B", 4)]  # page 0 cached; page 1 holds the last token, computed again
+    assert out.cached_tokens == {"B": 4}
+
+
+def test_an_abort_mid_prefill_caches_only_completed_pages():
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=6, kv_capacity_tokens=64, page_size=4,
+                             prefix_cache=True)
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    prompt = list(range(10, 30))  # 20 tokens, chunks of 6
+    ex = KVContentExecutor(sched, {"A": prompt}, {"A": 5})
+    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=5))
+    sched.step(ex)
+    sched.step(ex)  # 12 prefilled: pages 0-2 complete
+    assert sched.abort("A")
+    cache = sched.kv.cache
+    assert cache.num_pages == 3 and cache.num_referenced == 0  # cached, referenced by nobody
+    assert sched.allocator.num_free + 3 == sched.num_kv_pages
+
+
+def test_disconnect_storm_leaves_no_referenced_page():
+    config = SchedulerConfig(max_running_requests=8, prefill_budget=16, kv_capacity_tokens=512, page_size=4,
+                             prefix_cache=True, policy="mixed")
+    system = list(range(10, 30))
+    jobs = [Job(f"r{i}", i % 3, system + [40 + i], 30, cancel_before=2 + i) for i in range(12)]
+    sched, _ = run(config, jobs)
+    assert sched.kv.hit_tokens > 0
+
+
+def test_with_nothing_to_share_the_cache_changes_no_trace():
+    """Scenario prompts share nothing unless they say so: with the cache on (and filling and evicting),
+    every hand-derived trace of the scenarios without shared prefixes is unchanged. (Not with
+    preemption: a recompute finds its own earlier pages, see the next test.)"""
+    from pathlib import Path
+
+    import msgspec
+
+    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config, trace_record
+
+    def normal(trace: list[dict]) -> list[dict]:
+        return [{**s, "finished": sorted(s["finished"]), "cancelled": sorted(s["cancelled"])} for s in trace]
+
+    for path in sorted((Path(__file__).parent / "scenarios").glob("*.json")):
+        scenario = load_scenario(path)
+        if any(r.shared_prefix for r in scenario.requests) or scenario.config.kv_reserve_ratio < 1:
+            continue
+        for policy, expected in scenario.expected.items():
+            config = msgspec.structs.replace(scheduler_config(scenario, policy), prefix_cache=True)
+            sched = Scheduler(config, eos_token_ids=(2,))
+            trace = [trace_record(out) for out in run_scenario(scenario, config, scheduler=sched)]
+            assert normal(trace) == normal(expected), (path.name, policy)
+            assert sched.kv.hit_tokens == 0 and sched.kv.cache.num_referenced == 0
+
+
+def test_a_recompute_after_preemption_mostly_hits_the_cache():
+    """The preemption scenario with the cache on: B's 11-token recompute finds the 8 of its pages that
+    A's growth did not evict (LRU takes B's last two first), so it prefills 3 tokens instead of 8 + 3."""
+    from pathlib import Path
+
+    import msgspec
+
+    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config, trace_record
+
+    scenario = load_scenario(Path(__file__).parent / "scenarios" / "preemption.json")
+    config = msgspec.structs.replace(scheduler_config(scenario, "prefill-first"), prefix_cache=True)
+    trace = [trace_record(out) for out in run_scenario(scenario, config)]
+    assert trace[8]["preempted"] == ["B"] and trace[10]["prefill"] == [["B", 3]]
+    assert trace[11] == {"step": 11, "prefill": [], "decode": ["B"], "finished": ["B"], "cancelled": []}
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_preempted_requests_recompute_from_the_cache(page_size):
+    config = SchedulerConfig(max_running_requests=3, prefill_budget=64, kv_capacity_tokens=48, page_size=page_size,
+                             prefix_cache=True, kv_reserve_ratio=0.05)
+    jobs = [Job(f"r{i}", 0, list(range(10 + i, 22 + i)), 20) for i in range(3)]
+    sched, _ = run(config, jobs)
+    assert sched.kv.hit_tokens > 0  # the recomputes found their own earlier pages
