@@ -18,7 +18,8 @@ from procs.cli import CliError
 from shared.config import add_config_arguments, config_from_args
 
 ENGINE_FIELDS = ("model", "dtype", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
-                 "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "attention_backend")
+                 "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "disable_prefix_cache",
+                 "attention_backend")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

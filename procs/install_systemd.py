@@ -53,6 +53,8 @@ FIELD_DOCS: dict[str, str] = {
                    "max_waiting requests are in the server at once; more get 503 and Retry-After).",
     "kv_reserve_ratio": "Share of a request's remaining max_tokens reserved in the KV cache at admission (0.01-1);\n"
                         "below 1 more requests run at once, and the newest is preempted (recomputed later) if KV runs out.",
+    "disable_prefix_cache": "true: every request computes its whole prompt (no KV shared across requests with a\n"
+                            "common prefix, e.g. a system prompt or the history of a chat).",
     "step_timeout_s": "Seconds a model step may take before the worker counts as hung: every request in flight\n"
                       "then fails (503 / an error event) and the scheduler exits for a restart. Generous: a long\n"
                       "prefill chunk on a CPU takes seconds.",

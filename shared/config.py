@@ -35,6 +35,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     # Share of each request's remaining max_tokens reserved at admission (SCHEDULING.md's rho; whole
     # percents). Chosen by measurement: loadtests/results/reserve_ratio_cpu.txt, README "Admission".
     kv_reserve_ratio: float = 0.05
+    disable_prefix_cache: bool = False  # by default requests share the KV of common prompt prefixes
     # A step without a result for this long fails every request in flight and stops the scheduler
     # (a hung or dead worker); generous, since a long prefill chunk on a CPU takes seconds.
     step_timeout_s: float = 30.0

@@ -137,6 +137,7 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # Set on a request's first delta only, for the detokenizer's per-request state:
     stop: tuple[str, ...] = ()  # stop strings (StopParams.stop)
     prompt_tail: list[int] = []  # the prompt's last few ids: context for decoding the first tokens
@@ -146,6 +147,7 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
 
 
 class TextDelta(msgspec.Struct, tag=True, kw_only=True):
@@ -166,6 +168,12 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_used_tokens: int
     kv_total_tokens: int
     batch_sizes: list[int] = []  # requests per step since the previous stats message
+    # prefix cache: counters since the previous stats message, then the cache's size now
+    cache_hit_tokens: int = 0
+    cache_queried_tokens: int = 0
+    cache_evicted_pages: int = 0
+    cache_pages: int = 0
+    cache_referenced_pages: int = 0
     preemptions: int = 0  # requests preempted since the previous stats message
     kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (SCHEDULING.md's rho)
 

@@ -52,7 +52,8 @@ def test_completion_whole_answer_shape_and_defaults():
         assert body["object"] == "text_completion" and body["model"] == "fake-model"
         assert isinstance(body["created"], int)
         assert body["choices"] == [{"index": 0, "text": "Hello, world!", "logprobs": None, "finish_reason": "stop"}]
-        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         (req,) = engine.requests
         assert req.rid == body["id"] and req.prompt == "Say hello to me" and req.prompt_token_ids is None
         assert req.sampling == SamplingParams()  # temperature 1, top_p 1, top_k -1, min_p 0, no seed
@@ -100,7 +101,8 @@ def test_chat_whole_answer_shape_and_defaults():
         assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
         assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello, world!"},
                                     "logprobs": None, "finish_reason": "stop"}]
-        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         first, second = engine.requests
         assert [(m.role, m.content) for m in first.messages] == [("system", "Be brief."), ("user", "hi\nthere")]
         assert first.prompt is None and first.prompt_token_ids is None
@@ -157,7 +159,8 @@ def test_completion_stream_include_usage():
         assert done == "[DONE]"
         assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
         assert usage_chunk["choices"] == [] and usage_chunk["object"] == "text_completion"
-        assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     run(go())
 
 
@@ -181,7 +184,8 @@ def test_chat_stream_chunks_and_usage():
         *chunks_u, usage_chunk, done = with_usage
         assert done == "[DONE]" and usage_chunk["choices"] == []
         assert usage_chunk["object"] == "chat.completion.chunk"
-        assert usage_chunk["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+        assert usage_chunk["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert all(c["usage"] is None for c in chunks_u)
         assert engine.aborts == []
     run(go())

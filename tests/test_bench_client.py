@@ -207,3 +207,34 @@ def test_cli_reports_a_server_that_never_gets_healthy_and_keeps_the_rest(tmp_pat
     assert [r["config"] for r in doc["runs"]] == [other.base_url]  # the other target was still measured
     assert doc["runs"][0]["metrics"]["completed"] == 4  # two rounds of two requests, pooled
     assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("mixed:")
+
+
+def test_multiturn_conversations_resend_their_history_turn_after_turn(tmp_path, capsys):
+    script = FakeServerScript(ttft_s=0.01, token_interval_s=0.001)
+    out = tmp_path / "bench.json"
+    with FakeServerThread(script) as server:
+        status = cli_main(["bench", "--base-url", server.base_url, "--model", "fake", "--tokenizer", "words",
+                           "--workload", "multiturn", "--num-prompts", "3", "--turns", "3", "--system-tokens", "40",
+                           "--output-len", "4", "--concurrency", "2", "--warmup", "1", "--output", str(out),
+                           "--no-progress"])
+    assert status == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["metrics"]["completed"] == 9 and set(run["by_turn"]) == {"0", "1", "2"}
+    chats = [body["messages"] for body in script.received if len(body["messages"]) > 1]  # the warm-up has none
+    assert len(chats) == 9
+    system = chats[0][0]
+    assert system["role"] == "system" and len(system["content"].split()) == 40
+    for messages in chats:
+        assert messages[0] == system  # one system prompt, shared by every conversation
+        roles = [m["role"] for m in messages[1:]]
+        assert roles == ["user", "assistant"] * ((len(roles) - 1) // 2) + ["user"]
+        for answer in messages[2::2]:
+            assert answer["content"] == "tok0 tok1 tok2 tok3 "  # the answer the previous turn got
+    assert sorted(len(m) for m in chats) == [2] * 3 + [4] * 3 + [6] * 3
+    assert "TTFT by turn" in capsys.readouterr().out
+
+
+def test_multiturn_needs_the_chat_endpoint_and_a_concurrency(capsys):
+    for extra in (["--endpoint", "completions"], ["--request-rate", "2"]):
+        assert cli_main(["bench", "--workload", "multiturn", "--tokenizer", "words", *extra]) == 2
+        assert "multiturn" in capsys.readouterr().err

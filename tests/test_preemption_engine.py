@@ -26,12 +26,16 @@ def alone(model_dir):
     return transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("page_size, capacity", [(1, 48), (16, 48)])
 @pytest.mark.parametrize("policy", ["prefill-first", "mixed", "fixed"])
-def test_preempted_greedy_requests_equal_their_solo_outputs(model_dir, alone, policy, page_size, capacity):
+def test_preempted_greedy_requests_equal_their_solo_outputs(model_dir, alone, policy, page_size, capacity,
+                                                            prefix_cache):
     # 5 slots and a 5 % estimate admit every request at once; 5 x (prompt + 24) tokens outgrow the pool.
+    # With the prefix cache, a recompute starts on the pages it left cached.
     config = ServerConfig(model=str(model_dir), policy=policy, prefill_budget=8, max_running_requests=5,
-                          page_size=page_size, kv_capacity_tokens=capacity, kv_reserve_ratio=0.05)
+                          page_size=page_size, kv_capacity_tokens=capacity, kv_reserve_ratio=0.05,
+                          disable_prefix_cache=not prefix_cache)
     engine = OfflineEngine(config)
     completions = engine.generate([request(f"r{i}", prompt=p, sampling={"temperature": 0},
                                            stop={"max_tokens": NEW_TOKENS, "ignore_eos": True})
@@ -40,7 +44,9 @@ def test_preempted_greedy_requests_equal_their_solo_outputs(model_dir, alone, po
     assert [c.token_ids for c in completions] == alone
     assert all(c.finish_reason == "length" for c in completions)
     sched = engine.scheduler
-    assert sched.kv_used_tokens == 0 and sched.allocator.num_free == sched.num_kv_pages
+    cached = sched.kv.cache.num_pages if prefix_cache else 0
+    assert sched.kv_used_tokens == 0 and sched.allocator.num_free + cached == sched.num_kv_pages
+    assert prefix_cache or sched.kv.hit_tokens == 0
 
 
 def test_seeded_sampling_is_unchanged_by_preemption(model_dir):

@@ -9,7 +9,9 @@ histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between
            deliveries of one request), e2e_request_latency_seconds, batch_size (requests per step)
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
-           request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed)
+           request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed),
+           prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
+prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ class ApiMetrics:
                                    "Share of remaining max_tokens reserved in the KV cache at admission", registry=r)
         self.preemptions = Counter("batchserve_preemptions", "Requests preempted (KV freed, recomputed later)",
                                    registry=r)
+        self.cache_hits = Counter("batchserve_prefix_cache_hit_tokens",
+                                  "Prompt tokens whose KV was found in the prefix cache", registry=r)
+        self.cache_queries = Counter("batchserve_prefix_cache_queried_tokens",
+                                     "Prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_evictions = Counter("batchserve_prefix_cache_evicted_pages",
+                                       "Prefix-cache pages evicted to make room", registry=r)
+        self.cache_pages = Gauge("batchserve_prefix_cache_pages", "KV pages in the prefix cache", registry=r)
+        self.cache_referenced = Gauge("batchserve_prefix_cache_referenced_pages",
+                                      "Prefix-cache pages used by running requests (the rest can be evicted)",
+                                      registry=r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -62,6 +74,11 @@ class ApiMetrics:
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
         self.reserve_ratio.set(stats.kv_reserve_ratio)
+        self.cache_hits.inc(stats.cache_hit_tokens)
+        self.cache_queries.inc(stats.cache_queried_tokens)
+        self.cache_evictions.inc(stats.cache_evicted_pages)
+        self.cache_pages.set(stats.cache_pages)
+        self.cache_referenced.set(stats.cache_referenced_pages)
         if stats.preemptions:
             self.preemptions.inc(stats.preemptions)
         for size in stats.batch_sizes:

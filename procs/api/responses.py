@@ -23,9 +23,9 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
+def usage_dict(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 class ResponseShapes(ABC):

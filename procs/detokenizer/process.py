@@ -52,7 +52,7 @@ class Detokenizers:
             return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids)), False
         del self.active[rid]
         usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                      total_tokens=delta.prompt_tokens + delta.completion_tokens)
+                      total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens)
         return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids), finish_reason=finish,
                          usage=usage), abort
 

@@ -87,6 +87,7 @@ class _Live:
     prompt_tail: list[int]
     generated: int = 0
     started: bool = False
+    cached_tokens: int = 0
 
 
 class TokenDeltas:
@@ -105,6 +106,9 @@ class TokenDeltas:
         for rid, token in out.new_tokens:
             tokens.setdefault(rid, []).append(int(token))
         deltas = []
+        for rid, cached in out.cached_tokens.items():
+            if rid in self.live:
+                self.live[rid].cached_tokens = cached
         for rid, ids in tokens.items():
             deltas.append(self._delta(rid, ids, out.finish_reasons.get(rid)))
         for rid in out.finished:
@@ -122,7 +126,8 @@ class TokenDeltas:
         first = not state.started
         state.started = True
         delta = TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=state.prompt_tokens,
-                           completion_tokens=state.generated, stop=state.stop if first else (),
+                           completion_tokens=state.generated, cached_tokens=state.cached_tokens,
+                           stop=state.stop if first else (),
                            prompt_tail=state.prompt_tail if first else [])
         if finish_reason is not None:
             del self.live[rid]
@@ -134,6 +139,7 @@ def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
+        prefix_cache=not config.disable_prefix_cache,
     )
 
 
@@ -159,6 +165,7 @@ class SchedulerLoop:
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
         self._preemptions = 0
+        self._cache_counts = (0, 0, 0)
         self._last_stats = 0.0
         self._was_busy = False
 
@@ -234,10 +241,21 @@ class SchedulerLoop:
                                         kv_used_tokens=sched.kv_used_tokens,
                                         kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
                                         preemptions=self._preemptions,
-                                        kv_reserve_ratio=sched.config.kv_reserve_ratio))
+                                        kv_reserve_ratio=sched.config.kv_reserve_ratio, **self._cache_stats()))
         self._batch_sizes = []
         self._preemptions = 0
         self._last_stats = now
+
+    def _cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters since the last stats message, and its size now."""
+        kv = self.scheduler.kv  # type: ignore[union-attr]
+        if kv.cache is None:
+            return {}
+        counts = (kv.hit_tokens, kv.queried_tokens, kv.evicted_pages)
+        hit, queried, evicted = (now - before for now, before in zip(counts, self._cache_counts))
+        self._cache_counts = counts
+        return {"cache_hit_tokens": hit, "cache_queried_tokens": queried, "cache_evicted_pages": evicted,
+                "cache_pages": kv.cache.num_pages, "cache_referenced_pages": kv.cache.num_referenced}
 
 
 def run(config: ServerConfig) -> int:
