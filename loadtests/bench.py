@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtests.report import RunRecord, format_ratios, format_table, write_json
+from loadtests.report import RunRecord, format_ratios, format_table, format_turns, write_json
 from loadtests.runner import LoadPoint
 from loadtests.server_process import DEFAULT_SERVE_COMMAND
 from loadtests.targets import Opener, Plan, measure_targets, server_target, transformers_target, url_target
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
-                                chat_workload, questions_workload, random_workload)
+                                chat_workload, multiturn_workload, questions_workload, random_workload)
 from procs.cli import CliError
 from shared.config import DEFAULT_MODEL, ServerConfig
 
@@ -37,10 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     load = parser.add_argument_group("workload")
-    load.add_argument("--workload", choices=("random", "chat", "questions"), default="random",
+    load.add_argument("--workload", choices=("random", "chat", "questions", "multiturn"), default="random",
                       help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix; "
                       "questions: everyday chat questions sent without max_tokens (answered until EOS), "
-                      "sampled at temperature 0.7 with a seed per request")
+                      "sampled at temperature 0.7 with a seed per request; multiturn: --num-prompts "
+                      "conversations of --turns questions behind one --system-tokens system prompt, each turn "
+                      "resending the history (chat endpoint; --concurrency = conversations in flight)")
+    load.add_argument("--turns", type=int, default=4, help="questions per conversation (multiturn)")
+    load.add_argument("--system-tokens", type=int, default=1000, help="system prompt length (multiturn)")
     load.add_argument("--num-prompts", default="100", help="requests per load point: one number, or a comma "
                       "list with one entry per point (each a prefix of the same seeded workload)")
     load.add_argument("--input-len", default="128:512", help="prompt tokens, N or MIN:MAX (random workload)")
@@ -183,9 +187,11 @@ def main(args: argparse.Namespace) -> int:
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")
     with_transformers = args.compare and not args.no_transformers
-    if with_transformers and args.workload == "questions":
-        raise CliError("the questions workload has no output lengths to give transformers.generate: "
+    if with_transformers and args.workload in ("questions", "multiturn"):
+        raise CliError(f"the {args.workload} workload cannot run on the transformers.generate baseline: "
                        "add --no-transformers")
+    if args.workload == "multiturn" and (args.endpoint != "chat" or args.request_rate):
+        raise CliError("the multiturn workload needs --endpoint chat and --concurrency (conversations in flight)")
     variants = [_variant(text) for text in args.variant]
     if variants and not args.compare:
         raise CliError("--variant needs --compare")
@@ -196,6 +202,13 @@ def main(args: argparse.Namespace) -> int:
     elif args.workload == "questions":
         specs = questions_workload(num_prompts, args.seed)
         warmup = questions_workload(args.warmup, args.seed + 1) if args.warmup else []
+    elif args.workload == "multiturn":
+        output_len = LengthRange.parse(args.output_len, "--output-len").high
+        specs = multiturn_workload(num_prompts, args.turns, args.system_tokens, output_len, args.seed, builder)
+        # a warm-up that shares nothing with the conversations (it must not fill a prefix cache for them)
+        warmup = random_workload(args.warmup, LengthRange(16, 16), LengthRange(8, 8), args.seed + 1, builder) \
+            if args.warmup else []
+        counts = [c * args.turns for c in counts]  # --num-prompts counts conversations
     else:
         lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
         specs = random_workload(num_prompts, *lens, args.seed, builder)
@@ -232,6 +245,8 @@ def main(args: argparse.Namespace) -> int:
                    _baselines(records), errors)
     baselines = _baselines(records)
     print("\n" + format_table(records))
+    if turns := format_turns(records):
+        print("\n" + turns)
     for baseline in baselines:
         print("\n" + format_ratios(records, baseline))
     if args.output:

@@ -34,6 +34,8 @@ class RequestResult:
     output_tokens: int = 0
     usage_reported: bool = False  # False: counts fell back to the spec / number of content chunks
     text: str = ""
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage's prompt_tokens_details)
+    turn: int | None = None  # of a multi-turn conversation
 
 
 def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str, Any]:
@@ -49,7 +51,8 @@ def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str
     if spec.seed is not None:
         payload["seed"] = spec.seed
     if endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": spec.prompt}]
+        payload["messages"] = [{"role": role, "content": content} for role, content in spec.history] + [
+            {"role": "user", "content": spec.prompt}]
     else:
         payload["prompt"] = spec.prompt
     return payload
@@ -109,6 +112,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                 if usage:
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                     result.usage_reported = True
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"

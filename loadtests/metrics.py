@@ -53,6 +53,7 @@ class BenchMetrics:
     itl_ms: Distribution
     tpot_ms: Distribution
     e2e_ms: Distribution
+    total_cached_tokens: int = 0  # of the input tokens, those the server reported as found in its prefix cache
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +95,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchMetri
         duration_s=duration_s,
         total_input_tokens=total_in,
         total_output_tokens=total_out,
+        total_cached_tokens=sum(r.cached_tokens for r in ok),
         request_throughput=len(ok) / duration_s,
         input_throughput=total_in / duration_s,
         output_throughput=total_out / duration_s,

@@ -19,6 +19,7 @@ class RunRecord:
     point: LoadPoint
     metrics: BenchMetrics
     server: ServerStats | None = None  # sampled from a batchserve /metrics during the run
+    by_turn: dict[int, BenchMetrics] | None = None  # multi-turn chats: the requests of each turn (0-based)
 
     def preemptions_per_100(self) -> float | None:
         if self.server is None or not self.metrics.completed + self.metrics.failed:
@@ -33,6 +34,7 @@ class RunRecord:
             "request_rate": None if rate is None else ("inf" if math.isinf(rate) else rate),
             "metrics": self.metrics.to_dict(),
             "server": None if self.server is None else self.server.to_dict(),
+            "by_turn": None if self.by_turn is None else {t: m.to_dict() for t, m in self.by_turn.items()},
         }
 
 
@@ -49,6 +51,7 @@ def format_run(record: RunRecord) -> str:
         f"{'Benchmark duration (s):':<34}{m.duration_s:.2f}",
         f"{'Total input tokens:':<34}{m.total_input_tokens}",
         f"{'Total generated tokens:':<34}{m.total_output_tokens}",
+        f"{'Cached input tokens (server):':<34}{m.total_cached_tokens}",
         f"{'Request throughput (req/s):':<34}{m.request_throughput:.2f}",
         f"{'Input token throughput (tok/s):':<34}{m.input_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<34}{m.output_throughput:.2f}",
@@ -85,6 +88,21 @@ def format_table(records: Sequence[RunRecord]) -> str:
             row += (f"{'-' if r.server is None else r.server.peak_running:>9}"
                     f"{'-' if per_100 is None else f'{per_100:.1f}':>12}")
         rows.append(row)
+    return "\n".join(rows)
+
+
+def format_turns(records: Sequence[RunRecord]) -> str:
+    """TTFT of each turn of multi-turn chats, per config (ms); "" when no record has turns."""
+    with_turns = [r for r in records if r.by_turn]
+    if not with_turns:
+        return ""
+    turns = sorted({t for r in with_turns for t in r.by_turn})  # type: ignore[union-attr]
+    header = f"{'load':<16}{'config':<16}" + "".join(f"{f'turn {t + 1} p50/p99':>22}" for t in turns)
+    rows = ["TTFT by turn (ms)", header, "-" * len(header)]
+    for r in with_turns:
+        cells = "".join(f"{_ms(r.by_turn[t].ttft_ms.p50) + ' / ' + _ms(r.by_turn[t].ttft_ms.p99):>22}"  # type: ignore[index]
+                        if t in r.by_turn else f"{'-':>22}" for t in turns)  # type: ignore[operator]
+        rows.append(f"{r.point.label():<16}{r.config:<16}{cells}")
     return "\n".join(rows)
 
 

@@ -7,6 +7,7 @@ the in-process transformers baseline. Both are measured by the same code.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -98,6 +99,34 @@ async def run_concurrency(send: Sender, specs: Sequence[RequestSpec], concurrenc
     return [r for r in results if r is not None]
 
 
+async def run_conversations(send: Sender, specs: Sequence[RequestSpec], concurrency: int,
+                            progress: Progress | None = None) -> list[RequestResult]:
+    """Keep `concurrency` conversations going; each sends its turns one after the other, every turn
+    with the history so far (its earlier questions and the answers they got)."""
+    chats: dict[int, list[RequestSpec]] = {}
+    for spec in specs:
+        chats.setdefault(spec.conversation, []).append(spec)  # type: ignore[arg-type]
+    queue = list(chats.values())
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while queue:
+            turns = sorted(queue.pop(0), key=lambda s: s.turn)
+            history = turns[0].history
+            for spec in turns:
+                result = await send(dataclasses.replace(spec, history=history))
+                result.turn = spec.turn
+                results.append(result)
+                if progress:
+                    progress.update()
+                if not result.success:
+                    break  # the rest of this conversation would build on nothing
+                history = (*history, ("user", spec.prompt), ("assistant", result.text))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(queue)))))
+    return results
+
+
 async def run_rate(send: Sender, specs: Sequence[RequestSpec], request_rate: float, seed: int,
                    progress: Progress | None = None) -> list[RequestResult]:
     """Send request i at its Poisson arrival time, whatever is still in flight."""
@@ -125,7 +154,12 @@ async def measure(send: Sender, specs: Sequence[RequestSpec], point: LoadPoint, 
     progress = Progress(len(specs), desc, enabled=show_progress)
     start = time.perf_counter()
     try:
-        if point.concurrency is not None:
+        if any(spec.conversation is not None for spec in specs):
+            if point.concurrency is None:
+                raise ValueError("multi-turn conversations run at a concurrency (conversations in flight), "
+                                 "not at a request rate")
+            results = await run_conversations(send, specs, point.concurrency, progress)
+        elif point.concurrency is not None:
             results = await run_concurrency(send, specs, point.concurrency, progress)
         else:
             results = await run_rate(send, specs, point.request_rate, seed, progress)  # type: ignore[arg-type]

@@ -130,7 +130,9 @@ async def _measure_all(targets: Sequence[tuple[str, OpenTarget]], plan: Plan, ro
 
 def _record(label: str, point: LoadPoint, results: list[RequestResult], duration: float,
             server: ServerStats | None) -> RunRecord:
-    return RunRecord(label, point, summarize(results, duration), server)
+    turns = sorted({r.turn for r in results if r.turn is not None})
+    by_turn = {t: summarize([r for r in results if r.turn == t], duration) for t in turns} if turns else None
+    return RunRecord(label, point, summarize(results, duration), server, by_turn)
 
 
 def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,

@@ -24,6 +24,11 @@ class RequestSpec:
     output_len: int | None
     temperature: float = 0.0
     seed: int | None = None  # sampling seed: with temperature > 0 the same tokens on every target
+    # Multi-turn chats: turn `turn` of conversation `conversation` is sent after the turn before it
+    # ended, with `history` (the system prompt, earlier questions and the answers they got) first.
+    conversation: int | None = None
+    turn: int = 0
+    history: tuple[tuple[str, str], ...] = ()  # (role, content) messages before this turn's question
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,26 @@ def questions_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
     seeds = rng.integers(0, 2**31 - 1, size=num_prompts)
     return [RequestSpec(QUESTIONS[order[i % len(QUESTIONS)]], len(QUESTIONS[order[i % len(QUESTIONS)]].split()),
                         None, QUESTION_TEMPERATURE, int(seeds[i])) for i in range(num_prompts)]
+
+
+def multiturn_workload(conversations: int, turns: int, system_tokens: int, output_len: int, seed: int,
+                       builder: PromptBuilder) -> list[RequestSpec]:
+    """`conversations` chats of `turns` questions each behind one shared `system_tokens`-token system
+    prompt; every turn resends the whole history (its answers are filled in as the run goes).
+    Answers are `output_len` tokens (ignore_eos), greedy, so every target computes the same work."""
+    if conversations < 1 or turns < 1 or system_tokens < 0:
+        raise ValueError(f"need conversations >= 1, turns >= 1, system_tokens >= 0; got {conversations}, {turns}, "
+                         f"{system_tokens}")
+    rng = np.random.default_rng(seed)
+    system = builder.build(rng, system_tokens) if system_tokens else ""
+    history = (("system", system),) if system else ()
+    specs = []
+    for c in range(conversations):
+        for t in range(turns):
+            question = f"{QUESTIONS[int(rng.integers(len(QUESTIONS)))]} {builder.build(rng, 8)}"
+            specs.append(RequestSpec(question, system_tokens + t * (output_len + 20) + 20, output_len,
+                                     conversation=c, turn=t, history=history))
+    return specs
 
 
 def poisson_arrivals(num_requests: int, request_rate: float, seed: int) -> list[float]:
