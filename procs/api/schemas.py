@@ -44,9 +44,17 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values (we do not implement them).
+    # Accepted only at their neutral values (we do not implement them yet): see validation.UNSUPPORTED.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict[str, object] | None = None
+    guided_json: object | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(CommonRequestFields, kw_only=True):
@@ -61,6 +69,10 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[object] | None = None
+    tool_choice: object | None = None
+    functions: list[object] | None = None
+    function_call: object | None = None
 
 
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)

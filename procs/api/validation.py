@@ -24,6 +24,16 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
+# OpenAI (and vLLM) fields this server does not implement yet, with the values that mean "not used":
+# any other value is refused with a 400 naming the field, never silently ignored.
+# (null is always neutral.)
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
+    "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",),
+}
+
 
 @dataclass(frozen=True)
 class ValidatedRequest:
@@ -91,9 +101,10 @@ def _check_common(req: CommonRequestFields, model_name: str) -> None:
         raise ApiError(400, f"n must be 1 (got {req.n}): one choice per request", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(req, name, None)  # chat-only fields are absent from completions
+        if value is not None and value not in neutral:
+            raise ApiError(400, f"{name} is not supported by this server (yet); leave it out", name)
 
 
 def _sampling(req: CommonRequestFields) -> SamplingParams:
