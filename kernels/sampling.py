@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p and per-request seeds;
+the logits adjustments that come before it (penalties, bias, bans) and logprobs.
 
 Everything runs as whole-batch tensor ops; the only Python work per request is reading its
 `SamplingParams` into a few small parameter tensors. Filters apply in vLLM's order: temperature,
@@ -19,9 +20,9 @@ import torch
 
 from kernels import native
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, TokenLogprobs
 
-__all__ = ["sample_batch"]
+__all__ = ["sample_batch", "apply_repetition_penalty_", "token_logprobs"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -88,6 +89,29 @@ def sample_batch(
         greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
         sampled = torch.where(greedy_mask, _argmax(logits), sampled)
     return sampled
+
+
+def apply_repetition_penalty_(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
+    """HF/vLLM repetition penalty in place: a seen token's logit is divided by `penalty` when
+    positive, multiplied by it when not. scores [n, vocab] float, seen [n, vocab] bool, penalty [n]."""
+    p = penalty.unsqueeze(1)
+    penalized = torch.where(scores > 0, scores / p, scores * p)
+    torch.where(seen, penalized, scores, out=scores)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i's logprob of `token_ids[i]` and its `top[i]` most likely tokens.
+
+    logprobs: [n, vocab] log-softmax rows; token_ids: [n] on the same device."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    ids = token_ids.tolist()
+    k_max = max(top, default=0)
+    if k_max == 0:
+        return [TokenLogprobs(t, lp, [], []) for t, lp in zip(ids, chosen)]
+    top_values, top_ids = logprobs.topk(k_max, dim=-1)
+    values, alternatives = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(t, lp, alt[:k], val[:k])
+            for t, lp, alt, val, k in zip(ids, chosen, alternatives, values, top)]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,10 @@
 same prompts, same process, same threads.
 
 Prints decode tokens/s at several batch sizes, prefill tokens/s for 512-token prompts, the ratio,
-and where a decode step's time goes (attention, linear layers, LM head, sampling, other torch ops,
-Python/dispatch overhead).
+where a decode step's time goes (attention, linear layers, LM head, sampling, other torch ops,
+Python/dispatch overhead), and what a decode step costs with each per-request logits feature on
+every row (penalties, logit_bias + min_tokens, logprobs) against the plain step and the bare step
+(forward + sample, as the step was before per-slot logits state existed).
 
     .venv/bin/python -m loadtests.bench_engine [--batch-sizes 1,8,32,64] [--decode-steps 16]
 """
@@ -24,7 +26,8 @@ from procs.worker.loader import resolve_model
 from procs.worker.models import llama
 from procs.worker.model_runner import ModelRunner
 from shared.config import DEFAULT_MODEL
-from shared.messages import ForwardBatch, SamplingParams
+from kernels.sampling import sample_batch
+from shared.messages import ForwardBatch, LogitsParams, SamplingParams, SlotStart, StepResult
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -67,8 +70,11 @@ class StaticPlan:
             page_table_slots=i32(slots), page_table_cols=i32(cols), page_table_pages=i32(pages),
         )
 
-    def prefill(self) -> ForwardBatch:
-        return self._batch(self.prompts, [0] * len(self.prompts), with_pages=True)
+    def prefill(self, logits: LogitsParams | None = None) -> ForwardBatch:
+        batch = self._batch(self.prompts, [0] * len(self.prompts), with_pages=True)
+        batch.slot_starts = [SlotStart(slot=i, logits=logits or LogitsParams(), prompt_ids=p,
+                                       min_tokens_banned=[0]) for i, p in enumerate(self.prompts)]
+        return batch
 
     def decode(self, last: list[int]) -> ForwardBatch:
         batch = self._batch([[t] for t in last], list(self.lens), with_pages=False)
@@ -78,17 +84,20 @@ class StaticPlan:
 
 def run_engine(runner: ModelRunner, prompts: list[list[int]], steps: int,
                around_decode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+               logits: LogitsParams | None = None, execute: Callable[[ForwardBatch], StepResult] | None = None,
                ) -> tuple[float, float, list[list[int]]]:
-    """(prefill seconds, seconds for `steps` decode steps, generated tokens)."""
+    """(prefill seconds, seconds for `steps` decode steps, generated tokens); every request with
+    `logits`, every decode step run by `execute` (default: the runner's)."""
     plan = StaticPlan(runner, prompts, steps + 1)
     started = time.perf_counter()
-    last = runner.execute(plan.prefill()).next_token_ids.tolist()
+    last = runner.execute(plan.prefill(logits)).next_token_ids.tolist()
     prefill_s = time.perf_counter() - started
     outputs = [[t] for t in last]
+    execute = execute or runner.execute
     with around_decode():
         started = time.perf_counter()
         for _ in range(steps):
-            last = runner.execute(plan.decode(last)).next_token_ids.tolist()
+            last = execute(plan.decode(last)).next_token_ids.tolist()
             for out, token in zip(outputs, last):
                 out.append(token)
         decode_s = time.perf_counter() - started
@@ -214,6 +223,46 @@ def c_kernels_timed(timers: Timers) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------
+# What the per-request logits features cost a decode step
+
+FEATURES = {
+    "plain": None,
+    "penalties (frequency, presence, repetition)": LogitsParams(frequency_penalty=0.5, presence_penalty=0.5,
+                                                                repetition_penalty=1.1),
+    "frequency + presence penalties": LogitsParams(frequency_penalty=0.5, presence_penalty=0.5),
+    "logit_bias (8 ids) + min_tokens": LogitsParams(logit_bias={i: 1.0 for i in range(100, 108)}, min_tokens=10**6),
+    "logprobs, top 5": LogitsParams(logprobs=5),
+}
+
+
+def bare_execute(runner: ModelRunner) -> Callable[[ForwardBatch], StepResult]:
+    """The decode step as it was before per-slot logits state: page table, forward, sample."""
+    def execute(batch: ForwardBatch) -> StepResult:
+        runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
+        with torch.inference_mode():
+            logits = runner.forward_logits(batch)
+            token_ids = sample_batch(logits, batch.sampling, batch.sample_counts)
+        return StepResult(step=batch.step, next_token_ids=token_ids.to(torch.int32).numpy())
+    return execute
+
+
+def feature_costs(runner: ModelRunner, prompts: list[list[int]], steps: int, repeats: int) -> None:
+    """Decode step time per feature, all variants alternating, best of `repeats` each."""
+    variants: dict[str, Run] = {"bare step (before)": lambda: run_engine(runner, prompts, steps,
+                                                                         execute=bare_execute(runner))}
+    for name, logits in FEATURES.items():
+        variants[name] = lambda logits=logits: run_engine(runner, prompts, steps, logits=logits)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            best[name] = min(best.get(name, float("inf")), run()[1])
+    plain = best["plain"]
+    print(f"  batch {len(prompts)}:")
+    for name, seconds in best.items():
+        print(f"    {name:<46} {seconds / steps * 1000:7.2f} ms/step  {seconds / plain:5.3f}x plain")
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,13 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
+    parser.add_argument("--only-features", action="store_true", help="measure only the logits-feature costs")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     prefill_batches = [int(b) for b in args.prefill_batches.split(",")]
     breakdown_batches = [int(b) for b in args.breakdown_batches.split(",")]
-    decode_batch = max(batch_sizes + breakdown_batches + [2])  # 2: the warm-up
+    feature_batches = [int(b) for b in args.feature_batches.split(",")]
+    decode_batch = max(batch_sizes + breakdown_batches + feature_batches + [2])  # 2: the warm-up
 
     model_dir = resolve_model(args.model)
     capacity = max(decode_batch * (args.prompt_len + args.decode_steps + 32),
@@ -257,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     run_engine(runner, warm, 2)
     if reference is not None:
         run_transformers(reference, warm, 2)
+
+    print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
+          f"alternating runs)")
+    for b in feature_batches:
+        feature_costs(runner, prompts_for(b, args.prompt_len), args.decode_steps, args.repeats)
+    if args.only_features:
+        return 0
 
     print(f"\ndecode tokens/s (batch of equal-length prompts, greedy; best of {args.repeats} alternating runs)")
     print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}")

@@ -18,7 +18,7 @@ from procs.scheduler.core import Scheduler
 from procs.scheduler.process import scheduler_config
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
-from shared.messages import GenerateRequest, TokenizedRequest
+from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
 
 
 @dataclass
@@ -30,6 +30,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
 
 
 @dataclass
@@ -63,7 +65,8 @@ class OfflineEngine:
         live: dict[str, _Live] = {}
         for request in tokenized:
             ids = [int(t) for t in request.prompt_ids]
-            self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop)
+            self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
+                                       request.logits)
             live[request.rid] = _Live(Completion(request.rid, ids), IncrementalDetokenizer(
                 self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
         done = [live[r.rid].completion for r in tokenized]
@@ -76,6 +79,9 @@ class OfflineEngine:
             for rid, ids in new.items():
                 state = live[rid]
                 state.completion.token_ids.extend(ids)
+                if rid in out.logprobs:
+                    state.completion.logprobs.append(out.logprobs[rid])
+                state.completion.prompt_logprobs.extend(out.prompt_logprobs.get(rid, ()))
                 piece = state.detokenizer.add(ids)
                 state.completion.text += piece.text
                 if piece.stopped and rid not in out.finished:
@@ -94,13 +100,15 @@ class OfflineEngine:
 
 
 def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
-            sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None) -> GenerateRequest:
+            sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None,
+            logits: dict[str, Any] | None = None) -> GenerateRequest:
     """Build a `GenerateRequest` from plain values (for the CLI and tests)."""
-    from shared.messages import ChatMessage, SamplingParams, StopParams
+    from shared.messages import ChatMessage, LogitsParams, SamplingParams, StopParams
 
     return GenerateRequest(
         rid=rid, prompt=prompt,
         messages=None if messages is None else [ChatMessage(**m) for m in messages],
         sampling=msgspec.convert(sampling or {}, SamplingParams),
         stop=msgspec.convert(stop or {}, StopParams),
+        logits=msgspec.convert(logits or {}, LogitsParams, strict=False),
     )

@@ -24,6 +24,47 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None  # per-request generator: same seed -> same tokens, whatever the batch
 
 
+class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request changes to the model's logits and what to report of them. The worker keeps these
+    with the request's slot (sent once, when the slot starts), with the token counts they need.
+
+    Order: the repetition penalty on the model's logits (as HF's processor sees them), then
+    logit_bias, frequency and presence penalties (additive), then the min_tokens ban, then
+    `SamplingParams`' temperature and filters. Greedy requests are adjusted too. Logprobs are the
+    model's own log-softmax, before any of this (vLLM's default `raw_logprobs`).
+    """
+
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count among generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM: tokens in prompt or output: logit / p if > 0 else logit * p
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (-100 bans it)
+    logprobs: int | None = None  # per generated token: its logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
+
+    @property
+    def is_plain(self) -> bool:
+        """Nothing to adjust or report: the worker keeps no state for the slot."""
+        return not self.adjusts_logits and self.logprobs is None and self.prompt_logprobs is None
+
+
+PLAIN_LOGITS = LogitsParams()
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One token's logprob under the model, and the `k` most likely tokens at that position."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class StopParams(msgspec.Struct, frozen=True, kw_only=True):
     """When a request stops generating (checked by the scheduler, except `stop` strings)."""
 
@@ -31,6 +72,17 @@ class StopParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: matched by the detokenizer
+
+
+class SlotStart(msgspec.Struct, kw_only=True):
+    """A request starts in a worker slot (admitted, or re-admitted after a preemption): the slot's
+    logits state is reset to this. Ids are sent only when its `logits` need them."""
+
+    slot: int
+    logits: LogitsParams = PLAIN_LOGITS
+    prompt_ids: list[int] = []  # for the repetition penalty and prompt logprobs
+    output_ids: list[int] = []  # generated before a preemption: the penalties count them
+    min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
 
 
 class ForwardBatch(msgspec.Struct, kw_only=True):
@@ -56,6 +108,7 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     page_table_slots: np.ndarray  # [num_updates] int32
     page_table_cols: np.ndarray  # [num_updates] int32
     page_table_pages: np.ndarray  # [num_updates] int32
+    slot_starts: list[SlotStart] = []  # applied before the step runs
 
     @property
     def num_requests(self) -> int:
@@ -75,6 +128,12 @@ class StepResult(msgspec.Struct, kw_only=True):
 
     step: int
     next_token_ids: np.ndarray  # [num_sampling_requests] int32
+    # For the sampling requests that asked for logprobs: their index in next_token_ids, and them.
+    logprob_rows: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    # Prefill chunks of requests that asked for prompt logprobs: (slot, logprobs of the prompt
+    # tokens this chunk predicts, in order).
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +155,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # chat: the tokenizer applies the chat template
     sampling: SamplingParams = SamplingParams()
+    logits: LogitsParams = PLAIN_LOGITS
     stop: StopParams = StopParams()
     arrival_time: float = 0.0  # time.time() at the api
     # The client gave no max_tokens, so `stop.max_tokens` is the api's default (16 for completions,
@@ -118,6 +178,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
     sampling: SamplingParams
     stop: StopParams
     arrival_time: float = 0.0
+    logits: LogitsParams = PLAIN_LOGITS
 
 
 class RequestRejected(msgspec.Struct, tag=True, kw_only=True):
@@ -141,6 +202,11 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     # Set on a request's first delta only, for the detokenizer's per-request state:
     stop: tuple[str, ...] = ()  # stop strings (StopParams.stop)
     prompt_tail: list[int] = []  # the prompt's last few ids: context for decoding the first tokens
+    logprobs: list[TokenLogprobs] = []  # one per token of token_ids, when the request asked for logprobs
+    # First delta only, when the request asked for prompt logprobs: every prompt id, and the
+    # logprobs of prompt tokens 1.. (token 0 has none).
+    prompt_ids: list[int] = []
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -148,6 +214,21 @@ class Usage(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token: str  # the token's own text (decoded alone)
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """A token with its text, its logprob (None for a prompt's first token) and the top alternatives."""
+
+    token: str
+    token_id: int
+    logprob: float | None
+    top: list[TopLogprob] = []
 
 
 class TextDelta(msgspec.Struct, tag=True, kw_only=True):
@@ -158,6 +239,10 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = []  # one per token of token_ids, when asked for
+    # First delta only, when prompt logprobs were asked for (echo): the prompt's text and its tokens.
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):

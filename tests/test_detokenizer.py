@@ -359,3 +359,54 @@ def test_add_after_finish_is_an_error() -> None:
 def test_unsupported_tokenizer_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         IncrementalDetokenizer(object())
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs: ids (scheduler) -> token texts (api), through the process's `Detokenizers` and the
+# scheduler process's `TokenDeltas`.
+
+
+def test_logprobs_get_token_texts_and_the_prompt_its_text() -> None:
+    from procs.detokenizer.process import Detokenizers
+    from shared.messages import TokenDelta, TokenLogprobs
+
+    tok = _train_byte_level_bpe()
+    ids = tok.encode("hello world").ids
+    gen = tok.encode(" again").ids
+    detok = Detokenizers(tok)
+    first = TokenDelta(rid="r", token_ids=gen[:1], prompt_tokens=len(ids), completion_tokens=1,
+                       logprobs=[TokenLogprobs(gen[0], -0.5, [gen[0], ids[0]], [-0.5, -2.0])],
+                       prompt_ids=ids, prompt_logprobs=[TokenLogprobs(t, -1.0 - i, [], []) for i, t in enumerate(ids[1:])])
+    out, abort = detok.handle(first)
+    assert out is not None and not abort
+    assert out.prompt_text == "hello world"
+    assert [e.token for e in out.prompt_logprobs] == [tok.decode([t]) for t in ids]
+    assert out.prompt_logprobs[0].logprob is None and out.prompt_logprobs[1].logprob == -1.0
+    (entry,) = out.logprobs
+    assert (entry.token, entry.token_id, entry.logprob) == (tok.decode(gen[:1]), gen[0], -0.5)
+    assert [(t.token, t.token_id, t.logprob) for t in entry.top] == [
+        (tok.decode([gen[0]]), gen[0], -0.5), (tok.decode([ids[0]]), ids[0], -2.0)]
+    last, _ = detok.handle(TokenDelta(rid="r", token_ids=gen[1:2], finish_reason="length", prompt_tokens=len(ids),
+                                      completion_tokens=2))
+    assert last is not None and last.logprobs == [] and last.prompt_text is None and last.usage is not None
+
+
+def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
+    from procs.scheduler.core import StepOutput
+    from procs.scheduler.process import TokenDeltas
+    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenizedRequest, TokenLogprobs
+
+    deltas = TokenDeltas()
+    prompt = np.array([5, 6, 7], dtype=np.int32)
+    deltas.add(TokenizedRequest(rid="a", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams(),
+                                logits=LogitsParams(logprobs=1, prompt_logprobs=0)))
+    deltas.add(TokenizedRequest(rid="b", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams()))
+    lp = TokenLogprobs(9, -0.1, [9], [-0.1])
+    plp = [TokenLogprobs(6, -3.0, [], []), TokenLogprobs(7, -2.0, [], [])]
+    first = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], logprobs={"a": lp},
+                                        prompt_logprobs={"a": plp}))
+    a, b = first
+    assert (a.logprobs, a.prompt_ids, a.prompt_logprobs) == ([lp], [5, 6, 7], plp)
+    assert (b.logprobs, b.prompt_ids, b.prompt_logprobs) == ([], [], [])
+    (second,) = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], logprobs={"a": lp}))
+    assert second.logprobs == [lp] and second.prompt_ids == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
+from procs.detokenizer.logprobs import LogprobTexts
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
@@ -25,6 +26,7 @@ class Detokenizers:
 
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
+        self.logprob_texts = LogprobTexts(tokenizer)
         self.active: dict[str, IncrementalDetokenizer] = {}
         self.stopped: set[str] = set()  # finished by a stop string, awaiting the scheduler's last delta
 
@@ -48,13 +50,18 @@ class Detokenizers:
             if abort:
                 self.stopped.add(rid)
             finish = "stop"
+        out = TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids))
+        if delta.logprobs:
+            out.logprobs = self.logprob_texts.convert(delta.logprobs)
+        if delta.prompt_ids:
+            out.prompt_text, out.prompt_logprobs = self.logprob_texts.prompt(delta.prompt_ids, delta.prompt_logprobs)
         if finish is None:
-            return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids)), False
+            return out, False
         del self.active[rid]
-        usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                      total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens)
-        return TextDelta(rid=rid, text=text, token_ids=list(delta.token_ids), finish_reason=finish,
-                         usage=usage), abort
+        out.finish_reason = finish
+        out.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                          total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens)
+        return out, abort
 
 
 def run(config: ServerConfig) -> int:

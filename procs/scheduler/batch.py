@@ -9,7 +9,7 @@ import numpy as np
 from procs.scheduler.kv_manager import PageTableUpdates
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
-from shared.messages import ForwardBatch, SamplingParams
+from shared.messages import ForwardBatch, SamplingParams, SlotStart
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
@@ -66,6 +66,7 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
     samples: list[bool] = []
     sampling: list[SamplingParams] = []
     sample_counts: list[int] = []
+    slot_starts: list[SlotStart] = []
 
     nd = ds.shape[0]
     if nd:
@@ -98,13 +99,17 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
         samples += [a + n == r.prompt_len for r, a, n in zip(reqs, starts, lens)]
         sampling += [r.sampling for r in reqs]
         sample_counts += table.generated[pslots].tolist()  # > 0 when recomputing after a preemption
+        for request in reqs:
+            if request.starting:
+                slot_starts.append(request.slot_start())
+                request.starting = False
 
     return ForwardBatch(
         step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, samples=samples,
         sampling=sampling, sample_counts=sample_counts,
         input_ids=_concat_i32(ids_parts), positions=_concat_i32(pos_parts), kv_locs=_concat_i32(loc_parts),
         page_table_slots=_concat_i32([updates.slots]), page_table_cols=_concat_i32([updates.cols]),
-        page_table_pages=_concat_i32([updates.pages]),
+        page_table_pages=_concat_i32([updates.pages]), slot_starts=slot_starts,
     )
 
 

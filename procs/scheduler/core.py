@@ -25,7 +25,7 @@ from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import DecodeManager, PrefillManager
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
-from shared.messages import ForwardBatch, SamplingParams, StopParams
+from shared.messages import PLAIN_LOGITS, ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
 
 _INT32_MAX = 2**31 - 1
 
@@ -53,6 +53,8 @@ class StepOutput(msgspec.Struct, kw_only=True):
     batch_size: int = 0  # requests in the executed batch; 0: idle step
     preempted: list[str] = []  # back in the waiting queue (step 3b), in preemption order
     cached_tokens: dict[str, int] = {}  # rid -> prompt tokens found in the prefix cache, with its first token
+    logprobs: dict[str, TokenLogprobs] = {}  # rid -> its new token's logprobs (requests that asked)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> prompt tokens 1.., with its first token
 
 
 class Scheduler:
@@ -134,7 +136,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                    stop: StopParams) -> None:
+                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS) -> None:
         """Queue a request at the tail of the waiting queue, or raise `RequestRejectedError`."""
         if rid in self._live:
             raise RequestRejectedError(rid, "a request with this id is already queued or running")
@@ -158,7 +160,8 @@ class Scheduler:
             raise RequestRejectedError(
                 rid, f"the server is full ({self.config.max_running_requests} running + {self.config.max_waiting} "
                 f"waiting requests)", status=503)
-        request = Request(rid, prompt, sampling, stop)
+        banned = (() if stop.ignore_eos else tuple(self.eos_token_ids.tolist())) + tuple(stop.stop_token_ids)
+        request = Request(rid, prompt, sampling, stop, logits, banned)
         self._live[rid] = request
         self.prefill_manager.pending_list.append(request)
 
@@ -206,7 +209,7 @@ class Scheduler:
                 updates = self.kv.allocate(slots, growth)
                 batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size)
                 result = executor.execute(batch)
-                self._apply(plan, batch, np.asarray(result.next_token_ids), result.step, out)
+                self._apply(plan, batch, result, out)
         finally:
             self._in_step = False
             deferred, self._deferred_aborts = self._deferred_aborts, []
@@ -240,9 +243,9 @@ class Scheduler:
         return [r.rid for r in requests]
 
     # ------------------------------------------------------------------ applying results
-    def _apply(self, plan: StepPlan, batch: ForwardBatch, token_ids: np.ndarray, result_step: int,
-               out: StepOutput) -> None:
+    def _apply(self, plan: StepPlan, batch: ForwardBatch, result: StepResult, out: StepOutput) -> None:
         table = self.table
+        token_ids, result_step = np.asarray(result.next_token_ids), result.step
         ds = plan.decode_slots
         completing = [r for r, n in plan.prefill if r.prefilled + n == r.prompt_len]
         num_sampling = ds.shape[0] + len(completing)
@@ -287,6 +290,12 @@ class Scheduler:
         out.prefill = [(r.rid, n) for r, n in plan.prefill]
         out.decode = list(plan.decode_rids)
         out.new_tokens = list(zip(sample_rids, token_ids.tolist()))
+        if result.logprobs:
+            out.logprobs = {sample_rids[i]: lp for i, lp in zip(result.logprob_rows, result.logprobs)}
+        for slot, entries in result.prompt_logprobs:
+            table.requests[slot].prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # admitted
+        if completing:
+            out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in completing if r.wants_prompt_logprobs}
         out.batch_size = batch.num_requests
         done = np.flatnonzero(stopped | reached_limit).tolist()
         if done:

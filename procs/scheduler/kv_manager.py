@@ -68,7 +68,7 @@ class KVManager:
     # ---------------------------------------------------------------- admission
     def lookup(self, request: Request) -> list[CachedPage]:
         """The cached pages its prompt starts with (at least its last prompt token is left to compute)."""
-        if self.cache is None:
+        if self.cache is None or request.wants_prompt_logprobs:  # cached positions would have no logits
             return []
         return self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size)
 

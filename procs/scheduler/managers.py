@@ -66,6 +66,7 @@ class PrefillManager:
         seq = self._admissions
         self._admissions += 1
         request.slot = self._table.acquire(request, seq)
+        request.starting = True
         self._kv.attach(request, cached)  # starts past its cached prefix
         if request.first_admitted < 0:
             request.first_admitted = seq

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import SchedulerConfig
@@ -88,6 +88,7 @@ class _Live:
     generated: int = 0
     started: bool = False
     cached_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)  # kept only when prompt logprobs are asked for
 
 
 class TokenDeltas:
@@ -99,7 +100,8 @@ class TokenDeltas:
     def add(self, request: TokenizedRequest) -> None:
         prompt = request.prompt_ids
         self.live[request.rid] = _Live(int(prompt.shape[0]), tuple(request.stop.stop),
-                                       [int(t) for t in prompt[-PROMPT_TAIL:]])
+                                       [int(t) for t in prompt[-PROMPT_TAIL:]], prompt_ids=(
+                                           prompt.tolist() if request.logits.prompt_logprobs is not None else []))
 
     def from_step(self, out: StepOutput) -> list[TokenDelta]:
         tokens: dict[str, list[int]] = {}
@@ -110,7 +112,13 @@ class TokenDeltas:
             if rid in self.live:
                 self.live[rid].cached_tokens = cached
         for rid, ids in tokens.items():
-            deltas.append(self._delta(rid, ids, out.finish_reasons.get(rid)))
+            delta = self._delta(rid, ids, out.finish_reasons.get(rid))
+            if rid in out.logprobs:
+                delta.logprobs = [out.logprobs[rid]]
+            if rid in out.prompt_logprobs and rid in self.live:
+                delta.prompt_ids = self.live[rid].prompt_ids
+                delta.prompt_logprobs = out.prompt_logprobs[rid]
+            deltas.append(delta)
         for rid in out.finished:
             if rid not in tokens:
                 deltas.append(self._delta(rid, [], out.finish_reasons.get(rid, "stop")))
@@ -191,7 +199,8 @@ class SchedulerLoop:
         assert self.scheduler is not None
         if isinstance(message, TokenizedRequest):
             try:
-                self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop)
+                self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
+                                           message.logits)
             except RequestRejectedError as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=str(exc),
                                                  param=exc.param))

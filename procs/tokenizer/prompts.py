@@ -87,6 +87,10 @@ class PromptTokenizer:
         if bad:
             raise PromptRejected(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                  "stop_token_ids")
+        bad = [t for t in request.logits.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                 "logit_bias")
         room = self.max_context - n
         if stop.max_tokens > room:
             if not request.clamp_max_tokens:
@@ -95,4 +99,5 @@ class PromptTokenizer:
                     f"of {self.max_context} tokens", "max_tokens")
             stop = msgspec.structs.replace(stop, max_tokens=room)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
-                                sampling=request.sampling, stop=stop, arrival_time=request.arrival_time)
+                                sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
+                                logits=request.logits)

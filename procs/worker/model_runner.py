@@ -10,12 +10,13 @@ import torch
 
 from kernels.attention import AttentionMetadata, create_backend
 from kernels.sampling import sample_batch
+from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
-from shared.messages import ForwardBatch, StepResult, WorkerInfo
+from shared.messages import ForwardBatch, StepResult, TokenLogprobs, WorkerInfo
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -82,6 +83,7 @@ class ModelRunner:
         self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self._sample_batch = sample_batch
+        self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device)
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
         # Without graphs (CPU) padding is pure cost (21-37% of a CPU decode step between bucket sizes,
@@ -136,19 +138,70 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self._check(batch)
+        for start in batch.slot_starts:
+            self.logits_state.start(start)
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
         with torch.inference_mode():
-            logits = self.forward_logits(batch)
+            prompt_chunks = self._prompt_logprob_chunks(batch)
+            extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
+            logits = self.forward_logits(batch, extra_rows)
+            samples = np.asarray(batch.samples, dtype=bool)
+            num_sampling = int(samples.sum())
+            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
             if logits is None:
-                return StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
-            sampling = [p for p, s in zip(batch.sampling, batch.samples) if s]
-            counts = [c for c, s in zip(batch.sample_counts, batch.samples) if s]
-            token_ids = self._sample_batch(logits, sampling, counts)
-        return StepResult(step=batch.step, next_token_ids=token_ids.to(torch.int32).cpu().numpy())
+                return result
+            if prompt_chunks:
+                result.prompt_logprobs = self._prompt_logprobs(prompt_chunks, logits[num_sampling:])
+            if num_sampling:
+                slots = np.asarray(batch.slots, dtype=np.int64)[samples]
+                counts = np.asarray(batch.sample_counts, dtype=np.int64)[samples]
+                token_ids, result.logprob_rows, result.logprobs = self._sample(
+                    logits[:num_sampling], [p for p, s in zip(batch.sampling, batch.samples) if s], slots, counts)
+                result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
+        return result
 
-    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Run the batch's forward pass (page table already applied); float32 logits of sampling requests."""
-        if self.graph_runner is not None and self.graph_runner.handles(batch):
+    def _sample(self, logits: torch.Tensor, sampling: list, slots: np.ndarray, counts: np.ndarray,
+                ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
+        """Adjust (penalties, bias, bans), sample, count; logprobs from the logits as the model gave them."""
+        state = self.logits_state
+        rows = state.logprob_rows(slots)
+        raw = torch.log_softmax(logits[torch.from_numpy(rows).to(self.device)], dim=-1) if rows.shape[0] else None
+        state.adjust_(logits, slots, counts)
+        token_ids = self._sample_batch(logits, sampling, counts.tolist())
+        state.record(slots, token_ids)
+        if raw is None:
+            return token_ids, [], []
+        chosen = token_ids[torch.from_numpy(rows).to(self.device)]
+        return token_ids, rows.tolist(), state.sampled_logprobs(raw, chosen, slots[rows])
+
+    def _prompt_logprob_chunks(self, batch: ForwardBatch) -> list[tuple[int, range, np.ndarray]]:
+        """(slot, prompt positions, packed token rows) of the prefill chunks that want prompt logprobs."""
+        state = self.logits_state
+        if not state.wants_prompt_logprobs:
+            return []
+        chunks = []
+        row = 0
+        for slot, start, length in zip(batch.slots, batch.prefix_lens, batch.extend_lens):
+            positions = state.prompt_logprob_positions(slot, start, length)
+            if len(positions):
+                chunks.append((slot, positions, np.arange(row, row + len(positions), dtype=np.int64)))
+            row += length
+        return chunks
+
+    def _prompt_logprobs(self, chunks: list[tuple[int, range, np.ndarray]], logits: torch.Tensor,
+                         ) -> list[tuple[int, list[TokenLogprobs]]]:
+        out = []
+        row = 0
+        for slot, positions, _ in chunks:
+            logprobs = torch.log_softmax(logits[row:row + len(positions)], dim=-1)
+            out.append((slot, self.logits_state.prompt_logprobs(slot, positions, logprobs)))
+            row += len(positions)
+        return out
+
+    def forward_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
+        """Run the batch's forward pass (page table already applied): float32 logits of the sampling
+        requests, then of `extra_rows` (packed token indices), or None if there are none."""
+        if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch):
             return self.graph_runner.forward_logits(batch)
         device = self.device
         to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
@@ -158,6 +211,8 @@ class ModelRunner:
         ))
         ends = np.cumsum(batch.extend_lens) - 1
         rows = ends[np.asarray(batch.samples, dtype=bool)]
+        if extra_rows is not None:
+            rows = np.concatenate([rows, extra_rows])
         return self.model.forward(to_device(batch.input_ids), to_device(batch.positions), self.attention,
                                   to_device(rows) if len(rows) else None)
 
@@ -175,7 +230,7 @@ class ModelRunner:
             raise ValueError("ForwardBatch has no requests")
         if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
             raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
-        if min(batch.slots) < 0 or max(batch.slots) >= self.max_running_requests:
+        if any(not 0 <= s < self.max_running_requests for s in [*batch.slots, *(x.slot for x in batch.slot_starts)]):
             raise ValueError(f"ForwardBatch: slot out of range [0, {self.max_running_requests})")
         if max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)) > self._max_context:
             raise ValueError(f"ForwardBatch: a request exceeds max_context {self._max_context}")

@@ -1,0 +1,189 @@
+"""Penalties, logit_bias, min_tokens and logprobs.
+
+On logits: the worker's per-slot state applies each formula exactly as a plain reference does (and
+keeps it current token by token). End to end (`OfflineEngine`, tiny model): greedy output with
+penalties equals a transformers loop applying the same formulas; prompt logprobs equal transformers'
+log-softmax; bans hold; seeded penalized output does not depend on the batch or on preemption.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from procs.engine import OfflineEngine, request
+from procs.worker.logits_state import SlotLogitsState
+from shared.config import ServerConfig
+from shared.messages import LogitsParams, SlotStart
+
+VOCAB = 50
+
+
+def reference_adjust(logits: torch.Tensor, params: LogitsParams, prompt: list[int], output: list[int],
+                     banned: list[int]) -> torch.Tensor:
+    """The formulas, one token at a time (the order LogitsParams documents)."""
+    x = logits.clone().double()
+    for t in set(prompt) | set(output):
+        if params.repetition_penalty != 1.0:
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, b in params.logit_bias.items():
+        x[t] = -math.inf if b <= -100 else x[t] + b
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    if len(output) < params.min_tokens:
+        x[banned] = -math.inf
+    return x.float()
+
+
+CASES = [
+    LogitsParams(frequency_penalty=0.7),
+    LogitsParams(presence_penalty=-0.5),
+    LogitsParams(repetition_penalty=1.3),
+    LogitsParams(repetition_penalty=0.8, frequency_penalty=0.2, presence_penalty=0.4),
+    LogitsParams(logit_bias={3: -100.0, 7: 2.5, 11: -1.0}),
+    LogitsParams(min_tokens=4, frequency_penalty=0.1),
+    LogitsParams(min_tokens=2, logit_bias={9: 100.0}),
+]
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_adjusted_rows_equal_the_reference_token_by_token(params):
+    torch.manual_seed(1)
+    state = SlotLogitsState(4, VOCAB, torch.device("cpu"))
+    prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
+    state.start(SlotStart(slot=3, logits=params, prompt_ids=prompt, output_ids=output, min_tokens_banned=banned))
+    state.start(SlotStart(slot=1))
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        raw = torch.randn(2, VOCAB) * 3
+        logits = raw.clone()
+        state.adjust_(logits, np.array([1, 3]), np.array([0, len(output)]))
+        torch.testing.assert_close(logits[0], raw[0], rtol=0, atol=0)
+        torch.testing.assert_close(logits[1], reference_adjust(raw[1], params, prompt, output, banned))
+        token = int(rng.choice([5, 6, 7, int(rng.integers(0, VOCAB))]))  # repeats, so counts grow
+        state.record(np.array([1, 3]), torch.tensor([4, token]))
+        output.append(token)
+
+
+def test_a_new_request_in_the_slot_starts_clean():
+    state = SlotLogitsState(2, VOCAB, torch.device("cpu"))
+    state.start(SlotStart(slot=0, logits=LogitsParams(frequency_penalty=1.0, logit_bias={4: -100.0}), output_ids=[3]))
+    state.record(np.array([0]), torch.tensor([3]))
+    state.start(SlotStart(slot=0, logits=LogitsParams(presence_penalty=0.5)))
+    raw = torch.randn(1, VOCAB)
+    logits = raw.clone()
+    state.adjust_(logits, np.array([0]), np.array([0]))
+    torch.testing.assert_close(logits, raw)  # nothing generated yet: no count, no old bias
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+PROMPTS = ["w5 w9 w11", "w7 w7 w7 w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama", with_tokenizer=True, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_penalized_greedy(hf, prompt: str, params: LogitsParams, n: int) -> list[int]:
+    model, tokenizer = hf
+    ids = tokenizer.encode(prompt)
+    output: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + output])).logits[0, -1].float()
+            output.append(int(reference_adjust(logits, params, ids, output, []).argmax()))
+    return output
+
+
+def engine(model_dir, **overrides) -> OfflineEngine:
+    config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=512, prefill_budget=8, max_running_requests=4)
+    return OfflineEngine(ServerConfig(**{**config, **overrides}))
+
+
+def _requests(logits: dict, sampling=None, n=NEW_TOKENS, prompts=PROMPTS, prefix="r"):
+    return [request(f"{prefix}{i}", prompt=p, sampling=sampling or {"temperature": 0},
+                    stop={"max_tokens": n, "ignore_eos": True}, logits=logits) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("logits", [
+    {"frequency_penalty": 1.5}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.8},
+    {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+], ids=["frequency", "presence", "repetition", "all"])
+def test_penalized_greedy_equals_transformers_with_the_same_formulas(model_dir, hf, logits):
+    params = LogitsParams(**logits)
+    expected = [hf_penalized_greedy(hf, p, params, NEW_TOKENS) for p in PROMPTS]
+    plain = [c.token_ids for c in engine(model_dir).generate(_requests({}))]
+    got = [c.token_ids for c in engine(model_dir).generate(_requests(logits))]
+    assert got == expected
+    assert got != plain  # the penalty did change something
+
+
+def test_logit_bias_bans_and_min_tokens_hold_the_stop(model_dir):
+    eng = engine(model_dir)
+    plain = eng.generate(_requests({}))
+    banned = {t for c in plain for t in c.token_ids[:3]}
+    biased = eng.generate(_requests({"logit_bias": {t: -100.0 for t in banned}}, sampling={"temperature": 1.0, "seed": 3}))
+    assert all(not banned & set(c.token_ids) for c in biased)
+    # The 4th greedy token as a stop token: it ends the request at 4 tokens, unless min_tokens holds it back.
+    stop_token = plain[0].token_ids[3]
+    stop = {"max_tokens": 30, "stop_token_ids": [stop_token]}
+    early = eng.generate([request("s", prompt=PROMPTS[0], sampling={"temperature": 0}, stop=stop)])[0]
+    held = eng.generate([request("m", prompt=PROMPTS[0], sampling={"temperature": 0}, stop=stop,
+                                 logits={"min_tokens": 20})])[0]
+    assert len(early.token_ids) <= 4
+    assert len(held.token_ids) >= 20 and stop_token not in held.token_ids[:19]
+    assert eng.scheduler.kv_used_tokens == 0
+
+
+def test_logprobs_are_the_models_log_softmax(model_dir, hf):
+    model, tokenizer = hf
+    eng = engine(model_dir, prefill_budget=5, max_running_requests=1)  # chunked prefill: prompt logprobs cross chunks
+    eng.generate(_requests({}, n=2))  # the prompts are now in the prefix cache: prompt logprobs must skip it
+    done = eng.generate(_requests({"logprobs": 3, "prompt_logprobs": 2}, n=4, prefix="lp"))
+    for prompt, c in zip(PROMPTS, done):
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([ids + c.token_ids])).logits[0].float(), dim=-1)
+        assert [e.token_id for e in c.prompt_logprobs] == ids[1:]
+        for pos, e in enumerate(c.prompt_logprobs):
+            assert e.logprob == pytest.approx(ref[pos, ids[pos + 1]].item(), abs=1e-4)
+            assert len(e.top_ids) == 2 and e.top_ids[0] == int(ref[pos].argmax())
+        for k, e in enumerate(c.logprobs):  # greedy: the chosen token is the top-1
+            row = ref[len(ids) - 1 + k]
+            assert e.token_id == c.token_ids[k] == e.top_ids[0] == int(row.argmax())
+            assert e.logprob == pytest.approx(row[e.token_id].item(), abs=1e-4)
+            torch.testing.assert_close(torch.tensor(e.top_logprobs), row.topk(3).values, atol=1e-4, rtol=0)
+
+
+def test_seeded_penalized_output_ignores_batch_and_preemption(model_dir):
+    logits = {"frequency_penalty": 0.8, "presence_penalty": 0.3, "repetition_penalty": 1.1, "logit_bias": {5: 1.0}}
+    sampling = {"temperature": 0.9, "seed": 11}
+    solo = [engine(model_dir).generate(_requests(logits, sampling, n=24, prompts=[p]))[0].token_ids for p in PROMPTS]
+    crowded = engine(model_dir, kv_capacity_tokens=48, kv_reserve_ratio=0.05, page_size=1)
+    together = crowded.generate(_requests(logits, sampling, n=24))
+    assert crowded.preemptions > 0
+    assert [c.token_ids for c in together] == solo
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_naming_it(model_dir):
+    from procs.tokenizer.prompts import PromptRejected
+
+    eng = engine(model_dir)
+    vocab = eng.prompts.vocab_size
+    with pytest.raises(PromptRejected) as info:
+        eng.tokenize(request("x", prompt="w1", logits={"logit_bias": {vocab: 1.0}}))
+    assert info.value.param == "logit_bias" and str(vocab) in info.value.message
