@@ -3,35 +3,47 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import re
+from typing import AsyncIterator, Callable
 
-from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, Usage
+from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, TokenLogprob, TopLogprob, Usage
 
 
 class FakeEngine:
     """Answers every request with `tokens` (one TextDelta each, cut at max_tokens), or rejects it.
 
-    Records what the app sent: `requests`, `aborts` (rids, in order) and `closed` (rids whose
-    iterator was closed). `prompt_tokens` of a text prompt is its word count, of a chat the words of
-    all messages.
+    Records what the app sent: `requests` (in the order their streams were first read, i.e.
+    submitted), `aborts` (rids, in order), `closed` (rids whose iterator was closed) and `log`
+    ("submit <rid>" / "event <rid>" in order). `prompt_tokens` of a text prompt is its word count, of
+    a chat the words of all messages.
+
+    Logprobs, when asked for, are deterministic: generated token i (id 100 + i) has logprob
+    -(i + 1) / 4 and its top k are itself then "alt1".. with logprob 1, 2.. lower. With prompt
+    logprobs the first delta carries the prompt's text and tokens: a text prompt's words (with their
+    leading spaces; ids 1000 + position), a token prompt's ids as "<id>"; prompt token p > 0 has
+    logprob -p and top k " p1".. with logprob -0.5, -1.0..
     """
 
     def __init__(self, tokens: list[str] | None = None, *, delay: float = 0.0, first_delay: float = 0.0,
                  reject: tuple[int, str, str | None] | None = None, model_name: str = "fake-model",
                  max_context: int = 128, fail_with: Exception | None = None,
-                 fail_after: int | None = None) -> None:
+                 fail_after: int | None = None, fail_suffix: str = "",
+                 tokens_of: Callable[[GenerateRequest], list[str]] | None = None) -> None:
         self.tokens = ["Hello", ",", " world", "!"] if tokens is None else tokens
+        self.tokens_of = tokens_of  # per request, instead of `tokens`
         self.delay = delay
         self.first_delay = first_delay
         self.reject = reject
         self.fail_with = fail_with
         self.fail_after = fail_after  # tokens streamed before a 503 rejection (a backend that died)
+        self.fail_suffix = fail_suffix  # fail_after applies to the rids ending with this
         self.model_name = model_name
         self.max_context = max_context
         self.healthy = True
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.closed: list[str] = []
+        self.log: list[str] = []
         self.received = asyncio.Event()  # set when a request arrives
         self.aborted = asyncio.Event()  # set on the first abort
         self._listener = None
@@ -43,6 +55,7 @@ class FakeEngine:
 
     async def _run(self, request: GenerateRequest):
         self.requests.append(request)
+        self.log.append(f"submit {request.rid}")
         self.received.set()
         try:
             if self.first_delay:
@@ -54,23 +67,54 @@ class FakeEngine:
                 yield RequestRejected(rid=request.rid, status=status, message=message, param=param)
                 return
             prompt_tokens = self._prompt_tokens(request)
-            n = min(len(self.tokens), request.stop.max_tokens)
-            reason = "length" if n < len(self.tokens) else "stop"
+            tokens = self.tokens if self.tokens_of is None else self.tokens_of(request)
+            n = min(len(tokens), request.stop.max_tokens)
+            reason = "length" if n < len(tokens) else "stop"
+            fail_after = self.fail_after if request.rid.endswith(self.fail_suffix) else None
             for i in range(n):
                 if i and self.delay:
                     await asyncio.sleep(self.delay)
-                if i == self.fail_after:
+                self.log.append(f"event {request.rid}")
+                if i == fail_after:
                     yield RequestRejected(rid=request.rid, status=503, message="the worker process exited")
                     return
                 last = i == n - 1
-                yield TextDelta(
-                    rid=request.rid, text=self.tokens[i], token_ids=[100 + i],
+                delta = TextDelta(
+                    rid=request.rid, text=tokens[i], token_ids=[100 + i],
                     finish_reason=reason if last else None,
                     usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
                     if last else None,
+                    logprobs=[] if request.logits.logprobs is None else [
+                        self.token_logprob(tokens[i], i, request.logits.logprobs)],
                 )
+                if i == 0 and request.logits.prompt_logprobs is not None:
+                    words = self.prompt_words(request)
+                    delta.prompt_text = "".join(word for word, _ in words)
+                    delta.prompt_logprobs = [self.prompt_logprob(word, token_id, p, request.logits.prompt_logprobs)
+                                             for p, (word, token_id) in enumerate(words)]
+                yield delta
         finally:
             self.closed.append(request.rid)
+
+    @staticmethod
+    def token_logprob(text: str, i: int, k: int) -> TokenLogprob:
+        logprob = -(i + 1) / 4
+        top = [TopLogprob(text, 100 + i, logprob)] + [TopLogprob(f"alt{r}", 200 + r, logprob - r) for r in range(1, k)]
+        return TokenLogprob(token=text, token_id=100 + i, logprob=logprob, top=top[:k])
+
+    @staticmethod
+    def prompt_logprob(text: str, token_id: int, p: int, k: int) -> TokenLogprob:
+        if p == 0:
+            return TokenLogprob(token=text, token_id=token_id, logprob=None)
+        top = [TopLogprob(f" p{r}", 500 + r, -0.5 * r) for r in range(1, k + 1)]
+        return TokenLogprob(token=text, token_id=token_id, logprob=-float(p), top=top)
+
+    @staticmethod
+    def prompt_words(request: GenerateRequest) -> list[tuple[str, int]]:
+        """The prompt's tokens as (text, id): they concatenate to the prompt's text."""
+        if request.prompt_token_ids is not None:
+            return [(f"<{t}>", t) for t in request.prompt_token_ids]
+        return [(word, 1000 + p) for p, word in enumerate(re.findall(r"\s*\S+", request.prompt or ""))]
 
     async def abort(self, rid: str) -> None:
         self.aborts.append(rid)

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from api_fake_engine import FakeEngine
 from procs.api.app import create_app
 from shared.config import ServerConfig
-from shared.messages import SamplingParams, StopParams
+from shared.messages import PLAIN_LOGITS, SamplingParams, StopParams
 
 
 def run(coro):
@@ -117,13 +117,16 @@ def test_explicit_nulls_mean_defaults():
         engine = FakeEngine()
         nulls = {k: None for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                    "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
-                                   "presence_penalty", "frequency_penalty", "logprobs")}
+                                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                   "logit_bias", "best_of", "logprobs")}
         async with api(engine) as client:
             assert (await client.post("/v1/completions", json={"prompt": "x", "echo": None, **nulls})).status == 200
             assert (await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None, **nulls})).status == 200
+                "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None, "top_logprobs": None,
+                **nulls})).status == 200
         for req in engine.requests:
             assert req.sampling == SamplingParams() and not req.stop.ignore_eos and req.stop.stop == ()
+            assert req.logits == PLAIN_LOGITS
     run(go())
 
 
@@ -222,11 +225,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "min_p": -0.1}, "min_p"),
     ({"prompt": "x", "min_p": 1.01}, "min_p"),
     ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
     ({"prompt": [2**31]}, "prompt"),
@@ -247,8 +252,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
 ]
 

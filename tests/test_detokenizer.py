@@ -410,3 +410,17 @@ def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
     assert (b.logprobs, b.prompt_ids, b.prompt_logprobs) == ([], [], [])
     (second,) = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], logprobs={"a": lp}))
     assert second.logprobs == [lp] and second.prompt_ids == []
+
+
+def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> None:
+    from procs.scheduler.core import StepOutput
+    from procs.scheduler.process import TokenDeltas
+    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenizedRequest, TokenLogprobs
+
+    deltas = TokenDeltas()
+    deltas.add(TokenizedRequest(rid="a", prompt_ids=np.array([5, 6], dtype=np.int32), sampling=SamplingParams(),
+                                stop=StopParams(max_tokens=1), logits=LogitsParams(prompt_logprobs=1)))
+    plp = [TokenLogprobs(6, -3.0, [4], [-1.0])]
+    (only,) = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 9)], finished=["a"],
+                                          finish_reasons={"a": "length"}, prompt_logprobs={"a": plp}))
+    assert (only.finish_reason, only.prompt_ids, only.prompt_logprobs) == ("length", [5, 6], plp)

@@ -6,13 +6,19 @@ GET /health, GET /metrics. Every error is an OpenAI error body (`errors.py`).
 A request's life here: API key (401, when keys are configured) -> JSON body within
 `body_timeout_s` (408) -> decode + validate (400 names the field) -> admission (503 + Retry-After
 when the engine cannot serve or `max_running_requests + max_waiting` requests are already in flight
-at the api) -> `engine.generate` -> wait for the first event, so that an engine rejection is still a
-plain 400/503 -> JSON answer, or SSE headers and chunks. If the engine fails once the stream has
-started (a backend died or stalled, or the drain ran out), the stream ends with a chunk whose
-finish_reason is "abort", an error event and [DONE]. If the request did not end normally
-(client disconnected, broken stream, engine error) the `finally` sends `engine.abort(rid)` once.
+at the api; a request counts once per choice) -> `engine.generate` for every choice (`_Fanout`) ->
+wait for every choice's first event, so that an engine rejection is still a plain 400/503 -> JSON
+answer, or SSE headers and chunks. If the engine fails once the stream has started (a backend died
+or stalled, or the drain ran out), the stream ends with a chunk per unfinished choice whose
+finish_reason is "abort", an error event and [DONE]. Every choice that did not end normally
+(client disconnected, broken stream, engine error) gets `engine.abort(rid)` once, in the `finally`.
 Disconnects are seen two ways: aiohttp cancels the handler (`handler_cancellation=True`, which
 `run_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
+
+Choices (`n`, and a completion's batch of prompts): each is its own engine request, rid
+f"{rid}-{index}" (the HTTP request's rid when there is one choice), index = prompt_index * n + j.
+With a seed, choice j of a prompt samples with `choice_seed(seed, j)`: j = 0 keeps the seed, so n=1
+is unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from collections import deque
+from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -30,12 +37,13 @@ from procs.api.auth import auth_middleware, load_api_keys
 from procs.api.engine_client import EngineClient, EngineEvent
 from procs.api.errors import ApiError, error_body, error_response
 from procs.api.metrics import ApiMetrics
-from procs.api.responses import SSE_DONE, ChatShapes, CompletionShapes, ResponseShapes, sse_event
+from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, sse_event,
+                                 total_usage)
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
 from shared.config import ServerConfig
-from shared.messages import RequestRejected, TextDelta, Usage
+from shared.messages import GenerateRequest, RequestRejected, TextDelta
 
 logger = logging.getLogger("batchserve.api")
 
@@ -48,11 +56,13 @@ class EngineFailure(Exception):
 
 
 class _Run:
-    """One request in the engine: its event stream, and whether the engine is done with it."""
+    """One choice in the engine: its event stream, and whether the engine is done with it."""
 
-    def __init__(self, rid: str, events: AsyncIterator[EngineEvent]) -> None:
+    def __init__(self, index: int, rid: str, events: AsyncIterator[EngineEvent]) -> None:
+        self.index = index
         self.rid = rid
         self.events = events
+        self.started = False  # its stream is being read: the engine has (or is being sent) the request
         self.ended = False  # a finish_reason or a rejection arrived: no abort needed
 
     async def next_event(self) -> EngineEvent:
@@ -71,6 +81,103 @@ class _Run:
         aclose = getattr(self.events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """Choice j's seed: its own stream, not shared with other seeds' choices (7's choice 1 is not 8's 0)."""
+    return seed if j == 0 else (seed * 0x9E3779B97F4A7C15 + j) & (2**63 - 1)
+
+
+def choice_requests(rid: str, prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """The engine request of every choice, in index order."""
+    if len(prompts) * n == 1:
+        return prompts
+    out = []
+    for p, request in enumerate(prompts):
+        for j in range(n):
+            seed = request.sampling.seed
+            sampling = request.sampling if seed is None else msgspec.structs.replace(request.sampling,
+                                                                                     seed=choice_seed(seed, j))
+            # echo: only choice 0 asks for the prompt's logprobs; the others repeat them (ChoiceOutput)
+            logits = request.logits if j == 0 else msgspec.structs.replace(request.logits, prompt_logprobs=None)
+            out.append(msgspec.structs.replace(request, rid=f"{rid}-{p * n + j}", sampling=sampling, logits=logits))
+    return out
+
+
+class _Fanout:
+    """The engine requests of one HTTP request, one per choice, read as one stream of (index, event).
+
+    A prompt is prefilled once: its choice 0 goes first, and its other choices only once choice 0's
+    first event shows the prompt computed (its KV is then in the scheduler's prefix cache). A task per
+    choice reads its stream into one queue; `close` cancels them and aborts what is still running.
+    """
+
+    def __init__(self, engine: EngineClient, requests: list[GenerateRequest], n: int) -> None:
+        self.engine = engine
+        self.requests = requests
+        self.n = n
+        self.runs: list[_Run] = []
+        self._tasks: list[asyncio.Task] = []
+        self._queue: asyncio.Queue[tuple[int, EngineEvent | EngineFailure]] = asyncio.Queue()
+        self._replay: deque[tuple[int, EngineEvent]] = deque()
+
+    def start(self) -> None:
+        for index in range(0, len(self.requests), self.n):
+            self._submit(index)
+
+    def _submit(self, index: int) -> None:
+        request = self.requests[index]
+        run = _Run(index, request.rid, self.engine.generate(request))
+        self.runs.append(run)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read(run)))
+
+    async def _read(self, run: _Run) -> None:
+        run.started = True
+        try:
+            event = await run.next_event()
+            self._queue.put_nowait((run.index, event))
+            if run.index % self.n == 0 and isinstance(event, TextDelta):  # the prompt is computed
+                for index in range(run.index + 1, run.index + self.n):
+                    self._submit(index)
+            while not run.ended:
+                self._queue.put_nowait((run.index, await run.next_event()))
+        except EngineFailure as exc:
+            self._queue.put_nowait((run.index, exc))
+
+    async def _get(self) -> tuple[int, EngineEvent]:
+        index, item = await self._queue.get()
+        if isinstance(item, EngineFailure):
+            raise item
+        return index, item
+
+    async def started(self) -> RequestRejected | None:
+        """Wait until every choice has sent an event (kept for `next`); the first rejection, if any."""
+        waiting = set(range(len(self.requests)))
+        while waiting:
+            index, event = await self._get()
+            if isinstance(event, RequestRejected):
+                if event.param == "prompt" and len(self.requests) > self.n:  # the tokenizer knows one prompt
+                    return msgspec.structs.replace(event, param=f"prompt[{index // self.n}]")
+                return event
+            waiting.discard(index)
+            self._replay.append((index, event))
+        return None
+
+    async def next(self) -> tuple[int, EngineEvent]:
+        """The next event of any choice. Raises EngineFailure."""
+        return self._replay.popleft() if self._replay else await self._get()
+
+    async def close(self, abort: Callable[[str], Awaitable[None]]) -> bool:
+        """Stop reading; abort every choice the engine has not ended. Whether any was aborted."""
+        for task in self._tasks:
+            task.cancel()  # from here on no run changes `ended`
+        unfinished = [run.rid for run in self.runs if run.started and not run.ended]
+        for rid in unfinished:
+            await abort(rid)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for run in self.runs:
+            await run.close()
+        return bool(unfinished)
 
 
 class ApiHandlers:
@@ -119,7 +226,7 @@ class ApiHandlers:
             validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name,
                                  max_context=self.engine.max_context)
             tracker.stream = validated.stream
-            self._admit()
+            self._admit(len(validated.requests), validated.n)
         except ApiError as exc:
             tracker.refused(exc.status, exc.message)
             response = _error(exc.status, exc.message, exc.param, rid)
@@ -127,26 +234,26 @@ class ApiHandlers:
                 response.force_close()  # the rest of the body is not worth waiting for
             return response
 
-        shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage)
-        self.in_flight += 1
-        run = _Run(rid, self.engine.generate(validated.generate))
+        shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs)
+        choices = _choice_outputs(validated)
+        fanout = _Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
+        self.in_flight += len(choices)
         try:
-            first = await run.next_event()
-            if isinstance(first, RequestRejected):
-                tracker.refused(first.status, first.message)
-                return _error(first.status, first.message, first.param, rid)
+            fanout.start()
+            rejected = await fanout.started()
+            if rejected is not None:
+                tracker.refused(rejected.status, rejected.message)
+                return _error(rejected.status, rejected.message, rejected.param, rid)
             if validated.stream:
-                return await self._stream(request, run, first, shapes, tracker)
-            return await self._whole(run, first, shapes, tracker)
+                return await self._stream(request, fanout, choices, shapes, tracker)
+            return await self._whole(fanout, choices, shapes, tracker)
         except EngineFailure as exc:
             tracker.refused(500, str(exc))
             return _error(500, str(exc), None, rid)
         finally:
-            self.in_flight -= 1
-            if not run.ended:
+            self.in_flight -= len(choices)
+            if await fanout.close(self._abort):
                 tracker.client_gone()
-                await self._abort(rid)
-            await run.close()
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
@@ -156,12 +263,16 @@ class ApiHandlers:
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s") from None
 
-    def _admit(self) -> None:
+    def _admit(self, prompts: int, n: int) -> None:
+        count = prompts * n
+        if count > self.max_in_flight:  # could never fit: retrying would not help
+            raise ApiError(400, f"this request asks for {count} sequences ({prompts} prompts x n={n}); this server "
+                                f"runs at most {self.max_in_flight} at once", "n" if n > 1 else "prompt")
         problem = self.engine.health_problem()
         if problem is not None:
             raise ApiError(503, f"the server cannot take requests now ({problem}); retry shortly")
-        if self.in_flight >= self.max_in_flight:
-            raise ApiError(503, f"the server is at capacity ({self.in_flight} requests in flight); retry shortly")
+        if self.in_flight + count > self.max_in_flight:
+            raise ApiError(503, f"the server is at capacity ({self.in_flight} choices in flight); retry shortly")
 
     async def _abort(self, rid: str) -> None:
         # Shielded: the handler may be being cancelled (client gone), and the abort must still go out.
@@ -172,67 +283,74 @@ class ApiHandlers:
         except Exception:
             logger.exception("abort of %s failed", rid)
 
-    async def _whole(self, run: _Run, first: TextDelta, shapes: ResponseShapes,
+    async def _whole(self, fanout: _Fanout, choices: list[ChoiceOutput], shapes: ResponseShapes,
                      tracker: RequestTracker) -> web.Response:
-        """Non-streaming: gather the text, answer one JSON object."""
-        parts: list[str] = []
-        event: EngineEvent = first
-        while True:
+        """Non-streaming: gather every choice, answer one JSON object."""
+        unfinished = len(choices)
+        while unfinished:
+            index, event = await fanout.next()
             if isinstance(event, RequestRejected):
                 tracker.refused(event.status, event.message)
-                return _error(event.status, event.message, event.param, run.rid)
-            tracker.on_delta(event)
-            parts.append(event.text)
-            if event.finish_reason is not None:
-                usage = _usage(event, tracker)
-                tracker.finished(event.finish_reason, usage)
-                return _json(shapes.full("".join(parts), event.finish_reason, usage), rid=run.rid)
-            event = await run.next_event()
+                return _error(event.status, event.message, event.param, shapes.rid)
+            tracker.on_delta(event, timed=index == 0)
+            choices[index].add(event)
+            unfinished -= event.finish_reason is not None
+        usage = total_usage(choices)
+        tracker.finished(choices[0].finish_reason or "stop", usage)
+        return _json(shapes.full(choices, usage), rid=shapes.rid)
 
-    async def _stream(self, request: web.Request, run: _Run, first: TextDelta, shapes: ResponseShapes,
-                      tracker: RequestTracker) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, fanout: _Fanout, choices: list[ChoiceOutput],
+                      shapes: ResponseShapes, tracker: RequestTracker) -> web.StreamResponse:
         """SSE. A write to a vanished client raises ConnectionResetError; `_generate`'s finally aborts."""
-        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": run.rid})
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": shapes.rid})
         await response.prepare(request)
-        start = shapes.start_chunk()
-        if start is not None:
-            await response.write(sse_event(start))
-        event: EngineEvent = first
-        while True:
-            if isinstance(event, RequestRejected):  # mid-stream: the engine failed, or the drain ran out
-                tracker.refused(event.status, event.message)
-                await response.write(sse_event(shapes.finish_chunk("abort"))
-                                     + sse_event(error_body(event.status, event.message, event.param)) + SSE_DONE)
-                break
-            tracker.on_delta(event)
-            if event.text:
-                await response.write(sse_event(shapes.text_chunk(event.text)))
-            if event.finish_reason is not None:
-                usage = _usage(event, tracker)
-                tracker.finished(event.finish_reason, usage)
-                tail = sse_event(shapes.finish_chunk(event.finish_reason))
-                if shapes.include_usage:
-                    tail += sse_event(shapes.usage_chunk(usage))
-                await response.write(tail + SSE_DONE)
-                break
+        starts = [shapes.start_chunk(c.index) for c in choices]
+        if any(starts):
+            await response.write(b"".join(sse_event(c) for c in starts if c is not None))
+        unfinished = len(choices)
+        while unfinished:
             try:
-                event = await run.next_event()
+                index, event = await fanout.next()
             except EngineFailure as exc:
                 # Headers are gone already: the error travels as an SSE event, then the stream ends.
                 tracker.refused(500, str(exc))
                 await response.write(sse_event(error_body(500, str(exc))) + SSE_DONE)
                 break
+            if isinstance(event, RequestRejected):  # mid-stream: the engine failed, or the drain ran out
+                tracker.refused(event.status, event.message)
+                aborts = b"".join(sse_event(shapes.finish_chunk(c.index, "abort"))
+                                  for c in choices if c.finish_reason is None)
+                await response.write(aborts + sse_event(error_body(event.status, event.message, event.param))
+                                     + SSE_DONE)
+                break
+            tracker.on_delta(event, timed=index == 0)
+            choice = choices[index]
+            piece = choice.add(event)
+            out = b""
+            if piece.text or (shapes.logprobs and piece.tokens):
+                out += sse_event(shapes.text_chunk(index, piece))
+            if choice.finish_reason is not None:
+                unfinished -= 1
+                out += sse_event(shapes.finish_chunk(index, choice.finish_reason))
+                if not unfinished:
+                    usage = total_usage(choices)
+                    tracker.finished(choices[0].finish_reason or "stop", usage)
+                    if shapes.include_usage:
+                        out += sse_event(shapes.usage_chunk(usage))
+                    out += SSE_DONE
+            if out:
+                await response.write(out)
         await response.write_eof()
         return response
 
 
-def _usage(final: TextDelta, tracker: RequestTracker) -> Usage:
-    if final.usage is not None:
-        return final.usage
-    # The engine should always send usage with the last delta; count what was delivered if not.
-    return Usage(prompt_tokens=0, completion_tokens=tracker.completion_tokens,
-                 total_tokens=tracker.completion_tokens)
-
+def _choice_outputs(validated: ValidatedRequest) -> list[ChoiceOutput]:
+    choices: list[ChoiceOutput] = []
+    for index in range(len(validated.requests) * validated.n):
+        leader = None if index % validated.n == 0 else choices[index - index % validated.n]
+        choices.append(ChoiceOutput(index, leader=leader, echo=validated.echo,
+                                    drop_generated=validated.drop_generated, collect=not validated.stream))
+    return choices
 
 
 def _json(obj, status: int = 200, rid: str | None = None) -> web.Response:

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as msgspec structs.
 
 Decoding a body with `decode_body` checks every field's type, so a wrong type is an error that
-names the field. Fields OpenAI clients commonly send that we do not implement are declared so that
-a non-default value can be refused (see `validation.py`); unknown fields are ignored, as OpenAI does. Optional fields also accept an explicit `null`, which
+names the field; `validation.py` checks values. Fields OpenAI clients commonly send that we do not
+implement are declared so that a non-default value can be refused (see `validation.UNSUPPORTED`);
+unknown fields are ignored, as OpenAI does. Optional fields also accept an explicit `null`, which
 means the default.
 """
 
@@ -44,13 +45,13 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values (we do not implement them yet): see validation.UNSUPPORTED.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_tokens: int | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
+    best_of: int | None = None  # only null, 1 or n
+    # Accepted only at their neutral values (we do not implement them yet): see validation.UNSUPPORTED.
     response_format: dict[str, object] | None = None
     guided_json: object | None = None
     guided_regex: str | None = None
@@ -58,7 +59,9 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(CommonRequestFields, kw_only=True):
-    prompt: str | list[int]
+    # A text, a list of token ids, or a batch of either (one choice per prompt, as OpenAI's):
+    # msgspec allows one list type in a union, so `validation` sorts out the elements.
+    prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None

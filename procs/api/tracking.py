@@ -29,8 +29,13 @@ class RequestTracker:
         self.completion_tokens = 0  # tokens delivered so far
         self.ended = False  # finished, gone or refused: recorded once
 
-    def on_delta(self, delta: TextDelta) -> None:
+    def on_delta(self, delta: TextDelta, *, timed: bool = True) -> None:
+        """`timed`: the delta feeds TTFT and inter-token latency (with n choices, only choice 0's do:
+        the gaps between different choices' tokens are not inter-token latencies)."""
         if not delta.token_ids:
+            return
+        self.completion_tokens += len(delta.token_ids)
+        if not timed:
             return
         now = time.monotonic()
         if self.first_token_at is None:
@@ -39,7 +44,6 @@ class RequestTracker:
         else:
             self.metrics.itl.observe(now - self.last_token_at)
         self.last_token_at = now
-        self.completion_tokens += len(delta.token_ids)
 
     @property
     def ttft_s(self) -> float | None:

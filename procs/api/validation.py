@@ -1,4 +1,4 @@
-"""Check a decoded request and turn it into the `GenerateRequest` the engine runs.
+"""Check a decoded request and turn it into the `GenerateRequest`s the engine runs.
 
 Every refusal is an `ApiError(400, message, param)` naming the field, so nothing invalid reaches
 the engine. Defaults (as vLLM's):
@@ -7,77 +7,93 @@ the engine. Defaults (as vLLM's):
   The api does not tokenize, so for a text prompt it sends 16 / `max_context` with
   `clamp_max_tokens=True` and the tokenizer lowers it to `max_context - prompt_len`; for a prompt
   of token ids the api computes the clamp itself.
+- logits: no penalties, biases or logprobs (`PLAIN_LOGITS`). logit_bias token ids are checked
+  against the vocabulary by the tokenizer process, which knows it.
+A completion may carry a batch of prompts: one `GenerateRequest` each, `n` choices each (the app
+fans them out).
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass
 
 from procs.api.errors import ApiError
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, CommonRequestFields
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams, StopParams
+from shared.messages import ChatMessage, GenerateRequest, LogitsParams, SamplingParams, StopParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_N = 128  # choices per prompt (vLLM has no cap; the api's in-flight cap bounds n x prompts too)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat
+_TOKEN_ID_RE = re.compile(r"[0-9]{1,10}")  # strict: int() would also take "+5", " 5", "5_0" and 5000 digits
 
 # OpenAI (and vLLM) fields this server does not implement yet, with the values that mean "not used":
 # any other value is refused with a 400 naming the field, never silently ignored.
 # (null is always neutral.)
+# (best_of is the same kind of refusal, but its neutral values depend on n: see `_choices_per_prompt`.)
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
-    "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",),
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
 }
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    generate: GenerateRequest
+    requests: list[GenerateRequest]  # one per prompt, each with the HTTP request's rid
+    n: int  # choices per prompt
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with empty choices and usage
+    logprobs: bool = False  # the answer reports logprobs
+    echo: bool = False  # completions: each choice's text starts with its prompt's (and its logprobs)
+    # echo with max_tokens 0: the engine is asked for 1 token (it returns the prompt's text and
+    # logprobs only along with a generation), which the answer leaves out.
+    drop_generated: bool = False
 
 
 def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
     _check_common(req, model_name)
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
-    if req.echo:
-        raise ApiError(400, "echo is not supported", "echo")
+    n = _choices_per_prompt(req)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs})", "logprobs")
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
-
-    prompt: str | None = None
-    prompt_ids: list[int] | None = None
-    if isinstance(req.prompt, str):
-        if req.prompt == "":
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        prompt = req.prompt
-    else:
-        if not req.prompt:
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        if any(not 0 <= t <= MAX_TOKEN_ID for t in req.prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
-        prompt_ids = list(req.prompt)
-
-    max_tokens, clamp = _max_tokens(req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS,
-                                    max_context, len(prompt_ids) if prompt_ids is not None else None)
-    generate = GenerateRequest(
-        rid=rid, prompt=prompt, prompt_token_ids=prompt_ids,
-        sampling=_sampling(req), stop=_stop(req, max_tokens),
-        arrival_time=time.time(), clamp_max_tokens=clamp,
-    )
-    return ValidatedRequest(generate, bool(req.stream), _include_usage(req))
+    echo = bool(req.echo)
+    drop_generated = echo and req.max_tokens == 0
+    sampling = _sampling(req)
+    prompts = []
+    for param, prompt, prompt_ids in _prompts(req.prompt):
+        max_tokens, clamp = _max_tokens(1 if drop_generated else req.max_tokens, "max_tokens",
+                                        DEFAULT_COMPLETION_MAX_TOKENS, max_context,
+                                        len(prompt_ids) if prompt_ids is not None else None, param)
+        prompts.append((prompt, prompt_ids, max_tokens, clamp))
+    # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
+    prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
+    logits = _logits(req, req.max_tokens, "max_tokens", logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
+                                stop=_stop(req, max_tokens), arrival_time=time.time(), clamp_max_tokens=clamp)
+                for prompt, prompt_ids, max_tokens, clamp in prompts]
+    return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
+                            echo=echo, drop_generated=drop_generated)
 
 
 def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
     _check_common(req, model_name)
-    if req.logprobs or req.top_logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
+    n = _choices_per_prompt(req)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise ApiError(400, "top_logprobs is only allowed when logprobs is true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})",
+                           "top_logprobs")
     if not req.messages:
         raise ApiError(400, "messages must not be empty", "messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
@@ -86,25 +102,107 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     if given is None:
         given, param = req.max_tokens, "max_tokens"
     max_tokens, clamp = _max_tokens(given, param, max_context, max_context, None)
+    logits = _logits(req, given, param, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                     prompt_logprobs=None)
     generate = GenerateRequest(
-        rid=rid, messages=messages,
-        sampling=_sampling(req), stop=_stop(req, max_tokens),
+        rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, max_tokens),
         arrival_time=time.time(), clamp_max_tokens=clamp,
     )
-    return ValidatedRequest(generate, bool(req.stream), _include_usage(req))
+    return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs))
 
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
     if req.model is not None and req.model != model_name:
         raise ApiError(400, f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model")
-    if req.n is not None and req.n != 1:
-        raise ApiError(400, f"n must be 1 (got {req.n}): one choice per request", "n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     for name, neutral in UNSUPPORTED.items():
         value = getattr(req, name, None)  # chat-only fields are absent from completions
         if value is not None and value not in neutral:
             raise ApiError(400, f"{name} is not supported by this server (yet); leave it out", name)
+
+
+def _choices_per_prompt(req: CommonRequestFields) -> int:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}] (got {n})", "n")
+    # best_of > n means "sample best_of, answer the n most likely": not implemented.
+    if req.best_of is not None and req.best_of not in (1, n):
+        raise ApiError(400, f"best_of is not supported by this server (yet) unless it equals n (got best_of "
+                            f"{req.best_of}, n {n}); leave it out", "best_of")
+    return n
+
+
+def _prompts(prompt: str | list[int | str | list[int]]) -> list[tuple[str, str | None, list[int] | None]]:
+    """(param, text, token ids) of each prompt: a text, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [("prompt", _text_prompt(prompt, "prompt"), None)]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    kind = type(prompt[0])
+    for i, item in enumerate(prompt):
+        if type(item) is not kind:
+            raise ApiError(400, "prompt must be a text, a list of token ids, or a list of texts or of token-id "
+                                "lists, not a mix", f"prompt[{i}]")
+    if kind is int:
+        return [("prompt", None, _token_prompt(prompt, "prompt"))]
+    if kind is str:
+        return [(f"prompt[{i}]", _text_prompt(p, f"prompt[{i}]"), None) for i, p in enumerate(prompt)]
+    return [(f"prompt[{i}]", None, _token_prompt(p, f"prompt[{i}]")) for i, p in enumerate(prompt)]
+
+
+def _text_prompt(text: str, param: str) -> str:
+    if text == "":
+        raise ApiError(400, f"{param} must not be empty", param)
+    return text
+
+
+def _token_prompt(ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise ApiError(400, f"{param} must not be empty", param)
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise ApiError(400, f"{param} token ids must be in [0, {MAX_TOKEN_ID}]", param)
+    return list(ids)
+
+
+def _logits(req: CommonRequestFields, max_tokens: int | None, max_tokens_param: str, *, logprobs: int | None,
+            prompt_logprobs: int | None) -> LogitsParams:
+    """Penalties, logit_bias and min_tokens as vLLM checks them; `max_tokens` is the client's, if given."""
+    presence = _penalty(req.presence_penalty, "presence_penalty")
+    frequency = _penalty(req.frequency_penalty, "frequency_penalty")
+    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise ApiError(400, f"repetition_penalty must be > 0 and finite (got {repetition})", "repetition_penalty")
+    min_tokens = 0 if req.min_tokens is None else req.min_tokens
+    if min_tokens < 0:
+        raise ApiError(400, f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
+                       "min_tokens")
+    return LogitsParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                        min_tokens=min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
+
+
+def _penalty(value: float | None, param: str) -> float:
+    if value is None:
+        return 0.0
+    if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+        raise ApiError(400, f"{param} must be in [-2, 2] (got {value})", param)
+    return value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not _TOKEN_ID_RE.fullmatch(key) or int(key) > MAX_TOKEN_ID:
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})",
+                           "logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN and infinities fail too
+            raise ApiError(400, f"logit_bias values must be in [-100, 100] (got {value} for token {key})",
+                           "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _sampling(req: CommonRequestFields) -> SamplingParams:
@@ -136,11 +234,11 @@ def _stop(req: CommonRequestFields, max_tokens: int) -> StopParams:
 
 
 def _max_tokens(given: int | None, param: str, default: int, max_context: int,
-                prompt_len: int | None) -> tuple[int, bool]:
+                prompt_len: int | None, prompt_param: str = "prompt") -> tuple[int, bool]:
     """(max_tokens, clamp_max_tokens). `prompt_len` is known only for a prompt of token ids."""
     if prompt_len is not None and prompt_len >= max_context:
         raise ApiError(400, f"This model's maximum context length is {max_context} tokens; the prompt has "
-                            f"{prompt_len} tokens, which leaves no room for a completion.", "prompt")
+                            f"{prompt_len} tokens, which leaves no room for a completion.", prompt_param)
     if given is None:
         if prompt_len is not None:
             return min(default, max_context - prompt_len), False

@@ -112,11 +112,12 @@ class TokenDeltas:
             if rid in self.live:
                 self.live[rid].cached_tokens = cached
         for rid, ids in tokens.items():
+            live = self.live.get(rid)  # read first: the delta that finishes the request forgets it
             delta = self._delta(rid, ids, out.finish_reasons.get(rid))
             if rid in out.logprobs:
                 delta.logprobs = [out.logprobs[rid]]
-            if rid in out.prompt_logprobs and rid in self.live:
-                delta.prompt_ids = self.live[rid].prompt_ids
+            if rid in out.prompt_logprobs and live is not None:
+                delta.prompt_ids = live.prompt_ids
                 delta.prompt_logprobs = out.prompt_logprobs[rid]
             deltas.append(delta)
         for rid in out.finished:
