@@ -18,6 +18,7 @@ from procs.cli import CliError
 from shared.config import add_config_arguments, config_from_args
 
 ENGINE_FIELDS = ("model", "dtype", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
+                 "kv_memory_fraction",
                  "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "disable_prefix_cache",
                  "attention_backend")
 

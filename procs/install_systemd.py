@@ -45,7 +45,11 @@ FIELD_DOCS: dict[str, str] = {
     "max_context": "Longest prompt + completion in tokens; 0 = the model's own context length.",
     "page_size": "Tokens per KV-cache page.",
     "kv_capacity_tokens": "KV-cache capacity in tokens; 0 = derived from BATCHSERVE_KV_MEMORY_GB.",
-    "kv_memory_gb": "GiB of device memory for the KV cache when BATCHSERVE_KV_CAPACITY_TOKENS is 0.",
+    "kv_memory_gb": "GiB of device memory for the KV cache when BATCHSERVE_KV_CAPACITY_TOKENS is 0;\n"
+                    "0 = on CUDA BATCHSERVE_KV_MEMORY_FRACTION of the memory free after loading the weights, on CPU 1 GiB.",
+    "kv_memory_fraction": "Share of the device memory free after loading the weights that the KV cache takes\n"
+                          "(CUDA, when neither BATCHSERVE_KV_CAPACITY_TOKENS nor BATCHSERVE_KV_MEMORY_GB is set); the\n"
+                          "rest is headroom for activations and CUDA graphs.",
     "policy": "Scheduling policy: prefill-first, mixed or fixed.",
     "max_running_requests": "Most requests decoded together (request-table slots).",
     "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",

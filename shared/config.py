@@ -26,7 +26,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     # KV cache
     page_size: int = 16
     kv_capacity_tokens: int = 0  # 0: derived from kv_memory_gb
-    kv_memory_gb: float = 1.0
+    kv_memory_gb: float = 0.0  # 0: on CUDA kv_memory_fraction of the memory free after the weights; CPU 1 GiB
+    kv_memory_fraction: float = 0.85  # of free device memory, as the peers' defaults leave headroom
     # scheduler
     policy: Policy = "mixed"
     max_running_requests: int = 64

@@ -10,11 +10,31 @@ page-table column to its page; the scheduler decides, the worker applies the upd
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
 
 GIB = 1024 ** 3
+CPU_KV_MEMORY_GB = 1.0  # the CPU pool when no size is given (host memory is shared with everything else)
+
+
+def kv_memory_budget_gb(device: torch.device, memory_gb: float, memory_fraction: float,
+                        mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None) -> float:
+    """GiB for the KV pool: `memory_gb` when given (> 0); on CUDA, else, `memory_fraction` of the device
+    memory free now (call it after the weights are loaded: the rest is headroom for activations,
+    CUDA graphs and the allocator, as SGLang's --mem-fraction-static / vLLM's
+    --gpu-memory-utilization leave); on the CPU, else, `CPU_KV_MEMORY_GB`."""
+    if not 0 < memory_fraction < 1:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1), got {memory_fraction}")
+    if memory_gb < 0:
+        raise ValueError(f"kv_memory_gb must be >= 0 (0: automatic), got {memory_gb}")
+    if memory_gb > 0:
+        return memory_gb
+    if device.type != "cuda":
+        return CPU_KV_MEMORY_GB
+    free, _total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    return memory_fraction * free / GIB
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -60,6 +80,10 @@ class KVCache:
     def kv_capacity_tokens(self) -> int:
         """Tokens the scheduler may place: every page but the dummy page 0."""
         return (self.num_pages - 1) * self.page_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @property
     def max_running_requests(self) -> int:

@@ -12,7 +12,7 @@ from kernels.attention import AttentionMetadata, create_backend
 from kernels.sampling import sample_batch
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
-from procs.worker.kv_cache import KVCache, kv_bytes_per_token, num_pages_for
+from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
@@ -47,13 +47,15 @@ class ModelRunner:
     """Executes `ForwardBatch`es on one model replica.
 
     KV capacity: `kv_capacity_tokens` if > 0 (rounded up to whole pages), else as many pages as
-    `kv_memory_gb` GiB holds; page 0 is the dummy page and is not counted in `kv_capacity_tokens`.
+    `kv_memory_gb` GiB holds (0: `kv_memory_fraction` of the CUDA memory free after the weights, 1 GiB
+    on the CPU; see `kv_memory_budget_gb`); page 0 is the dummy page and is not counted in `kv_capacity_tokens`.
     `max_context` 0 means the model's max_position_embeddings. `pad_decode`: run decode steps on the
     padded static buffers CUDA graphs replay (None: only where graphs are captured).
     """
 
     def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
-                 page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 1.0,
+                 page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 0.0,
+                 kv_memory_fraction: float = 0.85,
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None):
         if max_running_requests < 1:
@@ -72,7 +74,8 @@ class ModelRunner:
                                              dtype=self.dtype, device=self.device)
         cfg = self.config
         num_pages = num_pages_for(
-            page_size, capacity_tokens=kv_capacity_tokens, memory_gb=kv_memory_gb,
+            page_size, capacity_tokens=kv_capacity_tokens,
+            memory_gb=0.0 if kv_capacity_tokens > 0 else kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
             bytes_per_token=kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
         )
         self.kv_cache = KVCache(
@@ -99,6 +102,7 @@ class ModelRunner:
     def from_config(cls, config: ServerConfig) -> "ModelRunner":
         return cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
                    kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
+                   kv_memory_fraction=config.kv_memory_fraction,
                    max_running_requests=config.max_running_requests, max_context=config.max_context,
                    attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
                    cuda_graph_max_bs=config.cuda_graph_max_bs)

@@ -22,6 +22,7 @@ ANNOUNCE_INTERVAL_S = 2.0
 
 
 def run(config: ServerConfig) -> int:
+    from procs.worker.kv_cache import GIB
     from procs.worker.model_runner import ModelRunner
 
     rt = ProcessRuntime("worker", config)
@@ -38,6 +39,9 @@ def run(config: ServerConfig) -> int:
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
+            # requests that can each hold a whole context at once (more run when they are shorter)
+            "full_context_requests": info.kv_capacity_tokens // info.max_context,
+            "kv_gib": round(runner.kv_cache.memory_bytes / GIB, 2),
             "seconds": round(time.monotonic() - started, 2)}})
         to_scheduler.send(info)
         announced = time.monotonic()
