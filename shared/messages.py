@@ -274,6 +274,9 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     max_context: int
     page_size: int
+    device_type: str = "cpu"  # "cpu" | "cuda": picks the default step-time target
+    # Steps timed at startup: (tokens, attention query-key pairs, seconds), for the step-cost model.
+    step_costs: list[tuple[int, float, float]] = []
 
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):

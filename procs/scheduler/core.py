@@ -130,6 +130,11 @@ class Scheduler:
         """True while requests wait or run, or aborts are still to be reported by a `step()`."""
         return bool(self._live) or bool(self._cancelled)
 
+    def decode_load(self) -> tuple[int, float]:
+        """(requests decoding, their attention pairs next step): what a step carries besides prefill."""
+        slots = self.decode_manager.batch_view()[0]
+        return int(slots.shape[0]), float(self.table.kv_len[slots].sum() + slots.shape[0])
+
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]
         return None if request is None else request.rid
@@ -187,16 +192,17 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ one iteration
-    def step(self, executor: Executor) -> StepOutput:
+    def step(self, executor: Executor, prefill_tokens: int | None = None) -> StepOutput:
         """Choose a batch by the policy, preempt if its pages do not fit, execute it, apply the results.
 
-        Idle steps still count."""
+        `prefill_tokens`: at most this many prompt tokens this step, below `prefill_budget` (the
+        server's step-time bound; None: the budget alone, as in SCHEDULING.md). Idle steps still count."""
         out = StepOutput(step=self._step, cancelled=self._cancelled)
         self._step += 1
         self._cancelled = []
         self._in_step = True
         try:
-            plan = self._plan()
+            plan = self._plan(prefill_tokens)
             slots, tokens = plan.slots_and_tokens()
             growth = self.kv.growth(slots, tokens)
             victims = self.kv.preemption_victims(slots, growth)
@@ -218,15 +224,16 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ planning
-    def _plan(self) -> StepPlan:
+    def _plan(self, prefill_tokens: int | None) -> StepPlan:
         policy = self.config.policy
         budget = self.config.prefill_budget
+        cap = budget if prefill_tokens is None else prefill_tokens
         if policy == "mixed":
             decode = self.decode_manager.batch_view()
-            return StepPlan.of(self.prefill_manager.plan(budget - len(decode[1]), admit=True), decode)
+            return StepPlan.of(self.prefill_manager.plan(min(budget - len(decode[1]), cap), admit=True), decode)
         # prefill-first, and fixed: a group forms only when nobody is admitted, then runs to the end.
         admit = policy == "prefill-first" or self.table.num_used == 0
-        prefill = self.prefill_manager.plan(budget, admit=admit)
+        prefill = self.prefill_manager.plan(min(budget, cap), admit=admit)
         if prefill:
             return StepPlan.of(prefill)
         return StepPlan.of([], self.decode_manager.batch_view())

@@ -10,6 +10,7 @@ api (every ~100 ms while busy, every second while idle).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
 from procs.scheduler.executor import ExecutorError
+from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import (
@@ -31,12 +33,17 @@ from shared.messages import (
     WorkerInfo,
 )
 from shared.shm import DoubleBuffer
+from shared.step_features import attention_pairs
 
 log = logging.getLogger("batchserve.scheduler")
 
 STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
 PROMPT_TAIL = 8  # prompt ids the detokenizer gets as decoding context
+DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
+# A step sized to the time bound still prefills this much, however long its decodes alone take, so
+# that waiting requests always progress.
+MIN_PREFILL_TOKENS = 32
 WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
 
 
@@ -59,6 +66,7 @@ class RemoteWorker:
         self.results = results
         self.rt = rt
         self.step_timeout_s = step_timeout_s
+        self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.to_worker.send(batch)
@@ -69,6 +77,9 @@ class RemoteWorker:
             if result is not None:
                 if result.step != batch.step:
                     raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
+                if self.cost is not None:
+                    self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
+                                      time.monotonic() - sent)
                 return result
             now = time.monotonic()
             if now - sent > self.step_timeout_s:
@@ -152,8 +163,18 @@ def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
     )
 
 
+def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
+    """The step-time target in seconds, or None: no bound (inf), or no probe to model steps with."""
+    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
+    if math.isinf(ms) or len({tokens for tokens, _, _ in info.step_costs}) < 2:
+        return None
+    return ms / 1000
+
+
 def check_config(config: ServerConfig) -> None:
     """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
+    if not config.max_step_ms >= 0:  # NaN fails too
+        raise ValueError(f"max_step_ms must be >= 0 (0: the device's default, inf: no bound), got {config.max_step_ms}")
     scheduler_config(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[],
                                         max_context=0, page_size=config.page_size))
 
@@ -177,6 +198,7 @@ class SchedulerLoop:
         self._cache_counts = (0, 0, 0)
         self._last_stats = 0.0
         self._was_busy = False
+        self.step_target_s: float | None = None  # set with the step-cost model, from the worker's info
 
     def wait_for_worker(self) -> bool:
         """Buffer requests until the worker says what it can hold; False if stopped first."""
@@ -185,6 +207,9 @@ class SchedulerLoop:
             if isinstance(message, WorkerInfo):
                 self.scheduler = Scheduler(scheduler_config(self.config, message),
                                            eos_token_ids=message.eos_token_ids)
+                self.step_target_s = step_target_s(self.config, message)
+                if self.step_target_s is not None:
+                    self.executor.cost = StepCostModel(message.step_costs)
                 log.info("worker ready", extra={"fields": {
                     "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
                     "max_context": message.max_context, "policy": self.config.policy}})
@@ -223,7 +248,7 @@ class SchedulerLoop:
                 for message in self.inbox.recv_ready():
                     self.handle(message)
             if sched.has_unfinished():
-                out = sched.step(self.executor)
+                out = sched.step(self.executor, self._prefill_tokens())
                 for delta in self.deltas.from_step(out):
                     self.to_detokenizer.send(delta)
                 if out.preempted:
@@ -238,6 +263,15 @@ class SchedulerLoop:
                     if message is not None:
                         self.handle(message)
             self._maybe_send_stats(busy)
+
+    def _prefill_tokens(self) -> int | None:
+        """Prompt tokens this step may carry within the step-time target (None: no target)."""
+        cost, target = self.executor.cost, self.step_target_s
+        if cost is None or target is None:
+            return None
+        decode_rows, decode_pairs = self.scheduler.decode_load()  # type: ignore[union-attr]
+        fits = cost.max_prefill_tokens(target, decode_rows, decode_pairs, 0, self.config.prefill_budget)
+        return max(fits, MIN_PREFILL_TOKENS)
 
     def _maybe_send_stats(self, busy: bool) -> None:
         sched = self.scheduler

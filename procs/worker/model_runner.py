@@ -4,6 +4,7 @@ executes one `ForwardBatch` per call: apply page-table updates, run the packed f
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -16,8 +17,10 @@ from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
-from shared.messages import ForwardBatch, StepResult, TokenLogprobs, WorkerInfo
+from shared.messages import ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
+from shared.step_features import attention_pairs
 
+GREEDY = SamplingParams(temperature=0.0)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -133,10 +136,44 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def worker_info(self) -> WorkerInfo:
+    def worker_info(self, step_costs: list[tuple[int, float, float]] | None = None) -> WorkerInfo:
         """What the scheduler sizes itself by (sent by the worker process at start)."""
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
-                          max_context=self.max_context, page_size=self.page_size)
+                          max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
+                          step_costs=step_costs or [])
+
+    def probe_step_costs(self, prefill_tokens: tuple[int, ...] = (32, 256, 1024),
+                         decode_batches: tuple[int, ...] = (1, 16)) -> list[tuple[int, float, float]]:
+        """Time a few steps before serving: (tokens, attention pairs, seconds), after a warm-up step.
+
+        Run only while no request holds KV: every token is written to and read from the dummy page 0
+        (the page table is all zeros then), so nothing is disturbed and only the time is real."""
+        context = min(256, self._max_context - 1)
+        shapes = [([0], [n]) for n in prefill_tokens if n < self._max_context]
+        shapes += [([context] * b, [1] * b) for b in decode_batches if b <= self.max_running_requests]
+        costs = []
+        for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
+            batch = self._probe_batch(prefix_lens, extend_lens)
+            seconds = self._timed(batch)
+            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens), seconds))
+        return costs[1:]
+
+    def _probe_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+        n = len(extend_lens)
+        positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).astype(np.int32)
+        empty = np.zeros(0, dtype=np.int32)
+        return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
+                            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+                            input_ids=np.ones(positions.shape[0], dtype=np.int32), positions=positions,
+                            kv_locs=positions % self.page_size, page_table_slots=empty, page_table_cols=empty,
+                            page_table_pages=empty)
+
+    def _timed(self, batch: ForwardBatch) -> float:
+        started = time.perf_counter()
+        self.execute(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ SIGTERM: finish the step in progress, then exit 0.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
@@ -35,7 +36,8 @@ def run(config: ServerConfig) -> int:
     try:
         started = time.monotonic()
         runner = ModelRunner.from_config(config)
-        info = runner.worker_info()
+        # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
+        info = runner.worker_info(None if math.isinf(config.max_step_ms) else runner.probe_step_costs())
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,

@@ -1,0 +1,90 @@
+"""`StepCostModel`: how long a step takes for what it carries, so that a step with prefill in it can be
+sized to a time target (`--max-step-ms`) instead of a fixed token budget.
+
+A step's wall time (as the scheduler waits for it: the worker's forward and sampling, and the
+sockets) is modelled as
+
+    seconds = w0 + w1 * tokens + w2 * attention_pairs / 1000
+
+`tokens` drive the linear layers and the LM head; `attention_pairs` (`shared.step_features`) drive
+attention. The weights come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted
+by least squares from the last measured steps, so the model follows the machine (a shared CPU, graph
+replay on a GPU). Sarathi-Serve picks its token budget from profiles for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from shared.step_features import attention_pairs
+
+WINDOW = 256  # measured steps the fit remembers
+REFIT_EVERY = 16  # steps between refits
+
+
+class StepCostModel:
+    def __init__(self, probe: Sequence[tuple[int, float, float]]) -> None:
+        """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
+        different token counts)."""
+        self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self.weights = self._fit(self._probe)
+        if self.weights is None:
+            raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
+
+    def predict(self, tokens: float, pairs: float) -> float:
+        w0, w1, w2 = self.weights
+        return w0 + w1 * tokens + w2 * pairs / 1000
+
+    def observe(self, tokens: int, pairs: float, seconds: float) -> None:
+        self._steps.append((float(tokens), pairs, seconds))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            # The probe stays in the fit: it spans token counts that live traffic may not (steady
+            # decode steps alone would leave the per-token cost undetermined).
+            fitted = self._fit(self._probe + list(self._steps))
+            if fitted is not None:
+                self.weights = fitted
+
+    def max_prefill_tokens(self, target_s: float, decode_rows: int, decode_pairs: float, prefix: int,
+                           limit: int) -> int:
+        """The most prefill tokens (<= limit) a step beside these decodes can carry within `target_s`,
+        for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+        def fits(n: int) -> bool:
+            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= target_s
+        if not fits(1):
+            return 0
+        low, high = 1, limit  # fits(low); find the largest n that fits (time grows with n)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(mid):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    @staticmethod
+    def _fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+        """Least squares with non-negative weights (a cost never shrinks as work grows) and a positive
+        per-token cost: the best fit over the subsets of {base, attention} kept beside tokens (an
+        exact non-negative least squares for three weights). None when no subset fits."""
+        data = np.asarray(rows, dtype=np.float64)
+        if data.shape[0] < 2 or np.ptp(data[:, 0]) == 0:
+            return None
+        columns = np.column_stack([np.ones(data.shape[0]), data[:, 0], data[:, 1] / 1000])
+        best: tuple[float, np.ndarray] | None = None
+        for kept in ([0, 1, 2], [1, 2], [0, 1], [1]):
+            solution, *_ = np.linalg.lstsq(columns[:, kept], data[:, 2], rcond=None)
+            if solution.min() < 0 or solution[kept.index(1)] <= 0:
+                continue
+            weights = np.zeros(3)
+            weights[kept] = solution
+            residual = float(np.square(columns @ weights - data[:, 2]).sum())
+            if best is None or residual < best[0]:
+                best = (residual, weights)
+        return None if best is None else (float(best[1][0]), float(best[1][1]), float(best[1][2]))

@@ -1,0 +1,95 @@
+"""The step-time bound (`--max-step-ms`): the step-cost model fits and follows measured steps, sizes a
+step's prefill to a target, and the scheduler honours the size it is given (without one, every trace
+is SCHEDULING.md's, which the scenario tests check)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from procs.scheduler.config import SchedulerConfig
+from procs.scheduler.core import Scheduler
+from procs.scheduler.executor import ScriptedExecutor
+from procs.scheduler.process import DEFAULT_MAX_STEP_MS, step_target_s
+from procs.scheduler.step_cost import StepCostModel
+from shared.config import ServerConfig
+from shared.messages import SamplingParams, StopParams, WorkerInfo
+from shared.step_features import attention_pairs
+
+TRUE = (0.004, 0.0015, 0.0002)  # seconds: per step, per token, per 1000 attention pairs
+
+
+def seconds(tokens: int, pairs: float, weights=TRUE) -> float:
+    return weights[0] + weights[1] * tokens + weights[2] * pairs / 1000
+
+
+def probe(weights=TRUE) -> list[tuple[int, float, float]]:
+    shapes = [([0], [32]), ([0], [256]), ([0], [1024]), ([256], [1]), ([256] * 16, [1] * 16)]
+    return [(sum(e), attention_pairs(p, e), seconds(sum(e), attention_pairs(p, e), weights)) for p, e in shapes]
+
+
+def test_probe_fit_recovers_the_costs_and_sizes_prefill_to_the_target():
+    model = StepCostModel(probe())
+    assert model.weights == pytest.approx(TRUE, rel=1e-6)
+    decode_rows, decode_pairs = 16, 16 * 300.0
+    n = model.max_prefill_tokens(0.3, decode_rows, decode_pairs, 0, 2048)
+    within = lambda k: seconds(decode_rows + k, decode_pairs + attention_pairs([0], [k])) <= 0.3
+    assert within(n) and not within(n + 1)
+    assert model.max_prefill_tokens(10.0, decode_rows, decode_pairs, 0, 2048) == 2048  # the cap holds
+    assert model.max_prefill_tokens(0.001, decode_rows, decode_pairs, 0, 2048) == 0  # decodes alone overrun
+
+
+def test_refits_follow_a_machine_that_slows_down():
+    model = StepCostModel(probe())
+    slower = tuple(w * 2 for w in TRUE)
+    rng = np.random.default_rng(0)
+    for _ in range(256):
+        tokens = int(rng.choice([1, 8, 32, 64, 512]))
+        pairs = float(tokens * 300)
+        model.observe(tokens, pairs, seconds(tokens, pairs, slower))
+    # The probe stays in the fit, but 256 recent steps outweigh its five.
+    assert model.predict(512, 512 * 300.0) == pytest.approx(seconds(512, 512 * 300.0, slower), rel=0.05)
+
+
+def test_weights_stay_non_negative_and_a_probe_without_spread_is_refused():
+    noisy = [(1, 100.0, 0.02), (64, 6400.0, 0.01), (512, 60000.0, 0.5)]  # a hiccup on the batch-1 step
+    assert min(StepCostModel(noisy).weights) >= 0
+    with pytest.raises(ValueError):
+        StepCostModel([(16, 100.0, 0.01), (16, 200.0, 0.02)])
+
+
+def test_the_scheduler_prefills_no_more_than_it_is_given():
+    config = SchedulerConfig(max_running_requests=4, prefill_budget=64, kv_capacity_tokens=1024, policy="mixed")
+    sched = Scheduler(config)
+    sched.add_request("long", np.arange(3, 103), SamplingParams(temperature=0), StopParams(max_tokens=2))
+    executor = ScriptedExecutor(lambda slot: 10)
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.step(executor, prefill_tokens=24)
+        chunks += [n for _, n in out.prefill]
+    assert chunks == [24, 24, 24, 24, 4]
+    assert sched.decode_load() == (0, 0.0)
+
+
+def test_the_target_defaults_per_device_and_inf_turns_it_off():
+    info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, step_costs=probe())
+    assert step_target_s(ServerConfig(), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
+    cuda = WorkerInfo(**{**{f: getattr(info, f) for f in info.__struct_fields__}, "device_type": "cuda"})
+    assert step_target_s(ServerConfig(), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
+    assert step_target_s(ServerConfig(max_step_ms=150), info) == 0.15
+    assert step_target_s(ServerConfig(max_step_ms=math.inf), info) is None
+    no_probe = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16)
+    assert step_target_s(ServerConfig(), no_probe) is None
+
+
+def test_a_real_probe_fits(tiny_model_dir):
+    from procs.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
+    costs = runner.probe_step_costs()
+    assert [t for t, _, _ in costs] == [32, 256, 1, 16]  # 1024 is past the tiny model's 512 positions
+    assert all(s > 0 for _, _, s in costs)
+    StepCostModel(costs)  # fits
+    assert runner.kv_cache.page_table.abs().sum() == 0  # only the dummy page was touched
