@@ -105,7 +105,8 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
                              "use --attention-backend torch for float32")
         self._flashinfer = import_flashinfer()
         device = kv_cache.device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # zeros: flashinfer 0.7.4's decode wrapper documents its workspace "must be initialized to 0 for its first use"
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
         self._prefill_wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode_wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
