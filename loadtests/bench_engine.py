@@ -236,8 +236,9 @@ FEATURES = {
 
 
 def bare_execute(runner: ModelRunner) -> Callable[[ForwardBatch], StepResult]:
-    """The decode step as it was before per-slot logits state: page table, forward, sample."""
+    """The decode step as it was before per-slot logits state: checks, page table, forward, sample."""
     def execute(batch: ForwardBatch) -> StepResult:
+        runner._check(batch)
         runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
         with torch.inference_mode():
             logits = runner.forward_logits(batch)
