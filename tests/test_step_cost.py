@@ -12,7 +12,7 @@ import pytest
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor
-from procs.scheduler.process import DEFAULT_MAX_STEP_MS, step_target_s
+from procs.scheduler.process import DEFAULT_MAX_STEP_MS, check_config, step_target_s
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
 from shared.messages import SamplingParams, StopParams, WorkerInfo
@@ -73,13 +73,17 @@ def test_the_scheduler_prefills_no_more_than_it_is_given():
     assert sched.decode_load() == (0, 0.0)
 
 
-def test_the_target_defaults_per_device_and_inf_turns_it_off():
+def test_the_target_defaults_per_device_and_minus_one_turns_it_off():
     info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, step_costs=probe())
     assert step_target_s(ServerConfig(), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
     cuda = WorkerInfo(**{**{f: getattr(info, f) for f in info.__struct_fields__}, "device_type": "cuda"})
     assert step_target_s(ServerConfig(), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
     assert step_target_s(ServerConfig(max_step_ms=150), info) == 0.15
-    assert step_target_s(ServerConfig(max_step_ms=math.inf), info) is None
+    assert step_target_s(ServerConfig(max_step_ms=-1), info) is None
+    for bad in (-2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_step_ms"):
+            check_config(ServerConfig(max_step_ms=bad))
+    check_config(ServerConfig(max_step_ms=-1))
     no_probe = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16)
     assert step_target_s(ServerConfig(), no_probe) is None
 
@@ -93,3 +97,9 @@ def test_a_real_probe_fits(tiny_model_dir):
     assert all(s > 0 for _, _, s in costs)
     StepCostModel(costs)  # fits
     assert runner.kv_cache.page_table.abs().sum() == 0  # only the dummy page was touched
+
+
+def test_the_off_value_survives_the_config_file_every_process_reads():
+    # Processes get the config as JSON, which has no inf: "off" must be a plain number.
+    for value in (-1.0, 0.0, 150.0):
+        assert ServerConfig.from_json(ServerConfig(max_step_ms=value).to_json()).max_step_ms == value

@@ -41,6 +41,7 @@ STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
 PROMPT_TAIL = 8  # prompt ids the detokenizer gets as decoding context
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
+NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
 # A step sized to the time bound still prefills this much, however long its decodes alone take, so
 # that waiting requests always progress.
 MIN_PREFILL_TOKENS = 32
@@ -164,17 +165,18 @@ def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
 
 
 def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
-    """The step-time target in seconds, or None: no bound (inf), or no probe to model steps with."""
-    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
-    if math.isinf(ms) or len({tokens for tokens, _, _ in info.step_costs}) < 2:
+    """The step-time target in seconds, or None: no bound (-1), or no probe to model steps with."""
+    if config.max_step_ms == NO_STEP_BOUND or len({tokens for tokens, _, _ in info.step_costs}) < 2:
         return None
+    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
     return ms / 1000
 
 
 def check_config(config: ServerConfig) -> None:
     """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
-    if not config.max_step_ms >= 0:  # NaN fails too
-        raise ValueError(f"max_step_ms must be >= 0 (0: the device's default, inf: no bound), got {config.max_step_ms}")
+    if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
+        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's default) or a time in ms, "
+                         f"got {config.max_step_ms}")
     scheduler_config(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[],
                                         max_context=0, page_size=config.page_size))
 

@@ -9,7 +9,6 @@ SIGTERM: finish the step in progress, then exit 0.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
@@ -37,7 +36,7 @@ def run(config: ServerConfig) -> int:
         started = time.monotonic()
         runner = ModelRunner.from_config(config)
         # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
-        info = runner.worker_info(None if math.isinf(config.max_step_ms) else runner.probe_step_costs())
+        info = runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs())
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
