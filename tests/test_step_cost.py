@@ -103,3 +103,13 @@ def test_the_off_value_survives_the_config_file_every_process_reads():
     # Processes get the config as JSON, which has no inf: "off" must be a plain number.
     for value in (-1.0, 0.0, 150.0):
         assert ServerConfig.from_json(ServerConfig(max_step_ms=value).to_json()).max_step_ms == value
+
+
+def test_a_probe_taken_on_a_busy_machine_stops_counting_once_live_steps_span_enough():
+    model = StepCostModel(probe(tuple(w * 3 for w in TRUE)))  # three servers probing on two cores at once
+    rng = np.random.default_rng(1)
+    for _ in range(64):
+        tokens = int(rng.integers(16, 160))  # what bounded steps carry: decodes plus a small chunk
+        pairs = float(tokens * 200)
+        model.observe(tokens, pairs, seconds(tokens, pairs))
+    assert model.predict(1024, 1024 * 512.0) == pytest.approx(seconds(1024, 1024 * 512.0), rel=0.05)

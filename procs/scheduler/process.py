@@ -212,6 +212,10 @@ class SchedulerLoop:
                 self.step_target_s = step_target_s(self.config, message)
                 if self.step_target_s is not None:
                     self.executor.cost = StepCostModel(message.step_costs)
+                    w0, w1, w2 = self.executor.cost.weights
+                    log.info("step-time bound", extra={"fields": {
+                        "max_step_ms": round(self.step_target_s * 1000, 1), "ms_per_step": round(w0 * 1000, 2),
+                        "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4)}})
                 log.info("worker ready", extra={"fields": {
                     "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
                     "max_context": message.max_context, "policy": self.config.policy}})

@@ -23,6 +23,7 @@ from shared.step_features import attention_pairs
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits
+MIN_LIVE_SPREAD = 64  # tokens between the window's smallest and largest step to fit on live steps alone
 
 
 class StepCostModel:
@@ -45,9 +46,14 @@ class StepCostModel:
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
-            # The probe stays in the fit: it spans token counts that live traffic may not (steady
-            # decode steps alone would leave the per-token cost undetermined).
-            fitted = self._fit(self._probe + list(self._steps))
+            # Live steps alone once they span enough token counts to pin the per-token cost (a probe
+            # taken while the machine was busy, say beside other starting servers, would otherwise
+            # keep skewing it); before that, the probe fills the gap (steady decode steps alone leave
+            # the per-token cost undetermined).
+            live = list(self._steps)
+            spread = max(t for t, _, _ in live) - min(t for t, _, _ in live)
+            fitted = self._fit(live) if spread >= MIN_LIVE_SPREAD else None
+            fitted = fitted or self._fit(self._probe + live)
             if fitted is not None:
                 self.weights = fitted
 
