@@ -109,7 +109,7 @@ def test_a_probe_taken_on_a_busy_machine_stops_counting_once_live_steps_span_eno
     model = StepCostModel(probe(tuple(w * 3 for w in TRUE)))  # three servers probing on two cores at once
     rng = np.random.default_rng(1)
     for _ in range(64):
-        tokens = int(rng.integers(16, 160))  # what bounded steps carry: decodes plus a small chunk
+        tokens = int(rng.choice([16, 48]))  # what a starved start carries: decodes, plus the smallest chunk
         pairs = float(tokens * 200)
         model.observe(tokens, pairs, seconds(tokens, pairs))
     assert model.predict(1024, 1024 * 512.0) == pytest.approx(seconds(1024, 1024 * 512.0), rel=0.05)

@@ -23,7 +23,9 @@ from shared.step_features import attention_pairs
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits
-MIN_LIVE_SPREAD = 64  # tokens between the window's smallest and largest step to fit on live steps alone
+# Tokens between the window's smallest and largest step to fit on live steps alone: decode-only steps
+# beside steps with even the smallest chunk (32 tokens) reach it.
+MIN_LIVE_SPREAD = 16
 
 
 class StepCostModel:
