@@ -61,7 +61,7 @@ FIELD_DOCS: dict[str, str] = {
                             "common prefix, e.g. a system prompt or the history of a chat).",
     "max_step_ms": "Longest a step carrying prefill should take, in ms, which bounds everyone's inter-token latency\n"
                    "(a step-cost model sizes each step's prefill to it; prefill_budget stays the cap);\n"
-                   "0 = the device's default (CPU 300, CUDA 100), -1 = no time bound.",
+                   "-1 = no time bound (default), 0 = the device's suggested target (CPU 300, CUDA 100).",
     "step_timeout_s": "Seconds a model step may take before the worker counts as hung: every request in flight\n"
                       "then fails (503 / an error event) and the scheduler exits for a restart. Generous: a long\n"
                       "prefill chunk on a CPU takes seconds.",

@@ -28,9 +28,10 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    # A small prefill budget: the echoed prompt's logprobs come from several chunks.
+    # A small prefill budget: the echoed prompt's logprobs come from several chunks; and the step-time
+    # bound on, so steps are sized by the step-cost model too (the outputs must not care).
     srv = start_server(model, tmp_path_factory.mktemp("parity") / "serve.log", "--prefill-budget", "80",
-                       "--max-running-requests", "16", "--page-size", "4")
+                       "--max-running-requests", "16", "--page-size", "4", "--max-step-ms", "20")
     yield srv
     srv.stop()
 

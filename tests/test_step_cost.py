@@ -73,11 +73,12 @@ def test_the_scheduler_prefills_no_more_than_it_is_given():
     assert sched.decode_load() == (0, 0.0)
 
 
-def test_the_target_defaults_per_device_and_minus_one_turns_it_off():
+def test_the_bound_is_opt_in_with_a_suggested_target_per_device():
     info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, step_costs=probe())
-    assert step_target_s(ServerConfig(), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
+    assert step_target_s(ServerConfig(), info) is None  # off unless asked for
+    assert step_target_s(ServerConfig(max_step_ms=0), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
     cuda = WorkerInfo(**{**{f: getattr(info, f) for f in info.__struct_fields__}, "device_type": "cuda"})
-    assert step_target_s(ServerConfig(), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
+    assert step_target_s(ServerConfig(max_step_ms=0), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
     assert step_target_s(ServerConfig(max_step_ms=150), info) == 0.15
     assert step_target_s(ServerConfig(max_step_ms=-1), info) is None
     for bad in (-2.0, math.inf, math.nan):
@@ -85,7 +86,7 @@ def test_the_target_defaults_per_device_and_minus_one_turns_it_off():
             check_config(ServerConfig(max_step_ms=bad))
     check_config(ServerConfig(max_step_ms=-1))
     no_probe = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16)
-    assert step_target_s(ServerConfig(), no_probe) is None
+    assert step_target_s(ServerConfig(max_step_ms=0), no_probe) is None
 
 
 def test_a_real_probe_fits(tiny_model_dir):

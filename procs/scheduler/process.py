@@ -175,7 +175,7 @@ def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
 def check_config(config: ServerConfig) -> None:
     """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
-        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's default) or a time in ms, "
+        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
                          f"got {config.max_step_ms}")
     scheduler_config(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[],
                                         max_context=0, page_size=config.page_size))
