@@ -24,12 +24,11 @@ import torch
 from kernels import native
 from procs.worker.loader import resolve_model
 from procs.worker.models import llama
-from procs.worker.model_runner import ModelRunner
+from procs.worker.model_runner import GREEDY, ModelRunner
 from shared.config import DEFAULT_MODEL
 from kernels.sampling import sample_batch
-from shared.messages import ForwardBatch, LogitsParams, SamplingParams, SlotStart, StepResult
+from shared.messages import ForwardBatch, LogitsParams, SlotStart, StepResult
 
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class StaticPlan:

@@ -43,9 +43,13 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
 
     @property
+    def penalizes(self) -> bool:
+        """Some penalty is on: the sampled tokens must be counted."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+        return self.penalizes or bool(self.min_tokens or self.logit_bias)
 
     @property
     def is_plain(self) -> bool:

@@ -61,12 +61,11 @@ class Request:
             return SlotStart(slot=self.slot)
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
-        penalized = bool(logits.presence_penalty or logits.frequency_penalty or logits.repetition_penalty != 1.0)
         needs_prompt = logits.repetition_penalty != 1.0 or logits.prompt_logprobs is not None
         n = self.num_prompt_tokens
         return SlotStart(slot=self.slot, logits=logits,
                          prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
-                         output_ids=self.prompt[n:].tolist() if penalized else [],
+                         output_ids=self.prompt[n:].tolist() if logits.penalizes else [],
                          min_tokens_banned=list(self.min_tokens_banned) if logits.min_tokens else [])
 
     def __repr__(self) -> str:

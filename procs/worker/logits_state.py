@@ -36,7 +36,7 @@ class SlotLogitsState:
         s, params = start.slot, start.logits
         self.params[s] = params
         self.adjusting[s] = params.adjusts_logits
-        self.counting[s] = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+        self.counting[s] = params.penalizes
         self.logprobs_top[s] = -1 if params.logprobs is None else params.logprobs
         self.prompts[s] = (np.asarray(start.prompt_ids, dtype=np.int64) if params.prompt_logprobs is not None
                            else None)
@@ -115,6 +115,8 @@ class SlotLogitsState:
         assert prompt is not None
         targets = torch.from_numpy(prompt[positions.start + 1:positions.stop + 1]).to(self.device)
         top = self.params[slot].prompt_logprobs or 0
+        if positions.stop == prompt.shape[0] - 1:
+            self.prompts[slot] = None  # every prompt token has its logprob: later steps need not look
         return token_logprobs(logprobs, targets, [top] * len(positions))
 
 

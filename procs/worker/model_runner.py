@@ -202,19 +202,19 @@ class ModelRunner:
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
         return result
 
-    def _sample(self, logits: torch.Tensor, sampling: list, slots: np.ndarray, counts: np.ndarray,
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], slots: np.ndarray, counts: np.ndarray,
                 ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
         """Adjust (penalties, bias, bans), sample, count; logprobs from the logits as the model gave them."""
         state = self.logits_state
         rows = state.logprob_rows(slots)
-        raw = torch.log_softmax(logits[torch.from_numpy(rows).to(self.device)], dim=-1) if rows.shape[0] else None
+        row_index = torch.from_numpy(rows).to(self.device) if rows.shape[0] else None
+        raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
         state.adjust_(logits, slots, counts)
         token_ids = self._sample_batch(logits, sampling, counts.tolist())
         state.record(slots, token_ids)
         if raw is None:
             return token_ids, [], []
-        chosen = token_ids[torch.from_numpy(rows).to(self.device)]
-        return token_ids, rows.tolist(), state.sampled_logprobs(raw, chosen, slots[rows])
+        return token_ids, rows.tolist(), state.sampled_logprobs(raw, token_ids[row_index], slots[rows])
 
     def _prompt_logprob_chunks(self, batch: ForwardBatch) -> list[tuple[int, range, np.ndarray]]:
         """(slot, prompt positions, packed token rows) of the prefill chunks that want prompt logprobs."""
