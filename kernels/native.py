@@ -49,6 +49,7 @@ SIGNATURES = {
     "silu_and_mul": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rotary": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
     "write_kv": (None, [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]),
+    "apply_token_bitmask": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
 }
 
 
@@ -192,6 +193,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib().argmax_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
     return out
+
+
+def apply_token_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf in scores [rows, vocab] (rows may be strided) where bitmask [rows, words] int32 has a 0 bit;
+    returns a bool [rows]: the rows with no finite allowed score left."""
+    rows, vocab = scores.shape
+    _check(bitmask.dtype is torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
+           and bitmask.shape[0] == rows and bitmask.shape[1] * 32 >= vocab, "bitmask [rows, >= vocab / 32] int32")
+    _check_rows(scores, "scores")
+    dead = torch.empty(rows, dtype=torch.bool)
+    _lib().apply_token_bitmask(scores.data_ptr(), rows, scores.stride(0), vocab, bitmask.data_ptr(),
+                               bitmask.shape[1], dead.data_ptr())
+    return dead
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

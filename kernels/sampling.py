@@ -99,6 +99,30 @@ def apply_repetition_penalty_(scores: torch.Tensor, seen: torch.Tensor, penalty:
     torch.where(seen, penalized, scores, out=scores)
 
 
+def apply_token_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output: -inf for every token a grammar does not allow, in place.
+
+    scores [n, vocab] float; bitmask [n, ceil(vocab / 32)] int32 on the CPU, bit j of word w set
+    when token 32 * w + j is allowed (llguidance's layout). A row left with no finite score (a
+    grammar that allows only tokens a logit_bias or min_tokens banned) gets 0 for the allowed ones:
+    the grammar wins, since its output must stay valid."""
+    n, vocab = scores.shape
+    if native.applies_to(scores) and native.rows_contiguous(scores):
+        dead = native.apply_token_bitmask(scores, bitmask)
+        if not bool(dead.any()):
+            return
+    banned = _banned_tokens(bitmask.to(scores.device, non_blocking=True), vocab)
+    scores.masked_fill_(banned, float("-inf"))
+    dead = torch.isneginf(scores.amax(dim=1))
+    if bool(dead.any()):
+        scores[dead] = torch.where(banned[dead], float("-inf"), 0.0)
+
+
+def _banned_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1)[:, :vocab] == 0
+
+
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top: Sequence[int]) -> list[TokenLogprobs]:
     """Row i's logprob of `token_ids[i]` and its `top[i]` most likely tokens.
 

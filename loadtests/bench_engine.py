@@ -20,8 +20,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from kernels import native
+from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker.loader import resolve_model
 from procs.worker.models import llama
 from procs.worker.model_runner import GREEDY, ModelRunner
@@ -231,6 +233,11 @@ FEATURES = {
     "frequency + presence penalties": LogitsParams(frequency_penalty=0.5, presence_penalty=0.5),
     "logit_bias (8 ids) + min_tokens": LogitsParams(logit_bias={i: 1.0 for i in range(100, 108)}, min_tokens=10**6),
     "logprobs, top 5": LogitsParams(logprobs=5),
+    # structured output: a JSON schema whose first string is long enough that no row completes
+    "json_schema grammar": LogitsParams(grammar=LLMatcher.grammar_from_json_schema(
+        {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+         "properties": {"name": {"type": "string", "minLength": 200}, "age": {"type": "integer"}}},
+        defaults=JSON_OPTIONS)),
 }
 
 

@@ -16,7 +16,7 @@ import msgspec
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.scheduler.core import Scheduler
 from procs.scheduler.process import scheduler_config
-from procs.tokenizer.prompts import PromptTokenizer
+from procs.tokenizer.prompts import PromptTokenizer, grammar_tokenizer_of
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
 
@@ -50,7 +50,8 @@ class OfflineEngine:
         self.config = config
         self.runner = ModelRunner.from_config(config)
         self.tokenizer: Any = load_tokenizer(self.runner.model_dir)
-        self.prompts = PromptTokenizer(self.tokenizer, self.runner.max_context)
+        self.prompts = PromptTokenizer(self.tokenizer, self.runner.max_context,
+                                       grammar_tokenizer_of(self.runner.model_dir, self.runner.config))
         self.scheduler = Scheduler(scheduler_config(config, self.runner.worker_info()),
                                    eos_token_ids=self.runner.eos_token_ids)
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
@@ -99,16 +100,10 @@ class OfflineEngine:
         state.completion.finish_reason = "stop" if state.detokenizer.stopped else reason
 
 
-def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
             sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None,
-            logits: dict[str, Any] | None = None) -> GenerateRequest:
-    """Build a `GenerateRequest` from plain values (for the CLI and tests)."""
-    from shared.messages import ChatMessage, LogitsParams, SamplingParams, StopParams
-
-    return GenerateRequest(
-        rid=rid, prompt=prompt,
-        messages=None if messages is None else [ChatMessage(**m) for m in messages],
-        sampling=msgspec.convert(sampling or {}, SamplingParams),
-        stop=msgspec.convert(stop or {}, StopParams),
-        logits=msgspec.convert(logits or {}, LogitsParams, strict=False),
-    )
+            logits: dict[str, Any] | None = None, **fields: Any) -> GenerateRequest:
+    """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any other of
+    its fields (constraint, tools, tool_choice, ...) as plain values too."""
+    return msgspec.convert({"rid": rid, "prompt": prompt, "messages": messages, "sampling": sampling or {},
+                            "stop": stop or {}, "logits": logits or {}, **fields}, GenerateRequest, strict=False)

@@ -10,6 +10,8 @@ tokens run, where their KV goes and which pages each request slot owns; the work
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -41,6 +43,10 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (-100 bans it)
     logprobs: int | None = None  # per generated token: its logprob and this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    # Structured output: an llguidance grammar (its JSON form) the output must match, compiled from the
+    # request's `OutputConstraint` or forced tool call by the tokenizer process. The worker masks
+    # every token the grammar does not allow, last, after all of the above.
+    grammar: str | None = None
 
     @property
     def penalizes(self) -> bool:
@@ -54,7 +60,13 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_plain(self) -> bool:
         """Nothing to adjust or report: the worker keeps no state for the slot."""
-        return not self.adjusts_logits and self.logprobs is None and self.prompt_logprobs is None
+        return (not self.adjusts_logits and self.logprobs is None and self.prompt_logprobs is None
+                and self.grammar is None)
+
+    @property
+    def needs_output_ids(self) -> bool:
+        """The slot's state follows the generated tokens: a restart (preemption) must replay them."""
+        return self.penalizes or self.grammar is not None
 
 
 PLAIN_LOGITS = LogitsParams()
@@ -146,9 +158,41 @@ class StepResult(msgspec.Struct, kw_only=True):
 # abort can never overtake its request).
 
 
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A function call an assistant message made (OpenAI's `tool_calls[i]`)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str
+    role: str  # "system" | "user" | "assistant" | "tool" (other roles: as the chat template takes them)
+    content: str | None = None  # None: an assistant message that only calls tools
+    tool_calls: list[ToolCall] = []  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None  # tool: the function's name, where the client gave it
+
+
+class ToolFunction(msgspec.Struct, frozen=True, kw_only=True):
+    """A function the model may call (OpenAI's `tools[i].function`)."""
+
+    name: str
+    description: str | None = None
+    # JSON schema of the arguments (OpenAI: omitted means no arguments)
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
+    """Structured output: what the generated text must match. The tokenizer compiles it (cached) into
+    `LogitsParams.grammar`, or rejects it with a 400 naming `param`."""
+
+    kind: str  # "json_object" (any JSON object) | "json_schema" | "regex" | "choice" | "lark"
+    spec: str = ""  # json_schema: the schema as JSON text; regex; choice: a JSON list of strings; lark
+    param: str = "response_format"  # the request field it came from
+
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -158,6 +202,14 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None  # chat: the tokenizer applies the chat template
+    # Chat only: functions the model may call (given to the chat template), and whether it must:
+    # `tool_choice` is one of TOOL_CHOICES; `forced_tool` names the one function it must call.
+    # "required" and `forced_tool` constrain the output to one call by grammar; "none" hides the tools.
+    tools: list[ToolFunction] = []
+    tool_choice: str = "auto"
+    forced_tool: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (enable_thinking, ...)
+    constraint: OutputConstraint | None = None  # structured output
     sampling: SamplingParams = SamplingParams()
     logits: LogitsParams = PLAIN_LOGITS
     stop: StopParams = StopParams()

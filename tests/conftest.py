@@ -25,7 +25,29 @@ def write_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool = False,
+BYTE_CORPUS = ['{"name": "Ada", "age": 36, "ok": true}', "<tool_call>\n</tool_call>", "the quick brown fox jumps over the lazy dog"]
+
+
+def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A byte-level BPE (GPT-2 style, as the default model's) trained on a few lines, with <unk>/<s>/</s>
+    at ids 0-2 and a ChatML-like template: what grammar-constrained decoding needs of a tokenizer
+    (every text is spellable), at the tiny model's vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(BYTE_CORPUS * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    tokenizer.save_pretrained(out_dir)
+
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
                      **overrides: Any) -> Path:
     """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (fp32) into out_dir."""
     import torch
@@ -53,14 +75,17 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
                 param.normal_(1.0, 0.2)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    if with_tokenizer:
+    if with_tokenizer == "bytes":
+        write_byte_tokenizer(out_dir, fields["vocab_size"])
+    elif with_tokenizer:
         write_tiny_tokenizer(out_dir, fields["vocab_size"])
     return out_dir
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False, seed=0, **config)` -> folder.
+    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False|True|"bytes", seed=0, **config)`
+    -> folder.
 
     Folders are built once per distinct argument set and shared across the session (treat them as read-only).
     """

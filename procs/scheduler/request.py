@@ -65,7 +65,7 @@ class Request:
         n = self.num_prompt_tokens
         return SlotStart(slot=self.slot, logits=logits,
                          prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
-                         output_ids=self.prompt[n:].tolist() if logits.penalizes else [],
+                         output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
                          min_tokens_banned=list(self.min_tokens_banned) if logits.min_tokens else [])
 
     def __repr__(self) -> str:

@@ -7,14 +7,24 @@ identically.
 from __future__ import annotations
 
 import json
+import logging
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import numpy as np
 
+from shared.chat_format import ChatFormat
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from procs.tokenizer.grammars import GrammarCompiler
+
+log = logging.getLogger("batchserve.tokenizer")
 
 
 class PromptRejected(ValueError):
@@ -35,29 +45,58 @@ def model_context_length(model_dir: Path, config: ServerConfig) -> int:
 
 
 class PromptTokenizer:
-    """Chat template + tokenization + the length checks of the tokenizer process."""
+    """Chat template + tokenization + the length checks of the tokenizer process, and the compiled
+    grammar of a structured-output request (`grammar_tokenizer` builds llguidance's view of the
+    tokenizer, on first use; None: structured output is refused)."""
 
-    def __init__(self, tokenizer: Any, max_context: int) -> None:
+    def __init__(self, tokenizer: Any, max_context: int,
+                 grammar_tokenizer: Callable[[], "llguidance.LLTokenizer"] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
+        self.chat_format = ChatFormat.of(getattr(tokenizer, "chat_template", None))
+        self._grammar_tokenizer = grammar_tokenizer
 
     @classmethod
     def load(cls, config: ServerConfig) -> "PromptTokenizer":
-        from procs.worker.loader import load_tokenizer, resolve_model
+        from procs.worker.loader import load_model_config, load_tokenizer, resolve_model
 
         model_dir = resolve_model(config.model)
-        return cls(load_tokenizer(model_dir), model_context_length(model_dir, config))
+        prompts = cls(load_tokenizer(model_dir), model_context_length(model_dir, config),
+                      grammar_tokenizer_of(model_dir, load_model_config(model_dir)))
+        try:
+            prompts.grammars  # noqa: B018 - built now rather than on the first request (~0.5 s)
+        except PromptRejected as exc:
+            log.warning("%s", exc.message)
+        return prompts
+
+    @cached_property
+    def grammars(self) -> "GrammarCompiler":
+        from procs.tokenizer.grammars import GrammarCompiler
+
+        if self._grammar_tokenizer is None:
+            raise PromptRejected("structured output is not available in this engine", "response_format")
+        try:
+            return GrammarCompiler(self._grammar_tokenizer())
+        except Exception as exc:  # llguidance takes byte-level and sentencepiece tokenizers, not every kind
+            raise PromptRejected(f"structured output is not available for this model's tokenizer: {exc}",
+                                 "response_format") from None
 
     def prompt_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
         """The prompt's token ids and the name of the field they came from."""
         if request.messages is not None:
             if not request.messages:
                 raise PromptRejected("messages must not be empty", "messages")
+            from procs.tokenizer.tools import template_inputs
+
+            messages, extra = template_inputs(request, self.chat_format)
+            clash = sorted(set(request.chat_template_kwargs) & {"conversation", "tools", "tokenize",
+                                                                 "add_generation_prompt"})
+            if clash:
+                raise PromptRejected(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
             try:
                 text = self.tokenizer.apply_chat_template(
-                    [msgspec.structs.asdict(m) for m in request.messages],
-                    tokenize=False, add_generation_prompt=True)
+                    messages, tokenize=False, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
             except Exception as exc:  # jinja raises for roles/orders a template does not accept
                 raise PromptRejected(f"the chat template cannot render these messages: {exc}", "messages") from None
             # The template already wrote any BOS it wants: do not add special tokens twice.
@@ -91,6 +130,10 @@ class PromptTokenizer:
         if bad:
             raise PromptRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                  "logit_bias")
+        logits = request.logits
+        grammar = self._grammar(request)
+        if grammar is not None:
+            logits = msgspec.structs.replace(logits, grammar=grammar)
         room = self.max_context - n
         if stop.max_tokens > room:
             if not request.clamp_max_tokens:
@@ -100,4 +143,28 @@ class PromptTokenizer:
             stop = msgspec.structs.replace(stop, max_tokens=room)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
-                                logits=request.logits)
+                                logits=logits)
+
+    def _grammar(self, request: GenerateRequest) -> str | None:
+        """The compiled grammar the output must match: a forced tool call, or the constraint."""
+        from procs.tokenizer.tools import offered_tools
+
+        tools = offered_tools(request)
+        forced = bool(tools) and (request.tool_choice == "required" or request.forced_tool is not None)
+        if not forced and request.constraint is None:
+            return None
+        try:
+            grammars = self.grammars
+        except PromptRejected as exc:  # no grammar engine for this tokenizer: name the field that asked
+            exc.param = "tool_choice" if forced else request.constraint.param  # type: ignore[union-attr]
+            raise
+        if forced:
+            return grammars.for_tool_call(tools, request.forced_tool, self.chat_format.tool_call_style)
+        return grammars.for_constraint(request.constraint)  # type: ignore[arg-type]
+
+
+def grammar_tokenizer_of(model_dir: Path, config: Any) -> Callable[[], "llguidance.LLTokenizer"]:
+    """llguidance's tokenizer for a model (`config`: its `ModelConfig`), as the worker builds it."""
+    from shared.grammar import grammar_tokenizer
+
+    return lambda: grammar_tokenizer(model_dir, config.vocab_size, config.eos_token_ids)

@@ -4,7 +4,8 @@ per-token state that needs: generated-token counts, seen tokens, the bias row, t
 It is set once when a request starts in a slot (`SlotStart`) and updated on the device by every
 token the slot samples, so nothing but new tokens crosses the wire per step. The per-slot tables are
 [slots, vocab] and allocated on first use: a server whose requests never ask pays nothing, and a
-step whose rows are all plain skips this module after one numpy lookup.
+step whose rows are all plain skips this module after one numpy lookup. A structured-output
+request's grammar (`SlotGrammars`) masks its row last, after every adjustment.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import numpy as np
 import torch
 
 from kernels.sampling import apply_repetition_penalty_, token_logprobs
+from procs.worker.grammar_masks import SlotGrammars
 from shared.messages import PLAIN_LOGITS, LogitsParams, SlotStart, TokenLogprobs
 
 BAN_BIAS = -100.0  # OpenAI: "values like -100 should result in a ban"; we make it exact (-inf)
 
 
 class SlotLogitsState:
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device,
+                 grammars: SlotGrammars | None = None) -> None:
         self.vocab_size = vocab_size
+        self.grammars = grammars  # None: structured output is not available (the tokenizer refuses it)
         self.device = device
         self.params: list[LogitsParams] = [PLAIN_LOGITS] * num_slots
         self.adjusting = np.zeros(num_slots, dtype=bool)  # any penalty, bias or min_tokens
@@ -44,6 +48,8 @@ class SlotLogitsState:
                           if params.min_tokens and start.min_tokens_banned else None)
         if params.adjusts_logits:
             self._tables_for_use().reset(s, params, start.prompt_ids, start.output_ids)
+        if self.grammars is not None:
+            self.grammars.start(s, params.grammar, start.output_ids)
 
     def _tables_for_use(self) -> "_PenaltyTables":
         if self._tables is None:
@@ -53,7 +59,12 @@ class SlotLogitsState:
     # -- each step ---------------------------------------------------------------------------------
 
     def adjust_(self, logits: torch.Tensor, slots: np.ndarray, sample_counts: np.ndarray) -> None:
-        """Apply each row's penalties, bias and min_tokens ban in place (row i is `slots[i]`'s)."""
+        """Apply each row's penalties, bias, min_tokens ban and grammar in place (row i is `slots[i]`'s)."""
+        self._adjust_(logits, slots, sample_counts)
+        if self.grammars is not None:
+            self.grammars.mask_(logits, slots)
+
+    def _adjust_(self, logits: torch.Tensor, slots: np.ndarray, sample_counts: np.ndarray) -> None:
         rows = np.flatnonzero(self.adjusting[slots])
         if not rows.shape[0]:
             return
@@ -83,7 +94,9 @@ class SlotLogitsState:
             logits.index_copy_(0, row_index, scores)
 
     def record(self, slots: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Count the tokens just sampled (row i by `slots[i]`) for the slots with penalties."""
+        """Count the tokens just sampled (row i by `slots[i]`) for the slots with penalties; advance grammars."""
+        if self.grammars is not None and self.grammars.constrains(slots):
+            self.grammars.accept(slots, token_ids.tolist())
         rows = np.flatnonzero(self.counting[slots])
         if rows.shape[0] and self._tables is not None:
             index = torch.from_numpy(rows).to(self.device)

@@ -11,12 +11,14 @@ import torch
 
 from kernels.attention import AttentionMetadata, create_backend
 from kernels.sampling import sample_batch
+from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
 from procs.worker.models.llama import LlamaModel
 from shared.config import ServerConfig
+from shared.grammar import grammar_tokenizer
 from shared.messages import ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.step_features import attention_pairs
 
@@ -89,7 +91,9 @@ class ModelRunner:
         self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self._sample_batch = sample_batch
-        self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device)
+        self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
+                                     tokenizer=lambda: grammar_tokenizer(self.model_dir, cfg.vocab_size, cfg.eos_token_ids))
+        self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
         # Without graphs (CPU) padding is pure cost (21-37% of a CPU decode step between bucket sizes,

@@ -188,7 +188,7 @@ fi
 [ -d "$FI_SITE" ] && [ "${FI_NOTE#skipped}" = "$FI_NOTE" ] && export PYTHONPATH="$BASE_PATH:$FI_SITE"
 "$PYTHON" - <<'EOF'  # versions as installed (metadata only: importing them all takes long)
 from importlib.metadata import PackageNotFoundError, version
-names = ("torch", "msgspec", "pyzmq", "gguf", "transformers", "tokenizers", "safetensors", "aiohttp", "uvloop",
+names = ("torch", "msgspec", "pyzmq", "gguf", "llguidance", "transformers", "tokenizers", "safetensors", "aiohttp", "uvloop",
          "prometheus-client", "jinja2", "numpy", "flashinfer-python", "apache-tvm-ffi", "nvidia-ml-py", "pytest")
 found = []
 for name in names:
@@ -198,8 +198,8 @@ for name in names:
         found.append(f"{name} MISSING")
 print("  " + ", ".join(found))
 EOF
-if ! "$PYTHON" -c "import msgspec, zmq" 2>/dev/null; then
-    record setup FAIL $((SECONDS - start)) "msgspec/pyzmq do not import: stage and carry .gpu_stage"
+if ! "$PYTHON" -c "import msgspec, zmq, llguidance" 2>/dev/null; then
+    record setup FAIL $((SECONDS - start)) "msgspec/pyzmq/llguidance do not import: stage and carry .gpu_stage"
     summary; exit 1
 fi
 if [ "${FI_NOTE#skipped}" = "$FI_NOTE" ] && ! "$PYTHON" -c "import flashinfer" >"$WORK/fi_import.log" 2>&1; then

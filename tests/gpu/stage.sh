@@ -3,7 +3,7 @@
 # transformers, aiohttp, uvloop, prometheus-client there; no msgspec, pyzmq, gguf, flashinfer; no
 # package index; a run carries at most ~60 MiB). Writes only ignored folders of the checkout:
 #
-#   tests/gpu/stage.sh                     -> .gpu_stage/  cp312 manylinux wheels of msgspec, pyzmq, gguf;
+#   tests/gpu/stage.sh                     -> .gpu_stage/  cp312 manylinux wheels of msgspec, pyzmq, gguf, llguidance;
 #                                             the default model's config + tokenizer + generation files
 #                                             (no weights: check.sh builds random ones); flashinfer 0.7.4
 #                                             "slim" (see below) + apache-tvm-ffi. One run: carry [".gpu_stage"].
@@ -31,6 +31,7 @@ cd "$(dirname "$0")/../.."
 MSGSPEC_VERSION=${MSGSPEC_VERSION:-0.23.0}
 PYZMQ_VERSION=${PYZMQ_VERSION:-27.3.0}
 GGUF_VERSION=${GGUF_VERSION:-0.19.0}
+LLGUIDANCE_VERSION=${LLGUIDANCE_VERSION:-1.9.1}  # abi3 wheel, ~3 MB, no dependencies
 FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.7.4}
 TVM_FFI_VERSION=${TVM_FFI_VERSION:-0.1.15.post2}  # flashinfer 0.7.4: apache-tvm-ffi>=0.1.11,<0.2
 PART1_BYTES=$((54 * 1024 * 1024))
@@ -66,7 +67,7 @@ download() {
     if [ -z "$found" ]; then
         log=$(mktemp)
         if ! "$PIP_PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-                --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+                --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
                 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
                 --platform manylinux1_x86_64 -d "$CACHE" "$name==$version" >"$log" 2>&1; then
             grep -v "is ignored" "$log" >&2 || true
@@ -170,8 +171,8 @@ fi
 # -- .gpu_stage ---------------------------------------------------------------------------------------
 STAGE=.gpu_stage
 rm -rf "$STAGE" && mkdir -p "$STAGE/wheels" "$STAGE/model"
-staged="msgspec pyzmq gguf apache-tvm-ffi"
-for spec in "msgspec $MSGSPEC_VERSION" "pyzmq $PYZMQ_VERSION" "gguf $GGUF_VERSION"; do
+staged="msgspec pyzmq gguf llguidance apache-tvm-ffi"
+for spec in "msgspec $MSGSPEC_VERSION" "pyzmq $PYZMQ_VERSION" "gguf $GGUF_VERSION" "llguidance $LLGUIDANCE_VERSION"; do
     # shellcheck disable=SC2086
     cp "$(download $spec)" "$STAGE/wheels/"
 done
