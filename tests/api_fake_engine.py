@@ -136,5 +136,5 @@ class FakeEngine:
         if request.prompt_token_ids is not None:
             return len(request.prompt_token_ids)
         if request.messages is not None:
-            return sum(len(m.content.split()) for m in request.messages)
+            return sum(len((m.content or "").split()) for m in request.messages)
         return len((request.prompt or "").split())

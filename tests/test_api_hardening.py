@@ -222,20 +222,20 @@ def test_health_answers_under_a_slowloris_of_5000_connections():
 # ------------------------------------------------------------------ no field silently ignored
 
 @pytest.mark.parametrize("endpoint, field, value", [
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat/completions", "tool_choice", "required"),
-    ("chat/completions", "response_format", {"type": "json_object"}),
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("chat/completions", "function_call", "auto"),
+    ("chat/completions", "tool_choice", "required"),  # without tools
+    ("completions", "suffix", "!"),
     ("completions", "best_of", 2),
     ("chat/completions", "best_of", 3),
-    ("completions", "guided_regex", "a+"),
 ])
 def test_fields_not_implemented_are_refused_naming_them(endpoint, field, value):
     async def go():
         body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
         async with TestClient(TestServer(create_app(FakeEngine(), ServerConfig()))) as client:
             refused = await client.post(f"/v1/{endpoint}", json={**body, field: value})
-            neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "best_of": 1,
-                       "guided_regex": None}[field]
+            neutral = {"functions": [], "function_call": "none", "tool_choice": "none", "suffix": None,
+                       "best_of": 1}[field]
             accepted = await client.post(f"/v1/{endpoint}", json={**body, field: neutral, "user": "unknown-ok"})
             return refused.status, await refused.json(), accepted.status
 

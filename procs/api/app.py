@@ -15,6 +15,9 @@ finish_reason is "abort", an error event and [DONE]. Every choice that did not e
 Disconnects are seen two ways: aiohttp cancels the handler (`handler_cancellation=True`, which
 `run_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
 
+Chat answers to requests with tools, and with `reasoning` on, are parsed into `tool_calls` and
+`reasoning_content` (`chat_output.py`, through `ChatShapes`).
+
 Choices (`n`, and a completion's batch of prompts): each is its own engine request, rid
 f"{rid}-{index}" (the HTTP request's rid when there is one choice), index = prompt_index * n + j.
 With a seed, choice j of a prompt samples with `choice_seed(seed, j)`: j = 0 keeps the seed, so n=1
@@ -181,9 +184,10 @@ class _Fanout:
 
 
 class ApiHandlers:
-    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> None:
         self.engine = engine
         self.config = config
+        self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
         self.metrics = ApiMetrics()
         # A request in flight is running or waiting in the scheduler, so this caps the waiting queue.
         self.max_in_flight = config.max_running_requests + config.max_waiting
@@ -234,7 +238,8 @@ class ApiHandlers:
                 response.force_close()  # the rest of the body is not worth waiting for
             return response
 
-        shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs)
+        shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
+                            tool_names=validated.tool_names, reasoning=self.reasoning and endpoint == "chat")
         choices = _choice_outputs(validated)
         fanout = _Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
         self.in_flight += len(choices)
@@ -296,8 +301,9 @@ class ApiHandlers:
             choices[index].add(event)
             unfinished -= event.finish_reason is not None
         usage = total_usage(choices)
+        body = shapes.full(choices, usage)  # may turn a finish_reason into "tool_calls"
         tracker.finished(choices[0].finish_reason or "stop", usage)
-        return _json(shapes.full(choices, usage), rid=shapes.rid)
+        return _json(body, rid=shapes.rid)
 
     async def _stream(self, request: web.Request, fanout: _Fanout, choices: list[ChoiceOutput],
                       shapes: ResponseShapes, tracker: RequestTracker) -> web.StreamResponse:
@@ -326,12 +332,9 @@ class ApiHandlers:
             tracker.on_delta(event, timed=index == 0)
             choice = choices[index]
             piece = choice.add(event)
-            out = b""
-            if piece.text or (shapes.logprobs and piece.tokens):
-                out += sse_event(shapes.text_chunk(index, piece))
+            out = b"".join(sse_event(chunk) for chunk in shapes.stream_chunks(choice, piece))
             if choice.finish_reason is not None:
                 unfinished -= 1
-                out += sse_event(shapes.finish_chunk(index, choice.finish_reason))
                 if not unfinished:
                     usage = total_usage(choices)
                     tracker.finished(choices[0].finish_reason or "stop", usage)
@@ -387,9 +390,11 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
 HANDLERS_KEY: web.AppKey[ApiHandlers] = web.AppKey("batchserve_api_handlers", ApiHandlers)
 
 
-def create_app(engine: EngineClient, config: ServerConfig) -> web.Application:
-    """The api's aiohttp application around `engine` (see `engine_client.py` for the contract)."""
-    handlers = ApiHandlers(engine, config)
+def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> web.Application:
+    """The api's aiohttp application around `engine` (see `engine_client.py` for the contract).
+    `reasoning`: the model thinks in <think> blocks (`ChatFormat.reasoning`), which chat answers then
+    report as `reasoning_content`."""
+    handlers = ApiHandlers(engine, config, reasoning=reasoning)
     engine.set_stats_listener(handlers.metrics.observe_scheduler_stats)
     keys = load_api_keys(config)
     middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]

@@ -21,6 +21,7 @@ from procs.api.engine_client_zmq import ZmqEngineClient
 from procs.api.server import start_api
 from procs.runtime import resolve_runtime_dir
 from procs.tokenizer.prompts import model_context_length
+from shared.chat_format import ChatFormat, read_chat_template
 from shared.config import ServerConfig
 from shared.ipc import Endpoints
 from shared.readiness import notify_ready, notify_stopping
@@ -35,6 +36,8 @@ async def serve(config: ServerConfig) -> int:
     from procs.worker.loader import resolve_model
 
     model_dir = resolve_model(config.model)
+    # A model that thinks in <think> blocks (Qwen3, DeepSeek-R1): chat answers split them out.
+    reasoning = ChatFormat.of(read_chat_template(model_dir)).reasoning
     engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
                              model_context_length(model_dir, config))
     stop = asyncio.Event()
@@ -44,7 +47,8 @@ async def serve(config: ServerConfig) -> int:
 
     # The drain below is ours; aiohttp's own shutdown wait only has to cut off what outlived it.
     try:
-        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S))
+        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S),
+                                 reasoning=reasoning)
     except OSError as exc:  # port in use, address not available: a configuration error
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     try:

@@ -10,6 +10,10 @@ chat `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes
 completions `{tokens, token_logprobs, top_logprobs: [{token: logprob} incl. the token itself], text_offset}`
 (text_offset: each token's character offset in the choice's text). With echo a choice's text and
 tokens start with its prompt's (the first prompt token has logprob and top_logprobs null).
+
+Chat answers of requests with tools (tool_choice not "none"), or of a model that thinks in
+`<think>` blocks, are parsed into `tool_calls` and `reasoning_content` (`chat_output.py`). Streamed,
+text may then be held back for a while; the logprobs of its tokens go with the next chunk sent.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from procs.api.chat_output import ChatOutputStream, parse_whole
 from shared.messages import TextDelta, TokenLogprob, Usage
 
 _encoder = msgspec.json.Encoder()
@@ -135,12 +140,16 @@ class ResponseShapes(ABC):
     object: str
     chunk_object: str
 
-    def __init__(self, rid: str, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+    def __init__(self, rid: str, model: str, include_usage: bool = False, logprobs: bool = False, *,
+                 tool_names: frozenset[str] = frozenset(), reasoning: bool = False) -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
         self.logprobs = logprobs  # report them
+        # chat only: parse tool calls of these functions / split <think> reasoning out of the answer
+        self.tool_names = tool_names
+        self.reasoning = reasoning
 
     def _envelope(self, obj_type: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.rid, "object": obj_type, "created": self.created, "model": self.model, "choices": choices}
@@ -157,6 +166,15 @@ class ResponseShapes(ABC):
     def start_chunk(self, index: int) -> dict[str, Any] | None:
         """The chunk sent for a choice before any text (chat: the role), or None."""
         return None
+
+    def stream_chunks(self, choice: ChoiceOutput, piece: Piece) -> list[dict[str, Any]]:
+        """The chunks to send for `piece`, the part of `choice` its last delta added (and its finish)."""
+        chunks = []
+        if piece.text or (self.logprobs and piece.tokens):
+            chunks.append(self.text_chunk(choice.index, piece))
+        if choice.finish_reason is not None:
+            chunks.append(self.finish_chunk(choice.index, choice.finish_reason))
+        return chunks
 
     def text_chunk(self, index: int, piece: Piece) -> dict[str, Any]:
         return self._chunk(self._choice(index, piece.text, self._logprobs_of(piece), None, streamed=True))
@@ -209,6 +227,56 @@ class CompletionShapes(ResponseShapes):
 class ChatShapes(ResponseShapes):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parses = bool(self.tool_names) or self.reasoning  # the text is not simply the content
+        self._streams: dict[int, ChatOutputStream] = {}
+        self._unsent: dict[int, list[TokenLogprob]] = {}  # tokens whose text is held back: their logprobs
+
+    def stream_chunks(self, choice: ChoiceOutput, piece: Piece) -> list[dict[str, Any]]:
+        if not self.parses:
+            return super().stream_chunks(choice, piece)
+        index = choice.index
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = ChatOutputStream(tool_names=self.tool_names, reasoning=self.reasoning)
+        unsent = self._unsent.setdefault(index, [])
+        if self.logprobs:
+            unsent += piece.tokens
+        deltas = stream.feed(piece.text)
+        if choice.finish_reason is not None:
+            rest, choice.finish_reason = stream.finish(choice.finish_reason)
+            deltas += rest
+        chunks = []
+        for delta in deltas:
+            chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": self._take_logprobs(unsent),
+                                       "finish_reason": None}))
+        if choice.finish_reason is not None:
+            chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": self._take_logprobs(unsent),
+                                       "finish_reason": choice.finish_reason}))
+        return chunks
+
+    def _take_logprobs(self, unsent: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not unsent:
+            return None
+        logprobs = self._logprobs(Piece(tokens=list(unsent)))
+        unsent.clear()
+        return logprobs
+
+    def full(self, choices: list[ChoiceOutput], usage: Usage) -> dict[str, Any]:
+        if not self.parses:
+            return super().full(choices, usage)
+        out = []
+        for c in choices:
+            piece = c.whole()
+            message, c.finish_reason = parse_whole(piece.text, c.finish_reason, tool_names=self.tool_names,
+                                                   reasoning=self.reasoning)
+            out.append({"index": c.index, "message": message, "logprobs": self._logprobs_of(piece),
+                        "finish_reason": c.finish_reason})
+        obj = self._envelope(self.object, out)
+        obj["usage"] = usage_dict(usage)
+        return obj
 
     def start_chunk(self, index: int) -> dict[str, Any]:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

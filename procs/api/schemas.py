@@ -4,7 +4,8 @@ Decoding a body with `decode_body` checks every field's type, so a wrong type is
 names the field; `validation.py` checks values. Fields OpenAI clients commonly send that we do not
 implement are declared so that a non-default value can be refused (see `validation.UNSUPPORTED`);
 unknown fields are ignored, as OpenAI does. Optional fields also accept an explicit `null`, which
-means the default.
+means the default. Structured output (`response_format`, vLLM's `guided_*`) and tools are typed
+here as far as msgspec can; `validation.py` checks the rest (schemas are objects, names, choices).
 """
 
 from __future__ import annotations
@@ -26,9 +27,50 @@ class TextContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, object] = "{}"  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    """An earlier assistant message's call (`messages[i].tool_calls[j]`)."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    name: str | None = None
+
+
+class FunctionIn(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # JSON schema of the arguments; none: no arguments
+    # accepted: a forced call (tool_choice required/named) is held to the schema by grammar whatever
+    # this says; under tool_choice auto calls are free text, parsed afterwards
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionIn
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: str
+    function: NamedFunction
 
 
 class CommonRequestFields(msgspec.Struct, kw_only=True):
@@ -51,11 +93,12 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
     best_of: int | None = None  # only null, 1 or n
-    # Accepted only at their neutral values (we do not implement them yet): see validation.UNSUPPORTED.
-    response_format: dict[str, object] | None = None
-    guided_json: object | None = None
+    # Structured output: at most one of these (validation.constraint_of).
+    response_format: dict[str, object] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    guided_json: object | None = None  # vLLM's: a JSON schema, as an object or as JSON text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark
 
 
 class CompletionRequest(CommonRequestFields, kw_only=True):
@@ -72,8 +115,11 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[object] | None = None
-    tool_choice: object | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, object] | None = None  # vLLM's: extra chat template variables
+    # OpenAI's deprecated function calling: refused unless neutral (validation.UNSUPPORTED).
     functions: list[object] | None = None
     function_call: object | None = None
 

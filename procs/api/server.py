@@ -24,12 +24,13 @@ from shared.config import ServerConfig
 logger = logging.getLogger("batchserve.api")
 
 
-async def start_api(engine: EngineClient, config: ServerConfig) -> web.AppRunner:
+async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> web.AppRunner:
     """Start the app on the running loop; `await runner.cleanup()` stops it (waiting up to
-    `config.drain_timeout_s` for open requests)."""
+    `config.drain_timeout_s` for open requests). `reasoning`: as `create_app`'s."""
     max_connections = raise_open_file_limit(config.max_connections)
-    runner = web.AppRunner(create_app(engine, config), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.drain_timeout_s, keepalive_timeout=config.header_timeout_s)
+    runner = web.AppRunner(create_app(engine, config, reasoning=reasoning), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=config.drain_timeout_s,
+                           keepalive_timeout=config.header_timeout_s)
     await runner.setup()
     await CappedSite(runner, config.host, config.port, max_connections=max_connections).start()
     logger.info("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)

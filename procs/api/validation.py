@@ -11,18 +11,27 @@ the engine. Defaults (as vLLM's):
   against the vocabulary by the tokenizer process, which knows it.
 A completion may carry a batch of prompts: one `GenerateRequest` each, `n` choices each (the app
 fans them out).
+
+Structured output (both endpoints, as vLLM): `response_format` (json_object, json_schema) or one of
+vLLM's `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar` becomes an `OutputConstraint`
+naming the field it came from; the tokenizer compiles it (and answers a bad schema or regex with a
+400 naming that field). Tools (chat): `tools` become `ToolFunction`s; `tool_choice` "required" or a
+named function (`forced_tool`) makes the tokenizer force one call by grammar, so neither goes with
+a structured-output constraint.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from dataclasses import dataclass
 
 from procs.api.errors import ApiError
-from procs.api.schemas import ChatCompletionRequest, CompletionRequest, CommonRequestFields
-from shared.messages import ChatMessage, GenerateRequest, LogitsParams, SamplingParams, StopParams
+from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
+from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
+                             SamplingParams, StopParams, ToolCall, ToolFunction)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_SEED = 2**63 - 1
@@ -35,15 +44,14 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat
 _TOKEN_ID_RE = re.compile(r"[0-9]{1,10}")  # strict: int() would also take "+5", " 5", "5_0" and 5000 digits
+TOOL_NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 # OpenAI (and vLLM) fields this server does not implement yet, with the values that mean "not used":
 # any other value is refused with a 400 naming the field, never silently ignored.
 # (null is always neutral.)
 # (best_of is the same kind of refusal, but its neutral values depend on n: see `_choices_per_prompt`.)
-UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-}
+UNSUPPORTED: dict[str, tuple[object, ...]] = {"functions": ([],), "function_call": ("none",)}
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,9 @@ class ValidatedRequest:
     # echo with max_tokens 0: the engine is asked for 1 token (it returns the prompt's text and
     # logprobs only along with a generation), which the answer leaves out.
     drop_generated: bool = False
+    # chat: the functions whose calls the answer parses out of the text (tools given, tool_choice
+    # not "none"); empty: the text is the content
+    tool_names: frozenset[str] = frozenset()
 
 
 def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
@@ -78,8 +89,10 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
     logits = _logits(req, req.max_tokens, "max_tokens", logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    constraint = constraint_of(req)
     requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
-                                stop=_stop(req, max_tokens), arrival_time=time.time(), clamp_max_tokens=clamp)
+                                stop=_stop(req, max_tokens), arrival_time=time.time(), clamp_max_tokens=clamp,
+                                constraint=constraint)
                 for prompt, prompt_ids, max_tokens, clamp in prompts]
     return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
                             echo=echo, drop_generated=drop_generated)
@@ -97,6 +110,13 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     if not req.messages:
         raise ApiError(400, "messages must not be empty", "messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
+    constraint = constraint_of(req)
+    tools = _tools(req.tools or [])
+    tool_choice, forced_tool = _tool_choice(req, tools)
+    if constraint is not None and tool_choice == "required":
+        raise ApiError(400, f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
+                            f"which cannot go with {constraint.param}: use one or the other", "tool_choice")
+    template_kwargs = dict(req.chat_template_kwargs or {})
 
     given, param = req.max_completion_tokens, "max_completion_tokens"
     if given is None:
@@ -106,9 +126,12 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
                      prompt_logprobs=None)
     generate = GenerateRequest(
         rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, max_tokens),
-        arrival_time=time.time(), clamp_max_tokens=clamp,
+        arrival_time=time.time(), clamp_max_tokens=clamp, tools=tools, tool_choice=tool_choice,
+        forced_tool=forced_tool, chat_template_kwargs=template_kwargs, constraint=constraint,
     )
-    return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs))
+    tool_names = frozenset(t.name for t in tools) if tool_choice != "none" else frozenset()
+    return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs),
+                            tool_names=tool_names)
 
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
@@ -120,6 +143,105 @@ def _check_common(req: CommonRequestFields, model_name: str) -> None:
         value = getattr(req, name, None)  # chat-only fields are absent from completions
         if value is not None and value not in neutral:
             raise ApiError(400, f"{name} is not supported by this server (yet); leave it out", name)
+
+
+# ---- structured output and tools
+
+
+def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
+    """The request's structured-output constraint: from `response_format` or one `guided_*` field."""
+    found: list[OutputConstraint] = []
+    if req.response_format is not None:
+        constraint = _response_format(req.response_format)
+        if constraint is not None:
+            found.append(constraint)
+    if req.guided_json is not None:
+        found.append(OutputConstraint(kind="json_schema", spec=_schema_text(req.guided_json, "guided_json"),
+                                      param="guided_json"))
+    if req.guided_regex is not None:
+        if req.guided_regex == "":
+            raise ApiError(400, "guided_regex must not be empty", "guided_regex")
+        found.append(OutputConstraint(kind="regex", spec=req.guided_regex, param="guided_regex"))
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise ApiError(400, "guided_choice must be a non-empty list of strings", "guided_choice")
+        found.append(OutputConstraint(kind="choice", spec=json.dumps(req.guided_choice), param="guided_choice"))
+    if req.guided_grammar is not None:
+        if not req.guided_grammar.strip():
+            raise ApiError(400, "guided_grammar must be a non-empty Lark grammar", "guided_grammar")
+        found.append(OutputConstraint(kind="lark", spec=req.guided_grammar, param="guided_grammar"))
+    if len(found) > 1:
+        raise ApiError(400, f"{found[0].param} and {found[1].param} both constrain the output; give only one",
+                       found[1].param)
+    return found[0] if found else None
+
+
+def _response_format(value: dict[str, object]) -> OutputConstraint | None:
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)} (got {kind!r})",
+                       "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint(kind="json_object", param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                       "response_format")
+    return OutputConstraint(kind="json_schema", spec=json.dumps(spec["schema"]), param="response_format")
+
+
+def _schema_text(value: object, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ApiError(400, f"{param} is not valid JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{param} must be a JSON schema object (got {type(value).__name__})", param)
+    return json.dumps(value)
+
+
+def _tools(tools: list[ToolIn]) -> list[ToolFunction]:
+    out: list[ToolFunction] = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise ApiError(400, f"tools[{i}].type must be 'function' (got {tool.type!r})", f"tools[{i}].type")
+        function = tool.function
+        param = f"tools[{i}].function.name"
+        if not TOOL_NAME_RE.fullmatch(function.name):
+            raise ApiError(400, f"{param} must be 1-64 letters, digits, underscores or dashes (got "
+                                f"{function.name!r})", param)
+        if function.name in names:
+            raise ApiError(400, f"{param}: two tools are named {function.name!r}", param)
+        names.add(function.name)
+        kwargs = {} if function.parameters is None else {"parameters": dict(function.parameters)}
+        out.append(ToolFunction(name=function.name, description=function.description, **kwargs))
+    return out
+
+
+def _tool_choice(req: ChatCompletionRequest, tools: list[ToolFunction]) -> tuple[str, str | None]:
+    """(tool_choice, forced_tool) of the GenerateRequest: "auto" by default when there are tools."""
+    choice = req.tool_choice
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ApiError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                                f'{{"type": "function", "function": {{"name": ...}}}} (got {choice!r})', "tool_choice")
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+        return choice, None
+    if choice.type != "function":
+        raise ApiError(400, f"tool_choice.type must be 'function' (got {choice.type!r})", "tool_choice")
+    names = [t.name for t in tools]
+    if choice.function.name not in names:
+        known = f"one of {', '.join(names)}" if names else "a tool of the request, which has none"
+        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which must be {known}", "tool_choice")
+    return "required", choice.function.name
 
 
 def _choices_per_prompt(req: CommonRequestFields) -> int:
@@ -259,13 +381,19 @@ def _include_usage(req: CommonRequestFields) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
 
 
-def _chat_message(index: int, message) -> ChatMessage:
+def _chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
     role = "system" if message.role == "developer" else message.role
     if role not in CHAT_ROLES:
         raise ApiError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} "
                             f"(got {message.role!r})", f"messages[{index}].role")
+    calls = _message_tool_calls(index, role, message.tool_calls or [])
+    if role == "tool" and not message.tool_call_id:
+        raise ApiError(400, f"messages[{index}].tool_call_id is required in a tool message (the id of the call "
+                            f"it answers)", f"messages[{index}].tool_call_id")
     content = message.content
     if content is None:
+        if calls:  # an assistant message that only calls tools
+            return ChatMessage(role=role, content=None, tool_calls=calls, name=message.name)
         raise ApiError(400, f"messages[{index}].content is required", f"messages[{index}].content")
     if not isinstance(content, str):
         texts = []
@@ -275,4 +403,20 @@ def _chat_message(index: int, message) -> ChatMessage:
                                     f"(got type {part.type!r})", f"messages[{index}].content")
             texts.append(part.text)
         content = "\n".join(texts)
-    return ChatMessage(role=role, content=content)
+    return ChatMessage(role=role, content=content, tool_calls=calls, name=message.name,
+                       tool_call_id=message.tool_call_id if role == "tool" else None)
+
+
+def _message_tool_calls(index: int, role: str, calls) -> list[ToolCall]:
+    if calls and role != "assistant":
+        raise ApiError(400, f"messages[{index}].tool_calls: only assistant messages make tool calls",
+                       f"messages[{index}].tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        param = f"messages[{index}].tool_calls[{j}]"
+        if call.type != "function":
+            raise ApiError(400, f"{param}.type must be 'function' (got {call.type!r})", f"{param}.type")
+        arguments = call.function.arguments
+        out.append(ToolCall(id=call.id, name=call.function.name,
+                            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return out
