@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
+# The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
 Policy = Literal["prefill-first", "mixed", "fixed"]
+POLICIES: tuple[str, ...] = get_args(Policy)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
-Policy = Literal["prefill-first", "mixed", "fixed"]
-POLICIES: tuple[str, ...] = ("prefill-first", "mixed", "fixed")
+from shared.config import POLICIES, Policy
 
 
 class SchedulerConfigError(ValueError):
