@@ -23,9 +23,8 @@ from loadtests.targets import Opener, Plan, measure_targets, server_target, tran
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
                                 chat_workload, multiturn_workload, questions_workload, random_workload)
 from procs.cli import CliError
-from shared.config import DEFAULT_MODEL, ServerConfig
-
-POLICIES = ("mixed", "prefill-first", "fixed")
+from shared.config import DEFAULT_MODEL, POLICIES, ServerConfig
+from shared.model import resolve_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     comp.add_argument("--compare", action="store_true",
                       help="start `batchserve serve` under each --policies entry, side by side, and the "
                       "transformers baseline; every load point measures each of them in turn")
-    comp.add_argument("--policies", default=",".join(POLICIES), help="comma list of server policies to run")
+    comp.add_argument("--policies", default=",".join(POLICIES),
+                      help="comma list of server policies to run (default: all, the server's default first)")
     comp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     comp.add_argument("--compare-url", action="append", default=[], metavar="[NAME=]URL",
                       help="another running server to add to the table (repeatable)")
@@ -122,15 +122,9 @@ def parse_num_prompts(text: str, num_points: int) -> list[int]:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A Hugging Face model folder for `model`: a folder path as is, else the worker's model resolver."""
+    """A Hugging Face model folder for `model`: a folder path as is, else through `shared.model.resolve_model`."""
     path = Path(model)
-    if path.is_dir():
-        return path
-    try:
-        from procs.worker.loader import resolve_model
-    except ImportError:
-        raise CliError(f"cannot resolve model {model!r}: give a Hugging Face model folder") from None
-    return Path(resolve_model(model))
+    return path if path.is_dir() else resolve_model(model)
 
 
 def prompt_builder(choice: str, model: str, need_model: bool) -> tuple[PromptBuilder, str]:

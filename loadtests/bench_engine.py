@@ -24,12 +24,13 @@ from llguidance import LLMatcher
 
 from kernels import native
 from procs.tokenizer.grammars import JSON_OPTIONS
-from procs.worker.loader import resolve_model
+from procs.worker import model_runner
 from procs.worker.models import llama
 from procs.worker.model_runner import GREEDY, ModelRunner
 from shared.config import DEFAULT_MODEL
 from kernels.sampling import sample_batch
 from shared.messages import ForwardBatch, LogitsParams, SlotStart, StepResult
+from shared.model import resolve_model
 
 
 
@@ -175,15 +176,15 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     attention, model = runner.attention, runner.model
-    saved = (attention.forward, model.lm_head_logits, runner._sample_batch, llama.linear)
+    saved = (attention.forward, model.lm_head_logits, model_runner.sample_batch, llama.linear)
     attention.forward = timers.wrap(f"attention (KV write + attend, {attention.name} backend)", attention.forward)
     model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
-    runner._sample_batch = timers.wrap("sampling", runner._sample_batch)
+    model_runner.sample_batch = timers.wrap("sampling", model_runner.sample_batch)
     llama.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", llama.linear)
     try:
         yield
     finally:
-        attention.forward, model.lm_head_logits, runner._sample_batch, llama.linear = saved
+        attention.forward, model.lm_head_logits, model_runner.sample_batch, llama.linear = saved
 
 
 def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:

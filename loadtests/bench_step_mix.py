@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from loadtests.bench_engine import GREEDY, StaticPlan
-from procs.worker.loader import resolve_model
 from procs.worker.model_runner import ModelRunner
 from shared.config import DEFAULT_MODEL
 from shared.messages import ForwardBatch
+from shared.model import resolve_model
 
 
 def _batch(plan: StaticPlan, rows: list[tuple[int, list[int], int]], pages_for: list[int]) -> ForwardBatch:

@@ -8,13 +8,13 @@ usage chunk (`stream_options.include_usage`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
 
+from loadtests.sse import StreamReader
 from loadtests.workload import RequestSpec
 
 Endpoint = Literal["completions", "chat"]
@@ -58,32 +58,12 @@ def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str
     return payload
 
 
-def sse_data(raw: bytes) -> str | None:
-    """The payload of one server-sent-events line (`data: ...`); None for any other line."""
-    line = raw.decode("utf-8", errors="replace").strip()
-    if not line.startswith("data:"):
-        return None
-    return line[len("data:"):].strip()
-
-
-def chunk_content(chunk: dict[str, Any], endpoint: Endpoint) -> str:
-    """The text a streamed chunk adds ("" for role-only, usage-only or empty chunks)."""
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if endpoint == "chat":
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
 async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: Endpoint, model: str,
                        spec: RequestSpec) -> RequestResult:
     """Send one streaming request; never raises for server or network errors (they become failures)."""
     url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
     result = RequestResult(send_time=time.perf_counter())
-    parts: list[str] = []
-    done = False
+    reader = StreamReader()
     try:
         async with session.post(url, json=build_payload(spec, endpoint, model)) as resp:
             if resp.status != 200:
@@ -92,43 +72,25 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
                 result.end_time = time.perf_counter()
                 return result
             async for raw in resp.content:  # one SSE line at a time
-                data = sse_data(raw)
-                if data is None:
-                    continue
-                if data == "[DONE]":
-                    done = True
+                if not reader.feed(raw):
                     break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    result.end_time = now
-                    return result
-                content = chunk_content(chunk, endpoint)
-                if content:
-                    result.chunk_times.append(now)
-                    parts.append(content)
-                usage = chunk.get("usage")
-                if usage:
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-                    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                    result.usage_reported = True
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: a malformed event
         result.error = f"{type(exc).__name__}: {exc}"
         result.end_time = time.perf_counter()
         return result
     result.end_time = time.perf_counter()
-    result.text = "".join(parts)
-    if not done:
-        result.error = "stream ended without [DONE]"
-    elif not result.chunk_times:
-        result.error = "no content in the stream"
-    else:
-        result.success = True
-        if not result.usage_reported:
-            result.prompt_tokens = spec.input_len
-            result.output_tokens = len(result.chunk_times)
+    result.text = reader.text
+    result.chunk_times = reader.chunk_times
+    if reader.usage:
+        result.prompt_tokens = int(reader.usage.get("prompt_tokens") or 0)
+        result.output_tokens = int(reader.usage.get("completion_tokens") or 0)
+        result.cached_tokens = int((reader.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        result.usage_reported = True
+    result.error = reader.failure()
+    result.success = not result.error
+    if result.success and not result.usage_reported:
+        result.prompt_tokens = spec.input_len
+        result.output_tokens = len(result.chunk_times)
     return result
 
 

@@ -12,14 +12,13 @@ BATCHSERVE_LOCUST_MAX_REQUESTS (0: no limit; else the run stops once this many s
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
 
 from locust import HttpUser, constant, events, task
 
-from loadtests.client import chunk_content, sse_data
+from loadtests.sse import StreamReader
 from loadtests.workload import WORDS
 from shared.config import DEFAULT_MODEL
 
@@ -60,8 +59,7 @@ class StreamingChatUser(HttpUser):
             "ignore_eos": True,
         }
         start = time.perf_counter()
-        chunk_times: list[float] = []
-        done = False
+        reader = StreamReader()
         with self.client.post("/v1/chat/completions", json=payload, stream=True, catch_response=True,
                               name=STREAM_NAME) as resp:
             if resp.status_code != 200:
@@ -70,24 +68,15 @@ class StreamingChatUser(HttpUser):
             size = 0
             for raw in resp.iter_lines():
                 size += len(raw)
-                data = sse_data(raw)
-                if data is None:
-                    continue
-                if data == "[DONE]":
-                    done = True
+                if not reader.feed(raw):
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    resp.failure(f"stream error: {chunk['error']}")
-                    return
-                if chunk_content(chunk, "chat"):
-                    chunk_times.append(time.perf_counter())
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000.0  # the whole stream
             resp.request_meta["response_length"] = size
-            if not done or not chunk_times:
-                resp.failure("stream ended without [DONE]" if not done else "no content in the stream")
+            if failure := reader.failure():
+                resp.failure(failure)
                 return
             resp.success()
+        chunk_times = reader.chunk_times
         _report("TTFT", chunk_times[0] - start)
         for a, b in zip(chunk_times, chunk_times[1:]):
             _report("ITL", b - a)

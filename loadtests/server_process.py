@@ -1,4 +1,8 @@
-"""Start a server as a subprocess on a free port, wait for `/health`, and stop it (all its processes)."""
+"""Start a server as a subprocess on a free port, wait until it is ready, and stop it (all its processes).
+
+`batchserve bench --compare` starts its servers with it, and the end-to-end tests theirs
+(`tests/e2e_server.py`, which waits for `batchserve serve`'s "serving" line instead of `/health`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 DEFAULT_SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "procs.cli", "serve")
+REPO = Path(__file__).resolve().parent.parent  # where `-m procs.cli` resolves without an install
 
 
 class ServerStartError(RuntimeError):
@@ -27,16 +32,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`command` plus `--host 127.0.0.1 --port P`, in its own process group, its output in `log_path`."""
+    """`command` plus `--host 127.0.0.1 --port P`, in its own process group, its output in `log_path`.
+
+    Ready when `ready()` says so (by default: `/health` answers 200); a subclass may wait for
+    something else."""
 
     def __init__(self, command: Sequence[str], log_path: Path, health_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 30.0, env: Mapping[str, str] | None = None):
+                 stop_timeout_s: float = 30.0, env: Mapping[str, str] | None = None, cwd: Path | None = None):
         self.port = free_port()
         self.command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.health_timeout_s, self.stop_timeout_s = health_timeout_s, stop_timeout_s
-        self.env = None if env is None else {**os.environ, **env}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self._group_killed = False
 
     @property
     def base_url(self) -> str:
@@ -52,47 +62,55 @@ class ServerProcess:
     def start(self) -> None:
         with open(self.log_path, "wb") as log:
             # a new session: the server's child processes share its group, so stop() reaches them all
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=self.env, cwd=self.cwd)
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"server exited with status {self.proc.returncode} before it was healthy: "
+                self.stop()  # whatever it had started
+                raise ServerStartError(f"server exited with status {self.proc.returncode} before it was ready: "
                                        f"{' '.join(self.command)}\n{self.log_tail()}")
-            if self._healthy():
+            if self.ready():
                 return
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.stop()
-        raise ServerStartError(f"server not healthy after {self.health_timeout_s:.0f}s: "
+        raise ServerStartError(f"server not ready after {self.health_timeout_s:.0f}s: "
                                f"{' '.join(self.command)}\n{self.log_tail()}")
 
-    def _healthy(self) -> bool:
+    def ready(self) -> bool:
+        return self.healthy()
+
+    def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
-    def stop(self) -> None:
-        """SIGTERM (graceful drain), then SIGKILL for whatever of its process group is left."""
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM (graceful drain; up to `timeout`, default `stop_timeout_s`), then SIGKILL for whatever
+        of its process group is left. Returns the server's exit status (None if it was never started)."""
         if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the group id is the server's pid
+            return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=self.stop_timeout_s)
+                self.proc.wait(timeout=self.stop_timeout_s if timeout is None else timeout)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is already gone
-        self.proc.wait(timeout=10)
-        self.proc = None
+        if not self._group_killed:
+            self._group_killed = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # start_new_session: the group id is the server's pid
+            except (ProcessLookupError, PermissionError):
+                pass  # the group is already gone
+        return self.proc.wait(timeout=10)
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])

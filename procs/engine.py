@@ -15,8 +15,8 @@ import msgspec
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.scheduler.core import Scheduler
-from procs.scheduler.process import scheduler_config
-from procs.tokenizer.prompts import PromptTokenizer, grammar_tokenizer_of
+from procs.scheduler.process import scheduler_config_from_server
+from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
 
@@ -35,7 +35,9 @@ class Completion:
 
 
 @dataclass
-class _Live:
+class _Generating:
+    """A request still generating: its completion so far and its detokenizer."""
+
     completion: Completion
     detokenizer: IncrementalDetokenizer
 
@@ -44,15 +46,14 @@ class OfflineEngine:
     """Loads the model once; `generate()` runs a list of requests to completion as one workload."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from procs.worker.loader import load_tokenizer
         from procs.worker.model_runner import ModelRunner
 
         self.config = config
         self.runner = ModelRunner.from_config(config)
-        self.tokenizer: Any = load_tokenizer(self.runner.model_dir)
-        self.prompts = PromptTokenizer(self.tokenizer, self.runner.max_context,
-                                       grammar_tokenizer_of(self.runner.model_dir, self.runner.config))
-        self.scheduler = Scheduler(scheduler_config(config, self.runner.worker_info()),
+        self.spec = self.runner.spec
+        self.tokenizer: Any = self.spec.load_tokenizer()
+        self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
+        self.scheduler = Scheduler(scheduler_config_from_server(config, self.runner.worker_info()),
                                    eos_token_ids=self.runner.eos_token_ids)
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
 
@@ -63,12 +64,12 @@ class OfflineEngine:
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
         """Run every request through the scheduler; completions in the order of `requests`."""
         tokenized = [self.tokenize(r) for r in requests]  # reject bad input before anything runs
-        live: dict[str, _Live] = {}
+        live: dict[str, _Generating] = {}
         for request in tokenized:
             ids = [int(t) for t in request.prompt_ids]
             self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
                                        request.logits)
-            live[request.rid] = _Live(Completion(request.rid, ids), IncrementalDetokenizer(
+            live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
                 self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
         done = [live[r.rid].completion for r in tokenized]
         while self.scheduler.has_unfinished():
@@ -95,7 +96,7 @@ class OfflineEngine:
         return done
 
     @staticmethod
-    def _finish(state: _Live, reason: str) -> None:
+    def _finish(state: _Generating, reason: str) -> None:
         state.completion.text += state.detokenizer.finish()
         state.completion.finish_reason = "stop" if state.detokenizer.stopped else reason
 
@@ -103,7 +104,7 @@ class OfflineEngine:
 def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
             sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None,
             logits: dict[str, Any] | None = None, **fields: Any) -> GenerateRequest:
-    """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any other of
-    its fields (constraint, tools, tool_choice, ...) as plain values too."""
+    """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any other of its
+    fields (constraint, tools, tool_choice, ...) as plain values too."""
     return msgspec.convert({"rid": rid, "prompt": prompt, "messages": messages, "sampling": sampling or {},
                             "stop": stop or {}, "logits": logits or {}, **fields}, GenerateRequest, strict=False)

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from procs.cli import CliError
+from shared.checks import FieldError
+from shared.checks import check_sampling as check_sampling_params
 from shared.config import add_config_arguments, config_from_args
 
 ENGINE_FIELDS = ("model", "dtype", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
@@ -63,16 +65,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def check_sampling(args: argparse.Namespace) -> None:
+    """The api's checks (`shared.checks`), naming the flags."""
     if args.max_tokens < 1:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise CliError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k == 0 or args.top_k < -1:
-        raise CliError(f"--top-k must be -1 (off) or >= 1, got {args.top_k}")
-    if not 0 <= args.min_p <= 1:
-        raise CliError(f"--min-p must be in [0, 1], got {args.min_p}")
+    try:
+        check_sampling_params(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, flag="--")
+    except FieldError as exc:
+        raise CliError(exc.message.replace("_", "-")) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from procs.cli import CliError
-from shared.config import ServerConfig, field_default
+from procs.launch import START_ORDER
+from shared.config import ServerConfig, env_var, field_default, field_description
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
@@ -27,8 +29,7 @@ ENV_DIR = Path("etc/batchserve")
 SERVICE_USER = "batchserve"
 
 # In start order; systemd stops them in the reverse order (api first, worker last).
-PROCESS_ORDER = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
-UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in PROCESS_ORDER))
+UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in START_ORDER))
 
 # ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
@@ -37,58 +38,10 @@ TMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
 _PLACEHOLDER = re.compile(r"@[A-Z_]+@")
 _UNIT_UNSAFE = re.compile(r"[\s\"'%$\\]")  # would be split, expanded or unquoted in ExecStart=
 
-# One line per ServerConfig field, shown above its variable in the env file.
-FIELD_DOCS: dict[str, str] = {
-    "model": "Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a .gguf file.",
-    "dtype": "Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16.",
-    "device": "Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.",
-    "max_context": "Longest prompt + completion in tokens; 0 = the model's own context length.",
-    "page_size": "Tokens per KV-cache page.",
-    "kv_capacity_tokens": "KV-cache capacity in tokens; 0 = derived from BATCHSERVE_KV_MEMORY_GB.",
-    "kv_memory_gb": "GiB of device memory for the KV cache when BATCHSERVE_KV_CAPACITY_TOKENS is 0;\n"
-                    "0 = on CUDA BATCHSERVE_KV_MEMORY_FRACTION of the memory free after loading the weights, on CPU 1 GiB.",
-    "kv_memory_fraction": "Share of the device memory free after loading the weights that the KV cache takes\n"
-                          "(CUDA, when neither BATCHSERVE_KV_CAPACITY_TOKENS nor BATCHSERVE_KV_MEMORY_GB is set); the\n"
-                          "rest is headroom for activations and CUDA graphs.",
-    "policy": "Scheduling policy: prefill-first, mixed or fixed.",
-    "max_running_requests": "Most requests decoded together (request-table slots).",
-    "prefill_budget": "Most prompt tokens prefilled in one step (longer prompts are chunked).",
-    "max_waiting": "Most requests queued before new ones are refused (at most max_running_requests +\n"
-                   "max_waiting requests are in the server at once; more get 503 and Retry-After).",
-    "kv_reserve_ratio": "Share of a request's remaining max_tokens reserved in the KV cache at admission (0.01-1);\n"
-                        "below 1 more requests run at once, and the newest is preempted (recomputed later) if KV runs out.",
-    "disable_prefix_cache": "true: every request computes its whole prompt (no KV shared across requests with a\n"
-                            "common prefix, e.g. a system prompt or the history of a chat).",
-    "max_step_ms": "Longest a step carrying prefill should take, in ms, which bounds everyone's inter-token latency\n"
-                   "(a step-cost model sizes each step's prefill to it; prefill_budget stays the cap);\n"
-                   "-1 = no time bound (default), 0 = the device's suggested target (CPU 300, CUDA 100).",
-    "step_timeout_s": "Seconds a model step may take before the worker counts as hung: every request in flight\n"
-                      "then fails (503 / an error event) and the scheduler exits for a restart. Generous: a long\n"
-                      "prefill chunk on a CPU takes seconds.",
-    "attention_backend": "Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or flashinfer (CUDA only).",
-    "disable_cuda_graph": "true: run decode steps eagerly instead of replaying CUDA graphs.",
-    "cuda_graph_max_bs": "Largest decode batch captured as a CUDA graph; 0 = BATCHSERVE_MAX_RUNNING_REQUESTS.",
-    "host": "Address the HTTP api listens on (0.0.0.0 for every interface).",
-    "port": "HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see batchserve-api.service).",
-    "served_model_name": "Model name reported by /v1/models and expected in requests; empty = BATCHSERVE_MODEL.",
-    "api_key": "API keys (comma-separated): /v1/* then needs `Authorization: Bearer <key>` (else 401);\n"
-               "/health and /metrics stay open. Empty: no authentication. Keep this file 0640 root:batchserve.",
-    "api_key_file": "A file with one API key per line (# comments allowed), read at start; adds to BATCHSERVE_API_KEY.",
-    "header_timeout_s": "Seconds a client may take to send a request's headers; also how long an idle\n"
-                        "keep-alive connection stays open.",
-    "body_timeout_s": "Seconds a client may take to send a request's body (else 408).",
-    "max_connections": "Open HTTP connections at most; more are answered 503 at once. The api raises its\n"
-                       "open-file limit to the hard limit at start.",
-    "runtime_dir": "Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY (/run/batchserve under systemd).",
-    "log_format": "stderr log lines, which journald collects: text, or json for one JSON object per line\n"
-                  "(request logs included; read them with `journalctl -u 'batchserve-*' -o cat`).",
-    "drain_timeout_s": "Seconds a stopping process waits for in-flight requests; keep below the units'\n"
-                       "TimeoutStopSec= (45 s).",
-}
-
 # Settings the example env file sets instead of leaving at the default (journald reads JSON well).
 ENV_FILE_OVERRIDES: dict[str, str] = {"log_format": "json"}
 
+ENV_FILE_WIDTH = 100
 ENV_FILE_HEADER = """\
 # batchserve settings for the systemd units: /etc/batchserve/batchserve.env
 # Read by every batchserve-*.service (EnvironmentFile=). Each line sets one ServerConfig field;
@@ -96,11 +49,9 @@ ENV_FILE_HEADER = """\
 #
 # Set by the units themselves (override here if needed): BATCHSERVE_CACHE=/var/cache/batchserve
 # (converted models, compiled kernels), HOME=/var/lib/batchserve.
+# It may hold API keys: keep it 0640 root:batchserve. Read JSON logs with
+# `journalctl -u 'batchserve-*' -o cat`.
 """
-
-
-def env_var(field_name: str) -> str:
-    return f"BATCHSERVE_{field_name.upper()}"
 
 
 def _env_value(value: object) -> str:
@@ -113,13 +64,9 @@ def _env_value(value: object) -> str:
 
 def render_env_file() -> str:
     """The example env file: every ServerConfig field, documented, with its default."""
-    fields = msgspec.structs.fields(ServerConfig)
-    undocumented = [f.name for f in fields if f.name not in FIELD_DOCS]
-    if undocumented:
-        raise KeyError(f"ServerConfig fields without an entry in FIELD_DOCS: {', '.join(undocumented)}")
     parts = [ENV_FILE_HEADER]
-    for field in fields:
-        doc = "\n".join(f"# {line}" for line in FIELD_DOCS[field.name].splitlines())
+    for field in msgspec.structs.fields(ServerConfig):
+        doc = "\n".join(f"# {line}" for line in textwrap.wrap(field_description(field.name), ENV_FILE_WIDTH))
         default = _env_value(field_default(field))
         if field.name in ENV_FILE_OVERRIDES:
             line = f"{env_var(field.name)}={ENV_FILE_OVERRIDES[field.name]}"

@@ -17,14 +17,16 @@ import msgspec
 from shared.config import ServerConfig, add_config_arguments, config_from_args
 from shared.logs import setup_logging
 
-# process name -> module with `run(config: ServerConfig) -> int`
+# The processes: name -> module with `run(config: ServerConfig) -> int`, in start order (`serve` and
+# the systemd units): the slowest (model loading) first, the api last, so it serves only when all are up.
 PROCESSES: dict[str, str] = {
-    "api": "procs.api.process",
-    "tokenizer": "procs.tokenizer.process",
-    "scheduler": "procs.scheduler.process",
     "worker": "procs.worker.process",
+    "scheduler": "procs.scheduler.process",
+    "tokenizer": "procs.tokenizer.process",
     "detokenizer": "procs.detokenizer.process",
+    "api": "procs.api.process",
 }
+START_ORDER = tuple(PROCESSES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,8 +36,13 @@ def default_runtime_dir() -> Path:
 def resolve_runtime_dir(config: ServerConfig) -> Path:
     """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY`, else `default_runtime_dir()`;
     created if missing, and made private (0700) even if it existed: it holds every socket."""
-    chosen = config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    chosen = configured_runtime_dir(config)
     return make_private_dir(Path(chosen) if chosen else default_runtime_dir())
+
+
+def configured_runtime_dir(config: ServerConfig) -> str:
+    """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY` (its first entry); "" for neither."""
+    return config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
 
 
 def make_private_dir(path: Path) -> Path:

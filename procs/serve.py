@@ -28,12 +28,11 @@ from pathlib import Path
 
 import msgspec
 
-from procs.runtime import make_private_dir
+from procs.launch import START_ORDER
+from procs.runtime import configured_runtime_dir, make_private_dir
 from shared.config import ServerConfig, add_config_arguments, config_from_args
 from shared.shm import remove_segments_of
 
-# Start order: the slowest (model loading) first; the api last, so it serves only when all are up.
-START_ORDER = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
 BACKEND_STOP_TIMEOUT_S = 10.0
 PR_SET_PDEATHSIG = 1
 
@@ -229,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
-    chosen = config.runtime_dir or os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    chosen = configured_runtime_dir(config)
     if chosen:
         runtime_dir, owns = make_private_dir(Path(chosen)), False
     else:

@@ -9,62 +9,86 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import msgspec
 
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
-Policy = Literal["prefill-first", "mixed", "fixed"]
+Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
 POLICIES: tuple[str, ...] = get_args(Policy)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def _doc(text: str) -> msgspec.Meta:
+    """A config field's help: the one text `--help`, the systemd env file and the README table show."""
+    return msgspec.Meta(description=" ".join(text.split()))
+
+
 class ServerConfig(msgspec.Struct, kw_only=True):
     # model
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_context: int = 0  # 0: the model's own context length
+    model: Annotated[str, _doc("""Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a
+        .gguf file.""")] = DEFAULT_MODEL
+    dtype: Annotated[str, _doc("""Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA),
+        float32, float16, bfloat16.""")] = "auto"
+    device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = "auto"
+    max_context: Annotated[int, _doc("Longest prompt + completion in tokens; 0 = the model's own context length.")] = 0
     # KV cache
-    page_size: int = 16
-    kv_capacity_tokens: int = 0  # 0: derived from kv_memory_gb
-    kv_memory_gb: float = 0.0  # 0: on CUDA kv_memory_fraction of the memory free after the weights; CPU 1 GiB
-    kv_memory_fraction: float = 0.85  # of free device memory, as the peers' defaults leave headroom
+    page_size: Annotated[int, _doc("Tokens per KV-cache page.")] = 16
+    kv_capacity_tokens: Annotated[int, _doc("KV-cache capacity in tokens; 0 = derived from kv_memory_gb.")] = 0
+    kv_memory_gb: Annotated[float, _doc("""GiB of device memory for the KV cache when kv_capacity_tokens is 0;
+        0 = on CUDA kv_memory_fraction of the memory free after loading the weights, on CPU 1 GiB.""")] = 0.0
+    kv_memory_fraction: Annotated[float, _doc("""Share of the device memory free after loading the weights that
+        the KV cache takes (CUDA, when neither kv_capacity_tokens nor kv_memory_gb is set); the rest is
+        headroom for activations and CUDA graphs, as the peers' defaults leave.""")] = 0.85
     # scheduler
-    policy: Policy = "mixed"
-    max_running_requests: int = 64
-    prefill_budget: int = 2048
-    max_waiting: int = 1024
-    # Share of each request's remaining max_tokens reserved at admission (SCHEDULING.md's rho; whole
-    # percents). Chosen by measurement: loadtests/results/reserve_ratio_cpu.txt, README "Admission".
-    kv_reserve_ratio: float = 0.05
-    disable_prefix_cache: bool = False  # by default requests share the KV of common prompt prefixes
-    # Steps carrying prefill are sized (by a step-cost model) to take at most this long, which bounds
-    # the inter-token latency of everyone decoding beside them; prefill_budget stays the hard cap.
-    # -1: no time bound (the default for now: on a 2-core CPU the 300 ms target halved p99 ITL but cost
-    # 9 % throughput and 3.5x median TTFT, loadtests/results/step_time_bound_cpu.txt); 0: the device's
-    # suggested target (CPU 300 ms, CUDA 100 ms).
-    max_step_ms: float = -1.0
-    # A step without a result for this long fails every request in flight and stops the scheduler
-    # (a hung or dead worker); generous, since a long prefill chunk on a CPU takes seconds.
-    step_timeout_s: float = 30.0
+    policy: Annotated[Policy, _doc("Scheduling policy: " + ", ".join(POLICIES) + ".")] = "mixed"
+    max_running_requests: Annotated[int, _doc("Most requests decoded together (request-table slots).")] = 64
+    prefill_budget: Annotated[int, _doc("Most prompt tokens prefilled in one step (longer prompts are chunked).")] = 2048
+    max_waiting: Annotated[int, _doc("""Most requests queued before new ones are refused (at most
+        max_running_requests + max_waiting requests are in the server at once; more get 503 and
+        Retry-After); 0 = no limit.""")] = 1024
+    kv_reserve_ratio: Annotated[float, _doc("""Share of a request's remaining max_tokens reserved in the KV cache
+        at admission (0.01-1, whole percents; SCHEDULING.md's rho); below 1 more requests run at once, and the
+        newest is preempted (recomputed later) if KV runs out. The default is measured:
+        loadtests/results/reserve_ratio_cpu.txt.""")] = 0.05
+    disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
+        across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
+    max_step_ms: Annotated[float, _doc("""Longest a step carrying prefill should take, in ms, which bounds
+        everyone's inter-token latency (a step-cost model sizes each step's prefill to it; prefill_budget
+        stays the cap); -1 = no time bound (default: on a 2-core CPU 300 ms halved p99 ITL but cost 9 %
+        throughput and 3.5x median TTFT, loadtests/results/step_time_bound_cpu.txt), 0 = the device's
+        suggested target (CPU 300, CUDA 100).""")] = -1.0
+    step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
+        every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
+        Generous: a long prefill chunk on a CPU takes seconds.""")] = 30.0
     # worker
-    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 0  # 0: max_running_requests
+    attention_backend: Annotated[str, _doc("""Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or
+        flashinfer (CUDA only).""")] = "auto"
+    disable_cuda_graph: Annotated[bool, _doc("true: run decode steps eagerly instead of replaying CUDA graphs.")] = False
+    cuda_graph_max_bs: Annotated[int, _doc("""Largest decode batch captured as a CUDA graph;
+        0 = max_running_requests.""")] = 0
     # api
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str = ""  # "": the model argument
-    api_key: list[str] = []  # required as `Authorization: Bearer <key>` on /v1/*; none: no authentication
-    api_key_file: str = ""  # one key per line (blank lines and # comments skipped)
-    header_timeout_s: float = 10.0  # to send a request's headers, and how long an idle keep-alive lasts
-    body_timeout_s: float = 60.0  # to send a request's body
-    max_connections: int = 10000  # open HTTP connections; more are answered 503 at once
+    host: Annotated[str, _doc("Address the HTTP api listens on (0.0.0.0 for every interface).")] = "127.0.0.1"
+    port: Annotated[int, _doc("""HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see
+        batchserve-api.service).""")] = 8000
+    served_model_name: Annotated[str, _doc("""Model name reported by /v1/models and expected in requests;
+        empty = model.""")] = ""
+    api_key: Annotated[list[str], _doc("""API keys: /v1/* then needs `Authorization: Bearer <key>` (else 401);
+        /health and /metrics stay open. None: no authentication.""")] = []
+    api_key_file: Annotated[str, _doc("""A file with one API key per line (blank lines and # comments
+        skipped), read at start; adds to api_key.""")] = ""
+    header_timeout_s: Annotated[float, _doc("""Seconds a client may take to send a request's headers; also
+        how long an idle keep-alive connection stays open.""")] = 10.0
+    body_timeout_s: Annotated[float, _doc("Seconds a client may take to send a request's body (else 408).")] = 60.0
+    max_connections: Annotated[int, _doc("""Open HTTP connections at most; more are answered 503 at once. The
+        api raises its open-file limit to the hard limit at start.""")] = 10000
     # processes
-    runtime_dir: str = ""  # "": $RUNTIME_DIRECTORY or a fresh temporary directory
-    log_format: Literal["text", "json"] = "text"
-    drain_timeout_s: float = 30.0
+    runtime_dir: Annotated[str, _doc("""Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY
+        (/run/batchserve under systemd), else a fresh temporary directory.""")] = ""
+    log_format: Annotated[Literal["text", "json"], _doc("""stderr log lines, which journald collects: text, or
+        json for one JSON object per line (request logs included).""")] = "text"
+    drain_timeout_s: Annotated[float, _doc("""Seconds a stopping process waits for in-flight requests; keep
+        below the systemd units' TimeoutStopSec= (45 s).""")] = 30.0
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
@@ -78,12 +102,27 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         return cls.from_json(Path(path).read_bytes())
 
 
+def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
+    """Most requests in the server at once, running + waiting (more are refused with 503), as the api
+    counts them (choices) and the scheduler (its queue); None when `max_waiting` is 0: no limit."""
+    return max_running_requests + max_waiting if max_waiting > 0 else None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
 def field_default(field: msgspec.structs.FieldInfo) -> Any:
     return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+
+
+def field_description(name: str) -> str:
+    """The help text of a `ServerConfig` field (its `msgspec.Meta` description)."""
+    return _DESCRIPTIONS[name]
+
+
+def env_var(field_name: str) -> str:
+    return f"BATCHSERVE_{field_name.upper()}"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
@@ -93,14 +132,28 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         if only is not None and field.name not in only:
             continue
         default = field_default(field)
-        help_text = f"(default: {default!r}; env BATCHSERVE_{field.name.upper()})"
+        help_text = (f"{field_description(field.name).replace('%', '%%')} "
+                     f"(default: {default!r}; env {env_var(field.name)})")
         if isinstance(default, bool):
-            parser.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
         elif isinstance(default, list):
             parser.add_argument(_flag(field.name), dest=field.name, action="append", default=None,
                                 help=f"repeatable {help_text}, comma-separated")
         else:
             parser.add_argument(_flag(field.name), dest=field.name, type=type(default), default=None, help=help_text)
+
+
+def config_table_markdown() -> str:
+    """The README's settings table: every field's flag, environment variable, default and help."""
+    rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
+    for field in msgspec.structs.fields(ServerConfig):
+        default = field_default(field)
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).lower() \
+            if isinstance(default, bool) else str(default)
+        what = field_description(field.name).replace("|", "\\|")
+        rows.append(f"| `{_flag(field.name)}` | `{env_var(field.name)}` | `{shown}` | {what} |")
+    return "\n".join(rows) + "\n"
 
 
 def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
@@ -134,6 +187,19 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         return type(default)(raw)
     except ValueError:
         raise ValueError(f"BATCHSERVE_{name.upper()}: expected {type(default).__name__}, got {raw!r}") from None
+
+
+def _descriptions() -> dict[str, str]:
+    found = {}
+    for name, hint in get_type_hints(ServerConfig, include_extras=True).items():
+        metas = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta) and m.description]
+        if not metas:
+            raise TypeError(f"ServerConfig.{name} has no help text: declare it Annotated[type, _doc(...)]")
+        found[name] = metas[0].description
+    return found
+
+
+_DESCRIPTIONS = _descriptions()
 
 
 def cache_dir() -> Path:

@@ -82,9 +82,12 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class StopParams(msgspec.Struct, frozen=True, kw_only=True):
-    """When a request stops generating (checked by the scheduler, except `stop` strings)."""
+    """When a request stops generating (checked by the scheduler, except `stop` strings).
 
-    max_tokens: int = 16
+    `max_tokens` is None in a `GenerateRequest` whose client gave none: the tokenizer settles it (the
+    default, and the context check) and every later stage reads an int."""
+
+    max_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: matched by the detokenizer
@@ -214,10 +217,9 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     logits: LogitsParams = PLAIN_LOGITS
     stop: StopParams = StopParams()
     arrival_time: float = 0.0  # time.time() at the api
-    # The client gave no max_tokens, so `stop.max_tokens` is the api's default (16 for completions,
-    # max_context for chat): the tokenizer lowers it to `max_context - prompt_len` when it is
-    # larger, instead of rejecting the request as too long.
-    clamp_max_tokens: bool = False
+    # The field `stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
+    # tokenizer's refusal names the one the client sent.
+    max_tokens_param: str = "max_tokens"
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -244,6 +246,11 @@ class RequestRejected(msgspec.Struct, tag=True, kw_only=True):
     status: int  # HTTP status the api answers with
     message: str
     param: str | None = None
+
+
+# Prompt ids decoded in front of the generated ones, so that the first generated token is decoded in
+# context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): `TokenDelta.prompt_tail`'s length.
+PROMPT_TAIL_TOKENS = 5
 
 
 class TokenDelta(msgspec.Struct, tag=True, kw_only=True):

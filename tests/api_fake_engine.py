@@ -6,6 +6,7 @@ import asyncio
 import re
 from typing import AsyncIterator, Callable
 
+from shared.checks import settle_max_tokens
 from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, TokenLogprob, TopLogprob, Usage
 
 
@@ -68,7 +69,9 @@ class FakeEngine:
                 return
             prompt_tokens = self._prompt_tokens(request)
             tokens = self.tokens if self.tokens_of is None else self.tokens_of(request)
-            n = min(len(tokens), request.stop.max_tokens)
+            # the tokenizer's default when the client gave none (16, or the context left for chat)
+            n = min(len(tokens), settle_max_tokens(prompt_tokens, request.stop.max_tokens, request.max_tokens_param,
+                                                   self.max_context, chat=request.messages is not None))
             reason = "length" if n < len(tokens) else "stop"
             fail_after = self.fail_after if request.rid.endswith(self.fail_suffix) else None
             for i in range(n):

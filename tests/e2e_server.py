@@ -4,72 +4,52 @@ greedy reference (the same scheduler core and worker core, no sockets)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess, free_port
+from loadtests.sse import StreamReader
 from shared.liveness import pid_gone
 
-REPO = Path(__file__).resolve().parent.parent
+__all__ = ["REPO", "Server", "free_port", "http", "metric", "pid_alive", "reference_greedy", "start_server", "stream",
+           "wait_until"]
+
 SERVING_LINE = re.compile(r"batchserve: serving .* at (http://\S+) .*?; (worker=\d+ .*?api=\d+);")
+RUNTIME_DIR = re.compile(r"runtime dir (\S+)\)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """`batchserve serve` on a free port, ready once it prints its "serving" line (every process
+    reported ready): then `url`, `pids` (by process name) and `runtime_dir` are set."""
 
+    def __init__(self, model: str | Path, log_path: Path, *args: str, startup_timeout: float = 240):
+        super().__init__([*DEFAULT_SERVE_COMMAND, "--model", str(model), *args], log_path,
+                         health_timeout_s=startup_timeout, stop_timeout_s=60, cwd=REPO)
+        self.url = ""
+        self.pids: dict[str, int] = {}
+        self.runtime_dir: Path | None = None
+        self.extra: dict = {}
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    pids: dict[str, int]
-    log_path: Path
-    runtime_dir: Path | None = None
-    extra: dict = field(default_factory=dict)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def ready(self) -> bool:
+        log = self.log()
+        match = SERVING_LINE.search(log)
+        if not match:
+            return False
+        self.url = match.group(1)
+        self.pids = {k: int(v) for k, v in (kv.split("=") for kv in match.group(2).split())}
+        dir_match = RUNTIME_DIR.search(log)
+        self.runtime_dir = Path(dir_match.group(1)) if dir_match else None
+        return True
 
 
 def start_server(model: str | Path, log_path: Path, *args: str, startup_timeout: float = 240) -> Server:
     """Start `batchserve serve` and wait for its "serving" line (every process reported ready)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "procs.cli", "serve", "--model", str(model), "--port", str(port), *args]
-    out = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        match = SERVING_LINE.search(log_path.read_text(errors="replace"))
-        if match:
-            pids = {k: int(v) for k, v in (kv.split("=") for kv in match.group(2).split())}
-            dir_match = re.search(r"runtime dir (\S+)\)", log_path.read_text(errors="replace"))
-            return Server(proc, match.group(1), pids, log_path, Path(dir_match.group(1)) if dir_match else None)
-        if proc.poll() is not None:
-            raise RuntimeError(f"batchserve serve exited {proc.returncode}:\n{log_path.read_text(errors='replace')}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"batchserve serve not ready in {startup_timeout}s:\n{log_path.read_text(errors='replace')}")
+    server = Server(model, log_path, *args, startup_timeout=startup_timeout)
+    server.start()
+    return server
 
 
 def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict | str]:
@@ -91,21 +71,12 @@ def stream(url: str, body: dict, timeout: float = 120) -> tuple[str, str | None,
     """POST a streaming request; return (joined text, finish_reason, chunks)."""
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
-    chunks, text, finish = [], [], None
+    reader = StreamReader()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            chunks.append(chunk)
-            for choice in chunk.get("choices", []):
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                text.append(piece or "")
-                finish = choice.get("finish_reason") or finish
-    return "".join(text), finish, chunks
+            if not reader.feed(line):
+                break
+    return reader.text, reader.finish_reason, reader.chunks
 
 
 def metric(url: str, name: str) -> float:

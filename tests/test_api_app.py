@@ -22,7 +22,7 @@ def run(coro):
 
 @asynccontextmanager
 async def api(engine: FakeEngine, config: ServerConfig | None = None):
-    """A real HTTP server on a free port (handler cancellation on, as `run_api` runs it) and a client."""
+    """A real HTTP server on a free port (handler cancellation on, as `start_api` runs it) and a client."""
     async with TestClient(TestServer(create_app(engine, config or ServerConfig()))) as client:
         yield client
 
@@ -57,7 +57,7 @@ def test_completion_whole_answer_shape_and_defaults():
         (req,) = engine.requests
         assert req.rid == body["id"] and req.prompt == "Say hello to me" and req.prompt_token_ids is None
         assert req.sampling == SamplingParams()  # temperature 1, top_p 1, top_k -1, min_p 0, no seed
-        assert req.stop == StopParams(max_tokens=16) and req.clamp_max_tokens
+        assert req.stop == StopParams() and req.stop.max_tokens is None  # the tokenizer applies the default
         assert req.arrival_time > 0
         assert engine.aborts == []  # a normal finish never aborts
     run(go())
@@ -77,9 +77,9 @@ def test_completion_token_id_prompt_and_all_parameters():
         first, second = engine.requests
         assert first.prompt_token_ids == [1, 2, 3, 4, 5, 6, 7, 8] and first.prompt is None
         assert first.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7)
-        # default max_tokens: 16, lowered to the 12 positions the context has left
-        assert first.stop == StopParams(max_tokens=12, ignore_eos=True, stop_token_ids=(2, 3), stop=("\n",))
-        assert not first.clamp_max_tokens
+        # default max_tokens: left to the tokenizer
+        assert first.stop == StopParams(ignore_eos=True, stop_token_ids=(2, 3), stop=("\n",))
+        assert first.stop.max_tokens is None
         assert second.stop.max_tokens == 2 and second.stop.stop == ("a", "b")
         assert body2["choices"][0]["text"] == "Hello," and body2["choices"][0]["finish_reason"] == "length"
         assert body2["usage"]["completion_tokens"] == 2
@@ -106,9 +106,9 @@ def test_chat_whole_answer_shape_and_defaults():
         first, second = engine.requests
         assert [(m.role, m.content) for m in first.messages] == [("system", "Be brief."), ("user", "hi\nthere")]
         assert first.prompt is None and first.prompt_token_ids is None
-        # chat default: the whole context, lowered by the tokenizer to what the prompt leaves
-        assert first.stop.max_tokens == 64 and first.clamp_max_tokens
-        assert second.stop.max_tokens == 3 and not second.clamp_max_tokens  # max_completion_tokens wins
+        # chat default: left to the tokenizer (the context the prompt leaves)
+        assert first.stop.max_tokens is None
+        assert (second.stop.max_tokens, second.max_tokens_param) == (3, "max_completion_tokens")  # it wins
     run(go())
 
 

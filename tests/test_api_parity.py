@@ -26,7 +26,7 @@ def run(coro, timeout: float = 20):
 
 @asynccontextmanager
 async def openai_api(engine: FakeEngine, config: ServerConfig | None = None):
-    """The app on a free port (handler cancellation on, as `run_api` runs it) and an openai client."""
+    """The app on a free port (handler cancellation on, as `start_api` runs it) and an openai client."""
     async with TestServer(create_app(engine, config or ServerConfig())) as server:
         async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client:
             yield client

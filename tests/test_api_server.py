@@ -1,4 +1,5 @@
-"""`run_api` in a real process: uvloop, engine start/close inside the loop, SIGTERM shuts it down cleanly."""
+"""`start_api` in a real process on uvloop (as the api process runs it): engine start/close inside the
+loop, and `runner.cleanup()` on SIGTERM shuts it down cleanly."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).parent
 
 SCRIPT = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, signal, sys
+    import uvloop
     sys.path.insert(0, {tests!r})
     from api_fake_engine import FakeEngine
-    from procs.api.server import run_api
+    from procs.api.server import start_api
     from shared.config import ServerConfig
     from shared.logs import setup_logging
 
@@ -30,8 +32,15 @@ SCRIPT = textwrap.dedent("""
         async def close(self):
             print("closed", flush=True)
 
+    async def serve():
+        runner = await start_api(LifecycleEngine(), ServerConfig(port={port}))
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
     setup_logging("json")
-    run_api(LifecycleEngine(), ServerConfig(port={port}))
+    uvloop.run(serve())
 """)
 
 
@@ -47,7 +56,7 @@ def _get(url: str, data: bytes | None = None) -> tuple[int, bytes]:
         return resp.status, resp.read()
 
 
-def test_run_api_serves_with_uvloop_and_stops_on_sigterm():
+def test_start_api_serves_on_uvloop_and_stops_cleanly():
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(TESTS_DIR), port=port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -60,7 +69,7 @@ def test_run_api_serves_with_uvloop_and_stops_on_sigterm():
                 break
             except OSError:
                 assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline, "run_api did not come up"
+                assert time.monotonic() < deadline, "start_api did not come up"
                 time.sleep(0.1)
         assert status == 200
         status, body = _get(f"http://127.0.0.1:{port}/v1/completions", json.dumps({"prompt": "hi"}).encode())

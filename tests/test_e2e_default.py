@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from procs.worker.loader import load_tokenizer
+    from shared.model import load_tokenizer
 
     return load_tokenizer(DEFAULT_MODEL)
 

@@ -20,8 +20,8 @@ from procs.scheduler.process import TokenDeltas
 from procs.tokenizer.prompts import PromptRejected, PromptTokenizer
 from shared.config import ServerConfig
 from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
-from shared.messages import (AbortRequest, ChatMessage, ForwardBatch, GenerateRequest, SamplingParams, StopParams, TokenDelta,
-                             TokenizedRequest, WorkerInfo)
+from shared.messages import (PROMPT_TAIL_TOKENS, AbortRequest, ChatMessage, ForwardBatch, GenerateRequest, SamplingParams,
+                             StopParams, TokenDelta, TokenizedRequest, WorkerInfo)
 from shared.readiness import notify, notify_ready
 from shared.shm import SharedRing
 
@@ -93,18 +93,19 @@ class WordTokenizer:
         return " ".join(m["content"] for m in messages) + " w99"
 
 
-def request(**kw) -> GenerateRequest:
-    return GenerateRequest(rid="r", **kw)
+def request(max_tokens: int | None = None, stop: StopParams = StopParams(), **kw) -> GenerateRequest:
+    return GenerateRequest(rid="r", stop=msgspec.structs.replace(stop, max_tokens=max_tokens), **kw)
 
 
 def test_prompt_checks_name_the_field():
     tok = PromptTokenizer(WordTokenizer(), max_context=10)
-    ok = tok.tokenize(request(prompt="w1 w2", stop=StopParams(max_tokens=8)))
-    assert ok.prompt_ids.tolist() == [1, 2] and ok.prompt_ids.dtype == np.int32
-    chat = tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")], stop=StopParams(max_tokens=2)))
+    ok = tok.tokenize(request(prompt="w1 w2", max_tokens=8))
+    assert ok.prompt_ids.tolist() == [1, 2] and ok.prompt_ids.dtype == np.int32 and ok.stop.max_tokens == 8
+    chat = tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")], max_tokens=2))
     assert chat.prompt_ids.tolist() == [3, 99]
-    clamped = tok.tokenize(request(prompt="w1 w2 w3", stop=StopParams(max_tokens=100), clamp_max_tokens=True))
-    assert clamped.stop.max_tokens == 7
+    # not given: a prompt gets 16 lowered to the room left, a chat all the room left
+    assert tok.tokenize(request(prompt="w1 w2 w3")).stop.max_tokens == 7
+    assert tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")])).stop.max_tokens == 8
     cases = [
         (request(prompt=""), "prompt"),
         (request(prompt_token_ids=[]), "prompt"),
@@ -112,8 +113,12 @@ def test_prompt_checks_name_the_field():
         (request(messages=[]), "messages"),
         (request(messages=[ChatMessage(role="robot", content="w1")]), "messages"),
         (request(prompt=" ".join(["w1"] * 10)), "prompt"),  # no room for one generated token
-        (request(prompt="w1 w2", stop=StopParams(max_tokens=9)), "max_tokens"),
-        (request(prompt="w1", stop=StopParams(max_tokens=2, stop_token_ids=(5, 100))), "stop_token_ids"),
+        (request(prompt="w1 w2", max_tokens=9), "max_tokens"),
+        (request(prompt="w1 w2", max_tokens=0), "max_tokens"),
+        # the refusal names the field the client sent
+        (request(messages=[ChatMessage(role="user", content="w3")], max_tokens=9,
+                 max_tokens_param="max_completion_tokens"), "max_completion_tokens"),
+        (request(prompt="w1", max_tokens=2, stop=StopParams(stop_token_ids=(5, 100))), "stop_token_ids"),
     ]
     for req, param in cases:
         with pytest.raises(PromptRejected) as info:
@@ -127,7 +132,7 @@ def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
                                 stop=StopParams(stop=("x",))))
     first = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 7)]))
     assert first == [TokenDelta(rid="a", token_ids=[7], prompt_tokens=20, completion_tokens=1, stop=("x",),
-                                prompt_tail=list(range(12, 20)))]
+                                prompt_tail=list(range(20 - PROMPT_TAIL_TOKENS, 20)))]
     last = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], finished=["a"],
                                        finish_reasons={"a": "length"}))
     assert last == [TokenDelta(rid="a", token_ids=[8], finish_reason="length", prompt_tokens=20,

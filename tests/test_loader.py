@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from procs.worker import loader
-from procs.worker.loader import ModelLoadError, load_model_config, load_tokenizer, resolve_model
+from shared import model as loader
+from procs.worker.loader import load_model_config
+from shared.model import ModelLoadError, load_tokenizer, resolve_model
 from procs.worker.model_runner import ModelRunner
 
 

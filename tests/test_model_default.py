@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model_batches import generate_greedy
-from procs.worker.loader import load_tokenizer, resolve_model
+from shared.model import load_tokenizer, resolve_model
 from procs.worker.model_runner import ModelRunner
 from shared.config import DEFAULT_MODEL
 

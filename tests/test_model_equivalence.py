@@ -136,3 +136,18 @@ def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
     with torch.inference_mode():
         logits = runner.forward_logits(batch)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_every_architecture_runs_through_the_registry(tiny_model_dir):
+    """The registry runs exactly the architectures a model config may name (`SUPPORTED_ARCHITECTURES`),
+    all covered by the test models; anything else is refused, naming them."""
+    from procs.worker.loader import load_model_config
+    from procs.worker.models import ARCHITECTURES, model_class
+    from procs.worker.models.llama import LlamaModel
+    from shared.model import SUPPORTED_ARCHITECTURES
+
+    covered = {load_model_config(tiny_model_dir(arch)).architecture for arch in ("llama", "qwen2", "qwen3")}
+    assert covered == set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+    assert all(model_class(name) is LlamaModel for name in ARCHITECTURES)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        model_class("GPT2LMHeadModel")

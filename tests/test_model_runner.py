@@ -7,8 +7,9 @@ import pytest
 
 from model_batches import GREEDY, _plan, _Request, generate_greedy
 from procs.worker.kv_cache import GIB, kv_bytes_per_token, num_pages_for
+from procs.worker import model_runner
 from procs.worker.model_runner import ModelRunner
-from shared.messages import ForwardBatch, SamplingParams
+from shared.messages import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ def test_page_table_updates_are_applied(runner):
     (lambda b: setattr(b, "page_table_pages", np.asarray([10 ** 6], dtype=np.int32)), "page out of range"),
     (lambda b: b.positions.__setitem__(0, 64), "position out of range"),
 ])
-def test_malformed_batch_is_rejected(runner, corrupt, message):
+def test_malformed_batch_is_rejected(runner, corrupt, message, monkeypatch):
+    monkeypatch.setattr(model_runner, "DEBUG_CHECKS", True)  # the per-step checks run only when debugging
     _, batch = _prefill([[5, 6, 7]], runner.page_size)
     corrupt(batch)
     with pytest.raises(ValueError, match=message):

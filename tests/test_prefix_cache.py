@@ -255,7 +255,7 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
 
     import msgspec
 
-    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config, trace_record
+    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config_from_scenario, trace_record
 
     def normal(trace: list[dict]) -> list[dict]:
         return [{**s, "finished": sorted(s["finished"]), "cancelled": sorted(s["cancelled"])} for s in trace]
@@ -265,7 +265,7 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
         if any(r.shared_prefix for r in scenario.requests) or scenario.config.kv_reserve_ratio < 1:
             continue
         for policy, expected in scenario.expected.items():
-            config = msgspec.structs.replace(scheduler_config(scenario, policy), prefix_cache=True)
+            config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, policy), prefix_cache=True)
             sched = Scheduler(config, eos_token_ids=(2,))
             trace = [trace_record(out) for out in run_scenario(scenario, config, scheduler=sched)]
             assert normal(trace) == normal(expected), (path.name, policy)
@@ -279,10 +279,10 @@ def test_a_recompute_after_preemption_mostly_hits_the_cache():
 
     import msgspec
 
-    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config, trace_record
+    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config_from_scenario, trace_record
 
     scenario = load_scenario(Path(__file__).parent / "scenarios" / "preemption.json")
-    config = msgspec.structs.replace(scheduler_config(scenario, "prefill-first"), prefix_cache=True)
+    config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, "prefill-first"), prefix_cache=True)
     trace = [trace_record(out) for out in run_scenario(scenario, config)]
     assert trace[8]["preempted"] == ["B"] and trace[10]["prefill"] == [["B", 3]]
     assert trace[11] == {"step": 11, "prefill": [], "decode": ["B"], "finished": ["B"], "cancelled": []}

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.simulate import Scenario, run_scenario, scheduler_config, trace_record
+from procs.scheduler.simulate import Scenario, run_scenario, scheduler_config_from_scenario, trace_record
 from scheduler_harness import EOS, FIRST_TOKEN, Job, pages, run_and_check
 from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
 from spec_reference import reference_trace
@@ -31,7 +31,7 @@ SCENARIOS = [p for p in sorted((Path(__file__).resolve().parent / "scenarios").g
 
 def simulate(document: dict[str, Any], policy: str) -> list[dict[str, Any]]:
     scenario = msgspec.convert(document, Scenario)
-    return [trace_record(out) for out in run_scenario(scenario, scheduler_config(scenario, policy))]
+    return [trace_record(out) for out in run_scenario(scenario, scheduler_config_from_scenario(scenario, policy))]
 
 
 def _sorted_lists(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:

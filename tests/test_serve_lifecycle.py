@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.request
 from pathlib import Path
 

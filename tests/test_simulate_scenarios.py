@@ -1,7 +1,8 @@
 """`batchserve simulate` against the hand-derived traces of every scenario, under every policy.
 
-Scenarios come from tests/scenarios/ (a copy of /work/shared/scenarios plus our own cancellation and
-paging cases); a file that exists only in ../shared/scenarios is picked up too.
+Scenarios come from tests/scenarios/ (copies of ../shared/scenarios/, the team folder beside the
+checkout, which must not drift from their originals, plus our own cancellation and paging cases); a
+file that exists only in ../shared/scenarios/ is picked up too.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import pytest
 
 from procs.cli import main as cli_main
 from procs.scheduler import Scheduler
-from procs.scheduler.simulate import EOS_TOKEN_ID, load_scenario, run_scenario, scheduler_config
+from procs.scheduler.simulate import EOS_TOKEN_ID, load_scenario, run_scenario, scheduler_config_from_scenario
 
 HERE = Path(__file__).resolve().parent
 LOCAL = HERE / "scenarios"
-SHARED = HERE.parents[1] / "shared" / "scenarios"
+SHARED = HERE.parent.parent / "shared" / "scenarios"  # the team folder beside the checkout
 
 
 def _scenario_files() -> dict[str, Path]:
@@ -43,6 +44,18 @@ def test_the_shared_scenarios_are_all_covered() -> None:
             "prefix_cache.json"} <= names
 
 
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is absent (a checkout without the team folder beside "
+                    "it): no originals to compare tests/scenarios/ with")
+def test_the_copies_match_their_originals() -> None:
+    """Every file in both tests/scenarios/ and ../shared/scenarios/ is byte for byte the original;
+    files only in tests/scenarios/ are our own additions."""
+    local = {p.name for p in LOCAL.iterdir() if p.is_file()}
+    both = sorted(local & {p.name for p in SHARED.iterdir() if p.is_file()})
+    assert both, f"no file of {SHARED} has a copy in {LOCAL}"
+    drifted = [name for name in both if (LOCAL / name).read_bytes() != (SHARED / name).read_bytes()]
+    assert not drifted, f"tests/scenarios/ has drifted from {SHARED} in {drifted}: copy the originals again"
+
+
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])
 def test_simulate_reproduces_the_expected_trace(path: Path, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["simulate", str(path), "--policy", policy]) == 0
@@ -59,7 +72,7 @@ def test_simulate_reproduces_the_expected_trace(path: Path, policy: str, capsys:
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])
 def test_scenarios_leave_no_slot_or_page_behind(path: Path, policy: str) -> None:
     scenario = load_scenario(path)
-    config = scheduler_config(scenario, policy)
+    config = scheduler_config_from_scenario(scenario, policy)
     scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
     run_scenario(scenario, config, scheduler=scheduler)
     assert not scheduler.has_unfinished()

@@ -183,8 +183,8 @@ def test_units_under_systemd_start_restart_together_and_stop_cleanly(
             lines = [f"{line.split('=')[0]}=append:{run_base / 'logs' / name}.log"
                      if line.startswith(("StandardOutput=", "StandardError=")) else line for line in lines]
             if name.endswith(".service"):  # record how each main process ended, and when
-                lines.append(f"ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
-                             f">> $$RUNTIME_DIRECTORY/exits.log'")
+                lines.append("ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
+                             ">> $$RUNTIME_DIRECTORY/exits.log'")
             (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
         assert manager.systemctl("daemon-reload").returncode == 0
 

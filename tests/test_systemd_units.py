@@ -69,14 +69,6 @@ def test_env_file_documents_every_field_and_reads_back_as_defaults() -> None:
     assert "\nBATCHSERVE_LOG_FORMAT=json\n" in text  # journald gets one JSON object per line
 
 
-def test_render_env_file_names_an_undocumented_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = dict(inst.FIELD_DOCS)
-    del docs["page_size"]
-    monkeypatch.setattr(inst, "FIELD_DOCS", docs)
-    with pytest.raises(KeyError, match="page_size"):
-        inst.render_env_file()
-
-
 # --- install-systemd ------------------------------------------------------------------------------
 
 def test_install_writes_units_for_this_venv(installed: Path) -> None:
@@ -247,7 +239,7 @@ def start_order(units: dict) -> list[str]:
 def test_start_order_is_worker_first_api_last(units: dict) -> None:
     order = start_order(units)
     assert order[0] == "batchserve-worker.service" and order[-1] == "batchserve-api.service"
-    assert [f"batchserve-{p}.service" for p in inst.PROCESS_ORDER] == order
+    assert [f"batchserve-{p}.service" for p in inst.START_ORDER] == order
 
 
 # --- systemd-analyze verify -----------------------------------------------------------------------

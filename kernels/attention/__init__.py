@@ -1,4 +1,5 @@
-"""Attention backends behind one interface (`plan` per step, `forward` per layer), chosen by name."""
+"""Attention backends behind one interface (`plan` per step, `forward` per layer), chosen by name
+from `BACKENDS`, the one list of them (or by "auto", see `resolve_backend_name`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata, CudaGrap
 
 if TYPE_CHECKING:
     from procs.worker.kv_cache import KVCache
-
-BackendFactory = Callable[["KVCache", int, int, int, float], AttentionBackend]
 
 
 def _torch_backend() -> type[AttentionBackend]:
@@ -34,28 +33,25 @@ def _flashinfer_backend() -> type[AttentionBackend]:
     return FlashInferAttentionBackend
 
 
-# name -> loader of the backend class (imported lazily: a CUDA backend must not be imported on CPU)
+# The registry: name -> loader of the backend class (imported lazily: a CUDA backend must not be
+# imported on CPU).
 BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
-    "torch": _torch_backend, "cpu": _cpu_backend, "flashinfer": _flashinfer_backend}
-
-
-def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
-    BACKENDS[name] = loader
+    "cpu": _cpu_backend, "flashinfer": _flashinfer_backend, "torch": _torch_backend}
 
 
 def resolve_backend_name(name: str, device_type: str, dtype: "torch.dtype | None" = None) -> str:
-    """`auto` picks flashinfer on CUDA (at 16-bit dtypes) when it is registered and importable, cpu for
-    float32 on the CPU where the C kernels build, torch otherwise."""
+    """`auto` picks flashinfer on CUDA (at 16-bit dtypes) when it is importable, cpu for float32 on
+    the CPU where the C kernels build, torch otherwise; any other name is returned as it is."""
     if name != "auto":
         return name
-    if device_type == "cpu" and dtype in (None, torch.float32) and "cpu" in BACKENDS:
+    if device_type == "cpu" and dtype in (None, torch.float32):
         from kernels import native
 
         if native.available():
             return "cpu"
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return "torch"
-    if device_type == "cuda" and "flashinfer" in BACKENDS:
+    if device_type == "cuda":
         try:
             BACKENDS["flashinfer"]()
             return "flashinfer"
@@ -73,4 +69,4 @@ def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads:
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "CudaGraphAttentionBackend", "create_backend",
-           "register_backend", "resolve_backend_name"]
+           "resolve_backend_name"]

@@ -13,7 +13,7 @@ or stalled, or the drain ran out), the stream ends with a chunk per unfinished c
 finish_reason is "abort", an error event and [DONE]. Every choice that did not end normally
 (client disconnected, broken stream, engine error) gets `engine.abort(rid)` once, in the `finally`.
 Disconnects are seen two ways: aiohttp cancels the handler (`handler_cancellation=True`, which
-`run_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
+`start_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
 
 Chat answers to requests with tools, and with `reasoning` on, are parsed into `tool_calls` and
 `reasoning_content` (`chat_output.py`, through `ChatShapes`).
@@ -45,7 +45,7 @@ from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionS
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
-from shared.config import ServerConfig
+from shared.config import ServerConfig, request_cap
 from shared.messages import GenerateRequest, RequestRejected, TextDelta
 
 logger = logging.getLogger("batchserve.api")
@@ -190,7 +190,7 @@ class ApiHandlers:
         self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
         self.metrics = ApiMetrics()
         # A request in flight is running or waiting in the scheduler, so this caps the waiting queue.
-        self.max_in_flight = config.max_running_requests + config.max_waiting
+        self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0
         self.created = int(time.time())
 
@@ -270,13 +270,14 @@ class ApiHandlers:
 
     def _admit(self, prompts: int, n: int) -> None:
         count = prompts * n
-        if count > self.max_in_flight:  # could never fit: retrying would not help
+        cap = self.max_in_flight
+        if cap is not None and count > cap:  # could never fit: retrying would not help
             raise ApiError(400, f"this request asks for {count} sequences ({prompts} prompts x n={n}); this server "
-                                f"runs at most {self.max_in_flight} at once", "n" if n > 1 else "prompt")
+                                f"runs at most {cap} at once", "n" if n > 1 else "prompt")
         problem = self.engine.health_problem()
         if problem is not None:
             raise ApiError(503, f"the server cannot take requests now ({problem}); retry shortly")
-        if self.in_flight + count > self.max_in_flight:
+        if cap is not None and self.in_flight + count > cap:
             raise ApiError(503, f"the server is at capacity ({self.in_flight} choices in flight); retry shortly")
 
     async def _abort(self, rid: str) -> None:

@@ -158,6 +158,28 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _split_at(buf: str, tag: str, final: bool) -> tuple[str, str, bool]:
+    """(text that can go out, the rest, whether the rest starts with `tag`): the text before `tag`,
+    or all but a trailing partial `tag` (all of it when `final`)."""
+    at = buf.find(tag)
+    if at >= 0:
+        return buf[:at], buf[at:], True
+    keep = 0 if final else _partial_suffix(buf, tag)
+    return buf[:len(buf) - keep], buf[len(buf) - keep:], False
+
+
+def _opening(buf: str, final: bool, opens: tuple[str, ...], partial: tuple[str, ...]) -> str | None:
+    """What the text opens with (after whitespace): one of `opens`, "" for none of them, or None while
+    it is blank or a proper start of one of `partial` (and more text will come)."""
+    head = buf.lstrip()
+    found = next((tag for tag in opens if head.startswith(tag)), None)
+    if found is not None:
+        return found
+    if not final and (not head or any(tag.startswith(head) for tag in partial)):
+        return None
+    return ""
+
+
 class ReasoningStream:
     """Splits streamed text into ("reasoning" | "content", text) pieces."""
 
@@ -170,23 +192,20 @@ class ReasoningStream:
         out: list[tuple[str, str]] = []
         while True:
             if self.state == "start":
-                head = self.buf.lstrip()
-                if head.startswith(THINK_OPEN):
-                    self.buf, self.state = head[len(THINK_OPEN):], "reasoning"
-                    continue
-                if not final and THINK_OPEN.startswith(head):  # blank so far, or a partial <think>
+                opened = _opening(self.buf, final, (THINK_OPEN,), (THINK_OPEN,))
+                if opened is None:
                     break
-                self.state = "content"
+                if opened:
+                    self.buf = self.buf.lstrip()[len(THINK_OPEN):]
+                self.state = "reasoning" if opened else "content"
                 continue
             if self.state == "reasoning":
-                end = self.buf.find(THINK_CLOSE)
-                if end >= 0:
-                    out.append(("reasoning", self.buf[:end]))
-                    self.buf, self.state = self.buf[end + len(THINK_CLOSE):], "after"
+                ready, rest, closed = _split_at(self.buf, THINK_CLOSE, final)
+                out.append(("reasoning", ready))
+                if closed:
+                    self.buf, self.state = rest[len(THINK_CLOSE):], "after"
                     continue
-                keep = 0 if final else _partial_suffix(self.buf, THINK_CLOSE)
-                out.append(("reasoning", self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf = rest
                 break
             if self.state == "after":
                 self.buf = self.buf.lstrip()
@@ -214,14 +233,11 @@ class ToolCallStream:
         self.buf += text
         out: list[dict[str, Any]] = []
         while True:
-            if self.state == "start":
-                head = self.buf.lstrip()
-                if head.startswith("{") or head.startswith(PYTHON_TAG):
-                    self.state = "json"
-                    continue
-                if not final and (not head or PYTHON_TAG.startswith(head) or HERMES_OPEN.startswith(head)):
+            if self.state == "start":  # a bare JSON call is held to the end; Hermes blocks stream as text
+                opened = _opening(self.buf, final, ("{", PYTHON_TAG), (PYTHON_TAG, HERMES_OPEN))
+                if opened is None:
                     break
-                self.state = "text"
+                self.state = "json" if opened else "text"
                 continue
             if self.state == "json":
                 if final:
@@ -233,14 +249,11 @@ class ToolCallStream:
                         self._call(call, out)
                 break
             if self.state == "text":
-                start = self.buf.find(HERMES_OPEN)
-                if start >= 0:
-                    self._content(self.buf[:start], out)
-                    self.buf, self.state = self.buf[start:], "block"
+                ready, self.buf, opened = _split_at(self.buf, HERMES_OPEN, final)
+                self._content(ready, out)
+                if opened:
+                    self.state = "block"
                     continue
-                keep = 0 if final else _partial_suffix(self.buf, HERMES_OPEN)
-                self._content(self.buf[:len(self.buf) - keep], out)
-                self.buf = self.buf[len(self.buf) - keep:]
                 break
             # block: self.buf starts with <tool_call>
             end = self.buf.find(HERMES_CLOSE, len(HERMES_OPEN))

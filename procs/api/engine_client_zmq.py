@@ -25,6 +25,7 @@ import msgspec
 import zmq.asyncio
 
 from procs.api.engine_client import EngineEvent, StatsListener
+from procs.launch import START_ORDER
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
 from shared.messages import (AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected, SchedulerStats,
@@ -32,7 +33,7 @@ from shared.messages import (AbortRequest, BackendFailure, GenerateRequest, Hear
 
 log = logging.getLogger("batchserve.api")
 
-BACKEND_PROCESSES = ("tokenizer", "scheduler", "worker", "detokenizer")
+BACKEND_PROCESSES = tuple(name for name in START_ORDER if name != "api")
 HEARTBEAT_STALE_S = 3.5  # heartbeats come every second; three missed ones mean the process is gone
 WATCH_INTERVAL_S = 0.1
 

@@ -20,10 +20,9 @@ from procs.api.app import HANDLERS_KEY
 from procs.api.engine_client_zmq import ZmqEngineClient
 from procs.api.server import start_api
 from procs.runtime import resolve_runtime_dir
-from procs.tokenizer.prompts import model_context_length
-from shared.chat_format import ChatFormat, read_chat_template
 from shared.config import ServerConfig
 from shared.ipc import Endpoints
+from shared.model import ModelSpec
 from shared.readiness import notify_ready, notify_stopping
 
 log = logging.getLogger("batchserve.api")
@@ -33,13 +32,11 @@ CUT_OFF_S = 1.0
 
 
 async def serve(config: ServerConfig) -> int:
-    from procs.worker.loader import resolve_model
-
-    model_dir = resolve_model(config.model)
+    spec = ModelSpec.from_config(config)
     # A model that thinks in <think> blocks (Qwen3, DeepSeek-R1): chat answers split them out.
-    reasoning = ChatFormat.of(read_chat_template(model_dir)).reasoning
+    reasoning = spec.chat_format.reasoning
     engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
-                             model_context_length(model_dir, config))
+                             spec.context_length)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -75,24 +75,28 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 class CommonRequestFields(msgspec.Struct, kw_only=True):
     model: str | None = None
+    # how much, and when to stop
     max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None  # vLLM's
+    # sampling
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
+    # choices and streaming
     n: int | None = None
+    best_of: int | None = None  # only null, 1 or n
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # the logits
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
-    min_tokens: int | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
-    best_of: int | None = None  # only null, 1 or n
     # Structured output: at most one of these (validation.constraint_of).
     response_format: dict[str, object] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     guided_json: object | None = None  # vLLM's: a JSON schema, as an object or as JSON text

@@ -1,19 +1,16 @@
-"""Run the api's HTTP application on uvloop: `await start_api(engine, config)` on a running loop, or
-`run_api(engine, config)`, which blocks until SIGINT/SIGTERM.
+"""Run the api's HTTP application: `await start_api(engine, config)` on a running loop (the api
+process's, on uvloop: `procs.api.process`).
 
-Both listen through `CappedSite` (a cap on open connections, answered 503), give slow clients
+It listens through `CappedSite` (a cap on open connections, answered 503), gives slow clients
 `header_timeout_s` for their headers (aiohttp's keep-alive timeout, which also runs from the
-moment a connection opens) and raise the open-file limit first. The engine client's optional
+moment a connection opens) and raises the open-file limit first. The engine client's optional
 `start()`/`close()` run inside the loop (see `engine_client.py`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
-import uvloop
 from aiohttp import web
 
 from procs.api.app import create_app
@@ -36,19 +33,3 @@ async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: bo
     logger.info("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
     return runner
 
-
-def run_api(engine: EngineClient, config: ServerConfig) -> None:
-    """Serve `engine` on `config.host:config.port` until a termination signal."""
-
-    async def serve() -> None:
-        runner = await start_api(engine, config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    uvloop.run(serve())

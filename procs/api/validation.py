@@ -3,10 +3,11 @@
 Every refusal is an `ApiError(400, message, param)` naming the field, so nothing invalid reaches
 the engine. Defaults (as vLLM's):
 - sampling: temperature 1.0, top_p 1.0, top_k -1 (off), min_p 0.0, no seed.
-- max_tokens, completions: 16 (the OpenAI legacy default), chat: the context left after the prompt.
-  The api does not tokenize, so for a text prompt it sends 16 / `max_context` with
-  `clamp_max_tokens=True` and the tokenizer lowers it to `max_context - prompt_len`; for a prompt
-  of token ids the api computes the clamp itself.
+- max_tokens: sent only when the client gave it (with the field it came from: `max_tokens` or
+  `max_completion_tokens`); the tokenizer, which knows the prompt's length, applies the default
+  (completions: 16, the OpenAI legacy default; chat: the context left after the prompt) and the
+  context check (`shared.checks.settle_max_tokens`). The api makes the same check early with what
+  it knows without tokenizing (a token-id prompt's length; 0 for text).
 - logits: no penalties, biases or logprobs (`PLAIN_LOGITS`). logit_bias token ids are checked
   against the vocabulary by the tokenizer process, which knows it.
 A completion may carry a batch of prompts: one `GenerateRequest` each, `n` choices each (the app
@@ -30,13 +31,10 @@ from dataclasses import dataclass
 
 from procs.api.errors import ApiError
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
+from shared.checks import MAX_TOKEN_ID, FieldError, check_sampling, settle_max_tokens
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
                              SamplingParams, StopParams, ToolCall, ToolFunction)
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16
-MAX_SEED = 2**63 - 1
-MAX_TEMPERATURE = 2.0  # OpenAI's range
-MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_N = 128  # choices per prompt (vLLM has no cap; the api's in-flight cap bounds n x prompts too)
 MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
@@ -81,19 +79,19 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     drop_generated = echo and req.max_tokens == 0
     sampling = _sampling(req)
     prompts = []
+    max_tokens = 1 if drop_generated else req.max_tokens
     for param, prompt, prompt_ids in _prompts(req.prompt):
-        max_tokens, clamp = _max_tokens(1 if drop_generated else req.max_tokens, "max_tokens",
-                                        DEFAULT_COMPLETION_MAX_TOKENS, max_context,
-                                        len(prompt_ids) if prompt_ids is not None else None, param)
-        prompts.append((prompt, prompt_ids, max_tokens, clamp))
+        _early_max_tokens_check(len(prompt_ids) if prompt_ids is not None else 0, max_tokens, "max_tokens",
+                                max_context, chat=False, prompt_param=param)
+        prompts.append((prompt, prompt_ids))
     # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
     logits = _logits(req, req.max_tokens, "max_tokens", logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     constraint = constraint_of(req)
     requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
-                                stop=_stop(req, max_tokens), arrival_time=time.time(), clamp_max_tokens=clamp,
+                                stop=_stop(req, max_tokens), arrival_time=time.time(),
                                 constraint=constraint)
-                for prompt, prompt_ids, max_tokens, clamp in prompts]
+                for prompt, prompt_ids in prompts]
     return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
                             echo=echo, drop_generated=drop_generated)
 
@@ -121,12 +119,12 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     given, param = req.max_completion_tokens, "max_completion_tokens"
     if given is None:
         given, param = req.max_tokens, "max_tokens"
-    max_tokens, clamp = _max_tokens(given, param, max_context, max_context, None)
+    _early_max_tokens_check(0, given, param, max_context, chat=True)
     logits = _logits(req, given, param, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=None)
     generate = GenerateRequest(
-        rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, max_tokens),
-        arrival_time=time.time(), clamp_max_tokens=clamp, tools=tools, tool_choice=tool_choice,
+        rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, given),
+        max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
         forced_tool=forced_tool, chat_template_kwargs=template_kwargs, constraint=constraint,
     )
     tool_names = frozenset(t.name for t in tools) if tool_choice != "none" else frozenset()
@@ -332,20 +330,14 @@ def _sampling(req: CommonRequestFields) -> SamplingParams:
     top_p = 1.0 if req.top_p is None else req.top_p
     top_k = -1 if req.top_k is None else req.top_k
     min_p = 0.0 if req.min_p is None else req.min_p
-    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails too
-        raise ApiError(400, f"temperature must be in [0, {MAX_TEMPERATURE:g}] (got {temperature})", "temperature")
-    if not (0.0 < top_p <= 1.0):
-        raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", "top_p")
-    if top_k == 0 or top_k < -1 or top_k > MAX_TOKEN_ID:
-        raise ApiError(400, f"top_k must be -1 (off) or >= 1 (got {top_k})", "top_k")
-    if not (0.0 <= min_p <= 1.0):
-        raise ApiError(400, f"min_p must be in [0, 1] (got {min_p})", "min_p")
-    if req.seed is not None and not (0 <= req.seed <= MAX_SEED):
-        raise ApiError(400, f"seed must be in [0, 2**63 - 1] (got {req.seed})", "seed")
+    try:
+        check_sampling(temperature, top_p, top_k, min_p, req.seed)
+    except FieldError as exc:
+        raise ApiError(400, exc.message, exc.param) from None
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=req.seed)
 
 
-def _stop(req: CommonRequestFields, max_tokens: int) -> StopParams:
+def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(s == "" for s in stop):
         raise ApiError(400, "stop strings must not be empty", "stop")
@@ -355,26 +347,14 @@ def _stop(req: CommonRequestFields, max_tokens: int) -> StopParams:
     return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop)
 
 
-def _max_tokens(given: int | None, param: str, default: int, max_context: int,
-                prompt_len: int | None, prompt_param: str = "prompt") -> tuple[int, bool]:
-    """(max_tokens, clamp_max_tokens). `prompt_len` is known only for a prompt of token ids."""
-    if prompt_len is not None and prompt_len >= max_context:
-        raise ApiError(400, f"This model's maximum context length is {max_context} tokens; the prompt has "
-                            f"{prompt_len} tokens, which leaves no room for a completion.", prompt_param)
-    if given is None:
-        if prompt_len is not None:
-            return min(default, max_context - prompt_len), False
-        return min(default, max_context), True
-    if given < 1:
-        raise ApiError(400, f"{param} must be at least 1 (got {given})", param)
-    if given > max_context:
-        raise ApiError(400, f"{param} ({given}) exceeds this model's maximum context length of "
-                            f"{max_context} tokens", param)
-    if prompt_len is not None and prompt_len + given > max_context:
-        raise ApiError(400, f"This model's maximum context length is {max_context} tokens. However, you "
-                            f"requested {prompt_len + given} tokens ({prompt_len} in the prompt, {given} in "
-                            f"the completion). Please reduce the prompt or {param}.", param)
-    return given, False
+def _early_max_tokens_check(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,
+                            prompt_param: str = "prompt") -> None:
+    """The tokenizer's max_tokens check, made before tokenizing: `prompt_len` is a token-id prompt's
+    length, 0 for text (whose length only the tokenizer knows)."""
+    try:
+        settle_max_tokens(prompt_len, given, param, max_context, chat=chat, prompt_param=prompt_param)
+    except FieldError as exc:
+        raise ApiError(400, exc.message, exc.param) from None
 
 
 def _include_usage(req: CommonRequestFields) -> bool:

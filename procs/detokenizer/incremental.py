@@ -17,11 +17,9 @@ from dataclasses import dataclass
 import tokenizers
 
 from procs.detokenizer.stop_strings import StopStringMatcher
+from shared.messages import PROMPT_TAIL_TOKENS
 
 REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded in front of the generated ones, so the first generated token is decoded
-# in context (same number as vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
-PROMPT_CONTEXT_TOKENS = 5
 # Drop consumed ids from the front of the buffer once this many have piled up (amortised O(1)).
 _TRIM_THRESHOLD = 64
 
@@ -88,7 +86,7 @@ class IncrementalDetokenizer:
         self._stop = StopStringMatcher(stop)
         # `_ids[_prefix_offset:_read_offset]` were decoded and emitted (or are prompt context);
         # `_emitted_len` is how many characters of `decode(_ids[_prefix_offset:])` are emitted.
-        context = [int(t) for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS) :]]
+        context = [int(t) for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_TAIL_TOKENS) :]]
         context_text = self._decode(context) if context else ""
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: decode the generated ids on their own instead.

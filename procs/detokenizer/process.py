@@ -16,6 +16,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
 from shared.messages import AbortRequest, TextDelta, TokenDelta, Usage
+from shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.detokenizer")
 
@@ -65,8 +66,6 @@ class Detokenizers:
 
 
 def run(config: ServerConfig) -> int:
-    from procs.worker.loader import load_tokenizer
-
     rt = ProcessRuntime("detokenizer", config)
     rt.install_signal_handlers()
     rt.start_heartbeat()
@@ -74,7 +73,7 @@ def run(config: ServerConfig) -> int:
     to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
     to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
     try:
-        detokenizers = Detokenizers(load_tokenizer(config.model))
+        detokenizers = Detokenizers(ModelSpec.from_config(config).load_tokenizer())
         rt.ready()
         while not rt.stopping.is_set():
             delta = inbox.recv(POLL_INTERVAL_S)

@@ -1,4 +1,5 @@
-"""The continuous-batching scheduler of the chapter, as exact rules in /work/shared/SCHEDULING.md.
+"""The continuous-batching scheduler of the chapter, as exact rules in `../shared/SCHEDULING.md` (the
+team folder beside this checkout).
 
 One `step()` is the chapter's iteration (section 4.2): new requests and aborts have already been
 taken in by `add_request` / `abort`; the policy chooses a batch (prefill chunks and/or decodes);
@@ -8,8 +9,8 @@ their slot and every KV page in the same step).
 
 The pieces: `PrefillManager` plans chunks and admissions within the budget, `DecodeManager` holds
 the decode set, `KVManager` owns the pages (reservation, preemption victims, allocation) and
-`batch.build_forward_batch` packs the plan for the worker. This module only chooses between them
-by policy and applies what came back.
+`batch.build_forward_batch` packs the plan for the worker; the policy (`managers.POLICY_PLANNERS`)
+chooses the batch. This module runs the step and applies what came back.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from procs.scheduler.batch import StepPlan, build_forward_batch
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.managers import DecodeManager, PrefillManager
+from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
+from shared.config import request_cap
 from shared.messages import PLAIN_LOGITS, ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
 
 _INT32_MAX = 2**31 - 1
@@ -77,6 +79,7 @@ class Scheduler:
         self.allocator = self.kv.allocator
         self.prefill_manager = PrefillManager(self.table, self.kv)
         self.decode_manager = DecodeManager()
+        self._planner = POLICY_PLANNERS[config.policy]
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
         self._step = 0
         self._cancelled: list[str] = []
@@ -121,11 +124,6 @@ class Scheduler:
             return min(self.num_kv_pages, -(-self.config.max_context // self.page_size))
         return self.num_kv_pages
 
-    @property
-    def step_index(self) -> int:
-        """Index the next `step()` will carry."""
-        return self._step
-
     def has_unfinished(self) -> bool:
         """True while requests wait or run, or aborts are still to be reported by a `step()`."""
         return bool(self._live) or bool(self._cancelled)
@@ -146,22 +144,16 @@ class Scheduler:
         if rid in self._live:
             raise RequestRejectedError(rid, "a request with this id is already queued or running")
         prompt = self._validate_prompt(rid, prompt_ids)
+        # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = stop.max_tokens
-        if max_tokens < 1:
-            raise RequestRejectedError(rid, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
-        max_context = self.config.max_context
-        if max_context and total > max_context:
-            raise RequestRejectedError(
-                rid, f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-                f"context limit of {max_context} tokens", param="max_tokens")
         if self.kv.pages_for(total) > self.num_kv_pages:
             raise RequestRejectedError(
                 rid, f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
                 f"in the KV cache of {self.kv_capacity_tokens} tokens", param="max_tokens")
-        # The same cap as the api's: running + waiting, so a burst admits exactly that many.
-        capacity = self.config.max_running_requests + self.config.max_waiting
-        if self.config.max_waiting and len(self._live) >= capacity:
+        capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
+        if capacity is not None and len(self._live) >= capacity:
             raise RequestRejectedError(
                 rid, f"the server is full ({self.config.max_running_requests} running + {self.config.max_waiting} "
                 f"waiting requests)", status=503)
@@ -225,18 +217,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def _plan(self, prefill_tokens: int | None) -> StepPlan:
-        policy = self.config.policy
         budget = self.config.prefill_budget
         cap = budget if prefill_tokens is None else prefill_tokens
-        if policy == "mixed":
-            decode = self.decode_manager.batch_view()
-            return StepPlan.of(self.prefill_manager.plan(min(budget - len(decode[1]), cap), admit=True), decode)
-        # prefill-first, and fixed: a group forms only when nobody is admitted, then runs to the end.
-        admit = policy == "prefill-first" or self.table.num_used == 0
-        prefill = self.prefill_manager.plan(min(budget, cap), admit=admit)
-        if prefill:
-            return StepPlan.of(prefill)
-        return StepPlan.of([], self.decode_manager.batch_view())
+        return self._planner(self.prefill_manager, self.decode_manager, budget, cap)
 
     def _preempt(self, slots: list[int]) -> list[str]:
         """Step 3b: free the requests' slots and KV; they wait again to recompute what they had."""

@@ -1,16 +1,20 @@
 """The chapter's two request pools and what each plans: `PrefillManager.pending_list` (waiting
-queue, prefill chunks and admissions within a budget) and `DecodeManager.running_reqs` (the decode set)."""
+queue, prefill chunks and admissions within a budget) and `DecodeManager.running_reqs` (the decode set);
+and `POLICY_PLANNERS`, the registry of policies that choose a step's batch from the two."""
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
+from procs.scheduler.batch import StepPlan
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.prefix_cache import CachedPage
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
+from shared.config import POLICIES
 from shared.messages import SamplingParams
 
 
@@ -29,6 +33,11 @@ class PrefillManager:
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
+
+    @property
+    def nobody_admitted(self) -> bool:
+        """No request holds a slot (none is prefilling or decoding)."""
+        return self._table.num_used == 0
 
     def plan(self, budget: int, *, admit: bool) -> list[tuple[Request, int]]:
         """SCHEDULING.md step 3: mid-chunk requests first, then FIFO admissions while they fit.
@@ -118,3 +127,34 @@ class DecodeManager:
             self._rids = [r.rid for r in reqs]
             self._sampling = [r.sampling for r in reqs]
         return self._slots, self._rids, self._sampling
+
+
+# A policy plans one step: (prefill, decode, prefill_budget, this step's prompt-token cap) -> StepPlan.
+PolicyPlanner = Callable[[PrefillManager, DecodeManager, int, int], StepPlan]
+
+
+def plan_mixed(prefill: PrefillManager, decode: DecodeManager, budget: int, cap: int) -> StepPlan:
+    """Every decode, plus prefill chunks and admissions in what the decodes leave of the budget."""
+    view = decode.batch_view()
+    return StepPlan.of(prefill.plan(min(budget - len(view[1]), cap), admit=True), view)
+
+
+def plan_prefill_first(prefill: PrefillManager, decode: DecodeManager, budget: int, cap: int) -> StepPlan:
+    """Prefill chunks and admissions whenever there are any; the decodes run in steps without."""
+    return _prefill_else_decode(prefill, decode, min(budget, cap), admit=True)
+
+
+def plan_fixed(prefill: PrefillManager, decode: DecodeManager, budget: int, cap: int) -> StepPlan:
+    """As prefill-first, but a group forms only when nobody is admitted, then runs to its end."""
+    return _prefill_else_decode(prefill, decode, min(budget, cap), admit=prefill.nobody_admitted)
+
+
+def _prefill_else_decode(prefill: PrefillManager, decode: DecodeManager, budget: int, *, admit: bool) -> StepPlan:
+    items = prefill.plan(budget, admit=admit)
+    return StepPlan.of(items) if items else StepPlan.of([], decode.batch_view())
+
+
+# The registry: policy name -> planner; its names are the config's (`shared.config.Policy`).
+POLICY_PLANNERS: dict[str, PolicyPlanner] = {
+    "prefill-first": plan_prefill_first, "mixed": plan_mixed, "fixed": plan_fixed}
+assert set(POLICY_PLANNERS) == set(POLICIES), f"policies {sorted(POLICY_PLANNERS)} != the config's {sorted(POLICIES)}"

@@ -22,6 +22,7 @@ from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import (
+    PROMPT_TAIL_TOKENS,
     AbortRequest,
     BackendFailure,
     ForwardBatch,
@@ -39,7 +40,6 @@ log = logging.getLogger("batchserve.scheduler")
 
 STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
-PROMPT_TAIL = 8  # prompt ids the detokenizer gets as decoding context
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
 NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
 # A step sized to the time bound still prefills this much, however long its decodes alone take, so
@@ -93,7 +93,9 @@ class RemoteWorker:
 
 
 @dataclass
-class _Live:
+class _DeltaState:
+    """What one request's next `TokenDelta` needs to carry (counts, and what goes on the first only)."""
+
     prompt_tokens: int
     stop: tuple[str, ...]
     prompt_tail: list[int]
@@ -107,13 +109,13 @@ class TokenDeltas:
     """Turns a `StepOutput` into one `TokenDelta` per request (first delta carries the stop strings)."""
 
     def __init__(self) -> None:
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, _DeltaState] = {}
 
     def add(self, request: TokenizedRequest) -> None:
         prompt = request.prompt_ids
-        self.live[request.rid] = _Live(int(prompt.shape[0]), tuple(request.stop.stop),
-                                       [int(t) for t in prompt[-PROMPT_TAIL:]], prompt_ids=(
-                                           prompt.tolist() if request.logits.prompt_logprobs is not None else []))
+        prompt_ids = prompt.tolist() if request.logits.prompt_logprobs is not None else []
+        self.live[request.rid] = _DeltaState(int(prompt.shape[0]), tuple(request.stop.stop),
+                                             [int(t) for t in prompt[-PROMPT_TAIL_TOKENS:]], prompt_ids=prompt_ids)
 
     def from_step(self, out: StepOutput) -> list[TokenDelta]:
         tokens: dict[str, list[int]] = {}
@@ -155,7 +157,8 @@ class TokenDeltas:
         return delta
 
 
-def scheduler_config(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
+def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
+    """The server's settings, sized by what the worker reported (KV capacity, page size, context)."""
     return SchedulerConfig(
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
@@ -177,8 +180,8 @@ def check_config(config: ServerConfig) -> None:
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
         raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
                          f"got {config.max_step_ms}")
-    scheduler_config(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[],
-                                        max_context=0, page_size=config.page_size))
+    scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
+                                                    eos_token_ids=[], max_context=0, page_size=config.page_size))
 
 
 class SchedulerLoop:
@@ -207,7 +210,7 @@ class SchedulerLoop:
         while not self.rt.stopping.is_set():
             message = self.inbox.recv(POLL_INTERVAL_S)
             if isinstance(message, WorkerInfo):
-                self.scheduler = Scheduler(scheduler_config(self.config, message),
+                self.scheduler = Scheduler(scheduler_config_from_server(self.config, message),
                                            eos_token_ids=message.eos_token_ids)
                 self.step_target_s = step_target_s(self.config, message)
                 if self.step_target_s is not None:

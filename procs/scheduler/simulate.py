@@ -96,7 +96,8 @@ def load_scenario(path: str | Path) -> Scenario:
     return scenario
 
 
-def scheduler_config(scenario: Scenario, policy: str | None) -> SchedulerConfig:
+def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> SchedulerConfig:
+    """The scenario's `config`, run under `policy` when given (else its own, else prefill-first)."""
     chosen = policy or scenario.config.policy or "prefill-first"
     if chosen not in POLICIES:
         raise ScenarioError(f"policy must be one of {', '.join(POLICIES)}, got {chosen!r} - at `$.config.policy`")
@@ -221,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
-        trace = run_scenario(scenario, scheduler_config(scenario, args.policy))
+        trace = run_scenario(scenario, scheduler_config_from_scenario(scenario, args.policy))
     except ScenarioError as exc:
         raise CliError(f"{args.scenario}: {exc}") from None
     if args.format == "table":

@@ -6,18 +6,18 @@ identically.
 
 from __future__ import annotations
 
-import json
 import logging
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import numpy as np
 
 from shared.chat_format import ChatFormat
+from shared.checks import FieldError, settle_max_tokens
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest
+from shared.model import ModelSpec
 
 if TYPE_CHECKING:
     import llguidance
@@ -27,21 +27,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchserve.tokenizer")
 
 
-class PromptRejected(ValueError):
+class PromptRejected(FieldError):
     """The request cannot run; becomes a `RequestRejected` (HTTP `status`) naming `param`."""
 
     def __init__(self, message: str, param: str | None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__(message, param)
         self.status = status
-
-
-def model_context_length(model_dir: Path, config: ServerConfig) -> int:
-    """Tokens a request may span (prompt + completion): `config.max_context` or the model's own."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    native = int(raw.get("max_position_embeddings") or 2048)
-    return min(config.max_context, native) if config.max_context > 0 else native
 
 
 class PromptTokenizer:
@@ -58,12 +49,14 @@ class PromptTokenizer:
         self._grammar_tokenizer = grammar_tokenizer
 
     @classmethod
-    def load(cls, config: ServerConfig) -> "PromptTokenizer":
-        from procs.worker.loader import load_model_config, load_tokenizer, resolve_model
+    def of(cls, spec: ModelSpec, tokenizer: Any = None) -> "PromptTokenizer":
+        """For a model (`tokenizer`: its tokenizer, if already loaded)."""
+        return cls(spec.load_tokenizer() if tokenizer is None else tokenizer, spec.context_length,
+                   spec.grammar_tokenizer)
 
-        model_dir = resolve_model(config.model)
-        prompts = cls(load_tokenizer(model_dir), model_context_length(model_dir, config),
-                      grammar_tokenizer_of(model_dir, load_model_config(model_dir)))
+    @classmethod
+    def load(cls, config: ServerConfig) -> "PromptTokenizer":
+        prompts = cls.of(ModelSpec.from_config(config))
         try:
             prompts.grammars  # noqa: B018 - built now rather than on the first request (~0.5 s)
         except PromptRejected as exc:
@@ -117,11 +110,12 @@ class PromptTokenizer:
         n = len(ids)
         if n == 0:
             raise PromptRejected(f"{field} must not be empty", field)
-        if n >= self.max_context:
-            raise PromptRejected(
-                f"the prompt has {n} tokens; the context length is {self.max_context} tokens "
-                f"(prompt + at least one generated token)", field)
-        stop = request.stop
+        try:
+            max_tokens = settle_max_tokens(n, request.stop.max_tokens, request.max_tokens_param, self.max_context,
+                                           chat=request.messages is not None, prompt_param=field)
+        except FieldError as exc:
+            raise PromptRejected(exc.message, exc.param) from None
+        stop = msgspec.structs.replace(request.stop, max_tokens=max_tokens)
         bad = [t for t in stop.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise PromptRejected(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
@@ -134,13 +128,6 @@ class PromptTokenizer:
         grammar = self._grammar(request)
         if grammar is not None:
             logits = msgspec.structs.replace(logits, grammar=grammar)
-        room = self.max_context - n
-        if stop.max_tokens > room:
-            if not request.clamp_max_tokens:
-                raise PromptRejected(
-                    f"prompt ({n} tokens) + max_tokens ({stop.max_tokens}) exceeds the context length "
-                    f"of {self.max_context} tokens", "max_tokens")
-            stop = msgspec.structs.replace(stop, max_tokens=room)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
                                 logits=logits)
@@ -162,9 +149,3 @@ class PromptTokenizer:
             return grammars.for_tool_call(tools, request.forced_tool, self.chat_format.tool_call_style)
         return grammars.for_constraint(request.constraint)  # type: ignore[arg-type]
 
-
-def grammar_tokenizer_of(model_dir: Path, config: Any) -> Callable[[], "llguidance.LLTokenizer"]:
-    """llguidance's tokenizer for a model (`config`: its `ModelConfig`), as the worker builds it."""
-    from shared.grammar import grammar_tokenizer
-
-    return lambda: grammar_tokenizer(model_dir, config.vocab_size, config.eos_token_ids)

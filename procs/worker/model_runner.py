@@ -15,14 +15,17 @@ from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
-from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config, resolve_model
-from procs.worker.models.llama import LlamaModel
+from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config
+from procs.worker.models import model_class
 from shared.config import ServerConfig
-from shared.grammar import grammar_tokenizer
 from shared.messages import ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
+from shared.model import ModelSpec
 from shared.step_features import attention_pairs
 
 GREEDY = SamplingParams(temperature=0.0)
+# BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`ModelRunner._check`). The
+# scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
+DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -65,18 +68,15 @@ class ModelRunner:
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
-        self.model_dir = resolve_model(model)
+        self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
+        self.model_dir = self.spec.model_dir
         self.config: ModelConfig = load_model_config(self.model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        # Never past the model's own positions (the tokenizer process takes the same minimum).
-        model_positions = self.config.max_position_embeddings
-        self._max_context = min(max_context, model_positions) if max_context > 0 else model_positions
-        if max_context < 0:
-            raise ValueError(f"max_context must be >= 0 (0: the model's own), got {max_context}")
+        self._max_context = self.spec.context_length
         tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
-        self.model = LlamaModel.from_tensors(self.config, tensors, max_positions=self._max_context,
-                                             dtype=self.dtype, device=self.device)
+        self.model = model_class(self.config.architecture).from_tensors(
+            self.config, tensors, max_positions=self._max_context, dtype=self.dtype, device=self.device)
         cfg = self.config
         num_pages = num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
@@ -90,9 +90,8 @@ class ModelRunner:
         )
         self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
-        self._sample_batch = sample_batch
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
-                                     tokenizer=lambda: grammar_tokenizer(self.model_dir, cfg.vocab_size, cfg.eos_token_ids))
+                                     tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
@@ -134,7 +133,7 @@ class ModelRunner:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
+        return self.spec.eos_token_ids
 
     @property
     def vocab_size(self) -> int:
@@ -183,7 +182,8 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------------
 
     def execute(self, batch: ForwardBatch) -> StepResult:
-        self._check(batch)
+        if DEBUG_CHECKS:
+            self._check(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
@@ -214,7 +214,7 @@ class ModelRunner:
         row_index = torch.from_numpy(rows).to(self.device) if rows.shape[0] else None
         raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
         state.adjust_(logits, slots, counts)
-        token_ids = self._sample_batch(logits, sampling, counts.tolist())
+        token_ids = sample_batch(logits, sampling, counts.tolist())
         state.record(slots, token_ids)
         if raw is None:
             return token_ids, [], []
@@ -263,7 +263,8 @@ class ModelRunner:
                                   to_device(rows) if len(rows) else None)
 
     def _check(self, batch: ForwardBatch) -> None:
-        """Reject a malformed batch with a ValueError before it can corrupt the KV pool."""
+        """Reject a malformed batch with a ValueError before it can corrupt the KV pool (only with
+        `DEBUG_CHECKS`)."""
         n = batch.num_requests
         if not (len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.samples) == len(batch.sampling)
                 == len(batch.sample_counts) == n):

@@ -114,7 +114,7 @@ def describe_graphs(runner: ModelRunner) -> str:
 
 def chat_prompts(model: str, count: int) -> list[list[int]]:
     try:
-        from procs.worker.loader import load_tokenizer
+        from shared.model import load_tokenizer
 
         tokenizer = load_tokenizer(model)
         return [list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
@@ -402,7 +402,8 @@ def precompile_flashinfer(args: argparse.Namespace) -> None:
         from flashinfer.jit.core import build_jit_specs
         from flashinfer.utils import determine_attention_backend
 
-        from procs.worker.loader import load_model_config, resolve_model
+        from procs.worker.loader import load_model_config
+        from shared.model import resolve_model
 
         head_dim = load_model_config(resolve_model(args.model)).head_dim
         dtype = getattr(torch, args.dtype)
