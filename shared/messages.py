@@ -47,6 +47,8 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     # request's `OutputConstraint` or forced tool call by the tokenizer process. The worker masks
     # every token the grammar does not allow, last, after all of the above.
     grammar: str | None = None
+    # A thinking model's `</think>` token: the grammar holds from the token after it (the thinking is free).
+    grammar_after: int | None = None
 
     @property
     def penalizes(self) -> bool:

@@ -28,10 +28,11 @@ def write_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
 BYTE_CORPUS = ['{"name": "Ada", "age": 36, "ok": true}', "<tool_call>\n</tool_call>", "the quick brown fox jumps over the lazy dog"]
 
 
-def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
+def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, *, thinking: bool = False) -> None:
     """A byte-level BPE (GPT-2 style, as the default model's) trained on a few lines, with <unk>/<s>/</s>
     at ids 0-2 and a ChatML-like template: what grammar-constrained decoding needs of a tokenizer
-    (every text is spellable), at the tiny model's vocabulary size."""
+    (every text is spellable), at the tiny model's vocabulary size. `thinking`: <think> and </think>
+    are tokens and the template thinks as Qwen3's does (enable_thinking=false closes the block in the prompt)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,6 +45,10 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    if thinking:
+        tokenizer.add_tokens(["<think>", "</think>"])
+        tokenizer.chat_template += ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+                                    "<think>\n\n</think>\n\n{% endif %}")
     tokenizer.save_pretrained(out_dir)
 
 
@@ -75,8 +80,8 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
                 param.normal_(1.0, 0.2)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    if with_tokenizer == "bytes":
-        write_byte_tokenizer(out_dir, fields["vocab_size"])
+    if with_tokenizer in ("bytes", "thinking"):
+        write_byte_tokenizer(out_dir, fields["vocab_size"], thinking=with_tokenizer == "thinking")
     elif with_tokenizer:
         write_tiny_tokenizer(out_dir, fields["vocab_size"])
     return out_dir
@@ -84,7 +89,8 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False|True|"bytes", seed=0, **config)`
+    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False|True|"bytes"|"thinking", seed=0,
+    **config)`
     -> folder.
 
     Folders are built once per distinct argument set and shared across the session (treat them as read-only).

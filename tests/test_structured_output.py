@@ -172,6 +172,31 @@ def test_required_tool_choice_forces_one_valid_call_in_the_prompted_format(eng):
     assert hidden.prompt_ids.tolist() == plain and hidden.logits.grammar is None
 
 
+def test_a_thinking_model_thinks_freely_then_answers_in_the_grammar(tiny_model_dir):
+    eng = engine(tiny_model_dir("llama", with_tokenizer="thinking", seed=3, max_position_embeddings=2048))
+    think_close = eng.tokenizer.convert_tokens_to_ids("</think>")
+    chat = [{"role": "user", "content": "fox"}]
+
+    def ask(rid: str, seed: int, **fields) -> GenerateRequest:
+        # the bias makes </think> the first token wherever nothing masks it
+        return request(rid, messages=chat, sampling={"temperature": 1.0, "seed": seed}, stop={"max_tokens": 24},
+                       constraint={"kind": "regex", "spec": "(yes|no)!"}, logits={"logit_bias": {think_close: 100.0}},
+                       **fields)
+
+    thinking = [ask(f"t{s}", s) for s in range(4)]
+    solo = [eng.generate([r])[0] for r in thinking]
+    for c in solo:
+        assert c.token_ids[0] == think_close  # thinking is free: the grammar does not hold it back
+        assert c.finish_reason == "stop" and eng.tokenizer.decode(c.token_ids[1:-1]) in ("yes!", "no!")
+    crowded = engine(tiny_model_dir("llama", with_tokenizer="thinking", seed=3, max_position_embeddings=2048),
+                     kv_capacity_tokens=96, kv_reserve_ratio=0.05, page_size=1)
+    assert [c.token_ids for c in crowded.generate(thinking)] == [c.token_ids for c in solo]
+    assert crowded.preemptions > 0  # the replay found </think> and restarted the grammar after it
+    # thinking off: the template closes the block in the prompt, and the grammar holds from the first token
+    off = eng.generate([ask("off", 0, chat_template_kwargs={"enable_thinking": False})])[0]
+    assert think_close not in off.token_ids and off.text in ("yes!", "no!")
+
+
 # ---------------------------------------------------------------------------------- chat templates
 
 def chat_request(**fields) -> GenerateRequest:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 import numpy as np
 
-from shared.chat_format import ChatFormat
+from shared.chat_format import THINK_CLOSE, ChatFormat
 from shared.checks import FieldError, settle_max_tokens
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from procs.tokenizer.grammars import GrammarCompiler
 
 log = logging.getLogger("batchserve.tokenizer")
+PROMPT_THINK_WINDOW = 8  # Qwen3 with thinking off ends its prompt with "<think>\n\n</think>\n\n"
 
 
 class PromptRejected(FieldError):
@@ -127,10 +128,27 @@ class PromptTokenizer:
         logits = request.logits
         grammar = self._grammar(request)
         if grammar is not None:
-            logits = msgspec.structs.replace(logits, grammar=grammar)
+            logits = msgspec.structs.replace(logits, grammar=grammar,
+                                             grammar_after=self._thinking_end(ids) if request.messages else None)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
                                 logits=logits)
+
+    def _thinking_end(self, prompt_ids: list[int]) -> int | None:
+        """A thinking model's `</think>` token, when the answer will start by thinking: the grammar
+        then starts after it (as vLLM's reasoning parsers have it). None when the template does not
+        think, or the prompt already closed the block (e.g. Qwen3 with enable_thinking false)."""
+        think_close = self._think_close_id
+        if think_close is None or think_close in prompt_ids[-PROMPT_THINK_WINDOW:]:
+            return None
+        return think_close
+
+    @cached_property
+    def _think_close_id(self) -> int | None:
+        if not self.chat_format.reasoning:
+            return None
+        ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _grammar(self, request: GenerateRequest) -> str | None:
         """The compiled grammar the output must match: a forced tool call, or the constraint."""

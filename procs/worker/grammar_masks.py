@@ -33,6 +33,7 @@ class SlotGrammars:
         self.device = device
         self.matchers: list[llguidance.LLMatcher | None] = [None] * num_slots
         self.active = np.zeros(num_slots, dtype=bool)
+        self.pending = np.full(num_slots, -1, dtype=np.int64)  # the token after which the grammar starts
         self.bitmask = allocate_token_bitmask(num_slots, vocab_size)
         self._pristine: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
@@ -50,18 +51,27 @@ class SlotGrammars:
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
-    def start(self, slot: int, grammar: str | None, output_ids: list[int]) -> None:
-        """A request starts in `slot`; after a preemption its earlier tokens replay through the matcher."""
+    def start(self, slot: int, grammar: str | None, output_ids: list[int], *, after: int | None = None) -> None:
+        """A request starts in `slot`; after a preemption its earlier tokens replay through the matcher.
+        `after`: the grammar holds only from the token after this one (a thinking model's `</think>`)."""
         matcher = None if grammar is None else self._matcher(grammar)
+        pending = -1
+        if matcher is not None and after is not None:
+            if after in output_ids:
+                output_ids = output_ids[output_ids.index(after) + 1:]
+            else:
+                pending, output_ids = after, []
         if matcher is not None and output_ids and not matcher.consume_tokens(output_ids):
             log.warning("slot %d: replayed tokens do not match its grammar (%s); unconstrained from here",
                         slot, matcher.get_error())
             matcher = None
         self.matchers[slot] = matcher
-        self.active[slot] = matcher is not None
+        self.pending[slot] = pending if matcher is not None else -1
+        self.active[slot] = matcher is not None and pending < 0
 
     def constrains(self, slots: np.ndarray) -> bool:
-        return bool(self.active[slots].any())
+        """Some slot masks its logits, or waits for the token that starts its grammar."""
+        return bool(self.active[slots].any() or (self.pending[slots] >= 0).any())
 
     def mask_(self, logits: torch.Tensor, slots: np.ndarray) -> None:
         """-inf for each constrained row's disallowed tokens (row i is `slots[i]`'s)."""
@@ -82,7 +92,10 @@ class SlotGrammars:
         logits.index_copy_(0, index, scores)
 
     def accept(self, slots: np.ndarray, token_ids: list[int]) -> None:
-        """Advance the constrained slots' matchers by the tokens they just sampled."""
+        """Advance the constrained slots' matchers by the tokens they just sampled; start the grammars
+        whose `after` token was just sampled."""
+        pending = self.pending[slots]
+        starting = slots[(pending >= 0) & (pending == np.asarray(token_ids))]
         for i in np.flatnonzero(self.active[slots]).tolist():
             slot = int(slots[i])
             matcher = self.matchers[slot]
@@ -93,6 +106,7 @@ class SlotGrammars:
                 log.warning("slot %d: token %d rejected by its grammar (%s); unconstrained from here",
                             slot, token_ids[i], matcher.get_error())
                 self.matchers[slot], self.active[slot] = None, False
+        self.pending[starting], self.active[starting] = -1, True  # masked from the next token on
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher | None:
         pristine = self._pristine.get(grammar)

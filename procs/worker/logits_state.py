@@ -49,7 +49,7 @@ class SlotLogitsState:
         if params.adjusts_logits:
             self._tables_for_use().reset(s, params, start.prompt_ids, start.output_ids)
         if self.grammars is not None:
-            self.grammars.start(s, params.grammar, start.output_ids)
+            self.grammars.start(s, params.grammar, start.output_ids, after=params.grammar_after)
 
     def _tables_for_use(self) -> "_PenaltyTables":
         if self._tables is None:
