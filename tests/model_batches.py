@@ -37,18 +37,7 @@ def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, ch
     requests = [_Request(p, i * arrival_gap) for i, p in enumerate(prompts)]
     step = 0
     while any(len(r.output) < max_new_tokens for r in requests):
-        rows: list[tuple[_Request, list[int], bool]] = []
-        for r in requests:
-            if r.arrival_step > step or len(r.output) >= max_new_tokens:
-                continue
-            if r.slot < 0:
-                r.slot = free_slots.pop()
-            if r.fed < len(r.prompt):
-                n = len(r.prompt) - r.fed if chunk is None else min(chunk, len(r.prompt) - r.fed)
-                tokens = r.prompt[r.fed:r.fed + n]
-                rows.append((r, tokens, r.fed + n == len(r.prompt)))
-            else:
-                rows.append((r, [r.output[-1]], True))
+        rows = step_rows(requests, step, [max_new_tokens] * len(requests), free_slots, chunk)
         if not rows:
             step += 1
             continue
@@ -65,6 +54,24 @@ def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, ch
                     r.pages = []
         step += 1
     return [r.output for r in requests]
+
+
+def step_rows(requests: list[_Request], step: int, new_tokens: list[int], free_slots: list[int],
+              chunk: int | None = None) -> list[tuple[_Request, list[int], bool]]:
+    """(request, tokens it feeds, whether it samples) for each request that has arrived and still
+    wants tokens (`new_tokens[i]` for request i): its next prefill chunk, or its last output token."""
+    rows: list[tuple[_Request, list[int], bool]] = []
+    for r, wanted in zip(requests, new_tokens):
+        if r.arrival_step > step or len(r.output) >= wanted:
+            continue
+        if r.slot < 0:
+            r.slot = free_slots.pop()
+        if r.fed < len(r.prompt):
+            n = len(r.prompt) - r.fed if chunk is None else min(chunk, len(r.prompt) - r.fed)
+            rows.append((r, r.prompt[r.fed:r.fed + n], r.fed + n == len(r.prompt)))
+        else:
+            rows.append((r, [r.output[-1]], True))
+    return rows
 
 
 def _plan(step: int, rows, page_size: int, free_pages: list[int]) -> ForwardBatch:

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: model_batches
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from model_batches import GREEDY, _plan, _Request, generate_greedy  # noqa: E402
+from model_batches import GREEDY, _plan, _Request, generate_greedy, step_rows  # noqa: E402
 from procs.worker.kv_cache import kv_bytes_per_token  # noqa: E402
 from procs.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import DEFAULT_MODEL  # noqa: E402
@@ -156,16 +156,7 @@ def forced_logits(runner: ModelRunner, prompts: list[list[int]], reference: list
     new_tokens = [len(r) for r in reference]
     step = 0
     while any(len(r.output) < n for r, n in zip(requests, new_tokens)):
-        rows = []
-        for r, n in zip(requests, new_tokens):
-            if r.arrival_step > step or len(r.output) >= n:
-                continue
-            if r.slot < 0:
-                r.slot = free_slots.pop()
-            if r.fed < len(r.prompt):
-                rows.append((r, r.prompt[r.fed:], True))
-            else:
-                rows.append((r, [r.output[-1]], True))
+        rows = step_rows(requests, step, new_tokens, free_slots)
         if not rows:
             step += 1
             continue
