@@ -250,7 +250,12 @@ class ModelSpec:
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer (`shared.grammar`), built the same way by the tokenizer process and
-        the worker; ~0.5 s, so callers pass the method and build it on first use."""
+        the worker; ~0.5 s, so callers pass the method and build it on first use, once per spec (the
+        offline engine's prompt side and worker share one)."""
+        return self._grammar_tokenizer
+
+    @cached_property
+    def _grammar_tokenizer(self) -> Any:
         from shared.grammar import grammar_tokenizer
 
         return grammar_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
