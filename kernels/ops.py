@@ -15,6 +15,9 @@ import math
 import torch
 
 from kernels import native
+from kernels.panel_linear import PanelWeight, pack_panels
+
+LinearWeight = torch.Tensor | PanelWeight  # what `pack_linear_weight` returns and `linear` takes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,18 +99,25 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The form `linear` runs fastest from. On CPU at fp32 that is oneDNN's pre-reordered (blocked)
-    layout: measured against MKL's sgemm behind `F.linear` on the default model's shapes (2 cores,
-    AVX2), 1.5-2x faster for decode batches of 1-64 rows, 2.3x for the LM head at batch 32, and
-    1.2-1.4x for 512-row prefills. Elsewhere the plain weight is already the best form."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_linear_available():
+def pack_linear_weight(weight: torch.Tensor, quantization: str = "none") -> LinearWeight:
+    """The form `linear` runs fastest from. On the CPU at fp32: the C kernel's panels
+    (`kernels.panel_linear`; fp32, or int8 with `quantization="int8"`, which needs them). Without the C
+    kernels, oneDNN's pre-reordered layout (1.5-2x MKL's sgemm behind `F.linear` for decode batches on
+    this CPU). Elsewhere (CUDA, bf16) the plain weight is already the best form."""
+    if quantization not in ("none", "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}")
+    on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+    if quantization == "int8" or (on_cpu_fp32 and native.available()):
+        return pack_panels(weight, quantization)
+    if on_cpu_fp32 and onednn_linear_available():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), for a weight from `pack_linear_weight`."""
+    if isinstance(weight, PanelWeight):
+        return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)

@@ -19,7 +19,7 @@ from shared.checks import FieldError
 from shared.checks import check_sampling as check_sampling_params
 from shared.config import add_config_arguments, config_from_args
 
-ENGINE_FIELDS = ("model", "dtype", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
+ENGINE_FIELDS = ("model", "dtype", "quantization", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
                  "kv_memory_fraction",
                  "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "disable_prefix_cache",
                  "attention_backend")

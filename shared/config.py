@@ -16,6 +16,9 @@ import msgspec
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
 Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
 POLICIES: tuple[str, ...] = get_args(Policy)
+# Weight formats of the linear layers (kernels/ops.pack_linear_weight implements each).
+Quantization = Literal["none", "int8"]  # the default first
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -30,6 +33,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         .gguf file.""")] = DEFAULT_MODEL
     dtype: Annotated[str, _doc("""Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA),
         float32, float16, bfloat16.""")] = "auto"
+    quantization: Annotated[Quantization, _doc("""Weights of the linear layers and the LM head: none (as dtype),
+        or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic; faster
+        decode for 0.7 % perplexity, loadtests/results/int8_accuracy_cpu.txt).""")] = "none"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = "auto"
     max_context: Annotated[int, _doc("Longest prompt + completion in tokens; 0 = the model's own context length.")] = 0
     # KV cache

@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from kernels import native
 from kernels.ops import (add_rms_norm, apply_rotary, apply_rotary_torch, linear, onednn_linear_available,
                          pack_linear_weight, rms_norm, rms_norm_torch, silu_and_mul, silu_and_mul_torch)
+from kernels.panel_linear import PanelWeight
 from native_marks import requires_native_kernels
 
 
@@ -21,8 +22,18 @@ def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
     weight, x = torch.randn(96, 40), torch.randn(rows, 40)
     bias = torch.randn(96) if with_bias else None
     packed = pack_linear_weight(weight)
-    assert packed.is_mkldnn == onednn_linear_available()  # the fast path is the one in use where it exists
+    # the fastest path there is is the one in use: the C kernel's panels, else oneDNN's layout
+    assert isinstance(packed, PanelWeight) == native.available()
+    assert isinstance(packed, PanelWeight) or packed.is_mkldnn == onednn_linear_available()
     torch.testing.assert_close(linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias))
+
+
+def test_without_the_c_kernels_fp32_weights_take_onednns_layout(monkeypatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+    weight, x = torch.randn(96, 40), torch.randn(3, 40)
+    packed = pack_linear_weight(weight)
+    assert packed.is_mkldnn == onednn_linear_available()
+    torch.testing.assert_close(linear(x, packed), torch.nn.functional.linear(x, weight))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN ships in x86 CPU builds of torch")

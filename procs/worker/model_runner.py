@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, create_backend
+from kernels.panel_linear import panel_linear_available
 from kernels.sampling import sample_batch
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
@@ -17,7 +18,7 @@ from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config
 from procs.worker.models import model_class
-from shared.config import ServerConfig
+from shared.config import QUANTIZATIONS, ServerConfig
 from shared.messages import ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.step_features import attention_pairs
@@ -51,6 +52,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
+    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not panel_linear_available()):
+        raise ValueError(f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
+                         f"{device.type}, {dtype}, C kernels {'built' if panel_linear_available() else 'unavailable'})")
+
+
 class ModelRunner:
     """Executes `ForwardBatch`es on one model replica.
 
@@ -65,7 +74,8 @@ class ModelRunner:
                  page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 0.0,
                  kv_memory_fraction: float = 0.85,
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
-                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None):
+                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
+                 quantization: str = "none"):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -73,10 +83,12 @@ class ModelRunner:
         self.config: ModelConfig = load_model_config(self.model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        check_quantization(quantization, self.device, self.dtype)
         self._max_context = self.spec.context_length
         tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
         self.model = model_class(self.config.architecture).from_tensors(
-            self.config, tensors, max_positions=self._max_context, dtype=self.dtype, device=self.device)
+            self.config, tensors, max_positions=self._max_context, dtype=self.dtype, device=self.device,
+            quantization=quantization)
         cfg = self.config
         num_pages = num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
@@ -111,7 +123,7 @@ class ModelRunner:
                    kv_memory_fraction=config.kv_memory_fraction,
                    max_running_requests=config.max_running_requests, max_context=config.max_context,
                    attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
-                   cuda_graph_max_bs=config.cuda_graph_max_bs)
+                   cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization)
 
     # -- properties the scheduler sizes itself by ---------------------------------------------------
 

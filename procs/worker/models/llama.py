@@ -13,44 +13,44 @@ from typing import Iterable
 import torch
 
 from kernels.attention import AttentionBackend
-from kernels.ops import (add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm, rope_cos_sin_cache,
-                         rope_inv_freq, silu_and_mul)
+from kernels.ops import (LinearWeight, add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm,
+                         rope_cos_sin_cache, rope_inv_freq, silu_and_mul)
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]; projections are in `pack_linear_weight` form
+    qkv: LinearWeight  # [(H + 2 * KVH) * D, hidden]; projections are in `pack_linear_weight` form
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: LinearWeight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: LinearWeight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: LinearWeight
     down_bias: torch.Tensor | None
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_positions: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, quantization: str = "none"):
         self.config = config
         self.dtype = dtype
         self.device = device
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        take = _WeightTaker(weights, dtype, device)
+        take = _WeightTaker(weights, dtype, device, quantization)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
         self.final_norm = take("model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-            self.lm_head = pack_linear_weight(self.embed)  # a packed copy where packing applies
+            self.lm_head = pack_linear_weight(self.embed, quantization)  # a packed copy where packing applies
         else:
-            self.lm_head = pack_linear_weight(take("lm_head.weight"))
+            self.lm_head = pack_linear_weight(take("lm_head.weight"), quantization)
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
         if self.embed.shape != (config.vocab_size, config.hidden_size):
@@ -128,10 +128,12 @@ class LlamaModel:
 class _WeightTaker:
     """Pops named tensors from a checkpoint dict, converting dtype/device; clear error when missing."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 quantization: str):
         self.weights = weights
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
 
     def _pop(self, name: str) -> torch.Tensor:
         try:
@@ -145,6 +147,6 @@ class _WeightTaker:
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self._pop(n) for n in names], dim=0).to(device=self.device, dtype=self.dtype).contiguous()
 
-    def linear_weight(self, names: list[str]) -> torch.Tensor:
+    def linear_weight(self, names: list[str]) -> LinearWeight:
         """The named projections fused along the output dimension, in `linear`'s packed form."""
-        return pack_linear_weight(self.cat(names))
+        return pack_linear_weight(self.cat(names), self.quantization)
