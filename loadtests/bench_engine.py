@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+import unittest.mock
 from collections import defaultdict
 from typing import Callable, Iterator
 
@@ -23,6 +24,7 @@ import torch
 from llguidance import LLMatcher
 
 from kernels import native
+from kernels.panel_linear import PanelWeight
 from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker import model_runner
 from procs.worker.models import llama
@@ -133,6 +135,13 @@ def run_transformers(model, prompts: list[list[int]], steps: int) -> tuple[float
 
 
 Run = Callable[[], tuple[float, float, list[list[int]]]]
+
+
+def same_greedy_tokens(ours: list[int], theirs: list[int], eos_ids: tuple[int, ...]) -> bool:
+    """The same tokens, up to where the engine picks EOS: `generate`'s min_new_tokens (which keeps every
+    row decoding for the timing) bans EOS there and takes the runner-up; the engine does not ban it."""
+    stop = next((i for i, token in enumerate(ours) if token in eos_ids), len(ours))
+    return ours[:stop] == theirs[:stop]
 
 
 def alternating(repeats: int, ours: Run, theirs: Run | None):
@@ -273,6 +282,28 @@ def feature_costs(runner: ModelRunner, prompts: list[list[int]], steps: int, rep
 # ---------------------------------------------------------------------------------------------
 
 
+def linear_paths(runner: ModelRunner, model_dir, prompts_for, batch_sizes: list[int], args) -> None:
+    """Decode and prefill tokens/s of `runner` (panels) against the same model on oneDNN's layout."""
+    with unittest.mock.patch.object(native, "available", lambda: False):  # only while the weights are packed
+        onednn = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=runner.kv_capacity_tokens,
+                             max_running_requests=runner.max_running_requests, max_context=runner.max_context)
+    assert not isinstance(onednn.model.layers[0].qkv, PanelWeight) and isinstance(runner.model.layers[0].qkv, PanelWeight)
+    run_engine(onednn, prompts_for(2, 16), 2)
+    print(f"\nlinear layers on the C panel kernel vs oneDNN's packed sgemm (greedy; best of {args.repeats} "
+          f"alternating runs; tokens/s)")
+    print(f"  {'':>18} {'panels':>8} {'oneDNN':>8} {'ratio':>7}  same tokens")
+    cases = [(f"decode batch {b}", prompts_for(b, args.prompt_len), args.decode_steps, 1) for b in batch_sizes]
+    cases += [(f"prefill {n} x {args.prefill_len}", prompts_for(n, args.prefill_len), 1, 0)
+              for n in (int(b) for b in args.prefill_batches.split(","))]
+    for name, prompts, steps, part in cases:
+        ours, theirs = alternating(args.repeats, lambda: run_engine(runner, prompts, steps),
+                                   lambda: run_engine(onednn, prompts, steps))
+        tokens = len(prompts) * (steps if part else len(prompts[0]))
+        same = sum(o == t for o, t in zip(ours[2], theirs[2]))
+        print(f"  {name:>18} {tokens / ours[part]:>8.1f} {tokens / theirs[part]:>8.1f} "
+              f"{theirs[part] / ours[part]:>6.2f}x  {same}/{len(prompts)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -287,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
     parser.add_argument("--only-features", action="store_true", help="measure only the logits-feature costs")
+    parser.add_argument("--only-linear", action="store_true",
+                        help="measure only decode and prefill with the linear layers on the C panel kernel "
+                             "against oneDNN's packed sgemm (the path without the C kernels)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -318,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if reference is not None:
         run_transformers(reference, warm, 2)
 
+    if args.only_linear:
+        linear_paths(runner, model_dir, prompts_for, batch_sizes, args)
+        return 0
+
     print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
           f"alternating runs)")
     for b in feature_batches:
@@ -326,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print(f"\ndecode tokens/s (batch of equal-length prompts, greedy; best of {args.repeats} alternating runs)")
-    print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}")
+    print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}  (up to the engine's EOS)")
     for b in batch_sizes:
         prompts = prompts_for(b, args.prompt_len)
         ours, theirs = alternating(args.repeats, lambda: run_engine(runner, prompts, args.decode_steps),
@@ -337,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {b:>5} {ours_tps:>10.1f}")
             continue
         theirs_tps = b * args.decode_steps / theirs[1]
-        same = sum(o == t for o, t in zip(ours[2], theirs[2]))
+        same = sum(same_greedy_tokens(o, t, runner.eos_token_ids) for o, t in zip(ours[2], theirs[2]))
         print(f"  {b:>5} {ours_tps:>10.1f} {theirs_tps:>13.1f} {ours_tps / theirs_tps:>6.2f}x  {same:>5}/{b:<5}",
               flush=True)
 
