@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from e2e_server import http, reference_greedy, start_server
+from kernels import native
 from kernels.panel_linear import PanelWeight, pack_panels
 from kernels.ops import linear, pack_linear_weight
 from native_marks import requires_native_kernels
@@ -90,6 +91,12 @@ def test_int8_refuses_what_it_cannot_run(device: str, dtype: torch.dtype) -> Non
     with pytest.raises(ValueError, match="int8 runs on the CPU at dtype float32"):
         check_quantization("int8", torch.device(device), dtype)
     check_quantization("none", torch.device(device), dtype)
+
+
+def test_int8_needs_the_c_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+    with pytest.raises(ValueError, match="C kernels unavailable"):
+        check_quantization("int8", torch.device("cpu"), torch.float32)
 
 
 def test_the_cli_names_a_bad_quantization(capsys) -> None:

@@ -40,6 +40,7 @@ def run(config: ServerConfig) -> int:
         info = runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs())
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
+            "quantization": config.quantization,
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
             # requests that can each hold a whole context at once (more run when they are shorter)
             "full_context_requests": info.kv_capacity_tokens // info.max_context,
