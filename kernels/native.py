@@ -262,24 +262,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 PANEL = 16  # output columns per packed weight panel (PANEL in csrc/panel_linear.c)
 
 
-def panel_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor:
-    """x [m, in] (rows may be strided) times a weight packed by `kernels.panel_linear.pack_panels`
-    (packed [panels, in, PANEL] fp32, or int8 with scale [panels * PANEL]), plus bias [out]: [m, out] fp32."""
-    quantized = packed.dtype == torch.int8
-    _check(x.dim() == 2 and packed.dim() == 3 and packed.shape[1:] == (x.shape[1], PANEL) and packed.is_contiguous()
+def check_panels(packed: torch.Tensor, scale: torch.Tensor | None, out_features: int) -> None:
+    """The layout `panel_linear` trusts: packed [panels, in, PANEL] fp32, or int8 with scale [panels * PANEL]
+    fp32, covering out_features columns."""
+    _check(packed.dim() == 3 and packed.shape[2] == PANEL and packed.is_contiguous() and packed.is_cpu
            and packed.dtype in (torch.float32, torch.int8), "packed must be [panels, in, 16] fp32 or int8")
     _check(packed.shape[0] * PANEL >= out_features > (packed.shape[0] - 1) * PANEL, "out_features")
-    _check_rows(x, "x")
-    _check(not quantized or (scale is not None and scale.shape == (packed.shape[0] * PANEL,)
-                             and scale.dtype == torch.float32 and scale.is_contiguous()),
+    _check(packed.dtype != torch.int8 or (scale is not None and scale.shape == (packed.shape[0] * PANEL,)
+                                          and scale.dtype == torch.float32 and scale.is_contiguous()),
            "int8 panels need scale [panels * 16] fp32")
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 out_features: int, *, panels_checked: bool = False) -> torch.Tensor:
+    """x [m, in] (rows may be strided) times a weight packed by `kernels.panel_linear.pack_panels`
+    (packed [panels, in, PANEL] fp32, or int8 with scale [panels * PANEL]), plus bias [out]: [m, out] fp32.
+    `panels_checked`: the caller ran `check_panels` on this weight already (the per-call checks of an
+    unchanging weight cost about as much as the kernel itself on a decode row)."""
+    if not panels_checked:
+        check_panels(packed, scale, out_features)
+    _check(x.dim() == 2 and x.shape[1] == packed.shape[1], "x must be [m, in]")
+    _check_rows(x, "x")
     if bias is not None:
         _check(bias.shape == (out_features,) and bias.dtype == torch.float32 and bias.is_contiguous(),
                "bias must be [out] fp32")
     out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     bias_ptr = bias.data_ptr() if bias is not None else None
-    if quantized:
+    if packed.dtype == torch.int8:
         _lib().int8_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), scale.data_ptr(), bias_ptr,
                            out_features, x.shape[1], out.data_ptr())
     else:

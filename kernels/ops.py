@@ -16,6 +16,7 @@ import torch
 
 from kernels import native
 from kernels.panel_linear import PanelWeight, pack_panels
+from shared.config import QUANTIZATIONS
 
 LinearWeight = torch.Tensor | PanelWeight  # what `pack_linear_weight` returns and `linear` takes
 
@@ -104,7 +105,7 @@ def pack_linear_weight(weight: torch.Tensor, quantization: str = "none") -> Line
     (`kernels.panel_linear`; fp32, or int8 with `quantization="int8"`, which needs them). Without the C
     kernels, oneDNN's pre-reordered layout (1.5-2x MKL's sgemm behind `F.linear` for decode batches on
     this CPU). Elsewhere (CUDA, bf16) the plain weight is already the best form."""
-    if quantization not in ("none", "int8"):
+    if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
     if quantization == "int8" or (on_cpu_fp32 and native.available()):

@@ -15,10 +15,6 @@ import torch
 from kernels import native
 
 
-def panel_linear_available() -> bool:
-    return native.available()
-
-
 @dataclass(frozen=True)
 class PanelWeight:
     """A linear layer's [out, in] weight as panels [panels, in, native.PANEL] (fp32, or int8 with `scale`)."""
@@ -27,8 +23,11 @@ class PanelWeight:
     scale: torch.Tensor | None  # int8: [panels * PANEL] fp32 per output channel (0 for the padding)
     out_features: int
 
+    def __post_init__(self) -> None:
+        native.check_panels(self.packed, self.scale, self.out_features)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return native.panel_linear(x, self.packed, self.scale, bias, self.out_features)
+        return native.panel_linear(x, self.packed, self.scale, bias, self.out_features, panels_checked=True)
 
     def unpacked(self) -> torch.Tensor:
         """The fp32 [out, in] weight these panels stand for (int8 ones dequantized; the reference in tests)."""

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, create_backend
-from kernels.panel_linear import panel_linear_available
+from kernels import native
 from kernels.sampling import sample_batch
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
@@ -55,9 +55,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not panel_linear_available()):
+    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not native.available()):
         raise ValueError(f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
-                         f"{device.type}, {dtype}, C kernels {'built' if panel_linear_available() else 'unavailable'})")
+                         f"{device.type}, {dtype}, C kernels {'built' if native.available() else 'unavailable'})")
 
 
 class ModelRunner:
