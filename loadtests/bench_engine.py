@@ -17,6 +17,7 @@ import contextlib
 import time
 import unittest.mock
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -282,7 +283,8 @@ def feature_costs(runner: ModelRunner, prompts: list[list[int]], steps: int, rep
 # ---------------------------------------------------------------------------------------------
 
 
-def linear_paths(runner: ModelRunner, model_dir, prompts_for, batch_sizes: list[int], args) -> None:
+def linear_paths(runner: ModelRunner, model_dir: Path, prompts_for: Callable[[int, int], list[list[int]]],
+                 batch_sizes: list[int], args: argparse.Namespace) -> None:
     """Decode and prefill tokens/s of `runner` (panels) against the same model on oneDNN's layout."""
     with unittest.mock.patch.object(native, "available", lambda: False):  # only while the weights are packed
         onednn = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=runner.kv_capacity_tokens,
