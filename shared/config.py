@@ -19,6 +19,8 @@ POLICIES: tuple[str, ...] = get_args(Policy)
 # Weight formats of the linear layers (kernels/ops.pack_linear_weight implements each).
 Quantization = Literal["none", "int8"]  # the default first
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# Overlap scheduling (procs/scheduler/process.py): auto = on with a CUDA worker.
+OverlapSchedule = Literal["auto", "on", "off"]  # the default first
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -64,6 +66,12 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         stays the cap); -1 = no time bound (default: on a 2-core CPU 300 ms halved p99 ITL but cost 9 %
         throughput and 3.5x median TTFT, loadtests/results/step_time_bound_cpu.txt), 0 = the device's
         suggested target (CPU 300, CUDA 100).""")] = -1.0
+    overlap_schedule: Annotated[OverlapSchedule, _doc("""on: the scheduler plans and sends step N+1 while the
+        worker runs step N (overlap scheduling, as SGLang), so the worker never waits for the scheduler; a
+        request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
+        previous step's tokens are back (the chapter's loop). auto: on with a CUDA worker, off on the CPU,
+        where the scheduler's work competes with the model for the same cores (2 cores: 0.92x the output
+        tokens/s at 16 streams, the same at 1; loadtests/results/overlap_schedule_cpu.txt).""")] = "auto"
     step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
         Generous: a long prefill chunk on a CPU takes seconds.""")] = 30.0

@@ -106,6 +106,9 @@ class SlotStart(msgspec.Struct, kw_only=True):
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
 
 
+FUTURE_TOKEN = -1  # an input id the worker fills with the slot's last sampled token (see ForwardBatch)
+
+
 class ForwardBatch(msgspec.Struct, kw_only=True):
     """One model step, planned by the scheduler and executed by the worker.
 
@@ -114,6 +117,8 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     `kv_locs` are flat KV-pool indices (`page * page_size + offset`) where each token's K/V is written.
     `page_table_*` are page-table entries the worker must set before running:
     `page_table[page_table_slots[j], page_table_cols[j]] = page_table_pages[j]`.
+    An input id `FUTURE_TOKEN` is a decode input planned before its token came back (overlap
+    scheduling): the worker feeds the token it sampled last for that slot.
     """
 
     step: int

@@ -3,10 +3,10 @@
 Two writers, both owned by the sending process, each safe to reuse by construction:
 
 - `DoubleBuffer` for a step loop (scheduler -> worker batches, worker -> scheduler sampled ids):
-  message k lives in half `k % 2`. The sender has at most one message in flight (it waits for the
-  reply before sending the next), so when it writes message k + 2 into a half, the receiver has
-  already answered message k + 1 and no longer reads message k. The receiver maps the arrays
-  without a copy.
+  message k lives in half `k % 2`. The sender has at most two messages in flight: it writes
+  message k + 2 only after the reply to message k arrived (the scheduler launches step k + 2 once
+  step k is complete; the worker answers step k + 2 once it has received it), so the receiver no
+  longer reads message k. The receiver maps the arrays without a copy.
 - `SharedRing` for a stream (tokenizer -> scheduler prompt ids): allocations advance a write
   position; the receiver copies each array out on arrival and then publishes how far it has read
   in the segment's header (a read counter), which is what frees the space. A full ring never

@@ -1,5 +1,6 @@
-"""Test harness for the scheduler: a fake model that audits every ForwardBatch, and a driver that
-replays a workload while checking SCHEDULING.md's rules with an independent bookkeeping of its own.
+"""Test harness for the scheduler: fake models that audit every ForwardBatch (`AuditingExecutor`: rules
+and positions; `KVContentExecutor`: what every KV position holds), and a driver that replays a
+workload while checking SCHEDULING.md's rules with an independent bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from procs.scheduler import Scheduler, SchedulerConfig, StepOutput
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, StopParams
 
 EOS = 2
 FIRST_TOKEN = 100  # the k-th sampled token (0-based) of every request is FIRST_TOKEN + k, unless EOS
@@ -146,6 +147,90 @@ class AuditingExecutor:
                 out.append(token)
         assert offset == batch.num_tokens
         return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
+
+
+class KVContentExecutor:
+    """Writes (token, position) into a simulated pool and checks every request's context each step.
+
+    `owners`: the request of each batch row (default: the request in its slot now; a batch run after
+    the scheduler moved on passes the owners from when it was launched). `FUTURE_TOKEN` inputs are
+    fed the slot's last sampled token, as the worker does."""
+
+    def __init__(self, sched: Scheduler, prompts: dict[str, list[int]], outputs: dict[str, int]) -> None:
+        self.sched, self.prompts, self.outputs = sched, prompts, outputs
+        self.P = sched.page_size
+        self.page_table: dict[tuple[int, int], int] = {}
+        self.kv: dict[int, tuple[int, int]] = {}  # flat KV location -> (token id, position)
+        self.sampled: dict[str, list[int]] = {}
+        self.last_sampled: dict[int, int] = {}  # slot -> its last sampled token
+        self.reused_tokens = 0  # context positions read from pages another request wrote
+
+    def token(self, rid: str, k: int) -> int:
+        return EOS if k + 1 == self.outputs[rid] else FIRST_TOKEN + k
+
+    def execute(self, batch: ForwardBatch, owners: list[str] | None = None) -> StepResult:
+        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
+                                   batch.page_table_pages.tolist()):
+            self.page_table[(slot, col)] = page
+        out, offset = [], 0
+        writers: dict[int, str] = {}
+        for i, slot in enumerate(batch.slots):
+            rid = self.sched.rid_in_slot(slot) if owners is None else owners[i]
+            sampled = self.sampled.setdefault(rid, [])
+            seq = self.prompts[rid] + sampled
+            p, e = batch.prefix_lens[i], batch.extend_lens[i]
+            part = slice(offset, offset + e)
+            offset += e
+            assert batch.positions[part].tolist() == list(range(p, p + e))
+            fed = [self.last_sampled[slot] if t == FUTURE_TOKEN else t for t in batch.input_ids[part].tolist()]
+            assert fed == seq[p:p + e], f"{rid}: fed the wrong tokens"
+            assert batch.sample_counts[i] == len(sampled)
+            for q, loc in zip(range(p, p + e), batch.kv_locs[part].tolist()):
+                assert loc == self.page_table[(slot, q // self.P)] * self.P + q % self.P
+                assert writers.setdefault(loc, rid) == rid, "two requests write one KV position in one step"
+                self.kv[loc] = (seq[q], q)
+            for q in range(p):  # the context this step attends to, through the page table
+                loc = self.page_table[(slot, q // self.P)] * self.P + q % self.P
+                assert self.kv.get(loc) == (seq[q], q), f"{rid}: KV at position {q} is not its own token"
+            if batch.samples[i]:
+                token = self.token(rid, len(sampled))
+                sampled.append(token)
+                self.last_sampled[slot] = token
+                out.append(token)
+        return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
+
+
+def audit_references(sched: Scheduler) -> None:
+    """Every node's reference count is the number of admitted requests whose path holds it; paths run
+    from the root; no page is both cached and free, or cached and some request's own page."""
+    cache = sched.kv.cache
+    admitted = [sched.table.requests[s] for s in range(sched.table.num_slots) if sched.table.requests[s]]
+    counts: dict[int, int] = {}
+    for request in admitted:
+        parent = cache.root
+        for node in request.cache_path:
+            assert node.parent is parent, "a request's cache path is not a path from the root"
+            counts[id(node)] = counts.get(id(node), 0) + 1
+            parent = node
+    stack, referenced, tree_pages = list(cache.root.children.values()), 0, []
+    while stack:
+        node = stack.pop()
+        assert node.refs == counts.get(id(node), 0), f"page {node.page}: refs {node.refs}"
+        referenced += node.refs > 0
+        tree_pages.append(node.page)
+        stack.extend(node.children.values())
+    assert referenced == cache.num_referenced and len(tree_pages) == cache.num_pages
+    free = set(sched.allocator._free[:sched.allocator.num_free].tolist())
+    own: list[int] = []
+    for request in admitted:
+        slot = request.slot
+        row = sched.table.page_table[slot, :sched.table.num_pages[slot]].tolist()
+        shared = {n.page for n in request.cache_path}
+        own += [p for p in row if p not in shared]
+        assert sum(p in shared for p in row) == sched.table.shared_pages[slot]
+    assert not (set(tree_pages) & free) and not (set(tree_pages) & set(own)) and not (set(own) & free)
+    assert len(own) == len(set(own)), "a page is two requests' own"
+    assert len(tree_pages) + len(own) + len(free) == sched.num_kv_pages
 
 
 @dataclass

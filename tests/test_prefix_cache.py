@@ -1,6 +1,6 @@
 """The prefix cache in the scheduler: a radix tree over full KV pages, shared by reference count.
 
-The strongest check is `KVContentExecutor`: a fake worker that remembers, for every KV position of
+The strongest check is `KVContentExecutor` (tests/scheduler_harness.py): a fake worker that remembers, for every KV position of
 the pool, which token at which position was written there, and before every step verifies that each
 request's whole context (through its page table, shared pages included) holds exactly its own
 tokens. Random workloads with shared prefixes, tight pools, preemption and cancels run through it
@@ -18,10 +18,8 @@ from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
 from procs.scheduler.prefix_cache import PrefixCache
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
-
-EOS = 2
-FIRST = 100
+from scheduler_harness import EOS, KVContentExecutor, audit_references
+from shared.messages import SamplingParams, StopParams
 
 
 # ------------------------------------------------------------------ the tree on its own
@@ -55,85 +53,6 @@ def test_match_insert_reference_and_lru_eviction_of_leaves():
     assert cache.evict(1).tolist() == [13]
     assert cache.evict(5).tolist() == [12, 11, 10]  # leaves first: c, then b, then a
     assert cache.num_pages == 0 and cache.match(tokens, 3) == []
-
-
-# ------------------------------------------------------------------ a fake worker that checks KV contents
-
-class KVContentExecutor:
-    """Writes (token, position) into a simulated pool and checks every request's context each step."""
-
-    def __init__(self, sched: Scheduler, prompts: dict[str, list[int]], outputs: dict[str, int]) -> None:
-        self.sched, self.prompts, self.outputs = sched, prompts, outputs
-        self.P = sched.page_size
-        self.page_table: dict[tuple[int, int], int] = {}
-        self.kv: dict[int, tuple[int, int]] = {}  # flat KV location -> (token id, position)
-        self.sampled: dict[str, list[int]] = {}
-        self.reused_tokens = 0  # context positions read from pages another request wrote
-
-    def token(self, rid: str, k: int) -> int:
-        return EOS if k + 1 == self.outputs[rid] else FIRST + k
-
-    def execute(self, batch: ForwardBatch) -> StepResult:
-        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
-                                   batch.page_table_pages.tolist()):
-            self.page_table[(slot, col)] = page
-        out, offset = [], 0
-        writers: dict[int, str] = {}
-        for i, slot in enumerate(batch.slots):
-            rid = self.sched.rid_in_slot(slot)
-            sampled = self.sampled.setdefault(rid, [])
-            seq = self.prompts[rid] + sampled
-            p, e = batch.prefix_lens[i], batch.extend_lens[i]
-            part = slice(offset, offset + e)
-            offset += e
-            assert batch.positions[part].tolist() == list(range(p, p + e))
-            assert batch.input_ids[part].tolist() == seq[p:p + e], f"{rid}: fed the wrong tokens"
-            assert batch.sample_counts[i] == len(sampled)
-            for q, loc in zip(range(p, p + e), batch.kv_locs[part].tolist()):
-                assert loc == self.page_table[(slot, q // self.P)] * self.P + q % self.P
-                assert writers.setdefault(loc, rid) == rid, "two requests write one KV position in one step"
-                self.kv[loc] = (seq[q], q)
-            for q in range(p):  # the context this step attends to, through the page table
-                loc = self.page_table[(slot, q // self.P)] * self.P + q % self.P
-                assert self.kv.get(loc) == (seq[q], q), f"{rid}: KV at position {q} is not its own token"
-            if batch.samples[i]:
-                token = self.token(rid, len(sampled))
-                sampled.append(token)
-                out.append(token)
-        return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
-
-
-def audit_references(sched: Scheduler) -> None:
-    """Every node's reference count is the number of admitted requests whose path holds it; paths run
-    from the root; no page is both cached and free, or cached and some request's own page."""
-    cache = sched.kv.cache
-    admitted = [sched.table.requests[s] for s in range(sched.table.num_slots) if sched.table.requests[s]]
-    counts: dict[int, int] = {}
-    for request in admitted:
-        parent = cache.root
-        for node in request.cache_path:
-            assert node.parent is parent, "a request's cache path is not a path from the root"
-            counts[id(node)] = counts.get(id(node), 0) + 1
-            parent = node
-    stack, referenced, tree_pages = list(cache.root.children.values()), 0, []
-    while stack:
-        node = stack.pop()
-        assert node.refs == counts.get(id(node), 0), f"page {node.page}: refs {node.refs}"
-        referenced += node.refs > 0
-        tree_pages.append(node.page)
-        stack.extend(node.children.values())
-    assert referenced == cache.num_referenced and len(tree_pages) == cache.num_pages
-    free = set(sched.allocator._free[:sched.allocator.num_free].tolist())
-    own: list[int] = []
-    for request in admitted:
-        slot = request.slot
-        row = sched.table.page_table[slot, :sched.table.num_pages[slot]].tolist()
-        shared = {n.page for n in request.cache_path}
-        own += [p for p in row if p not in shared]
-        assert sum(p in shared for p in row) == sched.table.shared_pages[slot]
-    assert not (set(tree_pages) & free) and not (set(tree_pages) & set(own)) and not (set(own) & free)
-    assert len(own) == len(set(own)), "a page is two requests' own"
-    assert len(tree_pages) + len(own) + len(free) == sched.num_kv_pages
 
 
 @dataclass

@@ -5,11 +5,11 @@ Public API: `SchedulerConfig`, `Scheduler`, `StepOutput`, `RequestRejectedError`
 """
 
 from procs.scheduler.config import POLICIES, Policy, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
+from procs.scheduler.core import LaunchedStep, RequestRejectedError, Scheduler, StepOutput
 from procs.scheduler.executor import Executor, ExecutorError, ScriptedExecutor
 from procs.scheduler.kv_allocator import KVAllocatorError
 
 __all__ = [
     "POLICIES", "Policy", "SchedulerConfig", "SchedulerConfigError", "RequestRejectedError", "Scheduler",
-    "StepOutput", "Executor", "ExecutorError", "ScriptedExecutor", "KVAllocatorError",
+    "StepOutput", "LaunchedStep", "Executor", "ExecutorError", "ScriptedExecutor", "KVAllocatorError",
 ]

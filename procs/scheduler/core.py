@@ -7,6 +7,11 @@ requests whose KV estimate proved short are preempted (step 3b); the executor ru
 results are applied (tokens appended, stop conditions checked, and finished requests give back
 their slot and every KV page in the same step).
 
+A step is two halves, `launch` (plan and pack the batch) and `complete` (apply its tokens), so that
+the server can overlap them (mini-sglang, SGLang): it launches step N+1 before step N's tokens are
+back, and the worker never waits for the scheduler. `step()` runs the halves back to back, which is
+the chapter's schedule exactly (`simulate`'s traces).
+
 The pieces: `PrefillManager` plans chunks and admissions within the budget, `DecodeManager` holds
 the decode set, `KVManager` owns the pages (reservation, preemption victims, allocation) and
 `batch.build_forward_batch` packs the plan for the worker; the policy (`managers.POLICY_PLANNERS`)
@@ -15,7 +20,9 @@ chooses the batch. This module runs the step and applies what came back.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
+
 import msgspec
 import numpy as np
 
@@ -27,7 +34,7 @@ from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillMana
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from shared.config import request_cap
-from shared.messages import PLAIN_LOGITS, ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
+from shared.messages import FUTURE_TOKEN, PLAIN_LOGITS, ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
 
 _INT32_MAX = 2**31 - 1
 
@@ -59,6 +66,24 @@ class StepOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> prompt tokens 1.., with its first token
 
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class LaunchedStep(NamedTuple):
+    """A step between `Scheduler.launch` and `Scheduler.complete`: its plan and batch (None: nothing
+    to run), what it did so far, and for each sampling row in batch order the slot, request, index of
+    the token in the request's output, and the admission that launched it."""
+
+    plan: StepPlan
+    batch: ForwardBatch | None
+    out: StepOutput
+    sample_slots: np.ndarray = _NO_ROWS
+    sample_rids: list[str] = []
+    token_index: np.ndarray = _NO_ROWS
+    admit_seq: np.ndarray = _NO_ROWS
+    completing: list[Request] = []
+
+
 class Scheduler:
     """Waiting queue, running set, request table and KV pages; plans and applies one step at a time.
 
@@ -85,6 +110,7 @@ class Scheduler:
         self._cancelled: list[str] = []
         self._in_step = False
         self._deferred_aborts: list[str] = []
+        self._launched = 0  # launched steps not completed yet
 
     # ------------------------------------------------------------------ public state
     @property
@@ -189,31 +215,57 @@ class Scheduler:
 
         `prefill_tokens`: at most this many prompt tokens this step, below `prefill_budget` (the
         server's step-time bound; None: the budget alone, as in SCHEDULING.md). Idle steps still count."""
-        out = StepOutput(step=self._step, cancelled=self._cancelled)
-        self._step += 1
-        self._cancelled = []
         self._in_step = True
         try:
-            plan = self._plan(prefill_tokens)
-            slots, tokens = plan.slots_and_tokens()
-            growth = self.kv.growth(slots, tokens)
-            victims = self.kv.preemption_victims(slots, growth)
-            if victims:
-                plan = plan.without(victims)
-                out.preempted = self._preempt(victims)
-                slots, tokens = plan.slots_and_tokens()
-                growth = self.kv.growth(slots, tokens)
-            if not plan.is_empty:
-                updates = self.kv.allocate(slots, growth)
-                batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size)
-                result = executor.execute(batch)
-                self._apply(plan, batch, result, out)
+            launched = self.launch(prefill_tokens)
+            if launched.batch is not None:
+                self.complete(launched, executor.execute(launched.batch))
         finally:
             self._in_step = False
             deferred, self._deferred_aborts = self._deferred_aborts, []
             for rid in deferred:
                 self.abort(rid)
-        return out
+        return launched.out
+
+    def launch(self, prefill_tokens: int | None = None, *,
+               drain: Callable[[], None] | None = None) -> LaunchedStep:
+        """The first half of a step: plan, preempt, allocate, pack the batch, and advance every count the
+        batch decides (KV positions, prefill progress, tokens sampled, the decode set). `complete` applies
+        the sampled tokens when they come back.
+
+        Overlap scheduling calls this while earlier launched steps are still running: a decode whose last
+        token is not back yet is fed `FUTURE_TOKEN`, which the worker replaces by the token it sampled last
+        for that slot. A request the running steps may still finish stays planned; its extra row is
+        dropped when it comes back. Preemption needs every token known (a victim's tokens become its
+        prompt): if this step must preempt while steps run, `drain` is called first to complete them.
+        """
+        out = StepOutput(step=self._step, cancelled=self._cancelled)
+        self._step += 1
+        self._cancelled = []
+        plan = self._plan(prefill_tokens)
+        slots, tokens = plan.slots_and_tokens()
+        growth = self.kv.growth(slots, tokens)
+        victims = self.kv.preemption_victims(slots, growth)
+        if victims and self._launched:
+            if drain is None:
+                raise RuntimeError("preempting while steps are in flight needs a drain")
+            drain()
+            plan = plan.without([s for s, rid in zip(plan.decode_slots.tolist(), plan.decode_rids)
+                                 if rid not in self._live])  # finished by the drained steps
+            slots, tokens = plan.slots_and_tokens()
+            growth = self.kv.growth(slots, tokens)
+            victims = self.kv.preemption_victims(slots, growth)
+        if victims:
+            plan = plan.without(victims)
+            out.preempted = self._preempt(victims)
+            slots, tokens = plan.slots_and_tokens()
+            growth = self.kv.growth(slots, tokens)
+        if plan.is_empty:
+            return LaunchedStep(plan, None, out)
+        updates = self.kv.allocate(slots, growth)
+        batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size)
+        self._launched += 1
+        return self._advance(plan, batch, out)
 
     # ------------------------------------------------------------------ planning
     def _plan(self, prefill_tokens: int | None) -> StepPlan:
@@ -232,73 +284,111 @@ class Scheduler:
             self.prefill_manager.requeue(request)
         return [r.rid for r in requests]
 
-    # ------------------------------------------------------------------ applying results
-    def _apply(self, plan: StepPlan, batch: ForwardBatch, result: StepResult, out: StepOutput) -> None:
+    def _advance(self, plan: StepPlan, batch: ForwardBatch, out: StepOutput) -> LaunchedStep:
+        """Advance what a launched batch decides, before its tokens are known (see `launch`)."""
         table = self.table
-        token_ids, result_step = np.asarray(result.next_token_ids), result.step
         ds = plan.decode_slots
-        completing = [r for r, n in plan.prefill if r.prefilled + n == r.prompt_len]
-        num_sampling = ds.shape[0] + len(completing)
-        if result_step != batch.step or token_ids.shape != (num_sampling,):
-            raise ExecutorError(
-                f"step {batch.step}: expected {num_sampling} token ids for step {batch.step}, got "
-                f"shape {token_ids.shape} for step {result_step}")
-
         if ds.shape[0]:
             table.kv_len[ds] += 1
+        completing: list[Request] = []
         if plan.prefill:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
             for request, n in plan.prefill:
                 request.prefilled += n
-                self.kv.cache_prompt_pages(request)
+                self.kv.cache_prompt_pages(request)  # the worker computes them before any later step reads them
+                if request.prefilled == request.prompt_len:
+                    completing.append(request)
         if completing:
-            chunking = self.prefill_manager.chunking
-            self.prefill_manager.chunking = [r for r in chunking if r.prefilled < r.prompt_len]
-            for request in completing:
-                self.decode_manager.add(request)
             cslots = np.fromiter((r.slot for r in completing), dtype=np.int64, count=len(completing))
-            out.cached_tokens = {r.rid: r.cached_tokens for r in completing
-                                 if r.cached_tokens and r.num_generated_before == 0}
             sample_slots = np.concatenate([ds, cslots])
             sample_rids = plan.decode_rids + [r.rid for r in completing]
+            out.cached_tokens = {r.rid: r.cached_tokens for r in completing
+                                 if r.cached_tokens and r.num_generated_before == 0}
         else:
             sample_slots, sample_rids = ds, plan.decode_rids
-        table.output_ids[sample_slots, table.generated[sample_slots]] = token_ids
+        token_index = table.generated[sample_slots].copy()
         table.generated[sample_slots] += 1
-        table.last_token[sample_slots] = token_ids
-        reached_limit = table.generated[sample_slots] >= table.token_limit[sample_slots]
-        if self.eos_token_ids.shape[0] == 1:
-            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[sample_slots]
-        elif self.eos_token_ids.shape[0]:
-            stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[sample_slots]
-        else:
-            stopped = np.zeros(num_sampling, dtype=bool)
-        for i in np.flatnonzero(table.has_stop_ids[sample_slots]).tolist():
-            if int(token_ids[i]) in table.requests[int(sample_slots[i])].stop_ids:
-                stopped[i] = True
-
+        table.last_token[sample_slots] = FUTURE_TOKEN
+        # A request whose token limit this step reaches leaves the decode set now (it is released when
+        # the token comes back), so no step launched meanwhile plans it.
+        at_limit = table.generated[sample_slots] >= table.token_limit[sample_slots]
+        nd = ds.shape[0]
+        for i in np.flatnonzero(at_limit[:nd]).tolist():
+            self.decode_manager.remove(sample_rids[i])
+        if completing:
+            self.prefill_manager.chunking = [r for r in self.prefill_manager.chunking if r.prefilled < r.prompt_len]
+            for request, limited in zip(completing, at_limit[nd:].tolist()):
+                if not limited:
+                    self.decode_manager.add(request)
         out.prefill = [(r.rid, n) for r, n in plan.prefill]
         out.decode = list(plan.decode_rids)
-        out.new_tokens = list(zip(sample_rids, token_ids.tolist()))
-        if result.logprobs:
-            out.logprobs = {sample_rids[i]: lp for i, lp in zip(result.logprob_rows, result.logprobs)}
-        for slot, entries in result.prompt_logprobs:
-            table.requests[slot].prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # admitted
-        if completing:
-            out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in completing if r.wants_prompt_logprobs}
         out.batch_size = batch.num_requests
+        return LaunchedStep(plan, batch, out, sample_slots, sample_rids, token_index,
+                            table.admit_seq[sample_slots].copy(), completing)
+
+    # ------------------------------------------------------------------ applying results
+    def complete(self, launched: LaunchedStep, result: StepResult) -> StepOutput:
+        """The second half of a step: record the sampled tokens, check stop conditions, and release the
+        requests that finished (their slot and every KV page). Rows of requests that ended while the
+        step ran (finished by an earlier step's token, or aborted) are dropped."""
+        batch, out = launched.batch, launched.out
+        assert batch is not None, "an empty step has nothing to complete"
+        self._launched -= 1
+        table = self.table
+        token_ids = np.asarray(result.next_token_ids)
+        num_sampling = launched.sample_slots.shape[0]
+        if result.step != batch.step or token_ids.shape != (num_sampling,):
+            raise ExecutorError(
+                f"step {batch.step}: expected {num_sampling} token ids for step {batch.step}, got "
+                f"shape {token_ids.shape} for step {result.step}")
+        slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
+        live = table.admit_seq[slots] == launched.admit_seq  # still the admission that launched the row
+        if not live.all():
+            keep = np.flatnonzero(live)
+            slots, index, token_ids = slots[keep], index[keep], token_ids[keep]
+            rows = keep.tolist()
+            rids = [rids[i] for i in rows]
+        else:
+            rows = list(range(num_sampling))
+        table.output_ids[slots, index] = token_ids
+        latest = table.generated[slots] == index + 1  # no later step has fed this slot yet
+        table.last_token[slots[latest]] = token_ids[latest]
+        reached_limit = index + 1 >= table.token_limit[slots]
+        if self.eos_token_ids.shape[0] == 1:
+            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[slots]
+        elif self.eos_token_ids.shape[0]:
+            stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[slots]
+        else:
+            stopped = np.zeros(slots.shape[0], dtype=bool)
+        for i in np.flatnonzero(table.has_stop_ids[slots]).tolist():
+            if int(token_ids[i]) in table.requests[int(slots[i])].stop_ids:
+                stopped[i] = True
+
+        out.new_tokens = list(zip(rids, token_ids.tolist()))
+        if result.logprobs:
+            position = {row: i for i, row in enumerate(rows)}
+            out.logprobs = {rids[position[row]]: lp for row, lp in zip(result.logprob_rows, result.logprobs)
+                            if row in position}
+        prefilling = {r.slot: r for r, _ in launched.plan.prefill}
+        for slot, entries in result.prompt_logprobs:
+            request = prefilling[slot]
+            if self._live.get(request.rid) is request and request.slot == slot:
+                request.prompt_logprobs.extend(entries)
+        out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
+                               if r.wants_prompt_logprobs and self._live.get(r.rid) is r}
         done = np.flatnonzero(stopped | reached_limit).tolist()
         if done:
-            out.finished = [sample_rids[i] for i in done]
-            out.finish_reasons = {sample_rids[i]: "stop" if stopped[i] else "length" for i in done}
+            out.finished = [rids[i] for i in done]
+            out.finish_reasons = {rids[i]: "stop" if stopped[i] else "length" for i in done}
             self._release([self._live[rid] for rid in out.finished])
+        return out
 
     def _release(self, requests: list[Request], *, forget: bool = True) -> None:
         """Give back the slots and every KV page of admitted requests (and forget them: they ended)."""
         for request in requests:
             if request.prefilled < request.prompt_len:
                 self.prefill_manager.chunking.remove(request)
-            else:
+            elif request.rid in self.decode_manager:  # not when its token limit is reached (see _advance)
                 self.decode_manager.remove(request.rid)
             if forget:
                 del self._live[request.rid]

@@ -108,6 +108,9 @@ class DecodeManager:
     def __len__(self) -> int:
         return len(self.running_reqs)
 
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.running_reqs
+
     def add(self, request: Request) -> None:
         self.running_reqs[request.rid] = request
         self._slots = None

@@ -1,22 +1,24 @@
 """The scheduler process: the `Scheduler` core driven by sockets.
 
 Startup: wait for the worker's `WorkerInfo` (KV capacity, page size, EOS ids, context length),
-size the scheduler by it, then report ready. Loop: take in every queued request and abort, run
-one step on the worker (`RemoteWorker`: ForwardBatch out through a shared-memory double buffer,
-StepResult back), send each request's new tokens to the detokenizer, and `SchedulerStats` to the
-api (every ~100 ms while busy, every second while idle).
+size the scheduler by it, then report ready. Loop: take in every queued request and abort, launch
+a step on the worker (`RemoteWorker`: ForwardBatch out through a shared-memory double buffer),
+and, once two steps are in flight (overlap scheduling; one without it), complete the oldest with
+its StepResult: send each request's new tokens to the detokenizer, and `SchedulerStats` to the api
+(every ~100 ms while busy, every second while idle).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 import time
 from dataclasses import dataclass, field
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
+from procs.scheduler.core import LaunchedStep, RequestRejectedError, Scheduler, StepOutput
 from procs.scheduler.executor import ExecutorError
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
@@ -57,7 +59,8 @@ class WorkerStalled(RuntimeError):
 
 
 class RemoteWorker:
-    """The scheduler's executor: one ForwardBatch out, its StepResult back (one step in flight).
+    """The scheduler's executor: ForwardBatches out, their StepResults back in order. With overlap
+    scheduling two steps are in flight (the worker runs one while the next waits in its socket).
 
     The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`."""
 
@@ -68,22 +71,33 @@ class RemoteWorker:
         self.rt = rt
         self.step_timeout_s = step_timeout_s
         self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
+        self._sent: dict[int, float] = {}  # step -> when it was sent
+        self._last_result = 0.0  # when the previous result came back: a queued step starts then
 
     def execute(self, batch: ForwardBatch) -> StepResult:
+        self.submit(batch)
+        return self.wait(batch)
+
+    def submit(self, batch: ForwardBatch) -> None:
         self.to_worker.send(batch)
-        sent = time.monotonic()
+        self._sent[batch.step] = time.monotonic()
+
+    def wait(self, batch: ForwardBatch) -> StepResult:
+        """The result of `batch`, the oldest step in flight."""
+        started = max(self._sent.pop(batch.step), self._last_result)
         stop_seen: float | None = None
         while True:
             result = self.results.recv(POLL_INTERVAL_S)
             if result is not None:
                 if result.step != batch.step:
                     raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
+                self._last_result = now = time.monotonic()
                 if self.cost is not None:
                     self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
-                                      time.monotonic() - sent)
+                                      now - started)
                 return result
             now = time.monotonic()
-            if now - sent > self.step_timeout_s:
+            if now - started > self.step_timeout_s:
                 raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
                                     f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")
             if self.rt.stopping.is_set():
@@ -175,6 +189,11 @@ def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
     return ms / 1000
 
 
+def overlap_schedule(config: ServerConfig, info: WorkerInfo) -> bool:
+    """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker)."""
+    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda")
+
+
 def check_config(config: ServerConfig) -> None:
     """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
@@ -197,6 +216,7 @@ class SchedulerLoop:
         self.executor = RemoteWorker(self.to_worker, self.results, rt, config.step_timeout_s)
         self.deltas = TokenDeltas()
         self.scheduler: Scheduler | None = None
+        self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
         self._preemptions = 0
@@ -204,6 +224,7 @@ class SchedulerLoop:
         self._last_stats = 0.0
         self._was_busy = False
         self.step_target_s: float | None = None  # set with the step-cost model, from the worker's info
+        self.overlap = False  # overlap scheduling, decided from the worker's device
 
     def wait_for_worker(self) -> bool:
         """Buffer requests until the worker says what it can hold; False if stopped first."""
@@ -213,6 +234,7 @@ class SchedulerLoop:
                 self.scheduler = Scheduler(scheduler_config_from_server(self.config, message),
                                            eos_token_ids=message.eos_token_ids)
                 self.step_target_s = step_target_s(self.config, message)
+                self.overlap = overlap_schedule(self.config, message)
                 if self.step_target_s is not None:
                     self.executor.cost = StepCostModel(message.step_costs)
                     w0, w1, w2 = self.executor.cost.weights
@@ -221,7 +243,8 @@ class SchedulerLoop:
                         "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4)}})
                 log.info("worker ready", extra={"fields": {
                     "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
-                    "max_context": message.max_context, "policy": self.config.policy}})
+                    "max_context": message.max_context, "policy": self.config.policy,
+                    "overlap_schedule": self.overlap}})
                 for early in self._early:
                     self.handle(early)
                 self._early.clear()
@@ -248,30 +271,53 @@ class SchedulerLoop:
     def run(self) -> None:
         sched = self.scheduler
         assert sched is not None
+        depth = 2 if self.overlap else 1  # steps in flight at once
         while not self.rt.stopping.is_set():
             self.rt.alive()
-            busy = sched.has_unfinished()
+            busy = sched.has_unfinished() or bool(self.in_flight)
             first = self.inbox.recv(0 if busy else POLL_INTERVAL_S)
             if first is not None:
                 self.handle(first)
                 for message in self.inbox.recv_ready():
                     self.handle(message)
+            launched_batch = False
             if sched.has_unfinished():
-                out = sched.step(self.executor, self._prefill_tokens())
-                for delta in self.deltas.from_step(out):
-                    self.to_detokenizer.send(delta)
-                if out.preempted:
-                    self._preemptions += len(out.preempted)
-                    log.info("preempted", extra={"fields": {
-                        "step": out.step, "rids": out.preempted, "kv_used_tokens": sched.kv_used_tokens,
-                        "num_waiting": sched.num_waiting}})
-                if out.batch_size:
-                    self._batch_sizes.append(out.batch_size)
-                elif not out.cancelled:  # nothing could run: wait for a message rather than spin
-                    message = self.inbox.recv(0.005)
-                    if message is not None:
-                        self.handle(message)
+                launched = sched.launch(self._prefill_tokens(), drain=self._complete_in_flight)
+                if launched.batch is not None:
+                    self.executor.submit(launched.batch)
+                    self.in_flight.append(launched)
+                    launched_batch = True
+                else:
+                    self._emit(launched.out)
+                    if not self.in_flight and not launched.out.cancelled:
+                        message = self.inbox.recv(0.005)  # nothing could run: wait for a message, not spin
+                        if message is not None:
+                            self.handle(message)
+            # Wait for the oldest step once the pipeline is full, or when nothing more was launched.
+            if self.in_flight and (len(self.in_flight) >= depth or not launched_batch):
+                self._complete_oldest()
             self._maybe_send_stats(busy)
+
+    def _complete_oldest(self) -> None:
+        launched = self.in_flight.popleft()
+        assert launched.batch is not None
+        self._emit(self.scheduler.complete(launched, self.executor.wait(launched.batch)))  # type: ignore[union-attr]
+
+    def _complete_in_flight(self) -> None:
+        while self.in_flight:
+            self._complete_oldest()
+
+    def _emit(self, out: StepOutput) -> None:
+        """Send a step's tokens and ends downstream; count what the stats report."""
+        for delta in self.deltas.from_step(out):
+            self.to_detokenizer.send(delta)
+        if out.preempted:
+            self._preemptions += len(out.preempted)
+            log.info("preempted", extra={"fields": {
+                "step": out.step, "rids": out.preempted, "kv_used_tokens": self.scheduler.kv_used_tokens,  # type: ignore[union-attr]
+                "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
+        if out.batch_size:
+            self._batch_sizes.append(out.batch_size)
 
     def _prefill_tokens(self) -> int | None:
         """Prompt tokens this step may carry within the step-time target (None: no target)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
 import numpy as np
 import torch
 
@@ -19,7 +20,7 @@ from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_
 from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config
 from procs.worker.models import model_class
 from shared.config import QUANTIZATIONS, ServerConfig
-from shared.messages import ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
+from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.step_features import attention_pairs
 
@@ -105,6 +106,7 @@ class ModelRunner:
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
+        self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
         # Without graphs (CPU) padding is pure cost (21-37% of a CPU decode step between bucket sizes,
@@ -196,6 +198,7 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> StepResult:
         if DEBUG_CHECKS:
             self._check(batch)
+        batch = self._fill_future_tokens(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
@@ -216,7 +219,20 @@ class ModelRunner:
                 token_ids, result.logprob_rows, result.logprobs = self._sample(
                     logits[:num_sampling], [p for p, s in zip(batch.sampling, batch.samples) if s], slots, counts)
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
+                self.last_sampled[slots] = result.next_token_ids
         return result
+
+    def _fill_future_tokens(self, batch: ForwardBatch) -> ForwardBatch:
+        """Feed each `FUTURE_TOKEN` input (a decode planned before its token reached the scheduler) the
+        token this worker sampled last for the slot."""
+        ids = batch.input_ids
+        future = ids == FUTURE_TOKEN
+        if not future.any():
+            return batch
+        ids = ids.copy()  # the batch's arrays are views of the scheduler's shared memory
+        token_slots = np.repeat(np.asarray(batch.slots, dtype=np.int64), batch.extend_lens)
+        ids[future] = self.last_sampled[token_slots[future]]
+        return msgspec.structs.replace(batch, input_ids=ids)
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], slots: np.ndarray, counts: np.ndarray,
                 ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
@@ -298,5 +314,5 @@ class ModelRunner:
             raise ValueError(f"ForwardBatch: kv_locs out of range [0, {pool_tokens})")
         if int(batch.positions.min()) < 0 or int(batch.positions.max()) >= self._max_context:
             raise ValueError(f"ForwardBatch: position out of range [0, {self._max_context})")
-        if int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= self.vocab_size:
+        if int(batch.input_ids.min()) < FUTURE_TOKEN or int(batch.input_ids.max()) >= self.vocab_size:
             raise ValueError(f"ForwardBatch: token id out of range [0, {self.vocab_size})")

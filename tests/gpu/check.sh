@@ -33,7 +33,8 @@
 #      eagerly), free-running and teacher-forced (random weights make near-ties: --tolerate-ties),
 #      capture time and memory, decode tokens/s at batch 1/8/32/64 with and without graphs, and the
 #      KV capacity the worker sizes by default (kv_memory_fraction of free memory) in whole contexts;
-#   5. a serving run: `python -m procs.cli serve` on the random model, then `batchserve bench` at
+#   5. a serving run: `python -m procs.cli serve` on the random model (overlap scheduling: on, as
+#      `auto` is with a CUDA worker), then `batchserve bench` at
 #      concurrency 1 and 32 (request counts from step 4's decode rates, ~10-15 s each);
 #   6. pytest tests/gpu/test_cuda_decode.py.
 #
