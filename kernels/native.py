@@ -52,6 +52,7 @@ SIGNATURES = {
     "apply_token_bitmask": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
     "f32_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]),
     "int8_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]),
+    "decode_layers": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, *[_ptr] * 13]),
 }
 
 

@@ -306,6 +306,41 @@ def linear_paths(runner: ModelRunner, model_dir: Path, prompts_for: Callable[[in
               f"{theirs[part] / ours[part]:>6.2f}x  {same}/{len(prompts)}", flush=True)
 
 
+@contextlib.contextmanager
+def layers_fused(runner: ModelRunner, fused: bool) -> Iterator[None]:
+    """Decode-only steps with every layer in one C call (`kernels.decode_layers`) or through the Python loop."""
+    saved = runner.model.fuse_decode_layers
+    runner.model.fuse_decode_layers = fused
+    try:
+        yield
+    finally:
+        runner.model.fuse_decode_layers = saved
+
+
+def decode_layer_paths(runner: ModelRunner, prompts_for: Callable[[int, int], list[list[int]]],
+                       batch_sizes: list[int], args: argparse.Namespace) -> None:
+    """Decode tokens/s with the layers in one C call per step against the per-op Python loop."""
+    if not runner.model.fuse_decode_layers:
+        raise SystemExit("this model's decode steps do not run as one C call here (C kernels, panel weights, no q/k norm)")
+
+    def run(prompts: list[list[int]], fused: bool) -> Run:
+        def timed():
+            with layers_fused(runner, fused):
+                return run_engine(runner, prompts, args.decode_steps)
+        return timed
+
+    print(f"\ndecode: every layer in one C call vs the per-op Python loop (greedy; best of {args.repeats} "
+          f"alternating runs)")
+    print(f"  {'batch':>5} {'one call':>9} {'loop':>9} {'ratio':>7} {'ms/step saved':>14}  same tokens")
+    for b in batch_sizes:
+        prompts = prompts_for(b, args.prompt_len)
+        fused, loop = alternating(args.repeats, run(prompts, True), run(prompts, False))
+        saved_ms = (loop[1] - fused[1]) / args.decode_steps * 1000
+        same = sum(f == o for f, o in zip(fused[2], loop[2]))
+        print(f"  {b:>5} {b * args.decode_steps / fused[1]:>9.1f} {b * args.decode_steps / loop[1]:>9.1f} "
+              f"{loop[1] / fused[1]:>6.2f}x {saved_ms:>14.2f}  {same}/{b}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -323,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-linear", action="store_true",
                         help="measure only decode and prefill with the linear layers on the C panel kernel "
                              "against oneDNN's packed sgemm (the path without the C kernels)")
+    parser.add_argument("--only-decode-layers", action="store_true",
+                        help="measure only decode with every layer in one C call against the per-op Python loop")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -356,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.only_linear:
         linear_paths(runner, model_dir, prompts_for, batch_sizes, args)
+        return 0
+    if args.only_decode_layers:
+        decode_layer_paths(runner, prompts_for, batch_sizes, args)
         return 0
 
     print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
@@ -394,9 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         theirs_tps = b * args.prefill_len / theirs[0]
         print(f"  {b:>7} {ours_tps:>10.1f} {theirs_tps:>13.1f} {ours_tps / theirs_tps:>6.2f}x", flush=True)
 
-    print("\nwhere an engine decode step goes")
-    for b in breakdown_batches:
-        decode_breakdown(runner, prompts_for(b, args.prompt_len), args.decode_steps)
+    print("\nwhere an engine decode step goes (the per-op Python loop, so that each op can be timed; a step")
+    print("runs every layer in one C call instead, which saves the Python part of `rest`: --only-decode-layers)")
+    with layers_fused(runner, False):
+        for b in breakdown_batches:
+            decode_breakdown(runner, prompts_for(b, args.prompt_len), args.decode_steps)
     return 0
 
 

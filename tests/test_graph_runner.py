@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import native
+from kernels.decode_layers import DecodeLayers
 from kernels.attention import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.attention.flashinfer import page_lists
 from model_batches import GREEDY, generate_greedy
@@ -180,9 +181,12 @@ def test_non_sampling_rows_are_dropped(padded_runner):
 # -- padding never touches real KV ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["per-op", "one-call"])
 @pytest.mark.parametrize("batch_size", [3, 5])
-def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size):
+def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size, fused):
     runner = make_runner(model_dir)
+    assert runner.model.fuse_decode_layers or not native.available()
+    runner.model.fuse_decode_layers = fused and runner.model.fuse_decode_layers
     cache = runner.kv_cache
     generator = torch.Generator().manual_seed(0)
     for pool in (*cache.k, *cache.v):  # every real page holds distinct finite values
@@ -198,17 +202,22 @@ def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size):
     size = runner.graph_runner.bucket_for(batch_size)
     assert size > batch_size
 
+    # Every row's output: each layer's attention (per op), or the final norm (all layers in one call).
     outputs = []
-    forward = runner.attention.forward
-    runner.attention.forward = lambda q, k, v, layer: outputs.append(forward(q, k, v, layer)) or outputs[-1]
+    if runner.model.fuse_decode_layers:
+        run = DecodeLayers.run
+        spy = lambda self, *args: outputs.append(run(self, *args)) or outputs[-1]
+        patched = (DecodeLayers, "run", spy)
+    else:
+        forward = runner.attention.forward
+        patched = (runner.attention, "forward", lambda q, k, v, layer: outputs.append(forward(q, k, v, layer)) or outputs[-1])
     before = [t.clone() for t in (*cache.k_flat, *cache.v_flat)]
-    try:
-        with torch.inference_mode():
-            runner.forward_logits(batch)
-    finally:
-        del runner.attention.forward
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(*patched)
+        runner.forward_logits(batch)
 
-    assert len(outputs) == runner.config.num_layers and all(out.shape[0] == size for out in outputs)
+    assert len(outputs) == (1 if runner.model.fuse_decode_layers else runner.config.num_layers)
+    assert all(out.shape[0] == size for out in outputs)
     assert all(torch.isfinite(out[batch_size:]).all() for out in outputs), "a padded row read beyond the dummy page"
     real_locs = set(batch.kv_locs.tolist())
     for old, new in zip(before, (*cache.k_flat, *cache.v_flat)):

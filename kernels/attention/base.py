@@ -57,6 +57,12 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H, D]; stores k/v at the planned kv_locs."""
 
+    def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(kv_locs, pages [T, max_pages], lens [T]), int64 and checked, when the planned step is decode
+        rows only and this backend attends them with the C kernel: what `kernels.decode_layers` runs
+        every layer from in one call. None otherwise (the default)."""
+        return None
+
 
 class CudaGraphAttentionBackend(AttentionBackend):
     """A backend whose padded decode step can be captured in a CUDA graph.

@@ -31,6 +31,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().plan(metadata)
         native.check_locs(metadata.kv_locs, self.kv_cache.num_pages * self.kv_cache.page_size)
 
+    def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        decode = self._decode
+        if decode is None or decode.rows is not None:  # no decode rows, or prefill rows beside them
+            return None
+        return self._kv_locs, decode.pages, decode.lens
+
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
         native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], self._kv_locs, k, v, locs_checked=True)
 

@@ -12,7 +12,10 @@ from typing import Iterable
 
 import torch
 
+from kernels import native
 from kernels.attention import AttentionBackend
+from kernels.decode_layers import DecodeLayers, LayerTensors
+from kernels.panel_linear import PanelWeight
 from kernels.ops import (LinearWeight, add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm,
                          rope_cos_sin_cache, rope_inv_freq, silu_and_mul)
 from procs.worker.loader import ModelConfig, ModelLoadError
@@ -62,6 +65,11 @@ class LlamaModel:
         cos, sin = rope_cos_sin_cache(inv_freq, max_positions)
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
+        # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
+        # allow it (panel weights, no q/k norm): same kernels, same tokens, no Python between them.
+        self.fuse_decode_layers = native.available() and not config.qk_norm and all(
+            isinstance(w, PanelWeight) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
     def _layer(self, take: "_WeightTaker", i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -101,6 +109,10 @@ class LlamaModel:
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
         h = rms_norm(hidden, self.layers[0].input_norm, eps)
+        paged = attention.paged_decode() if self.fuse_decode_layers else None
+        if paged is not None:
+            h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
+            return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
         for index, layer in enumerate(self.layers):
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -120,6 +132,20 @@ class LlamaModel:
         if logits_rows is None:
             return None
         return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
+
+    def _decode_layers_on(self, attention: AttentionBackend) -> DecodeLayers:
+        """The fused call over this backend's KV pools, built on first use."""
+        if self._decode_layers is None or self._decode_layers[0] is not attention:
+            cfg, cache = self.config, attention.kv_cache
+            norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+            layers = [LayerTensors(layer.qkv, layer.qkv_bias, layer.o, layer.o_bias, layer.gate_up, layer.gate_up_bias,
+                                   layer.down, layer.down_bias, layer.post_norm, next_norm, cache.k[i], cache.v[i])
+                      for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
+            self._decode_layers = (attention, DecodeLayers(
+                layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                intermediate=cfg.intermediate_size, page_size=cache.page_size, eps=cfg.rms_norm_eps,
+                scale=attention.scale))
+        return self._decode_layers[1]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()

@@ -1,0 +1,89 @@
+"""`kernels.decode_layers`: every layer of a decode-only CPU step in one C call must give exactly the
+logits of the model's per-op Python loop (the same kernels in the same order), for each architecture
+it takes, fp32 and int8, over steps whose requests differ in length and join and leave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.decode_layers import DecodeLayers
+from procs.scheduler import Scheduler, SchedulerConfig
+from shared.messages import SamplingParams, StopParams
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
+
+PROMPTS = {"a": [5, 6, 7], "b": list(range(10, 50)), "c": [42], "d": list(range(100, 117))}
+LIMITS = {"a": 9, "b": 4, "c": 12, "d": 6}
+
+
+def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str, list[int]], list[torch.Tensor], int]:
+    from procs.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512,
+                         quantization=quantization)
+    model = runner.model
+    assert model.fuse_decode_layers  # llama and qwen2 layers qualify
+    model.fuse_decode_layers = fuse
+    logits: list[torch.Tensor] = []
+    fused_calls = 0
+    lm_head, fused_run = model.lm_head_logits, DecodeLayers.run
+
+    def recording_lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        out = lm_head(hidden)
+        logits.append(out.clone())
+        return out
+
+    def counting_run(self, *args):
+        nonlocal fused_calls
+        fused_calls += 1
+        return fused_run(self, *args)
+
+    model.lm_head_logits = recording_lm_head
+    sched = Scheduler(SchedulerConfig(max_running_requests=3, prefill_budget=64, page_size=runner.page_size,
+                                      kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
+    for rid, prompt in PROMPTS.items():  # three at once: "d" joins when the first one leaves
+        sched.add_request(rid, prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=LIMITS[rid], ignore_eos=True))
+    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeLayers, "run", counting_run)
+        while sched.has_unfinished():
+            for rid, token in sched.step(runner).new_tokens:
+                tokens[rid].append(token)
+    return tokens, logits, fused_calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_one_call_per_step_gives_the_python_loops_logits_bit_for_bit(tiny_model_dir, arch, quantization):
+    model_dir = tiny_model_dir(arch)
+    loop_tokens, loop_logits, loop_calls = run(model_dir, fuse=False, quantization=quantization)
+    fused_tokens, fused_logits, fused_calls = run(model_dir, fuse=True, quantization=quantization)
+    assert loop_calls == 0 and fused_calls > 0
+    assert {rid: len(t) for rid, t in fused_tokens.items()} == LIMITS
+    assert fused_tokens == loop_tokens
+    assert len(fused_logits) == len(loop_logits)
+    for fused, loop in zip(fused_logits, loop_logits):
+        assert torch.equal(fused, loop)
+
+
+def test_layers_with_q_and_k_norms_keep_the_python_loop(tiny_model_dir):
+    from procs.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir("qwen3"), device="cpu", max_running_requests=2, kv_capacity_tokens=256)
+    assert not runner.model.fuse_decode_layers
+
+
+def test_mismatched_activations_are_refused(tiny_model_dir):
+    from procs.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir("llama"), device="cpu", max_running_requests=2, kv_capacity_tokens=256)
+    layers = runner.model._decode_layers_on(runner.attention)
+    hidden, head_dim = runner.config.hidden_size, runner.config.head_dim
+    h, cos = torch.zeros(2, hidden), torch.zeros(2, head_dim)
+    locs, lens, pages = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="residual"):
+        layers.run(h, torch.zeros(2, hidden + 1), cos, cos, locs, pages, lens)
+    with pytest.raises(ValueError, match="int64"):
+        layers.run(h, torch.zeros(2, hidden), cos, cos, locs.int(), pages, lens)
