@@ -253,6 +253,23 @@ class _Book:
         self.fill_len = self.job.input_tokens
 
 
+def draw_jobs(draw, *, arrivals: int, prompts: int, outputs: int, limits: int, cancel_within: int) -> list[Job]:
+    """1-10 random jobs (a hypothesis `draw`): arrival steps 0..arrivals, prompts of 1..prompts tokens,
+    EOS as token 1..outputs, maybe max_tokens 1..limits, ignore_eos and a stop token id; one in four
+    is cancelled within `cancel_within` steps of its arrival."""
+    from hypothesis import strategies as st
+
+    jobs = []
+    for i in range(draw(st.integers(1, 10))):
+        job = Job(rid=f"r{i}", arrival_step=draw(st.integers(0, arrivals)), input_tokens=draw(st.integers(1, prompts)),
+                  output_tokens=draw(st.integers(1, outputs)), max_tokens=draw(st.none() | st.integers(1, limits)),
+                  ignore_eos=draw(st.booleans()), stop_after=draw(st.none() | st.integers(1, outputs)))
+        if draw(st.integers(0, 3)) == 0:  # a cancel or a client gone, at any step
+            job.cancel_before_step = job.arrival_step + draw(st.integers(0, cancel_within))
+        jobs.append(job)
+    return jobs
+
+
 def pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, LaunchedStep, Scheduler, SchedulerConfig, StepOutput
-from scheduler_harness import EOS, FIRST_TOKEN, Job, KVContentExecutor, audit_references, pages
+from scheduler_harness import EOS, FIRST_TOKEN, Job, KVContentExecutor, audit_references, draw_jobs, pages
 from shared.messages import FUTURE_TOKEN, SamplingParams, StepResult
 
 
@@ -113,14 +113,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     policy = draw(st.sampled_from(POLICIES))
     page_size = draw(st.sampled_from((1, 2, 4, 16)))
     slots = draw(st.integers(1, 6))
-    jobs = []
-    for i in range(draw(st.integers(1, 10))):
-        job = Job(rid=f"r{i}", arrival_step=draw(st.integers(0, 15)), input_tokens=draw(st.integers(1, 40)),
-                  output_tokens=draw(st.integers(1, 12)), max_tokens=draw(st.none() | st.integers(1, 15)),
-                  ignore_eos=draw(st.booleans()), stop_after=draw(st.none() | st.integers(1, 12)))
-        if draw(st.integers(0, 3)) == 0:
-            job.cancel_before_step = job.arrival_step + draw(st.integers(0, 12))
-        jobs.append(job)
+    jobs = draw_jobs(draw, arrivals=15, prompts=40, outputs=12, limits=15, cancel_within=12)
     largest = max(pages(j.input_tokens + j.limit, page_size) for j in jobs)
     config = SchedulerConfig(
         max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 40)),

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerConfigError
 from procs.scheduler.simulate import Scenario, run_scenario, scheduler_config_from_scenario, trace_record
-from scheduler_harness import EOS, FIRST_TOKEN, Job, pages, run_and_check
+from scheduler_harness import EOS, FIRST_TOKEN, Job, draw_jobs, pages, run_and_check
 from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
 from spec_reference import reference_trace
 
@@ -86,14 +86,7 @@ def tight_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     policy = draw(st.sampled_from(POLICIES))
     page_size = draw(st.sampled_from((1, 2, 4, 16)))
     slots = draw(st.integers(1, 6))
-    jobs = []
-    for i in range(draw(st.integers(1, 10))):
-        job = Job(rid=f"r{i}", arrival_step=draw(st.integers(0, 8)), input_tokens=draw(st.integers(1, 20)),
-                  output_tokens=draw(st.integers(1, 40)), max_tokens=draw(st.none() | st.integers(1, 40)),
-                  ignore_eos=draw(st.booleans()), stop_after=draw(st.none() | st.integers(1, 40)))
-        if draw(st.integers(0, 3)) == 0:  # a cancel or a client gone, at any step, maybe mid-preemption
-            job.cancel_before_step = job.arrival_step + draw(st.integers(0, 40))
-        jobs.append(job)
+    jobs = draw_jobs(draw, arrivals=8, prompts=20, outputs=40, limits=40, cancel_within=40)
     largest = max(pages(j.input_tokens + j.limit, page_size) for j in jobs)
     capacity_pages = largest + draw(st.integers(0, largest // 2 + 1))  # tight: a few requests at most
     config = SchedulerConfig(max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 40)),

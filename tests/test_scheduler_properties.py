@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, SchedulerConfig
-from scheduler_harness import Job, pages, run_and_check
+from scheduler_harness import Job, draw_jobs, pages, run_and_check
 
 PAGE_SIZES = (1, 2, 4, 8, 16)
 
@@ -24,22 +24,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     slots = draw(st.integers(1, 6))
     low_budget = slots + 1 if policy == "mixed" else 1
     budget = draw(st.integers(low_budget, low_budget + 40))
-    num_jobs = draw(st.integers(1, 10))
-    jobs = []
-    for i in range(num_jobs):
-        output_tokens = draw(st.integers(1, 12))
-        job = Job(
-            rid=f"r{i}",
-            arrival_step=draw(st.integers(0, 15)),
-            input_tokens=draw(st.integers(1, 40)),
-            output_tokens=output_tokens,
-            max_tokens=draw(st.none() | st.integers(1, 15)),
-            ignore_eos=draw(st.booleans()),
-            stop_after=draw(st.none() | st.integers(1, 12)),
-        )
-        if draw(st.integers(0, 3)) == 0:
-            job.cancel_before_step = job.arrival_step + draw(st.integers(0, 12))
-        jobs.append(job)
+    jobs = draw_jobs(draw, arrivals=15, prompts=40, outputs=12, limits=15, cancel_within=12)
     # Capacity: at least the largest request alone (anything less is rejected up front), often tight.
     largest = max(pages(j.input_tokens + j.limit, page_size) for j in jobs)
     capacity_pages = largest + draw(st.integers(0, 3 * largest))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
