@@ -15,9 +15,9 @@ import torch
 from kernels import native
 from kernels.attention import AttentionBackend
 from kernels.decode_layers import DecodeLayers, LayerTensors
-from kernels.panel_linear import PanelWeight
 from kernels.ops import (LinearWeight, add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm,
                          rope_cos_sin_cache, rope_inv_freq, silu_and_mul)
+from kernels.panel_linear import PanelWeight
 from procs.worker.loader import ModelConfig, ModelLoadError
 
 
