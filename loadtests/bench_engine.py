@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--breakdown-batches", default="1,32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--quantization", default="none", help="the engine's weights: none (fp32) or int8")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
     parser.add_argument("--only-features", action="store_true", help="measure only the logits-feature costs")
@@ -374,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                    max(prefill_batches) * (args.prefill_len + 32))
     runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=capacity,
                          max_running_requests=max(decode_batch, max(prefill_batches)),
-                         max_context=max(args.prompt_len + args.decode_steps, args.prefill_len) + 64)
+                         max_context=max(args.prompt_len + args.decode_steps, args.prefill_len) + 64,
+                         quantization=args.quantization)
     reference = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -382,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     prompts_for = lambda b, n: rng.integers(100, runner.vocab_size, size=(b, n)).tolist()
-    print(f"model {args.model} ({model_dir}), fp32 CPU, torch threads {torch.get_num_threads()}, "
+    weights = "fp32" if args.quantization == "none" else args.quantization
+    print(f"model {args.model} ({model_dir}), {weights} weights, CPU, torch threads {torch.get_num_threads()}, "
           f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps")
 
     # warm-up both (first calls allocate and pick kernels)

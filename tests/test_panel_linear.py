@@ -29,7 +29,8 @@ def quantize_int8(weight: torch.Tensor) -> PanelWeight:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-@pytest.mark.parametrize("out_features,in_features", [(37, 20), (16, 64), (96, 40), (200, 33)])
+# (213, 320): threads split 14 panels unevenly even for one row, and blocks of WIDE panels end mid-range
+@pytest.mark.parametrize("out_features,in_features", [(37, 20), (16, 64), (96, 40), (200, 33), (213, 320)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_fp64_on_the_weight_it_packs(quantization: str, out_features: int, in_features: int,
                                                      with_bias: bool) -> None:
@@ -61,12 +62,14 @@ def test_rounding_is_per_output_channel_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_each_row_is_what_it_is_alone_whatever_the_batch(quantization: str) -> None:
+@pytest.mark.parametrize("out_features,in_features", [(70, 48), (213, 320)])  # one thread; two
+def test_each_row_is_what_it_is_alone_whatever_the_batch(quantization: str, out_features: int,
+                                                         in_features: int) -> None:
     """The kernel sums every output in one order over the inputs for any batch size, so a request's
     tokens do not depend on the others in its step (fbgemm's dynamic int8 shares one activation scale)."""
     torch.manual_seed(1)
-    quantized = pack_panels(torch.randn(70, 48), quantization)
-    x = torch.randn(13, 48) * torch.logspace(-2, 2, 13)[:, None]  # one row with outliers changes nothing
+    quantized = pack_panels(torch.randn(out_features, in_features), quantization)
+    x = torch.randn(13, in_features) * torch.logspace(-2, 2, 13)[:, None]  # one row with outliers changes nothing
     alone = torch.cat([linear(x[i:i + 1], quantized) for i in range(13)])
     for rows in range(1, 14):
         assert torch.equal(linear(x[:rows], quantized), alone[:rows])

@@ -17,7 +17,14 @@
 
 #include "vec8.h"
 
-enum { PANEL = 16, ROWS = 6, PARALLEL_MIN_MACS = 1 << 16 };
+enum { PANEL = 16, ROWS = 6, WIDE = 6, PARALLEL_MIN_MACS = 1 << 16 };
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int64_t max_threads(void) { return omp_get_max_threads(); }
+#else
+static inline int64_t max_threads(void) { return 1; }
+#endif
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -71,9 +78,62 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, in
     }
 }
 
+/* One token x `panels` (1..WIDE) adjacent panels: a lone row has one FMA chain per 8 outputs, so it takes
+ * the most panels at once (12 chains; int8 at one token measured 1.25x the two-panel block, as fast as
+ * 8 panels; loadtests/results/panel_linear_one_row_cpu.txt). */
+static inline __attribute__((always_inline)) void row_block(const float *x, const int panels, const int quantized,
+                                                            const void *panel, int64_t k_dim, const float *scale,
+                                                            const float *bias, float *y, int64_t cols) {
+    vec8 acc[2 * WIDE];
+    for (int j = 0; j < 2 * panels; j++) acc[j] = splat8(0.0f);
+    for (int64_t k = 0; k < k_dim; k++) {
+        const vec8 xk = splat8(x[k]);
+        for (int j = 0; j < panels; j++) {
+            acc[2 * j] += xk * weights8(panel, j * k_dim * PANEL + k * PANEL, quantized);
+            acc[2 * j + 1] += xk * weights8(panel, j * k_dim * PANEL + k * PANEL + 8, quantized);
+        }
+    }
+    float out[WIDE * PANEL] = {0};
+    for (int j = 0; j < 2 * panels; j++) store8(out + 8 * j, quantized ? acc[j] * load8(scale + 8 * j) : acc[j]);
+    if (bias)
+        for (int64_t c = 0; c < cols; c++) y[c] = out[c] + bias[c];
+    else
+        memcpy(y, out, (size_t)cols * sizeof(float));
+}
+
 #define BLOCK(rows, panels)                                                                                 \
     panel_block(x + r * x_stride, x_stride, rows, panels, quantized, (const char *)packed + p0 * panel_bytes, \
                 k_dim, s, b, y + r * n + col, n, cols)
+
+/* A single token (a decode step of one request): each thread takes one contiguous range of panels (an
+ * even split) and walks it WIDE panels at a time. */
+static inline __attribute__((always_inline)) void single_row(const float *x, const void *packed, const int quantized,
+                                                             const float *scale, const float *bias, int64_t n,
+                                                             int64_t k_dim, float *y) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = k_dim * PANEL * (quantized ? 1 : (int64_t)sizeof(float));
+    const int parallel = n * k_dim >= PARALLEL_MIN_MACS;
+    const int64_t threads = parallel ? max_threads() : 1;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t end = panels * (t + 1) / threads;
+        for (int64_t p0 = panels * t / threads; p0 < end;) {
+            const int64_t count = end - p0 < WIDE ? end - p0 : WIDE;
+            const int64_t col = p0 * PANEL, cols = n - col < count * PANEL ? n - col : count * PANEL;
+            const float *s = quantized ? scale + col : NULL, *b = bias ? bias + col : NULL;
+            const void *panel = (const char *)packed + p0 * panel_bytes;
+            switch (count) { /* compile-time widths */
+                case 6: row_block(x, 6, quantized, panel, k_dim, s, b, y + col, cols); break;
+                case 5: row_block(x, 5, quantized, panel, k_dim, s, b, y + col, cols); break;
+                case 4: row_block(x, 4, quantized, panel, k_dim, s, b, y + col, cols); break;
+                case 3: row_block(x, 3, quantized, panel, k_dim, s, b, y + col, cols); break;
+                case 2: row_block(x, 2, quantized, panel, k_dim, s, b, y + col, cols); break;
+                default: row_block(x, 1, quantized, panel, k_dim, s, b, y + col, cols); break;
+            }
+            p0 += count;
+        }
+    }
+}
 
 /* x [m, k_dim] (row stride x_stride), packed [panels, k_dim, PANEL], scale [panels * PANEL] (int8 only),
  * bias [n] or NULL, y [m, n] contiguous. Threads split the output columns in pairs of panels. */
@@ -110,12 +170,29 @@ static inline __attribute__((always_inline)) void panel_linear(const float *x, i
     }
 }
 
+/* One row on its own path (not inlined into the batched one, whose code it would otherwise perturb). */
+static __attribute__((noinline)) void f32_single_row(const float *x, const float *packed, const float *bias,
+                                                     int64_t n, int64_t k_dim, float *y) {
+    single_row(x, packed, 0, NULL, bias, n, k_dim, y);
+}
+
+static __attribute__((noinline)) void int8_single_row(const float *x, const int8_t *packed, const float *scale,
+                                                      const float *bias, int64_t n, int64_t k_dim, float *y) {
+    single_row(x, packed, 1, scale, bias, n, k_dim, y);
+}
+
 void f32_linear(const float *x, int64_t m, int64_t x_stride, const float *packed, const float *bias, int64_t n,
                 int64_t k_dim, float *y) {
-    panel_linear(x, m, x_stride, packed, 0, NULL, bias, n, k_dim, y);
+    if (m == 1)
+        f32_single_row(x, packed, bias, n, k_dim, y);
+    else
+        panel_linear(x, m, x_stride, packed, 0, NULL, bias, n, k_dim, y);
 }
 
 void int8_linear(const float *x, int64_t m, int64_t x_stride, const int8_t *packed, const float *scale,
                  const float *bias, int64_t n, int64_t k_dim, float *y) {
-    panel_linear(x, m, x_stride, packed, 1, scale, bias, n, k_dim, y);
+    if (m == 1)
+        int8_single_row(x, packed, scale, bias, n, k_dim, y);
+    else
+        panel_linear(x, m, x_stride, packed, 1, scale, bias, n, k_dim, y);
 }
