@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-linear", action="store_true",
                         help="measure only decode and prefill with the linear layers on the C panel kernel "
                              "against oneDNN's packed sgemm (the path without the C kernels)")
+    parser.add_argument("--only-decode", action="store_true", help="measure only decode tokens/s")
     parser.add_argument("--only-decode-layers", action="store_true",
                         help="measure only decode with every layer in one C call against the per-op Python loop")
     args = parser.parse_args(argv)
@@ -401,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         decode_layer_paths(runner, prompts_for, batch_sizes, args)
         return 0
 
-    print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
-          f"alternating runs)")
-    for b in feature_batches:
-        feature_costs(runner, prompts_for(b, args.prompt_len), args.decode_steps, args.repeats)
-    if args.only_features:
-        return 0
+    if not args.only_decode:
+        print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
+              f"alternating runs)")
+        for b in feature_batches:
+            feature_costs(runner, prompts_for(b, args.prompt_len), args.decode_steps, args.repeats)
+        if args.only_features:
+            return 0
 
     print(f"\ndecode tokens/s (batch of equal-length prompts, greedy; best of {args.repeats} alternating runs)")
     print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}  (up to the engine's EOS)")
@@ -423,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(same_greedy_tokens(o, t, runner.eos_token_ids) for o, t in zip(ours[2], theirs[2]))
         print(f"  {b:>5} {ours_tps:>10.1f} {theirs_tps:>13.1f} {ours_tps / theirs_tps:>6.2f}x  {same:>5}/{b:<5}",
               flush=True)
+    if args.only_decode:
+        return 0
 
     print(f"\nprefill tokens/s ({args.prefill_len}-token prompts)")
     print(f"  {'prompts':>7} {'engine':>10} {'transformers':>13} {'ratio':>7}")

@@ -57,6 +57,19 @@ def test_paged_decode_attention_matches_softmax_reference(heads, kv_heads, head_
     torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens_t, scale), atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_each_row_attends_as_it_would_alone(heads, kv_heads):
+    """Threads take (row, kv head) pairs, so a lone row's heads are split over threads while a batch's
+    are not; every row's output is the same bits either way (its tokens do not depend on its step)."""
+    lens = [300, 1, 77, 16, 129]
+    q, k_pool, v_pool, pages, lens_t = _case(heads, kv_heads, 64, 16, lens, seed=2)
+    batched = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.125)
+    for row in range(len(lens)):
+        alone = native.paged_decode_attention(q[row:row + 1], k_pool, v_pool, pages[row:row + 1].contiguous(),
+                                              lens_t[row:row + 1], 0.125)
+        assert torch.equal(alone[0], batched[row])
+
+
 def test_peaked_and_flat_softmax_stay_accurate():
     """Scores spread over hundreds (many exp terms underflow) and all-equal keys (uniform weights)."""
     q, k_pool, v_pool, pages, lens = _case(9, 3, 64, 16, [33, 64, 5], q_spread=30.0, seed=1)

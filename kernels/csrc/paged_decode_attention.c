@@ -2,7 +2,9 @@
  *
  * One query token per batch row attends to the row's first lens[row] cached tokens, found through
  * its page list, without gathering the pages into a padded copy first (the torch backend's way,
- * which moves every key and value twice). Rows are split over OpenMP threads; linked against the
+ * which moves every key and value twice). (row, kv head) pairs are split over OpenMP threads (rows
+ * alone left one thread idle in a one-request step); each pair is computed the same way whichever
+ * thread takes it, so the output does not depend on the batch. Linked against the
  * OpenMP runtime torch already loaded, the threads are torch's own.
  *
  * Per row and kv head, the query heads sharing that kv head are one "group": each key and value is
@@ -141,18 +143,20 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t tokens_row = -1; /* the row whose token positions `tokens` holds */
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < batch; row++) {
+        for (int64_t item = 0; item < batch * kv_heads; item++) { /* (row, kv head): a lone row uses both threads */
             if (scores == NULL || tokens == NULL) continue;
-            const int64_t *row_pages = pages + row * max_pages;
-            const int64_t len = lens[row];
-            for (int64_t t = 0; t < len; t++) tokens[t] = row_pages[t / page_size] * page_size + t % page_size;
-            for (int64_t kv_head = 0; kv_head < kv_heads; kv_head++) {
-                const int64_t first_head = kv_head * group;
-                attend_group(q + row * q_row_stride + first_head * head_dim, k_pool + kv_head * head_dim,
-                             v_pool + kv_head * head_dim, tokens, len, group, head_dim, token_stride, scale, scores,
-                             stride, out + (row * heads + first_head) * head_dim);
+            const int64_t row = item / kv_heads, kv_head = item % kv_heads, len = lens[row];
+            if (row != tokens_row) {
+                const int64_t *row_pages = pages + row * max_pages;
+                for (int64_t t = 0; t < len; t++) tokens[t] = row_pages[t / page_size] * page_size + t % page_size;
+                tokens_row = row;
             }
+            const int64_t first_head = kv_head * group;
+            attend_group(q + row * q_row_stride + first_head * head_dim, k_pool + kv_head * head_dim,
+                         v_pool + kv_head * head_dim, tokens, len, group, head_dim, token_stride, scale, scores,
+                         stride, out + (row * heads + first_head) * head_dim);
         }
         free(scores);
         free(tokens);
