@@ -59,8 +59,8 @@ def test_paged_decode_attention_matches_softmax_reference(heads, kv_heads, head_
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
 def test_each_row_attends_as_it_would_alone(heads, kv_heads):
-    """Threads take (row, kv head) pairs, so a lone row's heads are split over threads while a batch's
-    are not; every row's output is the same bits either way (its tokens do not depend on its step)."""
+    """Threads take (row, kv head) pairs, so which thread computes a row's heads depends on the batch
+    (alone, a row's heads are split over both); its output is the same bits either way."""
     lens = [300, 1, 77, 16, 129]
     q, k_pool, v_pool, pages, lens_t = _case(heads, kv_heads, 64, 16, lens, seed=2)
     batched = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.125)

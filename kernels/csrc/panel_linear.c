@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, in
 }
 
 /* One token x `panels` (1..WIDE) adjacent panels: a lone row has one FMA chain per 8 outputs, so it takes
- * the most panels at once (12 chains; int8 at one token measured 1.25x the two-panel block, as fast as
+ * the most panels at once (12 chains; int8 at one token measured 1.26x the two-panel block, as fast as
  * 8 panels; loadtests/results/panel_linear_one_row_cpu.txt). */
 static inline __attribute__((always_inline)) void row_block(const float *x, const int panels, const int quantized,
                                                             const void *panel, int64_t k_dim, const float *scale,
