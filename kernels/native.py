@@ -60,7 +60,8 @@ class NativeKernelError(RuntimeError):
     pass
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, gcc or clang (None: none found)."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -123,15 +124,15 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they are disabled or cannot be built (logged once)."""
     if disabled():
         return None
-    compiler = _compiler()
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler found (set CC): CPU ops run in torch, slower")
         return None
     errors = []
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("C compiler %s does not run (%s): CPU ops run in torch, slower", compiler, exc)
+        log.warning("C compiler %s does not run (%s): CPU ops run in torch, slower", cc, exc)
         return None
     # OpenMP where the compiler has it (gcc does; Apple's clang does not): otherwise one thread.
     for flags in ([*BASE_FLAGS, "-fopenmp"], BASE_FLAGS):
@@ -139,7 +140,7 @@ def library() -> ctypes.CDLL | None:
                                         torch.__version__]).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"batchserve_kernels-{key}.so"
         try:
-            lib = _build_and_load(compiler, flags, path)
+            lib = _build_and_load(cc, flags, path)
         except (NativeKernelError, OSError, AttributeError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
             continue

@@ -27,11 +27,11 @@ from shared.model import resolve_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
+def build(cc: str, source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     (out_dir / "vec8.h").write_text((native.SOURCE_DIR / "vec8.h").read_text())
     (out_dir / f"{name}.c").write_text(source)
     library = out_dir / f"{name}.so"
-    subprocess.run(["cc", *native.BASE_FLAGS, "-fopenmp", str(out_dir / f"{name}.c"), "-o", str(library)], check=True)
+    subprocess.run([cc, *native.BASE_FLAGS, "-fopenmp", str(out_dir / f"{name}.c"), "-o", str(library)], check=True)
     return ctypes.CDLL(str(library))
 
 
@@ -67,11 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,2,3,8,32", help="tokens per call (a decode step's batch)")
     parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args(argv)
+    cc = native.compiler()
+    if cc is None:
+        parser.error("no C compiler found (set CC)")
     base_source = subprocess.run(["git", "show", f"{args.base}:kernels/csrc/panel_linear.c"], cwd=ROOT,
                                  capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(base_source, Path(tmp), "base"),
-                "tree": build((native.SOURCE_DIR / "panel_linear.c").read_text(), Path(tmp), "tree")}
+        libs = {"base": build(cc, base_source, Path(tmp), "base"),
+                "tree": build(cc, (native.SOURCE_DIR / "panel_linear.c").read_text(), Path(tmp), "tree")}
         torch.manual_seed(0)
         dims = shapes(args.model)
         print(f"panel_linear.c: working tree vs {args.base}; {len(dims)} weights of {args.model}'s shapes, "
