@@ -30,7 +30,7 @@ from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker import model_runner
 from procs.worker.models import llama
 from procs.worker.model_runner import GREEDY, ModelRunner
-from shared.config import DEFAULT_MODEL
+from shared.config import DEFAULT_MODEL, QUANTIZATIONS
 from kernels.sampling import sample_batch
 from shared.messages import ForwardBatch, LogitsParams, SlotStart, StepResult
 from shared.model import resolve_model
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--breakdown-batches", default="1,32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--quantization", default="none", help="the engine's weights: none (fp32) or int8")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="the engine's weights: none (fp32) or int8")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
     parser.add_argument("--only-features", action="store_true", help="measure only the logits-feature costs")
