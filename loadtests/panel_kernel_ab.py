@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import subprocess
 import tempfile
 import time
@@ -22,7 +21,7 @@ import torch
 from kernels import native
 from kernels.panel_linear import pack_panels
 from shared.config import DEFAULT_MODEL
-from shared.model import resolve_model
+from shared.model import read_model_json, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,12 +31,15 @@ def build(cc: str, source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     (out_dir / f"{name}.c").write_text(source)
     library = out_dir / f"{name}.so"
     subprocess.run([cc, *native.BASE_FLAGS, "-fopenmp", str(out_dir / f"{name}.c"), "-o", str(library)], check=True)
-    return ctypes.CDLL(str(library))
+    lib = ctypes.CDLL(str(library))
+    for fn in ("f32_linear", "int8_linear"):  # the signatures kernels.native declares
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = native.SIGNATURES[fn]
+    return lib
 
 
 def shapes(model: str) -> list[tuple[int, int]]:
     """(out, in) of every linear layer of `model` and its LM head."""
-    config = json.loads((resolve_model(model) / "config.json").read_text())
+    config = read_model_json(resolve_model(model))
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads", heads) * head_dim
@@ -50,13 +52,10 @@ def one_pass(lib: ctypes.CDLL, weights, x: torch.Tensor, rows: int, outs: list[t
     for w, y in zip(weights, outs):
         k = w.packed.shape[1]
         if w.scale is not None:
-            lib.int8_linear(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(rows), ctypes.c_int64(k),
-                            ctypes.c_void_p(w.packed.data_ptr()), ctypes.c_void_p(w.scale.data_ptr()), None,
-                            ctypes.c_int64(w.out_features), ctypes.c_int64(k), ctypes.c_void_p(y.data_ptr()))
+            lib.int8_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), w.scale.data_ptr(), None, w.out_features, k,
+                            y.data_ptr())
         else:
-            lib.f32_linear(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(rows), ctypes.c_int64(k),
-                           ctypes.c_void_p(w.packed.data_ptr()), None, ctypes.c_int64(w.out_features),
-                           ctypes.c_int64(k), ctypes.c_void_p(y.data_ptr()))
+            lib.f32_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k, y.data_ptr())
     return time.perf_counter() - started
 
 
