@@ -3,9 +3,12 @@
 Requests queue as they arrive. Whenever the generator is idle it takes whatever has arrived, up
 to `batch_size`, pads the prompts on the left and runs one `generate` call for the whole batch
 until its longest request is done; nothing joins a running batch. A streamer hook timestamps
-every decoding step, so each request's TTFT is when its batch's first token is ready and its
-ITLs are the real step gaps. Requests use `min_new_tokens = max_new_tokens` (EOS ignored), so
-output lengths are as asked, as with `ignore_eos` on the servers.
+every decoding step and passes each request's new token through the servers' incremental
+detokenizer, so a request's chunks are what a streaming client of a static-batching server would
+see: TTFT is when its batch's first token is ready, and its ITLs are the step gaps between chunks
+with text (a token that ends inside a UTF-8 character has none: its text goes out with the next
+one's, as on the servers, whose ITLs are measured the same way). Requests use `min_new_tokens =
+max_new_tokens` (EOS ignored), so output lengths are as asked, as with `ignore_eos` on the servers.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import Endpoint, RequestResult
+from procs.detokenizer.incremental import IncrementalDetokenizer
 from loadtests.workload import RequestSpec
 
 
@@ -38,10 +42,11 @@ class _Pending:
 
 
 class _StepTimer:
-    """A `generate` streamer that records, per decoding step, when the step's tokens were ready."""
+    """A `generate` streamer that records, per request, when each decoding step gave it new text."""
 
-    def __init__(self, batch: list[_Pending]):
+    def __init__(self, batch: list[_Pending], tokenizer: Any, prompts: list[list[int]]):
         self.batch = batch
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_ids=ids) for ids in prompts]
         self.step = 0
         self.prompt_seen = False
 
@@ -51,12 +56,18 @@ class _StepTimer:
             return
         now = time.perf_counter()
         self.step += 1
-        for p in self.batch:
-            if self.step <= p.spec.output_len:
+        for p, detokenizer, token in zip(self.batch, self.detokenizers, value.reshape(-1).tolist()):
+            if self.step > p.spec.output_len:
+                continue
+            p.result.output_tokens = self.step
+            text = detokenizer.add([token]).text
+            if self.step == p.spec.output_len:
+                text += detokenizer.finish()
+            if text:
+                p.result.text += text
                 p.result.chunk_times.append(now)
             if self.step == p.spec.output_len:
                 p.result.end_time = now
-                p.result.output_tokens = self.step
                 p.result.success = True
                 p.finish()  # a streaming static server would end this response here
 
@@ -134,12 +145,13 @@ class TransformersStaticBatcher:
 
         try:
             enc = self._prompts(batch).to(self.device)
-            for p, n in zip(batch, enc["attention_mask"].sum(dim=1).tolist()):
-                p.result.prompt_tokens = int(n)
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+            for p, ids in zip(batch, prompts):
+                p.result.prompt_tokens = len(ids)
             longest = max(p.spec.output_len for p in batch)
             with torch.inference_mode():
                 self.model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                    pad_token_id=self.tokenizer.pad_token_id, streamer=_StepTimer(batch))
+                                    pad_token_id=self.tokenizer.pad_token_id, streamer=_StepTimer(batch, self.tokenizer, prompts))
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the benchmark
             for p in batch:
                 if not p.result.success:
@@ -147,6 +159,6 @@ class TransformersStaticBatcher:
                     p.result.end_time = time.perf_counter()
         for p in batch:
             if not p.result.success and not p.result.error:
-                p.result.error = f"generate stopped after {len(p.result.chunk_times)} of {p.spec.output_len} tokens"
+                p.result.error = f"generate stopped after {p.result.output_tokens} of {p.spec.output_len} tokens"
                 p.result.end_time = time.perf_counter()
             p.finish()

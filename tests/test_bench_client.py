@@ -154,6 +154,38 @@ def test_transformers_baseline_static_batches(tiny_model):
     assert firsts[1] > max(r.end_time for r in first_batch)
 
 
+def test_transformers_baseline_chunks_are_text_as_a_server_streams_it(tmp_path):
+    """A token that ends inside a UTF-8 character gives no chunk: its bytes go out with the token that
+    completes the character, as the servers stream them (whose ITLs are measured between chunks)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from loadtests.client import RequestResult
+    from loadtests.hf_baseline import _Pending, _StepTimer
+    from tests.conftest import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer.encode("a中b", add_special_tokens=False)
+    assert len(ids) == 5  # "中" is three byte tokens
+
+    async def stream() -> RequestResult:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(RequestSpec("the", 1, len(ids)), RequestResult(send_time=0.0), loop.create_future(), loop)
+        timer = _StepTimer([pending], tokenizer, prompts=[tokenizer.encode("the", add_special_tokens=False)])
+        timer.put(torch.tensor([[3]]))  # generate hands over the prompt first
+        for token in ids:
+            timer.put(torch.tensor([token]))
+        await pending.done
+        return pending.result
+
+    result = asyncio.run(stream())
+    assert result.success and result.output_tokens == 5
+    assert result.text == "a中b"
+    assert len(result.chunk_times) == 3  # "a", "中", "b"
+    assert result.end_time == result.chunk_times[-1]
+
+
 def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_model, capsys):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     with FakeServerThread() as other:

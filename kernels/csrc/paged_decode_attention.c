@@ -23,6 +23,14 @@
 #include "vec8.h"
 
 enum { MAX_GROUP = 8 }; /* largest group with a compile-time-specialised path */
+/* Tokens ahead whose key (value) rows are prefetched: a row's tokens lie in pages scattered over the
+ * pool, which the hardware prefetcher does not follow (1.2-1.3x the attention of a 16-request step). */
+enum { PREFETCH_TOKENS = 8 };
+
+/* always_inline: called, it counts as free of side effects and GCC drops the call. */
+static inline __attribute__((always_inline)) void prefetch_floats(const float *p, int floats) {
+    for (int line = 0; line < floats * (int)sizeof(float); line += 64) __builtin_prefetch((const char *)p + line);
+}
 
 /* In place: scores[0:len] become softmax probabilities. */
 static void softmax(float *scores, int64_t len) {
@@ -75,6 +83,7 @@ static inline __attribute__((always_inline)) void attend_group_fixed(
     const int DIM, int64_t token_stride, float scale, float *scores, int64_t stride, float *out) {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_pool + tokens[t] * token_stride;
+        if (t + PREFETCH_TOKENS < len) prefetch_floats(k_pool + tokens[t + PREFETCH_TOKENS] * token_stride, DIM);
         for (int g = 0; g < GROUP; g++) {
             vec8 even = splat8(0.0f), odd = splat8(0.0f);
             for (int d = 0; d < DIM; d += 16) {
@@ -93,6 +102,7 @@ static inline __attribute__((always_inline)) void attend_group_fixed(
             for (int c = 0; c < CHUNKS; c++) acc[g][c] = splat8(0.0f);
         for (int64_t t = 0; t < len; t++) {
             const float *v = v_pool + tokens[t] * token_stride + d0;
+            if (t + PREFETCH_TOKENS < len) prefetch_floats(v_pool + tokens[t + PREFETCH_TOKENS] * token_stride + d0, 8 * CHUNKS);
             vec8 vt[4];
             for (int c = 0; c < CHUNKS; c++) vt[c] = load8(v + 8 * c);
             for (int g = 0; g < GROUP; g++) {

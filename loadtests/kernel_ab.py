@@ -1,0 +1,164 @@
+"""A CPU kernel of the working tree against a git revision's, in one process: both built with the flags
+`kernels.native` uses, called alternately on the same inputs, the fastest of `--rounds` runs each. Prints
+ms per pass, the ratio and whether both gave the same bits. Only the kernel's .c file comes from the
+revision; vec8.h from the working tree.
+
+- `linear` (`kernels/csrc/panel_linear.c`): random weights of the default model's shapes, every layer's
+  four linear layers + the LM head, read cold from memory as a decode step reads them; `--rows` tokens.
+- `attention` (`kernels/csrc/paged_decode_attention.c`): one decode step's attention over every layer,
+  the default model's heads, `--rows` requests of about `--context` cached tokens each, in pages
+  scattered over a pool of the server's size (as a running server's allocator leaves them).
+
+    .venv/bin/python -m loadtests.kernel_ab linear [--base HEAD] [--rows 1,2,3,8,32] [--rounds 25]
+    .venv/bin/python -m loadtests.kernel_ab attention [--base HEAD] [--rows 1,16,32] [--context 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels import native
+from kernels.panel_linear import pack_panels
+from shared.config import DEFAULT_MODEL
+from shared.model import read_model_json, resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
+           "attention": ("paged_decode_attention.c", ("paged_decode_attention",))}
+POOL_TOKENS = 23280  # the default model's KV capacity on a 24 GiB CPU server
+PAGE_SIZE = 16
+
+Pass = Callable[[ctypes.CDLL], float]  # one timed pass of a kernel build over prepared inputs
+
+
+def build(cc: str, source: str, out_dir: Path, name: str, functions: tuple[str, ...]) -> ctypes.CDLL:
+    (out_dir / "vec8.h").write_text((native.SOURCE_DIR / "vec8.h").read_text())
+    (out_dir / f"{name}.c").write_text(source)
+    library = out_dir / f"{name}.so"
+    subprocess.run([cc, *native.BASE_FLAGS, "-fopenmp", str(out_dir / f"{name}.c"), "-o", str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    for fn in functions:  # the signatures kernels.native declares
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = native.SIGNATURES[fn]
+    return lib
+
+
+def model_config(model: str) -> dict:
+    config = read_model_json(resolve_model(model))
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    return config
+
+
+def linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer and the LM head."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim, kv = config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    layer = [(heads * head_dim + 2 * kv, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
+    return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
+
+
+def linear_cases(config: dict, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
+    """(label, timed pass, its output) for int8 and fp32 weights at every row count."""
+    dims = linear_shapes(config)
+    cases = []
+    for quantization in ("int8", "none"):
+        weights = [pack_panels(torch.randn(out, k) * 0.05, quantization) for out, k in dims]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, max(k for _, k in dims))
+            outs = [torch.empty(rows, w.out_features) for w in weights]
+
+            def one_pass(lib: ctypes.CDLL, weights=weights, x=x, rows=rows, outs=outs) -> float:
+                started = time.perf_counter()
+                for w, y in zip(weights, outs):
+                    k = w.packed.shape[1]
+                    if w.scale is not None:
+                        lib.int8_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), w.scale.data_ptr(), None,
+                                        w.out_features, k, y.data_ptr())
+                    else:
+                        lib.f32_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k,
+                                       y.data_ptr())
+                return time.perf_counter() - started
+
+            label = f"{'fp32' if quantization == 'none' else quantization} weights, {rows} rows"
+            cases.append((label, one_pass, lambda outs=outs: [y.clone() for y in outs]))
+    return cases
+
+
+def attention_cases(config: dict, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
+    """(label, timed pass, its output) for every row count: all layers' decode attention of one step."""
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    layers, num_pages = config["num_hidden_layers"], POOL_TOKENS // PAGE_SIZE
+    k_pool = torch.randn(layers, num_pages, PAGE_SIZE, kv_heads, head_dim)
+    v_pool = torch.randn(layers, num_pages, PAGE_SIZE, kv_heads, head_dim)
+    cases = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        lens = torch.tensor([max(1, args.context - 7 * i % 64) for i in range(rows)], dtype=torch.int64)
+        max_pages = -(-args.context // PAGE_SIZE)
+        if rows * max_pages > num_pages:
+            raise SystemExit(f"{rows} rows of {args.context} tokens do not fit a pool of {POOL_TOKENS} tokens")
+        pages = torch.randperm(num_pages)[: rows * max_pages].view(rows, max_pages).contiguous()
+        q = torch.randn(rows, heads, head_dim)
+        out = torch.empty(layers, rows, heads, head_dim)
+
+        def one_pass(lib: ctypes.CDLL, rows=rows, lens=lens, max_pages=max_pages, pages=pages, q=q, out=out) -> float:
+            started = time.perf_counter()
+            for layer in range(layers):
+                lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool[layer].data_ptr(),
+                                           v_pool[layer].data_ptr(), pages.data_ptr(), max_pages, lens.data_ptr(),
+                                           out[layer].data_ptr(), rows, heads, kv_heads, head_dim, PAGE_SIZE,
+                                           head_dim ** -0.5)
+            return time.perf_counter() - started
+
+        cases.append((f"{rows} requests x ~{args.context} tokens", one_pass, lambda out=out: out.clone()))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernel", choices=sorted(SOURCES))
+    parser.add_argument("--base", default="HEAD", help="git revision whose kernel source is the baseline")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--rows", default=None,
+                        help="tokens per call (linear, default 1,2,3,8,32) or requests (attention, default 1,16,32)")
+    parser.add_argument("--context", type=int, default=400, help="cached tokens per request (attention)")
+    parser.add_argument("--rounds", type=int, default=25)
+    args = parser.parse_args(argv)
+    args.rows = args.rows or ("1,2,3,8,32" if args.kernel == "linear" else "1,16,32")
+    cc = native.compiler()
+    if cc is None:
+        parser.error("no C compiler found (set CC)")
+    file, functions = SOURCES[args.kernel]
+    base_source = subprocess.run(["git", "show", f"{args.base}:kernels/csrc/{file}"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": build(cc, base_source, Path(tmp), "base", functions),
+                "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions)}
+        torch.manual_seed(0)
+        config = model_config(args.model)
+        cases = (linear_cases if args.kernel == "linear" else attention_cases)(config, args)
+        print(f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
+              f"fastest of {args.rounds} alternating passes")
+        print(f"  {'case':<34} {'base ms':>9} {'tree ms':>9} {'ratio':>7}  same bits")
+        for label, one_pass, output in cases:
+            best, outputs = {}, {}
+            for _ in range(args.rounds):
+                for name, lib in libs.items():
+                    best[name] = min(best.get(name, float("inf")), one_pass(lib))
+                    outputs[name] = output()
+            same = all(torch.equal(a, b) for a, b in zip(*(
+                o if isinstance(o, list) else [o] for o in (outputs["base"], outputs["tree"]))))
+            print(f"  {label:<34} {best['base'] * 1e3:>9.2f} {best['tree'] * 1e3:>9.2f} "
+                  f"{best['base'] / best['tree']:>6.2f}x  {same}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
