@@ -159,6 +159,12 @@ class Scheduler:
         slots = self.decode_manager.batch_view()[0]
         return int(slots.shape[0]), float(self.table.kv_len[slots].sum() + slots.shape[0])
 
+    def prefill_prefix(self) -> int:
+        """Tokens of its prompt the next prefill chunk follows (the attention it pays for): the first
+        mid-chunk request's; 0 for a new admission (its cached prefix is looked up only as it is admitted)."""
+        chunking = self.prefill_manager.chunking
+        return chunking[0].prefilled if chunking else 0
+
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]
         return None if request is None else request.rid

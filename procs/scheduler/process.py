@@ -94,7 +94,7 @@ class RemoteWorker:
                 self._last_result = now = time.monotonic()
                 if self.cost is not None:
                     self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
-                                      now - started)
+                                      now - started, with_prefill=batch.num_tokens > batch.num_requests)
                 return result
             now = time.monotonic()
             if now - started > self.step_timeout_s:
@@ -325,7 +325,8 @@ class SchedulerLoop:
         if cost is None or target is None:
             return None
         decode_rows, decode_pairs = self.scheduler.decode_load()  # type: ignore[union-attr]
-        fits = cost.max_prefill_tokens(target, decode_rows, decode_pairs, 0, self.config.prefill_budget)
+        fits = cost.max_prefill_tokens(target, decode_rows, decode_pairs, self.scheduler.prefill_prefix(),  # type: ignore[union-attr]
+                                       self.config.prefill_budget)
         return max(fits, MIN_PREFILL_TOKENS)
 
     def _maybe_send_stats(self, busy: bool) -> None:

@@ -10,6 +10,11 @@ sockets) is modelled as
 attention. The weights come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted
 by least squares from the last measured steps, so the model follows the machine (a shared CPU, graph
 replay on a GPU). Sarathi-Serve picks its token budget from profiles for the same reason.
+
+A least-squares fit predicts a step's mean time, and a bound is about the slow steps: each step with
+prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
+with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
+KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ REFIT_EVERY = 16  # steps between refits
 # Tokens between the window's smallest and largest step to fit on live steps alone: decode-only steps
 # beside steps with even the smallest chunk (32 tokens) reach it.
 MIN_LIVE_SPREAD = 16
+MARGIN_STEPS = 64  # recent steps with prefill whose actual / predicted times set the margin
+MARGIN_QUANTILE = 0.9  # the share of them the margin would have kept within the target
+MIN_MARGIN_STEPS = 8  # fewer: no margin yet
+MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model overestimates
 
 
 class StepCostModel:
@@ -35,6 +44,8 @@ class StepCostModel:
         self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
+        self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
+        self.margin = 1.0
         self.weights = self._fit(self._probe)
         if self.weights is None:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
@@ -43,7 +54,13 @@ class StepCostModel:
         w0, w1, w2 = self.weights
         return w0 + w1 * tokens + w2 * pairs / 1000
 
-    def observe(self, tokens: int, pairs: float, seconds: float) -> None:
+    def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
+        """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
+        if with_prefill:
+            self._overruns.append(seconds / max(self.predict(tokens, pairs), 1e-9))
+            if len(self._overruns) >= MIN_MARGIN_STEPS:
+                quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
+                self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
         self._steps.append((float(tokens), pairs, seconds))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
@@ -61,10 +78,12 @@ class StepCostModel:
 
     def max_prefill_tokens(self, target_s: float, decode_rows: int, decode_pairs: float, prefix: int,
                            limit: int) -> int:
-        """The most prefill tokens (<= limit) a step beside these decodes can carry within `target_s`,
-        for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+        """The most prefill tokens (<= limit) a step beside these decodes can carry within `target_s`
+        (less the margin), for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+        planned_s = target_s / self.margin
+
         def fits(n: int) -> bool:
-            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= target_s
+            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= planned_s
         if not fits(1):
             return 0
         low, high = 1, limit  # fits(low); find the largest n that fits (time grows with n)
