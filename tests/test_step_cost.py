@@ -75,9 +75,9 @@ def test_the_scheduler_prefills_no_more_than_it_is_given():
     assert sched.decode_load() == (0, 0.0)
 
 
-def test_the_bound_is_opt_in_with_a_suggested_target_per_device():
+def test_the_bound_is_on_by_default_with_a_suggested_target_per_device():
     info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, step_costs=probe())
-    assert step_target_s(ServerConfig(), info) is None  # off unless asked for
+    assert step_target_s(ServerConfig(), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000  # the default is 0
     assert step_target_s(ServerConfig(max_step_ms=0), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
     cuda = WorkerInfo(**{**{f: getattr(info, f) for f in info.__struct_fields__}, "device_type": "cuda"})
     assert step_target_s(ServerConfig(max_step_ms=0), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
