@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import Endpoint, RequestResult
-from procs.detokenizer.incremental import IncrementalDetokenizer
 from loadtests.workload import RequestSpec
+from procs.detokenizer.incremental import IncrementalDetokenizer
 
 
 @dataclass

@@ -27,8 +27,9 @@ import torch
 
 from kernels import native
 from kernels.panel_linear import pack_panels
+from procs.worker.loader import ModelConfig, load_model_config
 from shared.config import DEFAULT_MODEL
-from shared.model import read_model_json, resolve_model
+from shared.model import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
@@ -50,22 +51,15 @@ def build(cc: str, source: str, out_dir: Path, name: str, functions: tuple[str, 
     return lib
 
 
-def model_config(model: str) -> dict:
-    config = read_model_json(resolve_model(model))
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    return config
-
-
-def linear_shapes(config: dict) -> list[tuple[int, int]]:
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of every linear layer and the LM head."""
-    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    head_dim, kv = config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    layer = [(heads * head_dim + 2 * kv, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
-    return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    return layer * config.num_layers + [(config.vocab_size, hidden)]
 
 
-def linear_cases(config: dict, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
+def linear_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
     """(label, timed pass, its output) for int8 and fp32 weights at every row count."""
     dims = linear_shapes(config)
     cases = []
@@ -92,10 +86,10 @@ def linear_cases(config: dict, args: argparse.Namespace) -> list[tuple[str, Pass
     return cases
 
 
-def attention_cases(config: dict, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
+def attention_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
     """(label, timed pass, its output) for every row count: all layers' decode attention of one step."""
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    layers, num_pages = config["num_hidden_layers"], POOL_TOKENS // PAGE_SIZE
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    layers, num_pages = config.num_layers, POOL_TOKENS // PAGE_SIZE
     k_pool = torch.randn(layers, num_pages, PAGE_SIZE, kv_heads, head_dim)
     v_pool = torch.randn(layers, num_pages, PAGE_SIZE, kv_heads, head_dim)
     cases = []
@@ -142,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         libs = {"base": build(cc, base_source, Path(tmp), "base", functions),
                 "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions)}
         torch.manual_seed(0)
-        config = model_config(args.model)
+        config = load_model_config(resolve_model(args.model))
         cases = (linear_cases if args.kernel == "linear" else attention_cases)(config, args)
         print(f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
               f"fastest of {args.rounds} alternating passes")
