@@ -27,9 +27,10 @@ import torch
 
 from kernels import native
 from kernels.panel_linear import pack_panels
-from procs.worker.loader import ModelConfig, load_model_config
+from procs.worker.loader import load_model_config
+from procs.worker.models.base import ModelConfig
 from shared.config import DEFAULT_MODEL
-from shared.model import resolve_model
+from shared.model import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         libs = {"base": build(cc, base_source, Path(tmp), "base", functions),
                 "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions)}
         torch.manual_seed(0)
-        config = load_model_config(resolve_model(args.model))
+        config = load_model_config(ModelSpec.resolve(args.model))
         cases = (linear_cases if args.kernel == "linear" else attention_cases)(config, args)
         print(f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
               f"fastest of {args.rounds} alternating passes")

@@ -8,8 +8,10 @@
 and returns a Hugging Face folder. GGUF files are de-quantized through transformers ONCE and cached
 as safetensors + config + tokenizer under `shared.config.cache_dir()/models` (under a file lock: the
 processes resolve the same model at once). Weights are loaded by the worker only
-(`procs/worker/loader.py`); everything else about the model (context length, EOS ids, chat
-template, tokenizer) comes from here, so every process agrees on it.
+(`procs/worker/loader.py`); everything else about the model (architecture, vocabulary size, context
+length, EOS ids, chat template, tokenizer) comes from here, for the worker too, so every process
+agrees on it. Which architectures run is the worker's registry's (`procs/worker/models`): the worker
+refuses the others when it loads the model, and no other process needs to know.
 """
 
 from __future__ import annotations
@@ -32,9 +34,6 @@ from typing import Any, Iterator
 
 from shared.chat_format import ChatFormat, read_chat_template
 from shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 class ModelLoadError(ValueError):
     """The model cannot be found or loaded (unknown name, missing file, unsupported architecture)."""
@@ -170,12 +169,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many kinds for unsupported GGUF contents
         raise ModelLoadError(f"cannot read GGUF {gguf}: {exc}") from exc
-    architecture = type(model).__name__
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"GGUF {gguf.name} holds a {architecture}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = [architecture]
+    config["architectures"] = [type(model).__name__]
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -217,7 +213,7 @@ class ModelSpec:
 
     name: str  # as configured (alias, folder or GGUF)
     model_dir: Path  # the Hugging Face folder (converted from GGUF if need be)
-    architecture: str  # config.json's architectures[0] (checked by the worker's loader)
+    architecture: str  # config.json's architectures[0] (the worker's registry refuses one it cannot run)
     vocab_size: int  # the logits' width (may exceed the tokenizer's own vocabulary)
     max_position_embeddings: int  # the model's own context length
     context_length: int  # prompt + completion of one request: `max_context` capped by the above
@@ -250,7 +246,7 @@ class ModelSpec:
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer (`shared.grammar`), built the same way by the tokenizer process and
-        the worker; ~0.5 s, so callers pass the method and build it on first use, once per spec (the
+        the worker; slow to build, so callers pass the method and build it on first use, once per spec (the
         offline engine's prompt side and worker share one)."""
         return self._grammar_tokenizer
 

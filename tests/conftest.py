@@ -54,13 +54,14 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, *, thinkin
 
 def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
                      **overrides: Any) -> Path:
-    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (fp32) into out_dir."""
+    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM (fp32)
+    into out_dir."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
     config_cls, model_cls = classes[arch]
     fields: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -89,7 +90,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3", with_tokenizer=False|True|"bytes"|"thinking", seed=0,
+    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3"|"mistral", with_tokenizer=False|True|"bytes"|"thinking", seed=0,
     **config)`
     -> folder.
 

@@ -11,7 +11,7 @@ import pytest
 
 from shared import model as loader
 from procs.worker.loader import load_model_config
-from shared.model import ModelLoadError, load_tokenizer, resolve_model
+from shared.model import ModelLoadError, ModelSpec, load_tokenizer, resolve_model
 from procs.worker.model_runner import ModelRunner
 
 
@@ -64,13 +64,46 @@ def test_missing_tensor_is_named(tmp_path, tiny_model_dir):
         ModelRunner(tmp_path, device="cpu", kv_capacity_tokens=64)
 
 
+def _config(model_dir, max_context: int = 0):
+    return load_model_config(ModelSpec.resolve(model_dir, max_context))
+
+
 def test_config_fields_per_architecture(tiny_model_dir):
-    qwen2 = load_model_config(tiny_model_dir("qwen2"))
-    assert (qwen2.architecture, qwen2.qkv_bias, qwen2.qk_norm) == ("Qwen2ForCausalLM", True, False)
-    qwen3 = load_model_config(tiny_model_dir("qwen3"))
+    """Each architecture reads its own switches; the metadata every process shares is the spec's."""
+    qwen2 = _config(tiny_model_dir("qwen2"))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias, qwen2.qk_norm) == (True, False, False, False)
+    qwen3 = _config(tiny_model_dir("qwen3"))
     assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 16)
-    llama = load_model_config(tiny_model_dir("llama"))
-    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.eos_token_ids) == (4, 2, 16, (2,))
+    llama = _config(tiny_model_dir("llama"))
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (4, 2, 16, 320)
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.qk_norm) == (False, False, False, False)
+    biased = _config(tiny_model_dir("llama", attention_bias=True, mlp_bias=True))
+    assert (biased.qkv_bias, biased.o_bias, biased.mlp_bias) == (True, True, True)
+    mistral = _config(tiny_model_dir("mistral"))
+    assert (mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias, mistral.qk_norm) == (False, False, False, False)
+    spec = ModelSpec.resolve(tiny_model_dir("llama"))
+    assert (spec.architecture, spec.eos_token_ids, spec.max_position_embeddings) == ("LlamaForCausalLM", (2,), 512)
+
+
+def test_mistral_sliding_window_must_cover_the_context(tiny_model_dir):
+    """Attention spans the whole context: a window shorter than it is refused, one as long is full attention."""
+    windowed = tiny_model_dir("mistral", sliding_window=64)
+    refusal = "sliding_window 64 .* shorter than the context length 512.*--max-context 64"
+    with pytest.raises(ModelLoadError, match=refusal):
+        _config(windowed)
+    assert _config(windowed, max_context=64).num_layers == 2
+    assert _config(tiny_model_dir("mistral", sliding_window=None)).num_layers == 2
+
+
+def test_unsupported_hidden_act(tmp_path, tiny_model_dir):
+    source = tiny_model_dir("llama")
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported hidden_act 'gelu'"):
+        _config(tmp_path)
 
 
 def test_tokenizer_helper(tiny_model_dir):
@@ -121,7 +154,8 @@ def test_gguf_folder_is_converted_once(tmp_path, monkeypatch):
     assert converted.parent == tmp_path / "cache" / "models"
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
         {p.name for p in converted.iterdir()}
-    config = load_model_config(converted)
-    assert (config.architecture, config.num_layers, config.vocab_size) == ("LlamaForCausalLM", 30, 49152)
+    spec = ModelSpec.resolve(converted)
+    config = load_model_config(spec)
+    assert (spec.architecture, config.num_layers, config.vocab_size) == ("LlamaForCausalLM", 30, 49152)
     monkeypatch.setattr(loader, "convert_gguf", lambda *a: pytest.fail("converted twice"))
     assert resolve_model(folder / "model.gguf") == converted

@@ -1,5 +1,5 @@
 """Greedy tokens from ModelRunner are identical to transformers' `generate` (fp32, CPU) on tiny
-random-weight Llama / Qwen2 / Qwen3 models, however the batch is cut: one packed prefill,
+random-weight Llama / Qwen2 / Qwen3 / Mistral models, however the batch is cut: one packed prefill,
 chunked prefill, prefills mixed into other requests' decodes, page size 1 and 16; with the C
 kernels (the default where they build) and with torch alone."""
 
@@ -22,6 +22,7 @@ MODELS = {
     "llama-biases": dict(arch="llama", attention_bias=True, mlp_bias=True),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3"),
+    "mistral": dict(arch="mistral"),  # transformers' default sliding window, longer than the context
 }
 SCHEDULES = {
     "packed": dict(),
@@ -138,16 +139,30 @@ def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_mistral_window_as_long_as_the_context_matches_transformers(tiny_model_dir):
+    """A sliding window no shorter than the served context is full attention: transformers' tokens."""
+    model_dir = tiny_model_dir("mistral", sliding_window=64)
+    prompts = _prompts(320)
+    expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
+    assert max(map(len, prompts)) + NEW_TOKENS <= 64
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=1024,
+                         max_running_requests=8, max_context=64)
+    assert generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES["mixed"]) == expected
+
+
 def test_every_architecture_runs_through_the_registry(tiny_model_dir):
-    """The registry runs exactly the architectures a model config may name (`SUPPORTED_ARCHITECTURES`),
-    all covered by the test models; anything else is refused, naming them."""
+    """The registry is the one list of architectures, every one covered by the test models, each class
+    reading its own config; anything else is refused, naming them."""
     from procs.worker.loader import load_model_config
     from procs.worker.models import ARCHITECTURES, model_class
     from procs.worker.models.llama import LlamaModel
-    from shared.model import SUPPORTED_ARCHITECTURES
+    from shared.model import ModelLoadError, ModelSpec
 
-    covered = {load_model_config(tiny_model_dir(arch)).architecture for arch in ("llama", "qwen2", "qwen3")}
-    assert covered == set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
-    assert all(model_class(name) is LlamaModel for name in ARCHITECTURES)
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    specs = [ModelSpec.resolve(tiny_model_dir(arch)) for arch in ("llama", "qwen2", "qwen3", "mistral")]
+    assert [spec.architecture for spec in specs] == list(ARCHITECTURES)
+    assert all(issubclass(model_class(name), LlamaModel) for name in ARCHITECTURES)
+    assert len(set(ARCHITECTURES.values())) == len(ARCHITECTURES)
+    assert [load_model_config(spec).qk_norm for spec in specs] == [False, False, True, False]
+    with pytest.raises(ModelLoadError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                             "MistralForCausalLM"):
         model_class("GPT2LMHeadModel")

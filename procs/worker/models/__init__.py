@@ -1,39 +1,33 @@
-"""Model architectures: `ARCHITECTURES` maps each name of `shared.model.SUPPORTED_ARCHITECTURES` (the
-one list, which every process can check a config against) to the class that runs it.
-
-The classes are imported on first use, so that the loader can check a config against this list
-without importing the models (which import the loader for `ModelConfig`).
+"""The model registry: `ARCHITECTURES` maps each architecture name a config.json may give
+(`architectures[0]`) to the class that runs it, a `CausalLM` (`procs.worker.models.base`). It is the
+one list of supported architectures; the worker's loader refuses the others. A new architecture is
+its model file and its line here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from procs.worker.models.base import CausalLM
+from procs.worker.models.llama import LlamaModel
+from procs.worker.models.mistral import MistralModel
+from procs.worker.models.qwen2 import Qwen2Model
+from procs.worker.models.qwen3 import Qwen3Model
+from shared.model import ModelLoadError
 
-from shared.model import SUPPORTED_ARCHITECTURES
-
-if TYPE_CHECKING:
-    from procs.worker.models.llama import LlamaModel
-
-
-def _llama() -> type[LlamaModel]:
-    from procs.worker.models.llama import LlamaModel
-
-    return LlamaModel
-
-
-# The registry: architecture name -> loader of the model class (Qwen2/Qwen3 are Llama with a qkv
-# bias / a q-k norm, which `LlamaModel` reads from the config).
-ARCHITECTURES: dict[str, Callable[[], type[LlamaModel]]] = {
-    "LlamaForCausalLM": _llama, "Qwen2ForCausalLM": _llama, "Qwen3ForCausalLM": _llama}
-assert tuple(ARCHITECTURES) == SUPPORTED_ARCHITECTURES, "a supported architecture without its class, or the reverse"
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": Qwen2Model,
+    "Qwen3ForCausalLM": Qwen3Model,
+    "MistralForCausalLM": MistralModel,
+}
 
 
-def model_class(architecture: str) -> type[LlamaModel]:
-    """The class that runs `architecture`; ValueError naming the supported ones if there is none."""
-    loader = ARCHITECTURES.get(architecture)
-    if loader is None:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-    return loader()
+def model_class(architecture: str) -> type[CausalLM]:
+    """The class that runs `architecture`; ModelLoadError naming the supported ones if there is none."""
+    cls = ARCHITECTURES.get(architecture)
+    if cls is None:
+        raise ModelLoadError(f"unsupported architecture {architecture or '(none)'}; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+    return cls
 
 
 __all__ = ["ARCHITECTURES", "model_class"]

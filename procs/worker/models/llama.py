@@ -1,63 +1,90 @@
-"""Llama / Qwen2 / Qwen3 decoder on packed inputs (no padding), our own code over plain tensors.
+"""The Llama decoder on packed inputs (no padding), our own code over plain tensors, and the Llama
+family's switches (`LlamaConfig`), which the Qwen2, Qwen3 and Mistral classes set from their configs.
 
 Input is one packed sequence of `[num_tokens]` ids and positions covering every request of the
 step; request boundaries live in the attention backend's plan. Projections are fused at load
-(q|k|v and gate|up), Qwen2 adds a qkv bias, Qwen3 a per-head RMSNorm on q and k before rotary.
+(q|k|v and gate|up); a config may bias them and norm q and k per head before rotary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
 from kernels import native
 from kernels.attention import AttentionBackend
 from kernels.decode_layers import DecodeLayers, LayerTensors
-from kernels.ops import (LinearWeight, add_rms_norm, apply_rotary, linear, pack_linear_weight, rms_norm,
-                         rope_cos_sin_cache, rope_inv_freq, silu_and_mul)
+from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
 from kernels.panel_linear import PanelWeight
-from procs.worker.loader import ModelConfig, ModelLoadError
+from procs.worker.models.base import ModelConfig, config_path
+from procs.worker.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from shared.model import ModelLoadError, ModelSpec
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    """Which projections carry a bias, and whether q and k are RMS-normed per head."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
+        """The common fields and an architecture's `switches`; the MLP is SiLU-gated in every one."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {raw['hidden_act']!r} in {config_path(spec)}")
+        return super().from_hf(raw, spec, **switches)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: LinearWeight  # [(H + 2 * KVH) * D, hidden]; projections are in `pack_linear_weight` form
-    qkv_bias: torch.Tensor | None
+    qkv: ColumnParallelLinear  # q | k | v: [(H + 2 * KVH) * D, hidden]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: LinearWeight
-    o_bias: torch.Tensor | None
+    o: RowParallelLinear
     post_norm: torch.Tensor
-    gate_up: LinearWeight  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: LinearWeight
-    down_bias: torch.Tensor | None
+    gate_up: ColumnParallelLinear  # gate | up: [2 * intermediate, hidden]
+    down: RowParallelLinear
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_positions: int,
+    """`LlamaForCausalLM`; a `CausalLM` (procs.worker.models.base)."""
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
+        # attention_bias biases q, k, v and o; mlp_bias gate, up and down
+        bias = bool(raw.get("attention_bias", False))
+        return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)))
+
+    @classmethod
+    def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, max_positions: int,
+                     dtype: torch.dtype, device: torch.device, quantization: str = "none") -> LlamaModel:
+        return cls(config, dict(tensors), max_positions=max_positions, dtype=dtype, device=device,
+                   quantization=quantization)
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, max_positions: int,
                  dtype: torch.dtype, device: torch.device, quantization: str = "none"):
         self.config = config
-        self.dtype = dtype
-        self.device = device
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         take = _WeightTaker(weights, dtype, device, quantization)
-        self.embed = take("model.embed_tokens.weight")
+        self.embed = VocabParallelEmbedding(take("model.embed_tokens.weight"))
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
         self.final_norm = take("model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-            self.lm_head = pack_linear_weight(self.embed, quantization)  # a packed copy where packing applies
+            self.lm_head = ParallelLMHead(self.embed.weight, quantization)
         else:
-            self.lm_head = pack_linear_weight(take("lm_head.weight"), quantization)
+            self.lm_head = ParallelLMHead(take("lm_head.weight"), quantization)
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
-        if self.embed.shape != (config.vocab_size, config.hidden_size):
-            raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match config "
+        if self.embed.weight.shape != (config.vocab_size, config.hidden_size):
+            raise ModelLoadError(f"embedding shape {tuple(self.embed.weight.shape)} does not match config "
                                  f"({config.vocab_size}, {config.hidden_size})")
         rope = config.rope
         inv_freq = rope_inv_freq(config.head_dim, rope.theta, rope.kind, rope.factor, rope.low_freq_factor,
@@ -68,32 +95,23 @@ class LlamaModel:
         # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, no q/k norm): same kernels, same tokens, no Python between them.
         self.fuse_decode_layers = native.available() and not config.qk_norm and all(
-            isinstance(w, PanelWeight) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            isinstance(proj.weight, PanelWeight)
+            for layer in self.layers for proj in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
-    def _layer(self, take: "_WeightTaker", i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+    def _layer(self, take: _WeightTaker, i: int) -> LayerWeights:
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         cfg = self.config
         return LayerWeights(
-            input_norm=take(p + "input_layernorm.weight"),
-            qkv=take.linear_weight([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                    p + "self_attn.v_proj.weight"]),
-            qkv_bias=take.cat([p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"])
-            if cfg.qkv_bias else None,
-            q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-            k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-            o=take.linear_weight([p + "self_attn.o_proj.weight"]),
-            o_bias=take(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=take.linear_weight([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            gate_up_bias=take.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]) if cfg.mlp_bias else None,
-            down=take.linear_weight([p + "mlp.down_proj.weight"]),
-            down_bias=take(p + "mlp.down_proj.bias") if cfg.mlp_bias else None,
+            input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
+            qkv=take.column([attn + "q_proj", attn + "k_proj", attn + "v_proj"], cfg.qkv_bias),
+            q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
+            o=take.row(attn + "o_proj", cfg.o_bias),
+            post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
+            gate_up=take.column([mlp + "gate_proj", mlp + "up_proj"], cfg.mlp_bias),
+            down=take.row(mlp + "down_proj", cfg.mlp_bias),
         )
-
-    @classmethod
-    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], **kwargs) -> "LlamaModel":
-        return cls(config, dict(tensors), **kwargs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -103,7 +121,7 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         cos = self.rope_cos[positions]
         sin = self.rope_sin[positions]
-        hidden = self.embed[input_ids]
+        hidden = self.embed(input_ids)
         heads_qk = cfg.num_heads + cfg.num_kv_heads
         # The residual stream: each sublayer's output is added to `residual` by the norm that follows
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
@@ -114,7 +132,7 @@ class LlamaModel:
             h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
         for index, layer in enumerate(self.layers):
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads_qk, cfg.head_dim)
             if layer.q_norm is not None:
@@ -123,10 +141,9 @@ class LlamaModel:
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             attended = attention.forward(q, k, v, index)
-            out = linear(attended.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
+            out = layer.o(attended.reshape(num_tokens, self.q_size))
             h, residual = add_rms_norm(out, residual, layer.post_norm, eps)
-            gate_up = linear(h, layer.gate_up, layer.gate_up_bias)
-            out = linear(silu_and_mul(gate_up), layer.down, layer.down_bias)
+            out = layer.down(silu_and_mul(layer.gate_up(h)))
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             h, residual = add_rms_norm(out, residual, next_norm, eps)
         if logits_rows is None:
@@ -138,8 +155,9 @@ class LlamaModel:
         if self._decode_layers is None or self._decode_layers[0] is not attention:
             cfg, cache = self.config, attention.kv_cache
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-            layers = [LayerTensors(layer.qkv, layer.qkv_bias, layer.o, layer.o_bias, layer.gate_up, layer.gate_up_bias,
-                                   layer.down, layer.down_bias, layer.post_norm, next_norm, cache.k[i], cache.v[i])
+            layers = [LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, layer.gate_up.weight,
+                                   layer.gate_up.bias, layer.down.weight, layer.down.bias, layer.post_norm, next_norm,
+                                   cache.k[i], cache.v[i])
                       for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
             self._decode_layers = (attention, DecodeLayers(
                 layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -148,7 +166,7 @@ class LlamaModel:
         return self._decode_layers[1]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden)
 
 
 class _WeightTaker:
@@ -161,18 +179,18 @@ class _WeightTaker:
         self.device = device
         self.quantization = quantization
 
-    def _pop(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str) -> torch.Tensor:
         try:
-            return self.weights.pop(name)
+            tensor = self.weights.pop(name)
         except KeyError:
             raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def __call__(self, name: str) -> torch.Tensor:
-        return self._pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+    def column(self, projections: list[str], bias: bool) -> ColumnParallelLinear:
+        """The named projections (`<name>.weight`, and `<name>.bias` with `bias`) fused along the output."""
+        biases = [self(name + ".bias") for name in projections] if bias else None
+        return ColumnParallelLinear([self(name + ".weight") for name in projections], biases, self.quantization)
 
-    def cat(self, names: list[str]) -> torch.Tensor:
-        return torch.cat([self._pop(n) for n in names], dim=0).to(device=self.device, dtype=self.dtype).contiguous()
-
-    def linear_weight(self, names: list[str]) -> LinearWeight:
-        """The named projections fused along the output dimension, in `linear`'s packed form."""
-        return pack_linear_weight(self.cat(names), self.quantization)
+    def row(self, projection: str, bias: bool) -> RowParallelLinear:
+        return RowParallelLinear(self(projection + ".weight"), self(projection + ".bias") if bias else None,
+                                 self.quantization)

@@ -1,0 +1,121 @@
+"""The model interface: `CausalLM`, what the worker's loader, model runner and graph runner use of a
+model, and `ModelConfig`, the config fields every decoder has.
+
+One metadata source: `shared.model.ModelSpec`, which every process resolves at its start, is the one
+reading of the model's architecture, vocabulary size, context length and EOS ids; the worker reads
+them there too. `ModelConfig` takes the vocabulary size from it and otherwise holds the decoder's
+shape, which only the worker needs. Each architecture reads its own fields of config.json
+(`CausalLM.config_from_hf`) on top of the common ones, read once here (`ModelConfig.from_hf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, TypeVar
+
+import torch
+
+from kernels.attention import AttentionBackend
+from shared.model import ModelLoadError, ModelSpec
+
+Config = TypeVar("Config", bound="ModelConfig")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], where: str) -> RopeConfig:
+        # transformers 5 writes `rope_parameters` (theta inside); older configs write rope_theta + rope_scaling
+        params = dict(raw.get("rope_parameters") or {})
+        params.update(raw.get("rope_scaling") or {})
+        theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind == "default":
+            return cls(theta=theta)
+        if kind == "linear":
+            return cls(theta=theta, kind=kind, factor=float(params["factor"]))
+        if kind == "llama3":
+            return cls(theta=theta, kind=kind, factor=float(params["factor"]),
+                       low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        raise ModelLoadError(f"unsupported rope scaling type {kind!r} in {where} (supported: default, linear, llama3)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape; an architecture's own fields go in a subclass."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    rope: RopeConfig
+
+    @classmethod
+    def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:
+        """The common fields of config.json `raw`, plus the subclass's `fields`."""
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        return cls(
+            vocab_size=spec.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=RopeConfig.from_hf(raw, config_path(spec)),
+            **fields,
+        )
+
+
+def config_path(spec: ModelSpec) -> str:
+    """Where the config errors point."""
+    return str(spec.model_dir / "config.json")
+
+
+class CausalLM(Protocol):
+    """A decoder-only model over one packed sequence of tokens (every request of a step; the request
+    boundaries live in the attention backend's plan). An architecture is a class with these members
+    and one line in `procs.worker.models.ARCHITECTURES`."""
+
+    config: ModelConfig
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> ModelConfig:
+        """This architecture's reading of config.json `raw`; ModelLoadError for what it cannot run
+        (`spec.context_length` is the longest request it will be asked to)."""
+        ...
+
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, max_positions: int,
+                     dtype: torch.dtype, device: torch.device, quantization: str) -> CausalLM:
+        """The model from a checkpoint's named tensors, each of which it must take (ModelLoadError naming
+        a missing or a left-over one), on `device` in `dtype`, for positions below `max_positions`, its
+        linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
+                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the packed tokens (their K/V written, attention computed, through `attention`'s plan);
+        float32 logits [len(logits_rows), vocab] of the chosen token rows, None without rows."""
+        ...
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden rows: the last step of `forward`, which calls it."""
+        ...
