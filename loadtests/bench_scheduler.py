@@ -45,7 +45,7 @@ class TimedFakeExecutor:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         t0 = time.perf_counter()
-        n = sum(batch.samples)
+        n = batch.num_sampled
         ids = np.where(self.rng.random(n) * self.period < 1.0, EOS, 100).astype(np.int32)
         result = StepResult(step=batch.step, next_token_ids=ids)
         self.seconds += time.perf_counter() - t0

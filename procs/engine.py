@@ -15,7 +15,7 @@ import msgspec
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.scheduler.core import Scheduler
-from procs.scheduler.process import scheduler_config_from_server
+from procs.scheduler.config import scheduler_config_from_server
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
@@ -58,7 +58,7 @@ class OfflineEngine:
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
-        """Tokenize and length-check one request (raises `PromptRejected` naming the field)."""
+        """Tokenize and length-check one request (raises `Refusal` naming the field)."""
         return self.prompts.tokenize(request)
 
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
@@ -81,8 +81,7 @@ class OfflineEngine:
             for rid, ids in new.items():
                 state = live[rid]
                 state.completion.token_ids.extend(ids)
-                if rid in out.logprobs:
-                    state.completion.logprobs.append(out.logprobs[rid])
+                state.completion.logprobs.extend(out.logprobs.get(rid, ()))
                 state.completion.prompt_logprobs.extend(out.prompt_logprobs.get(rid, ()))
                 piece = state.detokenizer.add(ids)
                 state.completion.text += piece.text

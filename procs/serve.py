@@ -224,7 +224,7 @@ def _describe_status(code: int | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from procs.scheduler.process import check_config
+    from procs.scheduler.config import check_config
 
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model

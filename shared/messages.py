@@ -118,16 +118,23 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     `page_table_*` are page-table entries the worker must set before running:
     `page_table[page_table_slots[j], page_table_cols[j]] = page_table_pages[j]`.
     An input id `FUTURE_TOKEN` is a decode input planned before its token came back (overlap
-    scheduling): the worker feeds the token it sampled last for that slot.
+    scheduling): the worker feeds the token it sampled last for that slot. It only ever stands first
+    in a row.
+    A decode row of k tokens (prefix_lens[i] > 0, extend_lens[i] == sample_lens[i] == k) feeds the
+    request's last token, then k - 1 proposed tokens; each of its k positions samples one token.
     """
 
     step: int
     slots: list[int]  # request-table row of each request
     prefix_lens: list[int]  # tokens already in the KV cache before this step
-    extend_lens: list[int]  # tokens fed this step (prefill chunk length, or 1 for a decode)
-    samples: list[bool]  # False for an intermediate prefill chunk
+    extend_lens: list[int]  # tokens fed this step (prefill chunk length, or k for a decode row of k tokens)
+    # How many of the row's last fed tokens are sampled (logit positions): 0 for an intermediate
+    # prefill chunk, 1 for a last chunk or a plain decode, k for a decode row of k tokens.
+    sample_lens: list[int]
     sampling: list[SamplingParams]
-    sample_counts: list[int]  # tokens this request has sampled so far (advances seeded generators)
+    # Tokens this request sampled before this step; the row's j-th sampled position counts as
+    # sample_counts[i] + j (seeded generators, the min_tokens ban, penalties' counts).
+    sample_counts: list[int]
     input_ids: np.ndarray  # [num_tokens] int32
     positions: np.ndarray  # [num_tokens] int32
     kv_locs: np.ndarray  # [num_tokens] int32
@@ -145,16 +152,28 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
         return int(self.input_ids.shape[0])
 
     @property
+    def num_sampled(self) -> int:
+        return sum(self.sample_lens)
+
+    @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 and p > 0 for n, p in zip(self.extend_lens, self.prefix_lens))
+        """Every row is a decode row: it continues a cached prefix and samples every token it feeds."""
+        return all(p > 0 and e == s for p, e, s in zip(self.prefix_lens, self.extend_lens, self.sample_lens))
+
+    @property
+    def decode_width(self) -> int | None:
+        """The k shared by every row of a decode-only batch, else None."""
+        widths = set(self.extend_lens)
+        return widths.pop() if len(widths) == 1 and self.is_decode_only else None
 
 
 class StepResult(msgspec.Struct, kw_only=True):
-    """What the worker returns for a `ForwardBatch`: one token per request that samples, in batch order."""
+    """What the worker returns for a `ForwardBatch`: one token per sampled position, in batch order
+    (a row's positions in order)."""
 
     step: int
-    next_token_ids: np.ndarray  # [num_sampling_requests] int32
-    # For the sampling requests that asked for logprobs: their index in next_token_ids, and them.
+    next_token_ids: np.ndarray  # [num_sampled] int32
+    # For the sampled positions whose requests asked for logprobs: their index in next_token_ids, and them.
     logprob_rows: list[int] = []
     logprobs: list[TokenLogprobs] = []
     # Prefill chunks of requests that asked for prompt logprobs: (slot, logprobs of the prompt
@@ -330,7 +349,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     cache_pages: int = 0
     cache_referenced_pages: int = 0
     preemptions: int = 0  # requests preempted since the previous stats message
-    kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (SCHEDULING.md's rho)
+    kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (procs/scheduler/SCHEDULING.md's rho)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,10 +368,15 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     step_costs: list[tuple[int, float, float]] = []
 
 
+# The five processes, in start order (`serve` and the systemd units): the slowest (model loading)
+# first, the api last, so that it serves only when all the others are up.
+PROCESS_NAMES = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
+
+
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     """every process -> api about once a second; the api is healthy only while all are fresh and ready."""
 
-    process: str  # "tokenizer" | "scheduler" | "worker" | "detokenizer"
+    process: str  # one of PROCESS_NAMES but "api"
     pid: int
     ready: bool = True
     host: str = ""  # socket.gethostname(): where `pid` may be checked for liveness

@@ -1,6 +1,6 @@
 """Test harness for the scheduler: fake models that audit every ForwardBatch (`AuditingExecutor`: rules
 and positions; `KVContentExecutor`: what every KV position holds), and a driver that replays a
-workload while checking SCHEDULING.md's rules with an independent bookkeeping of its own.
+workload while checking procs/scheduler/SCHEDULING.md's rules with an independent bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class AuditingExecutor:
         self.calls += 1
         n = batch.num_requests
         assert n > 0, "an empty batch was executed"
-        for name in ("prefix_lens", "extend_lens", "samples", "sampling", "sample_counts"):
+        for name in ("prefix_lens", "extend_lens", "sample_lens", "sampling", "sample_counts"):
             assert len(getattr(batch, name)) == n, name
         assert len(set(batch.slots)) == n, "a slot appears twice in one batch"
         for name in ("input_ids", "positions", "kv_locs", "page_table_slots", "page_table_cols", "page_table_pages"):
@@ -134,14 +134,15 @@ class AuditingExecutor:
             sampled = self.sampled.setdefault(rid, [])
             fill = self.fill[rid]
             if p >= len(fill):  # prompt done: a decode feeding back the last sampled token
-                assert e == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], f"{rid}: bad decode input"
+                assert e == batch.sample_lens[i] == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], \
+                    f"{rid}: bad decode input"
             else:
                 assert p + e <= len(fill)
                 assert batch.input_ids[sl].tolist() == fill[p:p + e], f"{rid}: prefill fed the wrong tokens"
-                assert batch.samples[i] == (p + e == len(fill))
+                assert batch.sample_lens[i] == int(p + e == len(fill))
             self.written[rid] = p + e
             assert batch.sample_counts[i] == len(sampled)
-            if batch.samples[i]:
+            if batch.sample_lens[i]:
                 token = job.scripted(len(sampled))
                 sampled.append(token)
                 out.append(token)
@@ -192,7 +193,7 @@ class KVContentExecutor:
             for q in range(p):  # the context this step attends to, through the page table
                 loc = self.page_table[(slot, q // self.P)] * self.P + q % self.P
                 assert self.kv.get(loc) == (seq[q], q), f"{rid}: KV at position {q} is not its own token"
-            if batch.samples[i]:
+            for _ in range(batch.sample_lens[i]):
                 token = self.token(rid, len(sampled))
                 sampled.append(token)
                 self.last_sampled[slot] = token
@@ -275,7 +276,7 @@ def pages(tokens: int, page_size: int) -> int:
 
 
 def estimate(percent: int, remaining: int) -> int:
-    """ceil(rho * remaining), as SCHEDULING.md computes it."""
+    """ceil(rho * remaining), as procs/scheduler/SCHEDULING.md computes it."""
     return (percent * remaining + 99) // 100
 
 
@@ -320,7 +321,7 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         assert sched.has_unfinished() == (bool(cancelled_now) or any(
             not b.ended and b.job.arrival_step <= step for b in books.values()))
 
-        # What SCHEDULING.md says about the head of the queue, from the driver's own books.
+        # What procs/scheduler/SCHEDULING.md says about the head of the queue, from the driver's own books.
         live_admitted = sorted((b for b in books.values() if b.admitted and not b.ended), key=lambda b: b.admit_seq)
         free_slots = config.max_running_requests - len(live_admitted)
         reserved = sum(reservation(b, percent, P) for b in live_admitted)

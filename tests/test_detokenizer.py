@@ -363,7 +363,7 @@ def test_unsupported_tokenizer_is_a_type_error() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Logprobs: ids (scheduler) -> token texts (api), through the process's `Detokenizers` and the
-# scheduler process's `TokenDeltas`.
+# scheduler's `token_deltas`.
 
 
 def test_logprobs_get_token_texts_and_the_prompt_its_text() -> None:
@@ -391,36 +391,46 @@ def test_logprobs_get_token_texts_and_the_prompt_its_text() -> None:
     assert last is not None and last.logprobs == [] and last.prompt_text is None and last.usage is not None
 
 
+def _delta_scheduler():
+    from procs.scheduler import Scheduler, SchedulerConfig
+
+    return Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64))
+
+
 def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
     from procs.scheduler.core import StepOutput
-    from procs.scheduler.process import TokenDeltas
-    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenizedRequest, TokenLogprobs
+    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenLogprobs
 
-    deltas = TokenDeltas()
+    sched = _delta_scheduler()
     prompt = np.array([5, 6, 7], dtype=np.int32)
-    deltas.add(TokenizedRequest(rid="a", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams(),
-                                logits=LogitsParams(logprobs=1, prompt_logprobs=0)))
-    deltas.add(TokenizedRequest(rid="b", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams()))
+    sched.add_request("a", prompt, SamplingParams(), StopParams(max_tokens=4),
+                      LogitsParams(logprobs=1, prompt_logprobs=0))
+    sched.add_request("b", prompt, SamplingParams(), StopParams(max_tokens=4))
     lp = TokenLogprobs(9, -0.1, [9], [-0.1])
     plp = [TokenLogprobs(6, -3.0, [], []), TokenLogprobs(7, -2.0, [], [])]
-    first = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], logprobs={"a": lp},
-                                        prompt_logprobs={"a": plp}))
+    first = sched.token_deltas(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], logprobs={"a": [lp]},
+                                          prompt_logprobs={"a": plp}))
     a, b = first
     assert (a.logprobs, a.prompt_ids, a.prompt_logprobs) == ([lp], [5, 6, 7], plp)
     assert (b.logprobs, b.prompt_ids, b.prompt_logprobs) == ([], [], [])
-    (second,) = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], logprobs={"a": lp}))
+    (second,) = sched.token_deltas(StepOutput(step=1, new_tokens=[("a", 8)], logprobs={"a": [lp]}))
     assert second.logprobs == [lp] and second.prompt_ids == []
 
 
 def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> None:
-    from procs.scheduler.core import StepOutput
-    from procs.scheduler.process import TokenDeltas
-    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenizedRequest, TokenLogprobs
+    from shared.messages import ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
 
-    deltas = TokenDeltas()
-    deltas.add(TokenizedRequest(rid="a", prompt_ids=np.array([5, 6], dtype=np.int32), sampling=SamplingParams(),
-                                stop=StopParams(max_tokens=1), logits=LogitsParams(prompt_logprobs=1)))
     plp = [TokenLogprobs(6, -3.0, [4], [-1.0])]
-    (only,) = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 9)], finished=["a"],
-                                          finish_reasons={"a": "length"}, prompt_logprobs={"a": plp}))
+
+    class Worker:
+        def execute(self, batch: ForwardBatch) -> StepResult:
+            return StepResult(step=batch.step, next_token_ids=np.array([9], dtype=np.int32),
+                              prompt_logprobs=[(batch.slots[0], plp)])
+
+    sched = _delta_scheduler()
+    sched.add_request("a", np.array([5, 6], dtype=np.int32), SamplingParams(), StopParams(max_tokens=1),
+                      LogitsParams(prompt_logprobs=1))
+    out = sched.step(Worker())
+    assert out.finished == ["a"] and not sched.has_unfinished()
+    (only,) = sched.token_deltas(out)
     assert (only.finish_reason, only.prompt_ids, only.prompt_logprobs) == ("length", [5, 6], plp)

@@ -15,10 +15,10 @@ import zmq
 
 from procs import launch
 from procs.detokenizer.process import Detokenizers
-from procs.scheduler.core import StepOutput
-from procs.scheduler.process import TokenDeltas
-from procs.tokenizer.prompts import PromptRejected, PromptTokenizer
+from procs.scheduler import Scheduler, SchedulerConfig, ScriptedExecutor, StepOutput
+from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
 from shared.messages import (PROMPT_TAIL_TOKENS, AbortRequest, ChatMessage, ForwardBatch, GenerateRequest, SamplingParams,
                              StopParams, TokenDelta, TokenizedRequest, WorkerInfo)
@@ -121,26 +121,46 @@ def test_prompt_checks_name_the_field():
         (request(prompt="w1", max_tokens=2, stop=StopParams(stop_token_ids=(5, 100))), "stop_token_ids"),
     ]
     for req, param in cases:
-        with pytest.raises(PromptRejected) as info:
+        with pytest.raises(Refusal) as info:
             tok.tokenize(req)
         assert info.value.param == param and info.value.status == 400, (req, info.value)
 
 
+def _delta_scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=128),
+                     eos_token_ids=(2,))
+
+
 def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
-    deltas = TokenDeltas()
-    deltas.add(TokenizedRequest(rid="a", prompt_ids=np.arange(20, dtype=np.int32), sampling=SamplingParams(),
-                                stop=StopParams(stop=("x",))))
-    first = deltas.from_step(StepOutput(step=0, new_tokens=[("a", 7)]))
-    assert first == [TokenDelta(rid="a", token_ids=[7], prompt_tokens=20, completion_tokens=1, stop=("x",),
+    sched = _delta_scheduler()
+    executor = ScriptedExecutor(lambda slot: 10)  # tokens 100, 101, ...
+    sched.add_request("a", np.arange(20, dtype=np.int32), SamplingParams(), StopParams(max_tokens=2, stop=("x",)))
+    first = sched.token_deltas(sched.step(executor))
+    assert first == [TokenDelta(rid="a", token_ids=[100], prompt_tokens=20, completion_tokens=1, stop=("x",),
                                 prompt_tail=list(range(20 - PROMPT_TAIL_TOKENS, 20)))]
-    last = deltas.from_step(StepOutput(step=1, new_tokens=[("a", 8)], finished=["a"],
-                                       finish_reasons={"a": "length"}))
-    assert last == [TokenDelta(rid="a", token_ids=[8], finish_reason="length", prompt_tokens=20,
+    last = sched.token_deltas(sched.step(executor))
+    assert last == [TokenDelta(rid="a", token_ids=[101], finish_reason="length", prompt_tokens=20,
                                completion_tokens=2)]
-    assert deltas.live == {}
+    assert not sched.has_unfinished()  # forgotten, its final delta built from the step's record of it
     # an abort of a request never seen still closes it downstream
-    assert deltas.from_step(StepOutput(step=2, cancelled=["zzz"])) == [
+    assert sched.token_deltas(StepOutput(step=2, cancelled=["zzz"])) == [
         TokenDelta(rid="zzz", token_ids=[], finish_reason="abort")]
+
+
+def test_an_aborted_request_closes_with_its_counts_and_its_first_delta_may_be_the_abort():
+    sched = _delta_scheduler()
+    executor = ScriptedExecutor(lambda slot: 10)
+    sched.add_request("a", np.arange(3, 9, dtype=np.int32), SamplingParams(), StopParams(max_tokens=8, stop=("x",)))
+    sched.add_request("w", np.arange(3, 6, dtype=np.int32), SamplingParams(), StopParams(max_tokens=8, stop=("y",)))
+    sched.token_deltas(sched.step(executor))
+    sched.token_deltas(sched.step(executor))  # a and w have 2 tokens each
+    assert sched.abort("a")
+    sched.add_request("q", [3], SamplingParams(), StopParams(max_tokens=8, stop=("z",)))
+    assert sched.abort("q")  # before any token: its only delta is the first
+    deltas = sched.token_deltas(sched.step(executor))
+    assert deltas[-2:] == [
+        TokenDelta(rid="a", token_ids=[], finish_reason="abort", prompt_tokens=6, completion_tokens=2),
+        TokenDelta(rid="q", token_ids=[], finish_reason="abort", prompt_tokens=1, stop=("z",), prompt_tail=[3])]
 
 
 def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_model_dir):
@@ -225,7 +245,7 @@ def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
     import time
 
     from procs.runtime import ProcessRuntime
-    from procs.scheduler.process import RemoteWorker, WorkerStalled
+    from procs.scheduler.remote_worker import RemoteWorker, WorkerStalled
     from shared.messages import StepResult
 
     rt = ProcessRuntime("scheduler", ServerConfig(runtime_dir=str(tmp_path)))
@@ -233,7 +253,7 @@ def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
         results: Receiver = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
         to_worker: Sender = Sender(rt.ctx, rt.endpoints.worker)  # nobody listens: the step never comes back
         worker = RemoteWorker(to_worker, results, rt, step_timeout_s=0.3)
-        batch = ForwardBatch(step=7, slots=[0], prefix_lens=[0], extend_lens=[1], samples=[True],
+        batch = ForwardBatch(step=7, slots=[0], prefix_lens=[0], extend_lens=[1], sample_lens=[1],
                              sampling=[SamplingParams()], sample_counts=[0],
                              **{name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0,
                                                dtype=np.int32)

@@ -60,8 +60,8 @@ def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 50
     limits = {j.rid: j.limit for j in jobs}
 
     def execute(batch, owners: list[str]) -> StepResult:
-        for owner, samples, count in zip(owners, batch.samples, batch.sample_counts):
-            assert not samples or count < limits[owner], f"{owner}: launched past its max_tokens"
+        for owner, n, count in zip(owners, batch.sample_lens, batch.sample_counts):
+            assert count + n <= limits[owner], f"{owner}: launched past its max_tokens"
         return ex.execute(batch, owners)
 
     driver = OverlappedDriver(sched, execute)
@@ -258,7 +258,7 @@ def test_the_server_streams_the_in_process_engines_tokens_with_and_without_overl
 
 
 def test_auto_overlaps_with_a_cuda_worker_only() -> None:
-    from procs.scheduler.process import overlap_schedule
+    from procs.scheduler.config import overlap_schedule
     from shared.config import ServerConfig
     from shared.messages import WorkerInfo
 

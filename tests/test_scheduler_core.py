@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from procs.scheduler import (
-    ExecutorError, RequestRejectedError, Scheduler, SchedulerConfig, SchedulerConfigError, ScriptedExecutor,
-)
+from procs.scheduler import ExecutorError, Scheduler, SchedulerConfig, SchedulerConfigError, ScriptedExecutor
 from scheduler_harness import EOS, FIRST_TOKEN, Job, run_and_check
+from shared.errors import Refusal
 from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -23,7 +22,8 @@ class Recorder:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.batches.append(batch)
-        ids = self.tokens.pop(0) if self.tokens else [FIRST_TOKEN + c for c, s in zip(batch.sample_counts, batch.samples) if s]
+        ids = self.tokens.pop(0) if self.tokens else [
+            FIRST_TOKEN + c + j for c, n in zip(batch.sample_counts, batch.sample_lens) for j in range(n)]
         return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))
 
 
@@ -41,7 +41,7 @@ def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
 
     out = sched.step(rec)  # first chunk: 3 tokens into page 1, samples nothing
     b = rec.batches[-1]
-    assert (b.step, b.slots, b.prefix_lens, b.extend_lens, b.samples, b.sample_counts) == (0, [0], [0], [3], [False], [0])
+    assert (b.step, b.slots, b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == (0, [0], [0], [3], [0], [0])
     assert b.sampling == [SamplingParams(temperature=0.5, seed=7)]
     assert b.input_ids.tolist() == [10, 11, 12] and b.positions.tolist() == [0, 1, 2]
     assert b.kv_locs.tolist() == [4, 5, 6]
@@ -51,7 +51,7 @@ def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
 
     out = sched.step(rec)  # last chunk: position 3 ends page 1, position 4 starts page 2; samples
     b = rec.batches[-1]
-    assert (b.prefix_lens, b.extend_lens, b.samples) == ([3], [2], [True])
+    assert (b.prefix_lens, b.extend_lens, b.sample_lens) == ([3], [2], [1])
     assert b.input_ids.tolist() == [13, 14] and b.kv_locs.tolist() == [7, 8]
     assert (b.page_table_cols.tolist(), b.page_table_pages.tolist()) == ([1], [2])
     assert out.new_tokens == [("A", FIRST_TOKEN)]
@@ -77,7 +77,7 @@ def test_mixed_batch_puts_decodes_first_and_reports_batch_order() -> None:
     sched.add_request("B", [7, 8, 9], GREEDY, StopParams(max_tokens=4))
     out = sched.step(rec)
     b = rec.batches[-1]
-    assert b.slots == [0, 1] and b.extend_lens == [1, 3] and b.samples == [True, True]
+    assert b.slots == [0, 1] and b.extend_lens == [1, 3] and b.sample_lens == [1, 1]
     assert b.input_ids.tolist() == [FIRST_TOKEN, 7, 8, 9]
     assert out.decode == ["A"] and out.prefill == [("B", 3)] and out.batch_size == 2
     assert out.new_tokens == [("A", FIRST_TOKEN + 1), ("B", FIRST_TOKEN)]
@@ -123,7 +123,7 @@ def test_context_limit_finishes_with_length() -> None:
 ])
 def test_requests_that_could_never_run_are_rejected(prompt: list, stop: StopParams, message: str) -> None:
     sched = make()
-    with pytest.raises(RequestRejectedError) as info:
+    with pytest.raises(Refusal) as info:
         sched.add_request("X", prompt, GREEDY, stop)
     assert message in str(info.value) and isinstance(info.value, ValueError)
     assert not sched.has_unfinished() and sched.num_waiting == 0
@@ -132,7 +132,7 @@ def test_requests_that_could_never_run_are_rejected(prompt: list, stop: StopPara
 def test_duplicate_ids_are_rejected_until_the_first_one_ends() -> None:
     sched = make()
     sched.add_request("A", [3], GREEDY, StopParams(max_tokens=1))
-    with pytest.raises(RequestRejectedError, match="already queued or running"):
+    with pytest.raises(Refusal, match="already queued or running"):
         sched.add_request("A", [3], GREEDY, StopParams(max_tokens=1))
     assert sched.step(Recorder()).finished == ["A"]
     sched.add_request("A", np.array([3, 4], dtype=np.int64), GREEDY, StopParams(max_tokens=1))
@@ -144,7 +144,7 @@ def test_a_full_server_answers_503_counting_running_and_waiting() -> None:
         sched.add_request(rid, [3], GREEDY, StopParams(max_tokens=16))
     sched.step(Recorder())  # A and B run, C waits
     sched.add_request("D", [3], GREEDY, StopParams(max_tokens=16))
-    with pytest.raises(RequestRejectedError, match="server is full") as info:
+    with pytest.raises(Refusal, match="server is full") as info:
         sched.add_request("E", [3], GREEDY, StopParams(max_tokens=16))
     assert info.value.status == 503
     assert sched.num_running == 2 and sched.num_waiting == 2

@@ -1,4 +1,4 @@
-"""Estimated reservation and preemption (SCHEDULING.md, `kv_reserve_ratio` < 1).
+"""Estimated reservation and preemption (procs/scheduler/SCHEDULING.md, `kv_reserve_ratio` < 1).
 
 Three kinds of checks: random scenarios against an independent implementation of the spec
 (`spec_reference.py`, which must first reproduce every hand-derived trace), random workloads through
@@ -115,7 +115,7 @@ def test_a_preempted_request_recomputes_its_tokens_and_continues_its_count() -> 
     class Counting:
         def execute(self, batch: ForwardBatch) -> StepResult:
             batches.append(batch)
-            ids = [FIRST_TOKEN + c for c, s in zip(batch.sample_counts, batch.samples) if s]
+            ids = [FIRST_TOKEN + c + j for c, n in zip(batch.sample_counts, batch.sample_lens) for j in range(n)]
             return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))
 
     outs = []
@@ -127,7 +127,7 @@ def test_a_preempted_request_recomputes_its_tokens_and_continues_its_count() -> 
     recompute = next(b for b in batches if b.step > preempting[0].step and b.prefix_lens == [0])
     generated_before = sum(1 for o in outs[:preempting[0].step] for rid, _ in o.new_tokens if rid == "B")
     assert recompute.input_ids.tolist() == [5, 6, 7] + [FIRST_TOKEN + k for k in range(generated_before)]
-    assert recompute.sample_counts == [generated_before] and recompute.samples == [True]
+    assert recompute.sample_counts == [generated_before] and recompute.sample_lens == [1]
     tokens = {rid: [t for o in outs for r, t in o.new_tokens if r == rid] for rid in "AB"}
     assert tokens == {rid: [FIRST_TOKEN + k for k in range(6)] for rid in "AB"}
     assert sched.allocator.num_free == 12 and sched.num_running == sched.num_waiting == 0
@@ -175,5 +175,5 @@ class _Echo:
     """Answers FIRST_TOKEN + count for every sampling row (never EOS)."""
 
     def execute(self, batch: ForwardBatch) -> StepResult:
-        ids = [FIRST_TOKEN + c for c, s in zip(batch.sample_counts, batch.samples) if s]
+        ids = [FIRST_TOKEN + c + j for c, n in zip(batch.sample_counts, batch.sample_lens) for j in range(n)]
         return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))

@@ -1,7 +1,7 @@
 """Property tests: random workloads through the real scheduler, every rule and invariant checked.
 
 `run_and_check` (tests/scheduler_harness.py) audits each ForwardBatch like a worker would and keeps
-its own books of SCHEDULING.md's quantities, so the scheduler is checked against an independent
+its own books of procs/scheduler/SCHEDULING.md's quantities, so the scheduler is checked against an independent
 model of the rules: FIFO admission at the first step the head fits, reservation never exceeded,
 KV pages owned by one request at a time, chunks adding up to the prompt, nothing leaked at the end.
 """

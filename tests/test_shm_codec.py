@@ -23,7 +23,7 @@ from shared.shm import DoubleBuffer, SharedRing, ShmReader, remove_segments_of, 
 def make_batch(step: int, n: int) -> ForwardBatch:
     ids = np.arange(step, step + n, dtype=np.int32)
     return ForwardBatch(
-        step=step, slots=[0], prefix_lens=[0], extend_lens=[n], samples=[True],
+        step=step, slots=[0], prefix_lens=[0], extend_lens=[n], sample_lens=[1],
         sampling=[SamplingParams(temperature=0.0)], sample_counts=[0],
         input_ids=ids, positions=np.arange(n, dtype=np.int32), kv_locs=ids + 100,
         page_table_slots=np.zeros(1, np.int32), page_table_cols=np.zeros(1, np.int32),

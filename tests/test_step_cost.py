@@ -1,6 +1,6 @@
 """The step-time bound (`--max-step-ms`): the step-cost model fits and follows measured steps, sizes a
 step's prefill to a target, and the scheduler honours the size it is given (without one, every trace
-is SCHEDULING.md's, which the scenario tests check)."""
+is procs/scheduler/SCHEDULING.md's, which the scenario tests check)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor
-from procs.scheduler.process import DEFAULT_MAX_STEP_MS, check_config, step_target_s
+from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
 from shared.messages import SamplingParams, StopParams, WorkerInfo

@@ -15,18 +15,33 @@ _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
+class DecodeView(NamedTuple):
+    """The decode rows a step may run, in admission order: slots, ids, sampling params, and each row's
+    width (the tokens it feeds and samples: its last token, then its draft), `tokens` their sum."""
+
+    slots: np.ndarray
+    rids: list[str]
+    sampling: list[SamplingParams]
+    widths: np.ndarray
+    tokens: int
+
+
+NO_DECODES = DecodeView(_EMPTY_I64, [], [], _EMPTY_I64, 0)
+
+
 class StepPlan(NamedTuple):
-    """What one step runs: decodes (slots, ids, sampling, in admission order), then prefill chunks."""
+    """What one step runs: decodes (slots, ids, sampling, widths, in admission order), then prefill chunks."""
 
     prefill: list[tuple[Request, int]]  # (request, prompt tokens this step)
     prefill_slots: np.ndarray
     decode_slots: np.ndarray
     decode_rids: list[str]
     decode_sampling: list[SamplingParams]
+    decode_widths: np.ndarray  # tokens each decode row feeds (1 + its draft)
+    decode_tokens: int  # their sum
 
     @classmethod
-    def of(cls, prefill: list[tuple[Request, int]],
-           decode: tuple[np.ndarray, list[str], list[SamplingParams]] = (_EMPTY_I64, [], [])) -> "StepPlan":
+    def of(cls, prefill: list[tuple[Request, int]], decode: DecodeView = NO_DECODES) -> "StepPlan":
         slots = np.fromiter((r.slot for r, _ in prefill), dtype=np.int64, count=len(prefill))
         return cls(prefill, slots, *decode)
 
@@ -37,24 +52,26 @@ class StepPlan(NamedTuple):
     def slots_and_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """Every item's slot and the KV positions it adds this step (decodes first)."""
         if not self.prefill:
-            return self.decode_slots, np.ones(self.decode_slots.shape[0], dtype=np.int64)
+            return self.decode_slots, self.decode_widths
         tokens = np.fromiter((n for _, n in self.prefill), dtype=np.int64, count=len(self.prefill))
         if not self.decode_slots.shape[0]:
             return self.prefill_slots, tokens
-        return (np.concatenate([self.decode_slots, self.prefill_slots]),
-                np.concatenate([np.ones(self.decode_slots.shape[0], dtype=np.int64), tokens]))
+        return (np.concatenate([self.decode_slots, self.prefill_slots]), np.concatenate([self.decode_widths, tokens]))
 
     def without(self, slots: list[int]) -> "StepPlan":
         """The plan minus the items of `slots` (preempted requests)."""
         gone = set(slots)
         keep = [i for i, s in enumerate(self.decode_slots.tolist()) if s not in gone]
-        return StepPlan.of([(r, n) for r, n in self.prefill if r.slot not in gone], (
-            self.decode_slots[keep], [self.decode_rids[i] for i in keep], [self.decode_sampling[i] for i in keep]))
+        widths = self.decode_widths[keep]
+        return StepPlan.of([(r, n) for r, n in self.prefill if r.slot not in gone], DecodeView(
+            self.decode_slots[keep], [self.decode_rids[i] for i in keep], [self.decode_sampling[i] for i in keep],
+            widths, int(widths.sum())))
 
 
 def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, table: RequestTable,
-                        page_size: int) -> ForwardBatch:
-    """Pack decodes first, then prefill chunks, into the worker's arrays (pages already allocated)."""
+                        page_size: int, eos_token_ids: tuple[int, ...]) -> ForwardBatch:
+    """Pack decodes first, then prefill chunks, into the worker's arrays (pages already allocated).
+    A decode row feeds its last token, then its draft (`FUTURE_TOKEN` stands only first)."""
     P = page_size
     ds = plan.decode_slots
     ids_parts: list[np.ndarray] = []
@@ -63,21 +80,22 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
     slots: list[int] = []
     prefix_lens: list[int] = []
     extend_lens: list[int] = []
-    samples: list[bool] = []
+    sample_lens: list[int] = []
     sampling: list[SamplingParams] = []
     sample_counts: list[int] = []
     slot_starts: list[SlotStart] = []
 
     nd = ds.shape[0]
     if nd:
-        pos = table.kv_len[ds]
-        ids_parts.append(table.last_token[ds])
+        kv_len = table.kv_len[ds]
+        ids, pos, rows = _decode_tokens(plan, table, kv_len)
+        ids_parts.append(ids)
         pos_parts.append(pos)
-        loc_parts.append(table.page_table[ds, pos // P].astype(np.int64) * P + pos % P)
+        loc_parts.append(table.page_table[rows, pos // P].astype(np.int64) * P + pos % P)
         slots = ds.tolist()
-        prefix_lens = pos.tolist()
-        extend_lens = [1] * nd
-        samples = [True] * nd
+        prefix_lens = kv_len.tolist()
+        extend_lens = plan.decode_widths.tolist()
+        sample_lens = list(extend_lens)
         sampling = list(plan.decode_sampling)
         sample_counts = table.generated[ds].tolist()
 
@@ -96,21 +114,38 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
         slots += pslots.tolist()
         prefix_lens += starts
         extend_lens += lens
-        samples += [a + n == r.prompt_len for r, a, n in zip(reqs, starts, lens)]
+        sample_lens += [int(a + n == r.prompt_len) for r, a, n in zip(reqs, starts, lens)]
         sampling += [r.sampling for r in reqs]
         sample_counts += table.generated[pslots].tolist()  # > 0 when recomputing after a preemption
         for request in reqs:
             if request.starting:
-                slot_starts.append(request.slot_start())
+                slot_starts.append(request.slot_start(eos_token_ids))
                 request.starting = False
 
     return ForwardBatch(
-        step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, samples=samples,
+        step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, sample_lens=sample_lens,
         sampling=sampling, sample_counts=sample_counts,
         input_ids=_concat_i32(ids_parts), positions=_concat_i32(pos_parts), kv_locs=_concat_i32(loc_parts),
         page_table_slots=_concat_i32([updates.slots]), page_table_cols=_concat_i32([updates.cols]),
         page_table_pages=_concat_i32([updates.pages]), slot_starts=slot_starts,
     )
+
+
+def _decode_tokens(plan: StepPlan, table: RequestTable,
+                   kv_len: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The decode rows' input ids, positions and slots, token by token: a row feeds its last token at
+    its next position, then its draft one position further each."""
+    ds = plan.decode_slots
+    ids = table.last_token[ds]
+    if plan.decode_tokens == ds.shape[0]:  # a token per row
+        return ids, kv_len, ds
+    widths = plan.decode_widths
+    row_starts = np.cumsum(widths) - widths
+    pos = np.arange(plan.decode_tokens, dtype=np.int64) - np.repeat(row_starts - kv_len, widths)
+    ids = np.repeat(ids, widths)
+    for i in np.flatnonzero(widths > 1).tolist():
+        ids[row_starts[i] + 1:row_starts[i] + widths[i]] = table.requests[ds[i]].draft  # type: ignore[union-attr]
+    return ids, pos, np.repeat(ds, widths)
 
 
 def _concat_i32(parts: list[np.ndarray]) -> np.ndarray:

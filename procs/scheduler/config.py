@@ -1,10 +1,20 @@
-"""The scheduler's knobs (`SchedulerConfig`) and the checks that refuse unworkable combinations."""
+"""The scheduler's knobs (`SchedulerConfig`), the checks that refuse unworkable combinations, and how
+the server's settings and the worker's report become them (step-time target, overlap scheduling)."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
-from shared.config import POLICIES, Policy
+from shared.config import POLICIES, Policy, ServerConfig
+from shared.messages import WorkerInfo
+
+DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
+NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
+# A step sized to the time bound still prefills this much, however long its decodes alone take, so
+# that waiting requests always progress.
+MIN_PREFILL_TOKENS = 32
 
 
 class SchedulerConfigError(ValueError):
@@ -71,3 +81,35 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     def num_kv_pages(self) -> int:
         """Pages the allocator hands out (page 0 excluded)."""
         return self.kv_capacity_tokens // self.page_size
+
+
+def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
+    """The server's settings, sized by what the worker reported (KV capacity, page size, context)."""
+    return SchedulerConfig(
+        max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
+        kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
+        max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
+        prefix_cache=not config.disable_prefix_cache,
+    )
+
+
+def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
+    """The step-time target in seconds, or None: no bound (-1), or no probe to model steps with."""
+    if config.max_step_ms == NO_STEP_BOUND or len({tokens for tokens, _, _ in info.step_costs}) < 2:
+        return None
+    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
+    return ms / 1000
+
+
+def overlap_schedule(config: ServerConfig, info: WorkerInfo) -> bool:
+    """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker)."""
+    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda")
+
+
+def check_config(config: ServerConfig) -> None:
+    """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
+    if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
+        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
+                         f"got {config.max_step_ms}")
+    scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
+                                                    eos_token_ids=[], max_context=0, page_size=config.page_size))

@@ -1,5 +1,5 @@
-"""The continuous-batching scheduler of the chapter, as exact rules in `../shared/SCHEDULING.md` (the
-team folder beside this checkout).
+"""The continuous-batching scheduler of the chapter, as exact rules in `SCHEDULING.md` (beside this
+module).
 
 One `step()` is the chapter's iteration (section 4.2): new requests and aborts have already been
 taken in by `add_request` / `abort`; the policy chooses a batch (prefill chunks and/or decodes);
@@ -11,6 +11,12 @@ A step is two halves, `launch` (plan and pack the batch) and `complete` (apply i
 the server can overlap them (mini-sglang, SGLang): it launches step N+1 before step N's tokens are
 back, and the worker never waits for the scheduler. `step()` runs the halves back to back, which is
 the chapter's schedule exactly (`simulate`'s traces).
+
+A decode row feeds its request's last token and then its draft, if it has one (`set_draft`): a row of
+width k adds k KV positions, samples k tokens and counts k against the prefill budget. Every token
+that comes back is appended in order with the stop checks applied to each; the first that ends the
+request drops the rest of its row. A draft is accepted only once its request's last token is back,
+so that with overlap scheduling `FUTURE_TOKEN` still stands only first in a row.
 
 The pieces: `PrefillManager` plans chunks and admissions within the budget, `DecodeManager` holds
 the decode set, `KVManager` owns the pages (reservation, preemption victims, allocation) and
@@ -28,25 +34,27 @@ import numpy as np
 
 from procs.scheduler.batch import StepPlan, build_forward_batch
 from procs.scheduler.config import SchedulerConfig
+from procs.scheduler.deltas import token_deltas
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from shared.config import request_cap
-from shared.messages import FUTURE_TOKEN, PLAIN_LOGITS, ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
+from shared.errors import Refusal
+from shared.messages import (
+    FUTURE_TOKEN,
+    PLAIN_LOGITS,
+    ForwardBatch,
+    LogitsParams,
+    SamplingParams,
+    StepResult,
+    StopParams,
+    TokenDelta,
+    TokenLogprobs,
+)
 
 _INT32_MAX = 2**31 - 1
-
-
-class RequestRejectedError(ValueError):
-    """`add_request` refused a request; `status` is the HTTP status the api should answer with."""
-
-    def __init__(self, rid: str, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(f"request {rid!r}: {message}")
-        self.rid = rid
-        self.status = status
-        self.param = param
 
 
 class StepOutput(msgspec.Struct, kw_only=True):
@@ -61,9 +69,11 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finish_reasons: dict[str, str] = {}  # rid -> "stop" | "length"
     batch_size: int = 0  # requests in the executed batch; 0: idle step
     preempted: list[str] = []  # back in the waiting queue (step 3b), in preemption order
-    cached_tokens: dict[str, int] = {}  # rid -> prompt tokens found in the prefix cache, with its first token
-    logprobs: dict[str, TokenLogprobs] = {}  # rid -> its new token's logprobs (requests that asked)
+    logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> its new tokens' logprobs (requests that asked)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> prompt tokens 1.., with its first token
+    # rid -> the record of each request this output finishes or cancels (forgotten by the scheduler;
+    # its final `TokenDelta` still reads it)
+    ended: dict[str, Request] = {}
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -72,7 +82,7 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 class LaunchedStep(NamedTuple):
     """A step between `Scheduler.launch` and `Scheduler.complete`: its plan and batch (None: nothing
     to run), what it did so far, and for each sampling row in batch order the slot, request, index of
-    the token in the request's output, and the admission that launched it."""
+    its first token in the request's output, tokens it samples, and the admission that launched it."""
 
     plan: StepPlan
     batch: ForwardBatch | None
@@ -80,8 +90,23 @@ class LaunchedStep(NamedTuple):
     sample_slots: np.ndarray = _NO_ROWS
     sample_rids: list[str] = []
     token_index: np.ndarray = _NO_ROWS
+    sample_lens: np.ndarray = _NO_ROWS
     admit_seq: np.ndarray = _NO_ROWS
     completing: list[Request] = []
+
+
+class _KeptTokens(NamedTuple):
+    """A completed step's tokens that count (batch order): slot, index in the request's output, id and
+    rid of each, whether it is a stop token, whether it ends its request, and where each stands in
+    `StepResult.next_token_ids` (None: every token counts)."""
+
+    slots: np.ndarray
+    index: np.ndarray
+    token_ids: np.ndarray
+    rids: list[str]
+    stopped: np.ndarray
+    ends: np.ndarray
+    positions: np.ndarray | None
 
 
 class Scheduler:
@@ -99,6 +124,7 @@ class Scheduler:
         self.page_size = config.page_size
         self.num_kv_pages = config.num_kv_pages
         self.eos_token_ids = np.asarray(sorted(set(eos_token_ids)), dtype=np.int64)
+        self._eos_tuple = tuple(self.eos_token_ids.tolist())
         self.table = RequestTable(config.max_running_requests, self.max_pages_per_request)
         self.kv = KVManager(config, self.table)
         self.allocator = self.kv.allocator
@@ -107,7 +133,7 @@ class Scheduler:
         self._planner = POLICY_PLANNERS[config.policy]
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
         self._step = 0
-        self._cancelled: list[str] = []
+        self._cancelled: list[Request] = []  # aborted since the last launched step
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
@@ -155,9 +181,11 @@ class Scheduler:
         return bool(self._live) or bool(self._cancelled)
 
     def decode_load(self) -> tuple[int, float]:
-        """(requests decoding, their attention pairs next step): what a step carries besides prefill."""
-        slots = self.decode_manager.batch_view()[0]
-        return int(slots.shape[0]), float(self.table.kv_len[slots].sum() + slots.shape[0])
+        """(decode tokens, their attention pairs next step): what a step carries besides prefill. A row of
+        width k after p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
+        view = self.decode_manager.batch_view()
+        w = view.widths
+        return view.tokens, float((self.table.kv_len[view.slots] * w).sum() + (w * (w + 1) // 2).sum())
 
     def prefill_prefix(self) -> int:
         """Tokens of its prompt the next prefill chunk follows (the attention it pays for): the first
@@ -172,25 +200,22 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
                     stop: StopParams, logits: LogitsParams = PLAIN_LOGITS) -> None:
-        """Queue a request at the tail of the waiting queue, or raise `RequestRejectedError`."""
+        """Queue a request at the tail of the waiting queue, or raise `Refusal`."""
         if rid in self._live:
-            raise RequestRejectedError(rid, "a request with this id is already queued or running")
-        prompt = self._validate_prompt(rid, prompt_ids)
+            raise Refusal("a request with this id is already queued or running")
+        prompt = self._validate_prompt(prompt_ids)
         # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
         if self.kv.pages_for(total) > self.num_kv_pages:
-            raise RequestRejectedError(
-                rid, f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
-                f"in the KV cache of {self.kv_capacity_tokens} tokens", param="max_tokens")
+            raise Refusal(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
+                          f"in the KV cache of {self.kv_capacity_tokens} tokens", "max_tokens")
         capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
         if capacity is not None and len(self._live) >= capacity:
-            raise RequestRejectedError(
-                rid, f"the server is full ({self.config.max_running_requests} running + {self.config.max_waiting} "
-                f"waiting requests)", status=503)
-        banned = (() if stop.ignore_eos else tuple(self.eos_token_ids.tolist())) + tuple(stop.stop_token_ids)
-        request = Request(rid, prompt, sampling, stop, logits, banned)
+            raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
+                          f"{self.config.max_waiting} waiting requests)", status=503)
+        request = Request(rid, prompt, sampling, stop, logits)
         self._live[rid] = request
         self.prefill_manager.pending_list.append(request)
 
@@ -212,8 +237,34 @@ class Scheduler:
             del self._live[rid]
         else:
             self._release([request])
-        self._cancelled.append(rid)
+        self._cancelled.append(request)
         return True
+
+    def set_draft(self, rid: str, draft: Sequence[int] | np.ndarray) -> None:
+        """Give decoding request `rid` tokens proposed to follow its last token: its next decode row feeds
+        them after it and samples one token at each (ValueError if it cannot take them).
+
+        Only once its last token is back (no launched step holds it), so that a row's inputs are known
+        past its first; and at most its token limit less one, so that the row never samples past it."""
+        request = self._live.get(rid)
+        if request is None or rid not in self.decode_manager:
+            raise ValueError(f"request {rid!r} is not decoding")
+        tokens = np.asarray(draft)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (
+                tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > _INT32_MAX)):
+            raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
+        slot = request.slot
+        if self.table.last_token[slot] == FUTURE_TOKEN:
+            raise ValueError(f"request {rid!r}: its last token is not back yet")
+        room = int(self.table.token_limit[slot] - self.table.generated[slot]) - 1
+        if tokens.shape[0] > room:
+            raise ValueError(f"request {rid!r}: a draft of {tokens.shape[0]} tokens passes its token limit "
+                             f"(room for {room})")
+        self.decode_manager.set_draft(request, tokens.astype(np.int32))
+
+    def token_deltas(self, out: StepOutput) -> list[TokenDelta]:
+        """`out` as one `TokenDelta` per request, for the detokenizer (see `procs.scheduler.deltas`)."""
+        return token_deltas(out, self._live)
 
     # ------------------------------------------------------------------ one iteration
     def step(self, executor: Executor, prefill_tokens: int | None = None) -> StepOutput:
@@ -245,9 +296,12 @@ class Scheduler:
         dropped when it comes back. Preemption needs every token known (a victim's tokens become its
         prompt): if this step must preempt while steps run, `drain` is called first to complete them.
         """
-        out = StepOutput(step=self._step, cancelled=self._cancelled)
+        out = StepOutput(step=self._step)
+        if self._cancelled:
+            out.cancelled = [r.rid for r in self._cancelled]
+            out.ended = {r.rid: r for r in self._cancelled}
+            self._cancelled = []
         self._step += 1
-        self._cancelled = []
         plan = self._plan(prefill_tokens)
         slots, tokens = plan.slots_and_tokens()
         growth = self.kv.growth(slots, tokens)
@@ -269,7 +323,7 @@ class Scheduler:
         if plan.is_empty:
             return LaunchedStep(plan, None, out)
         updates = self.kv.allocate(slots, growth)
-        batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size)
+        batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
         return self._advance(plan, batch, out)
 
@@ -293,9 +347,11 @@ class Scheduler:
     def _advance(self, plan: StepPlan, batch: ForwardBatch, out: StepOutput) -> LaunchedStep:
         """Advance what a launched batch decides, before its tokens are known (see `launch`)."""
         table = self.table
-        ds = plan.decode_slots
+        ds, widths = plan.decode_slots, plan.decode_widths
         if ds.shape[0]:
-            table.kv_len[ds] += 1
+            table.kv_len[ds] += widths
+            if self.decode_manager.drafting:
+                self.decode_manager.use_drafts()  # packed into this batch's rows
         completing: list[Request] = []
         if plan.prefill:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
@@ -308,12 +364,11 @@ class Scheduler:
             cslots = np.fromiter((r.slot for r in completing), dtype=np.int64, count=len(completing))
             sample_slots = np.concatenate([ds, cslots])
             sample_rids = plan.decode_rids + [r.rid for r in completing]
-            out.cached_tokens = {r.rid: r.cached_tokens for r in completing
-                                 if r.cached_tokens and r.num_generated_before == 0}
+            sample_lens = np.concatenate([widths, np.ones(len(completing), dtype=np.int64)])
         else:
-            sample_slots, sample_rids = ds, plan.decode_rids
+            sample_slots, sample_rids, sample_lens = ds, plan.decode_rids, widths
         token_index = table.generated[sample_slots].copy()
-        table.generated[sample_slots] += 1
+        table.generated[sample_slots] += sample_lens
         table.last_token[sample_slots] = FUTURE_TOKEN
         # A request whose token limit this step reaches leaves the decode set now (it is released when
         # the token comes back), so no step launched meanwhile plans it.
@@ -329,52 +384,37 @@ class Scheduler:
         out.prefill = [(r.rid, n) for r, n in plan.prefill]
         out.decode = list(plan.decode_rids)
         out.batch_size = batch.num_requests
-        return LaunchedStep(plan, batch, out, sample_slots, sample_rids, token_index,
+        return LaunchedStep(plan, batch, out, sample_slots, sample_rids, token_index, sample_lens,
                             table.admit_seq[sample_slots].copy(), completing)
 
     # ------------------------------------------------------------------ applying results
     def complete(self, launched: LaunchedStep, result: StepResult) -> StepOutput:
         """The second half of a step: record the sampled tokens, check stop conditions, and release the
         requests that finished (their slot and every KV page). Rows of requests that ended while the
-        step ran (finished by an earlier step's token, or aborted) are dropped."""
+        step ran (finished by an earlier step's token, or aborted) are dropped, and so are a row's
+        tokens after the one that ends its request."""
         batch, out = launched.batch, launched.out
         assert batch is not None, "an empty step has nothing to complete"
         self._launched -= 1
         table = self.table
         token_ids = np.asarray(result.next_token_ids)
-        num_sampling = launched.sample_slots.shape[0]
-        if result.step != batch.step or token_ids.shape != (num_sampling,):
+        if result.step != batch.step or token_ids.shape != (batch.num_sampled,):
             raise ExecutorError(
-                f"step {batch.step}: expected {num_sampling} token ids for step {batch.step}, got "
+                f"step {batch.step}: expected {batch.num_sampled} token ids for step {batch.step}, got "
                 f"shape {token_ids.shape} for step {result.step}")
-        slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
-        live = table.admit_seq[slots] == launched.admit_seq  # still the admission that launched the row
-        if not live.all():
-            keep = np.flatnonzero(live)
-            slots, index, token_ids = slots[keep], index[keep], token_ids[keep]
-            rows = keep.tolist()
-            rids = [rids[i] for i in rows]
-        else:
-            rows = list(range(num_sampling))
+        kept = self._kept_tokens(launched, token_ids)
+        slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
-        latest = table.generated[slots] == index + 1  # no later step has fed this slot yet
+        latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
         table.last_token[slots[latest]] = token_ids[latest]
-        reached_limit = index + 1 >= table.token_limit[slots]
-        if self.eos_token_ids.shape[0] == 1:
-            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[slots]
-        elif self.eos_token_ids.shape[0]:
-            stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[slots]
-        else:
-            stopped = np.zeros(slots.shape[0], dtype=bool)
-        for i in np.flatnonzero(table.has_stop_ids[slots]).tolist():
-            if int(token_ids[i]) in table.requests[int(slots[i])].stop_ids:
-                stopped[i] = True
 
         out.new_tokens = list(zip(rids, token_ids.tolist()))
         if result.logprobs:
-            position = {row: i for i, row in enumerate(rows)}
-            out.logprobs = {rids[position[row]]: lp for row, lp in zip(result.logprob_rows, result.logprobs)
-                            if row in position}
+            where = None if kept.positions is None else dict(zip(kept.positions.tolist(), range(len(rids))))
+            for at, lp in zip(result.logprob_rows, result.logprobs):
+                i = at if where is None else where.get(at)
+                if i is not None:
+                    out.logprobs.setdefault(rids[i], []).append(lp)
         prefilling = {r.slot: r for r, _ in launched.plan.prefill}
         for slot, entries in result.prompt_logprobs:
             request = prefilling[slot]
@@ -382,12 +422,60 @@ class Scheduler:
                 request.prompt_logprobs.extend(entries)
         out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
                                if r.wants_prompt_logprobs and self._live.get(r.rid) is r}
-        done = np.flatnonzero(stopped | reached_limit).tolist()
+        done = np.flatnonzero(kept.ends).tolist()
         if done:
             out.finished = [rids[i] for i in done]
-            out.finish_reasons = {rids[i]: "stop" if stopped[i] else "length" for i in done}
-            self._release([self._live[rid] for rid in out.finished])
+            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] else "length" for i in done}
+            finished = [self._live[rid] for rid in out.finished]
+            out.ended.update(zip(out.finished, finished))
+            self._release(finished)
         return out
+
+    def _kept_tokens(self, launched: LaunchedStep, token_ids: np.ndarray) -> _KeptTokens:
+        """The sampled tokens that count, each with its slot and index in its request's output: not those
+        of rows whose request ended while the step ran, nor a row's tokens after the one that ends it."""
+        table = self.table
+        slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
+        num_sampled = token_ids.shape[0]
+        if num_sampled == slots.shape[0]:  # a token per row
+            row, offset = None, None
+            live = table.admit_seq[slots] == launched.admit_seq  # still the admission that launched the row
+        else:
+            lens = launched.sample_lens
+            row = np.repeat(np.arange(slots.shape[0]), lens)
+            row_starts = np.cumsum(lens) - lens
+            offset = np.arange(num_sampled, dtype=np.int64) - row_starts[row]
+            slots, index = slots[row], index[row] + offset
+            live = table.admit_seq[slots] == launched.admit_seq[row]
+        stopped = self._stopped(slots, token_ids, live)
+        ends = (stopped | (index + 1 >= table.token_limit[slots])) & live
+        keep = live
+        if row is not None and ends.any():
+            first_end = np.minimum.reduceat(np.where(ends, offset, num_sampled), row_starts)
+            keep = live & (offset <= first_end[row])
+        positions = None
+        if not keep.all():
+            positions = np.flatnonzero(keep)
+            slots, index, token_ids, stopped, ends = (a[positions] for a in (slots, index, token_ids, stopped, ends))
+        if row is not None:
+            rids = [rids[i] for i in (row if positions is None else row[positions]).tolist()]
+        elif positions is not None:
+            rids = [rids[i] for i in positions.tolist()]
+        return _KeptTokens(slots, index, token_ids, rids, stopped, ends, positions)
+
+    def _stopped(self, slots: np.ndarray, token_ids: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """Which tokens are a stop token of their request (EOS unless ignore_eos, or a stop_token_id)."""
+        table = self.table
+        if self.eos_token_ids.shape[0] == 1:
+            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[slots]
+        elif self.eos_token_ids.shape[0]:
+            stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[slots]
+        else:
+            stopped = np.zeros(slots.shape[0], dtype=bool)
+        for i in np.flatnonzero(table.has_stop_ids[slots] & live).tolist():
+            if int(token_ids[i]) in table.requests[int(slots[i])].stop.stop_token_ids:  # type: ignore[union-attr]
+                stopped[i] = True
+        return stopped
 
     def _release(self, requests: list[Request], *, forget: bool = True) -> None:
         """Give back the slots and every KV page of admitted requests (and forget them: they ended)."""
@@ -403,20 +491,17 @@ class Scheduler:
             request.slot = -1
 
     @staticmethod
-    def _validate_prompt(rid: str, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def _validate_prompt(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         try:
             prompt = np.asarray(prompt_ids)
         except (TypeError, ValueError) as exc:
-            raise RequestRejectedError(rid, f"prompt token ids are not a sequence of integers ({exc})",
-                                       param="prompt") from None
+            raise Refusal(f"prompt token ids are not a sequence of integers ({exc})", "prompt") from None
         if prompt.ndim != 1:
-            raise RequestRejectedError(rid, f"prompt token ids must be one-dimensional, got shape {prompt.shape}",
-                                       param="prompt")
+            raise Refusal(f"prompt token ids must be one-dimensional, got shape {prompt.shape}", "prompt")
         if prompt.shape[0] == 0:
-            raise RequestRejectedError(rid, "the prompt is empty", param="prompt")
+            raise Refusal("the prompt is empty", "prompt")
         if not np.issubdtype(prompt.dtype, np.integer):
-            raise RequestRejectedError(rid, f"prompt token ids must be integers, got {prompt.dtype}", param="prompt")
+            raise Refusal(f"prompt token ids must be integers, got {prompt.dtype}", "prompt")
         if int(prompt.min()) < 0 or int(prompt.max()) > _INT32_MAX:
-            raise RequestRejectedError(rid, "prompt token ids must be in [0, 2**31)", param="prompt")
+            raise Refusal("prompt token ids must be in [0, 2**31)", "prompt")
         return prompt.astype(np.int32, copy=True)
-

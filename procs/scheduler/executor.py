@@ -10,7 +10,7 @@ from shared.messages import ForwardBatch, StepResult
 
 
 class Executor(Protocol):
-    """Runs one `ForwardBatch`; returns one token id per request with `samples[i]`, in batch order."""
+    """Runs one `ForwardBatch`; returns one token id per sampled position (`sample_lens`), in batch order."""
 
     def execute(self, batch: ForwardBatch) -> StepResult: ...
 
@@ -22,8 +22,8 @@ class ExecutorError(RuntimeError):
 class ScriptedExecutor:
     """A fake model: the request in slot s emits EOS as its `output_tokens(s)`-th token.
 
-    Other tokens are `first_token_id + k` for the k-th sampled token (0-based), so they never equal
-    the EOS id as long as `first_token_id > eos_token_id`.
+    Other tokens are `first_token_id + k` for the k-th sampled token (0-based; a row's j-th position
+    is its `sample_counts[i] + j`-th), so they never equal the EOS id as long as `first_token_id > eos_token_id`.
     """
 
     def __init__(self, output_tokens: Callable[[int], int], *, eos_token_id: int = 2,
@@ -36,8 +36,8 @@ class ScriptedExecutor:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         ids = [
-            self._eos if count + 1 >= self._output_tokens(slot) else self._first + count
-            for slot, samples, count in zip(batch.slots, batch.samples, batch.sample_counts)
-            if samples
+            self._eos if k + 1 >= self._output_tokens(slot) else self._first + k
+            for slot, n, count in zip(batch.slots, batch.sample_lens, batch.sample_counts)
+            for k in range(count, count + n)
         ]
         return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))

@@ -9,13 +9,12 @@ from typing import Callable
 
 import numpy as np
 
-from procs.scheduler.batch import StepPlan
+from procs.scheduler.batch import DecodeView, StepPlan
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.prefix_cache import CachedPage
-from procs.scheduler.request import Request
+from procs.scheduler.request import NO_DRAFT, Request
 from procs.scheduler.request_table import RequestTable
 from shared.config import POLICIES
-from shared.messages import SamplingParams
 
 
 class PrefillManager:
@@ -95,15 +94,16 @@ class PrefillManager:
 class DecodeManager:
     """`running_reqs`: admitted requests with the whole prompt prefilled, in admission order.
 
-    The decode batch view (slots as a numpy array, ids, sampling params) is cached and rebuilt only
-    when membership changes, so a steady decode step does no per-request Python work to plan.
+    The decode batch view (slots as a numpy array, ids, sampling params, row widths) is cached and
+    rebuilt only when membership changes, so a steady decode step does no per-request Python work to
+    plan. `drafting`: the running requests with a draft (their rows are wider than one token).
     """
 
     def __init__(self) -> None:
         self.running_reqs: dict[str, Request] = {}
-        self._slots: np.ndarray | None = None
-        self._rids: list[str] = []
-        self._sampling: list[SamplingParams] = []
+        self.drafting: dict[str, Request] = {}
+        self._view: DecodeView | None = None
+        self._rows: dict[str, int] = {}  # rid -> its row in the view, built when a draft needs it
 
     def __len__(self) -> int:
         return len(self.running_reqs)
@@ -113,23 +113,43 @@ class DecodeManager:
 
     def add(self, request: Request) -> None:
         self.running_reqs[request.rid] = request
-        self._slots = None
+        self._view = None
 
     def remove(self, rid: str) -> None:
         del self.running_reqs[rid]
-        self._slots = None
+        self.drafting.pop(rid, None)
+        self._view = None
 
-    def batch_view(self) -> tuple[np.ndarray, list[str], list[SamplingParams]]:
-        """(slots, rids, sampling params) of every running request, in admission order.
+    def set_draft(self, request: Request, draft: np.ndarray) -> None:
+        request.draft = draft
+        self.drafting[request.rid] = request
+
+    def use_drafts(self) -> None:
+        """A decode step was launched: every draft went into its row."""
+        for request in self.drafting.values():
+            request.draft = NO_DRAFT
+        self.drafting.clear()
+
+    def batch_view(self) -> DecodeView:
+        """Every running request's row, in admission order.
 
         The lists are replaced, never mutated, on membership change: callers may keep them.
         """
-        if self._slots is None:
+        if self._view is None:
             reqs = self.running_reqs.values()
-            self._slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(self.running_reqs))
-            self._rids = [r.rid for r in reqs]
-            self._sampling = [r.sampling for r in reqs]
-        return self._slots, self._rids, self._sampling
+            n = len(self.running_reqs)
+            self._view = DecodeView(np.fromiter((r.slot for r in reqs), dtype=np.int64, count=n),
+                                    [r.rid for r in reqs], [r.sampling for r in reqs],
+                                    np.ones(n, dtype=np.int64), n)
+            self._rows = {}
+        if not self.drafting:
+            return self._view
+        if not self._rows:
+            self._rows = {rid: i for i, rid in enumerate(self._view.rids)}
+        widths = self._view.widths.copy()
+        for rid, request in self.drafting.items():
+            widths[self._rows[rid]] += request.draft.shape[0]
+        return self._view._replace(widths=widths, tokens=int(widths.sum()))
 
 
 # A policy plans one step: (prefill, decode, prefill_budget, this step's prompt-token cap) -> StepPlan.
@@ -137,9 +157,10 @@ PolicyPlanner = Callable[[PrefillManager, DecodeManager, int, int], StepPlan]
 
 
 def plan_mixed(prefill: PrefillManager, decode: DecodeManager, budget: int, cap: int) -> StepPlan:
-    """Every decode, plus prefill chunks and admissions in what the decodes leave of the budget."""
+    """Every decode, plus prefill chunks and admissions in what the decodes leave of the budget (a
+    decode row counts its width, one token per sampled position)."""
     view = decode.batch_view()
-    return StepPlan.of(prefill.plan(min(budget - len(view[1]), cap), admit=True), view)
+    return StepPlan.of(prefill.plan(min(budget - view.tokens, cap), admit=True), view)
 
 
 def plan_prefill_first(prefill: PrefillManager, decode: DecodeManager, budget: int, cap: int) -> StepPlan:

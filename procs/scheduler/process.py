@@ -11,196 +11,38 @@ its StepResult: send each request's new tokens to the detokenizer, and `Schedule
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.core import LaunchedStep, RequestRejectedError, Scheduler, StepOutput
-from procs.scheduler.executor import ExecutorError
+from procs.scheduler.config import (
+    MIN_PREFILL_TOKENS,
+    check_config,
+    overlap_schedule,
+    scheduler_config_from_server,
+    step_target_s,
+)
+from procs.scheduler.core import LaunchedStep, Scheduler, StepOutput
+from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import (
-    PROMPT_TAIL_TOKENS,
     AbortRequest,
     BackendFailure,
-    ForwardBatch,
     RequestRejected,
     SchedulerStats,
     StepResult,
-    TokenDelta,
     TokenizedRequest,
     WorkerInfo,
 )
 from shared.shm import DoubleBuffer
-from shared.step_features import attention_pairs
 
 log = logging.getLogger("batchserve.scheduler")
 
 STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
-DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
-NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
-# A step sized to the time bound still prefills this much, however long its decodes alone take, so
-# that waiting requests always progress.
-MIN_PREFILL_TOKENS = 32
-WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
-
-
-class WorkerGone(RuntimeError):
-    """The worker stopped answering while we were stopping."""
-
-
-class WorkerStalled(RuntimeError):
-    """No result for a step within the step timeout: the worker is hung, dead or far too slow."""
-
-
-class RemoteWorker:
-    """The scheduler's executor: ForwardBatches out, their StepResults back in order. With overlap
-    scheduling two steps are in flight (the worker runs one while the next waits in its socket).
-
-    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`."""
-
-    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime,
-                 step_timeout_s: float) -> None:
-        self.to_worker = to_worker
-        self.results = results
-        self.rt = rt
-        self.step_timeout_s = step_timeout_s
-        self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
-        self._sent: dict[int, float] = {}  # step -> when it was sent
-        self._last_result = 0.0  # when the previous result came back: a queued step starts then
-
-    def execute(self, batch: ForwardBatch) -> StepResult:
-        self.submit(batch)
-        return self.wait(batch)
-
-    def submit(self, batch: ForwardBatch) -> None:
-        self.to_worker.send(batch)
-        self._sent[batch.step] = time.monotonic()
-
-    def wait(self, batch: ForwardBatch) -> StepResult:
-        """The result of `batch`, the oldest step in flight."""
-        started = max(self._sent.pop(batch.step), self._last_result)
-        stop_seen: float | None = None
-        while True:
-            result = self.results.recv(POLL_INTERVAL_S)
-            if result is not None:
-                if result.step != batch.step:
-                    raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
-                self._last_result = now = time.monotonic()
-                if self.cost is not None:
-                    self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
-                                      now - started, with_prefill=batch.num_tokens > batch.num_requests)
-                return result
-            now = time.monotonic()
-            if now - started > self.step_timeout_s:
-                raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
-                                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")
-            if self.rt.stopping.is_set():
-                stop_seen = stop_seen or now
-                if now - stop_seen > WORKER_STOP_GRACE_S:
-                    raise WorkerGone(f"no result for step {batch.step} from the worker")
-
-
-@dataclass
-class _DeltaState:
-    """What one request's next `TokenDelta` needs to carry (counts, and what goes on the first only)."""
-
-    prompt_tokens: int
-    stop: tuple[str, ...]
-    prompt_tail: list[int]
-    generated: int = 0
-    started: bool = False
-    cached_tokens: int = 0
-    prompt_ids: list[int] = field(default_factory=list)  # kept only when prompt logprobs are asked for
-
-
-class TokenDeltas:
-    """Turns a `StepOutput` into one `TokenDelta` per request (first delta carries the stop strings)."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, _DeltaState] = {}
-
-    def add(self, request: TokenizedRequest) -> None:
-        prompt = request.prompt_ids
-        prompt_ids = prompt.tolist() if request.logits.prompt_logprobs is not None else []
-        self.live[request.rid] = _DeltaState(int(prompt.shape[0]), tuple(request.stop.stop),
-                                             [int(t) for t in prompt[-PROMPT_TAIL_TOKENS:]], prompt_ids=prompt_ids)
-
-    def from_step(self, out: StepOutput) -> list[TokenDelta]:
-        tokens: dict[str, list[int]] = {}
-        for rid, token in out.new_tokens:
-            tokens.setdefault(rid, []).append(int(token))
-        deltas = []
-        for rid, cached in out.cached_tokens.items():
-            if rid in self.live:
-                self.live[rid].cached_tokens = cached
-        for rid, ids in tokens.items():
-            live = self.live.get(rid)  # read first: the delta that finishes the request forgets it
-            delta = self._delta(rid, ids, out.finish_reasons.get(rid))
-            if rid in out.logprobs:
-                delta.logprobs = [out.logprobs[rid]]
-            if rid in out.prompt_logprobs and live is not None:
-                delta.prompt_ids = live.prompt_ids
-                delta.prompt_logprobs = out.prompt_logprobs[rid]
-            deltas.append(delta)
-        for rid in out.finished:
-            if rid not in tokens:
-                deltas.append(self._delta(rid, [], out.finish_reasons.get(rid, "stop")))
-        for rid in out.cancelled:
-            deltas.append(self._delta(rid, [], "abort"))
-        return deltas
-
-    def _delta(self, rid: str, ids: list[int], finish_reason: str | None) -> TokenDelta:
-        state = self.live.get(rid)
-        if state is None:  # aborted before we tracked it: still close it downstream
-            return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason)
-        state.generated += len(ids)
-        first = not state.started
-        state.started = True
-        delta = TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=state.prompt_tokens,
-                           completion_tokens=state.generated, cached_tokens=state.cached_tokens,
-                           stop=state.stop if first else (),
-                           prompt_tail=state.prompt_tail if first else [])
-        if finish_reason is not None:
-            del self.live[rid]
-        return delta
-
-
-def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
-    """The server's settings, sized by what the worker reported (KV capacity, page size, context)."""
-    return SchedulerConfig(
-        max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
-        kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
-        max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
-        prefix_cache=not config.disable_prefix_cache,
-    )
-
-
-def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
-    """The step-time target in seconds, or None: no bound (-1), or no probe to model steps with."""
-    if config.max_step_ms == NO_STEP_BOUND or len({tokens for tokens, _, _ in info.step_costs}) < 2:
-        return None
-    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
-    return ms / 1000
-
-
-def overlap_schedule(config: ServerConfig, info: WorkerInfo) -> bool:
-    """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker)."""
-    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda")
-
-
-def check_config(config: ServerConfig) -> None:
-    """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
-    if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
-        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
-                         f"got {config.max_step_ms}")
-    scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
-                                                    eos_token_ids=[], max_context=0, page_size=config.page_size))
 
 
 class SchedulerLoop:
@@ -214,7 +56,6 @@ class SchedulerLoop:
         self.to_detokenizer: Sender[DetokenizerInbox] = Sender(rt.ctx, rt.endpoints.detokenizer)
         self.to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
         self.executor = RemoteWorker(self.to_worker, self.results, rt, config.step_timeout_s)
-        self.deltas = TokenDeltas()
         self.scheduler: Scheduler | None = None
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
@@ -259,11 +100,9 @@ class SchedulerLoop:
             try:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
                                            message.logits)
-            except RequestRejectedError as exc:
-                self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=str(exc),
+            except Refusal as exc:
+                self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))
-                return
-            self.deltas.add(message)
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
         # A repeated WorkerInfo (the worker re-announces itself while idle) needs nothing.
@@ -309,7 +148,7 @@ class SchedulerLoop:
 
     def _emit(self, out: StepOutput) -> None:
         """Send a step's tokens and ends downstream; count what the stats report."""
-        for delta in self.deltas.from_step(out):
+        for delta in self.scheduler.token_deltas(out):  # type: ignore[union-attr]
             self.to_detokenizer.send(delta)
         if out.preempted:
             self._preemptions += len(out.preempted)

@@ -1,4 +1,5 @@
-"""One request as the scheduler sees it (token-level state lives in the request table's row)."""
+"""One request as the scheduler sees it: the one record of a request from its arrival to its last
+`TokenDelta` (its token-level numbers while admitted are mirrored in the request table's row)."""
 
 from __future__ import annotations
 
@@ -6,35 +7,67 @@ import msgspec
 import numpy as np
 
 from procs.scheduler.prefix_cache import CachedPage
-from shared.messages import PLAIN_LOGITS, LogitsParams, SamplingParams, SlotStart, StopParams, TokenLogprobs
+from shared.messages import (
+    PLAIN_LOGITS,
+    PROMPT_TAIL_TOKENS,
+    LogitsParams,
+    SamplingParams,
+    SlotStart,
+    StopParams,
+    TokenLogprobs,
+)
+
+NO_DRAFT = np.zeros(0, dtype=np.int32)
+NO_DRAFT.flags.writeable = False
 
 
 class Request:
     """`prompt` is what a (re-)admission prefills: the client's prompt, followed after a preemption by
-    the tokens generated before it (SCHEDULING.md's recompute). `num_prompt_tokens` stays the client's."""
+    the tokens generated before it (SCHEDULING.md's recompute). `num_prompt_tokens` stays the client's.
 
-    __slots__ = ("rid", "prompt", "prompt_len", "num_prompt_tokens", "sampling", "stop", "max_tokens", "stop_ids",
-                 "slot", "prefilled", "first_admitted", "cache_path", "cached_tokens", "logits", "min_tokens_banned", "starting", "prompt_logprobs")
+    `draft`: tokens proposed to follow its last token (`Scheduler.set_draft`); its next decode row feeds
+    them after the last token, one sampled position each, and uses them up.
+    `reported`: tokens sent downstream in `TokenDelta`s so far (0: its first delta is still to come)."""
+
+    __slots__ = ("rid", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
+                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams,
-                 logits: LogitsParams = PLAIN_LOGITS, min_tokens_banned: tuple[int, ...] = ()) -> None:
+                 logits: LogitsParams = PLAIN_LOGITS) -> None:
         self.rid = rid
         self.prompt = prompt  # int32 [prompt_len]
-        self.prompt_len = int(prompt.shape[0])
-        self.num_prompt_tokens = self.prompt_len
+        self.num_prompt_tokens = int(prompt.shape[0])
         self.sampling = sampling
         self.stop = stop
-        self.max_tokens = stop.max_tokens
-        self.stop_ids = frozenset(stop.stop_token_ids)
+        self.logits = logits
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
         self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
         self.cache_path: list[CachedPage] = []  # prefix-cache nodes it references (a path from the root)
         self.cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
-        self.logits = logits
-        self.min_tokens_banned = min_tokens_banned  # EOS (unless ignore_eos) and stop_token_ids
         self.starting = False  # admitted, its `SlotStart` not yet sent to the worker
         self.prompt_logprobs: list[TokenLogprobs] = []  # gathered chunk by chunk until its first token
+        self.draft = NO_DRAFT
+        self.reported = 0
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens a (re-)admission prefills."""
+        return int(self.prompt.shape[0])
+
+    @property
+    def max_tokens(self) -> int:
+        """Its token limit (settled by the tokenizer before the request reaches the scheduler)."""
+        return self.stop.max_tokens  # type: ignore[return-value]
+
+    @property
+    def client_prompt(self) -> np.ndarray:
+        return self.prompt[:self.num_prompt_tokens]
+
+    @property
+    def prompt_tail(self) -> list[int]:
+        """The client's prompt's last few ids (the detokenizer's context for the first tokens)."""
+        return self.client_prompt[-PROMPT_TAIL_TOKENS:].tolist()
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -48,13 +81,13 @@ class Request:
 
     def recompute_with(self, generated: np.ndarray) -> None:
         """Preempted: every token generated so far joins the prompt, prefilled again from the start."""
-        self.prompt = np.concatenate([self.prompt[:self.num_prompt_tokens], generated.astype(np.int32)])
-        self.prompt_len = int(self.prompt.shape[0])
+        self.prompt = np.concatenate([self.client_prompt, generated.astype(np.int32)])
         self.prefilled = 0
         self.slot = -1
         self.prompt_logprobs = []
+        self.draft = NO_DRAFT  # it followed the last token, which is a prompt token now
 
-    def slot_start(self) -> SlotStart:
+    def slot_start(self, eos_token_ids: tuple[int, ...]) -> SlotStart:
         """What the worker's slot needs to know of this request's logits, sent once per admission."""
         logits = self.logits
         if logits.is_plain:
@@ -63,10 +96,12 @@ class Request:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
         needs_prompt = logits.repetition_penalty != 1.0 or logits.prompt_logprobs is not None
         n = self.num_prompt_tokens
+        # The min_tokens ban: EOS (unless ignore_eos) and stop_token_ids.
+        banned = [*(() if self.stop.ignore_eos else eos_token_ids), *self.stop.stop_token_ids]
         return SlotStart(slot=self.slot, logits=logits,
                          prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
                          output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
-                         min_tokens_banned=list(self.min_tokens_banned) if logits.min_tokens else [])
+                         min_tokens_banned=banned if logits.min_tokens else [])
 
     def __repr__(self) -> str:
         return f"Request({self.rid!r}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"

@@ -1,8 +1,11 @@
 """The request table: one row (slot) per admitted request, with its numeric state as numpy columns.
 
-Keeping per-slot state in arrays lets a decode step read positions, last tokens and KV locations
-for every running request with a handful of vectorised operations instead of a Python loop.
-The page-table mirror grows its columns on demand (a request's pages are a row prefix).
+The columns are the vectorised copy of the admitted requests' numbers: what a `Request` holds once
+(its prompt, token limit, stop conditions) is copied into its row at admission, and the token-level
+counts that change every step (KV positions, tokens sampled, the last token, pages) live only here,
+so that a decode step reads and advances every running request with a handful of vectorised
+operations instead of a Python loop. The page-table mirror grows its columns on demand (a request's
+pages are a row prefix).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ class RequestTable:
         self.admit_seq = np.full(num_slots, -1, dtype=np.int64)  # admission sequence number; -1: free
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)  # tokens to prefill (recompute included)
         self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions holding KV: prefilled + fed back
-        self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled so far (before preemptions too)
-        self.token_limit = np.zeros(num_slots, dtype=np.int64)  # max_tokens
+        self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled, launched steps in flight and preemptions included
+        self.token_limit = np.zeros(num_slots, dtype=np.int64)  # Request.max_tokens
         self.last_token = np.zeros(num_slots, dtype=np.int32)  # next decode input
         self.check_eos = np.zeros(num_slots, dtype=bool)  # not ignore_eos
-        self.has_stop_ids = np.zeros(num_slots, dtype=bool)
+        self.has_stop_ids = np.zeros(num_slots, dtype=bool)  # stop_token_ids given: check its tokens against them
         self.num_pages = np.zeros(num_slots, dtype=np.int64)  # pages held (row prefix of page_table)
         self.shared_pages = np.zeros(num_slots, dtype=np.int64)  # of those, prefix-cache pages (not its own)
         self.page_table = np.zeros((num_slots, min(_INITIAL_COLUMNS, max_columns)), dtype=np.int32)
@@ -56,7 +59,7 @@ class RequestTable:
         self.token_limit[slot] = request.max_tokens
         self.last_token[slot] = 0
         self.check_eos[slot] = not request.stop.ignore_eos
-        self.has_stop_ids[slot] = bool(request.stop_ids)
+        self.has_stop_ids[slot] = bool(request.stop.stop_token_ids)
         self.num_pages[slot] = 0
         self.shared_pages[slot] = 0
         if request.max_tokens > self.output_ids.shape[1]:

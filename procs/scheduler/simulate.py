@@ -17,8 +17,9 @@ import msgspec
 
 from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.core import RequestRejectedError, Scheduler, StepOutput
+from procs.scheduler.core import Scheduler, StepOutput
 from procs.scheduler.executor import ScriptedExecutor
+from shared.errors import Refusal
 from shared.messages import SamplingParams, StopParams
 
 EOS_TOKEN_ID = 2
@@ -147,9 +148,9 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
                 scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop)
-            except RequestRejectedError as exc:
+            except Refusal as exc:
                 index = scenario.requests.index(r)
-                raise ScenarioError(f"{exc} - at `$.requests[{index}]`") from None
+                raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None
         while next_cancel < len(cancels) and cancels[next_cancel].before_step <= step:
             scheduler.abort(cancels[next_cancel].id)  # ignored (False) for a request that already finished
             next_cancel += 1

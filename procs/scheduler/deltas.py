@@ -1,0 +1,52 @@
+"""`token_deltas`: what one step did, as one `TokenDelta` per request for the detokenizer.
+
+A delta reads the request's one record (`Request`): the live ones from the scheduler's rid map, the
+ones the step finished or cancelled from `StepOutput.ended` (the scheduler has forgotten them, their
+final delta has not been sent yet). A request's first delta carries its stop strings and prompt tail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from shared.messages import TokenDelta
+
+if TYPE_CHECKING:
+    from procs.scheduler.core import StepOutput
+    from procs.scheduler.request import Request
+
+
+def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelta]:
+    """The deltas of `out`: new tokens (batch order), then ends without new tokens, then cancellations.
+    A cancelled rid the scheduler never knew still gets a closing delta."""
+    tokens: dict[str, list[int]] = {}
+    for rid, token in out.new_tokens:
+        tokens.setdefault(rid, []).append(int(token))
+    deltas = []
+    for rid, ids in tokens.items():
+        request = out.ended.get(rid) or live.get(rid)
+        delta = _delta(request, rid, ids, out.finish_reasons.get(rid))
+        delta.logprobs = out.logprobs.get(rid, [])
+        if rid in out.prompt_logprobs and request is not None:
+            delta.prompt_ids = request.client_prompt.tolist()
+            delta.prompt_logprobs = out.prompt_logprobs[rid]
+        deltas.append(delta)
+    for rid in out.finished:
+        if rid not in tokens:
+            deltas.append(_delta(out.ended.get(rid), rid, [], out.finish_reasons.get(rid, "stop")))
+    for rid in out.cancelled:
+        deltas.append(_delta(out.ended.get(rid), rid, [], "abort"))
+    return deltas
+
+
+def _delta(request: Request | None, rid: str, ids: list[int], finish_reason: str | None) -> TokenDelta:
+    if request is None:
+        return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason)
+    first = request.reported == 0  # only a request's last delta can come without tokens
+    request.reported += len(ids)
+    # Its cached prefix is reported from its first token on (the step that prefilled past it).
+    cached = request.cached_tokens if request.reported else 0
+    return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=request.num_prompt_tokens,
+                      completion_tokens=request.reported, cached_tokens=cached,
+                      stop=request.stop.stop if first else (), prompt_tail=request.prompt_tail if first else [])

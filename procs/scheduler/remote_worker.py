@@ -1,0 +1,71 @@
+"""`RemoteWorker`: the scheduler process's executor, the worker process behind sockets."""
+
+from __future__ import annotations
+
+import time
+
+from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from procs.scheduler.executor import ExecutorError
+from procs.scheduler.step_cost import StepCostModel
+from shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
+from shared.messages import ForwardBatch, StepResult
+from shared.step_features import attention_pairs
+
+WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
+
+
+class WorkerGone(RuntimeError):
+    """The worker stopped answering while we were stopping."""
+
+
+class WorkerStalled(RuntimeError):
+    """No result for a step within the step timeout: the worker is hung, dead or far too slow."""
+
+
+class RemoteWorker:
+    """The scheduler's executor: ForwardBatches out, their StepResults back in order. With overlap
+    scheduling two steps are in flight (the worker runs one while the next waits in its socket).
+
+    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`."""
+
+    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime,
+                 step_timeout_s: float) -> None:
+        self.to_worker = to_worker
+        self.results = results
+        self.rt = rt
+        self.step_timeout_s = step_timeout_s
+        self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
+        self._sent: dict[int, float] = {}  # step -> when it was sent
+        self._last_result = 0.0  # when the previous result came back: a queued step starts then
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        self.submit(batch)
+        return self.wait(batch)
+
+    def submit(self, batch: ForwardBatch) -> None:
+        self.to_worker.send(batch)
+        self._sent[batch.step] = time.monotonic()
+
+    def wait(self, batch: ForwardBatch) -> StepResult:
+        """The result of `batch`, the oldest step in flight."""
+        started = max(self._sent.pop(batch.step), self._last_result)
+        stop_seen: float | None = None
+        while True:
+            result = self.results.recv(POLL_INTERVAL_S)
+            if result is not None:
+                if result.step != batch.step:
+                    raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
+                self._last_result = now = time.monotonic()
+                if self.cost is not None:
+                    # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
+                    self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
+                                      now - started, with_prefill=batch.num_tokens > batch.num_sampled)
+                return result
+            now = time.monotonic()
+            if now - started > self.step_timeout_s:
+                raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
+                                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")
+            if self.rt.stopping.is_set():
+                stop_seen = stop_seen or now
+                if now - stop_seen > WORKER_STOP_GRACE_S:
+                    raise WorkerGone(f"no result for step {batch.step} from the worker")

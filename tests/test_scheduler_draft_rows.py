@@ -1,0 +1,139 @@
+"""Decode rows of k tokens: a request given a draft feeds its last token and the draft in one row,
+each position sampled; KV, pages, counts and stop checks advance by the row's width."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from procs.scheduler import Scheduler, SchedulerConfig
+from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, StopParams
+
+EOS = 2
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Scripted:
+    """Answers each batch with the next list of tokens, remembering the batches."""
+
+    def __init__(self, *tokens: list[int]) -> None:
+        self.tokens = [list(t) for t in tokens]
+        self.batches: list[ForwardBatch] = []
+
+    def execute(self, batch: ForwardBatch) -> StepResult:
+        self.batches.append(batch)
+        ids = self.tokens.pop(0)
+        assert len(ids) == batch.num_sampled
+        return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))
+
+
+def make(policy: str = "prefill-first", budget: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=budget, kv_capacity_tokens=64, page_size=4,
+                             policy=policy)  # type: ignore[arg-type]
+    return Scheduler(config, eos_token_ids=(EOS,))
+
+
+def test_a_two_token_draft_runs_a_row_of_width_three() -> None:
+    sched = make()
+    sched.add_request("A", [3, 4, 5, 6, 7], GREEDY, StopParams(max_tokens=10))
+    ex = Scripted([100], [101, 102, 103], [104])
+    sched.step(ex)  # the prompt: 5 positions on pages 0-1 of the slot, the first token
+    slot = 0
+    page = int(sched.table.page_table[slot, 1])
+    sched.set_draft("A", [50, 51])
+    out = sched.step(ex)
+    b = ex.batches[-1]
+    assert (b.slots, b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == ([0], [5], [3], [3], [1])
+    assert b.input_ids.tolist() == [100, 50, 51] and b.positions.tolist() == [5, 6, 7]
+    assert b.kv_locs.tolist() == [page * 4 + 1, page * 4 + 2, page * 4 + 3]
+    assert b.page_table_slots.shape[0] == 0  # positions 5-7 fit in the page it holds
+    assert b.is_decode_only and b.decode_width == 3
+    assert out.decode == ["A"] and out.new_tokens == [("A", 101), ("A", 102), ("A", 103)]
+    assert (sched.table.kv_len[slot], sched.table.generated[slot], sched.table.last_token[slot]) == (8, 4, 103)
+    assert not sched.decode_manager.drafting and sched.table.requests[slot].draft.shape[0] == 0  # used up
+    sched.step(ex)  # no draft: a row of one, on a new page
+    b = ex.batches[-1]
+    assert (b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == ([8], [1], [1], [4])
+    assert b.input_ids.tolist() == [103] and b.positions.tolist() == [8]
+    assert b.page_table_slots.tolist() == [slot] and b.page_table_cols.tolist() == [2]
+    assert b.kv_locs.tolist() == [int(b.page_table_pages[0]) * 4]
+
+
+def test_a_stop_token_in_the_middle_of_a_row_ends_the_request_and_drops_the_rest() -> None:
+    sched = make()
+    sched.add_request("A", [3, 4, 5], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("B", [8, 9], GREEDY, StopParams(max_tokens=10, stop_token_ids=(77,)))
+    ex = Scripted([100, 200], [101, EOS, 103, 201, 77, 203])
+    sched.token_deltas(sched.step(ex))
+    sched.set_draft("A", [60, 61])
+    sched.set_draft("B", [70, 71])
+    free_before = sched.allocator.num_free
+    out = sched.step(ex)
+    b = ex.batches[-1]
+    assert b.input_ids.tolist() == [100, 60, 61, 200, 70, 71] and b.positions.tolist() == [3, 4, 5, 2, 3, 4]
+    assert b.sample_lens == [3, 3] and b.sample_counts == [1, 1]
+    assert out.new_tokens == [("A", 101), ("A", EOS), ("B", 201), ("B", 77)]
+    assert out.finished == ["A", "B"] and out.finish_reasons == {"A": "stop", "B": "stop"}
+    assert not sched.has_unfinished() and sched.allocator.num_free > free_before
+    assert [d.completion_tokens for d in sched.token_deltas(out)] == [3, 3]
+
+
+def test_a_row_that_reaches_the_token_limit_ends_at_it() -> None:
+    sched = make()
+    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=4))
+    ex = Scripted([100], [101, 102, 103])
+    sched.step(ex)
+    with pytest.raises(ValueError, match="passes its token limit"):
+        sched.set_draft("A", [5, 6, 7])  # 1 + 3 sampled more would make 5 > 4
+    sched.set_draft("A", [5, 6])
+    out = sched.step(ex)
+    assert out.new_tokens == [("A", 101), ("A", 102), ("A", 103)] and out.finish_reasons == {"A": "length"}
+
+
+def test_mixed_counts_a_row_of_width_k_as_k_tokens_of_the_budget() -> None:
+    sched = make("mixed", budget=8)
+    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    ex = Scripted([100], [101, 102, 103])
+    sched.step(ex)
+    sched.add_request("B", list(range(10, 30)), GREEDY, StopParams(max_tokens=4))
+    sched.set_draft("A", [5, 6])
+    out = sched.step(ex)
+    assert out.decode == ["A"] and out.prefill == [("B", 5)]  # 8 - 3
+    assert sched.decode_load() == (1, 5.0 + 1)  # a row of one after 5 positions: 5 + 1 pairs
+
+
+def test_a_draft_waits_for_its_last_token_under_overlap() -> None:
+    sched = make()
+    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    ex = Scripted([100], [101], [102, 103, 104])
+    sched.step(ex)
+    launched = sched.launch()  # A's next token in flight
+    with pytest.raises(ValueError, match="not back yet"):
+        sched.set_draft("A", [5, 6])
+    sched.complete(launched, ex.execute(launched.batch))
+    sched.set_draft("A", [5, 6])
+    row = sched.launch()
+    assert row.batch.input_ids.tolist() == [101, 5, 6] and row.batch.positions.tolist() == [3, 4, 5]
+    following = sched.launch()  # launched behind the row: fed the row's last token, as one
+    assert following.batch.input_ids.tolist() == [FUTURE_TOKEN] and following.batch.positions.tolist() == [6]
+    with pytest.raises(ValueError, match="is not decoding"):
+        sched.set_draft("nobody", [5])
+
+
+def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_is_dropped() -> None:
+    from shared.messages import TokenLogprobs
+
+    sched = make()
+    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("B", [5, 6], GREEDY, StopParams(max_tokens=10))
+    ex = Scripted([100, 200])
+    sched.step(ex)
+    sched.set_draft("A", [7, 8])
+    launched = sched.launch()
+    assert launched.batch.sample_lens == [3, 1]
+    assert sched.abort("B")  # while its row runs
+    lps = [TokenLogprobs(t, -float(i), [], []) for i, t in enumerate([101, 102, 103, 201])]
+    result = StepResult(step=launched.batch.step, next_token_ids=np.asarray([101, 102, 103, 201], dtype=np.int32),
+                        logprob_rows=[0, 1, 2, 3], logprobs=lps)
+    out = sched.complete(launched, result)
+    assert out.new_tokens == [("A", 101), ("A", 102), ("A", 103)] and out.logprobs == {"A": lps[:3]}
