@@ -28,7 +28,7 @@ from kernels import native
 from kernels.panel_linear import PanelWeight
 from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker import model_runner
-from procs.worker.models import llama
+from procs.worker.models import layers
 from procs.worker.model_runner import GREEDY, ModelRunner
 from shared.config import DEFAULT_MODEL, QUANTIZATIONS
 from kernels.sampling import sample_batch
@@ -68,7 +68,7 @@ class StaticPlan:
         self.step += 1
         return ForwardBatch(
             step=self.step, slots=list(range(n)), prefix_lens=prefix, extend_lens=[len(t) for t in tokens],
-            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
             input_ids=i32([t for ts in tokens for t in ts]),
             positions=i32([prefix[i] + j for i, ts in enumerate(tokens) for j in range(len(ts))]),
             kv_locs=i32([self._loc(i, prefix[i] + j) for i, ts in enumerate(tokens) for j in range(len(ts))]),
@@ -186,15 +186,15 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     attention, model = runner.attention, runner.model
-    saved = (attention.forward, model.lm_head_logits, model_runner.sample_batch, llama.linear)
+    saved = (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear)
     attention.forward = timers.wrap(f"attention (KV write + attend, {attention.name} backend)", attention.forward)
     model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
     model_runner.sample_batch = timers.wrap("sampling", model_runner.sample_batch)
-    llama.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", llama.linear)
+    layers.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", layers.linear)
     try:
         yield
     finally:
-        attention.forward, model.lm_head_logits, model_runner.sample_batch, llama.linear = saved
+        attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear = saved
 
 
 def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:
@@ -289,7 +289,8 @@ def linear_paths(runner: ModelRunner, model_dir: Path, prompts_for: Callable[[in
     with unittest.mock.patch.object(native, "available", lambda: False):  # only while the weights are packed
         onednn = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=runner.kv_capacity_tokens,
                              max_running_requests=runner.max_running_requests, max_context=runner.max_context)
-    assert not isinstance(onednn.model.layers[0].qkv, PanelWeight) and isinstance(runner.model.layers[0].qkv, PanelWeight)
+    assert not isinstance(onednn.model.layers[0].qkv.weight, PanelWeight)
+    assert isinstance(runner.model.layers[0].qkv.weight, PanelWeight)
     run_engine(onednn, prompts_for(2, 16), 2)
     print(f"\nlinear layers on the C panel kernel vs oneDNN's packed sgemm (greedy; best of {args.repeats} "
           f"alternating runs; tokens/s)")

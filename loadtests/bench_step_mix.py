@@ -29,7 +29,7 @@ def _batch(plan: StaticPlan, rows: list[tuple[int, list[int], int]], pages_for: 
     plan.step += 1
     return ForwardBatch(
         step=plan.step, slots=[i for i, _, _ in rows], prefix_lens=[p for _, _, p in rows],
-        extend_lens=[len(t) for _, t, _ in rows], samples=[True] * len(rows), sampling=[GREEDY] * len(rows),
+        extend_lens=[len(t) for _, t, _ in rows], sample_lens=[1] * len(rows), sampling=[GREEDY] * len(rows),
         sample_counts=[0] * len(rows), input_ids=i32([x for _, t, _ in rows for x in t]),
         positions=i32([p + j for _, t, p in rows for j in range(len(t))]),
         kv_locs=i32([plan._loc(i, p + j) for i, t, p in rows for j in range(len(t))]),

@@ -95,7 +95,7 @@ def _plan(step: int, rows, page_size: int, free_pages: list[int]) -> ForwardBatc
         slots=[r.slot for r, _, _ in rows],
         prefix_lens=[r.fed for r, _, _ in rows],
         extend_lens=[len(t) for _, t, _ in rows],
-        samples=[s for _, _, s in rows],
+        sample_lens=[int(s) for _, _, s in rows],  # a row's third field: whether it samples, or how many positions
         sampling=[GREEDY] * len(rows),
         sample_counts=[len(r.output) for r, _, _ in rows],
         input_ids=i32(input_ids), positions=i32(positions), kv_locs=i32(kv_locs),

@@ -77,7 +77,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], slots: list[int]) -> 
                 for i, slot in enumerate(slots)]
     batch = ForwardBatch(
         step=0, slots=list(slots), prefix_lens=[0] * len(slots), extend_lens=[len(p) for p in prompts],
-        samples=[True] * len(slots), sampling=[GREEDY] * len(slots), sample_counts=[0] * len(slots),
+        sample_lens=[1] * len(slots), sampling=[GREEDY] * len(slots), sample_counts=[0] * len(slots),
         input_ids=i32([t for p in prompts for t in p]),
         positions=i32([i for p in prompts for i in range(len(p))]),
         kv_locs=i32([r.kv_loc(i) for r, p in zip(requests, prompts) for i in range(len(p))]),
@@ -91,11 +91,11 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], slots: list[int]) -> 
     return requests
 
 
-def decode_batch(requests: list[Request], step: int = 1, samples: list[bool] | None = None) -> ForwardBatch:
+def decode_batch(requests: list[Request], step: int = 1, sample_lens: list[int] | None = None) -> ForwardBatch:
     n = len(requests)
     return ForwardBatch(
         step=step, slots=[r.slot for r in requests], prefix_lens=[r.fed for r in requests], extend_lens=[1] * n,
-        samples=samples or [True] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
+        sample_lens=sample_lens or [1] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
         input_ids=i32([r.last_token for r in requests]), positions=i32([r.fed for r in requests]),
         kv_locs=i32([r.kv_loc(r.fed) for r in requests]),
         page_table_slots=i32([]), page_table_cols=i32([]), page_table_pages=i32([]),
@@ -171,11 +171,46 @@ def test_padded_generation_matches_with_staggered_arrivals(padded_runner, eager_
 
 def test_non_sampling_rows_are_dropped(padded_runner):
     requests = prefill(padded_runner, prompts_for(3, seed=11), slots=[0, 1, 2])
-    batch = decode_batch(requests, samples=[True, False, True])
+    batch = decode_batch(requests, sample_lens=[1, 0, 1])
     with torch.inference_mode():
         padded = padded_runner.forward_logits(batch)
     torch.testing.assert_close(padded, eager_logits(padded_runner, batch), rtol=1e-5, atol=1e-5)
     assert padded.shape[0] == 2
+
+
+def wide_batch(requests: list[Request], widths: list[int]) -> ForwardBatch:
+    """Decode rows of `widths[i]` tokens: request i's last token, then tokens 7, 8, ... proposed after it."""
+    rows = [[r.last_token, *range(7, 6 + k)] for r, k in zip(requests, widths)]
+    positions = [r.fed + j for r, k in zip(requests, widths) for j in range(k)]
+    owners = [r for r, k in zip(requests, widths) for _ in range(k)]
+    n = len(requests)
+    return ForwardBatch(
+        step=1, slots=[r.slot for r in requests], prefix_lens=[r.fed for r in requests], extend_lens=list(widths),
+        sample_lens=list(widths), sampling=[GREEDY] * n, sample_counts=[1] * n,
+        input_ids=i32([t for row in rows for t in row]), positions=i32(positions),
+        kv_locs=i32([r.kv_loc(p) for r, p in zip(owners, positions)]),
+        page_table_slots=i32([]), page_table_cols=i32([]), page_table_pages=i32([]),
+    )
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 2], [1, 3, 1]])
+def test_rows_wider_than_one_token_run_eagerly(padded_runner, widths):
+    """Graphs are captured for one token per row: wider rows (all, or some) take the eager path."""
+    graph_runner = padded_runner.graph_runner
+    requests = prefill(padded_runner, prompts_for(3, seed=21), slots=[0, 1, 2])
+    batch = wide_batch(requests, widths)
+    assert not graph_runner.handles(batch)
+    before = sum(graph_runner.steps_per_size.values())
+    with torch.inference_mode():
+        logits = padded_runner.forward_logits(batch)
+    assert sum(graph_runner.steps_per_size.values()) == before
+    assert logits.shape == (sum(widths), padded_runner.vocab_size)
+    torch.testing.assert_close(logits, eager_logits(padded_runner, batch))
+    one_each = wide_batch(requests, [1, 1, 1])
+    assert graph_runner.handles(one_each) and one_each.decode_width == 1
+    with torch.inference_mode():
+        padded_runner.forward_logits(one_each)
+    assert sum(graph_runner.steps_per_size.values()) == before + 1
 
 
 # -- padding never touches real KV ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from procs.engine import OfflineEngine, request
 from procs.worker.logits_state import SlotLogitsState
+from procs.worker.sample_rows import SampleRows
 from shared.config import ServerConfig
 from shared.messages import LogitsParams, SlotStart
 
@@ -60,23 +61,65 @@ def test_adjusted_rows_equal_the_reference_token_by_token(params):
     for _ in range(6):
         raw = torch.randn(2, VOCAB) * 3
         logits = raw.clone()
-        state.adjust_(logits, np.array([1, 3]), np.array([0, len(output)]))
+        state.adjust_(logits, SampleRows.single(np.array([1, 3]), np.array([0, len(output)])))
         torch.testing.assert_close(logits[0], raw[0], rtol=0, atol=0)
         torch.testing.assert_close(logits[1], reference_adjust(raw[1], params, prompt, output, banned))
         token = int(rng.choice([5, 6, 7, int(rng.integers(0, VOCAB))]))  # repeats, so counts grow
-        state.record(np.array([1, 3]), torch.tensor([4, token]))
+        state.record(SampleRows.single(np.array([1, 3]), np.array([0, len(output)])), torch.tensor([4, token]))
         output.append(token)
 
 
 def test_a_new_request_in_the_slot_starts_clean():
     state = SlotLogitsState(2, VOCAB, torch.device("cpu"))
     state.start(SlotStart(slot=0, logits=LogitsParams(frequency_penalty=1.0, logit_bias={4: -100.0}), output_ids=[3]))
-    state.record(np.array([0]), torch.tensor([3]))
+    state.record(SampleRows.single(np.array([0]), np.array([1])), torch.tensor([3]))
     state.start(SlotStart(slot=0, logits=LogitsParams(presence_penalty=0.5)))
     raw = torch.randn(1, VOCAB)
     logits = raw.clone()
-    state.adjust_(logits, np.array([0]), np.array([0]))
+    state.adjust_(logits, SampleRows.single(np.array([0]), np.array([0])))
     torch.testing.assert_close(logits, raw)  # nothing generated yet: no count, no old bias
+
+
+def _tables_of(state: SlotLogitsState, slot: int) -> list[torch.Tensor]:
+    tables = state._tables
+    return [] if tables is None else [tables.counts[slot], tables.additive[slot], tables.seen[slot]]
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_each_position_of_a_row_sees_the_proposed_tokens_before_it_as_generated(params):
+    """A decode row feeding [t0, d1, d2]: position j is adjusted exactly as a single-token step after
+    d1 .. dj were generated (same bits), and recording its 3 tokens leaves the state 3 steps leave."""
+    torch.manual_seed(2)
+    prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
+    start = SlotStart(slot=3, logits=params, prompt_ids=prompt, output_ids=output, min_tokens_banned=banned)
+    wide, single = SlotLogitsState(4, VOCAB, torch.device("cpu")), SlotLogitsState(4, VOCAB, torch.device("cpu"))
+    for state in (wide, single):
+        state.start(start)
+        state.start(SlotStart(slot=1, logits=LogitsParams(frequency_penalty=0.3), output_ids=[4]))
+    t0, proposed, last = 6, [5, 5], 9  # d1 == d2: the count of one token grows twice within the row
+    for _ in range(2):
+        raw = torch.randn(4, VOCAB) * 3
+        # a width-1 row of slot 1, then slot 3's width-3 row
+        rows = SampleRows.build(np.array([1, 3]), np.array([1, len(output)]), np.array([1, 3]),
+                                np.array([8, t0, *proposed]))
+        logits = raw.clone()
+        wide.adjust_(logits, rows)
+        expected = raw.clone()
+        single.adjust_(expected[:2], SampleRows.single(np.array([1, 3]), np.array([1, len(output)])))
+        for j, token in enumerate(proposed, start=1):
+            single.record(SampleRows.single(np.array([3]), np.array([len(output) + j - 1])), torch.tensor([token]))
+            single.adjust_(expected[1 + j:2 + j], SampleRows.single(np.array([3]), np.array([len(output) + j])))
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        for j in range(3):
+            torch.testing.assert_close(logits[1 + j], reference_adjust(raw[1 + j], params, prompt,
+                                                                       output + proposed[:j], banned))
+        sampled = [*proposed, last]  # the proposals were the model's choices (teacher forcing)
+        wide.record(rows, torch.tensor([4, *sampled]))
+        single.record(SampleRows.single(np.array([1, 3]), np.array([1, len(output) + 2])), torch.tensor([4, last]))
+        for a, b in zip(_tables_of(wide, 3) + _tables_of(wide, 1), _tables_of(single, 3) + _tables_of(single, 1)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        output += sampled
+        t0 = last
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -180,10 +223,10 @@ def test_seeded_penalized_output_ignores_batch_and_preemption(model_dir):
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused_naming_it(model_dir):
-    from procs.tokenizer.prompts import PromptRejected
+    from shared.errors import Refusal
 
     eng = engine(model_dir)
     vocab = eng.prompts.vocab_size
-    with pytest.raises(PromptRejected) as info:
+    with pytest.raises(Refusal) as info:
         eng.tokenize(request("x", prompt="w1", logits={"logit_bias": {vocab: 1.0}}))
     assert info.value.param == "logit_bias" and str(vocab) in info.value.message

@@ -107,6 +107,17 @@ def test_seeded_request_ignores_batch_neighbours_and_row() -> None:
             assert len(set(sequences[0])) > 1
 
 
+def test_one_requests_consecutive_positions_sample_as_single_steps() -> None:
+    """A decode row of k positions gives one request k rows with counts c .. c + k - 1: each row
+    samples what a single-row step at its count does (the counter is per sampled position)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=42)] * 4 + [SamplingParams(temperature=1.0, seed=3)] * 2
+    counts = [9, 10, 11, 12, 0, 1]
+    together = sample_batch(logits, params, counts).tolist()
+    assert together == [int(sample_batch(logits[i:i + 1], params[i:i + 1], counts[i:i + 1])) for i in range(6)]
+
+
 def test_different_seeds_give_different_draws(row: torch.Tensor) -> None:
     logits = row.unsqueeze(0).expand(200, -1).contiguous()
     out = sample_batch(logits, [SamplingParams(seed=s) for s in range(200)], [0] * 200)

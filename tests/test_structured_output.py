@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from llguidance import LLMatcher
 
 from kernels.sampling import apply_token_bitmask_
 from procs.engine import OfflineEngine, request
-from procs.tokenizer.prompts import PromptRejected
 from procs.tokenizer.tools import template_inputs
+from procs.worker.grammar_masks import SlotGrammars
+from procs.worker.sample_rows import SampleRows
 from shared.chat_format import ChatFormat
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.messages import GenerateRequest
+from shared.model import ModelSpec
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "colour", "n"],
           "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}}}
@@ -75,6 +80,80 @@ def test_a_row_with_nothing_left_keeps_the_grammars_tokens():
     assert int(scores.argmax()) == 7 and torch.isneginf(scores[0, :7]).all()
 
 
+# ------------------------------------------------------------- the worker's masks on rows of several tokens
+
+ROW_REGEX = "(ab|cd)x{2,6}y"
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return ModelSpec.resolve(model_dir)
+
+
+def slot_grammars(spec, *starts: tuple[int, int | None]) -> SlotGrammars:
+    """Slots (slot, `after` token or None) under ROW_REGEX."""
+    grammars = SlotGrammars(4, spec.vocab_size, tokenizer=spec.grammar_tokenizer, device=torch.device("cpu"))
+    for slot, after in starts:
+        grammars.start(slot, LLMatcher.grammar_from_regex(ROW_REGEX), [], after=after)
+    return grammars
+
+
+def allowed(grammars: SlotGrammars, rows: SampleRows) -> torch.Tensor:
+    logits = torch.zeros(rows.slots.shape[0], grammars.vocab_size)
+    grammars.mask_(logits, rows)
+    return torch.isfinite(logits)
+
+
+def single_row(slot: int) -> SampleRows:
+    return SampleRows.single(np.array([slot]), np.array([0]))
+
+
+def test_each_position_of_a_row_is_masked_after_the_proposed_tokens_before_it(spec):
+    """Slot 0 feeds [t0, d1, d2] beside slot 1's one-token row: position j's mask is the one single
+    steps give after d1 .. dj, and accepting the row's tokens leaves the matcher where they leave it."""
+    ids = spec.grammar_tokenizer().tokenize_str("abxxxy")
+    wide, single = slot_grammars(spec, (0, None), (1, None)), slot_grammars(spec, (0, None), (1, None))
+    rows = SampleRows.build(np.array([1, 0]), np.array([0, 0]), np.array([1, 3]), np.array([9, 9, *ids[:2]]))
+    expected = [allowed(single, single_row(1))[0]]
+    for token in ids[:3]:
+        expected.append(allowed(single, single_row(0))[0])
+        single.accept(np.array([0]), [token])
+    assert not expected[1].all() and not torch.equal(expected[1], expected[2])  # the masks differ, and bind
+    assert torch.equal(allowed(wide, rows), torch.stack(expected[:4]))
+    wide.accept(rows.slots, [ids[0], *ids[:3]])
+    single.accept(np.array([1]), [ids[0]])
+    for slot in (0, 1):
+        assert torch.equal(allowed(wide, single_row(slot)), allowed(single, single_row(slot)))
+
+
+def test_positions_after_a_proposal_the_grammar_rejects_are_unconstrained(spec):
+    tokenizer = spec.grammar_tokenizer()
+    ids, rejected = tokenizer.tokenize_str("abxxy"), tokenizer.tokenize_str("q")[0]
+    grammars = slot_grammars(spec, (0, None))
+    start = allowed(grammars, single_row(0))[0]
+    masks = allowed(grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]),
+                                               np.array([9, ids[0], rejected])))
+    assert torch.equal(masks[0], start) and not masks[1].all() and masks[2].all()
+    assert torch.equal(allowed(grammars, single_row(0))[0], start)  # the matcher itself did not move
+
+
+def test_a_grammar_starts_within_a_row_after_its_after_token(spec):
+    """A thinking slot whose `after` token is proposed: the positions after it are masked from the
+    grammar's start, and accepting the row starts the grammar there."""
+    ids, think_close = spec.grammar_tokenizer().tokenize_str("abxxy"), 7
+    reference = slot_grammars(spec, (0, None))
+    first = allowed(reference, single_row(0))[0]
+    reference.accept(np.array([0]), [ids[0]])
+    second = allowed(reference, single_row(0))[0]
+    grammars = slot_grammars(spec, (0, think_close))
+    masks = allowed(grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]),
+                                               np.array([9, think_close, ids[0]])))
+    assert masks[0].all() and torch.equal(masks[1], first) and torch.equal(masks[2], second)
+    grammars.accept(np.array([0, 0, 0]), [think_close, ids[0], ids[1]])
+    reference.accept(np.array([0]), [ids[1]])
+    assert torch.equal(allowed(grammars, single_row(0)), allowed(reference, single_row(0)))
+
+
 # ------------------------------------------------------------------------------- compiling and refusing
 
 @pytest.mark.parametrize("kind, spec, param", [
@@ -85,7 +164,7 @@ def test_a_row_with_nothing_left_keeps_the_grammars_tokens():
     ("lark", "start: undefined_rule", "guided_grammar"),
 ])
 def test_a_bad_grammar_is_a_400_naming_its_field(eng, kind, spec, param):
-    with pytest.raises(PromptRejected) as info:
+    with pytest.raises(Refusal) as info:
         eng.tokenize(request("x", prompt="fox", constraint={"kind": kind, "spec": spec, "param": param}))
     assert info.value.status == 400 and info.value.param == param
 
@@ -98,7 +177,7 @@ def test_grammars_are_compiled_once_per_text(eng):
 
 def test_structured_output_needs_a_tokenizer_llguidance_reads(tiny_model_dir):
     words = engine(tiny_model_dir("llama", with_tokenizer=True, seed=3))  # WordLevel: no byte decoder
-    with pytest.raises(PromptRejected) as info:
+    with pytest.raises(Refusal) as info:
         words.tokenize(request("x", prompt="w1", constraint={"kind": "json_object"}))
     assert info.value.param == "response_format" and "tokenizer" in info.value.message
     assert words.tokenize(request("y", prompt="w1")).logits.grammar is None  # the rest still works
@@ -237,7 +316,7 @@ def test_a_follow_up_turn_renders_through_the_real_template(eng):
 
 
 def test_chat_template_kwargs_reach_the_template_and_cannot_override_ours(eng):
-    with pytest.raises(PromptRejected) as info:
+    with pytest.raises(Refusal) as info:
         eng.tokenize(request("k", messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tools": []}))
     assert info.value.param == "chat_template_kwargs"
     assert eng.tokenize(request("k2", messages=[{"role": "user", "content": "hi"}],

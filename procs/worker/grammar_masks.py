@@ -1,6 +1,13 @@
 """`SlotGrammars`: each worker slot's grammar matcher (structured output), which masks the slot's
 logits before sampling and is advanced by every token the slot samples.
 
+A decode row of several positions (`SampleRows`) is masked at position j as if its proposed tokens
+d1 .. dj had been accepted (llguidance computes those masks from the proposals and rolls its matcher
+back), and the matcher then advances by every token the row returns, in order: the scheduler keeps
+them all. Where a sampled token differs from the proposal after it, the later positions were masked
+after a proposal that was not generated; speculative decoding, which drops those tokens, must roll
+the matcher back to the kept ones (`LLMatcher.rollback`).
+
 The tokenizer process has already compiled and checked the grammar (`LogitsParams.grammar`); here a
 pristine matcher per grammar text is kept (LRU) and copied per slot, so `n` choices or repeated
 schemas build it once. Masks of all constrained rows are computed together on llguidance's threads
@@ -16,9 +23,11 @@ from typing import Callable
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import (allocate_token_bitmask, fill_next_token_bitmask_par,
+                              fill_next_token_bitmask_par_with_draft_tokens)
 
 from kernels.sampling import apply_token_bitmask_
+from procs.worker.sample_rows import SampleRows
 
 log = logging.getLogger("batchserve.worker")
 PRISTINE_CACHE_SIZE = 64
@@ -27,10 +36,11 @@ PRISTINE_CACHE_SIZE = 64
 class SlotGrammars:
     def __init__(self, num_slots: int, vocab_size: int, tokenizer: Callable[[], llguidance.LLTokenizer],
                  device: torch.device) -> None:
-        self._make_tokenizer = tokenizer  # built by `prepare` or on the first grammar (~0.5 s for 50k tokens)
+        self._make_tokenizer = tokenizer  # built by `prepare` or on the first grammar (slow: once)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self.device = device
+        self.vocab_size = vocab_size
         self.matchers: list[llguidance.LLMatcher | None] = [None] * num_slots
         self.active = np.zeros(num_slots, dtype=bool)
         self.pending = np.full(num_slots, -1, dtype=np.int64)  # the token after which the grammar starts
@@ -73,40 +83,81 @@ class SlotGrammars:
         """Some slot masks its logits, or waits for the token that starts its grammar."""
         return bool(self.active[slots].any() or (self.pending[slots] >= 0).any())
 
-    def mask_(self, logits: torch.Tensor, slots: np.ndarray) -> None:
-        """-inf for each constrained row's disallowed tokens (row i is `slots[i]`'s)."""
-        rows = np.flatnonzero(self.active[slots])
-        if not rows.shape[0]:
+    def mask_(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        """-inf for each constrained position's disallowed tokens (logit row r is position r of `rows`)."""
+        runs = self._runs(rows)
+        if not runs:
             return
         assert self._executor is not None  # made with the first matcher
-        bitmask = self.bitmask[:rows.shape[0]]
-        fill_next_token_bitmask_par(self._executor, [(self.matchers[s], i) for i, s in enumerate(slots[rows].tolist())],
-                                    bitmask)
+        positions: list[int] = []
+        plain: list[tuple[llguidance.LLMatcher, int]] = []
+        drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        for matcher, first, proposed in runs:
+            if proposed:
+                drafted.append((matcher, len(positions), proposed))
+            else:
+                plain.append((matcher, len(positions)))
+            positions.extend(range(first, first + 1 + len(proposed)))
+        bitmask = self._bitmask(len(positions))
+        if drafted:
+            bitmask[:] = -1  # positions after a proposal the grammar rejects, or after its end: unconstrained
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
         host_mask = torch.from_numpy(bitmask)
-        if rows.shape[0] == logits.shape[0]:
+        if len(positions) == logits.shape[0]:
             apply_token_bitmask_(logits, host_mask)
             return
-        index = torch.from_numpy(rows).to(self.device)
+        index = torch.tensor(positions, dtype=torch.int64).to(self.device)
         scores = logits.index_select(0, index)
         apply_token_bitmask_(scores, host_mask)
         logits.index_copy_(0, index, scores)
 
-    def accept(self, slots: np.ndarray, token_ids: list[int]) -> None:
-        """Advance the constrained slots' matchers by the tokens they just sampled; start the grammars
-        whose `after` token was just sampled."""
-        pending = self.pending[slots]
-        starting = slots[(pending >= 0) & (pending == np.asarray(token_ids))]
-        for i in np.flatnonzero(self.active[slots]).tolist():
-            slot = int(slots[i])
+    def _runs(self, rows: SampleRows) -> list[tuple[llguidance.LLMatcher, int, list[int]]]:
+        """(matcher, first position, the proposed tokens after it) of each run of positions a grammar
+        masks: an active slot's whole row; for a slot waiting for its `after` token, the positions
+        after it where it is one of the row's proposed tokens."""
+        row_slots = rows.slots[rows.firsts]
+        constrained = np.flatnonzero(self.active[row_slots] | (self.pending[row_slots] >= 0))
+        runs = []
+        for r in constrained.tolist():
+            slot, first, length = int(row_slots[r]), int(rows.firsts[r]), int(rows.lens[r])
+            proposed = rows.proposed(first, length) if length > 1 else []
             matcher = self.matchers[slot]
             assert matcher is not None
-            if matcher.is_stopped():  # done (EOS taken): an ignore_eos request runs on, unconstrained
-                self.matchers[slot], self.active[slot] = None, False
-            elif not matcher.consume_token(token_ids[i]):
-                log.warning("slot %d: token %d rejected by its grammar (%s); unconstrained from here",
-                            slot, token_ids[i], matcher.get_error())
-                self.matchers[slot], self.active[slot] = None, False
-        self.pending[starting], self.active[starting] = -1, True  # masked from the next token on
+            if self.active[slot]:
+                runs.append((matcher, first, proposed))
+            elif self.pending[slot] in proposed:
+                start = proposed.index(int(self.pending[slot])) + 1
+                runs.append((matcher, first + start, proposed[start:]))
+        return runs
+
+    def _bitmask(self, rows: int) -> np.ndarray:
+        if rows > self.bitmask.shape[0]:  # rows of several positions: more than one mask per slot
+            self.bitmask = allocate_token_bitmask(rows, self.vocab_size)
+        return self.bitmask[:rows]
+
+    def accept(self, slots: np.ndarray, token_ids: list[int]) -> None:
+        """Advance the constrained slots' matchers by the tokens just sampled (token i by `slots[i]`,
+        a row's in order); start the grammars whose `after` token was sampled."""
+        for i in np.flatnonzero(self.active[slots] | (self.pending[slots] >= 0)).tolist():
+            self._advance(int(slots[i]), token_ids[i])
+
+    def _advance(self, slot: int, token: int) -> None:
+        if self.pending[slot] >= 0:
+            if token == self.pending[slot]:
+                self.pending[slot], self.active[slot] = -1, True  # masked from the next token on
+            return
+        if not self.active[slot]:  # unconstrained by an earlier token of the same row
+            return
+        matcher = self.matchers[slot]
+        assert matcher is not None
+        if matcher.is_stopped():  # done (EOS taken): an ignore_eos request runs on, unconstrained
+            self.matchers[slot], self.active[slot] = None, False
+        elif not matcher.consume_token(token):
+            log.warning("slot %d: token %d rejected by its grammar (%s); unconstrained from here",
+                        slot, token, matcher.get_error())
+            self.matchers[slot], self.active[slot] = None, False
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher | None:
         pristine = self._pristine.get(grammar)

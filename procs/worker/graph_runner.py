@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
-from procs.worker.kv_cache import KVCache
-from procs.worker.models.llama import LlamaModel
+from kernels.kv_cache import KVCache
+from procs.worker.models.base import CausalLM
 from shared.messages import ForwardBatch
 
 SMALL_SIZES = (1, 2, 4, 8)
@@ -43,7 +43,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 class DecodeGraphRunner:
     """Runs decode-only batches of up to `max_batch_size` requests padded to a captured size."""
 
-    def __init__(self, model: LlamaModel, attention: AttentionBackend, kv_cache: KVCache, *, max_batch_size: int):
+    def __init__(self, model: CausalLM, attention: AttentionBackend, kv_cache: KVCache, *, max_batch_size: int):
         self.model = model
         self.attention = attention
         self.kv_cache = kv_cache
@@ -84,13 +84,16 @@ class DecodeGraphRunner:
         raise ValueError(f"batch of {batch_size} exceeds the largest captured size {self.max_batch_size}")
 
     def handles(self, batch: ForwardBatch) -> bool:
-        """Decode-only batches up to the largest size; prefill, mixed and larger batches run eagerly."""
-        return batch.num_requests <= self.max_batch_size and batch.is_decode_only
+        """Batches of one token per row, each after a cached prefix (decode rows of width 1; a row may
+        be a one-token prefill chunk), up to the largest size: graphs are captured for one token per
+        row. Prefill, wider decode rows and larger batches run eagerly."""
+        return (batch.num_requests <= self.max_batch_size and max(batch.extend_lens) == 1
+                and min(batch.prefix_lens) > 0)
 
     # -- one step ---------------------------------------------------------------------------------
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """float32 logits of the batch's sampling requests (page table already applied)."""
+        """float32 logits of the batch's sampling rows, one position each (page table already applied)."""
         n = batch.num_requests
         size = self.bucket_for(n)
         if self._staged_copy is not None:
@@ -109,7 +112,7 @@ class DecodeGraphRunner:
             extend_lens=[1] * size, kv_locs=self._inputs[2, :size], num_padding=padding,
         )
         self.steps_per_size[size] += 1
-        samples = np.asarray(batch.samples, dtype=bool)
+        samples = np.asarray(batch.sample_lens, dtype=bool)
         if not samples.any():
             self._run_eager(metadata, size, None)
             return None

@@ -10,11 +10,15 @@ request's grammar (`SlotGrammars`) masks its row last, after every adjustment.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
 from kernels.sampling import apply_repetition_penalty_, token_logprobs
 from procs.worker.grammar_masks import SlotGrammars
+from procs.worker.sample_rows import SampleRows
 from shared.messages import PLAIN_LOGITS, LogitsParams, SlotStart, TokenLogprobs
 
 BAN_BIAS = -100.0  # OpenAI: "values like -100 should result in a ban"; we make it exact (-inf)
@@ -58,11 +62,34 @@ class SlotLogitsState:
 
     # -- each step ---------------------------------------------------------------------------------
 
-    def adjust_(self, logits: torch.Tensor, slots: np.ndarray, sample_counts: np.ndarray) -> None:
-        """Apply each row's penalties, bias, min_tokens ban and grammar in place (row i is `slots[i]`'s)."""
-        self._adjust_(logits, slots, sample_counts)
+    def adjust_(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        """Apply each sampled position's penalties, bias, min_tokens ban and grammar in place (logit
+        row r is position r of `rows`)."""
+        if rows.width > 1:
+            self._adjust_positions_(logits, rows)
+        else:
+            self._adjust_(logits, rows.slots, rows.counts)
         if self.grammars is not None:
-            self.grammars.mask_(logits, slots)
+            self.grammars.mask_(logits, rows)
+
+    def _adjust_positions_(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        """Rows of several positions, one round per position index j: before round j the proposed
+        token d_j of each row that reaches j is counted, so position j sees the counts j single-token
+        steps would have; the slots' counts are put back afterwards (`record` counts what is sampled)."""
+        if not self.adjusting[rows.slots].any():
+            return
+        wide = rows.slots[rows.offsets == 1]  # the slot of each row of several positions
+        counted = torch.from_numpy(wide[self.counting[wide]]).to(self.device)
+        tables = self._tables
+        with tables.kept(counted) if tables is not None and counted.shape[0] else contextlib.nullcontext():
+            for j in range(rows.width):
+                at = np.flatnonzero(rows.offsets == j)
+                if j:
+                    self._count(rows.slots[at], torch.from_numpy(rows.fed[at]).to(self.device))
+                index = torch.from_numpy(at).to(self.device)
+                scores = logits.index_select(0, index)
+                self._adjust_(scores, rows.slots[at], rows.counts[at])
+                logits.index_copy_(0, index, scores)
 
     def _adjust_(self, logits: torch.Tensor, slots: np.ndarray, sample_counts: np.ndarray) -> None:
         rows = np.flatnonzero(self.adjusting[slots])
@@ -93,17 +120,28 @@ class SlotLogitsState:
         if not whole:
             logits.index_copy_(0, row_index, scores)
 
-    def record(self, slots: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Count the tokens just sampled (row i by `slots[i]`) for the slots with penalties; advance grammars."""
+    def record(self, rows: SampleRows, token_ids: torch.Tensor) -> None:
+        """Count the tokens just sampled (position r's by `rows.slots[r]`) for the slots with
+        penalties, a row's in order; advance grammars by them."""
+        slots = rows.slots
         if self.grammars is not None and self.grammars.constrains(slots):
             self.grammars.accept(slots, token_ids.tolist())
+        if rows.width == 1:
+            self._count(slots, token_ids)
+            return
+        for j in range(rows.width):  # one position per slot at a time, as single-token steps count
+            at = np.flatnonzero(rows.offsets == j)
+            self._count(slots[at], token_ids.index_select(0, torch.from_numpy(at).to(self.device)))
+
+    def _count(self, slots: np.ndarray, token_ids: torch.Tensor) -> None:
+        """Count `token_ids[i]` for `slots[i]` (distinct slots) where the slot has penalties."""
         rows = np.flatnonzero(self.counting[slots])
         if rows.shape[0] and self._tables is not None:
             index = torch.from_numpy(rows).to(self.device)
             self._tables.count(torch.from_numpy(slots[rows]).to(self.device), token_ids.index_select(0, index))
 
     def logprob_rows(self, slots: np.ndarray) -> np.ndarray:
-        """Rows (of a step's sampling rows, whose slots these are) that asked for logprobs."""
+        """The sampled positions (whose slots these are) that asked for logprobs."""
         return np.flatnonzero(self.logprobs_top[slots] >= 0)
 
     def sampled_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray) -> list[TokenLogprobs]:
@@ -178,3 +216,14 @@ class _PenaltyTables:
         self.counts[slots, tokens] = new
         self.seen[slots, tokens] = True
         self.additive[slots, tokens] -= self.frequency[slots] + self.presence[slots] * (new == 1)
+
+    @contextlib.contextmanager
+    def kept(self, slots: torch.Tensor) -> Iterator[None]:
+        """The slots' counts, additive and seen rows as they are now, put back on leaving."""
+        counts, additive, seen = self.counts[slots], self.additive[slots], self.seen[slots]
+        try:
+            yield
+        finally:
+            self.counts[slots] = counts
+            self.additive[slots] = additive
+            self.seen[slots] = seen

@@ -12,13 +12,15 @@ import torch
 
 from kernels.attention import AttentionMetadata, create_backend
 from kernels import native
+from kernels.kv_cache import KVCache
 from kernels.sampling import sample_batch
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
-from procs.worker.kv_cache import KVCache, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
-from procs.worker.loader import ModelConfig, iter_safetensors, load_model_config
-from procs.worker.models import model_class
+from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
+from procs.worker.loader import load_model
+from procs.worker.models.base import CausalLM, ModelConfig
+from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import QUANTIZATIONS, ServerConfig
 from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
@@ -45,7 +47,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA."""
+    """`auto`: float32 on CPU (the CPU has no fast bf16 matmul), bfloat16 on CUDA."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -80,16 +82,12 @@ class ModelRunner:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
-        self.model_dir = self.spec.model_dir
-        self.config: ModelConfig = load_model_config(self.model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
         self._max_context = self.spec.context_length
-        tensors = ((n, t) for n, t in iter_safetensors(self.model_dir) if not n.endswith("rotary_emb.inv_freq"))
-        self.model = model_class(self.config.architecture).from_tensors(
-            self.config, tensors, max_positions=self._max_context, dtype=self.dtype, device=self.device,
-            quantization=quantization)
+        self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization)
+        self.config: ModelConfig = self.model.config
         cfg = self.config
         num_pages = num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
@@ -109,8 +107,8 @@ class ModelRunner:
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
-        # Without graphs (CPU) padding is pure cost (21-37% of a CPU decode step between bucket sizes,
-        # measured on the default model), so decode runs unpadded there unless pad_decode asks for it.
+        # Without graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode
+        # runs unpadded there unless pad_decode asks for it.
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         padded = DecodeGraphRunner.can_capture(self.attention) if pad_decode is None else pad_decode
@@ -163,7 +161,7 @@ class ModelRunner:
                          decode_batches: tuple[int, ...] = (1, 16)) -> list[tuple[int, float, float]]:
         """Time a few steps before serving: (tokens, attention pairs, seconds), the best of two runs each,
         after a warm-up step. Small ones: the fit only needs a spread of token counts, and the scheduler
-        refits on live steps (a 1024-token step added 5 s to a CPU start of the default model).
+        refits on live steps (a large step would add seconds to a CPU start).
 
         Run only while no request holds KV: every token is written to and read from the dummy page 0
         (the page table is all zeros then), so nothing is disturbed and only the time is real."""
@@ -182,7 +180,7 @@ class ModelRunner:
         positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).astype(np.int32)
         empty = np.zeros(0, dtype=np.int32)
         return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
-                            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+                            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
                             input_ids=np.ones(positions.shape[0], dtype=np.int32), positions=positions,
                             kv_locs=positions % self.page_size, page_table_slots=empty, page_table_cols=empty,
                             page_table_pages=empty)
@@ -207,47 +205,48 @@ class ModelRunner:
             prompt_chunks = self._prompt_logprob_chunks(batch)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
             logits = self.forward_logits(batch, extra_rows)
-            samples = np.asarray(batch.samples, dtype=bool)
-            num_sampling = int(samples.sum())
+            num_sampled = batch.num_sampled
             result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
             if logits is None:
                 return result
             if prompt_chunks:
-                result.prompt_logprobs = self._prompt_logprobs(prompt_chunks, logits[num_sampling:])
-            if num_sampling:
-                slots = np.asarray(batch.slots, dtype=np.int64)[samples]
-                counts = np.asarray(batch.sample_counts, dtype=np.int64)[samples]
-                token_ids, result.logprob_rows, result.logprobs = self._sample(
-                    logits[:num_sampling], [p for p, s in zip(batch.sampling, batch.samples) if s], slots, counts)
+                result.prompt_logprobs = self._prompt_logprobs(prompt_chunks, logits[num_sampled:])
+            if num_sampled:
+                rows = SampleRows.of_batch(batch)
+                sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
+                token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows)
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
-                self.last_sampled[slots] = result.next_token_ids
+                lasts = rows.last_positions()
+                self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
         return result
 
     def _fill_future_tokens(self, batch: ForwardBatch) -> ForwardBatch:
-        """Feed each `FUTURE_TOKEN` input (a decode planned before its token reached the scheduler) the
-        token this worker sampled last for the slot."""
+        """Feed each `FUTURE_TOKEN` input (a decode planned before its token reached the scheduler; only
+        ever first in a row) the token this worker sampled last for the slot."""
         ids = batch.input_ids
-        future = ids == FUTURE_TOKEN
+        extend_lens = np.asarray(batch.extend_lens, dtype=np.int64)
+        firsts = np.cumsum(extend_lens) - extend_lens
+        future = ids[firsts] == FUTURE_TOKEN
         if not future.any():
             return batch
         ids = ids.copy()  # the batch's arrays are views of the scheduler's shared memory
-        token_slots = np.repeat(np.asarray(batch.slots, dtype=np.int64), batch.extend_lens)
-        ids[future] = self.last_sampled[token_slots[future]]
+        ids[firsts[future]] = self.last_sampled[np.asarray(batch.slots, dtype=np.int64)[future]]
         return msgspec.structs.replace(batch, input_ids=ids)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], slots: np.ndarray, counts: np.ndarray,
+    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
                 ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
-        """Adjust (penalties, bias, bans), sample, count; logprobs from the logits as the model gave them."""
+        """Adjust (penalties, bias, bans), sample, count, one logit row per sampled position; logprobs
+        from the logits as the model gave them."""
         state = self.logits_state
-        rows = state.logprob_rows(slots)
-        row_index = torch.from_numpy(rows).to(self.device) if rows.shape[0] else None
+        wanted = state.logprob_rows(rows.slots)
+        row_index = torch.from_numpy(wanted).to(self.device) if wanted.shape[0] else None
         raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
-        state.adjust_(logits, slots, counts)
-        token_ids = sample_batch(logits, sampling, counts.tolist())
-        state.record(slots, token_ids)
+        state.adjust_(logits, rows)
+        token_ids = sample_batch(logits, sampling, rows.counts.tolist())
+        state.record(rows, token_ids)
         if raw is None:
             return token_ids, [], []
-        return token_ids, rows.tolist(), state.sampled_logprobs(raw, token_ids[row_index], slots[rows])
+        return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
 
     def _prompt_logprob_chunks(self, batch: ForwardBatch) -> list[tuple[int, range, np.ndarray]]:
         """(slot, prompt positions, packed token rows) of the prefill chunks that want prompt logprobs."""
@@ -274,8 +273,9 @@ class ModelRunner:
         return out
 
     def forward_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
-        """Run the batch's forward pass (page table already applied): float32 logits of the sampling
-        requests, then of `extra_rows` (packed token indices), or None if there are none."""
+        """Run the batch's forward pass (page table already applied): float32 logits of the sampled
+        positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
+        or None if there are none."""
         if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch):
             return self.graph_runner.forward_logits(batch)
         device = self.device
@@ -284,8 +284,7 @@ class ModelRunner:
             slots=list(batch.slots), prefix_lens=list(batch.prefix_lens), extend_lens=list(batch.extend_lens),
             kv_locs=to_device(batch.kv_locs),
         ))
-        ends = np.cumsum(batch.extend_lens) - 1
-        rows = ends[np.asarray(batch.samples, dtype=bool)]
+        rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:
             rows = np.concatenate([rows, extra_rows])
         return self.model.forward(to_device(batch.input_ids), to_device(batch.positions), self.attention,
@@ -295,7 +294,7 @@ class ModelRunner:
         """Reject a malformed batch with a ValueError before it can corrupt the KV pool (only with
         `DEBUG_CHECKS`)."""
         n = batch.num_requests
-        if not (len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.samples) == len(batch.sampling)
+        if not (len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.sample_lens) == len(batch.sampling)
                 == len(batch.sample_counts) == n):
             raise ValueError("ForwardBatch per-request lists differ in length")
         tokens = batch.num_tokens
@@ -306,6 +305,10 @@ class ModelRunner:
             raise ValueError("ForwardBatch has no requests")
         if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
             raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
+        lens = zip(batch.prefix_lens, batch.extend_lens, batch.sample_lens)
+        if any(not 0 <= s <= e or (s > 1 and (p == 0 or s != e)) for p, e, s in lens):
+            raise ValueError("ForwardBatch: sample_lens must be in [0, extend_len], and above 1 only for a decode "
+                             "row (prefix_len > 0, sample_len == extend_len)")
         if any(not 0 <= s < self.max_running_requests for s in [*batch.slots, *(x.slot for x in batch.slot_starts)]):
             raise ValueError(f"ForwardBatch: slot out of range [0, {self.max_running_requests})")
         if max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)) > self._max_context:
@@ -317,3 +320,6 @@ class ModelRunner:
             raise ValueError(f"ForwardBatch: position out of range [0, {self._max_context})")
         if int(batch.input_ids.min()) < FUTURE_TOKEN or int(batch.input_ids.max()) >= self.vocab_size:
             raise ValueError(f"ForwardBatch: token id out of range [0, {self.vocab_size})")
+        firsts = np.cumsum(batch.extend_lens) - np.asarray(batch.extend_lens)
+        if not np.isin(np.flatnonzero(batch.input_ids == FUTURE_TOKEN), firsts).all():
+            raise ValueError("ForwardBatch: FUTURE_TOKEN stands other than first in a row")

@@ -35,7 +35,7 @@ def run(config: ServerConfig) -> int:
     try:
         started = time.monotonic()
         runner = ModelRunner.from_config(config)
-        runner.grammars.prepare()  # ~0.5 s now rather than a stalled step at the first grammar
+        runner.grammars.prepare()  # at start, rather than a stalled step at the first grammar
         # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
         info = runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs())
         log.info("model loaded", extra={"fields": {

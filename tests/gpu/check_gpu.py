@@ -285,7 +285,7 @@ class DecodeBench:
         cols = np.tile(np.arange(self.pages_per_request, dtype=np.int32), n)
         batch = ForwardBatch(
             step=self.step, slots=self.slots.tolist(), prefix_lens=[0] * n, extend_lens=[length] * n,
-            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
             input_ids=self.rng.integers(10, 1000, size=n * length).astype(np.int32), positions=positions,
             kv_locs=self.kv_locs(positions, slots),
             page_table_slots=np.repeat(self.slots, self.pages_per_request),
@@ -301,7 +301,7 @@ class DecodeBench:
         empty = np.zeros(0, dtype=np.int32)
         batch = ForwardBatch(
             step=self.step, slots=self.slots.tolist(), prefix_lens=self.positions.tolist(), extend_lens=[1] * n,
-            samples=[True] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
+            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
             input_ids=self.last_tokens.astype(np.int32), positions=self.positions.copy(),
             kv_locs=self.kv_locs(self.positions, self.slots),
             page_table_slots=empty, page_table_cols=empty, page_table_pages=empty,
@@ -394,9 +394,9 @@ def precompile_flashinfer(args: argparse.Namespace) -> None:
         from flashinfer.utils import determine_attention_backend
 
         from procs.worker.loader import load_model_config
-        from shared.model import resolve_model
+        from shared.model import ModelSpec
 
-        head_dim = load_model_config(resolve_model(args.model)).head_dim
+        head_dim = load_model_config(ModelSpec.resolve(args.model)).head_dim
         dtype = getattr(torch, args.dtype)
         backend = determine_attention_backend(torch.device(args.device), 0, False, False, dtype, dtype,
                                               head_dim_qk=head_dim, head_dim_vo=head_dim)

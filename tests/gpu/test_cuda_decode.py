@@ -9,7 +9,7 @@ import torch
 from kernels.attention import AttentionMetadata, create_backend
 from model_batches import generate_greedy
 from procs.worker.graph_runner import DecodeGraphRunner
-from procs.worker.kv_cache import KVCache
+from kernels.kv_cache import KVCache
 from procs.worker.model_runner import ModelRunner
 from test_graph_runner import PAGE_SIZE, decode_batch, prefill, prompts_for
 
@@ -77,6 +77,7 @@ def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False) -
 @pytest.mark.parametrize("slots, prefix_lens, extend_lens", [
     ([0, 1, 2], [20, 0, 30], [1, 10, 17]),  # decode + fresh prefill + chunk after a cached prefix
     ([0, 2, 3], [33, 50, 16], [1, 1, 1]),  # decode only
+    ([0, 2, 3], [33, 50, 16], [3, 3, 3]),  # decode rows of 3 tokens
 ])
 def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens):
     cache = random_cache()

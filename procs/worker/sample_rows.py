@@ -1,0 +1,77 @@
+"""`SampleRows`: the positions one step samples, one logit row each, in batch order.
+
+Row i of a `ForwardBatch` samples the logits of its last `sample_lens[i]` fed tokens. A decode row
+of k tokens feeds [its last token, d1 .. d(k-1)] (d: proposed tokens); its position j samples the
+token after its j-th input, so for position j the proposed tokens d1 .. dj count as generated: the
+j-th position counts as `sample_counts[i] + j`, and the slot's penalty counts and grammar see d1 .. dj
+(`SlotLogitsState.adjust_`, `SlotGrammars.mask_`). With one position per row, k = 1, nothing is
+proposed and each position is its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.messages import ForwardBatch
+
+
+def sampled_tokens(extend_lens: list[int], sample_lens: list[int]) -> np.ndarray:
+    """Each sampled position's index into the batch's packed tokens (its row's last sample_len ones)."""
+    lens = np.asarray(sample_lens, dtype=np.int64)
+    ends = np.cumsum(np.asarray(extend_lens, dtype=np.int64))
+    return np.repeat(ends - lens, lens) + _offsets(lens)
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    """0 .. lens[i] - 1 for each row, packed."""
+    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
+@dataclass(frozen=True)
+class SampleRows:
+    """One step's sampled positions, in logit-row order (see the module's docstring)."""
+
+    slots: np.ndarray  # [m] int64: each position's slot (a row of k positions repeats its slot k times)
+    counts: np.ndarray  # [m] int64: the tokens its request sampled before this position
+    offsets: np.ndarray  # [m] int64: j, the position's index within its row
+    fed: np.ndarray  # [m] int64: the token fed at this position (the position samples the one after it)
+    firsts: np.ndarray  # [rows] int64: the first position of each row that samples
+    lens: np.ndarray  # [rows] int64: its number of positions
+
+    @classmethod
+    def of_batch(cls, batch: ForwardBatch) -> "SampleRows":
+        """The batch's sampled positions (its FUTURE_TOKEN inputs already filled)."""
+        lens = np.asarray(batch.sample_lens, dtype=np.int64)
+        sampling = np.flatnonzero(lens)
+        fed = batch.input_ids[sampled_tokens(batch.extend_lens, batch.sample_lens)]
+        return cls.build(np.asarray(batch.slots, dtype=np.int64)[sampling],
+                         np.asarray(batch.sample_counts, dtype=np.int64)[sampling], lens[sampling], fed)
+
+    @classmethod
+    def build(cls, slots: np.ndarray, counts: np.ndarray, lens: np.ndarray, fed: np.ndarray) -> "SampleRows":
+        """From each sampling row's slot, sample count and positions (`lens`, >= 1), and the token fed
+        at each position."""
+        offsets = _offsets(lens)
+        return cls(slots=np.repeat(slots, lens), counts=np.repeat(counts, lens) + offsets, offsets=offsets,
+                   fed=np.asarray(fed, dtype=np.int64), firsts=np.cumsum(lens) - lens, lens=lens)
+
+    @classmethod
+    def single(cls, slots: np.ndarray, counts: np.ndarray) -> "SampleRows":
+        """One position per row (nothing proposed, so `fed` is never read)."""
+        n = slots.shape[0]
+        return cls.build(slots, counts, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    @property
+    def width(self) -> int:
+        """The most positions of one row (1: nothing proposed)."""
+        return int(self.lens.max()) if self.lens.shape[0] else 0
+
+    def proposed(self, first: int, length: int) -> list[int]:
+        """The proposed tokens of the row whose positions are first .. first + length - 1."""
+        return self.fed[first + 1:first + length].tolist()
+
+    def last_positions(self) -> np.ndarray:
+        """Each row's last position (the token the slot feeds next)."""
+        return self.firsts + self.lens - 1
