@@ -2,8 +2,8 @@
 
 The C function runs the kernels the model's Python loop calls (panel linear layers, rotary, KV write,
 paged decode attention, add-and-RMSNorm, SiLU-and-mul) in the same order on the same buffers, so the
-tokens are bit-identical; it removes the Python and ctypes around ~13 calls per layer, which on a
-batch-1 step of the default model is about an eighth of the step. The layers' weight and KV-pool
+tokens are bit-identical; it removes the Python and ctypes around a dozen calls per layer, a large
+share of a small step. The layers' weight and KV-pool
 addresses are gathered once into C structs; a step passes only its activations and its pages.
 """
 

@@ -3,8 +3,8 @@ through ctypes on the tensors' memory.
 
 Why C and not torch ops: a CPU decode step is many small ops, and some of them (paged attention)
 have no torch form that avoids copying. A few hundred lines of plain C with OpenMP do better. Why
-not a torch C++ extension: compiling against torch's headers takes about a minute per fresh machine;
-plain C builds in well under a second and needs no Python headers.
+not a torch C++ extension: compiling against torch's headers is slow on every fresh machine; plain C
+builds at once and needs no Python headers.
 
 The library is built with `-march=native` for the machine it runs on and cached under
 `BATCHSERVE_CACHE/kernels/`, named by a hash of the sources, flags, compiler and CPU. Where no

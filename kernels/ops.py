@@ -3,9 +3,8 @@ the linear layers on pre-packed weights.
 
 Each small op has a plain-torch form (`*_torch`), written to match transformers' Llama arithmetic in
 fp32 so greedy outputs are token-identical, and runs the C kernel of `kernels.native` instead where
-that applies (fp32 on the CPU): one pass over memory instead of a chain of small torch ops (measured
-inside a batch-32 decode step of the default model: RMSNorm ~27 vs ~35 us a call, rotary ~27 vs ~40,
-SiLU-and-mul ~37 vs 55-125). The C rotary embedding is bit-identical to the torch form; the C RMSNorm
+that applies (fp32 on the CPU): one pass over memory instead of a chain of small torch ops, each
+reading and writing the whole activation. The C rotary embedding is bit-identical to the torch form; the C RMSNorm
 sums its squares and the C SiLU exponentiates in their own way, a few ulp apart."""
 
 from __future__ import annotations

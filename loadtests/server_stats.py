@@ -1,5 +1,5 @@
 """What a benchmark reads from a batchserve server's `/metrics` while it measures: how many requests
-ran at once at the peak, and how many were preempted (SCHEDULING.md's estimated reservation)."""
+ran at once at the peak, and how many were preempted (procs/scheduler/SCHEDULING.md's estimated reservation)."""
 
 from __future__ import annotations
 

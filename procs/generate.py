@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from procs.cli import CliError
-from shared.checks import FieldError
 from shared.checks import check_sampling as check_sampling_params
 from shared.config import add_config_arguments, config_from_args
+from shared.errors import Refusal
 
 ENGINE_FIELDS = ("model", "dtype", "quantization", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
                  "kv_memory_fraction",
@@ -70,13 +70,12 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_params(args.temperature, args.top_p, args.top_k, args.min_p, args.seed, flag="--")
-    except FieldError as exc:
+    except Refusal as exc:
         raise CliError(exc.message.replace("_", "-")) from None
 
 
 def main(args: argparse.Namespace) -> int:
     from procs.engine import OfflineEngine, request
-    from procs.tokenizer.prompts import PromptRejected
 
     prompts = read_prompts(args)
     check_sampling(args)
@@ -93,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     engine = OfflineEngine(config)
     try:
         completions = engine.generate(requests)
-    except PromptRejected as exc:
+    except Refusal as exc:
         raise CliError(f"{exc.param or 'prompt'}: {exc.message}") from None
     for prompt, completion in zip(prompts, completions):
         if args.json:

@@ -16,17 +16,11 @@ import msgspec
 
 from shared.config import ServerConfig, add_config_arguments, config_from_args
 from shared.logs import setup_logging
+from shared.messages import PROCESS_NAMES
 
-# The processes: name -> module with `run(config: ServerConfig) -> int`, in start order (`serve` and
-# the systemd units): the slowest (model loading) first, the api last, so it serves only when all are up.
-PROCESSES: dict[str, str] = {
-    "worker": "procs.worker.process",
-    "scheduler": "procs.scheduler.process",
-    "tokenizer": "procs.tokenizer.process",
-    "detokenizer": "procs.detokenizer.process",
-    "api": "procs.api.process",
-}
-START_ORDER = tuple(PROCESSES)
+# The processes: name -> module with `run(config: ServerConfig) -> int`, in start order.
+PROCESSES: dict[str, str] = {name: f"procs.{name}.process" for name in PROCESS_NAMES}
+START_ORDER = PROCESS_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,8 +36,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     dtype: Annotated[str, _doc("""Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA),
         float32, float16, bfloat16.""")] = "auto"
     quantization: Annotated[Quantization, _doc("""Weights of the linear layers and the LM head: none (as dtype),
-        or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic; faster
-        decode for 0.7 % perplexity, loadtests/results/int8_accuracy_cpu.txt).""")] = "none"
+        or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic: a quarter
+        of the weight bytes a decode step reads, for a small loss of accuracy; see the README's
+        Performance section).""")] = "none"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = "auto"
     max_context: Annotated[int, _doc("Longest prompt + completion in tokens; 0 = the model's own context length.")] = 0
     # KV cache
@@ -56,22 +57,21 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         max_running_requests + max_waiting requests are in the server at once; more get 503 and
         Retry-After); 0 = no limit.""")] = 1024
     kv_reserve_ratio: Annotated[float, _doc("""Share of a request's remaining max_tokens reserved in the KV cache
-        at admission (0.01-1, whole percents; SCHEDULING.md's rho); below 1 more requests run at once, and the
-        newest is preempted (recomputed later) if KV runs out. The default is measured:
-        loadtests/results/reserve_ratio_cpu.txt.""")] = 0.05
+        at admission (0.01-1, whole percents; rho of procs/scheduler/SCHEDULING.md); below 1 more requests run
+        at once, and the newest is preempted (recomputed later) if KV runs out. The default is the measured
+        best for chats without max_tokens (README, Performance).""")] = 0.05
     disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
         across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
     max_step_ms: Annotated[float, _doc("""Longest a step carrying prefill should take, in ms, which bounds
         everyone's inter-token latency (a step-cost model sizes each step's prefill to it; prefill_budget
-        stays the cap); 0 (default) = the device's suggested target, CPU 300, CUDA 100 (on 2 CPU cores, 300
-        ms cut p99 ITL from 1,300 to 510 ms at 16 streams and from 1,267 to 497 at 32, for 7 % and 5 % less
-        throughput and a longer TTFT, loadtests/results/many_streams_cpu.txt); -1 = no time bound.""")] = 0.0
+        stays the cap); 0 (default) = the device's suggested target, CPU 300, CUDA 100; -1 = no time bound.
+        A lower target trades throughput and time to first token for a steadier stream (README,
+        Performance).""")] = 0.0
     overlap_schedule: Annotated[OverlapSchedule, _doc("""on: the scheduler plans and sends step N+1 while the
         worker runs step N (overlap scheduling, as SGLang), so the worker never waits for the scheduler; a
         request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
         previous step's tokens are back (the chapter's loop). auto: on with a CUDA worker, off on the CPU,
-        where the scheduler's work competes with the model for the same cores (2 cores: 0.92x the output
-        tokens/s at 16 streams, the same at 1; loadtests/results/overlap_schedule_cpu.txt).""")] = "auto"
+        where the scheduler's work competes with the model for the same cores.""")] = "auto"
     step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
         Generous: a long prefill chunk on a CPU takes seconds.""")] = 30.0

@@ -13,7 +13,7 @@ import llguidance
 
 def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """`vocab_size` is the model's logits width (ids past the tokenizer's own are never allowed);
-    a grammar that is complete allows only the EOS ids. Takes ~0.5 s for a 50k vocabulary."""
+    a grammar that is complete allows only the EOS ids. Slow for a large vocabulary: build it once."""
     tokenizer_json = Path(model_dir) / "tokenizer.json"
     eos = list(eos_token_ids) or None
     if tokenizer_json.is_file():

@@ -1,4 +1,4 @@
-"""An independent, deliberately plain implementation of SCHEDULING.md (token positions, page size 1).
+"""An independent, deliberately plain implementation of procs/scheduler/SCHEDULING.md (token positions, page size 1).
 
 It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
 quantity recomputed from its definition each time. The tests compare its traces with those of

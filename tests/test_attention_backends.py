@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata, create_backend
-from procs.worker.kv_cache import KVCache
+from kernels.kv_cache import KVCache
 from native_marks import requires_native_kernels
 
 HEADS, KV_HEADS, DIM = 4, 2, 8

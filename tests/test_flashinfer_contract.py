@@ -58,7 +58,7 @@ import torch
 
 import kernels.attention.flashinfer as flashinfer_backend_module
 from kernels.attention import AttentionMetadata, create_backend
-from procs.worker.kv_cache import KVCache
+from kernels.kv_cache import KVCache
 
 FLASHINFER_VERSION = "0.7.4"  # the version the signatures below are transcribed from; the gpu extra pins it
 

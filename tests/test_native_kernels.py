@@ -9,7 +9,7 @@ import torch
 
 from kernels import native, ops
 from kernels.attention import create_backend, resolve_backend_name
-from procs.worker.kv_cache import KVCache
+from kernels.kv_cache import KVCache
 from native_marks import requires_native_kernels
 
 pytestmark = requires_native_kernels

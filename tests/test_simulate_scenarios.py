@@ -1,8 +1,9 @@
 """`batchserve simulate` against the hand-derived traces of every scenario, under every policy.
 
-Scenarios come from tests/scenarios/ (copies of ../shared/scenarios/, the team folder beside the
-checkout, which must not drift from their originals, plus our own cancellation and paging cases); a
-file that exists only in ../shared/scenarios/ is picked up too.
+Scenarios are in tests/scenarios/ (the rules they follow: procs/scheduler/SCHEDULING.md): the chapter's,
+copied from the team folder beside the checkout (../shared/scenarios/ and ../shared/scenarios-next/,
+the originals, which the copies must not drift from where that folder exists), and our own
+cancellation, paging and prefix-cache cases. A file that exists only in the team folder is picked up too.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from procs.scheduler.simulate import EOS_TOKEN_ID, load_scenario, run_scenario, 
 
 HERE = Path(__file__).resolve().parent
 LOCAL = HERE / "scenarios"
-SHARED = HERE.parent.parent / "shared" / "scenarios"  # the team folder beside the checkout
+TEAM = HERE.parent.parent / "shared"  # the team folder beside the checkout, where it exists
+ORIGINALS = [TEAM / "scenarios", TEAM / "scenarios-next"]
 
 
 def _scenario_files() -> dict[str, Path]:
     files: dict[str, Path] = {}
-    for folder in (SHARED, LOCAL):  # the local copy wins
+    for folder in (*ORIGINALS, LOCAL):  # the local copy wins
         if folder.is_dir():
             files.update({p.name: p for p in sorted(folder.glob("*.json"))})
     return files
@@ -44,16 +46,17 @@ def test_the_shared_scenarios_are_all_covered() -> None:
             "prefix_cache.json"} <= names
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is absent (a checkout without the team folder beside "
-                    "it): no originals to compare tests/scenarios/ with")
+@pytest.mark.skipif(not any(d.is_dir() for d in ORIGINALS), reason=f"{TEAM} is absent (a checkout without the "
+                    "team folder beside it): no originals to compare tests/scenarios/ with")
 def test_the_copies_match_their_originals() -> None:
-    """Every file in both tests/scenarios/ and ../shared/scenarios/ is byte for byte the original;
+    """Every file in both tests/scenarios/ and a folder of originals is byte for byte the original;
     files only in tests/scenarios/ are our own additions."""
     local = {p.name for p in LOCAL.iterdir() if p.is_file()}
-    both = sorted(local & {p.name for p in SHARED.iterdir() if p.is_file()})
-    assert both, f"no file of {SHARED} has a copy in {LOCAL}"
-    drifted = [name for name in both if (LOCAL / name).read_bytes() != (SHARED / name).read_bytes()]
-    assert not drifted, f"tests/scenarios/ has drifted from {SHARED} in {drifted}: copy the originals again"
+    originals = {p.name: p for d in ORIGINALS if d.is_dir() for p in d.iterdir() if p.is_file()}
+    both = sorted(local & set(originals))
+    assert both, f"no file of {ORIGINALS} has a copy in {LOCAL}"
+    drifted = [name for name in both if (LOCAL / name).read_bytes() != originals[name].read_bytes()]
+    assert not drifted, f"tests/scenarios/ has drifted from its originals in {drifted}: copy them again"
 
 
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])

@@ -10,7 +10,7 @@ import torch
 from kernels.attention.base import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
 
 if TYPE_CHECKING:
-    from procs.worker.kv_cache import KVCache
+    from kernels.kv_cache import KVCache
 
 
 def _torch_backend() -> type[AttentionBackend]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from procs.worker.kv_cache import KVCache
+    from kernels.kv_cache import KVCache
 
 
 @dataclass

@@ -1,9 +1,8 @@
 """The torch backend with decode attention and the KV-pool write in C (`kernels.native`): fp32 on the CPU.
 
 Decode rows attend straight from the paged pool instead of gathering their pages into a padded
-copy and running SDPA over it: in a batch-32 decode step of the default model, attention takes about
-7 ms instead of 13-15 (3-4x less with the pool in cache; in a real step the keys and values come
-from memory, and reading them is most of what is left). Prefill chunks keep the torch backend's SDPA
+copy and running SDPA over it: the copy goes, and what is left is mostly reading the keys and values
+from memory once. Prefill chunks keep the torch backend's SDPA
 path (compute-bound: SDPA's blocked kernel is the better one there).
 """
 

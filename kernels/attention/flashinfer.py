@@ -32,7 +32,7 @@ import torch
 from kernels.attention.base import AttentionMetadata, CudaGraphAttentionBackend
 
 if TYPE_CHECKING:
-    from procs.worker.kv_cache import KVCache
+    from kernels.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

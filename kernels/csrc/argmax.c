@@ -1,6 +1,6 @@
 /* Row-wise argmax over fp32 logits with torch.argmax's answer: the first index of the largest value,
  * or of the first NaN when a row has one (torch ranks NaN above every number). torch's CPU argmax
- * runs ~2 floats/ns on one thread; this one vectorises and splits rows over threads. */
+ * runs on one thread; this one vectorises and splits rows over threads. */
 #include <stdint.h>
 
 #include "vec8.h"

@@ -24,7 +24,7 @@
 
 enum { MAX_GROUP = 8 }; /* largest group with a compile-time-specialised path */
 /* Tokens ahead whose key (value) rows are prefetched: a row's tokens lie in pages scattered over the
- * pool, which the hardware prefetcher does not follow (1.2-1.3x the attention of a 16-request step). */
+ * pool, which the hardware prefetcher does not follow (loadtests/results/decode_attention_prefetch_cpu.txt). */
 enum { PREFETCH_TOKENS = 8 };
 
 /* always_inline: called, it counts as free of side effects and GCC drops the call. */

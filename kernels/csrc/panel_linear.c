@@ -5,13 +5,12 @@
  *
  * A block of up to ROWS tokens reads a panel once: each k loads PANEL weights (widened to fp32 for
  * int8) and does ROWS x PANEL FMAs into registers. A decode step reads every weight once, so it runs
- * at memory speed, where oneDNN's packed sgemm (the path before this kernel) did not: measured on the
- * default model's 120 linear layers + LM head, each weight read cold from memory (2 cores, AVX2), this
- * is 1.40x faster than oneDNN at 1 token, 1.34x at 32, 1.14x at 512; int8 is another 2.5x at 1 token.
+ * at memory speed, where oneDNN's packed sgemm (the path before this kernel) did not; int8 reads a
+ * quarter of the bytes. Measured: loadtests/results/panel_linear_cpu.txt.
  *
  * Every y[m, n] is one FMA chain over k in order, whatever the batch: a request's output does not
  * depend on which others share its step. (fbgemm's dynamic int8, tried first for int8, rounds the
- * activations with one scale for the whole batch; it multiplied the default model's perplexity by 7.) */
+ * activations with one scale for the whole batch, which ruined the default model's perplexity.) */
 #include <stdint.h>
 #include <string.h>
 
@@ -79,8 +78,8 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, in
 }
 
 /* One token x `panels` (1..WIDE) adjacent panels: a lone row has one FMA chain per 8 outputs, so it takes
- * the most panels at once (12 chains; int8 at one token measured 1.26x the two-panel block, as fast as
- * 8 panels; loadtests/results/panel_linear_one_row_cpu.txt). */
+ * the most panels at once, to keep enough independent chains in flight
+ * (loadtests/results/panel_linear_one_row_cpu.txt). */
 static inline __attribute__((always_inline)) void row_block(const float *x, const int panels, const int quantized,
                                                             const void *panel, int64_t k_dim, const float *scale,
                                                             const float *bias, float *y, int64_t cols) {

@@ -1,7 +1,7 @@
 /* Structured output: -inf for every token a grammar does not allow, in place. The bitmask is
  * llguidance's: bit j of 32-bit word w set when token 32 * w + j is allowed. A word of all ones
- * (the common case inside a JSON string) costs nothing, a word of zeros one 32-float store; torch's
- * masked_fill over an unpacked bool mask took 2-5 ms at batch 32 x 49k on this CPU, this ~0.3 ms.
+ * (the common case inside a JSON string) costs nothing, a word of zeros one 32-float store, where
+ * torch's masked_fill needs the mask unpacked to one bool per token first.
  * dead[r] = 1 when row r has no finite allowed score left (the caller decides what then). */
 #include <stdint.h>
 

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from procs.api.auth import auth_middleware, load_api_keys
 from procs.api.engine_client import EngineClient, EngineEvent
-from procs.api.errors import ApiError, error_body, error_response
+from procs.api.errors import error_body, error_response
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, sse_event,
                                  total_usage)
@@ -46,6 +46,7 @@ from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_b
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
 from shared.config import ServerConfig, request_cap
+from shared.errors import Refusal
 from shared.messages import GenerateRequest, RequestRejected, TextDelta
 
 logger = logging.getLogger("batchserve.api")
@@ -231,7 +232,7 @@ class ApiHandlers:
                                  max_context=self.engine.max_context)
             tracker.stream = validated.stream
             self._admit(len(validated.requests), validated.n)
-        except ApiError as exc:
+        except Refusal as exc:
             tracker.refused(exc.status, exc.message)
             response = _error(exc.status, exc.message, exc.param, rid)
             if exc.status == 408:
@@ -262,23 +263,24 @@ class ApiHandlers:
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
-            raise ApiError(400, f"Content-Type must be application/json (got {request.content_type})")
+            raise Refusal(f"Content-Type must be application/json (got {request.content_type})")
         try:
             return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s") from None
+            raise Refusal(f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                          status=408) from None
 
     def _admit(self, prompts: int, n: int) -> None:
         count = prompts * n
         cap = self.max_in_flight
         if cap is not None and count > cap:  # could never fit: retrying would not help
-            raise ApiError(400, f"this request asks for {count} sequences ({prompts} prompts x n={n}); this server "
-                                f"runs at most {cap} at once", "n" if n > 1 else "prompt")
+            raise Refusal(f"this request asks for {count} sequences ({prompts} prompts x n={n}); this server "
+                          f"runs at most {cap} at once", "n" if n > 1 else "prompt")
         problem = self.engine.health_problem()
         if problem is not None:
-            raise ApiError(503, f"the server cannot take requests now ({problem}); retry shortly")
+            raise Refusal(f"the server cannot take requests now ({problem}); retry shortly", status=503)
         if cap is not None and self.in_flight + count > cap:
-            raise ApiError(503, f"the server is at capacity ({self.in_flight} choices in flight); retry shortly")
+            raise Refusal(f"the server is at capacity ({self.in_flight} choices in flight); retry shortly", status=503)
 
     async def _abort(self, rid: str) -> None:
         # Shielded: the handler may be being cancelled (client gone), and the abort must still go out.

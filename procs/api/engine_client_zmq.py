@@ -25,15 +25,14 @@ import msgspec
 import zmq.asyncio
 
 from procs.api.engine_client import EngineEvent, StatsListener
-from procs.launch import START_ORDER
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import (AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected, SchedulerStats,
-                             TextDelta)
+from shared.messages import (PROCESS_NAMES, AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected,
+                             SchedulerStats, TextDelta)
 
 log = logging.getLogger("batchserve.api")
 
-BACKEND_PROCESSES = tuple(name for name in START_ORDER if name != "api")
+BACKEND_PROCESSES = tuple(name for name in PROCESS_NAMES if name != "api")
 HEARTBEAT_STALE_S = 3.5  # heartbeats come every second; three missed ones mean the process is gone
 WATCH_INTERVAL_S = 0.1
 

@@ -1,4 +1,5 @@
-"""OpenAI-style error answers: `{"error": {"message", "type", "param", "code"}}`."""
+"""OpenAI-style error answers: `{"error": {"message", "type", "param", "code"}}`, for a `Refusal`
+(`shared/errors.py`) or any other error status."""
 
 from __future__ import annotations
 
@@ -15,16 +16,6 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     503: "service_unavailable_error",
 }
-
-
-class ApiError(Exception):
-    """A request the api answers with `status` and an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 def error_type(status: int) -> str:

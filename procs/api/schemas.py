@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import msgspec
 
-from procs.api.errors import ApiError
+from shared.errors import Refusal
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -150,18 +150,18 @@ def _param_of(message: str) -> str | None:
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:
-    """The body as `schema`, or an `ApiError` (400) whose message and `param` name the bad field."""
+    """The body as `schema`, or a `Refusal` (400) whose message and `param` name the bad field."""
     if not body.strip():
-        raise ApiError(400, "request body is empty; expected a JSON object")
+        raise Refusal("request body is empty; expected a JSON object")
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        raise ApiError(400, f"invalid request: {message}", param=_param_of(message)) from None
+        raise Refusal(f"invalid request: {message}", param=_param_of(message)) from None
     except msgspec.DecodeError as exc:
         if _LONE_SURROGATE_RE.search(body):
-            raise ApiError(400, "request body is not valid JSON: a \\uD800-\\uDBFF escape is not followed by a "
-                                "low surrogate (a lone surrogate is not text)") from None
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+            raise Refusal("request body is not valid JSON: a \\uD800-\\uDBFF escape is not followed by a "
+                          "low surrogate (a lone surrogate is not text)") from None
+        raise Refusal(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's nesting limit, reached by a crafted body
-        raise ApiError(400, "request body nests arrays or objects too deeply") from None
+        raise Refusal("request body nests arrays or objects too deeply") from None

@@ -1,6 +1,6 @@
 """Check a decoded request and turn it into the `GenerateRequest`s the engine runs.
 
-Every refusal is an `ApiError(400, message, param)` naming the field, so nothing invalid reaches
+Every refusal is a `Refusal(message, param)` (HTTP 400) naming the field, so nothing invalid reaches
 the engine. Defaults (as vLLM's):
 - sampling: temperature 1.0, top_p 1.0, top_k -1 (off), min_p 0.0, no seed.
 - max_tokens: sent only when the client gave it (with the field it came from: `max_tokens` or
@@ -29,9 +29,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from procs.api.errors import ApiError
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
-from shared.checks import MAX_TOKEN_ID, FieldError, check_sampling, settle_max_tokens
+from shared.checks import MAX_TOKEN_ID, check_sampling, settle_max_tokens
+from shared.errors import Refusal
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
                              SamplingParams, StopParams, ToolCall, ToolFunction)
 
@@ -72,17 +72,18 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     _check_common(req, model_name)
     n = _choices_per_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise ApiError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs})", "logprobs")
+        raise Refusal(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs})", "logprobs")
     if req.suffix is not None:
-        raise ApiError(400, "suffix is not supported", "suffix")
+        raise Refusal("suffix is not supported", "suffix")
     echo = bool(req.echo)
     drop_generated = echo and req.max_tokens == 0
     sampling = _sampling(req)
     prompts = []
     max_tokens = 1 if drop_generated else req.max_tokens
     for param, prompt, prompt_ids in _prompts(req.prompt):
-        _early_max_tokens_check(len(prompt_ids) if prompt_ids is not None else 0, max_tokens, "max_tokens",
-                                max_context, chat=False, prompt_param=param)
+        # The tokenizer's check, early: a text prompt counts 0 tokens until it is tokenized.
+        settle_max_tokens(len(prompt_ids) if prompt_ids is not None else 0, max_tokens, "max_tokens",
+                          max_context, chat=False, prompt_param=param)
         prompts.append((prompt, prompt_ids))
     # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
@@ -101,25 +102,25 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     n = _choices_per_prompt(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
-            raise ApiError(400, "top_logprobs is only allowed when logprobs is true", "top_logprobs")
+            raise Refusal("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})",
-                           "top_logprobs")
+            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})",
+                          "top_logprobs")
     if not req.messages:
-        raise ApiError(400, "messages must not be empty", "messages")
+        raise Refusal("messages must not be empty", "messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
     constraint = constraint_of(req)
     tools = _tools(req.tools or [])
     tool_choice, forced_tool = _tool_choice(req, tools)
     if constraint is not None and tool_choice == "required":
-        raise ApiError(400, f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
-                            f"which cannot go with {constraint.param}: use one or the other", "tool_choice")
+        raise Refusal(f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
+                      f"which cannot go with {constraint.param}: use one or the other", "tool_choice")
     template_kwargs = dict(req.chat_template_kwargs or {})
 
     given, param = req.max_completion_tokens, "max_completion_tokens"
     if given is None:
         given, param = req.max_tokens, "max_tokens"
-    _early_max_tokens_check(0, given, param, max_context, chat=True)
+    settle_max_tokens(0, given, param, max_context, chat=True)  # the tokenizer's check, early
     logits = _logits(req, given, param, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=None)
     generate = GenerateRequest(
@@ -134,13 +135,13 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
     if req.model is not None and req.model != model_name:
-        raise ApiError(400, f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model")
+        raise Refusal(f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model")
     if req.stream_options is not None and not req.stream:
-        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+        raise Refusal("stream_options is only allowed when stream is true", "stream_options")
     for name, neutral in UNSUPPORTED.items():
         value = getattr(req, name, None)  # chat-only fields are absent from completions
         if value is not None and value not in neutral:
-            raise ApiError(400, f"{name} is not supported by this server (yet); leave it out", name)
+            raise Refusal(f"{name} is not supported by this server (yet); leave it out", name)
 
 
 # ---- structured output and tools
@@ -158,35 +159,35 @@ def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
                                       param="guided_json"))
     if req.guided_regex is not None:
         if req.guided_regex == "":
-            raise ApiError(400, "guided_regex must not be empty", "guided_regex")
+            raise Refusal("guided_regex must not be empty", "guided_regex")
         found.append(OutputConstraint(kind="regex", spec=req.guided_regex, param="guided_regex"))
     if req.guided_choice is not None:
         if not req.guided_choice:
-            raise ApiError(400, "guided_choice must be a non-empty list of strings", "guided_choice")
+            raise Refusal("guided_choice must be a non-empty list of strings", "guided_choice")
         found.append(OutputConstraint(kind="choice", spec=json.dumps(req.guided_choice), param="guided_choice"))
     if req.guided_grammar is not None:
         if not req.guided_grammar.strip():
-            raise ApiError(400, "guided_grammar must be a non-empty Lark grammar", "guided_grammar")
+            raise Refusal("guided_grammar must be a non-empty Lark grammar", "guided_grammar")
         found.append(OutputConstraint(kind="lark", spec=req.guided_grammar, param="guided_grammar"))
     if len(found) > 1:
-        raise ApiError(400, f"{found[0].param} and {found[1].param} both constrain the output; give only one",
-                       found[1].param)
+        raise Refusal(f"{found[0].param} and {found[1].param} both constrain the output; give only one",
+                      found[1].param)
     return found[0] if found else None
 
 
 def _response_format(value: dict[str, object]) -> OutputConstraint | None:
     kind = value.get("type")
     if kind not in RESPONSE_FORMATS:
-        raise ApiError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)} (got {kind!r})",
-                       "response_format")
+        raise Refusal(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)} (got {kind!r})",
+                      "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
         return OutputConstraint(kind="json_object", param="response_format")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise ApiError(400, "response_format of type json_schema needs json_schema.schema, a JSON schema object",
-                       "response_format")
+        raise Refusal("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                      "response_format")
     return OutputConstraint(kind="json_schema", spec=json.dumps(spec["schema"]), param="response_format")
 
 
@@ -196,9 +197,9 @@ def _schema_text(value: object, param: str) -> str:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise ApiError(400, f"{param} is not valid JSON: {exc}", param) from None
+            raise Refusal(f"{param} is not valid JSON: {exc}", param) from None
     if not isinstance(value, dict):
-        raise ApiError(400, f"{param} must be a JSON schema object (got {type(value).__name__})", param)
+        raise Refusal(f"{param} must be a JSON schema object (got {type(value).__name__})", param)
     return json.dumps(value)
 
 
@@ -207,14 +208,14 @@ def _tools(tools: list[ToolIn]) -> list[ToolFunction]:
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.type != "function":
-            raise ApiError(400, f"tools[{i}].type must be 'function' (got {tool.type!r})", f"tools[{i}].type")
+            raise Refusal(f"tools[{i}].type must be 'function' (got {tool.type!r})", f"tools[{i}].type")
         function = tool.function
         param = f"tools[{i}].function.name"
         if not TOOL_NAME_RE.fullmatch(function.name):
-            raise ApiError(400, f"{param} must be 1-64 letters, digits, underscores or dashes (got "
-                                f"{function.name!r})", param)
+            raise Refusal(f"{param} must be 1-64 letters, digits, underscores or dashes (got "
+                          f"{function.name!r})", param)
         if function.name in names:
-            raise ApiError(400, f"{param}: two tools are named {function.name!r}", param)
+            raise Refusal(f"{param}: two tools are named {function.name!r}", param)
         names.add(function.name)
         kwargs = {} if function.parameters is None else {"parameters": dict(function.parameters)}
         out.append(ToolFunction(name=function.name, description=function.description, **kwargs))
@@ -228,28 +229,28 @@ def _tool_choice(req: ChatCompletionRequest, tools: list[ToolFunction]) -> tuple
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
-            raise ApiError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
-                                f'{{"type": "function", "function": {{"name": ...}}}} (got {choice!r})', "tool_choice")
+            raise Refusal(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                          f'{{"type": "function", "function": {{"name": ...}}}} (got {choice!r})', "tool_choice")
         if choice != "none" and not tools:
-            raise ApiError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+            raise Refusal(f"tool_choice {choice!r} needs tools", "tool_choice")
         return choice, None
     if choice.type != "function":
-        raise ApiError(400, f"tool_choice.type must be 'function' (got {choice.type!r})", "tool_choice")
+        raise Refusal(f"tool_choice.type must be 'function' (got {choice.type!r})", "tool_choice")
     names = [t.name for t in tools]
     if choice.function.name not in names:
         known = f"one of {', '.join(names)}" if names else "a tool of the request, which has none"
-        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which must be {known}", "tool_choice")
+        raise Refusal(f"tool_choice names {choice.function.name!r}, which must be {known}", "tool_choice")
     return "required", choice.function.name
 
 
 def _choices_per_prompt(req: CommonRequestFields) -> int:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
-        raise ApiError(400, f"n must be in [1, {MAX_N}] (got {n})", "n")
+        raise Refusal(f"n must be in [1, {MAX_N}] (got {n})", "n")
     # best_of > n means "sample best_of, answer the n most likely": not implemented.
     if req.best_of is not None and req.best_of not in (1, n):
-        raise ApiError(400, f"best_of is not supported by this server (yet) unless it equals n (got best_of "
-                            f"{req.best_of}, n {n}); leave it out", "best_of")
+        raise Refusal(f"best_of is not supported by this server (yet) unless it equals n (got best_of "
+                      f"{req.best_of}, n {n}); leave it out", "best_of")
     return n
 
 
@@ -258,12 +259,12 @@ def _prompts(prompt: str | list[int | str | list[int]]) -> list[tuple[str, str |
     if isinstance(prompt, str):
         return [("prompt", _text_prompt(prompt, "prompt"), None)]
     if not prompt:
-        raise ApiError(400, "prompt must not be empty", "prompt")
+        raise Refusal("prompt must not be empty", "prompt")
     kind = type(prompt[0])
     for i, item in enumerate(prompt):
         if type(item) is not kind:
-            raise ApiError(400, "prompt must be a text, a list of token ids, or a list of texts or of token-id "
-                                "lists, not a mix", f"prompt[{i}]")
+            raise Refusal("prompt must be a text, a list of token ids, or a list of texts or of token-id "
+                          "lists, not a mix", f"prompt[{i}]")
     if kind is int:
         return [("prompt", None, _token_prompt(prompt, "prompt"))]
     if kind is str:
@@ -273,15 +274,15 @@ def _prompts(prompt: str | list[int | str | list[int]]) -> list[tuple[str, str |
 
 def _text_prompt(text: str, param: str) -> str:
     if text == "":
-        raise ApiError(400, f"{param} must not be empty", param)
+        raise Refusal(f"{param} must not be empty", param)
     return text
 
 
 def _token_prompt(ids: list[int], param: str) -> list[int]:
     if not ids:
-        raise ApiError(400, f"{param} must not be empty", param)
+        raise Refusal(f"{param} must not be empty", param)
     if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
-        raise ApiError(400, f"{param} token ids must be in [0, {MAX_TOKEN_ID}]", param)
+        raise Refusal(f"{param} token ids must be in [0, {MAX_TOKEN_ID}]", param)
     return list(ids)
 
 
@@ -292,13 +293,13 @@ def _logits(req: CommonRequestFields, max_tokens: int | None, max_tokens_param: 
     frequency = _penalty(req.frequency_penalty, "frequency_penalty")
     repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     if not (math.isfinite(repetition) and repetition > 0):
-        raise ApiError(400, f"repetition_penalty must be > 0 and finite (got {repetition})", "repetition_penalty")
+        raise Refusal(f"repetition_penalty must be > 0 and finite (got {repetition})", "repetition_penalty")
     min_tokens = 0 if req.min_tokens is None else req.min_tokens
     if min_tokens < 0:
-        raise ApiError(400, f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
+        raise Refusal(f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
     if max_tokens is not None and min_tokens > max_tokens:
-        raise ApiError(400, f"min_tokens ({min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
-                       "min_tokens")
+        raise Refusal(f"min_tokens ({min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
+                      "min_tokens")
     return LogitsParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
                         min_tokens=min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs)
@@ -308,7 +309,7 @@ def _penalty(value: float | None, param: str) -> float:
     if value is None:
         return 0.0
     if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-        raise ApiError(400, f"{param} must be in [-2, 2] (got {value})", param)
+        raise Refusal(f"{param} must be in [-2, 2] (got {value})", param)
     return value
 
 
@@ -316,11 +317,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         if not _TOKEN_ID_RE.fullmatch(key) or int(key) > MAX_TOKEN_ID:
-            raise ApiError(400, f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})",
-                           "logit_bias")
+            raise Refusal(f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})",
+                          "logit_bias")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN and infinities fail too
-            raise ApiError(400, f"logit_bias values must be in [-100, 100] (got {value} for token {key})",
-                           "logit_bias")
+            raise Refusal(f"logit_bias values must be in [-100, 100] (got {value} for token {key})",
+                          "logit_bias")
         out[int(key)] = value
     return out
 
@@ -330,31 +331,18 @@ def _sampling(req: CommonRequestFields) -> SamplingParams:
     top_p = 1.0 if req.top_p is None else req.top_p
     top_k = -1 if req.top_k is None else req.top_k
     min_p = 0.0 if req.min_p is None else req.min_p
-    try:
-        check_sampling(temperature, top_p, top_k, min_p, req.seed)
-    except FieldError as exc:
-        raise ApiError(400, exc.message, exc.param) from None
+    check_sampling(temperature, top_p, top_k, min_p, req.seed)
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=req.seed)
 
 
 def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(s == "" for s in stop):
-        raise ApiError(400, "stop strings must not be empty", "stop")
+        raise Refusal("stop strings must not be empty", "stop")
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
-        raise ApiError(400, f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
+        raise Refusal(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
     return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop)
-
-
-def _early_max_tokens_check(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,
-                            prompt_param: str = "prompt") -> None:
-    """The tokenizer's max_tokens check, made before tokenizing: `prompt_len` is a token-id prompt's
-    length, 0 for text (whose length only the tokenizer knows)."""
-    try:
-        settle_max_tokens(prompt_len, given, param, max_context, chat=chat, prompt_param=prompt_param)
-    except FieldError as exc:
-        raise ApiError(400, exc.message, exc.param) from None
 
 
 def _include_usage(req: CommonRequestFields) -> bool:
@@ -364,23 +352,23 @@ def _include_usage(req: CommonRequestFields) -> bool:
 def _chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
     role = "system" if message.role == "developer" else message.role
     if role not in CHAT_ROLES:
-        raise ApiError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} "
-                            f"(got {message.role!r})", f"messages[{index}].role")
+        raise Refusal(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} "
+                      f"(got {message.role!r})", f"messages[{index}].role")
     calls = _message_tool_calls(index, role, message.tool_calls or [])
     if role == "tool" and not message.tool_call_id:
-        raise ApiError(400, f"messages[{index}].tool_call_id is required in a tool message (the id of the call "
-                            f"it answers)", f"messages[{index}].tool_call_id")
+        raise Refusal(f"messages[{index}].tool_call_id is required in a tool message (the id of the call "
+                      f"it answers)", f"messages[{index}].tool_call_id")
     content = message.content
     if content is None:
         if calls:  # an assistant message that only calls tools
             return ChatMessage(role=role, content=None, tool_calls=calls, name=message.name)
-        raise ApiError(400, f"messages[{index}].content is required", f"messages[{index}].content")
+        raise Refusal(f"messages[{index}].content is required", f"messages[{index}].content")
     if not isinstance(content, str):
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise ApiError(400, f"messages[{index}].content: only text parts are supported "
-                                    f"(got type {part.type!r})", f"messages[{index}].content")
+                raise Refusal(f"messages[{index}].content: only text parts are supported "
+                              f"(got type {part.type!r})", f"messages[{index}].content")
             texts.append(part.text)
         content = "\n".join(texts)
     return ChatMessage(role=role, content=content, tool_calls=calls, name=message.name,
@@ -389,13 +377,13 @@ def _chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
 
 def _message_tool_calls(index: int, role: str, calls) -> list[ToolCall]:
     if calls and role != "assistant":
-        raise ApiError(400, f"messages[{index}].tool_calls: only assistant messages make tool calls",
-                       f"messages[{index}].tool_calls")
+        raise Refusal(f"messages[{index}].tool_calls: only assistant messages make tool calls",
+                      f"messages[{index}].tool_calls")
     out = []
     for j, call in enumerate(calls):
         param = f"messages[{index}].tool_calls[{j}]"
         if call.type != "function":
-            raise ApiError(400, f"{param}.type must be 'function' (got {call.type!r})", f"{param}.type")
+            raise Refusal(f"{param}.type must be 'function' (got {call.type!r})", f"{param}.type")
         arguments = call.function.arguments
         out.append(ToolCall(id=call.id, name=call.function.name,
                             arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))

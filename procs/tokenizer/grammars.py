@@ -15,8 +15,8 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher
 
-from procs.tokenizer.prompts import PromptRejected
 from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ToolCallStyle
+from shared.errors import Refusal
 from shared.messages import OutputConstraint, ToolFunction
 
 # JSON as models usually write it (", " and ": "), and no other whitespace: with free whitespace a
@@ -49,10 +49,10 @@ class GrammarCompiler:
         try:
             grammar = build()
         except ValueError as exc:  # llguidance: not JSON, not a list of strings...
-            raise PromptRejected(f"invalid {param}: {exc}", param) from None
+            raise Refusal(f"invalid {param}: {exc}", param) from None
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
-            raise PromptRejected(f"invalid {param}: {error.strip()}", param)
+            raise Refusal(f"invalid {param}: {error.strip()}", param)
         self._cache[key] = grammar
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

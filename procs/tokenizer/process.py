@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.tokenizer.prompts import PromptRejected, PromptTokenizer
+from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.ipc import ApiInbox, Receiver, SchedulerInbox, Sender, TokenizerInbox
 from shared.messages import AbortRequest, GenerateRequest, RequestRejected
 from shared.shm import SharedRing
@@ -34,7 +35,7 @@ def run(config: ServerConfig) -> int:
             if isinstance(message, GenerateRequest):
                 try:
                     to_scheduler.send(prompts.tokenize(message))
-                except PromptRejected as exc:
+                except Refusal as exc:
                     to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                 param=exc.param))
                 except Exception as exc:  # one odd request must not take the process down

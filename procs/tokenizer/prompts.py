@@ -8,32 +8,23 @@ from __future__ import annotations
 
 import logging
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+import llguidance
 import msgspec
 import numpy as np
 
+from procs.tokenizer.grammars import GrammarCompiler
+from procs.tokenizer.tools import offered_tools, template_inputs
 from shared.chat_format import THINK_CLOSE, ChatFormat
-from shared.checks import FieldError, settle_max_tokens
+from shared.checks import settle_max_tokens
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.messages import GenerateRequest, TokenizedRequest
 from shared.model import ModelSpec
 
-if TYPE_CHECKING:
-    import llguidance
-
-    from procs.tokenizer.grammars import GrammarCompiler
-
 log = logging.getLogger("batchserve.tokenizer")
 PROMPT_THINK_WINDOW = 8  # Qwen3 with thinking off ends its prompt with "<think>\n\n</think>\n\n"
-
-
-class PromptRejected(FieldError):
-    """The request cannot run; becomes a `RequestRejected` (HTTP `status`) naming `param`."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
-        super().__init__(message, param)
-        self.status = status
 
 
 class PromptTokenizer:
@@ -42,7 +33,7 @@ class PromptTokenizer:
     tokenizer, on first use; None: structured output is refused)."""
 
     def __init__(self, tokenizer: Any, max_context: int,
-                 grammar_tokenizer: Callable[[], "llguidance.LLTokenizer"] | None = None) -> None:
+                 grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
@@ -59,72 +50,65 @@ class PromptTokenizer:
     def load(cls, config: ServerConfig) -> "PromptTokenizer":
         prompts = cls.of(ModelSpec.from_config(config))
         try:
-            prompts.grammars  # noqa: B018 - built now rather than on the first request (~0.5 s)
-        except PromptRejected as exc:
+            prompts.grammars  # noqa: B018 - built at start, not on the first request that needs it
+        except Refusal as exc:
             log.warning("%s", exc.message)
         return prompts
 
     @cached_property
-    def grammars(self) -> "GrammarCompiler":
-        from procs.tokenizer.grammars import GrammarCompiler
-
+    def grammars(self) -> GrammarCompiler:
         if self._grammar_tokenizer is None:
-            raise PromptRejected("structured output is not available in this engine", "response_format")
+            raise Refusal("structured output is not available in this engine", "response_format")
         try:
             return GrammarCompiler(self._grammar_tokenizer())
         except Exception as exc:  # llguidance takes byte-level and sentencepiece tokenizers, not every kind
-            raise PromptRejected(f"structured output is not available for this model's tokenizer: {exc}",
-                                 "response_format") from None
+            raise Refusal(f"structured output is not available for this model's tokenizer: {exc}",
+                          "response_format") from None
 
     def prompt_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
         """The prompt's token ids and the name of the field they came from."""
         if request.messages is not None:
             if not request.messages:
-                raise PromptRejected("messages must not be empty", "messages")
-            from procs.tokenizer.tools import template_inputs
-
+                raise Refusal("messages must not be empty", "messages")
             messages, extra = template_inputs(request, self.chat_format)
             clash = sorted(set(request.chat_template_kwargs) & {"conversation", "tools", "tokenize",
                                                                  "add_generation_prompt"})
             if clash:
-                raise PromptRejected(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+                raise Refusal(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
             except Exception as exc:  # jinja raises for roles/orders a template does not accept
-                raise PromptRejected(f"the chat template cannot render these messages: {exc}", "messages") from None
+                raise Refusal(f"the chat template cannot render these messages: {exc}", "messages") from None
             # The template already wrote any BOS it wants: do not add special tokens twice.
             return list(self.tokenizer.encode(text, add_special_tokens=False)), "messages"
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise PromptRejected(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+                raise Refusal(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
             return ids, "prompt"
         if request.prompt is None or request.prompt == "":
-            raise PromptRejected("prompt must not be empty", "prompt")
+            raise Refusal("prompt must not be empty", "prompt")
         return list(self.tokenizer.encode(request.prompt)), "prompt"
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
-        """Tokenize and check the length; raises `PromptRejected`."""
+        """Tokenize and check the length; raises `Refusal`."""
         ids, field = self.prompt_ids(request)
         n = len(ids)
         if n == 0:
-            raise PromptRejected(f"{field} must not be empty", field)
-        try:
-            max_tokens = settle_max_tokens(n, request.stop.max_tokens, request.max_tokens_param, self.max_context,
-                                           chat=request.messages is not None, prompt_param=field)
-        except FieldError as exc:
-            raise PromptRejected(exc.message, exc.param) from None
+            raise Refusal(f"{field} must not be empty", field)
+        max_tokens = settle_max_tokens(n, request.stop.max_tokens, request.max_tokens_param, self.max_context,
+                                       chat=request.messages is not None, prompt_param=field)
         stop = msgspec.structs.replace(request.stop, max_tokens=max_tokens)
         bad = [t for t in stop.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise PromptRejected(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                 "stop_token_ids")
+            raise Refusal(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                          "stop_token_ids")
         bad = [t for t in request.logits.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
-            raise PromptRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                 "logit_bias")
+            raise Refusal(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                          "logit_bias")
         logits = request.logits
         grammar = self._grammar(request)
         if grammar is not None:
@@ -152,15 +136,13 @@ class PromptTokenizer:
 
     def _grammar(self, request: GenerateRequest) -> str | None:
         """The compiled grammar the output must match: a forced tool call, or the constraint."""
-        from procs.tokenizer.tools import offered_tools
-
         tools = offered_tools(request)
         forced = bool(tools) and (request.tool_choice == "required" or request.forced_tool is not None)
         if not forced and request.constraint is None:
             return None
         try:
             grammars = self.grammars
-        except PromptRejected as exc:  # no grammar engine for this tokenizer: name the field that asked
+        except Refusal as exc:  # no grammar engine for this tokenizer: name the field that asked
             exc.param = "tool_choice" if forced else request.constraint.param  # type: ignore[union-attr]
             raise
         if forced:
