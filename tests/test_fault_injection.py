@@ -30,7 +30,7 @@ TERMINAL_WITHIN_S = 2.0
 @pytest.fixture(scope="module")
 def slow_model(tiny_model_dir):
     """Big enough that 400 tokens take seconds on a CPU, so the streams are mid-way at the fault."""
-    return tiny_model_dir("llama", with_tokenizer=True, hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
+    return tiny_model_dir("llama", with_tokenizer=True, hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
 
 
 def _fault_run(stack: Stack, process: str, how: str) -> dict:
