@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(PROCESSES), help="which process to run")
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it")
+    parser.add_argument("--local-rank", type=int, default=0, metavar="I",
+                        help="worker only: which of this machine's tensor-parallel ranks to run (default 0; "
+                             "global rank = node_rank * tensor_parallel_size / nnodes + I)")
     add_config_arguments(parser)
 
 
@@ -55,6 +58,10 @@ def main(args: argparse.Namespace) -> int:
     setup_logging(config.log_format)
     module = importlib.import_module(PROCESSES[args.name])
     try:
+        if args.name == "worker":
+            return int(module.run(config, args.local_rank) or 0)
+        if args.local_rank:
+            raise ValueError(f"--local-rank is the worker's; the {args.name} process has no ranks")
         return int(module.run(config) or 0)
     except (ValueError, FileNotFoundError):
         raise  # a configuration error: one line from the CLI, exit status 2 (systemd will not retry)

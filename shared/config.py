@@ -81,6 +81,20 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     disable_cuda_graph: Annotated[bool, _doc("true: run decode steps eagerly instead of replaying CUDA graphs.")] = False
     cuda_graph_max_bs: Annotated[int, _doc("""Largest decode batch captured as a CUDA graph;
         0 = max_running_requests.""")] = 0
+    # tensor parallelism (procs/worker/parallel.py)
+    tensor_parallel_size: Annotated[int, _doc("""Worker ranks the model is split over (tensor parallelism, also
+        --tp): each rank is one worker process on one device (cuda:LOCAL_RANK on a GPU box, a share of the
+        cores on a CPU), all of them one torch.distributed group (NCCL on CUDA, gloo on the CPU).""")] = 1
+    nnodes: Annotated[int, _doc("""Machines the tensor_parallel_size ranks span (each runs
+        tensor_parallel_size / nnodes of them); the machine of node_rank 0 runs the other processes.""")] = 1
+    node_rank: Annotated[int, _doc("""This machine's place among the nnodes (0: the one serving; on the others
+        run only the worker ranks, `batchserve proc worker --local-rank I`).""")] = 0
+    dist_init_addr: Annotated[str, _doc("""HOST:PORT where the worker ranks meet (global rank 0 listens there);
+        required with nnodes > 1. Empty: 127.0.0.1 and a free port chosen by `batchserve serve` (29500
+        for worker ranks started on their own, as under systemd).""")] = ""
+    dist_timeout_s: Annotated[float, _doc("""Seconds the worker ranks wait for each other to join and load the
+        model; a rank that does not arrive ends the start with an error. Within a step, the ranks' collectives
+        time out after step_timeout_s.""")] = 600.0
     # api
     host: Annotated[str, _doc("Address the HTTP api listens on (0.0.0.0 for every interface).")] = "127.0.0.1"
     port: Annotated[int, _doc("""HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see
@@ -126,6 +140,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}  # the peers' short spellings
+
+
 def field_default(field: msgspec.structs.FieldInfo) -> Any:
     return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
 
@@ -148,14 +165,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         default = field_default(field)
         help_text = (f"{field_description(field.name).replace('%', '%%')} "
                      f"(default: {default!r}; env {env_var(field.name)})")
+        flags = (_flag(field.name), *FLAG_ALIASES.get(field.name, ()))
         if isinstance(default, bool):
-            parser.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         elif isinstance(default, list):
-            parser.add_argument(_flag(field.name), dest=field.name, action="append", default=None,
+            parser.add_argument(*flags, dest=field.name, action="append", default=None,
                                 help=f"repeatable {help_text}, comma-separated")
         else:
-            parser.add_argument(_flag(field.name), dest=field.name, type=type(default), default=None, help=help_text)
+            parser.add_argument(*flags, dest=field.name, type=type(default), default=None, help=help_text)
 
 
 def config_table_markdown() -> str:

@@ -6,12 +6,13 @@ metadata every process shares (architecture, context length, EOS ids) is `shared
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from procs.worker.models import model_class
-from procs.worker.models.base import CausalLM, ModelConfig
+from procs.worker.models.base import CausalLM, ModelConfig, Weight
+from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec, read_model_json
 
 __all__ = ["iter_safetensors", "load_model", "load_model_config"]
@@ -23,17 +24,21 @@ def load_model_config(spec: ModelSpec) -> ModelConfig:
     return model_class(spec.architecture).config_from_hf(read_model_json(spec.model_dir), spec)
 
 
-def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quantization: str) -> CausalLM:
-    """The model from its checkpoint, for requests up to `spec.context_length` tokens."""
+def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quantization: str,
+               tp: TensorParallel | None = None) -> CausalLM:
+    """The model (`tp`'s rank's share of it) from its checkpoint, for requests up to `spec.context_length`
+    tokens."""
     config = load_model_config(spec)
     # transformers' older checkpoints carry rotary tables, which the model computes itself
     tensors = ((n, t) for n, t in iter_safetensors(spec.model_dir) if not n.endswith("rotary_emb.inv_freq"))
     return model_class(spec.architecture).from_tensors(config, tensors, max_positions=spec.context_length,
-                                                       dtype=dtype, device=device, quantization=quantization)
+                                                       dtype=dtype, device=device, quantization=quantization,
+                                                       tp=tp or TensorParallel())
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    """Yield (name, tensor) for every tensor of every *.safetensors file in the folder."""
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
+    """Yield (name, slice) for every tensor of every *.safetensors file in the folder: a slice reads
+    from the file only what is indexed of it, so a tensor-parallel rank reads its share alone."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -42,4 +47,4 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_slice(name)

@@ -1,10 +1,16 @@
 """`ModelRunner`: the worker's engine core. Owns the model, the KV pool and the page table, and
-executes one `ForwardBatch` per call: apply page-table updates, run the packed forward, sample."""
+executes one `ForwardBatch` per call: apply page-table updates, run the packed forward, sample.
+
+With tensor parallelism one `ModelRunner` runs on every rank, each with its share of the model and
+of the KV heads (`procs.worker.parallel`): rank 0's `execute` broadcasts the step
+(`procs.worker.rank_steps`) and samples; the others run the broadcast steps in `follow`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -20,12 +26,15 @@ from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import load_model
 from procs.worker.models.base import CausalLM, ModelConfig
+from procs.worker.parallel import RankLayout, TensorParallel, join, rank_device
+from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import QUANTIZATIONS, ServerConfig
 from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.step_features import attention_pairs
 
+log = logging.getLogger("batchserve.worker")
 GREEDY = SamplingParams(temperature=0.0)
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`ModelRunner._check`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
@@ -78,28 +87,32 @@ class ModelRunner:
                  kv_memory_fraction: float = 0.85,
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
-                 quantization: str = "none"):
+                 quantization: str = "none", tp: TensorParallel | None = None):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
-        self.device = resolve_device(device)
+        self.tp = tp or TensorParallel()
+        self.rank_steps = RankSteps(self.tp)
+        self.device = self.tp.device if self.tp.world_size > 1 else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
         self._max_context = self.spec.context_length
-        self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization)
+        self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
+                                          tp=self.tp)
         self.config: ModelConfig = self.model.config
-        cfg = self.config
-        num_pages = num_pages_for(
+        cfg, heads = self.config, self.model.heads
+        # Each rank sizes its pool from its own memory; all take the smallest, which the scheduler plans with.
+        num_pages = self.tp.min_int(num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
             memory_gb=0.0 if kv_capacity_tokens > 0 else kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
-            bytes_per_token=kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype),
-        )
+            bytes_per_token=kv_bytes_per_token(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, self.dtype),
+        ))
         self.kv_cache = KVCache(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+            num_layers=cfg.num_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
             num_pages=num_pages, max_running_requests=max_running_requests,
             max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
         )
-        self.attention = create_backend(attention_backend, self.kv_cache, cfg.num_heads, cfg.num_kv_heads,
+        self.attention = create_backend(attention_backend, self.kv_cache, heads.num_heads, heads.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
@@ -117,13 +130,44 @@ class ModelRunner:
             max_batch_size=min(cuda_graph_max_bs or max_running_requests, max_running_requests))
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> "ModelRunner":
-        return cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
-                   kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
-                   kv_memory_fraction=config.kv_memory_fraction,
-                   max_running_requests=config.max_running_requests, max_context=config.max_context,
-                   attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
-                   cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization)
+    def from_config(cls, config: ServerConfig, local_rank: int = 0) -> "ModelRunner":
+        """The runner of worker rank `local_rank` of this machine (with tensor_parallel_size > 1 it joins
+        the other ranks first, and every rank must be built)."""
+        layout = RankLayout.of(config, local_rank)
+        tp = join(config, layout, rank_device(resolve_device(config.device), layout))
+        try:
+            runner = cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
+                         kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
+                         kv_memory_fraction=config.kv_memory_fraction,
+                         max_running_requests=config.max_running_requests, max_context=config.max_context,
+                         attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
+                         cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization, tp=tp)
+        except BaseException:
+            tp.close()
+            raise
+        tp.serve_with_timeout(config.step_timeout_s)
+        return runner
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to stop; every rank: leave the group."""
+        try:
+            if self.tp.is_first:
+                self.rank_steps.stop()
+        except RuntimeError as exc:  # a follower is gone already: nothing left to tell
+            log.warning("could not tell the other worker ranks to stop: %s", exc)
+        finally:
+            self.tp.close()
+
+    def follow(self, keep_following: Callable[[], bool] = lambda: True) -> None:
+        """A follower rank's serving loop: run each step rank 0 broadcasts, until it stops or
+        `keep_following` (asked at every message, rank 0's idle ticks included) says no."""
+        while True:
+            message = self.rank_steps.follow()
+            if isinstance(message, RankStop) or not keep_following():
+                return
+            if isinstance(message, RankStep):
+                with torch.inference_mode():
+                    self._forward(message.batch, message.logits_rows)
 
     # -- properties the scheduler sizes itself by ---------------------------------------------------
 
@@ -200,11 +244,11 @@ class ModelRunner:
         batch = self._fill_future_tokens(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
-        self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
         with torch.inference_mode():
             prompt_chunks = self._prompt_logprob_chunks(batch)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
-            logits = self.forward_logits(batch, extra_rows)
+            self.rank_steps.lead(batch, extra_rows)
+            logits = self._forward(batch, extra_rows)
             num_sampled = batch.num_sampled
             result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
             if logits is None:
@@ -271,6 +315,11 @@ class ModelRunner:
             out.append((slot, self.logits_state.prompt_logprobs(slot, positions, logprobs)))
             row += len(positions)
         return out
+
+    def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
+        """One step's page-table updates and forward pass, as every rank runs it."""
+        self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
+        return self.forward_logits(batch, extra_rows)
 
     def forward_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
         """Run the batch's forward pass (page table already applied): float32 logits of the sampled

@@ -4,6 +4,12 @@ Ready once the model is loaded: it then sends `WorkerInfo` to the scheduler (aga
 seconds while idle, so a restarted scheduler learns it too). Each `ForwardBatch` arrives as views
 of the scheduler's shared-memory double buffer; the sampled ids go back through the worker's own.
 SIGTERM: finish the step in progress, then exit 0.
+
+Tensor parallelism (`procs.worker.parallel`): one worker process per rank, `--local-rank` naming it
+on its machine. Global rank 0 is the worker described above; the others only follow it
+(`ModelRunner.follow`), heartbeating as `worker-RANK`. A follower asked to stop keeps following until
+rank 0 stops it (a stop of the whole server), or `FOLLOWER_STOP_GRACE_S` has passed (a stop of the
+follower alone, which ends the group: rank 0's next collective fails and it exits too).
 """
 
 from __future__ import annotations
@@ -19,9 +25,53 @@ from shared.shm import DoubleBuffer
 
 log = logging.getLogger("batchserve.worker")
 ANNOUNCE_INTERVAL_S = 2.0
+FOLLOWER_STOP_GRACE_S = 5.0
 
 
-def run(config: ServerConfig) -> int:
+def run(config: ServerConfig, local_rank: int = 0) -> int:
+    from procs.worker.parallel import RankLayout
+
+    layout = RankLayout.of(config, local_rank)
+    if layout.rank > 0:
+        return _follow(config, layout.rank, local_rank)
+    return _lead(config)
+
+
+def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
+    from procs.worker.model_runner import ModelRunner
+
+    rt = ProcessRuntime(rank_process_name(rank), config)
+    rt.install_signal_handlers()
+    rt.start_heartbeat()
+    stop_deadline: float | None = None
+
+    def keep_following() -> bool:
+        nonlocal stop_deadline
+        rt.alive()
+        if rt.stopping.is_set():
+            stop_deadline = stop_deadline or time.monotonic() + FOLLOWER_STOP_GRACE_S
+            return time.monotonic() < stop_deadline
+        return True
+
+    try:
+        runner = ModelRunner.from_config(config, local_rank)
+        log.info("model loaded", extra={"fields": {"rank": rank, "device": str(runner.device)}})
+        rt.ready()
+        try:
+            runner.follow(keep_following)
+        finally:
+            runner.close()
+        return 0
+    finally:
+        rt.close()
+
+
+def rank_process_name(rank: int) -> str:
+    """The name a worker rank's heartbeats carry: `worker` for rank 0, `worker-RANK` for the others."""
+    return "worker" if rank == 0 else f"worker-{rank}"
+
+
+def _lead(config: ServerConfig) -> int:
     from procs.worker.kv_cache import GIB
     from procs.worker.model_runner import ModelRunner
 
@@ -32,6 +82,7 @@ def run(config: ServerConfig) -> int:
     inbox: Receiver[WorkerInbox] = Receiver(rt.ctx, rt.endpoints.worker, ForwardBatch)
     to_steps: Sender[StepsInbox] = Sender(rt.ctx, rt.endpoints.steps, writer=result_buffer)
     to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
+    runner = None
     try:
         started = time.monotonic()
         runner = ModelRunner.from_config(config)
@@ -40,7 +91,7 @@ def run(config: ServerConfig) -> int:
         info = runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs())
         log.info("model loaded", extra={"fields": {
             "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
-            "quantization": config.quantization,
+            "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size,
             "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
             # requests that can each hold a whole context at once (more run when they are shorter)
             "full_context_requests": info.kv_capacity_tokens // info.max_context,
@@ -53,6 +104,7 @@ def run(config: ServerConfig) -> int:
             rt.alive()
             batch = inbox.recv(POLL_INTERVAL_S)
             if batch is None:
+                runner.rank_steps.tick()
                 if time.monotonic() - announced > ANNOUNCE_INTERVAL_S:
                     to_scheduler.send(info)
                     announced = time.monotonic()
@@ -61,5 +113,7 @@ def run(config: ServerConfig) -> int:
             announced = time.monotonic()
         return 0
     finally:
+        if runner is not None:
+            runner.close()
         rt.close()
         result_buffer.close()

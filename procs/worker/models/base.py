@@ -16,9 +16,13 @@ from typing import Any, Iterable, Protocol, TypeVar
 import torch
 
 from kernels.attention import AttentionBackend
+from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
 
 Config = TypeVar("Config", bound="ModelConfig")
+# A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads from the file only the part
+# indexed (`weight[a:b]`, `weight[:, a:b]`, `weight[:]`).
+Weight = Any
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,41 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class RankHeads:
+    """The attention heads one tensor-parallel rank computes and the KV heads it caches, as slices of
+    the model's heads. Query heads split evenly; KV heads split evenly too when there are at least as
+    many as ranks, else each KV head is replicated on world / num_kv_heads ranks (as vLLM does), the
+    one its rank's query heads attend with."""
+
+    q: slice
+    kv: slice
+    head_dim: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.stop - self.q.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.stop - self.kv.start
+
+    @classmethod
+    def of(cls, config: ModelConfig, tp: TensorParallel) -> RankHeads:
+        world, heads, kv_heads = tp.world_size, config.num_heads, config.num_kv_heads
+        if heads % world:
+            raise ModelLoadError(f"num_attention_heads {heads} is not divisible by tensor_parallel_size {world}")
+        if kv_heads >= world and kv_heads % world or kv_heads < world and world % kv_heads:
+            raise ModelLoadError(f"num_key_value_heads {kv_heads} and tensor_parallel_size {world}: one must "
+                                 f"divide the other (KV heads are split, or replicated when fewer than the ranks)")
+        if kv_heads >= world:
+            kv = tp.split(kv_heads, "num_key_value_heads")
+        else:
+            head = tp.rank // (world // kv_heads)
+            kv = slice(head, head + 1)
+        return cls(q=tp.split(heads, "num_attention_heads"), kv=kv, head_dim=config.head_dim)
+
+
 def config_path(spec: ModelSpec) -> str:
     """Where the config errors point."""
     return str(spec.model_dir / "config.json")
@@ -95,6 +134,7 @@ class CausalLM(Protocol):
     and one line in `procs.worker.models.ARCHITECTURES`."""
 
     config: ModelConfig
+    heads: RankHeads  # what this rank computes of the attention (all of it with one rank)
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> ModelConfig:
@@ -103,11 +143,12 @@ class CausalLM(Protocol):
         ...
 
     @classmethod
-    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str) -> CausalLM:
+    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
+                     dtype: torch.dtype, device: torch.device, quantization: str, tp: TensorParallel) -> CausalLM:
         """The model from a checkpoint's named tensors, each of which it must take (ModelLoadError naming
         a missing or a left-over one), on `device` in `dtype`, for positions below `max_positions`, its
-        linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`)."""
+        linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`); `tp`'s rank's share
+        of it (`procs.worker.models.layers`), each tensor read only as far as that share needs."""
         ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,

@@ -1,15 +1,18 @@
-"""The models' linear and embedding layers, shaped for tensor parallelism as vLLM's and SGLang's are,
-on one rank for now: each layer holds its whole weight, packed once at load
-(`kernels.ops.pack_linear_weight`: on the CPU the C kernel's panels, fp32 or int8).
-
-Splitting a model over ranks is a change of these classes, not of the models:
-- `ColumnParallelLinear` splits the output features, each fused part (q | k | v, gate | up) on its own;
+"""The models' linear and embedding layers, split over the worker's tensor-parallel ranks
+(`procs.worker.parallel.TensorParallel`) as Megatron-LM, vLLM and SGLang split them. Each layer holds
+this rank's shard, cut by the loader (`_WeightTaker` in llama.py) and packed once
+(`kernels.ops.pack_linear_weight`: on the CPU the C kernel's panels, fp32 or int8):
+- `ColumnParallelLinear` holds this rank's output features of each fused part (q | k | v, gate | up);
   its output stays split, as the rank's attention heads or SiLU-and-mul and the row layer after them take it.
-- `RowParallelLinear` splits the input features; the ranks' partial products are summed by an
-  all-reduce, and the bias is added once.
-- `VocabParallelEmbedding` splits the vocabulary; a rank embeds the ids in its rows, zeros for the others,
-  and an all-reduce sums them.
-- `ParallelLMHead` splits the vocabulary of the logits; the ranks' logits are gathered.
+- `RowParallelLinear` holds this rank's input features; the ranks' partial products are summed by one
+  all-reduce, and the bias is added once, after it.
+- `VocabParallelEmbedding` holds rows [start, start + rows) of the vocabulary; a rank embeds the ids
+  in its rows, zeros for the others, and an all-reduce sums them.
+- `ParallelLMHead` holds the same vocabulary rows of the logits (the embedding's own shard where the
+  model ties them); the ranks' logits are gathered, every rank getting all of them.
+Vocabulary-parallel rather than replicated: the two vocab-sized tables are each a rank's share of the
+memory, as the rest of the model, and each rank reads only its share of the LM head in a decode step.
+With one rank every collective is the identity.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Sequence
 import torch
 
 from kernels.ops import LinearWeight, linear, pack_linear_weight
+from procs.worker.parallel import TensorParallel
 
 
 class _Linear:
@@ -32,7 +36,7 @@ class _Linear:
 
 
 class ColumnParallelLinear(_Linear):
-    """The projections `parts` [out_i, in] (with `biases` [out_i]) fused along the output features."""
+    """The projections `parts` [out_i / ranks, in] (with `biases`) fused along the output features."""
 
     def __init__(self, parts: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, quantization: str):
         self.weight = pack_linear_weight(torch.cat(list(parts), dim=0), quantization)
@@ -40,29 +44,48 @@ class ColumnParallelLinear(_Linear):
 
 
 class RowParallelLinear(_Linear):
-    """One projection [out, in] (with `bias` [out]) that takes a column layer's output."""
+    """One projection's input columns [out, in / ranks] (the whole `bias` [out]), summed over the ranks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, tp: TensorParallel):
         self.weight = pack_linear_weight(weight, quantization)
         self.bias = bias
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding:
-    """Token ids -> rows of the embedding table [vocab, hidden]."""
+    """Token ids -> rows of the embedding table, from this rank's rows [start, start + rows) of it."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel):
         self.weight = weight
+        self.start = start
+        self.tp = tp
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
+        if self.tp.world_size == 1:
+            return self.weight[ids]
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = self.weight[local.clamp(0, self.weight.shape[0] - 1)] * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(rows)
 
 
 class ParallelLMHead:
-    """Hidden rows -> float32 logits over the vocabulary, from a weight [vocab, hidden] (the embedding
-    table where the model ties them: a packed copy where packing applies)."""
+    """Hidden rows -> float32 logits over the vocabulary, from this rank's rows [vocab shard, hidden] of
+    the weight (the embedding table where the model ties them: a packed copy where packing applies)."""
 
-    def __init__(self, weight: torch.Tensor, quantization: str):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, quantization: str, tp: TensorParallel):
         self.weight = pack_linear_weight(weight, quantization)
+        self.vocab_size = vocab_size
+        self.tp = tp
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight).float()
+        if self.tp.world_size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # the last shard's padding dropped

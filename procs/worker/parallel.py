@@ -1,0 +1,217 @@
+"""Tensor parallelism: the worker's ranks, their torch.distributed groups and the collectives the model's
+layers (`procs.worker.models.layers`) and the step broadcast (`procs.worker.rank_steps`) use.
+
+`--tensor-parallel-size N` runs N worker processes, one per device, over `--nnodes` machines; global
+rank = node_rank * (N / nnodes) + local_rank. Global rank 0 is the worker the scheduler talks to; the
+others follow it (`rank_steps`). Two groups over the same ranks:
+- the device group carries the layers' all-reduces and the logits' all-gather: NCCL on CUDA, gloo on
+  the CPU (as vLLM's and SGLang's TP groups);
+- the CPU group (gloo) carries the step broadcast and the start-up agreement (the KV pool's size),
+  plain bytes and integers that NCCL would have to copy to a device first.
+Both are created for joining and loading with `dist_timeout_s`, then remade for serving with
+`step_timeout_s`: a dead or hung rank fails every other rank's collective within a step's time
+instead of leaving them waiting.
+
+World size 1 (the default) creates no group: every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from shared.config import ServerConfig
+
+STANDALONE_INIT_ADDR = "127.0.0.1:29500"  # where ranks started on their own meet by default (torch's MASTER_PORT)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one worker rank stands: its global and local rank among how many."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def of(cls, config: ServerConfig, local_rank: int) -> RankLayout:
+        check_parallel_config(config)
+        local_world = config.tensor_parallel_size // config.nnodes
+        if not 0 <= local_rank < local_world:
+            raise ValueError(f"--local-rank {local_rank}: this machine runs worker ranks 0..{local_world - 1} "
+                             f"(tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} nodes)")
+        return cls(rank=config.node_rank * local_world + local_rank, world_size=config.tensor_parallel_size,
+                   local_rank=local_rank, local_world_size=local_world)
+
+
+def check_parallel_config(config: ServerConfig) -> None:
+    """ValueError naming the setting for a layout that cannot be run (checked before anything starts)."""
+    tp, nnodes = config.tensor_parallel_size, config.nnodes
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if nnodes < 1 or tp % nnodes:
+        raise ValueError(f"nnodes must be >= 1 and divide tensor_parallel_size {tp}, got {nnodes}")
+    if not 0 <= config.node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {config.node_rank}")
+    if nnodes > 1 and not config.dist_init_addr:
+        raise ValueError("dist_init_addr HOST:PORT is required with nnodes > 1 (where global rank 0 listens)")
+    if config.dist_init_addr:
+        split_init_addr(config.dist_init_addr)
+    if config.dist_timeout_s <= 0:
+        raise ValueError(f"dist_timeout_s must be > 0, got {config.dist_timeout_s}")
+
+
+def split_init_addr(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class TensorParallel:
+    """This rank's collectives over the worker's ranks. `collective_s` adds up the host time spent in
+    the device group's collectives (on CUDA they are asynchronous: it then counts only the launches)."""
+
+    def __init__(self, layout: RankLayout | None = None, device: torch.device | None = None) -> None:
+        self.layout = layout or RankLayout(rank=0, world_size=1, local_rank=0, local_world_size=1)
+        self.device = device or torch.device("cpu")
+        self.device_group: object | None = None
+        self.cpu_group: object | None = None
+        self.collective_s = 0.0
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def is_first(self) -> bool:
+        """Global rank 0: the rank that talks to the scheduler and samples."""
+        return self.layout.rank == 0
+
+    # -- shapes ----------------------------------------------------------------------------------
+
+    def split(self, size: int, what: str) -> slice:
+        """This rank's share of `size` split evenly; ValueError naming `what` when it does not divide."""
+        if size % self.world_size:
+            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size {self.world_size}")
+        share = size // self.world_size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
+        """(first id, rows) of this rank's rows of a vocabulary split in equal shards of
+        ceil(vocab / world); the last shard's rows past the vocabulary are padding."""
+        rows = -(-vocab_size // self.world_size)
+        return self.rank * rows, rows
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, in place."""
+        if self.world_size > 1:
+            started = time.perf_counter()
+            torch.distributed.all_reduce(x, group=self.device_group)
+            self.collective_s += time.perf_counter() - started
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` side by side along the last dimension, rank order."""
+        if self.world_size == 1:
+            return x
+        started = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
+        self.collective_s += time.perf_counter() - started
+        return torch.cat(parts, dim=-1)
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_bytes(self, payload: bytes | None, capacity: int) -> bytes:
+        """Rank 0's `payload` on every rank (the others pass None). One broadcast of `capacity` bytes
+        carries the length and a payload that fits; a longer one takes a second broadcast."""
+        header = torch.zeros(capacity, dtype=torch.uint8)
+        if payload is not None:
+            length = len(payload)
+            header[:8] = torch.frombuffer(bytearray(length.to_bytes(8, "little")), dtype=torch.uint8)
+            head = payload[:capacity - 8]
+            if head:
+                header[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        torch.distributed.broadcast(header, src=0, group=self.cpu_group)
+        length = int.from_bytes(header[:8].numpy().tobytes(), "little")
+        if length <= capacity - 8:
+            return payload if payload is not None else header[8:8 + length].numpy().tobytes()
+        rest = torch.empty(length - (capacity - 8), dtype=torch.uint8)
+        if payload is not None:
+            rest.copy_(torch.frombuffer(bytearray(payload[capacity - 8:]), dtype=torch.uint8))
+        torch.distributed.broadcast(rest, src=0, group=self.cpu_group)
+        if payload is not None:
+            return payload
+        return header[8:].numpy().tobytes() + rest.numpy().tobytes()
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def serve_with_timeout(self, seconds: float) -> None:
+        """Replace the groups by ones whose collectives time out after `seconds` (collective: every rank
+        calls it, once loading is done)."""
+        if self.world_size == 1:
+            return
+        self.device_group, self.cpu_group = _new_groups(self.device, seconds)
+
+    def close(self) -> None:
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def rank_device(device: torch.device, layout: RankLayout) -> torch.device:
+    """A rank's device: cuda:(base + local_rank) for a CUDA `device` (base: its index, 0 if none)."""
+    if device.type != "cuda" or layout.world_size == 1:
+        return device
+    return torch.device("cuda", (device.index or 0) + layout.local_rank)
+
+
+def join(config: ServerConfig, layout: RankLayout, device: torch.device) -> TensorParallel:
+    """Join the worker's process group (every rank calls this; each waits up to dist_timeout_s for the
+    others) and limit this rank's CPU threads to its share of the machine's cores."""
+    tp = TensorParallel(layout, device)
+    if layout.world_size == 1:
+        return tp
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.local_world_size))
+    host, port = split_init_addr(config.dist_init_addr or STANDALONE_INIT_ADDR)
+    timeout = timedelta(seconds=config.dist_timeout_s)
+    try:
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
+            rank=layout.rank, world_size=layout.world_size, timeout=timeout)
+    except (RuntimeError, ValueError) as exc:  # torch's DistStoreError is a RuntimeError
+        raise TensorParallelError(f"worker rank {layout.rank} of {layout.world_size} could not join the others at "
+                                  f"{host}:{port} within {config.dist_timeout_s:g} s: {exc}") from None
+    tp.device_group, tp.cpu_group = _new_groups(device, config.dist_timeout_s)
+    return tp
+
+
+def _new_groups(device: torch.device, seconds: float) -> tuple[object, object]:
+    timeout = timedelta(seconds=seconds)
+    cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    device_group = torch.distributed.new_group(backend="nccl", timeout=timeout) if device.type == "cuda" else cpu_group
+    return device_group, cpu_group
+
+
+class TensorParallelError(RuntimeError):
+    """The worker ranks could not form their group."""
