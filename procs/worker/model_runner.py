@@ -26,12 +26,13 @@ from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import load_model
 from procs.worker.models.base import CausalLM, ModelConfig
-from procs.worker.parallel import RankLayout, TensorParallel, join, rank_device
+from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import QUANTIZATIONS, ServerConfig
 from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
+from shared.parallel import RankLayout
 from shared.step_features import attention_pairs
 
 log = logging.getLogger("batchserve.worker")

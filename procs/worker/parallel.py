@@ -2,7 +2,7 @@
 layers (`procs.worker.models.layers`) and the step broadcast (`procs.worker.rank_steps`) use.
 
 `--tensor-parallel-size N` runs N worker processes, one per device, over `--nnodes` machines; global
-rank = node_rank * (N / nnodes) + local_rank. Global rank 0 is the worker the scheduler talks to; the
+rank = node_rank * (N / nnodes) + local_rank (`shared.parallel.RankLayout`). Global rank 0 is the worker the scheduler talks to; the
 others follow it (`rank_steps`). Two groups over the same ranks:
 - the device group carries the layers' all-reduces and the logits' all-gather: NCCL on CUDA, gloo on
   the CPU (as vLLM's and SGLang's TP groups);
@@ -19,59 +19,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from shared.config import ServerConfig
-
-STANDALONE_INIT_ADDR = "127.0.0.1:29500"  # where ranks started on their own meet by default (torch's MASTER_PORT)
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where one worker rank stands: its global and local rank among how many."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @classmethod
-    def of(cls, config: ServerConfig, local_rank: int) -> RankLayout:
-        check_parallel_config(config)
-        local_world = config.tensor_parallel_size // config.nnodes
-        if not 0 <= local_rank < local_world:
-            raise ValueError(f"--local-rank {local_rank}: this machine runs worker ranks 0..{local_world - 1} "
-                             f"(tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} nodes)")
-        return cls(rank=config.node_rank * local_world + local_rank, world_size=config.tensor_parallel_size,
-                   local_rank=local_rank, local_world_size=local_world)
-
-
-def check_parallel_config(config: ServerConfig) -> None:
-    """ValueError naming the setting for a layout that cannot be run (checked before anything starts)."""
-    tp, nnodes = config.tensor_parallel_size, config.nnodes
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    if nnodes < 1 or tp % nnodes:
-        raise ValueError(f"nnodes must be >= 1 and divide tensor_parallel_size {tp}, got {nnodes}")
-    if not 0 <= config.node_rank < nnodes:
-        raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {config.node_rank}")
-    if nnodes > 1 and not config.dist_init_addr:
-        raise ValueError("dist_init_addr HOST:PORT is required with nnodes > 1 (where global rank 0 listens)")
-    if config.dist_init_addr:
-        split_init_addr(config.dist_init_addr)
-    if config.dist_timeout_s <= 0:
-        raise ValueError(f"dist_timeout_s must be > 0, got {config.dist_timeout_s}")
-
-
-def split_init_addr(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"dist_init_addr must be HOST:PORT, got {address!r}")
-    return host, int(port)
-
+from shared.parallel import STANDALONE_INIT_ADDR, RankLayout, split_init_addr
 
 class TensorParallel:
     """This rank's collectives over the worker's ranks. `collective_s` adds up the host time spent in

@@ -21,6 +21,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import ForwardBatch
+from shared.parallel import RankLayout, worker_rank_name
 from shared.shm import DoubleBuffer
 
 log = logging.getLogger("batchserve.worker")
@@ -29,8 +30,6 @@ FOLLOWER_STOP_GRACE_S = 5.0
 
 
 def run(config: ServerConfig, local_rank: int = 0) -> int:
-    from procs.worker.parallel import RankLayout
-
     layout = RankLayout.of(config, local_rank)
     if layout.rank > 0:
         return _follow(config, layout.rank, local_rank)
@@ -40,7 +39,7 @@ def run(config: ServerConfig, local_rank: int = 0) -> int:
 def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
     from procs.worker.model_runner import ModelRunner
 
-    rt = ProcessRuntime(rank_process_name(rank), config)
+    rt = ProcessRuntime(worker_rank_name(rank), config)
     rt.install_signal_handlers()
     rt.start_heartbeat()
     stop_deadline: float | None = None
@@ -64,11 +63,6 @@ def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
         return 0
     finally:
         rt.close()
-
-
-def rank_process_name(rank: int) -> str:
-    """The name a worker rank's heartbeats carry: `worker` for rank 0, `worker-RANK` for the others."""
-    return "worker" if rank == 0 else f"worker-{rank}"
 
 
 def _lead(config: ServerConfig) -> int:
