@@ -113,6 +113,7 @@ class ModelRunner:
             num_pages=num_pages, max_running_requests=max_running_requests,
             max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
         )
+        self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(attention_backend, self.kv_cache, heads.num_heads, heads.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
@@ -146,7 +147,6 @@ class ModelRunner:
         except BaseException:
             tp.close()
             raise
-        tp.serve_with_timeout(config.step_timeout_s)
         return runner
 
     def close(self) -> None:

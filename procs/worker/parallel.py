@@ -9,7 +9,7 @@ others follow it (`rank_steps`). Two groups over the same ranks:
 - the CPU group (gloo) carries the step broadcast and the start-up agreement (the KV pool's size),
   plain bytes and integers that NCCL would have to copy to a device first.
 Both are created for joining and loading with `dist_timeout_s`, then remade for serving with
-`step_timeout_s`: a dead or hung rank fails every other rank's collective within a step's time
+`step_timeout_s` (`TensorParallel.start_serving`): a dead or hung rank fails every other rank's collective within a step's time
 instead of leaving them waiting.
 
 World size 1 (the default) creates no group: every collective is the identity.
@@ -36,6 +36,7 @@ class TensorParallel:
         self.device_group: object | None = None
         self.cpu_group: object | None = None
         self.collective_s = 0.0
+        self.step_timeout_s = 0.0  # the serving groups' timeout (`start_serving`)
 
     @property
     def rank(self) -> int:
@@ -117,12 +118,12 @@ class TensorParallel:
 
     # -- lifetime --------------------------------------------------------------------------------
 
-    def serve_with_timeout(self, seconds: float) -> None:
-        """Replace the groups by ones whose collectives time out after `seconds` (collective: every rank
-        calls it, once loading is done)."""
-        if self.world_size == 1:
-            return
-        self.device_group, self.cpu_group = _new_groups(self.device, seconds)
+    def start_serving(self) -> None:
+        """Replace the groups by ones whose collectives time out after `step_timeout_s` (collective: every
+        rank calls it, once loading and the start-up agreements are done, before CUDA graphs capture the
+        device group's collectives)."""
+        if self.world_size > 1:
+            self.device_group, self.cpu_group = _new_groups(self.device, self.step_timeout_s)
 
     def close(self) -> None:
         if self.world_size > 1 and torch.distributed.is_initialized():
@@ -140,6 +141,7 @@ def join(config: ServerConfig, layout: RankLayout, device: torch.device) -> Tens
     """Join the worker's process group (every rank calls this; each waits up to dist_timeout_s for the
     others) and limit this rank's CPU threads to its share of the machine's cores."""
     tp = TensorParallel(layout, device)
+    tp.step_timeout_s = config.step_timeout_s
     if layout.world_size == 1:
         return tp
     if device.type == "cuda":
