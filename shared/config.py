@@ -44,8 +44,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     # KV cache
     page_size: Annotated[int, _doc("Tokens per KV-cache page.")] = 16
     kv_capacity_tokens: Annotated[int, _doc("KV-cache capacity in tokens; 0 = derived from kv_memory_gb.")] = 0
-    kv_memory_gb: Annotated[float, _doc("""GiB of device memory for the KV cache when kv_capacity_tokens is 0;
-        0 = on CUDA kv_memory_fraction of the memory free after loading the weights, on CPU 1 GiB.""")] = 0.0
+    kv_memory_gb: Annotated[float, _doc("""GiB of device memory for the KV cache when kv_capacity_tokens is 0,
+        per worker rank (each caches its share of the KV heads); 0 = on CUDA kv_memory_fraction of the
+        memory free after loading the weights, on CPU 1 GiB.""")] = 0.0
     kv_memory_fraction: Annotated[float, _doc("""Share of the device memory free after loading the weights that
         the KV cache takes (CUDA, when neither kv_capacity_tokens nor kv_memory_gb is set); the rest is
         headroom for activations and CUDA graphs, as the peers' defaults leave.""")] = 0.85
