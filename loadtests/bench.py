@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from loadtests.metrics import DEFAULT_SLOS, Slo
 from loadtests.report import RunRecord, format_ratios, format_table, format_turns, write_json
 from loadtests.runner import LoadPoint
 from loadtests.server_process import DEFAULT_SERVE_COMMAND
@@ -54,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "words; words: a word list; or a tokenizer.json / model folder")
     load.add_argument("--rounds", type=int, default=1, help="measure every (target, load point) this many times, "
                       "interleaved with the other targets in rotated order, and pool the results")
+    load.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                      help="count requests meeting every objective, e.g. --goodput ttft:3000 tpot:150 (also e2el:MS), "
+                           "or a device's preset: cpu (" + DEFAULT_SLOS["cpu"].label() + ") or cuda ("
+                           + DEFAULT_SLOS["cuda"].label() + "); adds good %% and goodput (req/s) to every table")
     load.add_argument("--concurrency", help="comma list, e.g. 1,8,32: requests kept in flight (default 8)")
     load.add_argument("--request-rate", help="comma list of requests/s (Poisson arrivals), inf allowed")
 
@@ -207,7 +212,12 @@ def main(args: argparse.Namespace) -> int:
         lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
         specs = random_workload(num_prompts, *lens, args.seed, builder)
         warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
-    plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress, counts)
+    try:
+        slo = Slo.parse(args.goodput) if args.goodput else None
+    except ValueError as exc:
+        raise CliError(f"--goodput: {exc}") from None
+    plan = Plan(specs, warmup, points, args.seed, args.endpoint, args.request_timeout, not args.no_progress, counts,
+                slo)
 
     endpoint = args.endpoint
     openers: list[tuple[str, Opener]] = []
@@ -273,5 +283,6 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
         "max_batch_size": args.max_batch_size if args.compare else None,
         "server_args": args.server_args if args.compare else None,
         "torch_threads": args.torch_threads or None, "rounds": args.rounds,
+        "goodput": " ".join(args.goodput) if args.goodput else None,
         "command": shlex.join(["batchserve", *sys.argv[1:]]),
     }

@@ -5,7 +5,10 @@
 - TPOT: per request, (e2e - TTFT) / (output_tokens - 1); requests with one output token have none.
 - E2E latency: end of stream - send time.
 - Throughputs divide totals over successful requests by the benchmark duration.
-Failed requests count only in `failed`; they contribute no latencies and no tokens.
+- Goodput (vLLM's `--goodput`, DistServe's): requests per second that completed and met every
+  objective of an `Slo` (TTFT, TPOT, E2E latency); a one-token request has no TPOT and meets its
+  objective, as in vLLM.
+Failed requests count only in `failed`; they contribute no latencies and no tokens, and are not good.
 """
 
 from __future__ import annotations
@@ -40,6 +43,56 @@ class Distribution:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """The objectives a request must meet to count as good, in ms; None: not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> Slo:
+        """`["ttft:2000", "tpot:100"]` (vLLM's spelling; also `e2el:MS`), or one device's preset
+        (`DEFAULT_SLOS`: `cpu`, `cuda`). ValueError naming the bad item."""
+        if len(items) == 1 and items[0] in DEFAULT_SLOS:
+            return DEFAULT_SLOS[items[0]]
+        limits: dict[str, float] = {}
+        for item in items:
+            name, sep, value = item.partition(":")
+            field = f"{name}_ms"
+            if not sep or field not in cls.__dataclass_fields__ or field in limits:
+                raise ValueError(f"goodput objective {item!r}: expected ttft:MS, tpot:MS or e2el:MS, each once, "
+                                 f"or one of {', '.join(DEFAULT_SLOS)}")
+            try:
+                limits[field] = float(value)
+            except ValueError:
+                raise ValueError(f"goodput objective {item!r}: {value!r} is not a number of ms") from None
+            if limits[field] <= 0:
+                raise ValueError(f"goodput objective {item!r}: the limit must be > 0 ms")
+        if not limits:
+            raise ValueError("goodput needs at least one objective")
+        return cls(**limits)
+
+    def met_by(self, result: RequestResult) -> bool:
+        if not result.success:
+            return False
+        per_token = tpot(result)
+        checks = ((self.ttft_ms, ttft(result)), (self.tpot_ms, 0.0 if per_token is None else per_token),
+                  (self.e2el_ms, e2e_latency(result)))
+        return all(limit is None or seconds * 1000.0 <= limit for limit, seconds in checks)
+
+    def label(self) -> str:
+        return " ".join(f"{name}:{limit:g}" for name, limit in
+                        (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if limit is not None)
+
+
+# Per device, objectives for an interactive chat with a small model: the first token within a short
+# wait and a stream a reader keeps pace with (CPU: ~7 tokens/s per stream at the 300 ms step target's
+# scale; CUDA: DistServe's chatbot-like objectives). Pick your own for other workloads.
+DEFAULT_SLOS = {"cpu": Slo(ttft_ms=3000.0, tpot_ms=150.0), "cuda": Slo(ttft_ms=500.0, tpot_ms=50.0)}
+
+
+@dataclass(frozen=True)
 class BenchMetrics:
     completed: int
     failed: int
@@ -54,6 +107,15 @@ class BenchMetrics:
     tpot_ms: Distribution
     e2e_ms: Distribution
     total_cached_tokens: int = 0  # of the input tokens, those the server reported as found in its prefix cache
+    slo: Slo | None = None  # the goodput objectives, when measured
+    good_requests: int = 0  # requests that met every objective of `slo`
+    goodput: float | None = None  # good requests/s
+
+    @property
+    def good_fraction(self) -> float | None:
+        """Of every request sent (failed ones included), the share that met the objectives."""
+        sent = self.completed + self.failed
+        return None if self.slo is None or not sent else self.good_requests / sent
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,8 +140,9 @@ def e2e_latency(result: RequestResult) -> float:
     return result.end_time - result.send_time
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchMetrics:
-    """Aggregate one benchmark run; `duration_s` is wall time from first send to last completion."""
+def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | None = None) -> BenchMetrics:
+    """Aggregate one benchmark run; `duration_s` is wall time from first send to last completion;
+    goodput against `slo` when given."""
     if duration_s <= 0:
         raise ValueError(f"duration must be > 0, got {duration_s}")
     ok = [r for r in results if r.success]
@@ -89,6 +152,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchMetri
     e2es = [e2e_latency(r) for r in ok]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
+    good = sum(slo.met_by(r) for r in ok) if slo is not None else 0
     return BenchMetrics(
         completed=len(ok),
         failed=len(results) - len(ok),
@@ -103,4 +167,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> BenchMetri
         itl_ms=Distribution.of_seconds(itls),
         tpot_ms=Distribution.of_seconds(tpots),
         e2e_ms=Distribution.of_seconds(e2es),
+        slo=slo,
+        good_requests=good,
+        goodput=None if slo is None else good / duration_s,
     )

@@ -56,6 +56,9 @@ def format_run(record: RunRecord) -> str:
         f"{'Input token throughput (tok/s):':<34}{m.input_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<34}{m.output_throughput:.2f}",
     ]
+    if m.slo is not None:
+        lines.append(f"{'Good requests (' + m.slo.label() + '):':<34}{m.good_requests} ({_percent(m.good_fraction)})")
+        lines.append(f"{'Request goodput (req/s):':<34}{m.goodput:.2f}")
     for name, dist in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("TPOT", m.tpot_ms), ("E2E latency", m.e2e_ms)):
         lines.append(f"{name + ' (ms)':<14} mean {_ms(dist.mean):>9}  p50 {_ms(dist.p50):>9}  "
                      f"p90 {_ms(dist.p90):>9}  p99 {_ms(dist.p99):>9}")
@@ -71,18 +74,27 @@ TABLE_HEADER = (f"{'load':<16}{'config':<16}{'ok':>5}{'fail':>5}{'req/s':>8}{'ou
 
 
 SERVER_HEADER = f"{'peak run':>9}{'preempt/100':>12}"
+GOODPUT_HEADER = f"{'good %':>8}{'goodput':>9}"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
 
 
 def format_table(records: Sequence[RunRecord]) -> str:
     """All runs, grouped by load point; latencies in ms. Server-side columns when any run has them."""
     with_server = any(r.server is not None for r in records)
-    header = TABLE_HEADER + (SERVER_HEADER if with_server else "")
+    with_goodput = any(r.metrics.slo is not None for r in records)
+    header = TABLE_HEADER + (GOODPUT_HEADER if with_goodput else "") + (SERVER_HEADER if with_server else "")
     rows = [header, "-" * len(header)]
     for r in records:
         m = r.metrics
         row = (f"{r.point.label():<16}{r.config:<16}{m.completed:>5}{m.failed:>5}{m.request_throughput:>8.2f}"
                f"{m.output_throughput:>11.1f}{_ms(m.ttft_ms.p50):>10}{_ms(m.ttft_ms.p99):>10}"
                f"{_ms(m.itl_ms.p50):>9}{_ms(m.itl_ms.p99):>9}{_ms(m.tpot_ms.p50):>10}")
+        if with_goodput:
+            fraction = m.good_fraction
+            row += f"{'-' if fraction is None else f'{100 * fraction:.1f}':>8}{'-' if m.goodput is None else f'{m.goodput:.2f}':>9}"
         if with_server:
             per_100 = r.preemptions_per_100()
             row += (f"{'-' if r.server is None else r.server.peak_running:>9}"
@@ -127,6 +139,7 @@ def ratio_rows(records: Sequence[RunRecord], baseline: str) -> list[dict[str, An
         rows.append({
             "config": r.config, "point": r.point.label(), "baseline": baseline,
             "output_throughput": _ratio(m.output_throughput, base.output_throughput),
+            "goodput": _ratio(m.goodput, base.goodput),
             "ttft_p50": _ratio(m.ttft_ms.p50, base.ttft_ms.p50),
             "ttft_p99": _ratio(m.ttft_ms.p99, base.ttft_ms.p99),
             "itl_p50": _ratio(m.itl_ms.p50, base.itl_ms.p50),
@@ -139,13 +152,15 @@ def format_ratios(records: Sequence[RunRecord], baseline: str) -> str:
     def x(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
+    with_goodput = any(r.metrics.slo is not None for r in records)
     header = (f"{'load':<16}{'config':<16}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'ITL p50':>9}{'ITL p99':>9}")
+              f"{'ITL p50':>9}{'ITL p99':>9}" + (f"{'goodput':>9}" if with_goodput else ""))
     rows = [f"ratios vs {baseline} (throughput: higher is better; latencies: lower is better)", header,
             "-" * len(header)]
     for row in ratio_rows(records, baseline):
         rows.append(f"{row['point']:<16}{row['config']:<16}{x(row['output_throughput']):>10}{x(row['ttft_p50']):>10}"
-                    f"{x(row['ttft_p99']):>10}{x(row['itl_p50']):>9}{x(row['itl_p99']):>9}")
+                    f"{x(row['ttft_p99']):>10}{x(row['itl_p50']):>9}{x(row['itl_p99']):>9}"
+                    + (f"{x(row['goodput']):>9}" if with_goodput else ""))
     return "\n".join(rows)
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import aiohttp
 
 from loadtests.client import Endpoint, RequestResult, make_session, send_request
-from loadtests.metrics import summarize
+from loadtests.metrics import Slo, summarize
 from loadtests.report import RunRecord, format_run
 from loadtests.runner import LoadPoint, Sender, measure
 from loadtests.server_process import ServerProcess, ServerStartError
@@ -37,6 +37,7 @@ class Plan:
     request_timeout_s: float = 600.0
     show_progress: bool = True
     num_prompts: Sequence[int] = ()  # per point (a prefix of `specs`); empty: all of `specs` at every point
+    slo: Slo | None = None  # goodput objectives (`--goodput`)
 
     def specs_for(self, index: int) -> Sequence[RequestSpec]:
         return self.specs[: self.num_prompts[index]] if self.num_prompts else self.specs
@@ -124,15 +125,16 @@ async def _measure_all(targets: Sequence[tuple[str, OpenTarget]], plan: Plan, ro
                     pooled[(label, i)] = (done + results, duration + metrics.duration_s,
                                           stats.merged(server) if stats else server)
             for label, _, _ in senders:
-                print(format_run(_record(label, point, *pooled[(label, i)])), flush=True)
-    return [_record(label, point, *pooled[(label, i)]) for i, point in enumerate(plan.points) for label, _ in targets]
+                print(format_run(_record(label, point, *pooled[(label, i)], plan.slo)), flush=True)
+    return [_record(label, point, *pooled[(label, i)], plan.slo)
+            for i, point in enumerate(plan.points) for label, _ in targets]
 
 
 def _record(label: str, point: LoadPoint, results: list[RequestResult], duration: float,
-            server: ServerStats | None) -> RunRecord:
+            server: ServerStats | None, slo: Slo | None) -> RunRecord:
     turns = sorted({r.turn for r in results if r.turn is not None})
-    by_turn = {t: summarize([r for r in results if r.turn == t], duration) for t in turns} if turns else None
-    return RunRecord(label, point, summarize(results, duration), server, by_turn)
+    by_turn = {t: summarize([r for r in results if r.turn == t], duration, slo) for t in turns} if turns else None
+    return RunRecord(label, point, summarize(results, duration, slo), server, by_turn)
 
 
 def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,

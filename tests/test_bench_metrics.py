@@ -63,3 +63,30 @@ def test_empty_and_all_failed_runs_report_no_latencies():
     assert m.ttft_ms == Distribution(0, None, None, None, None)
     with pytest.raises(ValueError):
         summarize([], duration_s=0.0)
+
+
+def test_goodput_counts_requests_meeting_every_objective():
+    from loadtests.metrics import Slo
+
+    slo = Slo.parse(["ttft:200", "tpot:100"])
+    fast = result(0.0, [0.1, 0.15, 0.2], 0.2)  # TTFT 100 ms, TPOT 50 ms: good
+    slow_start = result(0.0, [0.5, 0.55], 0.55)  # TTFT 500 ms
+    slow_stream = result(0.0, [0.1, 0.4, 0.7], 0.7)  # TPOT 300 ms
+    one_token = result(0.0, [0.15], 0.15)  # no TPOT: meets it
+    failed = result(0.0, [0.05], 0.06, success=False)
+    m = summarize([fast, slow_start, slow_stream, one_token, failed], duration_s=2.0, slo=slo)
+    assert m.good_requests == 2
+    assert m.goodput == pytest.approx(1.0)
+    assert m.good_fraction == pytest.approx(2 / 5)  # failed requests count as sent, never as good
+    assert summarize([fast], duration_s=1.0).goodput is None  # no objectives: no goodput
+
+
+def test_goodput_objectives_parse_as_vllm_spells_them():
+    from loadtests.metrics import DEFAULT_SLOS, Slo
+
+    assert Slo.parse(["ttft:2000", "tpot:100", "e2el:9000"]) == Slo(2000.0, 100.0, 9000.0)
+    assert Slo.parse(["cpu"]) == DEFAULT_SLOS["cpu"]
+    assert Slo.parse(["tpot:50"]).label() == "tpot:50"
+    for bad in (["ttft"], ["itl:5"], ["ttft:1", "ttft:2"], ["ttft:fast"], ["ttft:0"], []):
+        with pytest.raises(ValueError, match="goodput"):
+            Slo.parse(bad)

@@ -52,3 +52,24 @@ def test_plot_writes_a_png_with_an_infinite_rate(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError):
         plot_sweep([], path)
+
+
+def test_goodput_columns_appear_when_objectives_were_measured(tmp_path):
+    import dataclasses
+
+    from loadtests.metrics import Slo
+    from loadtests.report import format_run
+
+    slo = Slo(ttft_ms=100.0)
+    good = [dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, slo=slo, good_requests=n, goodput=n / 1.0))
+            for r, n in zip(RECORDS, (8, 4, 6, 2))]
+    assert "goodput" not in format_table(RECORDS)
+    table = format_table(good)
+    assert "good %" in table and "80.0" in table and "8.00" in table
+    assert "Request goodput (req/s):" in format_run(good[0]) and "ttft:100" in format_run(good[0])
+    rows = ratio_rows(good, "fixed")
+    assert rows[0]["goodput"] == pytest.approx(2.0) and rows[1]["goodput"] == pytest.approx(3.0)
+    assert "3.00x" in format_ratios(good, "fixed")
+    write_json(tmp_path / "run.json", {}, good, ["fixed"])
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["runs"][0]["metrics"]["slo"]["ttft_ms"] == 100.0 and doc["runs"][0]["metrics"]["goodput"] == 8.0
