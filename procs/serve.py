@@ -4,6 +4,11 @@ Each child runs `batchserve proc NAME --config runtime_dir/config.json` in its o
 with `PR_SET_PDEATHSIG` so that it dies with us, and reports readiness through its own
 `$NOTIFY_SOCKET` (the sd_notify protocol, as under systemd).
 
+Tensor parallelism (`--tp N`): the worker is this machine's N / nnodes worker ranks, each a child
+`batchserve proc worker --local-rank I` named as it heartbeats (`worker`, `worker-1`, ...), started
+where the worker starts. With `--node-rank R > 0` this machine serves no api: `serve` starts and
+supervises only its worker ranks, which join global rank 0's at `--dist-init-addr`.
+
 SIGINT/SIGTERM: the api is stopped first (it answers 503 to new requests and lets running ones
 finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
 If any process dies on its own, the others are stopped and `serve` exits 1 naming it.
@@ -31,6 +36,7 @@ import msgspec
 from procs.launch import START_ORDER
 from procs.runtime import configured_runtime_dir, make_private_dir
 from shared.config import ServerConfig, add_config_arguments, config_from_args
+from shared.parallel import check_parallel_config, with_init_addr, worker_process_names
 from shared.shm import remove_segments_of
 
 BACKEND_STOP_TIMEOUT_S = 10.0
@@ -54,6 +60,25 @@ def _child_setup(parent_pid: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One child to start: its name (as it heartbeats), the process it runs, and its worker rank."""
+
+    name: str
+    process: str
+    local_rank: int = 0
+
+
+def launches(config: ServerConfig) -> list[Launch]:
+    """This machine's children in start order: every worker rank where the worker starts; on a
+    machine of node_rank > 0 only its worker ranks (the api and the rest run on node 0)."""
+    ranks = [Launch(name, "worker", i) for i, name in enumerate(worker_process_names(config))]
+    if config.node_rank > 0:
+        return ranks
+    return [launch for process in START_ORDER
+            for launch in (ranks if process == "worker" else [Launch(process, process)])]
 
 
 @dataclass
@@ -89,17 +114,18 @@ class Supervisor:
         self.signals += 1
 
     # -- start --------------------------------------------------------------------------------
-    def _spawn(self, name: str, config_path: Path) -> Child:
+    def _spawn(self, launch: Launch, config_path: Path) -> Child:
+        name = launch.name
         notify_path = self.runtime_dir / f"notify-{name}.sock"
         notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
         parent = os.getpid()
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "procs.cli", "proc", name, "--config", str(config_path)],
-            env=env, preexec_fn=lambda: _child_setup(parent), close_fds=True,
-        )
+        command = [sys.executable, "-m", "procs.cli", "proc", launch.process, "--config", str(config_path)]
+        if launch.process == "worker" and self.config.tensor_parallel_size > 1:
+            command += ["--local-rank", str(launch.local_rank)]
+        popen = subprocess.Popen(command, env=env, preexec_fn=lambda: _child_setup(parent), close_fds=True)
         return Child(name, popen, notify)
 
     def _read_notifications(self, timeout_s: float) -> None:
@@ -117,11 +143,9 @@ class Supervisor:
             if "READY=1" in data.split("\n"):
                 child.ready = True
 
-    def _dead_child(self) -> Child | None:
-        for child in self.children.values():
-            if child.popen.poll() is not None and not child.expected_exit:
-                return child
-        return None
+    def _dead_children(self) -> list[Child]:
+        return [child for child in self.children.values()
+                if child.popen.poll() is not None and not child.expected_exit]
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -130,8 +154,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
-            for name in START_ORDER:
-                self.children[name] = self._spawn(name, config_path)
+            for launch in launches(self.config):
+                self.children[launch.name] = self._spawn(launch, config_path)
             return self._supervise()
         finally:
             self._stop_all()
@@ -142,6 +166,9 @@ class Supervisor:
         announced = False
         while True:
             self._read_notifications(0.2)
+            if self._group_stopped():
+                _say("global rank 0 stopped the worker group; this machine's worker ranks exited")
+                return 0
             if self._report_dead("; stopping the others"):
                 return 1
             if self.signals:
@@ -151,24 +178,42 @@ class Supervisor:
                 return self._drain()
             if not announced and all(c.ready for c in self.children.values()):
                 announced = True
-                pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
-                print(f"batchserve: serving {self.config.served_model_name or self.config.model} at "
-                      f"http://{self.config.host}:{self.config.port} (ready in "
-                      f"{time.monotonic() - started:.1f}s; {pids}; runtime dir {self.runtime_dir})", flush=True)
+                print(self._ready_line(time.monotonic() - started), flush=True)
+
+    def _ready_line(self, seconds: float) -> str:
+        pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
+        model = self.config.served_model_name or self.config.model
+        if self.config.node_rank > 0:
+            return (f"batchserve: serving worker ranks of {model} for node 0 at {self.config.dist_init_addr}, "
+                    f"node {self.config.node_rank} of {self.config.nnodes}, no api here (ready in {seconds:.1f}s; "
+                    f"{pids}; runtime dir {self.runtime_dir})")
+        return (f"batchserve: serving {model} at http://{self.config.host}:{self.config.port} (ready in "
+                f"{seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})")
+
+    def _group_stopped(self) -> bool:
+        """On a machine of worker ranks only: a ready rank exited 0, which a follower does when rank 0
+        broadcasts its stop (node 0's server stopping), not a failure."""
+        dead = self._dead_children()
+        return (self.config.node_rank > 0 and bool(dead)
+                and all(child.ready and child.popen.returncode == 0 for child in dead))
 
     def _report_dead(self, suffix: str) -> bool:
-        """Name a child that exited unexpectedly, if any (True: one did)."""
-        dead = self._dead_child()
-        if dead is None:
+        """Name the children that exited unexpectedly, if any (True: one did). Every one: when a worker
+        rank dies the others' collectives fail soon after, and either may be seen first."""
+        dead = self._dead_children()
+        if not dead:
             return False
-        _say(f"the {dead.name} process (pid {dead.pid}) exited with status "
-             f"{_describe_status(dead.popen.returncode)}{suffix}")
+        _say("; ".join(f"the {child.name} process (pid {child.pid}) exited with status "
+                       f"{_describe_status(child.popen.returncode)}" for child in dead) + suffix)
         return True
 
     def _drain(self) -> int:
         """Stop the api first (it drains), then the backend; a second signal cuts it short."""
+        api = self.children.get("api")
+        if api is None:  # a machine of worker ranks only: rank 0's node drains, its stop ends ours
+            _say("stopping this machine's worker ranks")
+            return 0
         _say(f"draining (up to {self.config.drain_timeout_s:g}s); signal again to stop now")
-        api = self.children["api"]
         api.expected_exit = True
         signals_seen = self.signals
         api.signal(signal.SIGTERM)
@@ -183,14 +228,14 @@ class Supervisor:
 
     # -- stop ---------------------------------------------------------------------------------
     def _stop_all(self) -> None:
-        """SIGTERM every live process (the api first), wait, then SIGKILL their groups."""
-        for name in ("api", *START_ORDER[:-1]):
-            child = self.children.get(name)
-            if child is not None:
-                child.expected_exit = True
-                if child.popen.poll() is None:
-                    child.signal(signal.SIGTERM)
-                    child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
+        """SIGTERM every live process (the api first), wait, then SIGKILL their groups. Follower
+        worker ranks then exit on rank 0's stop broadcast (or by themselves within a few seconds)."""
+        api_first = sorted(self.children.values(), key=lambda c: c.name != "api")  # stable: the rest in start order
+        for child in api_first:
+            child.expected_exit = True
+            if child.popen.poll() is None:
+                child.signal(signal.SIGTERM)
+                child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
         deadline = time.monotonic() + BACKEND_STOP_TIMEOUT_S
         for child in self.children.values():
             try:
@@ -228,6 +273,8 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
+    check_parallel_config(config)
+    config = with_init_addr(config)  # two servers on one machine: their ranks meet at different ports
     chosen = configured_runtime_dir(config)
     if chosen:
         runtime_dir, owns = make_private_dir(Path(chosen)), False

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -142,3 +143,27 @@ async def stream_until_end(session: aiohttp.ClientSession, url: str, body: dict,
         record.error = type(exc).__name__
     finally:
         record.ended_at = time.monotonic()
+
+
+async def streams_through_fault(url: str, body: dict, records: list[StreamRecord], inject: Callable[[], None],
+                                *, timeout: float = 60) -> tuple[float, float | None]:
+    """Stream `body` once per record; once every stream has 2 chunks, `inject()` the fault, then wait for
+    /health to turn from 200 (within 30 s) and for every stream to end. Returns (when the fault was
+    injected, when /health turned or None), as `time.monotonic()`."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout + 30)) as session:
+        tasks = [asyncio.create_task(stream_until_end(session, url, body, r)) for r in records]
+        deadline = time.monotonic() + timeout
+        while any(r.chunks < 2 for r in records):
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), \
+                [r.terminal() for r in records]
+            await asyncio.sleep(0.01)
+        fault_at = time.monotonic()
+        inject()
+        down_at = None
+        while down_at is None and time.monotonic() - fault_at < 30:
+            if await asyncio.to_thread(health, url) != 200:
+                down_at = time.monotonic()
+            else:
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        return fault_at, down_at

@@ -10,6 +10,11 @@ or is reported stalled by the scheduler (`BackendFailure`) puts the client in a 
 request in flight ends at once with a 503 `RequestRejected` naming the cause, and new requests are
 refused, until every backend process has been restarted (new pids, ready again). The api process
 does the same to whatever is still running when its drain times out (`fail_all`).
+
+The backend processes are the tokenizer, scheduler, detokenizer and this machine's worker ranks
+(`backend_processes`: `worker`, and `worker-1`... with tensor parallelism): a follower rank that dies
+or hangs fails the requests in flight as the worker does. Ranks on other machines are watched by
+rank 0, whose collectives fail when one of them is gone.
 """
 
 from __future__ import annotations
@@ -25,16 +30,24 @@ import msgspec
 import zmq.asyncio
 
 from procs.api.engine_client import EngineEvent, StatsListener
+from shared.config import ServerConfig
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
 from shared.messages import (PROCESS_NAMES, AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected,
                              SchedulerStats, TextDelta)
+from shared.parallel import worker_process_names
 
 log = logging.getLogger("batchserve.api")
 
 BACKEND_PROCESSES = tuple(name for name in PROCESS_NAMES if name != "api")
 HEARTBEAT_STALE_S = 3.5  # heartbeats come every second; three missed ones mean the process is gone
 WATCH_INTERVAL_S = 0.1
+
+
+def backend_processes(config: ServerConfig) -> tuple[str, ...]:
+    """The processes the api watches for `config`: this machine's worker ranks in the worker's place."""
+    return tuple(rank for name in BACKEND_PROCESSES
+                 for rank in (worker_process_names(config) if name == "worker" else (name,)))
 
 
 @dataclass(frozen=True)
@@ -46,8 +59,10 @@ class _Beat:
 
 
 class ZmqEngineClient:
-    def __init__(self, endpoints: Endpoints, model_name: str, max_context: int) -> None:
+    def __init__(self, endpoints: Endpoints, model_name: str, max_context: int,
+                 backends: tuple[str, ...] = BACKEND_PROCESSES) -> None:
         self.endpoints = endpoints
+        self.backends = backends
         self.model_name = model_name
         self.max_context = max_context
         self.draining = False
@@ -107,39 +122,46 @@ class ZmqEngineClient:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            lost = self._lost_backends()
             if self.failure is None:
-                problem = self._lost_backend()
-                if problem is not None:
-                    self._fail(*problem)
-            elif self.backends_ready() and all(self._heartbeats[name].pid != pid
-                                               for name, pid in self._failed_pids.items()):
+                if lost:
+                    self._fail(*lost[0])
+                continue
+            for _, names in lost:  # gone after the first (a rank's peers fail with it): restarted too
+                self._remember_failed(names)
+            if self.backends_ready() and all(self._heartbeats[name].pid != pid
+                                             for name, pid in self._failed_pids.items()):
                 log.warning("every backend process is ready again; serving", extra={"fields": {
                     "after": self.failure}})
                 self.failure = None
                 self._failed_pids = {}
 
-    def _lost_backend(self) -> tuple[str, tuple[str, ...]] | None:
-        """A backend process that was ready and is gone: (why, (its name,)); None if all are fine."""
+    def _lost_backends(self) -> list[tuple[str, tuple[str, ...]]]:
+        """The backend processes that were ready and are gone: (why, (its name,)) each."""
         now = time.monotonic()
-        for name in BACKEND_PROCESSES:
+        lost = []
+        for name in self.backends:
             beat = self._heartbeats.get(name)
-            if beat is None or not beat.ready:
-                continue  # still starting: not a failure
+            if beat is None or not beat.ready or self._failed_pids.get(name) == beat.pid:
+                continue  # still starting (not a failure), or already counted
             if beat.local and pid_gone(beat.pid):
-                return f"the {name} process (pid {beat.pid}) exited", (name,)
-            if now - beat.at > HEARTBEAT_STALE_S:
-                return (f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
-                        f"(stopped or hung)"), (name,)
-        return None
+                lost.append((f"the {name} process (pid {beat.pid}) exited", (name,)))
+            elif now - beat.at > HEARTBEAT_STALE_S:
+                lost.append((f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
+                             f"(stopped or hung)", (name,)))
+        return lost
 
     def _fail(self, reason: str, processes: tuple[str, ...]) -> None:
         if self.failure is None:
             log.error("backend failure: %s; failing %d requests in flight", reason, len(self._streams))
             self.failure = reason
+        self._remember_failed(processes)
+        self.fail_all(f"the server cannot complete this request: {reason}")
+
+    def _remember_failed(self, processes: tuple[str, ...]) -> None:
         for name in processes:
             if name in self._heartbeats:
                 self._failed_pids.setdefault(name, self._heartbeats[name].pid)
-        self.fail_all(f"the server cannot complete this request: {reason}")
 
     def fail_all(self, message: str) -> None:
         """End every request in flight now with a 503 `RequestRejected` carrying `message`, and ask
@@ -159,7 +181,7 @@ class ZmqEngineClient:
 
     def backends_ready(self) -> bool:
         now = time.monotonic()
-        for name in BACKEND_PROCESSES:
+        for name in self.backends:
             beat = self._heartbeats.get(name)
             if beat is None or not beat.ready or now - beat.at > HEARTBEAT_STALE_S:
                 return False

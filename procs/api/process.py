@@ -17,7 +17,7 @@ import msgspec
 import uvloop
 
 from procs.api.app import HANDLERS_KEY
-from procs.api.engine_client_zmq import ZmqEngineClient
+from procs.api.engine_client_zmq import ZmqEngineClient, backend_processes
 from procs.api.server import start_api
 from procs.runtime import resolve_runtime_dir
 from shared.config import ServerConfig
@@ -36,7 +36,7 @@ async def serve(config: ServerConfig) -> int:
     # A model that thinks in <think> blocks (Qwen3, DeepSeek-R1): chat answers split them out.
     reasoning = spec.chat_format.reasoning
     engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
-                             spec.context_length)
+                             spec.context_length, backend_processes(config))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
