@@ -4,12 +4,26 @@ The same `Scheduler` the server's scheduler process runs plans every step, and t
 the worker process runs executes it directly (it *is* the executor). Prompts are tokenized and
 checked by the tokenizer process's `PromptTokenizer`, text comes from the detokenizer's
 `IncrementalDetokenizer`, so offline output is what the server would stream.
+
+With `tensor_parallel_size` > 1 the engine is worker rank 0 (in this process) and starts this
+machine's other ranks itself (`FollowerRanks`: "spawn" processes that load their share of the model
+and follow rank 0's steps); ranks on other machines (`nnodes` > 1) start with `batchserve proc worker
+--local-rank I` as under `serve`. `close()` (or leaving a `with` block) stops and reaps them. A rank
+that dies or hangs fails rank 0's next collective (at once, or after `step_timeout_s`): `generate`
+raises `RankFailure` naming it instead of waiting. While `generate` is not running, a thread sends
+rank 0's idle ticks, so the followers' waits (bounded by `step_timeout_s`) do not expire between calls.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -19,6 +33,14 @@ from procs.scheduler.config import scheduler_config_from_server
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
+from shared.parallel import RankLayout, with_init_addr
+
+if TYPE_CHECKING:
+    from procs.worker.model_runner import ModelRunner
+
+FOLLOWER_EXIT_S = 10.0  # how long close() waits for a follower to leave after rank 0's stop
+FAILURE_WAIT_S = 1.0  # how long a failed collective waits to see which follower exited
+IDLE_CHECK_S = 0.25  # how often the idle thread looks whether a tick is due (RankSteps sends one a second)
 
 
 @dataclass
@@ -42,20 +64,157 @@ class _Generating:
     detokenizer: IncrementalDetokenizer
 
 
+class RankFailure(RuntimeError):
+    """A tensor-parallel worker rank died or hung: the engine cannot run steps any more."""
+
+
+class FollowerRanks:
+    """This machine's worker ranks after the first (local ranks 1..N-1), for a rank 0 running in this
+    process: each a "spawn" process (a fresh interpreter: CUDA and torch's threads do not survive a fork)
+    that builds its `ModelRunner`, follows rank 0's steps until its stop, then leaves the group. Daemonic:
+    they end with this process too. Rank 0 must build its own runner meanwhile (construction is collective)."""
+
+    def __init__(self, config: ServerConfig, local_world_size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.first_rank = config.node_rank * local_world_size
+        self.processes = [context.Process(target=follow_rank, args=(config, i), name=f"batchserve-worker-rank-{i}",
+                                          daemon=True) for i in range(1, local_world_size)]
+        for process in self.processes:
+            process.start()
+
+    def failures(self, wait_s: float = 0.0) -> list[str]:
+        """A line per follower that has exited (each exits only after rank 0's stop, or failing), after
+        waiting up to `wait_s` for one to (a broken connection is seen before its process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        return [f"worker rank {self.first_rank + i} (pid {p.pid}) exited with status {p.exitcode}"
+                for i, p in enumerate(self.processes, 1) if p.exitcode is not None]
+
+    def close(self, timeout: float = FOLLOWER_EXIT_S) -> None:
+        """Wait for the followers to exit (after rank 0's stop, or its group's end), then end stragglers."""
+        for process in self.processes:
+            process.join(timeout)
+        for process in self.processes:
+            if process.is_alive():  # hung, or stopped (SIGSTOP): SIGKILL ends both
+                process.kill()
+                process.join()
+
+
+def follow_rank(config: ServerConfig, local_rank: int) -> None:
+    """A follower rank's whole life (the target of `FollowerRanks`' processes)."""
+    from procs.worker.model_runner import ModelRunner
+
+    try:
+        runner = ModelRunner.from_config(config, local_rank)
+    except ValueError as exc:  # a refusal (the model does not split): rank 0 raises the same, one line will do
+        print(f"worker rank {local_rank}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        runner.follow()
+    finally:
+        runner.close()
+
+
 class OfflineEngine:
-    """Loads the model once; `generate()` runs a list of requests to completion as one workload."""
+    """Loads the model once; `generate()` runs a list of requests to completion as one workload.
+    With tensor parallelism it holds processes: `close()` it, or use it as a context manager."""
 
     def __init__(self, config: ServerConfig) -> None:
+        import torch
+
         from procs.worker.model_runner import ModelRunner
 
+        config = with_init_addr(config)  # a free loopback port where all ranks are local
+        layout = RankLayout.of(config, 0)  # checks the layout before anything starts
+        if layout.rank != 0:
+            raise ValueError(f"node_rank must be 0 for the offline engine (it runs global rank 0), got "
+                             f"{config.node_rank}; start other machines' ranks with `batchserve proc worker`")
         self.config = config
-        self.runner = ModelRunner.from_config(config)
+        self._threads = torch.get_num_threads()  # joining a group sets this process's share of the cores
+        self._failure: RankFailure | None = None
+        self.followers = FollowerRanks(config, layout.local_world_size) if layout.local_world_size > 1 else None
+        try:
+            self.runner = ModelRunner.from_config(config)
+        except BaseException as exc:
+            failures = self._close_followers()
+            if failures and not isinstance(exc, ValueError):  # a refusal (ValueError) names its setting itself
+                raise RankFailure(f"the worker ranks did not start: {'; '.join(failures)} ({exc})") from exc
+            raise
         self.spec = self.runner.spec
         self.tokenizer: Any = self.spec.load_tokenizer()
         self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
         self.scheduler = Scheduler(scheduler_config_from_server(config, self.runner.worker_info()),
                                    eos_token_ids=self.runner.eos_token_ids)
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
+        # One thread at a time talks to the ranks: `generate`'s steps, or the idle thread's ticks.
+        self._ranks_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._idle_thread: threading.Thread | None = None
+        if self.runner.tp.world_size > 1:
+            self._idle_thread = threading.Thread(target=self._tick_while_idle, name="batchserve-rank-ticks",
+                                                 daemon=True)
+            self._idle_thread.start()
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0's stop), reap this machine's followers, leave the group."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._ranks_lock:
+            self.runner.close()
+        if self._idle_thread is not None:
+            self._idle_thread.join()
+        self._close_followers()
+
+    @contextmanager
+    def direct_runner(self) -> Iterator[ModelRunner]:
+        """Rank 0's runner to drive steps on directly (benchmarks, tests), the idle ticks held off meanwhile.
+        Its steps write the KV pages they name: pages the scheduler's prefix cache holds, unless it holds
+        none (no `generate` yet, or disable_prefix_cache)."""
+        with self._ranks_lock:
+            if self._closed.is_set():
+                raise RuntimeError("the engine is closed")
+            if self._failure is not None:
+                raise self._failure
+            yield self.runner
+
+    def _close_followers(self) -> list[str]:
+        """Reap the followers (if any); what `FollowerRanks.failures` said before, and restore this
+        process's torch threads."""
+        import torch
+
+        if self.followers is None:
+            return []
+        failures = self.followers.failures()
+        # After a failure the live followers are hung or leaving; else they leave after rank 0's stop.
+        self.followers.close(FAILURE_WAIT_S if self._failure is not None else FOLLOWER_EXIT_S)
+        torch.set_num_threads(self._threads)
+        return failures
+
+    def _tick_while_idle(self) -> None:
+        while not self._closed.wait(IDLE_CHECK_S):
+            with self._ranks_lock:
+                if self._closed.is_set() or self._failure is not None:
+                    return
+                try:
+                    self.runner.rank_steps.tick()
+                except RuntimeError as exc:  # torch.distributed's errors: a rank is gone or hung
+                    self._failure = self._rank_failure(exc)
+                    return
+
+    def _rank_failure(self, exc: BaseException) -> RankFailure:
+        failures = self.followers.failures(wait_s=FAILURE_WAIT_S) if self.followers is not None else []
+        who = "; ".join(failures) if failures else (f"no rank of this machine exited: a rank hung past "
+                                                     f"step_timeout_s {self.config.step_timeout_s:g} s, or "
+                                                     f"another machine's rank failed")
+        return RankFailure(f"tensor-parallel worker ranks failed: {who} ({type(exc).__name__}: {exc})")
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
         """Tokenize and length-check one request (raises `Refusal` naming the field)."""
@@ -64,16 +223,31 @@ class OfflineEngine:
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
         """Run every request through the scheduler; completions in the order of `requests`."""
         tokenized = [self.tokenize(r) for r in requests]  # reject bad input before anything runs
-        live: dict[str, _Generating] = {}
-        for request in tokenized:
-            ids = [int(t) for t in request.prompt_ids]
-            self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
-                                       request.logits)
-            live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
-                self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
-        done = [live[r.rid].completion for r in tokenized]
+        with self._ranks_lock:  # the idle thread's ticks wait meanwhile
+            if self._closed.is_set():
+                raise RuntimeError("the engine is closed")
+            if self._failure is not None:
+                raise self._failure
+            live: dict[str, _Generating] = {}
+            for request in tokenized:
+                ids = [int(t) for t in request.prompt_ids]
+                self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
+                                           request.logits)
+                live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
+            done = [live[r.rid].completion for r in tokenized]
+            self._run(live)
+        return done
+
+    def _run(self, live: dict[str, _Generating]) -> None:
         while self.scheduler.has_unfinished():
-            out = self.scheduler.step(self.runner)
+            try:
+                out = self.scheduler.step(self.runner)
+            except RuntimeError as exc:
+                if self.runner.tp.world_size == 1:
+                    raise
+                self._failure = self._rank_failure(exc)  # the group is broken: every later call fails too
+                raise self._failure from exc
             self.preemptions += len(out.preempted)
             new: dict[str, list[int]] = {}
             for rid, token in out.new_tokens:
@@ -92,7 +266,6 @@ class OfflineEngine:
             for rid in out.finished:
                 if rid in live:
                     self._finish(live.pop(rid), out.finish_reasons[rid])
-        return done
 
     @staticmethod
     def _finish(state: _Generating, reason: str) -> None:

@@ -2,6 +2,7 @@
 
     batchserve generate --prompt "Hello" --prompt "Hi there" --max-tokens 32 --json
     batchserve generate --chat --prompts-file prompts.jsonl --temperature 0 --policy prefill-first
+    batchserve generate --tp 2 --prompt "Hello"      # the model split over 2 worker ranks (processes)
 
 With `--json`, one line per prompt, in order:
 `{"prompt": ..., "token_ids": [...], "text": ..., "finish_reason": "stop"|"length"}`.
@@ -22,7 +23,9 @@ from shared.errors import Refusal
 ENGINE_FIELDS = ("model", "dtype", "quantization", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
                  "kv_memory_fraction",
                  "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "disable_prefix_cache",
-                 "attention_backend")
+                 "attention_backend", "step_timeout_s",
+                 # tensor parallelism: this machine's ranks are started by the engine (procs/engine.py)
+                 "tensor_parallel_size", "nnodes", "dist_init_addr", "dist_timeout_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +78,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from procs.engine import OfflineEngine, request
+    from procs.engine import OfflineEngine, RankFailure, request
 
     prompts = read_prompts(args)
     check_sampling(args)
@@ -89,11 +92,13 @@ def main(args: argparse.Namespace) -> int:
                 messages=[{"role": "user", "content": p}] if args.chat else None, sampling=sampling, stop=stop)
         for i, p in enumerate(prompts)
     ]
-    engine = OfflineEngine(config)
     try:
-        completions = engine.generate(requests)
+        with OfflineEngine(config) as engine:  # closing stops the other tensor-parallel ranks
+            completions = engine.generate(requests)
     except Refusal as exc:
         raise CliError(f"{exc.param or 'prompt'}: {exc.message}") from None
+    except RankFailure as exc:
+        raise CliError(str(exc)) from None
     for prompt, completion in zip(prompts, completions):
         if args.json:
             print(json.dumps({"prompt": prompt, "token_ids": completion.token_ids, "text": completion.text,

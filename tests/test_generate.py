@@ -85,6 +85,11 @@ def test_generate_cli_prompts_file_and_chat(model_dir, tmp_path, capsys):
     (["--prompt", "w5", "--policy", "lifo"], "policy"),
     (["--prompts-file", "/nonexistent/prompts.jsonl"], "--prompts-file"),
     (["--prompt", "w5", "--max-tokens", "100000"], "max_tokens"),
+    # tensor-parallel layouts that cannot run: refused before any rank starts
+    (["--prompt", "w5", "--tp", "2", "--nnodes", "3"], "nnodes must be >= 1 and divide tensor_parallel_size 2"),
+    (["--prompt", "w5", "--tp", "2", "--nnodes", "2"], "dist_init_addr HOST:PORT is required with nnodes > 1"),
+    (["--prompt", "w5", "--tensor-parallel-size", "2", "--dist-init-addr", "nohost"],
+     "dist_init_addr must be HOST:PORT"),
 ])
 def test_generate_cli_bad_input_is_one_line(model_dir, capsys, extra, message):
     status = cli_main(["generate", "--model", str(model_dir), "--kv-capacity-tokens", "512", *extra])

@@ -12,7 +12,8 @@
 # Developer sequence (the device `run` tool), normally ONE run:
 #   here:   tests/gpu/stage.sh                       # prints the total; keep it under ~55 MiB
 #   run:    command "bash tests/gpu/check.sh", carry [".gpu_stage"], timeout_s 560
-#   files:  $OUT/check.log (everything below), check_gpu.json, serve.log, bench_c1.json, bench_c32.json
+#   files:  $OUT/check.log (everything below), check_gpu.json, serve.log, bench_c1.json, bench_c32.json,
+#           check_gpu_tp.json (with >= 2 GPUs)
 # Fallback with the FULL flashinfer wheel (if the slim tree turns out to miss something), two runs,
 # the second started at once after the first returns (the box keeps its files ~30 s):
 #   here:   tests/gpu/stage.sh --no-flashinfer; tests/gpu/stage.sh --flashinfer-part 1; tests/gpu/stage.sh --flashinfer-part 2
@@ -36,11 +37,16 @@
 #   5. a serving run: `python -m procs.cli serve` on the random model (overlap scheduling: on, as
 #      `auto` is with a CUDA worker), then `batchserve bench` at
 #      concurrency 1 and 32 (request counts from step 4's decode rates, ~10-15 s each);
-#   6. pytest tests/gpu/test_cuda_decode.py.
+#   6. pytest tests/gpu/test_cuda_decode.py;
+#   7. tensor parallelism, with >= 2 GPUs: a random model of the default model's shape but 8/4 heads
+#      (its 9 query and 3 KV heads do not split over 2 ranks), check_gpu.py --tp-only --tp 2: TP=2
+#      (cuda:0 and cuda:1, NCCL) greedy tokens against TP=1 (ties as in step 4), decode tokens/s of
+#      both; with one GPU it prints "TP=2 check: SKIPPED: ..." and records SKIP.
 #
 # Without CUDA (or with --dry-run) it runs what the CPU can: a 2-layer random model of the same shape
 # (built-in config, no stage needed, nothing downloaded), check_gpu.py --device cpu with small sizes,
-# then stops with "no CUDA: stopping before the CUDA-only steps" and exit 0 (CI runs this, < 1 min).
+# then the TP=2 check on the CPU (2 ranks, gloo; a 2-layer 8/4-heads model), then stops with
+# "no CUDA: stopping before the CUDA-only steps" and exit 0 (CI runs this, about a minute).
 #
 # Usage: tests/gpu/check.sh [--dry-run] [--store-part] [--budget SECONDS] [-- check_gpu.py options]
 # Env: PYTHON (default .venv/bin/python if present, else python3), GPU_STAGE (default .gpu_stage),
@@ -109,6 +115,19 @@ summary() {
     [ -n "${FI_NOTE:-}" ] && echo "flashinfer: $FI_NOTE"
 }
 
+# tp_config OUT: the staged config (else the built-in SmolLM2-135M shape) with 8 query / 4 KV heads of 64,
+# which split over 2 ranks (the default model's 9 / 3 do not); same hidden size, MLP, vocabulary, layers
+tp_config() {
+    "$PYTHON" - "$STAGE/model/config.json" "$1" <<'EOF'
+import json, os, sys
+sys.path.insert(0, "tests/gpu")
+from random_model import SMOLLM2_135M
+fields = json.load(open(sys.argv[1])) if os.path.isfile(sys.argv[1]) else dict(SMOLLM2_135M)
+fields.update(num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+json.dump(fields, open(sys.argv[2], "w"))
+EOF
+}
+
 # CUDA here?
 if [ $DRY = 0 ] && ! TORCH_INFO=$("$PYTHON" -c "import sys, torch; torch.cuda.is_available() or sys.exit(1); \
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null); then
@@ -128,6 +147,12 @@ if [ $DRY = 1 ]; then
         --requests 5 --graph-max-bs 2 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 --warmup-steps 1 \
         --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --kv-capacity --tolerate-ties \
         --json "$WORK/check_gpu.json" "${CHECK_ARGS[@]}"
+    tp_config "$WORK/tp_config.json" && run_step "tp model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py \
+        "$WORK/model-tp" --config "$WORK/tp_config.json" --layers 2 --dtype bfloat16 --device cpu \
+        && run_step "check_gpu.py tp2 (cpu)" 180 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-tp" \
+            --device cpu --tp-only --tp 2 --requests 4 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 \
+            --warmup-steps 1 --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --tolerate-ties \
+            --json "$WORK/check_gpu_tp.json"
     summary
     [ $FAILED = 0 ] || exit 1
     echo "no CUDA: stopping before the CUDA-only steps"
@@ -311,6 +336,22 @@ if "$PYTHON" -c "import pytest" 2>/dev/null; then
     run_step "pytest tests/gpu" "$(cap 90 0)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py
 else
     record "pytest tests/gpu" SKIP 0 "pytest is not installed here"
+fi
+
+# -- 7. tensor parallelism (>= 2 GPUs) ------------------------------------------------------------------
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${GPUS:-0}" -ge 2 ]; then
+    tp_args=(--config "$WORK/tp_config.json" --dtype bfloat16 --device cuda)
+    [ -f "$STAGE/model/config.json" ] && tp_args+=(--tokenizer-dir "$STAGE/model")
+    rm -f "$WORK/check_gpu_tp.json"
+    tp_config "$WORK/tp_config.json" && run_step "tp model" "$(cap 90 60)" "$PYTHON" tests/gpu/random_model.py \
+        "$WORK/model-tp" "${tp_args[@]}" \
+        && run_step "check_gpu.py --tp 2" "$(cap 180 0)" "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-tp" \
+            --tp-only --tp 2 --requests 8 --batch-sizes 1 8 32 --tolerate-ties --json "$WORK/check_gpu_tp.json"
+    [ -n "${OUT:-}" ] && [ -f "$WORK/check_gpu_tp.json" ] && cp "$WORK/check_gpu_tp.json" "$OUT/"
+else
+    say "TP=2 check: SKIPPED: ${GPUS:-0} GPU visible, TP=2 needs 2 (one rank per GPU)"
+    record "tp=2 check" SKIP 0 "${GPUS:-0} GPU visible; TP=2 needs 2"
 fi
 
 summary

@@ -10,7 +10,10 @@ Prints, in one run:
 2. graph capture time and device memory (torch.cuda.mem_get_info before/after capture);
 3. decode tokens/s at batch 1, 8, 32, 64 with and without graphs, side by side;
 4. `--kv-capacity`: the KV pool the worker sizes by default (`kv_memory_gb=0`: on CUDA
-   `--kv-memory-fraction` of the memory free after the weights), in tokens and in whole contexts.
+   `--kv-memory-fraction` of the memory free after the weights), in tokens and in whole contexts;
+5. `--tp N`: tensor parallelism, N ranks (one per GPU, NCCL; gloo with `--device cpu`) against TP=1
+   on `--tp-model`: greedy tokens (and teacher-forced logits) and decode tokens/s side by side;
+   skipped, saying so, with fewer GPUs than ranks.
 Exit status: 0 all tokens equal, 1 a token mismatch, 2 the check cannot run here.
 
 Random weights (tests/gpu/random_model.py; the real ones cannot reach the GPU box) have near-ties
@@ -161,6 +164,7 @@ def forced_logits(runner: ModelRunner, prompts: list[list[int]], reference: list
             step += 1
             continue
         batch = _plan(step, rows, page_size, free_pages)
+        runner.rank_steps.lead(batch, None)  # tensor parallel: the other ranks run the same step (else a no-op)
         runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
                                                  batch.page_table_pages)
         with torch.inference_mode():
@@ -328,9 +332,25 @@ def bench_decode(args: argparse.Namespace, report: dict) -> None:
             report["capture"] = {"sizes": graph_runner.batch_sizes, "seconds": graph_runner.capture_seconds,
                                  "bytes": graph_runner.capture_bytes}
     report["bench_backend"] = runners[on_label].attention.name
+    rows = []
+    for batch_size, rates in decode_rates(runners, args).items():
+        on, off = rates[on_label], rates[off_label]
+        log(f"  batch {batch_size}: {on_label} {on:.1f}, {off_label} {off:.1f} tokens/s")
+        rows.append((batch_size, on, off))
+        report.setdefault("decode_tokens_per_s", {})[str(batch_size)] = {on_label: on, off_label: off}
+    print(f"decode tokens/s by {args.clock} time (prompt {args.prompt_len}, median of {args.rounds} alternating "
+          f"rounds of {args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)")
+    print(f"{'batch':>6} {on_label:>12} {off_label:>12} {'ratio':>7}")
+    for batch_size, on, off in rows:
+        print(f"{batch_size:>6} {on:>12.1f} {off:>12.1f} {on / off:>7.2f}")
+
+
+def decode_rates(runners: dict[str, ModelRunner], args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """Decode tokens/s per batch size and runner: every runner holds the same batch, their steps
+    alternate in rounds (shared-machine noise hits all alike), each reports its median round."""
     steps = args.warmup_steps + args.rounds * args.round_steps
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    rows = []
+    out: dict[int, dict[str, float]] = {}
     for batch_size in args.batch_sizes:
         benches = {label: DecodeBench(runner, batch_size, args.prompt_len, steps) for label, runner in runners.items()}
         for bench in benches.values():
@@ -344,15 +364,8 @@ def bench_decode(args: argparse.Namespace, report: dict) -> None:
                 for _ in range(args.round_steps):
                     bench.decode()
                 rates[label].append(batch_size * args.round_steps / (clock() - start))
-        on, off = float(np.median(rates[on_label])), float(np.median(rates[off_label]))
-        log(f"  batch {batch_size}: {on_label} {on:.1f}, {off_label} {off:.1f} tokens/s")
-        rows.append((batch_size, on, off))
-        report.setdefault("decode_tokens_per_s", {})[str(batch_size)] = {on_label: on, off_label: off}
-    print(f"decode tokens/s by {args.clock} time (prompt {args.prompt_len}, median of {args.rounds} alternating "
-          f"rounds of {args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)")
-    print(f"{'batch':>6} {on_label:>12} {off_label:>12} {'ratio':>7}")
-    for batch_size, on, off in rows:
-        print(f"{batch_size:>6} {on:>12.1f} {off:>12.1f} {on / off:>7.2f}")
+        out[batch_size] = {label: float(np.median(r)) for label, r in rates.items()}
+    return out
 
 
 # -- 4. KV capacity ---------------------------------------------------------------------------------
@@ -426,6 +439,86 @@ def warmup_flashinfer(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- 5. tensor parallelism --------------------------------------------------------------------------
+
+
+def check_tensor_parallel(args: argparse.Namespace, report: dict) -> bool:
+    """TP=`--tp` against TP=1 on `--tp-model`: rank 0 in this process, the other ranks spawned
+    processes (`procs.engine.FollowerRanks`; cuda:RANK with NCCL, or gloo on the CPU). Greedy tokens
+    free-running (staggered arrivals: mixed prefill+decode steps) and teacher-forced logits (ties, as
+    `check_equality`), then decode tokens/s of both, rounds alternated. Skipped (True) with fewer GPUs
+    than ranks."""
+    from procs.engine import FollowerRanks
+    from shared.config import ServerConfig
+    from shared.parallel import with_init_addr
+
+    label = f"tp{args.tp}"
+    if args.device.startswith("cuda") and torch.cuda.device_count() < args.tp:
+        line = (f"TP={args.tp} check: SKIPPED: {torch.cuda.device_count()} GPU visible, TP={args.tp} needs "
+                f"{args.tp} (one rank per GPU)")
+        print(line, flush=True)
+        report["tp"] = {"skipped": line}
+        return True
+    model = str(args.tp_model or args.model)
+    max_running = max(args.requests, *args.batch_sizes)
+    # A generous step timeout: the followers wait in it while this process runs the TP=1 side.
+    config = with_init_addr(ServerConfig(
+        model=model, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_memory_gb=args.kv_memory_gb,
+        max_running_requests=max_running, max_context=args.max_context, tensor_parallel_size=args.tp,
+        step_timeout_s=300.0))
+    start = time.perf_counter()
+    followers = FollowerRanks(config, args.tp)
+    try:
+        runner = ModelRunner.from_config(config)
+    except BaseException:
+        followers.close()
+        raise
+    try:
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        log(f"{label}: {args.tp} ranks ({backend}) built in {time.perf_counter() - start:.1f} s; rank 0 on "
+            f"{runner.device}, {runner.model.heads.num_heads} query / {runner.model.heads.num_kv_heads} KV heads per "
+            f"rank, {runner.kv_capacity_tokens} KV tokens; {describe_graphs(runner)}")
+        tp1 = ModelRunner(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                          kv_memory_gb=args.kv_memory_gb, max_running_requests=max_running,
+                          max_context=args.max_context)
+        log(f"tp1: {describe_graphs(tp1)}")
+        prompts = chat_prompts(model, args.requests)
+        reference = generate_greedy(tp1, prompts, args.new_tokens, arrival_gap=1)
+        got = generate_greedy(runner, prompts, args.new_tokens, arrival_gap=1)
+        diff = compare_logits(forced_logits(tp1, prompts, reference, arrival_gap=1),
+                              forced_logits(runner, prompts, reference, arrival_gap=1))
+        mismatched = {i: at for i in range(len(prompts))
+                      if (at := first_divergence(reference[i], got[i])) is not None}
+        status = ("EQUAL" if not mismatched
+                  else f"MISMATCH in {len(mismatched)} requests (request: first differing token) {mismatched}")
+        ok = not mismatched
+        if mismatched and args.tolerate_ties and diff.max_rel <= args.max_logit_diff:
+            status += f"; within ties (teacher-forced logits within {100 * args.max_logit_diff:.0f}%)"
+            ok = True
+        print(f"tokens [staggered] {label} vs tp1: {status}", flush=True)
+        print(f"  teacher-forced [staggered] {label} vs tp1: {diff.describe()}", flush=True)
+        report["tp"] = {"ranks": args.tp, "backend": backend, "mismatched_requests": mismatched, "ok": ok,
+                        "forced_argmax_equal": diff.argmax_equal, "forced_steps": diff.rows,
+                        "forced_max_abs": diff.max_abs, "forced_max_rel": diff.max_rel}
+        if not args.skip_bench:
+            collective_before, started = runner.tp.collective_s, time.perf_counter()
+            rates = decode_rates({"tp1": tp1, label: runner}, args)
+            print(f"decode tokens/s, {label} ({backend}) vs tp1 (prompt {args.prompt_len}, median of {args.rounds} "
+                  f"alternating rounds of {args.round_steps} steps; {label} rank 0 spent "
+                  f"{runner.tp.collective_s - collective_before:.2f} s host time in all-reduce/all-gather calls over "
+                  f"the {time.perf_counter() - started:.1f} s of both sides' steps)")
+            print(f"{'batch':>6} {'tp1':>12} {label:>12} {'ratio':>7}")
+            for batch_size, by in rates.items():
+                print(f"{batch_size:>6} {by['tp1']:>12.1f} {by[label]:>12.1f} {by[label] / by['tp1']:>7.2f}")
+            report["tp"]["decode_tokens_per_s"] = {str(b): by for b, by in rates.items()}
+        del tp1
+        return ok
+    finally:
+        runner.close()
+        followers.close()
+        release_memory()
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 
@@ -466,6 +559,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-max-running", type=int, default=64, help="max_running_requests of the KV runner")
     parser.add_argument("--warmup-flashinfer", action="store_true",
                         help="only build a flashinfer runner and run a few steps (JIT compile), then exit")
+    parser.add_argument("--tp", type=int, default=0,
+                        help="also check tensor parallelism: this many ranks against TP=1 (section 5; skipped with "
+                        "fewer GPUs than ranks)")
+    parser.add_argument("--tp-only", action="store_true", help="run only the TP check (section 5)")
+    parser.add_argument("--tp-model", type=Path, default=None,
+                        help="the model of the TP check (default --model; its heads must split over --tp ranks)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.dtype is None:
@@ -493,12 +592,14 @@ def main(argv: list[str] | None = None) -> int:
                     "flashinfer": missing or "available"}
     all_equal = True
     try:
-        if not args.skip_equality:
+        if not args.skip_equality and not args.tp_only:
             all_equal = check_equality(args, missing, report)
-        if not args.skip_bench:
+        if not args.skip_bench and not args.tp_only:
             bench_decode(args, report)
-        if args.kv_capacity:
+        if args.kv_capacity and not args.tp_only:
             report_kv_capacity(args, report)
+        if args.tp > 1:
+            all_equal &= check_tensor_parallel(args, report)
     except ValueError as exc:  # bad arguments for this model or pool
         print(f"error: {exc}")
         return 2
