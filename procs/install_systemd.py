@@ -1,9 +1,13 @@
 """`batchserve install-systemd`: write the systemd units and the env file for this virtualenv.
 
 The unit templates live in `systemd/` next to the packages (a source checkout, installed with
-`pip install -e .`); `@VENV@`, `@SOURCE@` and `@PROTECT_HOME@` are filled in here. The example env
-file `systemd/batchserve.env` is generated from `ServerConfig` by `render_env_file()`, and a test
-keeps the two equal, so every setting is documented there.
+`pip install -e .`); `@VENV@`, `@SOURCE@`, `@PROTECT_HOME@` and `@PRIVATE_TMP@` are filled in here, and
+`@WORKERS@` / `@SERVICES@` with the units of this machine's layout (`MachineUnits`): one instance of
+`batchserve-worker@.service` per local tensor-parallel rank, plus scheduler, tokenizer, detokenizer
+and api on the machine of node_rank 0 only. The layout comes from the env file the units will read
+(when kept) and the layout flags. The example env file `systemd/batchserve.env` is generated from
+`ServerConfig` by `render_env_file()`, and a test keeps the two equal, so every setting is
+documented there.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import msgspec
 
 from procs.cli import CliError
 from procs.launch import START_ORDER
-from shared.config import ServerConfig, env_var, field_default, field_description
+from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
+                           field_description)
+from shared.parallel import RankLayout
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
@@ -28,8 +34,17 @@ UNIT_DIR = Path("etc/systemd/system")
 ENV_DIR = Path("etc/batchserve")
 SERVICE_USER = "batchserve"
 
-# In start order; systemd stops them in the reverse order (api first, worker last).
-UNIT_NAMES = ("batchserve.target", *(f"batchserve-{name}.service" for name in START_ORDER))
+TARGET = "batchserve.target"
+WORKER_TEMPLATE = "batchserve-worker@.service"  # one instance per local rank: batchserve-worker@I.service
+# The units besides the worker ranks, in start order (systemd stops them in reverse: api first); only
+# the machine of node_rank 0 runs them.
+SERVER_UNITS = tuple(f"batchserve-{name}.service" for name in START_ORDER if name != "worker")
+TEMPLATE_NAMES = (TARGET, WORKER_TEMPLATE, *SERVER_UNITS)  # the files in systemd/
+# Written by installs before the worker became a template; it would run a second rank 0 next to
+# batchserve-worker@0.service (both are part of batchserve.target).
+FORMER_UNITS = ("batchserve-worker.service",)
+# The settings that decide which units a machine runs; install-systemd takes them as flags too.
+LAYOUT_FIELDS = ("tensor_parallel_size", "nnodes", "node_rank", "dist_init_addr")
 
 # ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
@@ -46,6 +61,8 @@ ENV_FILE_HEADER = """\
 # batchserve settings for the systemd units: /etc/batchserve/batchserve.env
 # Read by every batchserve-*.service (EnvironmentFile=). Each line sets one ServerConfig field;
 # a commented-out line shows the default. After an edit: systemctl restart batchserve.target
+# (after changing tensor_parallel_size, nnodes or node_rank, first `batchserve install-systemd`
+# again: it decides which worker ranks, and whether the other processes, run on this machine).
 #
 # Set by the units themselves (override here if needed): BATCHSERVE_CACHE=/var/cache/batchserve
 # (converted models, compiled kernels), HOME=/var/lib/batchserve.
@@ -62,14 +79,16 @@ def _env_value(value: object) -> str:
     return str(value)
 
 
-def render_env_file() -> str:
-    """The example env file: every ServerConfig field, documented, with its default."""
+def render_env_file(settings: dict[str, object] | None = None) -> str:
+    """The example env file: every ServerConfig field, documented, with its default; `settings`
+    (field -> value, e.g. the layout flags) are set rather than left at their defaults."""
+    overrides = {**ENV_FILE_OVERRIDES, **{name: _env_value(value) for name, value in (settings or {}).items()}}
     parts = [ENV_FILE_HEADER]
     for field in msgspec.structs.fields(ServerConfig):
         doc = "\n".join(f"# {line}" for line in textwrap.wrap(field_description(field.name), ENV_FILE_WIDTH))
         default = _env_value(field_default(field))
-        if field.name in ENV_FILE_OVERRIDES:
-            line = f"{env_var(field.name)}={ENV_FILE_OVERRIDES[field.name]}"
+        if field.name in overrides:
+            line = f"{env_var(field.name)}={overrides[field.name]}"
             doc += f" (default: {default})"
         else:
             line = f"#{env_var(field.name)}={default}"
@@ -139,10 +158,43 @@ def private_tmp_for(venv: Path) -> str:
     return "no" if needs_host_tmp(*code_paths(venv)) else "yes"
 
 
+def worker_unit(local_rank: int) -> str:
+    return f"batchserve-worker@{local_rank}.service"
+
+
+@dataclass(frozen=True)
+class MachineUnits:
+    """The services one machine runs for a tensor-parallel layout: its worker ranks' instances, and
+    on node_rank 0 the rest of the server."""
+
+    workers: tuple[str, ...]
+    server: tuple[str, ...]  # scheduler, tokenizer, detokenizer, api (node_rank 0), else none
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> MachineUnits:
+        layout = RankLayout.of(config, 0)  # ValueError naming the setting for a layout that cannot run
+        return cls(workers=tuple(worker_unit(i) for i in range(layout.local_world_size)),
+                   server=SERVER_UNITS if config.node_rank == 0 else ())
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """In start order: the ranks (together), then the server's units."""
+        return self.workers + self.server
+
+    @property
+    def templates(self) -> tuple[str, ...]:
+        """The files of systemd/ this machine installs."""
+        return (TARGET, WORKER_TEMPLATE, *self.server)
+
+
+SINGLE_WORKER = MachineUnits.of(ServerConfig())
+
+
 def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes",
-                private_tmp: str = "yes") -> str:
+                private_tmp: str = "yes", units: MachineUnits = SINGLE_WORKER) -> str:
     text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
-            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp))
+            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp)
+            .replace("@WORKERS@", " ".join(units.workers)).replace("@SERVICES@", " ".join(units.services)))
     left = _PLACEHOLDER.search(text)
     if left:
         raise ValueError(f"unit template has an unknown placeholder {left.group()}")
@@ -157,19 +209,68 @@ class PlannedFile:
     keep_existing: bool  # an existing file is left alone (the env file, without --force)
 
 
-def plan_files(prefix: Path, venv: Path, force: bool = False) -> list[PlannedFile]:
-    """Every file install-systemd writes, rendered for `venv`, under `prefix`."""
+def machine_config(prefix: Path, layout: dict[str, object], force: bool = False) -> ServerConfig:
+    """The configuration the installed units will run with: the env file under `prefix` (unless
+    --force replaces it), with the layout flags in `layout`. A kept env file that disagrees with a
+    flag is an error: the units read the file, so they would run another layout than installed."""
+    env_path = prefix / ENV_DIR / ENV_FILE_NAME
+    kept = env_path.is_file() and not force
+    try:
+        from_file = config_from_args(argparse.Namespace(), env=read_env_file(env_path.read_text()) if kept else {})
+    except ValueError as exc:
+        raise CliError(f"{env_path}: {exc}") from None
+    conflicts = [f"{env_var(name)}={_env_value(getattr(from_file, name))} there, {_flag_of(name)} {value}"
+                 for name, value in layout.items() if kept and getattr(from_file, name) != value]
+    if conflicts:
+        raise CliError(f"{env_path} is kept and disagrees with the flags ({'; '.join(conflicts)}): "
+                       "edit it, or --force to replace it")
+    return msgspec.structs.replace(from_file, **layout)
+
+
+def _flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def plan_files(prefix: Path, venv: Path, force: bool = False,
+               layout: dict[str, object] | None = None) -> list[PlannedFile]:
+    """Every file install-systemd writes, rendered for `venv` and this machine's layout (the env file
+    under `prefix` and the `layout` flags, field -> value), under `prefix`."""
     if not TEMPLATE_DIR.is_dir():
         raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
                        "checkout (pip install -e .)")
+    layout = layout or {}
+    units = MachineUnits.of(machine_config(prefix, layout, force))
     protect_home = protect_home_for(venv)
     private_tmp = private_tmp_for(venv)
     files = [PlannedFile(prefix / UNIT_DIR / name,
-                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home, private_tmp),
+                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home, private_tmp,
+                                     units),
                          0o644, keep_existing=False)
-             for name in UNIT_NAMES]
-    files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(), 0o644, keep_existing=not force))
+             for name in units.templates]
+    files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(layout), 0o644,
+                             keep_existing=not force))
     return files
+
+
+def stale_units(prefix: Path, units: MachineUnits) -> list[Path]:
+    """Unit files of an earlier install that this machine no longer runs: the former worker unit,
+    and the server's units on a machine that now has node_rank > 0."""
+    names = [*FORMER_UNITS, *(name for name in SERVER_UNITS if name not in units.server)]
+    return [path for path in (prefix / UNIT_DIR / name for name in names) if path.exists()]
+
+
+def describe_machine(config: ServerConfig, units: MachineUnits) -> str:
+    """What this machine runs, in a line (printed after the files)."""
+    first = RankLayout.of(config, 0).rank
+    last = first + len(units.workers) - 1
+    ranks = f"worker rank {first}" if first == last else f"worker ranks {first}..{last}"
+    of = f" of {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
+    if units.server:
+        return f"This machine runs {ranks}{of} ({', '.join(units.workers)}) and the server's other units.\n"
+    return (f"This machine (node_rank {config.node_rank} of {config.nnodes}) runs only {ranks}{of} "
+            f"({', '.join(units.workers)}); they join global rank 0 at {config.dist_init_addr}, on the "
+            "machine of node_rank 0, which serves the api (start either first: each waits "
+            f"dist_timeout_s={config.dist_timeout_s:g} for the other).\n")
 
 
 def next_steps(prefix: Path) -> str:
@@ -182,7 +283,21 @@ def next_steps(prefix: Path) -> str:
             "Then: systemctl status 'batchserve-*'   journalctl -u 'batchserve-*' -f\n")
 
 
+DESCRIPTION_EPILOG = """\
+Tensor parallelism: the worker unit is a template, batchserve-worker@.service, and batchserve.target
+starts one instance per local rank (batchserve-worker@0.service .. @N-1, N = tensor_parallel_size /
+nnodes). The layout is what PREFIX/etc/batchserve/batchserve.env says when that file is kept (the
+layout flags must then agree with it), else the flags, which are written into the new env file.
+On the machine of node_rank 0 the target also starts scheduler, tokenizer, detokenizer and api; on
+a machine with node_rank > 0 only its worker ranks are installed (they join global rank 0 at
+dist_init_addr, required then). Run install-systemd again after changing the layout, then
+`systemctl daemon-reload && systemctl restart batchserve.target`.
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = DESCRIPTION_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--prefix", type=Path, default=Path("/"),
                         help="root to install under (default: /): units in PREFIX/etc/systemd/system, "
                              "settings in PREFIX/etc/batchserve/batchserve.env")
@@ -190,6 +305,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="virtualenv whose bin/batchserve the units run (default: this one, %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     parser.add_argument("--force", action="store_true", help="overwrite an existing batchserve.env")
+    add_config_arguments(parser.add_argument_group("layout (tensor parallelism; default: as batchserve.env says)"),
+                         only=LAYOUT_FIELDS)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -201,7 +318,18 @@ def main(args: argparse.Namespace) -> int:
     if not executable.is_file():
         raise CliError(f"{executable} does not exist: --venv must be a virtualenv with batchserve installed")
     prefix = Path(args.prefix).absolute()
-    for planned in plan_files(prefix, venv, force=args.force):
+    layout = {name: getattr(args, name) for name in LAYOUT_FIELDS if getattr(args, name, None) is not None}
+    config = machine_config(prefix, layout, force=args.force)
+    for stale in stale_units(prefix, MachineUnits.of(config)):
+        if args.dry_run:
+            print(f"--- would remove {stale} (not run on this machine any more)")
+            continue
+        try:
+            stale.unlink()
+        except PermissionError as exc:
+            raise CliError(f"cannot remove {stale} ({exc.strerror}): run as root, or use --prefix") from None
+        print(f"remove   {stale} (not run on this machine any more; `systemctl stop {stale.name}` if it runs)")
+    for planned in plan_files(prefix, venv, force=args.force, layout=layout):
         exists = planned.path.exists()
         if planned.keep_existing and exists:
             print(f"keep     {planned.path} (exists; --force replaces it)")
@@ -226,5 +354,5 @@ def main(args: argparse.Namespace) -> int:
     if under_tmp:
         print(f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
               "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)", file=sys.stderr)
-    print(next_steps(prefix))
+    print(describe_machine(config, MachineUnits.of(config)) + next_steps(prefix))
     return 0

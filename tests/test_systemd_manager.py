@@ -3,7 +3,9 @@ namespace, so nothing of it is visible outside the test. It starts `batchserve.t
 reach `active` only once all five services sent READY=1; one HTTP request is served; the worker is
 killed with SIGKILL and must come back with every unit that needs it restarted after it; a second
 request is served; stopping the target must stop every service cleanly (exit 0 within
-TimeoutStopSec=, so `Result=success`).
+TimeoutStopSec=, so `Result=success`). With two tensor-parallel ranks (`--tp 2`: instances 0 and 1
+of `batchserve-worker@.service`): a follower killed, then a follower stopped on its own, must each
+bring the whole set back (every rank and every unit after them restarted), then a clean stop.
 
 What differs from a system install: a user manager cannot switch users, so `User=`, `Group=` and
 `SupplementaryGroups=` are dropped from the copies; `EnvironmentFile=` points at the staged env
@@ -37,7 +39,6 @@ import pytest
 from procs import install_systemd as inst
 
 SYSTEMD = Path("/lib/systemd/systemd")
-SERVICES = [name for name in inst.UNIT_NAMES if name.endswith(".service")]
 DROPPED_KEYS = ("User=", "Group=", "SupplementaryGroups=")
 START_LIMIT_S = 300.0
 
@@ -139,94 +140,154 @@ def complete(port: int) -> dict:
             time.sleep(0.3)
 
 
-def main_pids(manager: UserManager) -> dict[str, str]:
-    return {name: manager.show(name, "MainPID")["MainPID"] for name in SERVICES}
+def main_pids(manager: UserManager, services: list[str]) -> dict[str, str]:
+    return {name: manager.show(name, "MainPID")["MainPID"] for name in services}
 
 
-def wait_all_active(manager: UserManager, timeout_s: float, previous: dict[str, str] | None = None) -> dict[str, str]:
+def wait_all_active(manager: UserManager, services: list[str], timeout_s: float,
+                    previous: dict[str, str] | None = None) -> dict[str, str]:
     """Every service active/running (with a MainPID other than `previous`'s, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = {n: manager.show(n, "ActiveState", "SubState", "MainPID") for n in SERVICES}
+        states = {n: manager.show(n, "ActiveState", "SubState", "MainPID") for n in services}
         if all(s["ActiveState"] == "active" and s["SubState"] == "running" for s in states.values()):
             pids = {n: s["MainPID"] for n, s in states.items()}
-            if previous is None or all(pids[n] != previous[n] for n in SERVICES):
+            if previous is None or all(pids[n] != previous[n] for n in services):
                 return pids
         time.sleep(0.5)
     raise AssertionError(f"not every service came up within {timeout_s:.0f}s: {states}\n{manager.journal()}")
 
 
-def test_units_under_systemd_start_restart_together_and_stop_cleanly(
-        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+def start_server(run_base: Path, model: Path, tp: int) -> tuple[UserManager, list[str], int]:
+    """Install for `tp` ranks under run_base, stage the units in a fresh user manager, start the
+    target: (manager, the services the target wants, the api's port). Skips where no manager runs."""
     prefix = run_base / "root"
     batchserve = Path(sys.prefix) / "bin" / "batchserve"
-    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix)],
+    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix), "--tp", str(tp)],
                                capture_output=True, text=True, timeout=60)
     assert installed.returncode == 0, installed.stderr
-    model = shutil.copytree(tiny_model_dir("llama", with_tokenizer=True), run_base / "model")
+    model = shutil.copytree(model, run_base / "model")
     port = free_port()
     env_file = prefix / inst.ENV_DIR / inst.ENV_FILE_NAME
     with env_file.open("a") as f:
         f.write(f"BATCHSERVE_MODEL={model}\nBATCHSERVE_PORT={port}\nBATCHSERVE_DEVICE=cpu\n"
                 f"BATCHSERVE_KV_CAPACITY_TOKENS=4096\n")
+        if tp > 1:  # not the standalone default port, which another test's ranks may hold
+            f.write(f"BATCHSERVE_DIST_INIT_ADDR=127.0.0.1:{free_port()}\n")
 
     (run_base / "logs").mkdir()
     manager = UserManager(run_base)
-    try:
-        if not manager.wait_up():
-            pytest.skip(f"a systemd user manager does not run here:\n{manager.journal()}")
-        for name in inst.UNIT_NAMES:
-            lines = (prefix / inst.UNIT_DIR / name).read_text().splitlines()
-            lines = [line for line in lines if not line.startswith(DROPPED_KEYS)]
-            lines = [f"EnvironmentFile={env_file}" if line.startswith("EnvironmentFile=") else line for line in lines]
-            # No journald in the private manager: what would go to the journal goes to a file.
-            lines = [f"{line.split('=')[0]}=append:{run_base / 'logs' / name}.log"
-                     if line.startswith(("StandardOutput=", "StandardError=")) else line for line in lines]
-            if name.endswith(".service"):  # record how each main process ended, and when
-                lines.append("ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
-                             ">> $$RUNTIME_DIRECTORY/exits.log'")
-            (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
-        assert manager.systemctl("daemon-reload").returncode == 0
+    if not manager.wait_up():
+        manager.close()
+        pytest.skip(f"a systemd user manager does not run here:\n{manager.journal()}")
+    for path in sorted((prefix / inst.UNIT_DIR).iterdir()):
+        name = path.name
+        lines = path.read_text().splitlines()
+        lines = [line for line in lines if not line.startswith(DROPPED_KEYS)]
+        lines = [f"EnvironmentFile={env_file}" if line.startswith("EnvironmentFile=") else line for line in lines]
+        # No journald in the private manager: what would go to the journal goes to a file (%n: the
+        # instance's own name, batchserve-worker@1.service).
+        lines = [f"{line.split('=')[0]}=append:{run_base / 'logs'}/%n.log"
+                 if line.startswith(("StandardOutput=", "StandardError=")) else line for line in lines]
+        if name.endswith(".service"):  # record how each main process ended, and when
+            lines.append("ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
+                         ">> $$RUNTIME_DIRECTORY/exits.log'")
+        (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
+    assert manager.systemctl("daemon-reload").returncode == 0
+    target = inst.read_unit((prefix / inst.UNIT_DIR / inst.TARGET).read_text())
+    services = " ".join(inst.unit_values(target, "Unit", "Wants")).split()
+    assert services == [*(inst.worker_unit(rank) for rank in range(tp)), *inst.SERVER_UNITS]
 
-        # The target's start job finishes only when every service sent READY=1 (After= + Type=notify).
-        started = time.monotonic()
-        result = manager.systemctl("start", "batchserve.target", timeout=START_LIMIT_S)
-        assert result.returncode == 0, f"{result.stderr}\n{manager.journal()}"
-        pids = wait_all_active(manager, 10)  # Wants= lets the target succeed even if a service failed
-        print(f"batchserve.target active {time.monotonic() - started:.1f}s after start")
+    # The target's start job finishes only when every service sent READY=1 (After= + Type=notify).
+    started = time.monotonic()
+    result = manager.systemctl("start", "batchserve.target", timeout=START_LIMIT_S)
+    assert result.returncode == 0, f"{result.stderr}\n{manager.journal()}"
+    print(f"batchserve.target active {time.monotonic() - started:.1f}s after start")
+    return manager, services, port
+
+
+def exits(run_base: Path) -> list[list[str]]:
+    """How each main process ended so far: [unit, EXIT_CODE, EXIT_STATUS, time]."""
+    return [line.split() for line in (run_base / "xdg" / "batchserve" / "exits.log").read_text().splitlines()]
+
+
+def stop_cleanly(manager: UserManager, services: list[str], run_base: Path) -> list[list[str]]:
+    """Stop the target: api first, the worker ranks last; each drains and exits 0 within its
+    TimeoutStopSec=. Returns every recorded end."""
+    result = manager.systemctl("stop", "batchserve.target", timeout=120)
+    assert result.returncode == 0, result.stderr
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        states = {n: manager.show(n, "ActiveState", "Result") for n in services}
+        if all(s["ActiveState"] in ("inactive", "failed") for s in states.values()):
+            break
+        time.sleep(0.5)
+    # A unit that failed (non-zero exit, TimeoutStopSec= hit) stays loaded as 'failed'.
+    assert all(s["ActiveState"] == "inactive" for s in states.values()), (states, manager.journal())
+    ends = exits(run_base)
+    print("\n".join(" ".join(end) for end in ends))
+    final = {name: (code, status, float(at)) for name, code, status, at in ends}  # the last end of each
+    for name in services:
+        assert final[name][:2] == ("exited", "0"), (name, final[name], manager.journal())
+    stopped = sorted(services, key=lambda n: final[n][2])
+    workers = [name for name in services if name.startswith("batchserve-worker@")]
+    assert stopped[0] == "batchserve-api.service" and set(stopped[-len(workers):]) == set(workers), ends
+    # RuntimeDirectoryPreserve=yes: the shared directory outlives the units.
+    assert (run_base / "xdg" / "batchserve").is_dir()
+    return ends
+
+
+def test_units_under_systemd_start_restart_together_and_stop_cleanly(
+        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), tp=1)
+    worker = inst.worker_unit(0)
+    try:
+        pids = wait_all_active(manager, services, 10)  # Wants= lets the target succeed even if a service failed
         assert (run_base / "xdg" / "batchserve" / "worker.sock").exists()  # RuntimeDirectory=
         assert complete(port)["usage"]["completion_tokens"] >= 1
 
         # A dead worker: it is restarted, and so is every unit that needs it, after it.
-        os.kill(int(pids["batchserve-worker.service"]), signal.SIGKILL)
+        os.kill(int(pids[worker]), signal.SIGKILL)
         killed = time.monotonic()
-        new_pids = wait_all_active(manager, START_LIMIT_S, previous=pids)
+        new_pids = wait_all_active(manager, services, START_LIMIT_S, previous=pids)
         print(f"all five restarted {time.monotonic() - killed:.1f}s after the worker was killed")
-        assert manager.show("batchserve-worker.service", "NRestarts")["NRestarts"] == "1"
+        assert manager.show(worker, "NRestarts")["NRestarts"] == "1"
         assert complete(port)["usage"]["completion_tokens"] >= 1
 
-        # Stop: api first, worker last; each drains and exits 0 within its TimeoutStopSec=.
-        result = manager.systemctl("stop", "batchserve.target", timeout=120)
-        assert result.returncode == 0, result.stderr
-        exits_log = run_base / "xdg" / "batchserve" / "exits.log"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            states = {n: manager.show(n, "ActiveState", "Result") for n in SERVICES}
-            if all(s["ActiveState"] in ("inactive", "failed") for s in states.values()):
-                break
-            time.sleep(0.5)
-        # A unit that failed (non-zero exit, TimeoutStopSec= hit) stays loaded as 'failed'.
-        assert all(s["ActiveState"] == "inactive" for s in states.values()), (states, manager.journal())
-        ends = [line.split() for line in exits_log.read_text().splitlines()]
-        print("\n".join(" ".join(end) for end in ends))
-        final = {name: (code, status, float(at)) for name, code, status, at in ends}  # the last end of each
-        for name in SERVICES:
-            assert final[name][:2] == ("exited", "0"), (name, final[name], manager.journal())
-        assert ("batchserve-worker.service", "killed", "KILL") in [tuple(e[:3]) for e in ends]
-        stopped = sorted(SERVICES, key=lambda n: final[n][2])
-        assert stopped[0] == "batchserve-api.service" and stopped[-1] == "batchserve-worker.service", ends
+        ends = stop_cleanly(manager, services, run_base)
+        assert (worker, "killed", "KILL") in [tuple(e[:3]) for e in ends]
         assert new_pids != pids
-        # RuntimeDirectoryPreserve=yes: the shared directory outlives the units.
-        assert (run_base / "xdg" / "batchserve").is_dir()
+    finally:
+        manager.close()
+
+
+def test_two_worker_ranks_under_systemd_come_back_as_a_set(
+        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), tp=2)
+    follower = inst.worker_unit(1)
+    try:
+        pids = wait_all_active(manager, services, 10)
+        assert complete(port)["usage"]["completion_tokens"] >= 1
+
+        # A dead follower ends the group: rank 0 exits at its next collective; the restarts (the
+        # follower's own, rank 0's, which restarts every rank and every unit after it) bring back all.
+        os.kill(int(pids[follower]), signal.SIGKILL)
+        killed = time.monotonic()
+        pids = wait_all_active(manager, services, START_LIMIT_S, previous=pids)
+        print(f"all six restarted {time.monotonic() - killed:.1f}s after worker rank 1 was killed")
+        assert complete(port)["usage"]["completion_tokens"] >= 1
+
+        # A follower stopped on its own: nothing restarts it by itself (an explicit stop), but rank 0,
+        # whose group it ended, fails and restarts, and its start pulls the follower back in (Wants=).
+        result = manager.systemctl("stop", follower, timeout=120)
+        assert result.returncode == 0, result.stderr
+        stopped = time.monotonic()
+        pids = wait_all_active(manager, services, START_LIMIT_S, previous=pids)
+        print(f"all six back {time.monotonic() - stopped:.1f}s after worker rank 1 was stopped alone")
+        assert complete(port)["usage"]["completion_tokens"] >= 1
+
+        ends = [tuple(e[:3]) for e in stop_cleanly(manager, services, run_base)]
+        assert (follower, "killed", "KILL") in ends and (follower, "exited", "0") in ends
+        assert (inst.worker_unit(0), "exited", "1") in ends  # rank 0 left a broken group with status 1
     finally:
         manager.close()

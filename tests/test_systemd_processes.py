@@ -1,6 +1,8 @@
 """The five processes started exactly as the installed units say, in the units' order, each gated on
-its READY=1 (as `Type=notify` + `After=` make systemd do), serving one HTTP request, then stopped
-with SIGTERM in the order systemd stops them, each exiting 0 within its `TimeoutStopSec=`.
+its READY=1 (as `Type=notify` + `After=`/`Before=` make systemd do), serving one HTTP request, then
+stopped with SIGTERM in the order systemd stops them, each exiting 0 within its `TimeoutStopSec=`;
+with one worker and with two tensor-parallel ranks (two instances of `batchserve-worker@.service`,
+the services being those the installed `batchserve.target` wants).
 
 What stands in for systemd: a clean environment built from the unit's `Environment=` and its
 `EnvironmentFile=` (the installed env file, edited as an operator would: a tiny model, a free
@@ -43,6 +45,7 @@ CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class Unit:
     name: str
     fields: dict[str, list[tuple[str, str]]]
+    instance: str = ""  # %i of a template's instance
 
     def get(self, section: str, key: str) -> list[str]:
         return inst.unit_values(self.fields, section, key)
@@ -56,21 +59,26 @@ class Unit:
 
 
 def start_waves(units: dict[str, Unit]) -> list[list[Unit]]:
-    """The services grouped as systemd starts them: a wave starts once every unit it is After= is
-    up (READY=1); units in one wave start together. systemd stops the waves in reverse."""
+    """The services grouped as systemd starts them: a wave starts once every unit it is After= (or
+    that is Before= it) is up (READY=1); units in one wave start together. systemd stops the waves
+    in reverse."""
+    after = {n: set(" ".join(u.get("Unit", "After")).split()) & set(units) for n, u in units.items()}
+    for name, unit in units.items():
+        for later in " ".join(unit.get("Unit", "Before")).split():
+            if later in after:
+                after[later].add(name)
     done: list[str] = []
     waves: list[list[Unit]] = []
     while len(done) < len(units):
-        ready = sorted(n for n, u in units.items() if n not in done
-                       and set(" ".join(u.get("Unit", "After")).split()) & set(units) <= set(done))
+        ready = sorted(n for n in units if n not in done and after[n] <= set(done))
         assert ready, "ordering cycle"
         waves.append([units[n] for n in ready])
         done += ready
     return waves
 
 
-def expand_specifiers(value: str, dirs: dict[str, Path]) -> str:
-    """The specifiers these units use: %C (cache root), %S (state root), %%."""
+def expand_specifiers(value: str, dirs: dict[str, Path | str]) -> str:
+    """The specifiers these units use: %C (cache root), %S (state root), %i (instance), %%."""
     out, i = [], 0
     while i < len(value):
         if value[i] == "%" and i + 1 < len(value):
@@ -133,24 +141,32 @@ class NotifySocket:
 class FakeSystemd:
     """The units installed under a temporary prefix, and the directories systemd would give them."""
 
-    def __init__(self, root: Path, env_lines: dict[str, str]) -> None:
+    def __init__(self, root: Path, env_lines: dict[str, str], install_flags: tuple[str, ...] = ()) -> None:
         self.root = root
         self.prefix = root / "root"
         self.batchserve = Path(sys.prefix) / "bin" / "batchserve"
-        installed = subprocess.run([str(self.batchserve), "install-systemd", "--prefix", str(self.prefix)],
-                                   capture_output=True, text=True, timeout=60)
+        installed = subprocess.run([str(self.batchserve), "install-systemd", "--prefix", str(self.prefix),
+                                    *install_flags], capture_output=True, text=True, timeout=60)
         assert installed.returncode == 0, installed.stderr
         # The operator's edit of /etc/batchserve/batchserve.env.
         with (self.prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).open("a") as f:
             f.write("".join(f"{key}={value}\n" for key, value in env_lines.items()))
-        self.services = {n: Unit(n, inst.read_unit((self.prefix / inst.UNIT_DIR / n).read_text()))
-                         for n in inst.UNIT_NAMES if n.endswith(".service")}
+        # What `systemctl start batchserve.target` starts: the services it wants, an instance
+        # (batchserve-worker@1.service) loaded from its template.
+        target = inst.read_unit((self.prefix / inst.UNIT_DIR / inst.TARGET).read_text())
+        self.services = {n: self._load(n) for n in " ".join(inst.unit_values(target, "Unit", "Wants")).split()}
         self.dirs = {"C": root / "cache", "S": root / "state"}
         self.run_dir = root / "run" / "batchserve"
         self.journal = root / "journal"
         for d in (self.run_dir, self.dirs["C"] / "batchserve", self.dirs["S"] / "batchserve", self.journal):
             d.mkdir(parents=True)
         self._logs: list = []
+
+    def _load(self, name: str) -> Unit:
+        prefix, at, rest = name.partition("@")
+        instance = rest.removesuffix(".service")
+        path = self.prefix / inst.UNIT_DIR / (f"{prefix}@.service" if at else name)
+        return Unit(name, inst.read_unit(path.read_text()), instance)
 
     def environment(self, unit: Unit, notify: NotifySocket) -> dict[str, str]:
         env = {"PATH": CLEAN_PATH, "LANG": "C.UTF-8"}
@@ -167,7 +183,8 @@ class FakeSystemd:
     def start(self, unit: Unit) -> tuple[subprocess.Popen, NotifySocket]:
         """ExecStart= with the unit's environment; stdout and stderr to the unit's 'journal' file."""
         notify = NotifySocket(self.root / f"{unit.name}.notify")
-        argv = shlex.split(unit.get("Service", "ExecStart")[0])
+        argv = [expand_specifiers(arg, {**self.dirs, "i": unit.instance})
+                for arg in shlex.split(unit.get("Service", "ExecStart")[0])]
         assert argv[0] == str(self.batchserve) and os.access(argv[0], os.X_OK)
         log = (self.journal / f"{unit.name}.log").open("wb")
         self._logs.append(log)
@@ -200,13 +217,18 @@ def tiny_settings(model: Path, **extra: object) -> dict[str, str]:
     return settings
 
 
-def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir: Callable[..., Path], tp: int) -> None:
     port = free_port()
-    host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True), BATCHSERVE_PORT=port))
+    # Two ranks meet at a free port rather than the standalone default, which another test may hold.
+    extra = {"BATCHSERVE_DIST_INIT_ADDR": f"127.0.0.1:{free_port()}"} if tp > 1 else {}
+    host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True), BATCHSERVE_PORT=port,
+                                                **extra), install_flags=("--tp", str(tp)))
     procs: dict[str, tuple[subprocess.Popen, NotifySocket]] = {}
     waves = start_waves(host.services)
+    workers = [inst.worker_unit(rank) for rank in range(tp)]
     assert [[u.name for u in wave] for wave in waves] == [
-        ["batchserve-worker.service"], ["batchserve-scheduler.service"],
+        workers, ["batchserve-scheduler.service"],
         ["batchserve-detokenizer.service", "batchserve-tokenizer.service"], ["batchserve-api.service"]]
     try:
         for wave in waves:  # a wave starts only once the previous one reported READY=1 (After= + Type=notify)
@@ -242,6 +264,11 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
         assert isinstance(choice["text"], str) and choice["finish_reason"] in ("length", "stop")
         assert 1 <= body["usage"]["completion_tokens"] <= 4
         assert body["usage"]["prompt_tokens"] in (3, 4)  # with or without BOS
+        for rank, name in enumerate(workers):  # each instance ran its own rank of the group
+            loaded = [r for r in log_records(host.log_of(host.services[name])) if r.get("message") == "model loaded"]
+            assert loaded, f"{name} logged no 'model loaded'\n{host.all_logs()}"
+            expected = {"rank": rank} if rank else {"tensor_parallel_size": tp}  # a follower logs its rank
+            assert expected.items() <= loaded[0].items(), loaded[0]
 
         # systemd stops the waves in reverse, each wave only after the previous one has exited.
         for wave in reversed(waves):
@@ -311,7 +338,7 @@ def test_worker_sends_ready_only_after_loading_its_model(short_tmp: Path, tiny_m
     from shared.messages import WorkerInfo
 
     host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True)))
-    worker = host.services["batchserve-worker.service"]
+    worker = host.services[inst.worker_unit(0)]
     ctx = zmq.Context()
     # Stand in for the scheduler: the worker announces what it loaded there (WorkerInfo).
     scheduler: Receiver[SchedulerInbox] = Receiver(ctx, Endpoints.in_dir(host.run_dir).scheduler, SchedulerInbox)
@@ -357,7 +384,7 @@ def test_worker_that_cannot_load_its_model_never_sends_ready(short_tmp: Path,
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated weights
     host = FakeSystemd(short_tmp, tiny_settings(broken))
-    worker = host.services["batchserve-worker.service"]
+    worker = host.services[inst.worker_unit(0)]
     proc, notify = host.start(worker)
     try:
         status = proc.wait(timeout=STARTUP_LIMIT_S)

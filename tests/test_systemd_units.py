@@ -1,5 +1,6 @@
 """The systemd units and env file: generated env file in sync with ServerConfig, install-systemd's
-behaviour, dependency/readiness/draining settings, and `systemd-analyze verify` on rendered units."""
+behaviour (for one worker, two ranks, and a machine of node_rank 1), dependency/readiness/draining
+settings, the worker ranks' template, and `systemd-analyze verify` on rendered units."""
 
 from __future__ import annotations
 
@@ -15,13 +16,36 @@ import pytest
 from procs import install_systemd as inst
 from shared.config import ServerConfig, config_from_args
 
-SERVICES = [name for name in inst.UNIT_NAMES if name.endswith(".service")]
+SERVICES = list(inst.SINGLE_WORKER.services)
+WORKER = inst.worker_unit(0)
+TWO_RANKS = ("--tp", "2")
+NODE_1 = ("--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500")
 
 
 def run_install(*argv: str) -> subprocess.CompletedProcess[str]:
     batchserve = Path(sys.prefix) / "bin" / "batchserve"  # the console script, as a user runs it
     return subprocess.run([str(batchserve), "install-systemd", *argv],
                           capture_output=True, text=True, timeout=60, cwd=inst.SOURCE_DIR)
+
+
+def unit_file(name: str) -> str:
+    """The file a unit is loaded from: an instance (batchserve-worker@1.service) from its template."""
+    prefix, at, _ = name.partition("@")
+    return f"{prefix}@.service" if at else name
+
+
+def load_units(prefix: Path, names: tuple[str, ...] | list[str]) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """Each unit as systemd reads it; an instance's %i replaced by its instance name."""
+    loaded = {}
+    for name in names:
+        text = (prefix / inst.UNIT_DIR / unit_file(name)).read_text()
+        instance = name.partition("@")[2].removesuffix(".service")
+        loaded[name] = inst.read_unit(text.replace("%i", instance) if instance else text)
+    return loaded
+
+
+def words(unit: dict, section: str, key: str) -> list[str]:
+    return " ".join(inst.unit_values(unit, section, key)).split()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +58,23 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def units(installed: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
-    return {name: inst.read_unit((installed / inst.UNIT_DIR / name).read_text()) for name in inst.UNIT_NAMES}
+    return load_units(installed, [inst.TARGET, *SERVICES])
+
+
+@pytest.fixture(scope="module")
+def installed_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    prefix = tmp_path_factory.mktemp("root-tp2")
+    result = run_install("--prefix", str(prefix), *TWO_RANKS)
+    assert result.returncode == 0, result.stderr
+    return prefix, result
+
+
+@pytest.fixture(scope="module")
+def installed_node_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    prefix = tmp_path_factory.mktemp("root-node1")
+    result = run_install("--prefix", str(prefix), *NODE_1)
+    assert result.returncode == 0, result.stderr
+    return prefix, result
 
 
 def seconds(value: str) -> float:
@@ -72,7 +112,8 @@ def test_env_file_documents_every_field_and_reads_back_as_defaults() -> None:
 # --- install-systemd ------------------------------------------------------------------------------
 
 def test_install_writes_units_for_this_venv(installed: Path) -> None:
-    for name in inst.UNIT_NAMES:
+    assert sorted(p.name for p in (installed / inst.UNIT_DIR).iterdir()) == sorted(inst.TEMPLATE_NAMES)
+    for name in inst.TEMPLATE_NAMES:
         text = (installed / inst.UNIT_DIR / name).read_text()
         assert inst._PLACEHOLDER.search(text) is None, f"{name} still has a placeholder"
     exec_start = inst.unit_values(inst.read_unit((installed / inst.UNIT_DIR / "batchserve-api.service").read_text()),
@@ -89,7 +130,7 @@ def test_install_keeps_an_existing_env_file_unless_forced(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert env_file.read_text() == "BATCHSERVE_PORT=9999\n"
     assert "keep" in result.stdout and str(env_file) in result.stdout
-    assert (tmp_path / inst.UNIT_DIR / "batchserve-worker.service").is_file()
+    assert (tmp_path / inst.UNIT_DIR / inst.WORKER_TEMPLATE).is_file()
     result = run_install("--prefix", str(tmp_path), "--force")
     assert result.returncode == 0, result.stderr
     assert env_file.read_text() == inst.render_env_file()
@@ -99,7 +140,7 @@ def test_dry_run_prints_and_writes_nothing(tmp_path: Path) -> None:
     result = run_install("--prefix", str(tmp_path), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert list(tmp_path.iterdir()) == []
-    for name in inst.UNIT_NAMES:
+    for name in inst.TEMPLATE_NAMES:
         assert f"would write {tmp_path / inst.UNIT_DIR / name}" in result.stdout
     assert "ExecStart=" in result.stdout and "BATCHSERVE_LOG_FORMAT=json" in result.stdout
     assert "systemctl daemon-reload && systemctl enable --now batchserve.target" in result.stdout
@@ -133,7 +174,7 @@ def test_protect_home_relaxed_only_for_code_under_home() -> None:
 
 
 def test_private_tmp_relaxed_only_for_code_under_tmp() -> None:
-    template = (inst.TEMPLATE_DIR / "batchserve-worker.service").read_text()
+    template = (inst.TEMPLATE_DIR / inst.WORKER_TEMPLATE).read_text()
     assert "PrivateTmp=yes" in inst.render_unit(template, Path("/opt/venv"), Path("/opt/src"))
     assert "PrivateTmp=no" in inst.render_unit(template, Path("/tmp/ci/.venv"), Path("/tmp/ci"), private_tmp="no")
     assert inst.needs_host_tmp(Path("/tmp/ci-check/.venv"), Path("/opt/src"))
@@ -155,7 +196,9 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         assert get("CacheDirectory") == ["batchserve"] and get("StateDirectory") == ["batchserve"], name
         assert "BATCHSERVE_CACHE=%C/batchserve" in " ".join(get("Environment")), name
         assert get("User") == ["batchserve"] and get("DynamicUser") == [], name
-        assert get("Restart") == ["on-failure"] and get("RestartPreventExitStatus") == ["2"], name
+        # A worker rank that rank 0 stopped (exit 0) must come back for the next group: always.
+        restart = "always" if name.startswith("batchserve-worker@") else "on-failure"
+        assert get("Restart") == [restart] and get("RestartPreventExitStatus") == ["2"], name
         assert get("StandardError") == ["journal"], name
         assert get("KillMode") == ["mixed"], name
         # Draining must finish before systemd escalates to SIGKILL.
@@ -184,7 +227,7 @@ def test_the_step_loops_are_watched(units: dict) -> None:
 
 
 def test_worker_can_reach_the_gpu_and_others_cannot(units: dict) -> None:
-    worker = units["batchserve-worker.service"]
+    worker = units[WORKER]
     get = lambda key: inst.unit_values(worker, "Service", key)  # noqa: E731
     assert get("PrivateDevices") == ["no"] and get("DevicePolicy") == ["closed"]
     assert "char-nvidia* rw" in get("DeviceAllow") and "char-drm rw" in get("DeviceAllow")
@@ -192,7 +235,7 @@ def test_worker_can_reach_the_gpu_and_others_cannot(units: dict) -> None:
     assert get("MemoryDenyWriteExecute") == []  # CUDA/Triton JIT need writable+executable memory
     assert seconds(get("TimeoutStartSec")[0]) >= 15 * 60  # model loading/conversion, graph capture
     for name in SERVICES:
-        if name != "batchserve-worker.service":
+        if name != WORKER:
             assert inst.unit_values(units[name], "Service", "PrivateDevices") == ["yes"], name
 
 
@@ -210,12 +253,12 @@ def test_a_dead_worker_restarts_everything_after_it(units: dict) -> None:
         part_of = " ".join(inst.unit_values(unit, "Unit", "PartOf")).split()
         for needed in requires:
             assert needed in after and needed in part_of, (name, needed)
-    reached, frontier = set(), {"batchserve-worker.service"}
+    reached, frontier = set(), {WORKER}
     while frontier:
         reached |= frontier
         frontier = set().union(*(dependants(units, n) for n in frontier)) - reached
     assert reached == set(SERVICES)
-    assert inst.unit_values(units["batchserve-scheduler.service"], "Unit", "Requires") == ["batchserve-worker.service"]
+    assert inst.unit_values(units["batchserve-scheduler.service"], "Unit", "Requires") == [WORKER]
 
 
 def test_target_pulls_in_every_service(units: dict) -> None:
@@ -224,33 +267,158 @@ def test_target_pulls_in_every_service(units: dict) -> None:
     assert inst.unit_values(target, "Install", "WantedBy") == ["multi-user.target"]
 
 
-def start_order(units: dict) -> list[str]:
-    """The services in an order systemd may start them: each after everything it is After=."""
-    after = {n: {a for a in " ".join(inst.unit_values(units[n], "Unit", "After")).split() if a in SERVICES}
-             for n in SERVICES}
-    order: list[str] = []
-    while len(order) < len(SERVICES):
-        ready = [n for n in SERVICES if n not in order and after[n] <= set(order)]
-        assert ready, f"ordering cycle among {set(SERVICES) - set(order)}"
-        order += ready
-    return order
+def start_waves(units: dict, services: list[str]) -> list[list[str]]:
+    """The services grouped as systemd may start them: each wave once everything its units are
+    After= (or that is Before= them) has started."""
+    after = {n: {a for a in words(units[n], "Unit", "After") if a in services} for n in services}
+    for name in services:
+        for later in words(units[name], "Unit", "Before"):
+            if later in after:
+                after[later].add(name)
+    waves: list[list[str]] = []
+    done: set[str] = set()
+    while len(done) < len(services):
+        ready = [n for n in services if n not in done and after[n] <= done]
+        assert ready, f"ordering cycle among {set(services) - done}"
+        waves.append(ready)
+        done |= set(ready)
+    return waves
 
 
 def test_start_order_is_worker_first_api_last(units: dict) -> None:
-    order = start_order(units)
-    assert order[0] == "batchserve-worker.service" and order[-1] == "batchserve-api.service"
-    assert [f"batchserve-{p}.service" for p in inst.START_ORDER] == order
+    order = [name for wave in start_waves(units, SERVICES) for name in wave]
+    assert order[0] == WORKER and order[-1] == "batchserve-api.service"
+    assert [WORKER, *inst.SERVER_UNITS] == order
+
+
+# --- tensor parallelism: the worker ranks' template ------------------------------------------------
+
+def test_worker_template_runs_its_instance_as_the_local_rank() -> None:
+    template = inst.read_unit((inst.TEMPLATE_DIR / inst.WORKER_TEMPLATE).read_text())
+    exec_start = inst.unit_values(template, "Service", "ExecStart")
+    assert exec_start == ["@VENV@/bin/batchserve proc worker --local-rank %i"]
+    assert inst.unit_values(template, "Service", "SyslogIdentifier") == ["batchserve-worker@%i"]
+    assert not (inst.TEMPLATE_DIR / "batchserve-worker.service").exists()  # replaced by the template
+
+
+def test_install_for_two_ranks(installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, result = installed_two_ranks
+    workers = [inst.worker_unit(0), inst.worker_unit(1)]
+    services = [*workers, *inst.SERVER_UNITS]
+    assert sorted(p.name for p in (prefix / inst.UNIT_DIR).iterdir()) == sorted(inst.TEMPLATE_NAMES)
+    units = load_units(prefix, [inst.TARGET, *services])
+    target = units[inst.TARGET]
+    assert words(target, "Unit", "Wants") == services and words(target, "Unit", "After") == services
+    # The new env file carries the layout, so every unit (and the api's rank watch) reads tp=2.
+    env = inst.read_env_file((prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).read_text())
+    assert env["BATCHSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert config_from_args(argparse.Namespace(), env=env).tensor_parallel_size == 2
+    assert "worker ranks 0..1 of 2" in result.stdout
+    # Global rank 0 stays the unit the scheduler needs; the other rank is ordered before the
+    # scheduler too, so it starts before it and stops after it.
+    assert words(units["batchserve-scheduler.service"], "Unit", "Requires") == [workers[0]]
+    waves = start_waves(units, services)
+    assert waves[0] == workers and waves[1] == ["batchserve-scheduler.service"]
+    assert waves[-1] == ["batchserve-api.service"]
+
+
+def test_worker_ranks_start_together_and_restart_as_a_set(
+        installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, _ = installed_two_ranks
+    workers = [inst.worker_unit(0), inst.worker_unit(1)]
+    units = load_units(prefix, workers)
+    for name in workers:
+        unit = units[name]
+        # They join each other while loading: an ordering between two ranks would deadlock the start.
+        assert not set(words(unit, "Unit", "After")) & set(workers), name
+        assert not set(words(unit, "Unit", "Before")) & set(workers), name
+        # Each rank exits when the group breaks and comes back by itself (Restart=always: a rank that
+        # rank 0 stopped exits 0); a rank that starts pulls in any rank not running (one stopped on
+        # its own). No restart propagated between ranks: it would stop a rank while it joins.
+        assert words(unit, "Unit", "PartOf") == [inst.TARGET], name
+        assert words(unit, "Unit", "Wants") == workers, name
+        assert "batchserve-scheduler.service" in words(unit, "Unit", "Before"), name
+        get = lambda key: inst.unit_values(unit, "Service", key)  # noqa: E731
+        assert get("ExecStart")[0].endswith(f"proc worker --local-rank {name.split('@')[1].split('.')[0]}"), name
+        assert get("Restart") == ["always"] and get("Type") == ["notify"], name
+        # gloo and NCCL find the network interfaces over netlink; without it no rank can join.
+        assert "AF_NETLINK" in get("RestrictAddressFamilies")[0].split(), name
+        assert get("DeviceAllow") and get("PrivateDevices") == ["no"], name  # every rank owns a device
+
+
+def test_install_on_a_machine_of_node_rank_1_has_only_its_worker_ranks(
+        installed_node_1: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, result = installed_node_1
+    workers = [inst.worker_unit(0), inst.worker_unit(1)]  # its local ranks: global ranks 2 and 3
+    assert sorted(p.name for p in (prefix / inst.UNIT_DIR).iterdir()) == sorted([inst.TARGET, inst.WORKER_TEMPLATE])
+    target = load_units(prefix, [inst.TARGET])[inst.TARGET]
+    assert words(target, "Unit", "Wants") == workers and words(target, "Unit", "After") == workers
+    env = inst.read_env_file((prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).read_text())
+    config = config_from_args(argparse.Namespace(), env=env)
+    assert (config.tensor_parallel_size, config.nnodes, config.node_rank, config.dist_init_addr) == (
+        4, 2, 1, "10.0.0.1:29500")
+    assert "node_rank 1 of 2" in result.stdout and "worker ranks 2..3 of 4" in result.stdout
+    assert "10.0.0.1:29500" in result.stdout
+
+
+def test_install_reads_the_layout_from_a_kept_env_file(tmp_path: Path) -> None:
+    env_file = tmp_path / inst.ENV_DIR / inst.ENV_FILE_NAME
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text("BATCHSERVE_TENSOR_PARALLEL_SIZE=3\n")
+    result = run_install("--prefix", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    target = load_units(tmp_path, [inst.TARGET])[inst.TARGET]
+    workers = [inst.worker_unit(i) for i in range(3)]
+    assert words(target, "Unit", "Wants") == [*workers, *inst.SERVER_UNITS]
+    assert env_file.read_text() == "BATCHSERVE_TENSOR_PARALLEL_SIZE=3\n"
+    # A flag that disagrees with the kept file would install a layout the units do not run.
+    result = run_install("--prefix", str(tmp_path), "--tp", "2")
+    assert result.returncode == 2 and "BATCHSERVE_TENSOR_PARALLEL_SIZE=3 there" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_install("--prefix", str(tmp_path), "--tp", "2", "--force")
+    assert result.returncode == 0, result.stderr
+    assert "BATCHSERVE_TENSOR_PARALLEL_SIZE=2\n" in env_file.read_text()
+
+
+def test_install_removes_units_this_machine_no_longer_runs(tmp_path: Path) -> None:
+    unit_dir = tmp_path / inst.UNIT_DIR
+    unit_dir.mkdir(parents=True)
+    (unit_dir / "batchserve-worker.service").write_text("[Unit]\n")  # before the worker was a template
+    assert run_install("--prefix", str(tmp_path), "--dry-run").returncode == 0
+    assert (unit_dir / "batchserve-worker.service").exists()
+    result = run_install("--prefix", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"remove   {unit_dir / 'batchserve-worker.service'}" in result.stdout
+    assert sorted(p.name for p in unit_dir.iterdir()) == sorted(inst.TEMPLATE_NAMES)
+    # The same machine made node_rank 1: the server's units go, its worker ranks stay.
+    result = run_install("--prefix", str(tmp_path), "--force", *NODE_1)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in unit_dir.iterdir()) == sorted([inst.TARGET, inst.WORKER_TEMPLATE])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--tp", "2", "--nnodes", "2", "--node-rank", "1"), "dist_init_addr HOST:PORT is required"),
+    (("--tp", "3", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29500"), "nnodes must be >= 1 and divide"),
+    (("--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "10.0.0.1:29500"), "node_rank must be in"),
+])
+def test_a_layout_that_cannot_run_is_refused(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
+    result = run_install("--prefix", str(tmp_path), *argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- systemd-analyze verify -----------------------------------------------------------------------
 
-def test_systemd_analyze_verify_passes_on_rendered_units(installed: Path) -> None:
+def verify(unit_dir: Path, names: list[str]) -> subprocess.CompletedProcess[str]:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze not installed (apt-get install systemd; .ci/run does this)")
-    unit_dir = installed / inst.UNIT_DIR
-    result = subprocess.run([analyze, "verify", *(str(unit_dir / n) for n in inst.UNIT_NAMES)],
-                            capture_output=True, text=True, timeout=120, cwd=unit_dir)
+    # An instance's path need not exist: verify loads it from the template in the same directory.
+    return subprocess.run([analyze, "verify", *(str(unit_dir / n) for n in names)],
+                          capture_output=True, text=True, timeout=120, cwd=unit_dir)
+
+
+def assert_verified(result: subprocess.CompletedProcess[str]) -> None:
     # Failure: a non-zero status, or any message about our units (unknown keys, bad values and
     # missing executables are reported as lines naming the unit). Lines about other units on the
     # host are not ours to judge. A missing User= is not checked by verify; it is created at install.
@@ -258,13 +426,27 @@ def test_systemd_analyze_verify_passes_on_rendered_units(installed: Path) -> Non
     assert result.returncode == 0 and not ours, result.stdout + result.stderr
 
 
+def test_systemd_analyze_verify_passes_on_rendered_units(installed: Path) -> None:
+    assert_verified(verify(installed / inst.UNIT_DIR, [inst.TARGET, *SERVICES]))
+
+
+def test_systemd_analyze_verify_passes_for_two_ranks_and_on_node_rank_1(
+        installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]],
+        installed_node_1: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, _ = installed_two_ranks
+    assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1),
+                                                    *inst.SERVER_UNITS]))
+    prefix, _ = installed_node_1
+    assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1)]))
+
+
 def test_systemd_analyze_verify_catches_a_broken_unit(installed: Path, tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze not installed (apt-get install systemd; .ci/run does this)")
-    for name in inst.UNIT_NAMES:
+    for name in inst.TEMPLATE_NAMES:
         shutil.copy(installed / inst.UNIT_DIR / name, tmp_path / name)
-    api = tmp_path / "batchserve-api.service"
-    api.write_text(api.read_text().replace(f"{Path(sys.prefix).absolute()}/bin/", "/nonexistent/bin/"))
-    result = subprocess.run([analyze, "verify", str(api)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    for name in ("batchserve-api.service", inst.WORKER_TEMPLATE):
+        unit = tmp_path / name
+        unit.write_text(unit.read_text().replace(f"{Path(sys.prefix).absolute()}/bin/", "/nonexistent/bin/"))
+    result = verify(tmp_path, ["batchserve-api.service"])
     assert result.returncode != 0 and "/nonexistent/bin/batchserve" in result.stderr
+    result = verify(tmp_path, [inst.worker_unit(1)])  # checked through its template
+    assert result.returncode != 0 and "batchserve-worker@1.service" in result.stderr
