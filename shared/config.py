@@ -21,6 +21,9 @@ Quantization = Literal["none", "int8"]  # the default first
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # Overlap scheduling (procs/scheduler/process.py): auto = on with a CUDA worker.
 OverlapSchedule = Literal["auto", "on", "off"]  # the default first
+# The waiting queue's order (procs/scheduler/SCHEDULING.md section 8): arrival, or priority then arrival.
+SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -52,6 +55,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         headroom for activations and CUDA graphs, as the peers' defaults leave.""")] = 0.85
     # scheduler
     policy: Annotated[Policy, _doc("Scheduling policy: " + ", ".join(POLICIES) + ".")] = "mixed"
+    scheduling_policy: Annotated[SchedulingPolicy, _doc("""Which waiting request runs first: fcfs (arrival order; a
+        request's priority must then be 0), or priority (a request's `priority`, lower first, then arrival; a
+        waiting request may preempt running ones of a lower priority to be admitted; vLLM's convention).""")] = "fcfs"
     max_running_requests: Annotated[int, _doc("Most requests decoded together (request-table slots).")] = 64
     prefill_budget: Annotated[int, _doc("Most prompt tokens prefilled in one step (longer prompts are chunked).")] = 2048
     max_waiting: Annotated[int, _doc("""Most requests queued before new ones are refused (at most

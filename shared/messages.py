@@ -243,6 +243,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     logits: LogitsParams = PLAIN_LOGITS
     stop: StopParams = StopParams()
     arrival_time: float = 0.0  # time.time() at the api
+    priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
     # The field `stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
     # tokenizer's refusal names the one the client sent.
     max_tokens_param: str = "max_tokens"
@@ -263,6 +264,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
     stop: StopParams
     arrival_time: float = 0.0
     logits: LogitsParams = PLAIN_LOGITS
+    priority: int = 0
 
 
 class RequestRejected(msgspec.Struct, tag=True, kw_only=True):

@@ -25,6 +25,8 @@ class _Req:
     state: str = "future"  # future | waiting | admitted | finished | cancelled
     admitted_at: int = -1  # latest admission
     first_admitted_at: int = -1
+    priority: int = 0
+    joined: int = -1  # arrival order (the order requests joined the waiting queue first)
 
     def allocated(self) -> int:
         return self.prefilled + self.fed
@@ -39,19 +41,43 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     budget_per_step = cfg["prefill_budget"]
     capacity = cfg["kv_capacity_tokens"]
     percent = round(cfg.get("kv_reserve_ratio", 1.0) * 100)
+    by_priority = cfg.get("scheduling_policy", "fcfs") == "priority"
     reqs = [_Req(r["id"], r["arrival_step"], r["input_tokens"], r["output_tokens"],
-                 r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"]) for r in scenario["requests"]]
+                 r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
+                 priority=r.get("priority", 0)) for r in scenario["requests"]]
     by_id = {r.id: r for r in reqs}
     cancels = scenario.get("cancels", [])
     waiting: list[_Req] = []
     admissions = 0
+    joins = 0
     trace: list[dict[str, Any]] = []
+
+    def wait_again(victim: _Req) -> None:
+        """Preempted: back to the waiting queue, to recompute its prompt and what it generated."""
+        victim.state = "waiting"
+        victim.prompt_len = victim.input_tokens + victim.generated
+        victim.prefilled = victim.fed = 0
+        if by_priority:  # section 8: by priority, then arrival
+            before = [w for w in waiting if (w.priority, w.joined) < (victim.priority, victim.joined)]
+        else:  # section 4: behind the preempted requests first admitted before it
+            before = [w for w in waiting if 0 <= w.first_admitted_at < victim.first_admitted_at]
+        waiting.insert(len(before), victim)
+
+    def fits(head: _Req, live: list[_Req]) -> bool:
+        free = capacity - sum(r.allocated() for r in live)
+        return len(live) < slots and head.est(percent) + sum(r.est(percent) for r in live) <= free
+
     step = 0
     while True:
         for r in reqs:  # 1. arrivals, in scenario order
             if r.state == "future" and r.arrival <= step:
                 r.state = "waiting"
-                waiting.append(r)
+                r.joined = joins
+                joins += 1
+                if by_priority:  # behind every waiting request of its priority or a lower value
+                    waiting.insert(len([w for w in waiting if w.priority <= r.priority]), r)
+                else:
+                    waiting.append(r)
         cancelled = []
         for c in cancels:  # 2. cancellations
             r = by_id[c["id"]]
@@ -62,6 +88,20 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
                 cancelled.append(r.id)
         if not cancelled and all(r.state in ("finished", "cancelled") for r in reqs):
             return trace
+
+        preempted: list[str] = []
+        if by_priority and policy != "fixed" and waiting:  # 2b. the head preempts lower priorities
+            head = waiting[0]
+            live = [r for r in reqs if r.state == "admitted"]
+            if not fits(head, live):
+                candidates = sorted((r for r in live if r.priority > head.priority),
+                                    key=lambda r: (r.priority, r.admitted_at), reverse=True)
+                for k in range(1, len(candidates) + 1):
+                    if fits(head, [r for r in live if r not in candidates[:k]]):
+                        for victim in candidates[:k]:
+                            wait_again(victim)
+                            preempted.append(victim.id)
+                        break
 
         admitted = sorted((r for r in reqs if r.state == "admitted"), key=lambda r: r.admitted_at)
 
@@ -75,11 +115,8 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
                     budget -= n
             while admit and waiting and budget > 0:
                 live = [r for r in reqs if r.state == "admitted"]
-                if len(live) >= slots:
-                    break
                 head = waiting[0]
-                free = capacity - sum(r.allocated() for r in live)
-                if head.est(percent) + sum(r.est(percent) for r in live) > free:
+                if not fits(head, live):
                     break
                 waiting.pop(0)
                 head.state = "admitted"
@@ -106,21 +143,16 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             decode = [] if prefill else decodable()
 
         # 3b. preemption
-        preempted: list[str] = []
         live = [r for r in reqs if r.state == "admitted"]
         positions = sum(r.allocated() for r in live) + sum(n for _, n in prefill) + len(decode)
         while positions > capacity:
-            victim = max(live, key=lambda r: r.admitted_at)
+            victim = max(live, key=lambda r: (r.priority if by_priority else 0, r.admitted_at))
             live.remove(victim)
             planned = sum(n for r, n in prefill if r is victim) + (1 if victim in decode else 0)
             positions -= victim.allocated() + planned
             prefill = [item for item in prefill if item[0] is not victim]
             decode = [r for r in decode if r is not victim]
-            victim.state = "waiting"
-            victim.prompt_len = victim.input_tokens + victim.generated
-            victim.prefilled = victim.fed = 0
-            before = [w for w in waiting if 0 <= w.first_admitted_at < victim.first_admitted_at]
-            waiting.insert(len(before), victim)
+            wait_again(victim)
             preempted.append(victim.id)
 
         # 4-5. run, sample, finish

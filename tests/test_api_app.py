@@ -118,7 +118,7 @@ def test_explicit_nulls_mean_defaults():
         nulls = {k: None for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                    "stop_token_ids", "ignore_eos", "n", "stream", "stream_options",
                                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                                   "logit_bias", "best_of", "logprobs")}
+                                   "logit_bias", "best_of", "logprobs", "priority")}
         async with api(engine) as client:
             assert (await client.post("/v1/completions", json={"prompt": "x", "echo": None, **nulls})).status == 200
             assert (await client.post("/v1/chat/completions", json={
@@ -126,7 +126,18 @@ def test_explicit_nulls_mean_defaults():
                 **nulls})).status == 200
         for req in engine.requests:
             assert req.sampling == SamplingParams() and not req.stop.ignore_eos and req.stop.stop == ()
-            assert req.logits == PLAIN_LOGITS
+            assert req.logits == PLAIN_LOGITS and req.priority == 0
+    run(go())
+
+
+def test_priority_reaches_the_engine_for_every_choice():
+    async def go():
+        engine = FakeEngine()
+        async with api(engine) as client:
+            assert (await client.post("/v1/completions", json={"prompt": "x", "priority": -5, "n": 2})).status == 200
+            assert (await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "priority": 7})).status == 200
+        assert [req.priority for req in engine.requests] == [-5, -5, 7]
     run(go())
 
 

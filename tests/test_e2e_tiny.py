@@ -161,6 +161,7 @@ def test_stop_string_finishes_with_stop_and_stops_generation(server, model, refe
     ("completions", {"prompt": [5, 100000]}, "prompt"),  # outside the vocabulary
     ("chat/completions", {"messages": []}, "messages"),
     ("completions", {"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "w5"}], "priority": 3}, "priority"),  # fcfs server
 ])
 def test_bad_inputs_get_400_naming_the_field(server, model, endpoint, body, param):
     status, out = http(f"{server.url}/v1/{endpoint}", {"model": str(model), **body})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -54,7 +55,8 @@ class OverlappedDriver:
             self.complete_oldest()
 
 
-def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 5000) -> OverlappedDriver:
+def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 5000,
+                   priorities: dict[str, int] | None = None) -> OverlappedDriver:
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {j.rid: j.prompt() for j in jobs}, {j.rid: j.output_tokens for j in jobs})
     limits = {j.rid: j.limit for j in jobs}
@@ -69,7 +71,8 @@ def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 50
     for turn in range(max_turns):
         for job in jobs:
             if job.arrival_step == turn:
-                sched.add_request(job.rid, job.prompt(), SamplingParams(), job.stop_params())
+                sched.add_request(job.rid, job.prompt(), SamplingParams(), job.stop_params(),
+                                  priority=(priorities or {}).get(job.rid, 0))
             if job.cancel_before_step == turn and job.arrival_step <= turn and sched.abort(job.rid):
                 cancelled.add(job.rid)
         if turn > max(j.arrival_step for j in jobs) and not sched.has_unfinished() and not driver.in_flight:
@@ -127,6 +130,17 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
 @given(workloads())
 def test_launching_ahead_gives_every_request_its_tokens_and_leaks_nothing(workload) -> None:
     run_overlapped(*workload)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.data())
+def test_priority_preemptions_drain_the_pipeline_and_lose_nothing(workload, data) -> None:
+    """Under the priority policy the queue's head preempts lower priorities (SCHEDULING.md section 8),
+    which with steps in flight drains them first."""
+    config, jobs = workload
+    config = msgspec.structs.replace(config, scheduling_policy="priority")
+    priorities = {j.rid: data.draw(st.integers(-2, 2)) for j in jobs}
+    run_overlapped(config, jobs, priorities=priorities)
 
 
 def test_a_decode_launched_before_its_token_is_back_is_fed_the_future_token() -> None:

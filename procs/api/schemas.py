@@ -81,6 +81,7 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None  # vLLM's
+    priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
     # sampling
     temperature: float | None = None
     top_p: float | None = None

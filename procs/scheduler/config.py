@@ -7,7 +7,7 @@ import math
 
 import msgspec
 
-from shared.config import POLICIES, Policy, ServerConfig
+from shared.config import POLICIES, SCHEDULING_POLICIES, Policy, SchedulingPolicy, ServerConfig
 from shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
@@ -48,6 +48,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_reserve_ratio: float = 1.0
     # Share the KV of prompt prefixes across requests (radix tree over full pages); off: the chapter.
     prefix_cache: bool = False
+    # The waiting queue's order: arrival (the chapter), or priority then arrival (SCHEDULING.md section 8).
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -59,6 +61,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         check_reserve_ratio(self.kv_reserve_ratio)
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise SchedulerConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                                       f"got {self.scheduling_policy!r}")
         if self.kv_capacity_tokens < self.page_size:
             raise SchedulerConfigError(
                 f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one page of "
@@ -89,7 +94,7 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
-        prefix_cache=not config.disable_prefix_cache,
+        prefix_cache=not config.disable_prefix_cache, scheduling_policy=config.scheduling_policy,
     )
 
 

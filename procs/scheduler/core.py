@@ -68,7 +68,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
     new_tokens: list[tuple[str, int]] = []  # (rid, token id), batch order; stop tokens included
     finish_reasons: dict[str, str] = {}  # rid -> "stop" | "length"
     batch_size: int = 0  # requests in the executed batch; 0: idle step
-    preempted: list[str] = []  # back in the waiting queue (step 3b), in preemption order
+    preempted: list[str] = []  # back in the waiting queue (for a higher-priority head, then step 3b), in order
     logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> its new tokens' logprobs (requests that asked)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> prompt tokens 1.., with its first token
     # rid -> the record of each request this output finishes or cancels (forgotten by the scheduler;
@@ -128,7 +128,8 @@ class Scheduler:
         self.table = RequestTable(config.max_running_requests, self.max_pages_per_request)
         self.kv = KVManager(config, self.table)
         self.allocator = self.kv.allocator
-        self.prefill_manager = PrefillManager(self.table, self.kv)
+        self.by_priority = config.scheduling_policy == "priority"
+        self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority)
         self.decode_manager = DecodeManager()
         self._planner = POLICY_PLANNERS[config.policy]
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
@@ -137,6 +138,7 @@ class Scheduler:
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
+        self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -199,10 +201,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS) -> None:
-        """Queue a request at the tail of the waiting queue, or raise `Refusal`."""
+                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0) -> None:
+        """Queue a request (at the tail of the waiting queue; by `priority` under the priority policy),
+        or raise `Refusal`."""
         if rid in self._live:
             raise Refusal("a request with this id is already queued or running")
+        if priority and not self.by_priority:
+            raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
+                          f"first come, first served)", "priority")
+        if not -_INT32_MAX - 1 <= priority <= _INT32_MAX:
+            raise Refusal(f"priority must be a 32-bit integer, got {priority}", "priority")
         prompt = self._validate_prompt(prompt_ids)
         # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = stop.max_tokens
@@ -215,9 +223,10 @@ class Scheduler:
         if capacity is not None and len(self._live) >= capacity:
             raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
                           f"{self.config.max_waiting} waiting requests)", status=503)
-        request = Request(rid, prompt, sampling, stop, logits)
+        request = Request(rid, prompt, sampling, stop, logits, priority=priority, arrival=self._arrivals)
+        self._arrivals += 1
         self._live[rid] = request
-        self.prefill_manager.pending_list.append(request)
+        self.prefill_manager.enqueue(request)
 
     def abort(self, rid: str) -> bool:
         """Cancel `rid`, freeing its slot and KV pages now; reported in the next `StepOutput.cancelled`.
@@ -302,10 +311,12 @@ class Scheduler:
             out.ended = {r.rid: r for r in self._cancelled}
             self._cancelled = []
         self._step += 1
+        if self.by_priority and self.config.policy != "fixed":
+            self._preempt_for_head(out, drain)
         plan = self._plan(prefill_tokens)
         slots, tokens = plan.slots_and_tokens()
         growth = self.kv.growth(slots, tokens)
-        victims = self.kv.preemption_victims(slots, growth)
+        victims = self.kv.preemption_victims(slots, growth, self.by_priority)
         if victims and self._launched:
             if drain is None:
                 raise RuntimeError("preempting while steps are in flight needs a drain")
@@ -314,10 +325,10 @@ class Scheduler:
                                  if rid not in self._live])  # finished by the drained steps
             slots, tokens = plan.slots_and_tokens()
             growth = self.kv.growth(slots, tokens)
-            victims = self.kv.preemption_victims(slots, growth)
+            victims = self.kv.preemption_victims(slots, growth, self.by_priority)
         if victims:
             plan = plan.without(victims)
-            out.preempted = self._preempt(victims)
+            out.preempted += self._preempt(victims)
             slots, tokens = plan.slots_and_tokens()
             growth = self.kv.growth(slots, tokens)
         if plan.is_empty:
@@ -332,6 +343,18 @@ class Scheduler:
         budget = self.config.prefill_budget
         cap = budget if prefill_tokens is None else prefill_tokens
         return self._planner(self.prefill_manager, self.decode_manager, budget, cap)
+
+    def _preempt_for_head(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
+        """SCHEDULING.md section 8, before the policy plans: the head of the waiting queue preempts
+        admitted requests of a lower priority when that lets it fit (`PrefillManager.victims_for_head`)."""
+        victims = self.prefill_manager.victims_for_head()
+        if victims and self._launched:
+            if drain is None:
+                raise RuntimeError("preempting while steps are in flight needs a drain")
+            drain()  # the victims' tokens must be known; the drained steps may have freed room
+            victims = self.prefill_manager.victims_for_head()
+        if victims:
+            out.preempted = self._preempt(victims)
 
     def _preempt(self, slots: list[int]) -> list[str]:
         """Step 3b: free the requests' slots and KV; they wait again to recompute what they had."""

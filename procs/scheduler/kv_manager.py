@@ -82,12 +82,16 @@ class KVManager:
     def reserved_pages(self) -> int:
         """Sum of reservation(r) over the admitted requests, from the request table's columns, plus the
         cache pages they use (counted once however many share them)."""
-        t = self.table
-        used = t.admit_seq >= 0
-        tokens = np.maximum(t.kv_len[used], t.prompt_len[used]) + self.future_estimate(
-            t.token_limit[used] - t.generated[used])
-        own = int(self.pages_for(tokens).sum()) - int(t.shared_pages[used].sum())
+        own = self.own_reservation(self.table.admit_seq >= 0)
         return own + (self.cache.num_referenced if self.cache is not None else 0)
+
+    def own_reservation(self, slots: int | np.ndarray) -> int:
+        """The reserved pages of the requests in `slots` (a slot, or a mask or index of them) that are
+        theirs alone: held or to come, less the cached pages they use."""
+        t = self.table
+        tokens = np.maximum(t.kv_len[slots], t.prompt_len[slots]) + self.future_estimate(
+            t.token_limit[slots] - t.generated[slots])
+        return int(np.sum(self.pages_for(tokens))) - int(np.sum(t.shared_pages[slots]))
 
     def attach(self, request: Request, cached: list[CachedPage]) -> None:
         """An admitted request starts on `cached`: they become its first pages, already computed."""
@@ -142,9 +146,10 @@ class KVManager:
         t = self.table
         return self.pages_for(t.kv_len[slots] + tokens) - t.num_pages[slots]
 
-    def preemption_victims(self, slots: np.ndarray, growth: np.ndarray) -> list[int]:
+    def preemption_victims(self, slots: np.ndarray, growth: np.ndarray, by_priority: bool = False) -> list[int]:
         """SCHEDULING.md step 3b: while the pages held plus the planned growth exceed the pool, the
-        most recently admitted request goes (its pages and its planned growth with it).
+        most recently admitted request goes (its pages and its planned growth with it); `by_priority`:
+        the lowest-priority one, among equals the most recently admitted (section 8).
 
         Returns the victims' slots in preemption order; [] in the common case, at the cost of a sum.
         """
@@ -155,13 +160,16 @@ class KVManager:
         t = self.table
         planned = np.zeros(t.num_slots, dtype=np.int64)
         planned[slots] = growth
-        admit_seq = t.admit_seq.copy()
+        def rank(slot: int) -> tuple[int, int]:
+            request = t.requests[slot]
+            return (request.priority if by_priority and request is not None else 0), int(t.admit_seq[slot])
+
+        order = sorted(np.flatnonzero(t.admit_seq >= 0).tolist(), key=rank)  # the next victim last
         victims: list[int] = []
         while excess > 0:
-            slot = int(admit_seq.argmax())
-            if admit_seq[slot] < 0:  # the oldest request alone always fits: unreachable unless accounting broke
+            if not order:  # the oldest request alone always fits: unreachable unless accounting broke
                 raise KVAllocatorError(f"preempting every request leaves {excess} pages short")
-            admit_seq[slot] = -1
+            slot = order.pop()
             victims.append(slot)
             # Its own pages and planned growth, and the cache pages only it uses (they become evictable).
             request = t.requests[slot]

@@ -21,17 +21,34 @@ class PrefillManager:
     """Requests whose prompt is not fully prefilled.
 
     `pending_list`: the waiting queue (not admitted: no slot, no KV). FIFO, except that preempted
-    requests go back ahead of every request never admitted, in the order of their first admission.
+    requests go back ahead of every request never admitted, in the order of their first admission;
+    with `by_priority`, ordered by priority, then arrival (SCHEDULING.md section 8).
     `chunking`: admitted requests with prompt tokens left (mid-chunk), in admission order; their
     next chunks are planned before any new admission, so they keep priority.
     """
 
-    def __init__(self, table: RequestTable, kv: KVManager) -> None:
+    def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
+        self.by_priority = by_priority
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
+
+    def enqueue(self, request: Request) -> None:
+        """A new arrival: at the tail, or with `by_priority` behind every request of its priority or a
+        higher one (a lower value)."""
+        if self.by_priority:
+            self._insert_by_key(request)
+        else:
+            self.pending_list.append(request)
+
+    def _insert_by_key(self, request: Request) -> None:
+        pending, key = self.pending_list, request.queue_key
+        index = len(pending)
+        while index > 0 and pending[index - 1].queue_key > key:  # usually none: arrivals of one priority
+            index -= 1
+        pending.insert(index, request)
 
     @property
     def nobody_admitted(self) -> bool:
@@ -81,9 +98,34 @@ class PrefillManager:
             request.cached_tokens = request.prefilled
         self.chunking.append(request)
 
+    def victims_for_head(self) -> list[int]:
+        """SCHEDULING.md section 8: the slots of the admitted requests the head of the waiting queue
+        preempts to be admitted, in preemption order (lowest priority first, among equals the most
+        recently admitted): the fewest after which it fits with their reservations given back, each of
+        a lower priority than the head's; none when it fits already or they could not make it fit."""
+        if not self.pending_list:
+            return []
+        head, table, kv = self.pending_list[0], self._table, self._kv
+        short = kv.reservation(head, kv.lookup(head)) + kv.reserved_pages() - kv.num_pages
+        if short <= 0 and table.has_free_slot:
+            return []
+        lower = sorted((r for r in table.requests if r is not None and r.priority > head.priority),
+                       key=lambda r: (r.priority, int(table.admit_seq[r.slot])), reverse=True)
+        victims: list[int] = []
+        for request in lower:
+            victims.append(request.slot)
+            short -= kv.own_reservation(request.slot)
+            if short <= 0:
+                return victims
+        return []
+
     def requeue(self, request: Request) -> None:
         """Put a preempted request back: ahead of every never-admitted request, behind the preempted
-        ones that were first admitted before it."""
+        ones that were first admitted before it; with `by_priority`, by priority then arrival, the same
+        order among requests of one priority (admission follows the queue)."""
+        if self.by_priority:
+            self._insert_by_key(request)
+            return
         pending = self.pending_list
         index = 0
         while index < len(pending) and 0 <= pending[index].first_admitted < request.first_admitted:

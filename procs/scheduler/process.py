@@ -99,7 +99,7 @@ class SchedulerLoop:
         if isinstance(message, TokenizedRequest):
             try:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
-                                           message.logits)
+                                           message.logits, priority=message.priority)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))

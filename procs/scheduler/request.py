@@ -27,13 +27,15 @@ class Request:
 
     `draft`: tokens proposed to follow its last token (`Scheduler.set_draft`); its next decode row feeds
     them after the last token, one sampled position each, and uses them up.
-    `reported`: tokens sent downstream in `TokenDelta`s so far (0: its first delta is still to come)."""
+    `reported`: tokens sent downstream in `TokenDelta`s so far (0: its first delta is still to come).
+    `priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue under
+    the priority scheduling policy (SCHEDULING.md section 8)."""
 
     __slots__ = ("rid", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
-                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported")
+                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams,
-                 logits: LogitsParams = PLAIN_LOGITS) -> None:
+                 logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0) -> None:
         self.rid = rid
         self.prompt = prompt  # int32 [prompt_len]
         self.num_prompt_tokens = int(prompt.shape[0])
@@ -49,6 +51,13 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []  # gathered chunk by chunk until its first token
         self.draft = NO_DRAFT
         self.reported = 0
+        self.priority = priority
+        self.arrival = arrival
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """Its place in the waiting queue under the priority policy: priority, then arrival."""
+        return self.priority, self.arrival
 
     @property
     def prompt_len(self) -> int:

@@ -36,6 +36,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_reserve_ratio: float = 1.0  # SCHEDULING.md's rho: < 1 reserves an estimate and may preempt
     prefix_cache: bool = False  # share the KV of common prompt prefixes (requests' `shared_prefix`)
     policy: str | None = None  # the scenario's default policy; `--policy` wins
+    scheduling_policy: str = "fcfs"  # the waiting queue's order: fcfs | priority (SCHEDULING.md section 8)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -45,6 +46,7 @@ class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
     output_tokens: PositiveInt
     max_tokens: PositiveInt | None = None  # default: output_tokens
     shared_prefix: NonNegativeInt = 0  # the first tokens of its prompt are the ones every such request has
+    priority: int = 0  # lower first, under scheduling_policy "priority"
 
 
 class ScenarioCancel(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,7 +109,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
         return SchedulerConfig(max_running_requests=c.max_running_requests, prefill_budget=c.prefill_budget,
                                kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
                                max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
-                               prefix_cache=c.prefix_cache, policy=chosen)  # type: ignore[arg-type]
+                               prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
+                               scheduling_policy=c.scheduling_policy)  # type: ignore[arg-type]
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -147,7 +150,7 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             prompt = scenario_prompt(scenario.requests.index(r), r)
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
-                scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop)
+                scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop, priority=r.priority)
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None
