@@ -232,7 +232,7 @@ class OfflineEngine:
             for request in tokenized:
                 ids = [int(t) for t in request.prompt_ids]
                 self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
-                                           request.logits)
+                                           request.logits, priority=request.priority)
                 live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
                     self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
             done = [live[r.rid].completion for r in tokenized]

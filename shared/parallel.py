@@ -60,8 +60,8 @@ def split_init_addr(address: str) -> tuple[str, int]:
 
 
 def worker_process_names(config: ServerConfig) -> tuple[str, ...]:
-    """The names this machine's worker ranks heartbeat as: `worker` (global rank 0, or this node's
-    first rank), then `worker-RANK` by global rank."""
+    """The names this machine's worker ranks heartbeat as, by global rank: `worker` for rank 0,
+    `worker-RANK` for the others (on a machine of node_rank > 0 its first rank too)."""
     layout = RankLayout.of(config, 0)
     return tuple(worker_rank_name(layout.rank + i) for i in range(layout.local_world_size))
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from e2e_server import http, pid_alive
-from fault_injection import PROCESSES, Stack, StreamRecord, health, segments_of, stream_until_end
+from fault_injection import PROCESSES, Stack, StreamRecord, segments_of, stream_until_end, streams_through_fault
 
 FAULTS = [(name, "kill") for name in PROCESSES] + [("worker", "stop")]
 FLAGS = ("--kv-capacity-tokens", "8192", "--max-running-requests", "8", "--step-timeout-s", "2",
@@ -38,25 +38,8 @@ def _fault_run(stack: Stack, process: str, how: str) -> dict:
     body = {"model": str(stack.model), "prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0}
 
-    async def main() -> tuple[float, float | None]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
-            tasks = [asyncio.create_task(stream_until_end(session, stack.url, body, r)) for r in records]
-            deadline = time.monotonic() + 60
-            while any(r.chunks < 2 for r in records):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), [r.terminal() for r in records]
-                await asyncio.sleep(0.01)
-            fault_at = time.monotonic()
-            stack.inject(process, how)
-            down_at = None
-            while down_at is None and time.monotonic() - fault_at < 30:
-                if await asyncio.to_thread(health, stack.url) != 200:
-                    down_at = time.monotonic()
-                else:
-                    await asyncio.sleep(0.05)
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
-            return fault_at, down_at
-
-    fault_at, down_at = asyncio.run(main())
+    fault_at, down_at = asyncio.run(streams_through_fault(stack.url, body, records,
+                                                          lambda: stack.inject(process, how)))
     pids = list(stack.pids.values())
     status = stack.stop()
     row = {"mode": stack.mode, "fault": f"{how} {process}", "clients": sorted({r.terminal() for r in records}),

@@ -88,8 +88,7 @@ def step_logits(runner: ModelRunner, batches: list[ForwardBatch]) -> list[torch.
     with torch.inference_mode():
         for batch in batches:
             rows = np.arange(batch.num_tokens, dtype=np.int64)  # every position, not only the sampled ones
-            runner.rank_steps.lead(batch, rows)
-            out.append(runner._forward(batch, rows)[-batch.num_tokens:].clone())
+            out.append(runner.step_logits(batch, rows)[-batch.num_tokens:].clone())
     return out
 
 

@@ -248,8 +248,7 @@ class ModelRunner:
         with torch.inference_mode():
             prompt_chunks = self._prompt_logprob_chunks(batch)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
-            self.rank_steps.lead(batch, extra_rows)
-            logits = self._forward(batch, extra_rows)
+            logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
             result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
             if logits is None:
@@ -316,6 +315,12 @@ class ModelRunner:
             out.append((slot, self.logits_state.prompt_logprobs(slot, positions, logprobs)))
             row += len(positions)
         return out
+
+    def step_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
+        """Rank 0: one step as `execute` runs it (broadcast to the other ranks, page table applied), without
+        sampling: float32 logits of the sampled positions, then of `extra_rows` (packed token indices)."""
+        self.rank_steps.lead(batch, extra_rows)
+        return self._forward(batch, extra_rows)
 
     def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
         """One step's page-table updates and forward pass, as every rank runs it."""

@@ -155,8 +155,9 @@ def join(config: ServerConfig, layout: RankLayout, device: torch.device) -> Tens
             "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
             rank=layout.rank, world_size=layout.world_size, timeout=timeout)
     except (RuntimeError, ValueError) as exc:  # torch's DistStoreError is a RuntimeError
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # not c10d's C++ frames
         raise TensorParallelError(f"worker rank {layout.rank} of {layout.world_size} could not join the others at "
-                                  f"{host}:{port} within {config.dist_timeout_s:g} s: {exc}") from None
+                                  f"{host}:{port} within {config.dist_timeout_s:g} s: {reason}") from None
     tp.device_group, tp.cpu_group = _new_groups(device, config.dist_timeout_s)
     return tp
 

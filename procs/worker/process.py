@@ -30,10 +30,16 @@ FOLLOWER_STOP_GRACE_S = 5.0
 
 
 def run(config: ServerConfig, local_rank: int = 0) -> int:
+    from procs.worker.parallel import TensorParallelError
+
     layout = RankLayout.of(config, local_rank)
-    if layout.rank > 0:
-        return _follow(config, layout.rank, local_rank)
-    return _lead(config)
+    try:
+        if layout.rank > 0:
+            return _follow(config, layout.rank, local_rank)
+        return _lead(config)
+    except TensorParallelError as exc:  # the ranks never met: one line says where and why, no traceback
+        log.error("%s", exc)
+        return 1
 
 
 def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
@@ -57,7 +63,8 @@ def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
         log.info("model loaded", extra={"fields": {"rank": rank, "device": str(runner.device)}})
         rt.ready()
         try:
-            runner.follow(keep_following)
+            if not rt.stopping.is_set():  # asked to stop while joining: leave at once, rank 0 has no step yet
+                runner.follow(keep_following)
         finally:
             runner.close()
         return 0

@@ -164,11 +164,8 @@ def forced_logits(runner: ModelRunner, prompts: list[list[int]], reference: list
             step += 1
             continue
         batch = _plan(step, rows, page_size, free_pages)
-        runner.rank_steps.lead(batch, None)  # tensor parallel: the other ranks run the same step (else a no-op)
-        runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
-                                                 batch.page_table_pages)
-        with torch.inference_mode():
-            logits = runner.forward_logits(batch).float().cpu()
+        with torch.inference_mode():  # with tensor parallelism the other ranks run the same step
+            logits = runner.step_logits(batch).float().cpu()
         for row, (r, tokens, _) in enumerate(rows):
             i = index[id(r)]
             r.fed += len(tokens)
