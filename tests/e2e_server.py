@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess, free_port
 from loadtests.sse import StreamReader
@@ -116,3 +117,18 @@ def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: in
                               stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
         outputs.append(engine.generate([req])[0].token_ids)
     return outputs
+
+
+async def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[str, str | None, Any]:
+    """(text, finish_reason, usage) of one greedy streamed completion through an `openai.AsyncOpenAI`
+    client, generating `max_tokens` tokens (ignore_eos)."""
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    text, finish, usage = [], None, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.text)
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    return "".join(text), finish, usage

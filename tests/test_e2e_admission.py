@@ -15,7 +15,7 @@ import threading
 import openai
 import pytest
 
-from e2e_server import metric, start_server, wait_until
+from e2e_server import metric, start_server, stream_completion, wait_until
 from shared.config import DEFAULT_MODEL
 
 PROMPTS = ["w5 w6 w7", "w100 w3 w250 w17 w9", "w42", " ".join(f"w{i}" for i in range(3, 60)), "w300 w301 w302 w8"]
@@ -35,18 +35,6 @@ def tight_server(model, tmp_path_factory):
     srv.stop()
 
 
-async def _stream(client: openai.AsyncOpenAI, model: str, prompt: str) -> tuple[str, str | None, object]:
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    text, finish, usage = [], None, None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            text.append(choice.text)
-            finish = choice.finish_reason or finish
-        usage = chunk.usage or usage
-    return "".join(text), finish, usage
-
 
 def test_sixteen_preempted_streams_equal_their_solo_outputs(tight_server, model):
     url = f"{tight_server.url}/v1"
@@ -57,7 +45,7 @@ def test_sixteen_preempted_streams_equal_their_solo_outputs(tight_server, model)
 
     async def together():
         async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
-            return await asyncio.gather(*[_stream(client, str(model), PROMPTS[i % len(PROMPTS)]) for i in range(16)])
+            return await asyncio.gather(*[stream_completion(client, str(model), PROMPTS[i % len(PROMPTS)], MAX_TOKENS) for i in range(16)])
 
     results = asyncio.run(together())
     assert metric(tight_server.url, "batchserve_preemptions_total") > 0

@@ -26,7 +26,7 @@ import pytest
 import zmq
 from pydantic import BaseModel, Field
 
-from e2e_server import REPO, Server, free_port, metric, pid_alive, start_server, wait_until
+from e2e_server import REPO, Server, free_port, metric, pid_alive, start_server, stream_completion, wait_until
 from fault_injection import Stack, StreamRecord, segments_of, streams_through_fault
 from procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient, backend_processes
 from shared.config import ServerConfig
@@ -152,20 +152,10 @@ def test_concurrent_long_streams_are_preempted_and_all_complete(servers, model):
     solo = [complete(tp1, model, p, max_tokens=150) for p in PROMPTS]
     preempted_before = metric(tp2.url, "batchserve_preemptions_total")
 
-    async def one(c: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None, object]:
-        stream = await c.completions.create(model=str(model), prompt=prompt, max_tokens=150, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        text, finish, usage = [], None, None
-        async for chunk in stream:
-            for choice in chunk.choices:
-                text.append(choice.text)
-                finish = choice.finish_reason or finish
-            usage = chunk.usage or usage
-        return "".join(text), finish, usage
-
     async def together():
         async with async_client(tp2) as c:
-            return await asyncio.gather(*(one(c, PROMPTS[i % len(PROMPTS)]) for i in range(16)))
+            return await asyncio.gather(*(stream_completion(c, str(model), PROMPTS[i % len(PROMPTS)], 150)
+                                          for i in range(16)))
 
     results = asyncio.run(together())
     assert metric(tp2.url, "batchserve_preemptions_total") > preempted_before

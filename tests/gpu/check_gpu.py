@@ -199,6 +199,17 @@ def compare_logits(reference: list[torch.Tensor], other: list[torch.Tensor]) -> 
                       max_abs=float(diff.abs().max()), max_rel=float(rel.max()))
 
 
+def token_status(mismatched: dict[int, int], diff: LogitsDiff, args: argparse.Namespace) -> tuple[str, bool]:
+    """How two runs' greedy tokens compare (EQUAL, or where they differ), and whether that passes:
+    a divergence passes only at a near tie (--tolerate-ties, teacher-forced logits within --max-logit-diff)."""
+    if not mismatched:
+        return "EQUAL", True
+    status = f"MISMATCH in {len(mismatched)} requests (request: first differing token) {mismatched}"
+    if args.tolerate_ties and diff.max_rel <= args.max_logit_diff:
+        return status + f"; within ties (teacher-forced logits within {100 * args.max_logit_diff:.0f}%)", True
+    return status, False
+
+
 def check_equality(args: argparse.Namespace, flashinfer_missing: str | None, report: dict) -> bool:
     prompts = chat_prompts(args.model, args.requests)
     scenarios = {"together": {"arrival_gap": 0}, "staggered": {"arrival_gap": 1}}
@@ -234,12 +245,7 @@ def check_equality(args: argparse.Namespace, flashinfer_missing: str | None, rep
             diverged = {i: first_divergence(outputs[reference][i], outputs[label][i]) for i in range(len(prompts))}
             mismatched = {i: at for i, at in diverged.items() if at is not None}
             diff = compare_logits(forced[name][reference], forced[name][label])
-            status = ("EQUAL" if not mismatched
-                      else f"MISMATCH in {len(mismatched)} requests (request: first differing token) {mismatched}")
-            ok = not mismatched
-            if mismatched and args.tolerate_ties and diff.max_rel <= args.max_logit_diff:
-                status += f"; within ties (teacher-forced logits within {100 * args.max_logit_diff:.0f}%)"
-                ok = True
+            status, ok = token_status(mismatched, diff, args)
             print(f"tokens [{name}] {label} vs {reference}: {status}", flush=True)
             print(f"  teacher-forced [{name}] {label} vs {reference}: {diff.describe()}", flush=True)
             report.setdefault("equality", []).append({
@@ -486,12 +492,7 @@ def check_tensor_parallel(args: argparse.Namespace, report: dict) -> bool:
                               forced_logits(runner, prompts, reference, arrival_gap=1))
         mismatched = {i: at for i in range(len(prompts))
                       if (at := first_divergence(reference[i], got[i])) is not None}
-        status = ("EQUAL" if not mismatched
-                  else f"MISMATCH in {len(mismatched)} requests (request: first differing token) {mismatched}")
-        ok = not mismatched
-        if mismatched and args.tolerate_ties and diff.max_rel <= args.max_logit_diff:
-            status += f"; within ties (teacher-forced logits within {100 * args.max_logit_diff:.0f}%)"
-            ok = True
+        status, ok = token_status(mismatched, diff, args)
         print(f"tokens [staggered] {label} vs tp1: {status}", flush=True)
         print(f"  teacher-forced [staggered] {label} vs tp1: {diff.describe()}", flush=True)
         report["tp"] = {"ranks": args.tp, "backend": backend, "mismatched_requests": mismatched, "ok": ok,
