@@ -42,6 +42,7 @@ from procs.api.errors import error_body, error_response
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, sse_event,
                                  total_usage)
+from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
@@ -408,6 +409,7 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: bool = 
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
+    add_tokenize_routes(app, handlers)
 
     start = getattr(engine, "start", None)
     close = getattr(engine, "close", None)
