@@ -42,8 +42,8 @@ from procs.api.errors import error_body, error_response
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, sse_event,
                                  total_usage)
-from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
 from shared.config import ServerConfig, request_cap
