@@ -218,7 +218,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
@@ -267,7 +266,6 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
 ]
 
 
@@ -298,6 +296,23 @@ def test_bad_completion_requests_are_400_naming_the_field():
 
 def test_bad_chat_requests_are_400_naming_the_field():
     _check_bad("/v1/chat/completions", BAD_CHATS)
+
+
+def test_an_unknown_model_is_404_model_not_found():
+    # As OpenAI and vLLM answer: clients catch `openai.NotFoundError`.
+    async def go():
+        engine = FakeEngine()
+        async with api(engine) as client:
+            for path, body in (("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "model": "nope", "stream": True})):
+                resp = await client.post(path, json=body)
+                assert resp.status == 404, await resp.text()
+                err = (await resp.json())["error"]
+                assert err["code"] == "model_not_found" and err["param"] == "model", err
+                assert body["model"] in err["message"]
+        assert engine.requests == []
+    run(go())
 
 
 # ---- rejections, admission, health

@@ -235,7 +235,7 @@ class ApiHandlers:
             self._admit(len(validated.requests), validated.n)
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
-            response = _error(exc.status, exc.message, exc.param, rid)
+            response = _error(exc.status, exc.message, exc.param, rid, exc.code)
             if exc.status == 408:
                 response.force_close()  # the rest of the body is not worth waiting for
             return response
@@ -366,8 +366,8 @@ def _json(obj, status: int = 200, rid: str | None = None) -> web.Response:
                         headers=headers)
 
 
-def _error(status: int, message: str, param: str | None, rid: str) -> web.Response:
-    response = error_response(status, message, param)
+def _error(status: int, message: str, param: str | None, rid: str, code: str | None = None) -> web.Response:
+    response = error_response(status, message, param, code)
     response.headers["X-Request-Id"] = rid
     return response
 

@@ -22,15 +22,15 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": None}}
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
     return web.Response(
         status=status,
-        body=msgspec.json.encode(error_body(status, message, param)),
+        body=msgspec.json.encode(error_body(status, message, param, code)),
         content_type="application/json",
         headers=headers,
     )

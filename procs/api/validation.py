@@ -136,7 +136,8 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
     if req.model is not None and req.model != model_name:
-        raise Refusal(f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model")
+        raise Refusal(f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model",
+                      status=404, code="model_not_found")
     if req.stream_options is not None and not req.stream:
         raise Refusal("stream_options is only allowed when stream is true", "stream_options")
     for name, neutral in UNSUPPORTED.items():
