@@ -351,6 +351,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     cache_pages: int = 0
     cache_referenced_pages: int = 0
     preemptions: int = 0  # requests preempted since the previous stats message
+    steps_target_out_of_reach: int = 0  # steps since then whose decodes alone took the step-time target
     kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (procs/scheduler/SCHEDULING.md's rho)
 
 

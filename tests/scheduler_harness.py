@@ -246,6 +246,7 @@ class _Book:
     generated: int = 0
     fed: int = 0  # since its latest admission
     fill_len: int = 0  # what its latest admission prefills: the prompt + tokens generated before
+    filled_seq: int = -1  # when its latest prefill completed (the decode set's order with fair prefill)
     ended: str = ""  # "", "finished", "cancelled"
     preemptions: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -299,6 +300,7 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
     last_arrival = max(j.arrival_step for j in jobs)
     trace: list[StepOutput] = []
     admissions = 0
+    fills = 0
 
     for step in range(max_steps):
         for j in jobs:
@@ -327,7 +329,10 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         reserved = sum(reservation(b, percent, P) for b in live_admitted)
         head = books[waiting[0]] if waiting else None
         head_fits = head is not None and reservation(head, percent, P) + reserved <= usable_pages
-        decodable = [b.job.rid for b in live_admitted if b.prefilled == b.fill_len]
+        # The decode set is in admission order (SCHEDULING.md 2); with fair prefill, in prefill-completion order.
+        decodable = [b.job.rid for b in sorted(live_admitted, key=lambda b: b.filled_seq)
+                     if b.prefilled == b.fill_len] if config.fair_prefill else \
+            [b.job.rid for b in live_admitted if b.prefilled == b.fill_len]
         chunking = [b.job.rid for b in live_admitted if b.prefilled < b.fill_len]
 
         out = sched.step(ex)
@@ -355,6 +360,10 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
                 assert out.decode == decodable, f"{config.policy}: decode every request done with prefill"
             else:
                 assert out.decode in ([], [d for d in decodable if d not in out.preempted])
+        allowance = config.prefill_budget - (len(out.decode) if config.policy == "mixed" else 0)
+        short = [rid for rid, n in out.prefill if n < books[rid].fill_len - books[rid].prefilled]
+        if short and not out.preempted:  # a chunk stops short of its prompt only when the step is full
+            assert sum(n for _, n in out.prefill) == allowance, f"step {step}: {short} short, allowance left"
         if head is not None and config.policy != "fixed" and not out.preempted:
             budget_left = config.prefill_budget - old_chunks - (len(out.decode) if config.policy == "mixed" else 0)
             should = free_slots > 0 and budget_left > 0 and head_fits
@@ -389,6 +398,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
                 admissions += 1
             assert 1 <= n and b.prefilled + n <= b.fill_len
             b.prefilled += n
+            if b.prefilled == b.fill_len:
+                b.filled_seq = fills
+                fills += 1
         for rid in out.decode:
             books[rid].fed += 1
         for rid, token in out.new_tokens:

@@ -27,6 +27,7 @@ class _Req:
     first_admitted_at: int = -1
     priority: int = 0
     joined: int = -1  # arrival order (the order requests joined the waiting queue first)
+    filled_at: int = -1  # when its latest prefill completed
 
     def allocated(self) -> int:
         return self.prefilled + self.fed
@@ -42,6 +43,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     capacity = cfg["kv_capacity_tokens"]
     percent = round(cfg.get("kv_reserve_ratio", 1.0) * 100)
     by_priority = cfg.get("scheduling_policy", "fcfs") == "priority"
+    fair = cfg.get("fair_prefill", False)
     reqs = [_Req(r["id"], r["arrival_step"], r["input_tokens"], r["output_tokens"],
                  r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
                  priority=r.get("priority", 0)) for r in scenario["requests"]]
@@ -50,6 +52,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     waiting: list[_Req] = []
     admissions = 0
     joins = 0
+    fills = 0
     trace: list[dict[str, Any]] = []
 
     def wait_again(victim: _Req) -> None:
@@ -107,12 +110,25 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
 
         def plan_prefill(budget: int, admit: bool) -> list[list[Any]]:
             nonlocal admissions
+            half = budget - budget // 2  # section 9: what an item others could follow may take
+            admit = admit and bool(waiting)
             items: list[list[Any]] = []
-            for r in admitted:  # chunks of admitted requests first, in admission order
-                if r.prefilled < r.prompt_len and budget > 0:
-                    n = min(r.prompt_len - r.prefilled, budget)
-                    items.append([r, n])
-                    budget -= n
+            held: list[list[Any]] = []
+
+            def take(r: _Req, others: bool) -> None:
+                nonlocal budget
+                rest = r.prompt_len - r.prefilled
+                n = min(rest, budget, half if fair and others else budget)
+                item = [r, n]
+                items.append(item)
+                if n < min(rest, budget):
+                    held.append(item)
+                budget -= n
+
+            chunks = [r for r in admitted if r.prefilled < r.prompt_len]
+            for i, r in enumerate(chunks):  # chunks of admitted requests first, in admission order
+                if budget > 0:
+                    take(r, i + 1 < len(chunks) or admit)
             while admit and waiting and budget > 0:
                 live = [r for r in reqs if r.state == "admitted"]
                 head = waiting[0]
@@ -124,13 +140,16 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
                 if head.first_admitted_at < 0:
                     head.first_admitted_at = admissions
                 admissions += 1
-                n = min(head.prompt_len, budget)
-                items.append([head, n])
-                budget -= n
-            return items
+                take(head, bool(waiting))
+            for item in held:  # the budget nobody took goes back to the held items, in order
+                extra = min(item[0].prompt_len - item[0].prefilled - item[1], budget)
+                item[1] += extra
+                budget -= extra
+            return [(r, n) for r, n in items]
 
-        def decodable() -> list[_Req]:
-            return [r for r in admitted if r.prefilled == r.prompt_len]
+        def decodable() -> list[_Req]:  # in admission order; with fair prefill, in the order prefills completed
+            ready = [r for r in admitted if r.prefilled == r.prompt_len]
+            return sorted(ready, key=lambda r: r.filled_at) if fair else ready
 
         if policy == "mixed":
             decode = decodable()
@@ -164,6 +183,8 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             r.prefilled += n
             if r.prefilled == r.prompt_len:
                 sampling.append(r)
+                r.filled_at = fills
+                fills += 1
         for r in sampling:
             r.generated += 1
             if r.generated >= r.output_tokens or r.generated >= r.max_tokens:

@@ -69,7 +69,7 @@ def test_metrics_move_after_requests_and_stats():
                 await (await client.post(path, json=body)).read()
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
                                              kv_total_tokens=4096, batch_sizes=[1, 3, 3], preemptions=2,
-                                             kv_reserve_ratio=0.05))
+                                             kv_reserve_ratio=0.05, steps_target_out_of_reach=4))
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
                                              kv_total_tokens=4096, preemptions=1, kv_reserve_ratio=0.05))
             after = samples(await (await client.get("/metrics")).text())
@@ -81,9 +81,11 @@ def test_metrics_move_after_requests_and_stats():
                  "batchserve_api_requests_in_flight", "batchserve_prompt_tokens_total",
                  "batchserve_generation_tokens_total", "batchserve_time_to_first_token_seconds_count",
                  "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
-                 "batchserve_batch_size_count", "batchserve_preemptions_total"):
+                 "batchserve_batch_size_count", "batchserve_preemptions_total",
+                 "batchserve_step_target_out_of_reach_total"):
         assert value(before, name) == 0, name
     assert value(after, "batchserve_preemptions_total") == 3  # counts add up across stats messages
+    assert value(after, "batchserve_step_target_out_of_reach_total") == 4
     assert value(after, "batchserve_kv_reserve_ratio") == 0.05
     assert value(after, "batchserve_num_requests_running") == 3
     assert value(after, "batchserve_num_requests_waiting") == 5

@@ -59,7 +59,8 @@ def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     largest = max(r["input_tokens"] + (r["max_tokens"] or r["output_tokens"]) for r in requests)
     return {"config": {"max_running_requests": slots, "prefill_budget": draw(st.integers(slots + 1, slots + 24)),
                        "kv_capacity_tokens": largest + draw(st.integers(0, largest)),
-                       "kv_reserve_ratio": draw(st.sampled_from([1.0, 0.5, 0.25, 0.1, 0.05, 0.01]))},
+                       "kv_reserve_ratio": draw(st.sampled_from([1.0, 0.5, 0.25, 0.1, 0.05, 0.01])),
+                       "fair_prefill": draw(st.booleans())},
             "requests": requests, "cancels": cancels}
 
 

@@ -30,7 +30,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     capacity_pages = largest + draw(st.integers(0, 3 * largest))
     capacity_tokens = capacity_pages * page_size + draw(st.integers(0, page_size - 1))  # rounded down to pages
     config = SchedulerConfig(max_running_requests=slots, prefill_budget=budget, kv_capacity_tokens=capacity_tokens,
-                             page_size=page_size, policy=policy)
+                             page_size=page_size, policy=policy, fair_prefill=draw(st.booleans()))
     return config, jobs
 
 

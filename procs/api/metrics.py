@@ -10,6 +10,8 @@ histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
            request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed),
+           step_target_out_of_reach_total (steps whose decodes alone took --max-step-ms: prefill then
+           gets its --min-prefill-share of the step instead),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
 """
@@ -41,6 +43,9 @@ class ApiMetrics:
                                    "Share of remaining max_tokens reserved in the KV cache at admission", registry=r)
         self.preemptions = Counter("batchserve_preemptions", "Requests preempted (KV freed, recomputed later)",
                                    registry=r)
+        self.out_of_reach = Counter("batchserve_step_target_out_of_reach",
+                                    "Steps with prefill waiting whose decodes alone took the step-time target",
+                                    registry=r)
         self.cache_hits = Counter("batchserve_prefix_cache_hit_tokens",
                                   "Prompt tokens whose KV was found in the prefix cache", registry=r)
         self.cache_queries = Counter("batchserve_prefix_cache_queried_tokens",
@@ -81,6 +86,8 @@ class ApiMetrics:
         self.cache_referenced.set(stats.cache_referenced_pages)
         if stats.preemptions:
             self.preemptions.inc(stats.preemptions)
+        if stats.steps_target_out_of_reach:
+            self.out_of_reach.inc(stats.steps_target_out_of_reach)
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
 

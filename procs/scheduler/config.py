@@ -15,6 +15,7 @@ NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are J
 # A step sized to the time bound still prefills this much, however long its decodes alone take, so
 # that waiting requests always progress.
 MIN_PREFILL_TOKENS = 32
+MAX_PREFILL_SHARE = 0.9  # a share of 1 would let a step grow without end
 
 
 class SchedulerConfigError(ValueError):
@@ -50,6 +51,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     prefix_cache: bool = False
     # The waiting queue's order: arrival (the chapter), or priority then arrival (SCHEDULING.md section 8).
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # A long prompt's chunk leaves half of a step to the requests behind it (SCHEDULING.md section 9); off: the chapter.
+    fair_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -95,6 +98,7 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
         prefix_cache=not config.disable_prefix_cache, scheduling_policy=config.scheduling_policy,
+        fair_prefill=config.fair_prefill,
     )
 
 
@@ -116,5 +120,7 @@ def check_config(config: ServerConfig) -> None:
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
         raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
                          f"got {config.max_step_ms}")
+    if not 0 <= config.min_prefill_share <= MAX_PREFILL_SHARE:
+        raise ValueError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], got {config.min_prefill_share}")
     scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
                                                     eos_token_ids=[], max_context=0, page_size=config.page_size))

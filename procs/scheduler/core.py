@@ -129,7 +129,8 @@ class Scheduler:
         self.kv = KVManager(config, self.table)
         self.allocator = self.kv.allocator
         self.by_priority = config.scheduling_policy == "priority"
-        self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority)
+        self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority,
+                                             fair=config.fair_prefill)
         self.decode_manager = DecodeManager()
         self._planner = POLICY_PLANNERS[config.policy]
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
@@ -188,6 +189,10 @@ class Scheduler:
         view = self.decode_manager.batch_view()
         w = view.widths
         return view.tokens, float((self.table.kv_len[view.slots] * w).sum() + (w * (w + 1) // 2).sum())
+
+    def has_prefill_work(self) -> bool:
+        """Requests wait, or an admitted prompt has chunks left: a step would carry prefill."""
+        return bool(self.prefill_manager.pending_list) or bool(self.prefill_manager.chunking)
 
     def prefill_prefix(self) -> int:
         """Tokens of its prompt the next prefill chunk follows (the attention it pays for): the first

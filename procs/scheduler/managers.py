@@ -24,13 +24,16 @@ class PrefillManager:
     requests go back ahead of every request never admitted, in the order of their first admission;
     with `by_priority`, ordered by priority, then arrival (SCHEDULING.md section 8).
     `chunking`: admitted requests with prompt tokens left (mid-chunk), in admission order; their
-    next chunks are planned before any new admission, so they keep priority.
+    next chunks are planned before any new admission, so they keep priority (with `fair`, at most
+    half of a step's tokens while others wait).
     """
 
-    def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False) -> None:
+    def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False,
+                 fair: bool = False) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
         self.by_priority = by_priority
+        self.fair = fair  # fair prefill (SCHEDULING.md section 9): a long prompt leaves room for those behind it
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
@@ -56,22 +59,33 @@ class PrefillManager:
         return self._table.num_used == 0
 
     def plan(self, budget: int, *, admit: bool) -> list[tuple[Request, int]]:
-        """SCHEDULING.md step 3: mid-chunk requests first, then FIFO admissions while they fit.
+        """SCHEDULING.md step 3: mid-chunk requests first, then FIFO admissions while they fit; with
+        `fair`, an item others could follow takes at most half of `budget`, and what admissions leave
+        goes back to the items so held (SCHEDULING.md section 9).
 
         Each item is (request, prompt tokens this step); admitted requests get their slot here.
         """
+        share = budget - budget // 2 if self.fair else budget
         items: list[tuple[Request, int]] = []
-        for request in self.chunking:
-            if budget <= 0:
-                return items
-            n = min(request.prompt_len - request.prefilled, budget)
+        held: list[int] = []  # items the share kept below their prompt's rest
+
+        def take(request: Request, others: bool) -> None:
+            nonlocal budget
+            rest = request.prompt_len - request.prefilled
+            n = min(rest, budget, share if others else budget)
+            if n < min(rest, budget):
+                held.append(len(items))
             items.append((request, n))
             budget -= n
-        pending = self.pending_list
-        if not admit or not pending:
-            return items
+
+        chunking, pending = self.chunking, self.pending_list
+        admit = admit and bool(pending)
+        for index, request in enumerate(chunking):
+            if budget <= 0:
+                return items
+            take(request, index + 1 < len(chunking) or admit)
         reserved = -1  # sum of reservations, computed once the head is considered
-        while pending and budget > 0 and self._table.has_free_slot:
+        while admit and pending and budget > 0 and self._table.has_free_slot:
             head = pending[0]
             cached = self._kv.lookup(head)
             pages = self._kv.reservation(head, cached)
@@ -82,9 +96,14 @@ class PrefillManager:
             pending.popleft()
             self._admit(head, cached)
             reserved += pages
-            n = min(head.prompt_len - head.prefilled, budget)
-            items.append((head, n))
-            budget -= n
+            take(head, bool(pending))
+        for index in held:  # nobody took the rest: the held items have it, in order
+            if budget <= 0:
+                break
+            request, n = items[index]
+            extra = min(request.prompt_len - request.prefilled - n, budget)
+            items[index] = (request, n + extra)
+            budget -= extra
         return items
 
     def _admit(self, request: Request, cached: list[CachedPage]) -> None:

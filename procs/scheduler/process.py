@@ -61,6 +61,8 @@ class SchedulerLoop:
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
         self._preemptions = 0
+        self._steps_out_of_reach = 0  # steps whose decodes alone were predicted over the target
+        self._said_out_of_reach = False
         self._cache_counts = (0, 0, 0)
         self._last_stats = 0.0
         self._was_busy = False
@@ -159,12 +161,24 @@ class SchedulerLoop:
             self._batch_sizes.append(out.batch_size)
 
     def _prefill_tokens(self) -> int | None:
-        """Prompt tokens this step may carry within the step-time target (None: no target)."""
-        cost, target = self.executor.cost, self.step_target_s
+        """Prompt tokens this step may carry within the step-time target, or the share of the step that
+        prefill always gets (SCHEDULING.md 6.5); None: no target."""
+        cost, target, sched = self.executor.cost, self.step_target_s, self.scheduler
         if cost is None or target is None:
             return None
-        decode_rows, decode_pairs = self.scheduler.decode_load()  # type: ignore[union-attr]
-        fits = cost.max_prefill_tokens(target, decode_rows, decode_pairs, self.scheduler.prefill_prefix(),  # type: ignore[union-attr]
+        assert sched is not None
+        decode_rows, decode_pairs = sched.decode_load()
+        step_s, out_of_reach = cost.prefill_step_s(target, decode_rows, decode_pairs, self.config.min_prefill_share)
+        if out_of_reach and sched.has_prefill_work():
+            self._steps_out_of_reach += 1
+            if not self._said_out_of_reach:
+                self._said_out_of_reach = True
+                log.warning("the step-time target is out of reach: the decodes alone take longer, so prefill "
+                            "takes its share of each step instead", extra={"fields": {
+                                "max_step_ms": round(target * 1000, 1),
+                                "decode_ms": round(cost.predict(decode_rows, decode_pairs) * 1000, 1),
+                                "decode_rows": decode_rows, "min_prefill_share": self.config.min_prefill_share}})
+        fits = cost.max_prefill_tokens(step_s, decode_rows, decode_pairs, sched.prefill_prefix(),
                                        self.config.prefill_budget)
         return max(fits, MIN_PREFILL_TOKENS)
 
@@ -180,9 +194,11 @@ class SchedulerLoop:
                                         kv_used_tokens=sched.kv_used_tokens,
                                         kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
                                         preemptions=self._preemptions,
+                                        steps_target_out_of_reach=self._steps_out_of_reach,
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio, **self._cache_stats()))
         self._batch_sizes = []
         self._preemptions = 0
+        self._steps_out_of_reach = 0
         self._last_stats = now
 
     def _cache_stats(self) -> dict[str, int]:

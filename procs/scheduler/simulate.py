@@ -37,6 +37,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     prefix_cache: bool = False  # share the KV of common prompt prefixes (requests' `shared_prefix`)
     policy: str | None = None  # the scenario's default policy; `--policy` wins
     scheduling_policy: str = "fcfs"  # the waiting queue's order: fcfs | priority (SCHEDULING.md section 8)
+    fair_prefill: bool = False  # a long prompt leaves half of a step to those behind it (SCHEDULING.md section 9)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -110,7 +111,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
                                max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
                                prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
-                               scheduling_policy=c.scheduling_policy)  # type: ignore[arg-type]
+                               scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
+                               fair_prefill=c.fair_prefill)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 

@@ -76,11 +76,21 @@ class StepCostModel:
             if fitted is not None:
                 self.weights = fitted
 
-    def max_prefill_tokens(self, target_s: float, decode_rows: int, decode_pairs: float, prefix: int,
-                           limit: int) -> int:
-        """The most prefill tokens (<= limit) a step beside these decodes can carry within `target_s`
-        (less the margin), for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+    def prefill_step_s(self, target_s: float, decode_rows: int, decode_pairs: float,
+                       min_share: float) -> tuple[float, bool]:
+        """How long (as predicted) a step beside these decodes may take, and whether the target is out of
+        reach: `target_s` less the margin, unless that leaves prefill less than `min_share` of the step;
+        then as long as gives prefill that share (decodes' time / (1 - min_share)). Out of reach: the
+        decodes alone take the target (SCHEDULING.md 6.5)."""
         planned_s = target_s / self.margin
+        decode_s = self.predict(decode_rows, decode_pairs)
+        return max(planned_s, decode_s / (1 - min_share)), decode_s >= planned_s
+
+    def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,
+                           limit: int) -> int:
+        """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
+        `step_s`, for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+        planned_s = step_s
 
         def fits(n: int) -> bool:
             return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= planned_s
