@@ -283,6 +283,6 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
         "max_batch_size": args.max_batch_size if args.compare else None,
         "server_args": args.server_args if args.compare else None,
         "torch_threads": args.torch_threads or None, "rounds": args.rounds,
-        "goodput": " ".join(args.goodput) if args.goodput else None,
+        "goodput": Slo.parse(args.goodput).label() if args.goodput else None,  # a preset's values, not its name
         "command": shlex.join(["batchserve", *sys.argv[1:]]),
     }

@@ -13,6 +13,8 @@ Failed requests count only in `failed`; they contribute no latencies and no toke
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -67,8 +69,8 @@ class Slo:
                 limits[field] = float(value)
             except ValueError:
                 raise ValueError(f"goodput objective {item!r}: {value!r} is not a number of ms") from None
-            if limits[field] <= 0:
-                raise ValueError(f"goodput objective {item!r}: the limit must be > 0 ms")
+            if not (math.isfinite(limits[field]) and limits[field] > 0):  # nan would silently meet nothing
+                raise ValueError(f"goodput objective {item!r}: the limit must be a finite number of ms > 0")
         if not limits:
             raise ValueError("goodput needs at least one objective")
         return cls(**limits)

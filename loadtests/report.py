@@ -77,8 +77,8 @@ SERVER_HEADER = f"{'peak run':>9}{'preempt/100':>12}"
 GOODPUT_HEADER = f"{'good %':>8}{'goodput':>9}"
 
 
-def _percent(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{100 * fraction:.1f} %"
+def _percent(fraction: float | None, unit: str = " %") -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}{unit}"
 
 
 def format_table(records: Sequence[RunRecord]) -> str:
@@ -93,8 +93,7 @@ def format_table(records: Sequence[RunRecord]) -> str:
                f"{m.output_throughput:>11.1f}{_ms(m.ttft_ms.p50):>10}{_ms(m.ttft_ms.p99):>10}"
                f"{_ms(m.itl_ms.p50):>9}{_ms(m.itl_ms.p99):>9}{_ms(m.tpot_ms.p50):>10}")
         if with_goodput:
-            fraction = m.good_fraction
-            row += f"{'-' if fraction is None else f'{100 * fraction:.1f}':>8}{'-' if m.goodput is None else f'{m.goodput:.2f}':>9}"
+            row += f"{_percent(m.good_fraction, ''):>8}{'-' if m.goodput is None else f'{m.goodput:.2f}':>9}"
         if with_server:
             per_100 = r.preemptions_per_100()
             row += (f"{'-' if r.server is None else r.server.peak_running:>9}"

@@ -121,7 +121,7 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     config = SchedulerConfig(
         max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 40)),
         kv_capacity_tokens=(largest + draw(st.integers(0, 3 * largest))) * page_size, page_size=page_size,
-        policy=policy, prefix_cache=draw(st.booleans()),
+        policy=policy, prefix_cache=draw(st.booleans()), fair_prefill=draw(st.booleans()),
         kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])))
     return config, jobs
 
@@ -283,3 +283,14 @@ def test_auto_overlaps_with_a_cuda_worker_only() -> None:
     assert overlaps("auto", "cuda") and not overlaps("auto", "cpu")
     assert overlaps("on", "cpu") and overlaps("on", "cuda")
     assert not overlaps("off", "cuda") and not overlaps("off", "cpu")
+
+
+def test_a_head_that_preempts_while_steps_run_drains_them_first() -> None:
+    """The path above, pinned: C (priority 0) arrives while A and B (priority 1) hold both slots with
+    two steps in flight; it preempts B, which needs B's tokens known, so the pipeline drains first."""
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64,
+                             scheduling_policy="priority")
+    jobs = [Job("a", 0, 4, 10), Job("b", 0, 4, 10), Job("c", 3, 4, 3)]
+    driver = run_overlapped(config, jobs, priorities={"a": 1, "b": 1, "c": 0})
+    assert driver.drains >= 1
+    assert [rid for out in driver.outputs for rid in out.preempted] == ["b"]
