@@ -15,6 +15,8 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
+Prefill never gets less than a share of a step, however long the decodes alone take
+(`prefill_step_s`), so a machine too slow for the target still admits.
 """
 
 from __future__ import annotations
@@ -90,10 +92,8 @@ class StepCostModel:
                            limit: int) -> int:
         """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
         `step_s`, for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
-        planned_s = step_s
-
         def fits(n: int) -> bool:
-            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= planned_s
+            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= step_s
         if not fits(1):
             return 0
         low, high = 1, limit  # fits(low); find the largest n that fits (time grows with n)
