@@ -164,3 +164,6 @@ def test_the_prefill_share_is_checked():
         with pytest.raises(ValueError, match="min_prefill_share"):
             check_config(ServerConfig(min_prefill_share=bad))
     check_config(ServerConfig(min_prefill_share=0.0))
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="step_timeout_s"):
+            check_config(ServerConfig(step_timeout_s=bad))

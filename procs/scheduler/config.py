@@ -120,6 +120,8 @@ def check_config(config: ServerConfig) -> None:
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
         raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
                          f"got {config.max_step_ms}")
+    if not config.step_timeout_s > 0:  # NaN fails too; the scheduler's wait for every step
+        raise ValueError(f"step_timeout_s must be > 0, got {config.step_timeout_s}")
     if not 0 <= config.min_prefill_share <= MAX_PREFILL_SHARE:
         raise ValueError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], got {config.min_prefill_share}")
     scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
