@@ -8,10 +8,12 @@ checked by the tokenizer process's `PromptTokenizer`, text comes from the detoke
 With `tensor_parallel_size` > 1 the engine is worker rank 0 (in this process) and starts this
 machine's other ranks itself (`FollowerRanks`: "spawn" processes that load their share of the model
 and follow rank 0's steps); ranks on other machines (`nnodes` > 1) start with `batchserve proc worker
---local-rank I` as under `serve`. `close()` (or leaving a `with` block) stops and reaps them. A rank
-that dies or hangs fails rank 0's next collective (at once, or after `step_timeout_s`): `generate`
-raises `RankFailure` naming it instead of waiting. While `generate` is not running, a thread sends
-rank 0's idle ticks, so the followers' waits (bounded by `step_timeout_s`) do not expire between calls.
+--local-rank I` as under `serve`. `close()` (or leaving a `with` block) stops and reaps them. Rank 0
+joins the group once each follower has reached it, so one that dies on the way fails the start at
+once; a rank that dies or hangs later fails rank 0's next collective (at once, or after
+`step_timeout_s`): `generate` raises `RankFailure` naming it instead of waiting. While `generate` is
+not running, a thread sends rank 0's idle ticks, so the followers' waits (bounded by `step_timeout_s`)
+do not expire between calls.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 FOLLOWER_EXIT_S = 10.0  # how long close() waits for a follower to leave after rank 0's stop
 FAILURE_WAIT_S = 1.0  # how long a failed collective waits to see which follower exited
 IDLE_CHECK_S = 0.25  # how often the idle thread looks whether a tick is due (RankSteps sends one a second)
+JOIN_POLL_S = 0.1  # how often rank 0 looks whether its followers reached the group, or exited
 
 
 @dataclass
@@ -72,15 +75,33 @@ class FollowerRanks:
     """This machine's worker ranks after the first (local ranks 1..N-1), for a rank 0 running in this
     process: each a "spawn" process (a fresh interpreter: CUDA and torch's threads do not survive a fork)
     that builds its `ModelRunner`, follows rank 0's steps until its stop, then leaves the group. Daemonic:
-    they end with this process too. Rank 0 must build its own runner meanwhile (construction is collective)."""
+    they end with this process too. Rank 0 builds its own runner once they are joining (`wait_joining`):
+    construction is collective."""
 
     def __init__(self, config: ServerConfig, local_world_size: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.first_rank = config.node_rank * local_world_size
-        self.processes = [context.Process(target=follow_rank, args=(config, i), name=f"batchserve-worker-rank-{i}",
-                                          daemon=True) for i in range(1, local_world_size)]
+        self.joining = [context.Event() for _ in range(1, local_world_size)]  # set as each starts to join
+        self.processes = [context.Process(target=follow_rank, args=(config, i, joining),
+                                          name=f"batchserve-worker-rank-{i}", daemon=True)
+                          for i, joining in enumerate(self.joining, 1)]
         for process in self.processes:
             process.start()
+
+    def wait_joining(self, timeout: float) -> None:
+        """Return once every follower is joining the group; `RankFailure` naming those that exited
+        first, or that are not there within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not all(event.is_set() for event in self.joining):
+            failures = self.failures()
+            if failures:
+                raise RankFailure(f"the worker ranks did not start: {'; '.join(failures)}")
+            if time.monotonic() > deadline:
+                late = [f"worker rank {self.first_rank + i} (pid {p.pid})" for i, (p, event)
+                        in enumerate(zip(self.processes, self.joining), 1) if not event.is_set()]
+                raise RankFailure(f"the worker ranks did not start: {', '.join(late)} did not reach the group "
+                                  f"within dist_timeout_s {timeout:g} s")
+            next(event for event in self.joining if not event.is_set()).wait(JOIN_POLL_S)
 
     def failures(self, wait_s: float = 0.0) -> list[str]:
         """A line per follower that has exited (each exits only after rank 0's stop, or failing), after
@@ -92,26 +113,36 @@ class FollowerRanks:
                 for i, p in enumerate(self.processes, 1) if p.exitcode is not None]
 
     def close(self, timeout: float = FOLLOWER_EXIT_S) -> None:
-        """Wait for the followers to exit (after rank 0's stop, or its group's end), then end stragglers."""
+        """Wait up to `timeout` for the followers to exit (after rank 0's stop, or its group's end), then
+        end stragglers."""
+        deadline = time.monotonic() + timeout
         for process in self.processes:
-            process.join(timeout)
+            process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():  # hung, or stopped (SIGSTOP): SIGKILL ends both
                 process.kill()
                 process.join()
 
 
-def follow_rank(config: ServerConfig, local_rank: int) -> None:
-    """A follower rank's whole life (the target of `FollowerRanks`' processes)."""
+def follow_rank(config: ServerConfig, local_rank: int, joining: Any = None) -> None:
+    """A follower rank's whole life (the target of `FollowerRanks`' processes); `joining`: an Event it
+    sets as it starts to join the group. Its errors are one line on stderr: rank 0 reports them too."""
     from procs.worker.model_runner import ModelRunner
+    from procs.worker.parallel import TensorParallelError
 
     try:
-        runner = ModelRunner.from_config(config, local_rank)
-    except ValueError as exc:  # a refusal (the model does not split): rank 0 raises the same, one line will do
+        runner = ModelRunner.from_config(config, local_rank, None if joining is None else joining.set)
+    except ValueError as exc:  # a refusal (the model does not split): rank 0 raises the same
         print(f"worker rank {local_rank}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TensorParallelError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(1) from None
     try:
         runner.follow()
+    except RuntimeError as exc:  # rank 0 is gone or hung (a collective failed): it says so itself
+        print(f"worker rank {local_rank}: stopped following rank 0 ({type(exc).__name__}: {exc})", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         runner.close()
 
@@ -123,38 +154,51 @@ class OfflineEngine:
     def __init__(self, config: ServerConfig) -> None:
         import torch
 
-        from procs.worker.model_runner import ModelRunner
+        from procs.worker.model_runner import ModelRunner, resolve_device
+        from procs.worker.parallel import TensorParallelError, check_local_devices, rank_device
 
         config = with_init_addr(config)  # a free loopback port where all ranks are local
         layout = RankLayout.of(config, 0)  # checks the layout before anything starts
         if layout.rank != 0:
             raise ValueError(f"node_rank must be 0 for the offline engine (it runs global rank 0), got "
                              f"{config.node_rank}; start other machines' ranks with `batchserve proc worker`")
+        # A follower refuses these too, but then rank 0 would see only its exit: refuse here, first.
+        check_local_devices(rank_device(resolve_device(config.device), layout), layout)
         self.config = config
         self._threads = torch.get_num_threads()  # joining a group sets this process's share of the cores
         self._failure: RankFailure | None = None
-        self.followers = FollowerRanks(config, layout.local_world_size) if layout.local_world_size > 1 else None
-        try:
-            self.runner = ModelRunner.from_config(config)
-        except BaseException as exc:
-            failures = self._close_followers()
-            if failures and not isinstance(exc, ValueError):  # a refusal (ValueError) names its setting itself
-                raise RankFailure(f"the worker ranks did not start: {'; '.join(failures)} ({exc})") from exc
-            raise
-        self.spec = self.runner.spec
-        self.tokenizer: Any = self.spec.load_tokenizer()
-        self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
-        self.scheduler = Scheduler(scheduler_config_from_server(config, self.runner.worker_info()),
-                                   eos_token_ids=self.runner.eos_token_ids)
-        self.preemptions = 0  # requests preempted for KV (and recomputed) so far
         # One thread at a time talks to the ranks: `generate`'s steps, or the idle thread's ticks.
         self._ranks_lock = threading.Lock()
         self._closed = threading.Event()
         self._idle_thread: threading.Thread | None = None
-        if self.runner.tp.world_size > 1:
+        self.followers = FollowerRanks(config, layout.local_world_size) if layout.local_world_size > 1 else None
+        try:
+            if self.followers is not None:
+                self.followers.wait_joining(config.dist_timeout_s)
+            self.runner = ModelRunner.from_config(config)
+        except BaseException as exc:
+            refusal = isinstance(exc, ValueError)  # every rank refuses alike, naming the setting, and exits
+            failures = self._close_followers(FOLLOWER_EXIT_S if refusal else FAILURE_WAIT_S)
+            if isinstance(exc, RankFailure):
+                raise
+            if isinstance(exc, TensorParallelError) or failures and not refusal:
+                who = f"{'; '.join(failures)} " if failures else ""
+                raise RankFailure(f"the worker ranks did not start: {who}({exc})") from exc
+            raise
+        if self.runner.tp.world_size > 1:  # from here on the followers wait for ticks (step_timeout_s)
             self._idle_thread = threading.Thread(target=self._tick_while_idle, name="batchserve-rank-ticks",
                                                  daemon=True)
             self._idle_thread.start()
+        try:
+            self.spec = self.runner.spec
+            self.tokenizer: Any = self.spec.load_tokenizer()
+            self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
+            self.scheduler = Scheduler(scheduler_config_from_server(config, self.runner.worker_info()),
+                                       eos_token_ids=self.runner.eos_token_ids)
+        except BaseException:
+            self.close()
+            raise
+        self.preemptions = 0  # requests preempted for KV (and recomputed) so far
 
     def __enter__(self) -> OfflineEngine:
         return self
@@ -185,16 +229,17 @@ class OfflineEngine:
                 raise self._failure
             yield self.runner
 
-    def _close_followers(self) -> list[str]:
-        """Reap the followers (if any); what `FollowerRanks.failures` said before, and restore this
-        process's torch threads."""
+    def _close_followers(self, wait_s: float | None = None) -> list[str]:
+        """Reap the followers (if any), waiting up to `wait_s` for them to leave; what
+        `FollowerRanks.failures` said before, and restore this process's torch threads."""
         import torch
 
         if self.followers is None:
             return []
         failures = self.followers.failures()
-        # After a failure the live followers are hung or leaving; else they leave after rank 0's stop.
-        self.followers.close(FAILURE_WAIT_S if self._failure is not None else FOLLOWER_EXIT_S)
+        if wait_s is None:  # after a failure the live followers are hung or leaving, else leaving after the stop
+            wait_s = FAILURE_WAIT_S if self._failure is not None else FOLLOWER_EXIT_S
+        self.followers.close(wait_s)
         torch.set_num_threads(self._threads)
         return failures
 
@@ -205,15 +250,28 @@ class OfflineEngine:
                     return
                 try:
                     self.runner.rank_steps.tick()
-                except RuntimeError as exc:  # torch.distributed's errors: a rank is gone or hung
+                except RuntimeError as exc:  # the broadcast failed: a rank is gone or hung
                     self._failure = self._rank_failure(exc)
                     return
 
     def _rank_failure(self, exc: BaseException) -> RankFailure:
-        failures = self.followers.failures(wait_s=FAILURE_WAIT_S) if self.followers is not None else []
-        who = "; ".join(failures) if failures else (f"no rank of this machine exited: a rank hung past "
-                                                     f"step_timeout_s {self.config.step_timeout_s:g} s, or "
-                                                     f"another machine's rank failed")
+        """What broke the group: a follower that exited, a collective that timed out, or rank 0's own step
+        (its OOM, say), after which the followers are left inside the step."""
+        import torch
+
+        from procs.worker.parallel import CollectiveError
+
+        collective = isinstance(exc, (CollectiveError, torch.distributed.DistError))
+        # A broken connection is seen before the follower's process is reaped: give it a moment.
+        wait_s = FAILURE_WAIT_S if collective else 0.0
+        failures = self.followers.failures(wait_s) if self.followers is not None else []
+        if failures:
+            who = "; ".join(failures)
+        elif collective:
+            who = (f"no rank of this machine exited: a rank hung past step_timeout_s "
+                   f"{self.config.step_timeout_s:g} s, or another machine's rank failed")
+        else:
+            who = "rank 0's step failed"
         return RankFailure(f"tensor-parallel worker ranks failed: {who} ({type(exc).__name__}: {exc})")
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
@@ -231,8 +289,13 @@ class OfflineEngine:
             live: dict[str, _Generating] = {}
             for request in tokenized:
                 ids = [int(t) for t in request.prompt_ids]
-                self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
-                                           request.logits, priority=request.priority)
+                try:
+                    self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
+                                               request.logits, priority=request.priority)
+                except BaseException:  # a refusal (Refusal names the field): this call runs none of them
+                    for rid in live:
+                        self.scheduler.abort(rid)
+                    raise
                 live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
                     self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
             done = [live[r.rid].completion for r in tokenized]
@@ -246,7 +309,8 @@ class OfflineEngine:
             except RuntimeError as exc:
                 if self.runner.tp.world_size == 1:
                     raise
-                self._failure = self._rank_failure(exc)  # the group is broken: every later call fails too
+                # The group is broken (or the followers are stuck in the step rank 0 left): every later call fails too.
+                self._failure = self._rank_failure(exc)
                 raise self._failure from exc
             self.preemptions += len(out.preempted)
             new: dict[str, list[int]] = {}

@@ -24,7 +24,7 @@ import msgspec
 from procs.cli import CliError
 from procs.launch import START_ORDER
 from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
-                           field_description)
+                           field_description, flag_name)
 from shared.parallel import RankLayout
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
@@ -219,16 +219,12 @@ def machine_config(prefix: Path, layout: dict[str, object], force: bool = False)
         from_file = config_from_args(argparse.Namespace(), env=read_env_file(env_path.read_text()) if kept else {})
     except ValueError as exc:
         raise CliError(f"{env_path}: {exc}") from None
-    conflicts = [f"{env_var(name)}={_env_value(getattr(from_file, name))} there, {_flag_of(name)} {value}"
+    conflicts = [f"{env_var(name)}={_env_value(getattr(from_file, name))} there, {flag_name(name)} {value}"
                  for name, value in layout.items() if kept and getattr(from_file, name) != value]
     if conflicts:
         raise CliError(f"{env_path} is kept and disagrees with the flags ({'; '.join(conflicts)}): "
                        "edit it, or --force to replace it")
     return msgspec.structs.replace(from_file, **layout)
-
-
-def _flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def plan_files(prefix: Path, venv: Path, force: bool = False,

@@ -88,7 +88,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         where the scheduler's work competes with the model for the same cores.""")] = "auto"
     step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
-        Generous: a long prefill chunk on a CPU takes seconds.""")] = 30.0
+        Generous: a long prefill chunk on a CPU takes seconds. With tensor parallelism, also the
+        ranks' collective timeout (then above 2).""")] = 30.0
     # worker
     attention_backend: Annotated[str, _doc("""Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or
         flashinfer (CUDA only).""")] = "auto"
@@ -150,7 +151,8 @@ def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
     return max_running_requests + max_waiting if max_waiting > 0 else None
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of the `ServerConfig` field `name`."""
     return "--" + name.replace("_", "-")
 
 
@@ -179,7 +181,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         default = field_default(field)
         help_text = (f"{field_description(field.name).replace('%', '%%')} "
                      f"(default: {default!r}; env {env_var(field.name)})")
-        flags = (_flag(field.name), *FLAG_ALIASES.get(field.name, ()))
+        flags = (flag_name(field.name), *FLAG_ALIASES.get(field.name, ()))
         if isinstance(default, bool):
             parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
@@ -198,7 +200,7 @@ def config_table_markdown() -> str:
         shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).lower() \
             if isinstance(default, bool) else str(default)
         what = field_description(field.name).replace("|", "\\|")
-        rows.append(f"| `{_flag(field.name)}` | `{env_var(field.name)}` | `{shown}` | {what} |")
+        rows.append(f"| `{flag_name(field.name)}` | `{env_var(field.name)}` | `{shown}` | {what} |")
     return "\n".join(rows) + "\n"
 
 

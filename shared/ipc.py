@@ -33,6 +33,8 @@ from shared.codec import Decoder, Encoder
 from shared.messages import (
     AbortRequest,
     BackendFailure,
+    DetokenizeAnswer,
+    DetokenizeQuery,
     ForwardBatch,
     GenerateRequest,
     Heartbeat,
@@ -41,7 +43,9 @@ from shared.messages import (
     StepResult,
     TextDelta,
     TokenDelta,
+    TokenizeAnswer,
     TokenizedRequest,
+    TokenizeQuery,
     WorkerInfo,
 )
 from shared.shm import ArrayWriter, ShmReader
@@ -49,12 +53,12 @@ from shared.shm import ArrayWriter, ShmReader
 T = TypeVar("T")
 
 # What each receiving socket carries.
-TokenizerInbox = GenerateRequest | AbortRequest
+TokenizerInbox = GenerateRequest | AbortRequest | TokenizeQuery | DetokenizeQuery
 SchedulerInbox = TokenizedRequest | AbortRequest | WorkerInfo
 WorkerInbox = ForwardBatch
 StepsInbox = StepResult
 DetokenizerInbox = TokenDelta
-ApiInbox = TextDelta | RequestRejected | SchedulerStats | Heartbeat | BackendFailure
+ApiInbox = TextDelta | RequestRejected | SchedulerStats | Heartbeat | BackendFailure | TokenizeAnswer | DetokenizeAnswer
 
 _HWM = 1_000_000  # messages queued per peer before send blocks: never in practice
 _LINGER_MS = 2000  # how long close() waits for queued messages to leave

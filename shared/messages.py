@@ -249,6 +249,40 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     max_tokens_param: str = "max_tokens"
 
 
+class TokenizeQuery(msgspec.Struct, tag=True, kw_only=True):
+    """api -> tokenizer (`/tokenize`): the prompt ids of `request`'s prompt or messages (with its tools
+    and chat_template_kwargs), as generation would feed them; answered by a `TokenizeAnswer` or a
+    `RequestRejected`. The options are vLLM's; `add_special_tokens` None: the form's default (a text
+    gets the tokenizer's special tokens, a chat only what its template writes)."""
+
+    rid: str
+    request: GenerateRequest
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeAnswer(msgspec.Struct, tag=True, kw_only=True):
+    """tokenizer -> api: a `TokenizeQuery`'s ids (and their vocabulary strings, when asked for)."""
+
+    rid: str
+    token_ids: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeQuery(msgspec.Struct, tag=True, kw_only=True):
+    """api -> tokenizer (`/detokenize`): the text of `token_ids`; a `DetokenizeAnswer` or a `RequestRejected`."""
+
+    rid: str
+    token_ids: list[int]
+
+
+class DetokenizeAnswer(msgspec.Struct, tag=True, kw_only=True):
+    rid: str
+    text: str
+
+
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
     """Cancel `rid` wherever it is (api -> tokenizer -> scheduler)."""
 
@@ -379,7 +413,7 @@ PROCESS_NAMES = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     """every process -> api about once a second; the api is healthy only while all are fresh and ready."""
 
-    process: str  # one of PROCESS_NAMES but "api"
+    process: str  # one of PROCESS_NAMES but "api", or a worker rank's `worker-RANK` (shared.parallel.worker_rank_name)
     pid: int
     ready: bool = True
     host: str = ""  # socket.gethostname(): where `pid` may be checked for liveness

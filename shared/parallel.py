@@ -13,6 +13,9 @@ import msgspec
 from shared.config import ServerConfig
 
 STANDALONE_INIT_ADDR = "127.0.0.1:29500"  # where ranks started on their own meet by default (torch's MASTER_PORT)
+# While idle, rank 0 broadcasts a tick this often (`procs.worker.rank_steps`): the followers' wait for the
+# next step, bounded by step_timeout_s, then ends only when rank 0 is gone or hung.
+TICK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ def check_parallel_config(config: ServerConfig) -> None:
         split_init_addr(config.dist_init_addr)
     if config.dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be > 0, got {config.dist_timeout_s}")
+    if config.step_timeout_s <= 0:
+        raise ValueError(f"step_timeout_s must be > 0, got {config.step_timeout_s}")
+    # A tick can be a poll late: twice the interval leaves an idle follower's wait room for one.
+    if tp > 1 and config.step_timeout_s <= 2 * TICK_INTERVAL_S:
+        raise ValueError(f"step_timeout_s must be > {2 * TICK_INTERVAL_S:g} with tensor_parallel_size > 1 (it "
+                         f"bounds the other ranks' wait for rank 0's idle ticks, sent every {TICK_INTERVAL_S:g} s), "
+                         f"got {config.step_timeout_s:g}")
 
 
 def split_init_addr(address: str) -> tuple[str, int]:

@@ -6,7 +6,9 @@ import asyncio
 import re
 from typing import AsyncIterator, Callable
 
-from shared.checks import settle_max_tokens
+from procs.api.engine_client import PromptTokens
+from shared.checks import check_prompt_size, settle_max_tokens
+from shared.errors import Refusal
 from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, TokenLogprob, TopLogprob, Usage
 
 
@@ -23,13 +25,19 @@ class FakeEngine:
     logprobs the first delta carries the prompt's text and tokens: a text prompt's words (with their
     leading spaces; ids 1000 + position), a token prompt's ids as "<id>"; prompt token p > 0 has
     logprob -p and top k " p1".. with logprob -0.5, -1.0..
+
+    `tokenize` answers a prompt's words (ids 1000 + position, as the prompt logprobs), `<s>` (id 1)
+    first when special tokens are added; `detokenize` writes id t as "<t>" and refuses ids of
+    `vocab_size` and up. Both record their calls in `tokenize_calls` / `detokenize_calls`. A prompt
+    longer than `max_prompt_chars` is refused by `generate` and `tokenize`, as the real client does.
     """
 
     def __init__(self, tokens: list[str] | None = None, *, delay: float = 0.0, first_delay: float = 0.0,
                  reject: tuple[int, str, str | None] | None = None, model_name: str = "fake-model",
                  max_context: int = 128, fail_with: Exception | None = None,
                  fail_after: int | None = None, fail_suffix: str = "",
-                 tokens_of: Callable[[GenerateRequest], list[str]] | None = None) -> None:
+                 tokens_of: Callable[[GenerateRequest], list[str]] | None = None,
+                 max_prompt_chars: int | None = None, vocab_size: int = 50_000) -> None:
         self.tokens = ["Hello", ",", " world", "!"] if tokens is None else tokens
         self.tokens_of = tokens_of  # per request, instead of `tokens`
         self.delay = delay
@@ -40,7 +48,11 @@ class FakeEngine:
         self.fail_suffix = fail_suffix  # fail_after applies to the rids ending with this
         self.model_name = model_name
         self.max_context = max_context
+        self.max_prompt_chars = max_prompt_chars
+        self.vocab_size = vocab_size
         self.healthy = True
+        self.tokenize_calls: list[tuple[GenerateRequest, dict]] = []
+        self.detokenize_calls: list[list[int]] = []
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.closed: list[str] = []
@@ -59,6 +71,11 @@ class FakeEngine:
         self.log.append(f"submit {request.rid}")
         self.received.set()
         try:
+            try:
+                check_prompt_size(request, self.max_prompt_chars, self.max_context)
+            except Refusal as exc:
+                yield RequestRejected(rid=request.rid, status=exc.status, message=exc.message, param=exc.param)
+                return
             if self.first_delay:
                 await asyncio.sleep(self.first_delay)
             if self.fail_with is not None:
@@ -118,6 +135,36 @@ class FakeEngine:
         if request.prompt_token_ids is not None:
             return [(f"<{t}>", t) for t in request.prompt_token_ids]
         return [(word, 1000 + p) for p, word in enumerate(re.findall(r"\s*\S+", request.prompt or ""))]
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
+                       add_generation_prompt: bool, continue_final_message: bool,
+                       return_token_strs: bool) -> PromptTokens:
+        self._check_serving()
+        check_prompt_size(request, self.max_prompt_chars, self.max_context)
+        self.tokenize_calls.append((request, {
+            "add_special_tokens": add_special_tokens, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "return_token_strs": return_token_strs}))
+        if request.messages is not None:
+            words = [(w, 1000 + p) for p, w in enumerate(" ".join(m.content or "" for m in request.messages).split())]
+        else:
+            words = self.prompt_words(request)
+        if add_special_tokens if add_special_tokens is not None else request.messages is None:
+            words = [("<s>", 1), *words]
+        return PromptTokens([t for _, t in words], [w for w, _ in words] if return_token_strs else None)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        self._check_serving()
+        self.detokenize_calls.append(token_ids)
+        bad = [t for t in token_ids if t >= self.vocab_size]
+        if bad:
+            raise Refusal(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "tokens")
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def _check_serving(self) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+        if not self.healthy:
+            raise Refusal("the server cannot take requests now (the fake engine is unhealthy)", status=503)
 
     async def abort(self, rid: str) -> None:
         self.aborts.append(rid)

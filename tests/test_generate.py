@@ -11,6 +11,7 @@ import pytest
 from procs.cli import main as cli_main
 from procs.engine import OfflineEngine, request
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from test_model_equivalence import transformers_greedy_text
 
 PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33"]
@@ -56,6 +57,19 @@ def test_stop_string_ends_text_and_generation(model_dir, reference):
     assert engine.scheduler.kv_used_tokens == 0 and not engine.scheduler.has_unfinished()
 
 
+def test_a_refused_request_queues_none_of_its_call(model_dir, reference):
+    """The scheduler refuses the second request (a priority under fcfs): the first is not left queued
+    for the next call to run (and to find no completion for)."""
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, kv_capacity_tokens=512))
+    first, *_ = _greedy_requests()
+    refused = request("p", prompt=PROMPTS[1], priority=1)
+    with pytest.raises(Refusal, match="priority 1 needs --scheduling-policy priority") as caught:
+        engine.generate([first, refused])
+    assert caught.value.param == "priority"
+    assert [c.token_ids for c in engine.generate(_greedy_requests())] == reference
+    assert engine.scheduler.kv_used_tokens == 0 and not engine.scheduler.has_unfinished()
+
+
 def test_generate_cli_json_lines(model_dir, reference, capsys):
     args = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-tokens", str(NEW_TOKENS),
             "--ignore-eos", "--json", "--page-size", "4", "--kv-capacity-tokens", "512"]
@@ -90,6 +104,8 @@ def test_generate_cli_prompts_file_and_chat(model_dir, tmp_path, capsys):
     (["--prompt", "w5", "--tp", "2", "--nnodes", "2"], "dist_init_addr HOST:PORT is required with nnodes > 1"),
     (["--prompt", "w5", "--tensor-parallel-size", "2", "--dist-init-addr", "nohost"],
      "dist_init_addr must be HOST:PORT"),
+    (["--prompt", "w5", "--step-timeout-s", "0"], "step_timeout_s must be > 0"),
+    (["--prompt", "w5", "--tp", "2", "--step-timeout-s", "1"], "step_timeout_s must be > 2 with tensor_parallel_size > 1"),
 ])
 def test_generate_cli_bad_input_is_one_line(model_dir, capsys, extra, message):
     status = cli_main(["generate", "--model", str(model_dir), "--kv-capacity-tokens", "512", *extra])

@@ -2,9 +2,11 @@
 rank 1 a spawned process. Greedy tokens of TP=2 equal TP=1's and transformers' on tiny Llama, Qwen2
 and Qwen3 models (KV heads fewer than the ranks, tied embeddings, a vocabulary that does not divide
 by 2); every logit of a prefill, a mixed and a decode step within 1e-4 of TP=1's; seeded sampling
-gives TP=1's tokens; models and layouts that cannot be split are refused naming the setting; a
-follower that dies or hangs fails `generate` with `RankFailure` instead of a wait; `batchserve
-generate --tp 2` prints TP=1's tokens.
+gives TP=1's tokens; models and layouts that cannot be split are refused naming the setting, as are
+more CUDA ranks than devices; the ranks agree on their attention backend and decode padding; a
+follower that dies (before joining, or later) or hangs fails the engine with `RankFailure` instead of
+a wait, and rank 0's own step error is not called a hang; `batchserve generate --tp 2` prints TP=1's
+tokens.
 
 torch.distributed holds one default group per process, so at most one TP=2 engine lives at a time
 (`OneGroup`); each is built once per model and shared by the tests (a spawn costs seconds)."""
@@ -26,11 +28,12 @@ import pytest
 import torch
 
 from model_batches import _plan, _Request, step_rows
-from procs.engine import OfflineEngine, RankFailure, request
+from procs.engine import FollowerRanks, OfflineEngine, RankFailure, request
 from procs.worker.model_runner import ModelRunner
+from procs.worker.parallel import check_local_devices, join, rank_device
 from shared.config import ServerConfig
 from shared.messages import ForwardBatch
-from shared.parallel import check_parallel_config
+from shared.parallel import RankLayout, check_parallel_config, with_init_addr
 from test_model_equivalence import transformers_greedy_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +153,10 @@ def _followers_exited(engine: OfflineEngine) -> list[int | None]:
     return [p.exitcode for p in engine.followers.processes]
 
 
+def _no_followers_left() -> bool:
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("batchserve-worker")]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_tokens_equal_tp1_and_transformers(cases, group, name):
     case = cases(name)
@@ -209,6 +216,40 @@ def test_a_killed_follower_fails_generate_naming_it(cases, group):
     assert _followers_exited(engine) == [-9]
 
 
+def test_rank_0s_own_step_error_is_not_called_a_hang(cases, group, monkeypatch):
+    case = cases("qwen3")
+    engine = group.get("qwen3", case.model_dir)
+
+    def out_of_memory(batch: ForwardBatch):
+        raise torch.OutOfMemoryError("out of memory (injected)")
+
+    monkeypatch.setattr(engine.runner, "execute", out_of_memory)
+    try:
+        with pytest.raises(RankFailure, match=r"^tensor-parallel worker ranks failed: rank 0's step failed "
+                                              r"\(OutOfMemoryError: out of memory \(injected\)\)$"):
+            engine.generate(_greedy())
+    finally:
+        group.release()
+
+
+def test_a_follower_that_dies_before_joining_fails_the_start_at_once(tiny_model_dir, group, monkeypatch):
+    group.release()
+    model_dir = tiny_model_dir("llama", with_tokenizer=True)
+    wait_joining = FollowerRanks.wait_joining
+
+    def kill_first(self: FollowerRanks, timeout: float) -> None:
+        os.kill(self.processes[0].pid, signal.SIGKILL)  # it is still starting its interpreter: far from joining
+        wait_joining(self, timeout)
+
+    monkeypatch.setattr(FollowerRanks, "wait_joining", kill_first)
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"^the worker ranks did not start: worker rank 1 \(pid \d+\) exited with "
+                                          r"status -9$"):
+        OfflineEngine(_config(model_dir, tp=2, dist_timeout_s=300))
+    assert time.monotonic() - started < 60  # not the 300 s rank 0 would wait in the group for it
+    assert _no_followers_left()
+
+
 def test_a_hung_follower_fails_generate_after_the_step_timeout(cases, group):
     case = cases("llama-kv1-vocab321")
     engine = group.get("llama-kv1-vocab321", case.model_dir)
@@ -227,20 +268,19 @@ def test_a_hung_follower_fails_generate_after_the_step_timeout(cases, group):
 
 @pytest.mark.parametrize("config, message", [
     (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
-     "num_attention_heads 3 is not divisible by tensor_parallel_size 2"),
+     r"num_attention_heads \(3\) is not divisible by tensor_parallel_size 2"),
     (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
      "num_key_value_heads 3 and tensor_parallel_size 2: one must divide the other"),
 ])
 def test_models_that_do_not_split_are_refused(tiny_model_dir, config, message):
     from procs.worker.loader import load_model
     from procs.worker.parallel import TensorParallel
-    from shared.model import ModelLoadError, ModelSpec
-    from shared.parallel import RankLayout
+    from shared.model import ModelSpec
 
     spec = ModelSpec.resolve(tiny_model_dir("llama", **config))
     for rank in (0, 1):  # checked from the config, before any collective
         tp = TensorParallel(RankLayout(rank=rank, world_size=2, local_rank=rank, local_world_size=2))
-        with pytest.raises(ModelLoadError, match=message):
+        with pytest.raises(ValueError, match=message):
             load_model(spec, dtype=torch.float32, device=torch.device("cpu"), quantization="none", tp=tp)
 
 
@@ -251,7 +291,74 @@ def test_engine_refuses_an_intermediate_size_that_does_not_split_and_reaps_its_f
     with pytest.raises(ValueError, match=r"intermediate_size \(129\) is not divisible by tensor_parallel_size 2"):
         OfflineEngine(_config(model_dir, tp=2))
     assert time.monotonic() - started < 60  # every rank refused on its own: nobody waited for the others
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("batchserve-worker")]
+    assert _no_followers_left()
+
+
+def test_more_cuda_ranks_than_devices_are_refused_by_every_rank_before_joining(tiny_model_dir, monkeypatch):
+    """`generate --tp 2` on a one-GPU machine: each rank refuses before it waits for the others."""
+    config = ServerConfig(model=str(tiny_model_dir("llama", with_tokenizer=True)), tensor_parallel_size=2,
+                          device="cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    message = (r"^tensor_parallel_size 2 over nnodes 1 runs 2 worker ranks on this machine, on cuda:0\.\.cuda:1, "
+               r"but it has 1 CUDA device\(s\)$")
+    joining = []
+    for local_rank in (0, 1):
+        layout = RankLayout.of(config, local_rank)
+        with pytest.raises(ValueError, match=message):
+            join(config, layout, rank_device(torch.device("cuda"), layout), lambda: joining.append(local_rank))
+    assert joining == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=message):  # the engine refuses before it starts a follower
+        OfflineEngine(config)
+    assert _no_followers_left()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # ranks on cuda:2 and cuda:3 fit
+    check_local_devices(rank_device(torch.device("cuda", 2), RankLayout.of(config, 1)), RankLayout.of(config, 1))
+
+
+def build_runners(config: ServerConfig, local_rank: int, runs: list[dict], results) -> None:
+    """Rank `local_rank` of `config` (on the CPU) builds one runner per `runs` entry (its own ModelRunner
+    arguments) in one group, and puts (rank, what came of each) on `results`: ("refused", message) or
+    ("built", backend class, padded). Run in this process and in a spawned one (the target)."""
+    threads = torch.get_num_threads()
+    tp = join(config, RankLayout.of(config, local_rank), torch.device("cpu"))
+    out = []
+    try:
+        for kwargs in runs:
+            try:
+                runner = ModelRunner(config.model, device="cpu", page_size=4, kv_capacity_tokens=64, tp=tp, **kwargs)
+            except ValueError as exc:
+                out.append(("refused", str(exc)))
+            else:
+                out.append(("built", type(runner.attention).__name__, runner.graph_runner is not None))
+    finally:
+        tp.close()
+        torch.set_num_threads(threads)
+        results.put((local_rank, out))
+
+
+def test_ranks_agree_on_the_attention_backend_and_decode_padding(tiny_model_dir, group):
+    """Both change what a step runs (padding: the collectives' shapes), so one rank's choice, say
+    flashinfer importing on its machine only, must not differ from the others'."""
+    group.release()
+    config = with_init_addr(_config(tiny_model_dir("llama", with_tokenizer=True), tp=2, dist_timeout_s=120))
+    runs = {0: [dict(attention_backend="torch"), dict(attention_backend="torch")],
+            1: [dict(attention_backend="cpu"), dict(attention_backend="torch", pad_decode=True)]}
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    follower = context.Process(target=build_runners, args=(config, 1, runs[1], results), daemon=True)
+    follower.start()
+    try:
+        build_runners(config, 0, runs[0], results)
+        got = dict(results.get(timeout=120) for _ in range(2))
+        follower.join(30)
+    finally:
+        if follower.is_alive():
+            follower.kill()
+    assert follower.exitcode == 0
+    for rank, name in ((0, "torch"), (1, "cpu")):
+        assert got[rank][0] == ("refused", f"attention_backend {name}: the worker ranks resolved it differently "
+                                           f"(cpu on some, torch on others); set the same backend on every machine")
+        assert got[rank][1] == ("built", "TorchAttentionBackend", False)  # rank 1 asked to pad; rank 0 did not
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -262,6 +369,10 @@ def test_engine_refuses_an_intermediate_size_that_does_not_split_and_reaps_its_f
     (dict(tensor_parallel_size=2, dist_init_addr="localhost"), "dist_init_addr must be HOST:PORT, got 'localhost'"),
     (dict(tensor_parallel_size=2, dist_init_addr="127.0.0.1:70000"), "dist_init_addr must be HOST:PORT"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
+    (dict(step_timeout_s=0), "step_timeout_s must be > 0, got 0"),
+    # rank 0 ticks after 1 s of idle: a 2 s wait would end an idle follower's
+    (dict(tensor_parallel_size=2, step_timeout_s=2),
+     r"step_timeout_s must be > 2 with tensor_parallel_size > 1 \(it bounds the other ranks' wait"),
 ])
 def test_bad_layouts_are_refused_naming_the_setting(tiny_model_dir, fields, message):
     config = ServerConfig(model=str(tiny_model_dir("llama", with_tokenizer=True)), **fields)

@@ -215,7 +215,7 @@ def test_a_follower_rank_killed_or_hung_mid_stream_ends_every_stream_and_serve(m
     """SIGKILL: the api sees its pid gone; SIGSTOP: its heartbeats stop, and rank 0's collective (or the
     scheduler's wait for the step) times out after --step-timeout-s. Either way serve stops everything
     and exits 1."""
-    stack = Stack("serve", model, tmp_path, *TP2, "--kv-capacity-tokens", "8192", "--step-timeout-s", "2",
+    stack = Stack("serve", model, tmp_path, *TP2, "--kv-capacity-tokens", "8192", "--step-timeout-s", "3",
                   "--drain-timeout-s", "5")
     stack.start()
     try:
@@ -304,7 +304,8 @@ def test_a_rank_whose_peer_never_comes_exits_naming_the_join(model, tmp_path):
 
 @pytest.mark.parametrize("flags, setting", [(("--nnodes", "3"), "nnodes"),
                                              (("--nnodes", "2", "--node-rank", "1"), "dist_init_addr"),
-                                             (("--tp", "0"), "tensor_parallel_size")])
+                                             (("--tp", "0"), "tensor_parallel_size"),
+                                             (("--step-timeout-s", "2"), "step_timeout_s must be > 2")])
 def test_a_layout_that_cannot_run_is_refused_before_anything_starts(tmp_path, flags, setting):
     proc = subprocess.run([sys.executable, "-m", "procs.cli", "serve", "--model", str(tmp_path), *TP2, *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP application: `create_app(engine, config)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health, GET /metrics. Every error is an OpenAI error body (`errors.py`).
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), POST /v1/responses and
+GET/DELETE /v1/responses/{id} (OpenAI's Responses API on the chat path: `responses_api.py`),
+GET /v1/models, GET /health, GET /metrics. Every error is an OpenAI error body (`errors.py`).
 
 A request's life here: API key (401, when keys are configured) -> JSON body within
-`body_timeout_s` (408) -> decode + validate (400 names the field) -> admission (503 + Retry-After
+`body_timeout_s` (408; a missing or other Content-Type, a Content-Encoding aiohttp does not decode
+or a body not valid in its encoding: 400, the last two closing the connection) -> decode + validate
+(400 names the field) -> admission (503 + Retry-After
 when the engine cannot serve or `max_running_requests + max_waiting` requests are already in flight
 at the api; a request counts once per choice) -> `engine.generate` for every choice (`_Fanout`) ->
 wait for every choice's first event, so that an engine rejection is still a plain 400/503 -> JSON
@@ -16,7 +19,8 @@ Disconnects are seen two ways: aiohttp cancels the handler (`handler_cancellatio
 `start_api` and aiohttp's TestServer set) or a write raises ConnectionResetError.
 
 Chat answers to requests with tools, and with `reasoning` on, are parsed into `tool_calls` and
-`reasoning_content` (`chat_output.py`, through `ChatShapes`).
+`reasoning_content` (`chat_output.py`, through `ChatShapes`). The shapes object of an endpoint
+(`responses.py`) also frames its stream: the start, each delta's bytes, the end and a failure.
 
 Choices (`n`, and a completion's batch of prompts): each is its own engine request, rid
 f"{rid}-{index}" (the HTTP request's rid when there is one choice), index = prompt_index * n + j.
@@ -34,14 +38,17 @@ from collections import deque
 from typing import AsyncIterator, Awaitable, Callable
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from procs.api.auth import auth_middleware, load_api_keys
 from procs.api.engine_client import EngineClient, EngineEvent
-from procs.api.errors import error_body, error_response
+from procs.api.errors import error_response
 from procs.api.metrics import ApiMetrics
-from procs.api.responses import (SSE_DONE, ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, sse_event,
-                                 total_usage)
+from procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
+from procs.api.responses_api import ResponsesEndpoint
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
@@ -54,6 +61,14 @@ logger = logging.getLogger("batchserve.api")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a long prompt as a JSON list of token ids stays well under this
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Content-Encodings of a request body that aiohttp decodes (br with the brotli package, zstd with
+# backports.zstd or Python 3.14); any other would reach the JSON decoder still encoded.
+DECODED_ENCODINGS = frozenset({"identity", "gzip", "deflate", *(("br",) if HAS_BROTLI else ()),
+                               *(("zstd",) if HAS_ZSTD else ())})
+
+
+class BodyError(Refusal):
+    """The body cannot be decoded: a 400 that also closes the connection (the rest of it is unread)."""
 
 
 class EngineFailure(Exception):
@@ -195,6 +210,7 @@ class ApiHandlers:
         self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0
         self.created = int(time.time())
+        self.responses = ResponsesEndpoint(engine, reasoning=reasoning)  # /v1/responses and its store
 
     # ---- plain endpoints
 
@@ -216,32 +232,58 @@ class ApiHandlers:
     # ---- generation endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions", "cmpl", CompletionRequest, validate_completion,
+        return await self._generate(request, "completions", "cmpl-", CompletionRequest, validate_completion,
                                     CompletionShapes)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat", "chatcmpl", ChatCompletionRequest, validate_chat, ChatShapes)
+        return await self._generate(request, "chat", "chatcmpl-", ChatCompletionRequest, validate_chat, ChatShapes)
+
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, "responses", "resp_", self.responses.prepare)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        return self._stored(request, self.responses.retrieve)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        return self._stored(request, self.responses.delete)
+
+    def _stored(self, request: web.Request, action: Callable[[str, web.Request], dict]) -> web.Response:
+        rid = request.match_info["response_id"]
+        try:
+            return _json(action(rid, request), rid=rid)
+        except Refusal as exc:
+            return _error(exc.status, exc.message, exc.param, rid, exc.code)
 
     async def _generate(self, request: web.Request, endpoint: str, id_prefix: str, schema: type,
                         validate: Callable[..., ValidatedRequest],
                         shapes_cls: type[ResponseShapes]) -> web.StreamResponse:
-        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        def prepare(body: bytes, rid: str) -> tuple[ValidatedRequest, ResponseShapes]:
+            validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name,
+                                 max_context=self.engine.max_context)
+            shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
+                                tool_names=validated.tool_names, reasoning=self.reasoning and endpoint == "chat")
+            return validated, shapes
+
+        return await self._run(request, endpoint, id_prefix, prepare)
+
+    async def _run(self, request: web.Request, endpoint: str, id_prefix: str,
+                   prepare: Callable[[bytes, str], tuple[ValidatedRequest, ResponseShapes]]) -> web.StreamResponse:
+        """One generation request: `prepare` decodes and validates the body into the engine requests
+        and the shapes of the answer."""
+        rid = f"{id_prefix}{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, self.metrics)
         try:
             body = await self._read_body(request)
-            validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name,
-                                 max_context=self.engine.max_context)
+            validated, shapes = prepare(body, rid)
             tracker.stream = validated.stream
             self._admit(len(validated.requests), validated.n)
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
             response = _error(exc.status, exc.message, exc.param, rid, exc.code)
-            if exc.status == 408:
+            if exc.status == 408 or isinstance(exc, BodyError):
                 response.force_close()  # the rest of the body is not worth waiting for
             return response
 
-        shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
-                            tool_names=validated.tool_names, reasoning=self.reasoning and endpoint == "chat")
         choices = _choice_outputs(validated)
         fanout = _Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
         self.in_flight += len(choices)
@@ -250,7 +292,7 @@ class ApiHandlers:
             rejected = await fanout.started()
             if rejected is not None:
                 tracker.refused(rejected.status, rejected.message)
-                return _error(rejected.status, rejected.message, rejected.param, rid)
+                return _error(rejected.status, rejected.message, shapes.engine_param(rejected.param), rid)
             if validated.stream:
                 return await self._stream(request, fanout, choices, shapes, tracker)
             return await self._whole(fanout, choices, shapes, tracker)
@@ -263,13 +305,29 @@ class ApiHandlers:
                 tracker.client_gone()
 
     async def _read_body(self, request: web.Request) -> bytes:
+        if request.headers.get(hdrs.CONTENT_TYPE) is None:
+            raise Refusal("the Content-Type header is missing: send the body as JSON with "
+                          "Content-Type: application/json")
         if request.content_type != "application/json":
             raise Refusal(f"Content-Type must be application/json (got {request.content_type})")
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").lower()  # as aiohttp reads it
+        if encoding not in DECODED_ENCODINGS:
+            raise BodyError(f"Content-Encoding {encoding!r} is not supported: send the body as it is (identity) "
+                            f"or encoded with one of {', '.join(sorted(DECODED_ENCODINGS - {'identity'}))}")
         try:
             return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except asyncio.TimeoutError:
             raise Refusal(f"the request body did not arrive within {self.config.body_timeout_s:g} s",
                           status=408) from None
+        except RequestPayloadError as exc:  # not valid in its Content-Encoding, or cut off
+            # Nothing more of it can be read: end it, or aiohttp would read on after the answer (to
+            # linger) and log the same error as an unhandled one. The answer closes the connection.
+            request.content.feed_eof()
+            cause = exc.__cause__
+            if isinstance(cause, ContentEncodingError):
+                raise BodyError(f"the request body is not valid {encoding} (its Content-Encoding): "
+                                f"{cause.__cause__ or cause.__context__ or cause.message}") from None
+            raise BodyError(f"the request body could not be read: {cause or exc.message}") from None
 
     def _admit(self, prompts: int, n: int) -> None:
         count = prompts * n
@@ -300,7 +358,7 @@ class ApiHandlers:
             index, event = await fanout.next()
             if isinstance(event, RequestRejected):
                 tracker.refused(event.status, event.message)
-                return _error(event.status, event.message, event.param, shapes.rid)
+                return _error(event.status, event.message, shapes.engine_param(event.param), shapes.rid)
             tracker.on_delta(event, timed=index == 0)
             choices[index].add(event)
             unfinished -= event.finish_reason is not None
@@ -314,9 +372,9 @@ class ApiHandlers:
         """SSE. A write to a vanished client raises ConnectionResetError; `_generate`'s finally aborts."""
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": shapes.rid})
         await response.prepare(request)
-        starts = [shapes.start_chunk(c.index) for c in choices]
-        if any(starts):
-            await response.write(b"".join(sse_event(c) for c in starts if c is not None))
+        start = shapes.stream_start(choices)
+        if start:
+            await response.write(start)
         unfinished = len(choices)
         while unfinished:
             try:
@@ -324,27 +382,24 @@ class ApiHandlers:
             except EngineFailure as exc:
                 # Headers are gone already: the error travels as an SSE event, then the stream ends.
                 tracker.refused(500, str(exc))
-                await response.write(sse_event(error_body(500, str(exc))) + SSE_DONE)
+                await response.write(shapes.stream_failure([], 500, str(exc), None))
                 break
             if isinstance(event, RequestRejected):  # mid-stream: the engine failed, or the drain ran out
                 tracker.refused(event.status, event.message)
-                aborts = b"".join(sse_event(shapes.finish_chunk(c.index, "abort"))
-                                  for c in choices if c.finish_reason is None)
-                await response.write(aborts + sse_event(error_body(event.status, event.message, event.param))
-                                     + SSE_DONE)
+                await response.write(shapes.stream_failure([c for c in choices if c.finish_reason is None],
+                                                           event.status, event.message,
+                                                           shapes.engine_param(event.param)))
                 break
             tracker.on_delta(event, timed=index == 0)
             choice = choices[index]
             piece = choice.add(event)
-            out = b"".join(sse_event(chunk) for chunk in shapes.stream_chunks(choice, piece))
+            out = shapes.stream_bytes(choice, piece)
             if choice.finish_reason is not None:
                 unfinished -= 1
                 if not unfinished:
                     usage = total_usage(choices)
                     tracker.finished(choices[0].finish_reason or "stop", usage)
-                    if shapes.include_usage:
-                        out += sse_event(shapes.usage_chunk(usage))
-                    out += SSE_DONE
+                    out += shapes.stream_end(choices, usage)
             if out:
                 await response.write(out)
         await response.write_eof()
@@ -406,6 +461,9 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: bool = 
     app[HANDLERS_KEY] = handlers
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/responses", handlers.create_response)
+    app.router.add_get("/v1/responses/{response_id}", handlers.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", handlers.delete_response)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)

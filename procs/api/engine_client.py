@@ -19,6 +19,15 @@ Contract, as the app relies on it:
 - `health_problem()` gates `GET /health` (200 only when None, else 503 with the reason) and new
   requests (503 unless None). Once the engine knows it cannot finish the requests in flight (a
   backend process died or stalled), each of their iterators yields a 503 `RequestRejected`.
+- `max_prompt_chars`: the longest prompt text (in characters, `shared.checks.prompt_chars`) that can
+  still fit the context, or None when no bound is known. `generate` answers a longer prompt with
+  one 400 `RequestRejected` naming `prompt` (or `messages`) and sends nothing on: it cannot fit, and
+  tokenizing megabytes would hold up every other request.
+- `tokenize(request, ...)` (`/tokenize`): the token ids generation would feed for `request`'s
+  prompt or messages (the tokenizer's own path, chat template included), with vLLM's options;
+  `detokenize(ids)` (`/detokenize`): their text. Both raise `Refusal` for what the engine refuses
+  (the same checks as generation; ids outside the vocabulary name `tokens`), and a 503 `Refusal`
+  when the engine cannot answer.
 - Optional lifecycle: if the client has `async start()` / `async close()`, the app awaits them on
   startup and cleanup, inside the event loop the server runs (so sockets and reader tasks are
   created on that loop).
@@ -26,6 +35,7 @@ Contract, as the app relies on it:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
 from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta
@@ -34,10 +44,19 @@ EngineEvent = TextDelta | RequestRejected
 StatsListener = Callable[[SchedulerStats], None]
 
 
+@dataclass(frozen=True)
+class PromptTokens:
+    """What `tokenize` answers: the ids, and each id's vocabulary string when asked for."""
+
+    ids: list[int]
+    strs: list[str] | None = None
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     model_name: str  # served model name: GET /v1/models and the "model" field check
     max_context: int  # context length in tokens (prompt + completion)
+    max_prompt_chars: int | None  # longer prompt texts cannot fit: refused before tokenizing
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]: ...
 
@@ -46,3 +65,9 @@ class EngineClient(Protocol):
     def health_problem(self) -> str | None: ...
 
     def set_stats_listener(self, listener: StatsListener) -> None: ...
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
+                       add_generation_prompt: bool, continue_final_message: bool,
+                       return_token_strs: bool) -> PromptTokens: ...
+
+    async def detokenize(self, token_ids: list[int]) -> str: ...

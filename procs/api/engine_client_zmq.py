@@ -1,8 +1,11 @@
 """The api process's `EngineClient`: requests to the tokenizer, answers from the api socket.
 
 One reader task receives everything addressed to the api (`TextDelta`, `RequestRejected` from the
-tokenizer/scheduler/detokenizer, `SchedulerStats`, `Heartbeat`, `BackendFailure`) and routes
-request events to the per-request queue of `generate`.
+tokenizer/scheduler/detokenizer, `SchedulerStats`, `Heartbeat`, `BackendFailure`, the tokenizer's
+`TokenizeAnswer` / `DetokenizeAnswer`) and routes request events to the per-request queue of
+`generate` (or of `tokenize` / `detokenize`, which wait for one answer).
+
+A prompt text longer than `max_prompt_chars` is refused here, never sent: it cannot fit the context.
 
 Failure: a watch task looks at the backend processes every `WATCH_INTERVAL_S`. A process that was
 ready and then dies (its pid is gone, checked where it runs on this host), stops sending heartbeats,
@@ -23,18 +26,22 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 import zmq.asyncio
 
-from procs.api.engine_client import EngineEvent, StatsListener
+from procs.api.engine_client import EngineEvent, PromptTokens, StatsListener
+from shared.checks import check_prompt_size
 from shared.config import ServerConfig
+from shared.errors import Refusal
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import (PROCESS_NAMES, AbortRequest, BackendFailure, GenerateRequest, Heartbeat, RequestRejected,
-                             SchedulerStats, TextDelta)
+from shared.messages import (PROCESS_NAMES, AbortRequest, BackendFailure, DetokenizeAnswer, DetokenizeQuery,
+                             GenerateRequest, Heartbeat, RequestRejected, SchedulerStats, TextDelta, TokenizeAnswer,
+                             TokenizeQuery)
 from shared.parallel import worker_process_names
 
 log = logging.getLogger("batchserve.api")
@@ -60,15 +67,16 @@ class _Beat:
 
 class ZmqEngineClient:
     def __init__(self, endpoints: Endpoints, model_name: str, max_context: int,
-                 backends: tuple[str, ...] = BACKEND_PROCESSES) -> None:
+                 backends: tuple[str, ...] = BACKEND_PROCESSES, *, max_prompt_chars: int | None = None) -> None:
         self.endpoints = endpoints
         self.backends = backends
         self.model_name = model_name
         self.max_context = max_context
+        self.max_prompt_chars = max_prompt_chars  # shared.checks.max_prompt_chars of the model
         self.draining = False
         self.failure: str | None = None  # why the backend cannot serve; None: it can (or is starting)
         self._failed_pids: dict[str, int] = {}  # the processes to be restarted before the failure clears
-        self._streams: dict[str, asyncio.Queue[EngineEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[Any]] = {}  # rid -> its events (or its one answer)
         self._heartbeats: dict[str, _Beat] = {}
         self._host = socket.gethostname()
         self._stats_listener: StatsListener | None = None
@@ -103,7 +111,7 @@ class ZmqEngineClient:
                 except msgspec.DecodeError as exc:  # a peer's bug must not stop all routing
                     log.error("dropped an undecodable message: %s", exc)
                     continue
-                if isinstance(message, (TextDelta, RequestRejected)):
+                if isinstance(message, (TextDelta, RequestRejected, TokenizeAnswer, DetokenizeAnswer)):
                     queue = self._streams.get(message.rid)
                     if queue is not None:  # else: the request was aborted and forgotten
                         queue.put_nowait(message)
@@ -203,6 +211,11 @@ class ZmqEngineClient:
 
     async def _events(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
         assert self._to_tokenizer is not None, "start() was not awaited"
+        try:
+            check_prompt_size(request, self.max_prompt_chars, self.max_context)
+        except Refusal as exc:
+            yield RequestRejected(rid=request.rid, status=exc.status, message=exc.message, param=exc.param)
+            return
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._streams[request.rid] = queue
         try:
@@ -214,6 +227,39 @@ class ZmqEngineClient:
                     return
         finally:
             self._streams.pop(request.rid, None)
+
+    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
+                       add_generation_prompt: bool, continue_final_message: bool,
+                       return_token_strs: bool) -> PromptTokens:
+        check_prompt_size(request, self.max_prompt_chars, self.max_context)
+        answer = await self._ask(TokenizeQuery(
+            rid=request.rid, request=request, add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            return_token_strs=return_token_strs))
+        assert isinstance(answer, TokenizeAnswer)
+        return PromptTokens(answer.token_ids, answer.token_strs)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        answer = await self._ask(DetokenizeQuery(rid=f"detok-{uuid.uuid4().hex}", token_ids=token_ids))
+        assert isinstance(answer, DetokenizeAnswer)
+        return answer.text
+
+    async def _ask(self, query: TokenizeQuery | DetokenizeQuery) -> TokenizeAnswer | DetokenizeAnswer:
+        """Send one query to the tokenizer and wait for its answer; a rejection (or `fail_all`) raises."""
+        assert self._to_tokenizer is not None, "start() was not awaited"
+        problem = self.health_problem()
+        if problem is not None:
+            raise Refusal(f"the server cannot take requests now ({problem}); retry shortly", status=503)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[query.rid] = queue
+        try:
+            await self._to_tokenizer.send(query)
+            answer = await queue.get()
+        finally:
+            self._streams.pop(query.rid, None)
+        if isinstance(answer, RequestRejected):
+            raise Refusal(answer.message, answer.param, status=answer.status)
+        return answer
 
     async def abort(self, rid: str) -> None:
         self._streams.pop(rid, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -20,6 +21,7 @@ from procs.api.app import HANDLERS_KEY
 from procs.api.engine_client_zmq import ZmqEngineClient, backend_processes
 from procs.api.server import start_api
 from procs.runtime import resolve_runtime_dir
+from shared.checks import max_prompt_chars, model_token_chars
 from shared.config import ServerConfig
 from shared.ipc import Endpoints
 from shared.model import ModelSpec
@@ -36,7 +38,8 @@ async def serve(config: ServerConfig) -> int:
     # A model that thinks in <think> blocks (Qwen3, DeepSeek-R1): chat answers split them out.
     reasoning = spec.chat_format.reasoning
     engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
-                             spec.context_length, backend_processes(config))
+                             spec.context_length, backend_processes(config),
+                             max_prompt_chars=max_prompt_chars(spec.context_length, model_token_chars(spec.model_dir)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -55,23 +58,26 @@ async def serve(config: ServerConfig) -> int:
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         if not stop.is_set():
+            log.info("api ready", extra={"fields": {"pid": os.getpid(), "url": f"http://{config.host}:{config.port}",
+                                                    "model": engine.model_name}})
             notify_ready()
-            log.info("api ready on http://%s:%d", config.host, config.port)
         await stop.wait()
         notify_stopping()
         engine.draining = True  # new requests and /health now answer 503
         handlers = runner.app[HANDLERS_KEY]
-        deadline = time.monotonic() + config.drain_timeout_s
+        started = time.monotonic()
         log.info("draining %d requests (up to %gs)", handlers.in_flight, config.drain_timeout_s)
-        while handlers.in_flight > 0 and time.monotonic() < deadline:
+        while handlers.in_flight > 0 and time.monotonic() < started + config.drain_timeout_s:
             await asyncio.sleep(DRAIN_POLL_S)
-        if handlers.in_flight:
-            log.warning("drain timeout: %d requests still running are cut off", handlers.in_flight)
+        cut_off = handlers.in_flight
+        if cut_off:
+            log.warning("drain timeout: %d requests still running are cut off", cut_off)
             engine.fail_all(f"the server is shutting down: the request did not finish within the drain "
                             f"timeout of {config.drain_timeout_s:g} s")
             deadline = time.monotonic() + CUT_OFF_S  # time for their handlers to write the last event
             while handlers.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
+        log.info("drained", extra={"fields": {"cut_off": cut_off, "seconds": round(time.monotonic() - started, 2)}})
     finally:
         await runner.cleanup()
     return 0

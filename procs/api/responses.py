@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from procs.api.chat_output import ChatOutputStream, parse_whole
+from procs.api.errors import error_body
 from shared.messages import TextDelta, TokenLogprob, Usage
 
 _encoder = msgspec.json.Encoder()
@@ -49,6 +50,7 @@ class Piece:
     text: str = ""
     tokens: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    generated: int = 0  # generated tokens behind the text (tokens holds logprobs, when asked for)
 
 
 class ChoiceOutput:
@@ -85,6 +87,7 @@ class ChoiceOutput:
         self.started = True
         if not self.drop_generated:
             self.tokens += len(delta.token_ids)
+            piece.generated = len(delta.token_ids)
             self._extend(piece, delta.text, delta.logprobs)
         if delta.finish_reason is not None:
             # echo with max_tokens 0: the one token the engine made is not part of the answer
@@ -195,6 +198,28 @@ class ResponseShapes(ABC):
         chunk = self._envelope(self.chunk_object, [])
         chunk["usage"] = usage_dict(usage)
         return chunk
+
+    # ---- a stream's bytes: what `app._stream` writes (the Responses API frames its events differently)
+
+    def stream_start(self, choices: list[ChoiceOutput]) -> bytes:
+        starts = [self.start_chunk(c.index) for c in choices]
+        return b"".join(sse_event(c) for c in starts if c is not None)
+
+    def stream_bytes(self, choice: ChoiceOutput, piece: Piece) -> bytes:
+        return b"".join(sse_event(chunk) for chunk in self.stream_chunks(choice, piece))
+
+    def stream_end(self, choices: list[ChoiceOutput], usage: Usage) -> bytes:
+        """After the last choice's finish."""
+        return (sse_event(self.usage_chunk(usage)) if self.include_usage else b"") + SSE_DONE
+
+    def stream_failure(self, unfinished: list[ChoiceOutput], status: int, message: str, param: str | None) -> bytes:
+        """The end of a stream the engine failed: each unfinished choice's "abort", an error event, [DONE]."""
+        aborts = b"".join(sse_event(self.finish_chunk(c.index, "abort")) for c in unfinished)
+        return aborts + sse_event(error_body(status, message, param)) + SSE_DONE
+
+    def engine_param(self, param: str | None) -> str | None:
+        """The request field an engine refusal names, in this endpoint's terms."""
+        return param
 
     @abstractmethod
     def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *,

@@ -129,7 +129,28 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     function_call: object | None = None
 
 
-T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """`/tokenize`: vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None  # default: a text True, a chat False (the template writes its own)
+    add_generation_prompt: bool | None = None  # chat; default: not continue_final_message
+    continue_final_message: bool | None = None  # chat: the last (assistant) message is left open
+    return_token_strs: bool | None = None
+    chat_template_kwargs: dict[str, object] | None = None  # chat
+    tools: list[ToolIn] | None = None  # chat: rendered into the template as for generation
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """`/detokenize` (vLLM's DetokenizeRequest)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+T = TypeVar("T", CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody)
 
 # A high surrogate escape (\uD800-\uDBFF) with no low surrogate escape after it: not valid text.
 _LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")

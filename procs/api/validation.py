@@ -19,6 +19,11 @@ naming the field it came from; the tokenizer compiles it (and answers a bad sche
 400 naming that field). Tools (chat): `tools` become `ToolFunction`s; `tool_choice` "required" or a
 named function (`forced_tool`) makes the tokenizer force one call by grammar, so neither goes with
 a structured-output constraint.
+
+Limits (`shared.checks`, the README's "Limits"): stop sequences (count, length) and stop_token_ids;
+a constraint's source size and repetition bounds, and those of a forced tool call's schema
+(`shared.grammar`), checked here before the tokenizer compiles anything. A prompt text too long to
+fit the context is refused by the engine client before it is sent (`engine_client.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import time
 from dataclasses import dataclass
 
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
-from shared.checks import MAX_TOKEN_ID, check_sampling, settle_max_tokens
+from shared.checks import MAX_TOKEN_ID, check_sampling, check_stop, settle_max_tokens
 from shared.errors import Refusal
+from shared.grammar import check_constraint_source, check_json_schema
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
                              SamplingParams, StopParams, ToolCall, ToolFunction)
 
@@ -115,6 +121,10 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     if constraint is not None and tool_choice == "required":
         raise Refusal(f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
                       f"which cannot go with {constraint.param}: use one or the other", "tool_choice")
+    if tool_choice == "required":  # the forced call's arguments are compiled into a grammar
+        for i, tool in enumerate(tools):
+            if forced_tool is None or tool.name == forced_tool:
+                check_json_schema(tool.parameters, f"tools[{i}].function.parameters")
     template_kwargs = dict(req.chat_template_kwargs or {})
 
     given, param = req.max_completion_tokens, "max_completion_tokens"
@@ -134,10 +144,15 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
                             tool_names=tool_names)
 
 
-def _check_common(req: CommonRequestFields, model_name: str) -> None:
-    if req.model is not None and req.model != model_name:
-        raise Refusal(f"The model `{req.model}` does not exist; this server serves `{model_name}`.", "model",
+def check_model(model: str | None, model_name: str) -> None:
+    """A request's `model`: absent, or the served model's name (else 404 model_not_found, as OpenAI)."""
+    if model is not None and model != model_name:
+        raise Refusal(f"The model `{model}` does not exist; this server serves `{model_name}`.", "model",
                       status=404, code="model_not_found")
+
+
+def _check_common(req: CommonRequestFields, model_name: str) -> None:
+    check_model(req.model, model_name)
     if req.stream_options is not None and not req.stream:
         raise Refusal("stream_options is only allowed when stream is true", "stream_options")
     for name, neutral in UNSUPPORTED.items():
@@ -174,7 +189,11 @@ def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
     if len(found) > 1:
         raise Refusal(f"{found[0].param} and {found[1].param} both constrain the output; give only one",
                       found[1].param)
-    return found[0] if found else None
+    if not found:
+        return None
+    # size and repetition bounds, before the tokenizer compiles it
+    check_constraint_source(found[0].kind, found[0].spec, found[0].param)
+    return found[0]
 
 
 def _response_format(value: dict[str, object]) -> OutputConstraint | None:
@@ -339,11 +358,8 @@ def _sampling(req: CommonRequestFields) -> SamplingParams:
 
 def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if any(s == "" for s in stop):
-        raise Refusal("stop strings must not be empty", "stop")
     stop_ids = tuple(req.stop_token_ids or ())
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
-        raise Refusal(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
+    check_stop(stop, stop_ids)
     return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop)
 
 

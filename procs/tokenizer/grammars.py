@@ -17,6 +17,7 @@ from llguidance import LLMatcher
 
 from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ToolCallStyle
 from shared.errors import Refusal
+from shared.grammar import check_constraint_source, check_json_schema
 from shared.messages import OutputConstraint, ToolFunction
 
 # JSON as models usually write it (", " and ": "), and no other whitespace: with free whitespace a
@@ -32,14 +33,24 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, ...], str] = OrderedDict()
 
     def for_constraint(self, constraint: OutputConstraint) -> str:
-        return self._cached((constraint.kind, constraint.spec), constraint.param,
-                            lambda: _constraint_grammar(constraint))
+        def build() -> str:
+            # the api checked this too; the offline engine's requests come straight here
+            check_constraint_source(constraint.kind, constraint.spec, constraint.param)
+            return _constraint_grammar(constraint)
+
+        return self._cached((constraint.kind, constraint.spec), constraint.param, build)
 
     def for_tool_call(self, tools: list[ToolFunction], forced: str | None, style: ToolCallStyle) -> str:
         """Exactly one call, of `forced` or (None) of any of `tools`, in the format the model was told."""
         candidates = [t for t in tools if forced is None or t.name == forced]
         key = ("tool", style, json.dumps([[t.name, t.parameters] for t in candidates], sort_keys=True))
-        return self._cached(key, "tools", lambda: _tool_call_grammar(candidates, style))
+
+        def build() -> str:
+            for tool in candidates:
+                check_json_schema(tool.parameters, "tools")
+            return _tool_call_grammar(candidates, style)
+
+        return self._cached(key, "tools", build)
 
     def _cached(self, key: tuple[str, ...], param: str, build: Any) -> str:
         grammar = self._cache.get(key)
@@ -48,6 +59,8 @@ class GrammarCompiler:
             return grammar
         try:
             grammar = build()
+        except Refusal:
+            raise
         except ValueError as exc:  # llguidance: not JSON, not a list of strings...
             raise Refusal(f"invalid {param}: {exc}", param) from None
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)

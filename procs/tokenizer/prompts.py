@@ -1,12 +1,22 @@
 """Turning a `GenerateRequest` into prompt token ids, and refusing prompts that cannot run.
 
 Used by the tokenizer process; the offline engine can use the same class so that both tokenize
-identically.
+identically. `/tokenize` and `/detokenize` are answered here too (`inspect_ids`, `token_strs`,
+`detokenize`), with the very ids generation would use.
+
+A text too long for the context is refused without tokenizing all of it (`_encode`): at once when
+its length in characters proves it (`shared.checks.max_prompt_chars`), else after tokenizing
+leading pieces whose tokens already reach the context. A piece ends between two words (a letter,
+one space, a letter), where byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's) and
+SentencePiece end a pre-token too, so the whole text's tokens include each piece's; the count
+still gives up `PIECE_BOUNDARY_SLACK` tokens per piece for what a piece's own start may add (a
+SentencePiece "▁" prefix). `tests/test_api_limits.py` measures that bound on real text.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from functools import cached_property
 from typing import Any, Callable
 
@@ -17,7 +27,7 @@ import numpy as np
 from procs.tokenizer.grammars import GrammarCompiler
 from procs.tokenizer.tools import offered_tools, template_inputs
 from shared.chat_format import THINK_CLOSE, ChatFormat
-from shared.checks import settle_max_tokens
+from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars, settle_max_tokens
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.messages import GenerateRequest, TokenizedRequest
@@ -25,6 +35,12 @@ from shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.tokenizer")
 PROMPT_THINK_WINDOW = 8  # Qwen3 with thinking off ends its prompt with "<think>\n\n</think>\n\n"
+# A long text is counted in pieces of about this many characters per context token (prose runs
+# ~4 characters a token): a text too long for the context is refused after a piece or two.
+PIECE_CHARS_PER_TOKEN = 8
+PIECE_BOUNDARY_SLACK = 2  # tokens a piece's count gives up for its start (see the module's text)
+_WORD_GAP = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # letter, space, letter: a cut goes before the space
+CHAT_TEMPLATE_RESERVED = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message")
 
 
 class PromptTokenizer:
@@ -39,6 +55,12 @@ class PromptTokenizer:
         self.vocab_size = len(tokenizer)
         self.chat_format = ChatFormat.of(getattr(tokenizer, "chat_template", None))
         self._grammar_tokenizer = grammar_tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's tokenizer.json
+        self.max_prompt_chars = (None if backend is None else
+                                 max_prompt_chars(max_context, max_token_chars(backend.to_str())))
+        # Cutting at a word gap must not cut an added token ("<|im start|>" would be cut at its space).
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._pieces = backend is not None and not any(" " in str(t) for t in added.values())
 
     @classmethod
     def of(cls, spec: ModelSpec, tokenizer: Any = None) -> "PromptTokenizer":
@@ -65,23 +87,28 @@ class PromptTokenizer:
             raise Refusal(f"structured output is not available for this model's tokenizer: {exc}",
                           "response_format") from None
 
-    def prompt_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
-        """The prompt's token ids and the name of the field they came from."""
+    def prompt_ids(self, request: GenerateRequest, *, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, add_special_tokens: bool | None = None
+                   ) -> tuple[list[int], str]:
+        """The prompt's token ids and the name of the field they came from. The keywords are
+        `/tokenize`'s (vLLM's); their defaults are generation's: a chat ends with the generation
+        prompt and gets no special tokens beyond the template's, a text gets the tokenizer's."""
         if request.messages is not None:
             if not request.messages:
                 raise Refusal("messages must not be empty", "messages")
             messages, extra = template_inputs(request, self.chat_format)
-            clash = sorted(set(request.chat_template_kwargs) & {"conversation", "tools", "tokenize",
-                                                                 "add_generation_prompt"})
+            clash = sorted(set(request.chat_template_kwargs) & set(CHAT_TEMPLATE_RESERVED))
             if clash:
                 raise Refusal(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+            options = {"continue_final_message": True} if continue_final_message else {}
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options, **extra,
+                    **request.chat_template_kwargs)
             except Exception as exc:  # jinja raises for roles/orders a template does not accept
                 raise Refusal(f"the chat template cannot render these messages: {exc}", "messages") from None
             # The template already wrote any BOS it wants: do not add special tokens twice.
-            return list(self.tokenizer.encode(text, add_special_tokens=False)), "messages"
+            return self._encode(text, bool(add_special_tokens), "messages"), "messages"
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -90,7 +117,48 @@ class PromptTokenizer:
             return ids, "prompt"
         if request.prompt is None or request.prompt == "":
             raise Refusal("prompt must not be empty", "prompt")
-        return list(self.tokenizer.encode(request.prompt)), "prompt"
+        return self._encode(request.prompt, add_special_tokens is not False, "prompt"), "prompt"
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """`tokenizer.encode(text)`, refusing a text that cannot fit the context without tokenizing
+        all of it (see the module's text)."""
+        check_prompt_chars(len(text), self.max_prompt_chars, self.max_context, param)
+        piece = PIECE_CHARS_PER_TOKEN * self.max_context
+        if self._pieces and len(text) > 2 * piece:
+            counted, start = 0, 0
+            while len(text) - start > piece:
+                gap = _WORD_GAP.search(text, start + piece)
+                if gap is None:  # no word gap ahead: the rest is tokenized whole (bounded by the above)
+                    break
+                ids = self.tokenizer.encode(text[start:gap.start()], add_special_tokens=False)
+                counted += max(len(ids) - PIECE_BOUNDARY_SLACK, 0)
+                if counted >= self.max_context:
+                    raise Refusal(f"This model's maximum context length is {self.max_context} tokens; the "
+                                  f"first {gap.start()} of this prompt's {len(text)} characters are already "
+                                  f"at least {counted} tokens, which leaves no room for a completion.", param)
+                start = gap.start()
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def inspect_ids(self, request: GenerateRequest, *, add_special_tokens: bool | None,
+                    add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        """`/tokenize`: the ids `prompt_ids` gives. A text `_encode` proves too long for the context is
+        refused as for generation; any other count is answered, past the context too (vLLM answers
+        every count; this server does not tokenize megabytes for it)."""
+        ids, _ = self.prompt_ids(request, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 add_special_tokens=add_special_tokens)
+        return ids
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's own string in the vocabulary (byte-level BPE: "Ġworld"), as vLLM's `token_strs`."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+
+    def detokenize(self, ids: list[int]) -> str:
+        """`/detokenize`: the text of `ids` (special tokens kept), or a `Refusal` naming `tokens`."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise Refusal(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "tokens")
+        return self.tokenizer.decode(ids)
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
         """Tokenize and check the length; raises `Refusal`."""

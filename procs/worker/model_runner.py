@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, create_backend
+from kernels.attention import BACKENDS, AttentionMetadata, create_backend, resolve_backend_name
 from kernels import native
 from kernels.kv_cache import KVCache
 from kernels.sampling import sample_batch
@@ -114,8 +114,8 @@ class ModelRunner:
             max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
         )
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
-        self.attention = create_backend(attention_backend, self.kv_cache, heads.num_heads, heads.num_kv_heads,
-                                        cfg.head_dim, cfg.head_dim ** -0.5)
+        self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
+                                        heads.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
@@ -127,16 +127,32 @@ class ModelRunner:
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         padded = DecodeGraphRunner.can_capture(self.attention) if pad_decode is None else pad_decode
+        padded = bool(self.tp.min_int(int(padded)))  # padding changes the collectives' shapes: all ranks or none
         self.graph_runner: DecodeGraphRunner | None = None if disable_cuda_graph or not padded else DecodeGraphRunner(
             self.model, self.attention, self.kv_cache,
             max_batch_size=min(cuda_graph_max_bs or max_running_requests, max_running_requests))
 
+    def _agreed_backend(self, name: str) -> str:
+        """`name` resolved ("auto": by what this machine has), the same on every rank: each runs the same
+        steps, and a backend decides whether decode steps are padded, so the collectives' shapes."""
+        resolved = resolve_backend_name(name, self.device.type, self.dtype)
+        if self.tp.world_size == 1 or resolved not in BACKENDS:
+            return resolved  # an unknown name: create_backend refuses it, on every rank alike
+        names = sorted(BACKENDS)
+        index = names.index(resolved)
+        lowest, highest = self.tp.min_int(index), self.tp.max_int(index)
+        if lowest != highest:
+            raise ValueError(f"attention_backend {name}: the worker ranks resolved it differently ({names[lowest]} "
+                             f"on some, {names[highest]} on others); set the same backend on every machine")
+        return resolved
+
     @classmethod
-    def from_config(cls, config: ServerConfig, local_rank: int = 0) -> "ModelRunner":
+    def from_config(cls, config: ServerConfig, local_rank: int = 0,
+                    joining: Callable[[], object] | None = None) -> "ModelRunner":
         """The runner of worker rank `local_rank` of this machine (with tensor_parallel_size > 1 it joins
-        the other ranks first, and every rank must be built)."""
+        the other ranks first, calling `joining` just before, and every rank must be built)."""
         layout = RankLayout.of(config, local_rank)
-        tp = join(config, layout, rank_device(resolve_device(config.device), layout))
+        tp = join(config, layout, rank_device(resolve_device(config.device), layout), joining)
         try:
             runner = cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
                          kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
@@ -317,8 +333,10 @@ class ModelRunner:
         return out
 
     def step_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
-        """Rank 0: one step as `execute` runs it (broadcast to the other ranks, page table applied), without
-        sampling: float32 logits of the sampled positions, then of `extra_rows` (packed token indices)."""
+        """Rank 0: the forward part of a step, broadcast to the other ranks: page table applied, the
+        model run, float32 logits of the sampled positions, then of `extra_rows` (packed token
+        indices). Not the rest of `execute`: `batch`'s inputs are used as they are (`FUTURE_TOKEN`s
+        unfilled) and its slot starts are not applied, nothing is sampled."""
         self.rank_steps.lead(batch, extra_rows)
         return self._forward(batch, extra_rows)
 

@@ -6,11 +6,12 @@ rank = node_rank * (N / nnodes) + local_rank (`shared.parallel.RankLayout`). Glo
 others follow it (`rank_steps`). Two groups over the same ranks:
 - the device group carries the layers' all-reduces and the logits' all-gather: NCCL on CUDA, gloo on
   the CPU (as vLLM's and SGLang's TP groups);
-- the CPU group (gloo) carries the step broadcast and the start-up agreement (the KV pool's size),
+- the CPU group (gloo) carries the step broadcast and the start-up agreements (the KV pool's size),
   plain bytes and integers that NCCL would have to copy to a device first.
-Both are created for joining and loading with `dist_timeout_s`, then remade for serving with
-`step_timeout_s` (`TensorParallel.start_serving`): a dead or hung rank fails every other rank's collective within a step's time
-instead of leaving them waiting.
+Joining and loading use only a CPU group with `dist_timeout_s`; `TensorParallel.start_serving` then
+replaces it by both groups with `step_timeout_s`: a dead or hung rank fails every other rank's
+collective within a step's time instead of leaving them waiting. A failed collective raises
+`CollectiveError`.
 
 World size 1 (the default) creates no group: every collective is the identity.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -33,7 +35,7 @@ class TensorParallel:
     def __init__(self, layout: RankLayout | None = None, device: torch.device | None = None) -> None:
         self.layout = layout or RankLayout(rank=0, world_size=1, local_rank=0, local_world_size=1)
         self.device = device or torch.device("cpu")
-        self.device_group: object | None = None
+        self.device_group: object | None = None  # made by `start_serving`: no device collective runs before it
         self.cpu_group: object | None = None
         self.collective_s = 0.0
         self.step_timeout_s = 0.0  # the serving groups' timeout (`start_serving`)
@@ -72,7 +74,10 @@ class TensorParallel:
         """The sum of every rank's `x`, in place."""
         if self.world_size > 1:
             started = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.device_group)
+            try:
+                torch.distributed.all_reduce(x, group=self.device_group)
+            except RuntimeError as exc:
+                raise CollectiveError.of(exc) from exc
             self.collective_s += time.perf_counter() - started
         return x
 
@@ -82,7 +87,10 @@ class TensorParallel:
             return x
         started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
+        try:
+            torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
+        except RuntimeError as exc:
+            raise CollectiveError.of(exc) from exc
         self.collective_s += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
 
@@ -91,8 +99,15 @@ class TensorParallel:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        try:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+        except RuntimeError as exc:
+            raise CollectiveError.of(exc) from exc
         return int(t.item())
+
+    def max_int(self, value: int) -> int:
+        """The largest of every rank's `value`."""
+        return -self.min_int(-value)
 
     def broadcast_bytes(self, payload: bytes | None, capacity: int) -> bytes:
         """Rank 0's `payload` on every rank (the others pass None). One broadcast of `capacity` bytes
@@ -104,26 +119,38 @@ class TensorParallel:
             head = payload[:capacity - 8]
             if head:
                 header[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        torch.distributed.broadcast(header, src=0, group=self.cpu_group)
+        self._broadcast(header)
         length = int.from_bytes(header[:8].numpy().tobytes(), "little")
         if length <= capacity - 8:
             return payload if payload is not None else header[8:8 + length].numpy().tobytes()
         rest = torch.empty(length - (capacity - 8), dtype=torch.uint8)
         if payload is not None:
             rest.copy_(torch.frombuffer(bytearray(payload[capacity - 8:]), dtype=torch.uint8))
-        torch.distributed.broadcast(rest, src=0, group=self.cpu_group)
+        self._broadcast(rest)
         if payload is not None:
             return payload
         return header[8:].numpy().tobytes() + rest.numpy().tobytes()
 
+    def _broadcast(self, x: torch.Tensor) -> None:
+        try:
+            torch.distributed.broadcast(x, src=0, group=self.cpu_group)
+        except RuntimeError as exc:
+            raise CollectiveError.of(exc) from exc
+
     # -- lifetime --------------------------------------------------------------------------------
 
     def start_serving(self) -> None:
-        """Replace the groups by ones whose collectives time out after `step_timeout_s` (collective: every
-        rank calls it, once loading and the start-up agreements are done, before CUDA graphs capture the
-        device group's collectives)."""
+        """Replace the joining CPU group by the serving groups, whose collectives time out after
+        `step_timeout_s` (collective: every rank calls it, once loading and the start-up agreements are
+        done, before CUDA graphs capture the device group's collectives)."""
         if self.world_size > 1:
-            self.device_group, self.cpu_group = _new_groups(self.device, self.step_timeout_s)
+            joining = self.cpu_group
+            timeout = timedelta(seconds=self.step_timeout_s)
+            self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            self.device_group = torch.distributed.new_group(backend="nccl", timeout=timeout) \
+                if self.device.type == "cuda" else self.cpu_group
+            if joining is not None:
+                torch.distributed.destroy_process_group(joining)
 
     def close(self) -> None:
         if self.world_size > 1 and torch.distributed.is_initialized():
@@ -137,18 +164,37 @@ def rank_device(device: torch.device, layout: RankLayout) -> torch.device:
     return torch.device("cuda", (device.index or 0) + layout.local_rank)
 
 
-def join(config: ServerConfig, layout: RankLayout, device: torch.device) -> TensorParallel:
+def check_local_devices(device: torch.device, layout: RankLayout) -> None:
+    """ValueError when this machine has fewer CUDA devices than its ranks take (`device`: this rank's,
+    from `rank_device`). Every rank checks before joining, so that none waits for one that cannot start."""
+    if device.type != "cuda" or layout.world_size == 1:
+        return
+    first = (device.index or 0) - layout.local_rank
+    count = torch.cuda.device_count()
+    if first + layout.local_world_size > count:
+        raise ValueError(
+            f"tensor_parallel_size {layout.world_size} over nnodes {layout.world_size // layout.local_world_size} "
+            f"runs {layout.local_world_size} worker ranks on this machine, on cuda:{first}.."
+            f"cuda:{first + layout.local_world_size - 1}, but it has {count} CUDA device(s)")
+
+
+def join(config: ServerConfig, layout: RankLayout, device: torch.device,
+         joining: Callable[[], object] | None = None) -> TensorParallel:
     """Join the worker's process group (every rank calls this; each waits up to dist_timeout_s for the
-    others) and limit this rank's CPU threads to its share of the machine's cores."""
+    others) and limit this rank's CPU threads to its share of the machine's cores. `joining` is called
+    just before the wait (this rank got that far)."""
     tp = TensorParallel(layout, device)
     tp.step_timeout_s = config.step_timeout_s
     if layout.world_size == 1:
         return tp
+    check_local_devices(device, layout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.local_world_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // layout.local_world_size))
     host, port = split_init_addr(config.dist_init_addr or STANDALONE_INIT_ADDR)
+    if joining is not None:
+        joining()
     timeout = timedelta(seconds=config.dist_timeout_s)
     try:
         torch.distributed.init_process_group(
@@ -158,16 +204,19 @@ def join(config: ServerConfig, layout: RankLayout, device: torch.device) -> Tens
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # not c10d's C++ frames
         raise TensorParallelError(f"worker rank {layout.rank} of {layout.world_size} could not join the others at "
                                   f"{host}:{port} within {config.dist_timeout_s:g} s: {reason}") from None
-    tp.device_group, tp.cpu_group = _new_groups(device, config.dist_timeout_s)
+    # Loading's one agreement (the KV pool's size) is a CPU collective: the device group waits for serving.
+    tp.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
     return tp
-
-
-def _new_groups(device: torch.device, seconds: float) -> tuple[object, object]:
-    timeout = timedelta(seconds=seconds)
-    cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
-    device_group = torch.distributed.new_group(backend="nccl", timeout=timeout) if device.type == "cuda" else cpu_group
-    return device_group, cpu_group
 
 
 class TensorParallelError(RuntimeError):
     """The worker ranks could not form their group."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective over the worker ranks failed: a rank is gone, or it hung past the group's timeout
+    (gloo raises a plain RuntimeError for both, NCCL a `torch.distributed.DistError`)."""
+
+    @classmethod
+    def of(cls, exc: RuntimeError) -> CollectiveError:
+        return cls(str(exc).strip() or type(exc).__name__)

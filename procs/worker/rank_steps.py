@@ -20,8 +20,8 @@ import numpy as np
 from procs.worker.parallel import TensorParallel
 from shared.codec import Decoder, Encoder
 from shared.messages import ForwardBatch
+from shared.parallel import TICK_INTERVAL_S
 
-TICK_INTERVAL_S = 1.0
 BROADCAST_BYTES = 1 << 16  # one broadcast carries a step up to this size (a decode step of 64 rows is ~3 KB)
 
 

@@ -110,8 +110,7 @@ class RankHeads:
     @classmethod
     def of(cls, config: ModelConfig, tp: TensorParallel) -> RankHeads:
         world, heads, kv_heads = tp.world_size, config.num_heads, config.num_kv_heads
-        if heads % world:
-            raise ModelLoadError(f"num_attention_heads {heads} is not divisible by tensor_parallel_size {world}")
+        q = tp.split(heads, "num_attention_heads")  # ValueError naming it when it does not divide
         if kv_heads >= world and kv_heads % world or kv_heads < world and world % kv_heads:
             raise ModelLoadError(f"num_key_value_heads {kv_heads} and tensor_parallel_size {world}: one must "
                                  f"divide the other (KV heads are split, or replicated when fewer than the ranks)")
@@ -120,7 +119,7 @@ class RankHeads:
         else:
             head = tp.rank // (world // kv_heads)
             kv = slice(head, head + 1)
-        return cls(q=tp.split(heads, "num_attention_heads"), kv=kv, head_dim=config.head_dim)
+        return cls(q=q, kv=kv, head_dim=config.head_dim)
 
 
 def config_path(spec: ModelSpec) -> str:
