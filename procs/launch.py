@@ -2,6 +2,11 @@
 
 Configuration: `--config FILE` (a `ServerConfig` as JSON, what `serve` writes), overridden by
 `BATCHSERVE_*` environment variables, overridden by command-line flags.
+
+A process that has run ends with `os._exit`, skipping the interpreter's teardown: by then it has
+released what it owns (sockets flushed, shared memory unlinked, the device group left), and the
+teardown's garbage collection over torch's and transformers' objects took seconds of CPU, past
+10 s on a loaded machine, so a stopped server's processes were killed rather than exiting.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import msgspec
 
+from procs.runtime import StopRequested
 from shared.config import ServerConfig, add_config_arguments, config_from_args
 from shared.logs import setup_logging
 from shared.messages import PROCESS_NAMES
@@ -53,19 +60,37 @@ def load_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> 
     return msgspec.structs.replace(base, **changed)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> NoReturn:
+    """Run the process; a configuration error is raised for the CLI to print, any other end exits here."""
     config = load_config(args)
     setup_logging(config.log_format)
     module = importlib.import_module(PROCESSES[args.name])
     try:
         if args.name == "worker":
-            return int(module.run(config, args.local_rank) or 0)
-        if args.local_rank:
+            status = int(module.run(config, args.local_rank) or 0)
+        elif args.local_rank:
             raise ValueError(f"--local-rank is the worker's; the {args.name} process has no ranks")
-        return int(module.run(config) or 0)
+        else:
+            status = int(module.run(config) or 0)
+    except StopRequested:  # stopped while starting: what it had opened was closed on the way out
+        status = 0
     except (ValueError, FileNotFoundError):
         raise  # a configuration error: one line from the CLI, exit status 2 (systemd will not retry)
     except Exception:
         logging.getLogger(f"batchserve.{args.name}").exception("%s process failed", args.name)
-        sys.stderr.flush()
-        return 1
+        status = 1
+    logging.getLogger("batchserve.process").info("%s stopped", args.name, extra={"fields": {
+        "pid": os.getpid(), "status": status}})
+    exit_now(status)
+
+
+def exit_now(status: int) -> NoReturn:
+    """Flush what is buffered (log handlers, stdout, stderr) and end the process without the
+    interpreter's teardown (see the module docstring)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be written to it
+            pass
+    os._exit(status)

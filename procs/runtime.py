@@ -54,6 +54,13 @@ def make_private_dir(path: Path) -> Path:
     return path
 
 
+class StopRequested(BaseException):
+    """Raised by SIGTERM/SIGINT in a process that is not ready yet: nothing runs that needs a clean
+    finish, so the stop need not wait for a model load (a minute for a large one). A BaseException,
+    so that the loaders' `except Exception` does not take it for a load failure; `procs.launch`
+    ends the process with status 0 on it."""
+
+
 class ProcessRuntime:
     """One process's shared plumbing: zmq context, endpoints, SIGTERM/SIGINT -> `stopping`."""
 
@@ -67,18 +74,24 @@ class ProcessRuntime:
         self.endpoints = Endpoints.in_dir(self.runtime_dir)
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
+        self.signalled = False  # asked to stop (SIGTERM/SIGINT), rather than ending on our own
         self._ready = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._watchdog = watchdog_enabled()
         self._last_watchdog = 0.0
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT ask the main loop to finish (it looks at `stopping` between steps)."""
+        """SIGTERM and SIGINT ask the main loop to finish (it looks at `stopping` between steps);
+        before `ready()` they end the start at once (`StopRequested`)."""
 
         def handle(signum: int, frame: object) -> None:
-            if self.stopping.is_set() and signum == signal.SIGINT:
+            first = not self.stopping.is_set()
+            if not first and signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            self.signalled = True
             self.stopping.set()
+            if first and not self._ready.is_set():  # once: a second signal must not cut the cleanup short
+                raise StopRequested(signal.Signals(signum).name)
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
@@ -102,8 +115,8 @@ class ProcessRuntime:
     def ready(self) -> None:
         """This process can serve: systemd / `batchserve serve` learn it through $NOTIFY_SOCKET."""
         self._ready.set()
-        notify_ready()
         log.info("%s ready", self.name, extra={"fields": {"pid": os.getpid()}})
+        notify_ready()  # after the line: `serve`'s ready line then follows every process's
 
     def alive(self) -> None:
         """Called by the main loop whenever it makes progress or idles: systemd's watchdog
@@ -120,4 +133,7 @@ class ProcessRuntime:
         notify_stopping()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=2)
-        self.ctx.destroy(linger=1000)  # flushes queued messages for at most a second
+        # Ending on our own (a failure to report): flush what is queued for at most a second. Asked to
+        # stop: the peers are stopping too (the api first), so what is still queued has no reader and
+        # waiting for it only delays the exit.
+        self.ctx.destroy(linger=0 if self.signalled else 1000)

@@ -40,6 +40,7 @@ from shared.parallel import check_parallel_config, with_init_addr, worker_proces
 from shared.shm import remove_segments_of
 
 BACKEND_STOP_TIMEOUT_S = 10.0
+EXIT_POLL_S = 0.02  # how often the stop looks for exited children
 PR_SET_PDEATHSIG = 1
 
 
@@ -108,6 +109,7 @@ class Supervisor:
         self.owns_runtime_dir = owns_runtime_dir
         self.children: dict[str, Child] = {}
         self.signals = 0
+        self.stop_seconds: dict[str, float] = {}  # each stopped child's seconds from SIGTERM to its exit
 
     # -- signals ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -217,13 +219,16 @@ class Supervisor:
         api.expected_exit = True
         signals_seen = self.signals
         api.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.drain_timeout_s + BACKEND_STOP_TIMEOUT_S
+        asked = time.monotonic()
+        deadline = asked + self.config.drain_timeout_s + BACKEND_STOP_TIMEOUT_S
         while api.popen.poll() is None and time.monotonic() < deadline and self.signals == signals_seen:
-            self._read_notifications(0.2)
+            self._read_notifications(EXIT_POLL_S)
             if self._report_dead(" while draining"):
                 return 1
         if api.popen.poll() is None:
             _say("the api did not finish draining in time; stopping it")
+        else:
+            self.stop_seconds["api"] = time.monotonic() - asked
         return 0
 
     # -- stop ---------------------------------------------------------------------------------
@@ -231,20 +236,37 @@ class Supervisor:
         """SIGTERM every live process (the api first), wait, then SIGKILL their groups. Follower
         worker ranks then exit on rank 0's stop broadcast (or by themselves within a few seconds)."""
         api_first = sorted(self.children.values(), key=lambda c: c.name != "api")  # stable: the rest in start order
+        running = [child for child in api_first if child.popen.poll() is None]
         for child in api_first:
             child.expected_exit = True
-            if child.popen.poll() is None:
-                child.signal(signal.SIGTERM)
-                child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
-        deadline = time.monotonic() + BACKEND_STOP_TIMEOUT_S
+        for child in running:
+            child.signal(signal.SIGTERM)
+            child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
+        self.stop_seconds.update(self._wait_for_exits(running, BACKEND_STOP_TIMEOUT_S))
         for child in self.children.values():
-            try:
-                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if child.popen.poll() is None:
                 _say(f"the {child.name} process (pid {child.pid}) did not stop; killing it")
             child.signal(signal.SIGKILL)  # also reaps helpers left in its group
             if child.popen.poll() is None:
                 child.popen.wait()
+        if self.stop_seconds:
+            _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
+                f"{name} {seconds:.2f}{_exit_note(self.children[name].popen.returncode)}"
+                for name, seconds in self.stop_seconds.items()))
+
+    @staticmethod
+    def _wait_for_exits(children: list[Child], timeout_s: float) -> dict[str, float]:
+        """Wait up to `timeout_s` for `children` to exit; each one's seconds to its exit (as seen here,
+        within a poll), in the order they exited."""
+        started = time.monotonic()
+        exits: dict[str, float] = {}
+        waiting = list(children)
+        while waiting and time.monotonic() - started < timeout_s:
+            time.sleep(EXIT_POLL_S)
+            for child in [c for c in waiting if c.popen.poll() is not None]:
+                exits[child.name] = time.monotonic() - started
+                waiting.remove(child)
+        return exits
 
     def _cleanup(self) -> None:
         for child in self.children.values():
@@ -255,6 +277,19 @@ class Supervisor:
         else:
             for child in self.children.values():
                 (self.runtime_dir / f"notify-{child.name}.sock").unlink(missing_ok=True)
+
+
+def _exit_note(code: int | None) -> str:
+    """How a stopped child ended, where that was not status 0 (a child stopped before its signal
+    handlers were installed ends by SIGTERM itself)."""
+    if code == 0:
+        return ""
+    if code is not None and code < 0:
+        try:
+            return f" (by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f" (status {code})"
 
 
 def _describe_status(code: int | None) -> str:
@@ -268,12 +303,36 @@ def _describe_status(code: int | None) -> str:
     return str(code)
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Raise ValueError (one line from the CLI, exit status 2) if the api could not listen on
+    `host:port`, found before any process starts rather than by the api while the others load. The
+    bind is the api's own (asyncio's: every address of `host`, SO_REUSEADDR, IPv6 only on IPv6); a
+    port taken in between is still the api's error, and `serve` then stops the others."""
+    if port == 0:  # any free port: nothing can be taken
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     from procs.scheduler.config import check_config
 
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
     check_parallel_config(config)
+    if config.node_rank == 0:  # machines of worker ranks only serve no api
+        check_can_listen(config.host, config.port)
     config = with_init_addr(config)  # two servers on one machine: their ranks meet at different ports
     chosen = configured_runtime_dir(config)
     if chosen:

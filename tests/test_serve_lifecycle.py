@@ -32,6 +32,7 @@ def test_killing_the_worker_stops_serve_with_an_error_and_no_orphans(model, tmp_
         os.kill(server.pids["worker"], signal.SIGKILL)
         assert server.proc.wait(timeout=30) != 0
         assert f"the worker process (pid {server.pids['worker']}) exited" in server.log()
+        assert "did not stop; killing it" not in server.log()  # the others stopped by themselves
         assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10), \
             [p for p in pids if pid_alive(p)]
         assert shm_segments_of(pids) == []

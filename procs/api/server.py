@@ -30,6 +30,7 @@ async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: bo
                            keepalive_timeout=config.header_timeout_s)
     await runner.setup()
     await CappedSite(runner, config.host, config.port, max_connections=max_connections).start()
-    logger.info("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
+    # Not at info: the api listens (answering 503) long before it is ready, which its process says.
+    logger.debug("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
     return runner
 
