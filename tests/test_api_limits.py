@@ -11,18 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from contextlib import asynccontextmanager
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
+from test_api_app import api
 from procs.tokenizer import prompts as prompts_module
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.checks import (MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS, MAX_REGEX_REPEAT, MAX_STOP_CHARS,
                            MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS, max_prompt_chars, max_token_chars)
-from shared.config import DEFAULT_MODEL, ServerConfig
+from shared.config import DEFAULT_MODEL
 from shared.errors import Refusal
 from shared.grammar import check_json_schema, check_lark, check_regex
 from shared.messages import ChatMessage, GenerateRequest, StopParams
@@ -32,12 +30,6 @@ NESTED = "((a{1,1000}){1,1000}){1,1000}"
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=60))
-
-
-@asynccontextmanager
-async def api(engine: FakeEngine):
-    async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
-        yield client
 
 
 async def post(engine: FakeEngine, path: str, body: dict) -> tuple[int, dict]:

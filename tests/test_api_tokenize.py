@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from shared.config import ServerConfig
+from test_api_app import api
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))
-
-
-@asynccontextmanager
-async def api(engine: FakeEngine):
-    async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
-        yield client
 
 
 def post(engine: FakeEngine, path: str, body: object, **kw) -> tuple[int, dict]:
