@@ -20,6 +20,7 @@ from shared.messages import GenerateRequest
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
+PRIORITY_RANGE = (-2**31, 2**31 - 1)  # a 32-bit integer, as vLLM's (lower first)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat: the context left
 
 
@@ -36,6 +37,13 @@ def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float, s
         raise Refusal(f"{flag}min_p must be in [0, 1] (got {min_p})", "min_p")
     if seed is not None and not (0 <= seed <= MAX_SEED):
         raise Refusal(f"{flag}seed must be in [0, 2**63 - 1] (got {seed})", "seed")
+
+
+def check_priority(priority: int) -> None:
+    """A request's `priority`: a 32-bit integer (a bigger one cannot travel in a message)."""
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise Refusal(f"priority must be a 32-bit integer, in [-2**31, 2**31 - 1] (got {priority})", "priority")
 
 
 def settle_max_tokens(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,

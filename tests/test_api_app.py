@@ -141,6 +141,20 @@ def test_priority_reaches_the_engine_for_every_choice():
     run(go())
 
 
+def test_priority_outside_32_bits_is_a_400_naming_it():
+    async def go():
+        engine = FakeEngine()
+        async with api(engine) as client:
+            for priority in (2**31, -(2**31) - 1, 2**70):
+                resp = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "x"}], "priority": priority})
+                assert resp.status == 400, priority
+                assert (await resp.json())["error"]["param"] == "priority"
+            assert (await client.post("/v1/responses", json={"input": "x", "priority": 2**70})).status == 400
+        assert engine.requests == []
+    run(go())
+
+
 # ---- streaming shapes
 
 

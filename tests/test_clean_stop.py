@@ -219,11 +219,14 @@ def test_a_port_taken_after_the_check_fails_the_api_and_the_others_stop_by_thems
 
 
 README_CURL = re.compile(r"```bash\ncurl -N (\S+/v1/chat/completions) .*?-d '(\{.*?\})'\n```", re.S)
+# the structured-output example: the first non-streamed curl to the chat endpoint
+README_SCHEMA_CURL = re.compile(r"```bash\ncurl (\S+/v1/chat/completions) .*?-d '(\{.*?\})'\n```", re.S)
 
 
 @pytest.mark.slow
 def test_the_default_model_answers_the_readme_example_and_stops_by_itself(tmp_path):
-    """The README's first example, as written, on the default model: a sensible answer; then a clean stop."""
+    """The README's first example and its structured-output one, as written, on the default model:
+    sensible answers; then a clean stop."""
     url, body = README_CURL.search((REPO / "README.md").read_text()).groups()
     body = json.loads(body)
     server = start_server(DEFAULT_MODEL, tmp_path / "serve.log", "--kv-capacity-tokens", "8192", startup_timeout=600)
@@ -231,6 +234,10 @@ def test_the_default_model_answers_the_readme_example_and_stops_by_itself(tmp_pa
         assert server.log().count(SERVING_LINE) == 1
         text, finish, _ = stream(server.url + url[url.index("/v1/"):], body)
         assert "Paris" in text and finish == "stop", (text, finish)
+        url, body = README_SCHEMA_CURL.search((REPO / "README.md").read_text()).groups()
+        status, answer = http(server.url + url[url.index("/v1/"):], json.loads(body))
+        assert status == 200, answer
+        assert json.loads(answer["choices"][0]["message"]["content"]) == {"city": "Paris", "country": "France"}
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0, server.log_tail()
     finally:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
-from shared.checks import MAX_TOKEN_ID, check_sampling, check_stop, settle_max_tokens
+from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop, settle_max_tokens
 from shared.errors import Refusal
 from shared.grammar import check_constraint_source, check_json_schema
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
@@ -153,6 +153,8 @@ def check_model(model: str | None, model_name: str) -> None:
 
 def _check_common(req: CommonRequestFields, model_name: str) -> None:
     check_model(req.model, model_name)
+    if req.priority is not None:
+        check_priority(req.priority)
     if req.stream_options is not None and not req.stream:
         raise Refusal("stream_options is only allowed when stream is true", "stream_options")
     for name, neutral in UNSUPPORTED.items():

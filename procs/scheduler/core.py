@@ -40,6 +40,7 @@ from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
+from shared.checks import check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
 from shared.messages import (
@@ -214,8 +215,7 @@ class Scheduler:
         if priority and not self.by_priority:
             raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
                           f"first come, first served)", "priority")
-        if not -_INT32_MAX - 1 <= priority <= _INT32_MAX:
-            raise Refusal(f"priority must be a 32-bit integer, got {priority}", "priority")
+        check_priority(priority)
         prompt = self._validate_prompt(prompt_ids)
         # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = stop.max_tokens
