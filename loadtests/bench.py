@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--turns", type=int, default=4, help="questions per conversation (multiturn)")
     load.add_argument("--system-tokens", type=int, default=1000, help="system prompt length (multiturn)")
     load.add_argument("--num-prompts", default="100", help="requests per load point: one number, or a comma "
-                      "list with one entry per point (each a prefix of the same seeded workload)")
+                      "list with one entry per point (consecutive slices of one seeded workload: no point repeats "
+                      "another's prompts, which a prefix cache would answer)")
     load.add_argument("--input-len", default="128:512", help="prompt tokens, N or MIN:MAX (random workload)")
     load.add_argument("--output-len", default="64:256", help="output tokens, N or MIN:MAX (random workload)")
     load.add_argument("--seed", type=int, default=0)
@@ -181,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
     points = parse_points(args.concurrency, args.request_rate)
     counts = parse_num_prompts(args.num_prompts, len(points))
-    num_prompts = max(counts)
+    num_prompts = sum(counts)  # each point its own prompts (Plan.specs_for)
     policies = [p for p in args.policies.split(",") if p] if args.compare else []
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")

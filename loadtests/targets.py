@@ -36,11 +36,16 @@ class Plan:
     endpoint: Endpoint
     request_timeout_s: float = 600.0
     show_progress: bool = True
-    num_prompts: Sequence[int] = ()  # per point (a prefix of `specs`); empty: all of `specs` at every point
+    # per point, consecutive slices of `specs`, so that no point repeats an earlier point's prompts (a
+    # prefix-caching server would answer those from its cache); empty: all of `specs` at every point
+    num_prompts: Sequence[int] = ()
     slo: Slo | None = None  # goodput objectives (`--goodput`)
 
     def specs_for(self, index: int) -> Sequence[RequestSpec]:
-        return self.specs[: self.num_prompts[index]] if self.num_prompts else self.specs
+        if not self.num_prompts:
+            return self.specs
+        start = sum(self.num_prompts[:index])
+        return self.specs[start: start + self.num_prompts[index]]
 
 
 SenderFactory = Callable[[aiohttp.ClientSession], Sender]

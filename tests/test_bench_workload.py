@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from loadtests.runner import LoadPoint
+from loadtests.targets import Plan
 from loadtests.workload import (CHAT_MIX, WORDS, LengthRange, TokenizerPromptBuilder, WordPromptBuilder,
                                 chat_workload, poisson_arrivals, random_workload)
 
@@ -97,3 +99,18 @@ def test_questions_send_no_max_tokens_and_a_seed_each():
     fixed = build_payload(random_workload(1, LengthRange(4, 4), LengthRange(7, 7), 0, WordPromptBuilder())[0],
                           "completions", "m")
     assert fixed["max_tokens"] == 7 and fixed["ignore_eos"] is True and "seed" not in fixed
+
+
+
+def test_load_points_get_their_own_prompts():
+    """A sweep's points must not resend earlier points' prompts: a prefix-caching server would answer
+    them from its cache and flatter the later points."""
+    specs = random_workload(5 + 8, LengthRange(4, 8), LengthRange(2, 2), 0, WordPromptBuilder())
+    points = [LoadPoint(concurrency=2), LoadPoint(concurrency=4)]
+    plan = Plan(specs, [], points, 0, "completions", num_prompts=[5, 8])
+    first, second = plan.specs_for(0), plan.specs_for(1)
+    assert (len(first), len(second)) == (5, 8)
+    assert not {s.prompt for s in first} & {s.prompt for s in second}
+    assert list(first) + list(second) == specs
+    every = Plan(specs, [], points, 0, "completions")  # no counts: every point runs the whole workload
+    assert every.specs_for(0) == every.specs_for(1) == specs

@@ -137,7 +137,8 @@ class ZmqEngineClient:
                 continue
             for _, names in lost:  # gone after the first (a rank's peers fail with it): restarted too
                 self._remember_failed(names)
-            if self.backends_ready() and all(self._heartbeats[name].pid != pid
+            # Not in a tick that found a process gone: its restart is not seen yet.
+            if not lost and self.backends_ready() and all(self._heartbeats[name].pid != pid
                                              for name, pid in self._failed_pids.items()):
                 log.warning("every backend process is ready again; serving", extra={"fields": {
                     "after": self.failure}})

@@ -50,12 +50,11 @@ class SchedulerLoop:
         self.config = config
         self.rt = rt
         self.step_buffer = DoubleBuffer("steps")
-        self.inbox: Receiver[SchedulerInbox] = Receiver(rt.ctx, rt.endpoints.scheduler, SchedulerInbox)
-        self.results: Receiver[StepsInbox] = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
-        self.to_worker: Sender[WorkerInbox] = Sender(rt.ctx, rt.endpoints.worker, writer=self.step_buffer)
-        self.to_detokenizer: Sender[DetokenizerInbox] = Sender(rt.ctx, rt.endpoints.detokenizer)
-        self.to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
-        self.executor = RemoteWorker(self.to_worker, self.results, rt, config.step_timeout_s)
+        try:
+            self._open_sockets(config, rt)
+        except BaseException:  # a failed or stopped start leaves no shared-memory segment behind
+            self.step_buffer.close()
+            raise
         self.scheduler: Scheduler | None = None
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
@@ -68,6 +67,14 @@ class SchedulerLoop:
         self._was_busy = False
         self.step_target_s: float | None = None  # set with the step-cost model, from the worker's info
         self.overlap = False  # overlap scheduling, decided from the worker's device
+
+    def _open_sockets(self, config: ServerConfig, rt: ProcessRuntime) -> None:
+        self.inbox: Receiver[SchedulerInbox] = Receiver(rt.ctx, rt.endpoints.scheduler, SchedulerInbox)
+        self.results: Receiver[StepsInbox] = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
+        self.to_worker: Sender[WorkerInbox] = Sender(rt.ctx, rt.endpoints.worker, writer=self.step_buffer)
+        self.to_detokenizer: Sender[DetokenizerInbox] = Sender(rt.ctx, rt.endpoints.detokenizer)
+        self.to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
+        self.executor = RemoteWorker(self.to_worker, self.results, rt, config.step_timeout_s)
 
     def wait_for_worker(self) -> bool:
         """Buffer requests until the worker says what it can hold; False if stopped first."""
@@ -218,8 +225,9 @@ def run(config: ServerConfig) -> int:
     rt = ProcessRuntime("scheduler", config)
     rt.install_signal_handlers()
     rt.start_heartbeat()
-    loop = SchedulerLoop(config, rt)
+    loop: SchedulerLoop | None = None
     try:
+        loop = SchedulerLoop(config, rt)  # inside the try: a stop while it opens still closes its buffer
         if not loop.wait_for_worker():
             return 0
         rt.ready()
@@ -236,4 +244,5 @@ def run(config: ServerConfig) -> int:
         return 0
     finally:
         rt.close()
-        loop.step_buffer.close()
+        if loop is not None:
+            loop.step_buffer.close()
