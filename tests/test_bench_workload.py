@@ -101,7 +101,6 @@ def test_questions_send_no_max_tokens_and_a_seed_each():
     assert fixed["max_tokens"] == 7 and fixed["ignore_eos"] is True and "seed" not in fixed
 
 
-
 def test_load_points_get_their_own_prompts():
     """A sweep's points must not resend earlier points' prompts: a prefix-caching server would answer
     them from its cache and flatter the later points."""

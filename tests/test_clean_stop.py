@@ -227,14 +227,15 @@ README_SCHEMA_CURL = re.compile(r"```bash\ncurl (\S+/v1/chat/completions) .*?-d 
 def test_the_default_model_answers_the_readme_example_and_stops_by_itself(tmp_path):
     """The README's first example and its structured-output one, as written, on the default model:
     sensible answers; then a clean stop."""
-    url, body = README_CURL.search((REPO / "README.md").read_text()).groups()
+    readme = (REPO / "README.md").read_text()
+    url, body = README_CURL.search(readme).groups()
     body = json.loads(body)
     server = start_server(DEFAULT_MODEL, tmp_path / "serve.log", "--kv-capacity-tokens", "8192", startup_timeout=600)
     try:
         assert server.log().count(SERVING_LINE) == 1
         text, finish, _ = stream(server.url + url[url.index("/v1/"):], body)
         assert "Paris" in text and finish == "stop", (text, finish)
-        url, body = README_SCHEMA_CURL.search((REPO / "README.md").read_text()).groups()
+        url, body = README_SCHEMA_CURL.search(readme).groups()
         status, answer = http(server.url + url[url.index("/v1/"):], json.loads(body))
         assert status == 200, answer
         assert json.loads(answer["choices"][0]["message"]["content"]) == {"city": "Paris", "country": "France"}
