@@ -70,9 +70,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
         across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
     min_prefill_share: Annotated[float, _doc("""Least share of a step's time that prefill gets while requests
-        wait, however long the decodes alone take (0-0.9): a step may then run past max_step_ms, up to the
-        decodes' time / (1 - share), so that the bound never stalls admission on a slow or busy machine
-        (procs/scheduler/SCHEDULING.md 6.5); 0 = the bound alone, with a 32-token floor.""")] = 0.5
+        wait (0-0.9): a step may then run past max_step_ms, up to the decodes' time / (1 - share), so that
+        the bound never stalls admission; once the decodes alone take max_step_ms (a slow or busy machine)
+        steps are not bounded at all (procs/scheduler/SCHEDULING.md 6.5); 0 = the bound alone, with a
+        32-token floor.""")] = 0.5
     fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
         section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True

@@ -127,8 +127,8 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     target, decode_rows, decode_pairs = 0.3, 16, 16 * 300.0
     within = []
     for _ in range(400):
-        step_s, out_of_reach = model.prefill_step_s(target, decode_rows, decode_pairs, 0.5)
-        assert not out_of_reach
+        step_s = model.prefill_step_s(target, decode_rows, decode_pairs, 0.5)
+        assert step_s is not None
         n = model.max_prefill_tokens(step_s, decode_rows, decode_pairs, 0, 2048)
         tokens, pairs = decode_rows + n, decode_pairs + attention_pairs([0], [n])
         actual = seconds(tokens, pairs) * 1.3 * float(rng.lognormal(0.0, 0.1))
@@ -139,24 +139,23 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     assert 1.05 < model.margin < 1.3  # the noise's 90th percentile: the refits took the 1.3x
 
 
-def test_prefill_keeps_its_share_of_a_step_when_the_decodes_alone_take_the_target():
+def test_prefill_keeps_its_share_of_a_step_and_an_unreachable_target_bounds_nothing():
     """SCHEDULING.md 6.5: on a machine too slow for the target the bound must not stall admission."""
     model = StepCostModel(probe())
     rows, pairs = 64, 64 * 4000.0  # decodes alone: 0.1 s of tokens + 0.05 s of attention
     decode_s = seconds(rows, pairs)
     assert decode_s > 0.1
-    step_s, out_of_reach = model.prefill_step_s(0.1, rows, pairs, 0.5)
-    assert out_of_reach and step_s == pytest.approx(2 * decode_s)
+    assert model.prefill_step_s(0.1, rows, pairs, 0.5) is None  # out of reach: no bound
+    assert model.prefill_step_s(0.1, rows, pairs, 0.0) is None
+    # Within reach: the target, unless its room for prefill is below the share.
+    assert model.prefill_step_s(0.3, 4, 4 * 300.0, 0.5) == pytest.approx(0.3)
+    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.5)
+    assert step_s == pytest.approx(2 * decode_s)
     n = model.max_prefill_tokens(step_s, rows, pairs, 0, 4096)
     prefill_s = lambda k: seconds(rows + k, pairs + attention_pairs([0], [k])) - decode_s
     assert prefill_s(n) <= decode_s < prefill_s(n + 1)  # as long as the decodes, at a share of one half
-    step_s, _ = model.prefill_step_s(0.1, rows, pairs, 0.0)  # no share: the bound alone, nothing fits
-    assert model.max_prefill_tokens(step_s, rows, pairs, 0, 4096) == 0
-    # Within reach: the target, unless its room for prefill is below the share.
-    step_s, out_of_reach = model.prefill_step_s(0.3, 4, 4 * 300.0, 0.5)
-    assert not out_of_reach and step_s == pytest.approx(0.3)
-    step_s, out_of_reach = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.5)
-    assert not out_of_reach and step_s == pytest.approx(2 * decode_s)
+    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.0)  # no share: the bound alone
+    assert step_s == pytest.approx(decode_s * 1.5)
 
 
 def test_the_prefill_share_is_checked():

@@ -169,22 +169,24 @@ class SchedulerLoop:
 
     def _prefill_tokens(self) -> int | None:
         """Prompt tokens this step may carry within the step-time target, or the share of the step that
-        prefill always gets (SCHEDULING.md 6.5); None: no target."""
+        prefill always gets (SCHEDULING.md 6.5); None: no bound (none set, or out of reach)."""
         cost, target, sched = self.executor.cost, self.step_target_s, self.scheduler
         if cost is None or target is None:
             return None
         assert sched is not None
         decode_rows, decode_pairs = sched.decode_load()
-        step_s, out_of_reach = cost.prefill_step_s(target, decode_rows, decode_pairs, self.config.min_prefill_share)
-        if out_of_reach and sched.has_prefill_work():
-            self._steps_out_of_reach += 1
-            if not self._said_out_of_reach:
-                self._said_out_of_reach = True
-                log.warning("the step-time target is out of reach: the decodes alone take longer, so prefill "
-                            "takes its share of each step instead", extra={"fields": {
-                                "max_step_ms": round(target * 1000, 1),
-                                "decode_ms": round(cost.predict(decode_rows, decode_pairs) * 1000, 1),
-                                "decode_rows": decode_rows, "min_prefill_share": self.config.min_prefill_share}})
+        step_s = cost.prefill_step_s(target, decode_rows, decode_pairs, self.config.min_prefill_share)
+        if step_s is None:  # out of reach: run as the unbounded scheduler does
+            if sched.has_prefill_work():
+                self._steps_out_of_reach += 1
+                if not self._said_out_of_reach:
+                    self._said_out_of_reach = True
+                    log.warning("the step-time target is out of reach: the decodes alone take longer, so steps "
+                                "are not bounded while they do", extra={"fields": {
+                                    "max_step_ms": round(target * 1000, 1),
+                                    "decode_ms": round(cost.predict(decode_rows, decode_pairs) * 1000, 1),
+                                    "decode_rows": decode_rows}})
+            return None
         fits = cost.max_prefill_tokens(step_s, decode_rows, decode_pairs, sched.prefill_prefix(),
                                        self.config.prefill_budget)
         return max(fits, MIN_PREFILL_TOKENS)

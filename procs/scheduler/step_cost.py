@@ -15,8 +15,8 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-Prefill never gets less than a share of a step, however long the decodes alone take
-(`prefill_step_s`), so a machine too slow for the target still admits.
+Prefill never gets less than a share of a step, and once the decodes alone take the target a step is
+not bounded at all (`prefill_step_s`), so a machine too slow for the target admits as fast as it can.
 """
 
 from __future__ import annotations
@@ -79,14 +79,16 @@ class StepCostModel:
                 self.weights = fitted
 
     def prefill_step_s(self, target_s: float, decode_rows: int, decode_pairs: float,
-                       min_share: float) -> tuple[float, bool]:
-        """How long (as predicted) a step beside these decodes may take, and whether the target is out of
-        reach: `target_s` less the margin, unless that leaves prefill less than `min_share` of the step;
-        then as long as gives prefill that share (decodes' time / (1 - min_share)). Out of reach: the
-        decodes alone take the target (SCHEDULING.md 6.5)."""
+                       min_share: float) -> float | None:
+        """How long (as predicted) a step beside these decodes may take: `target_s` less the margin,
+        unless that leaves prefill less than `min_share` of the step; then as long as gives prefill that
+        share (decodes' time / (1 - min_share)). None: the target is out of reach (the decodes alone take
+        it), so the bound protects nothing and the step is not bounded (SCHEDULING.md 6.5)."""
         planned_s = target_s / self.margin
         decode_s = self.predict(decode_rows, decode_pairs)
-        return max(planned_s, decode_s / (1 - min_share)), decode_s >= planned_s
+        if decode_s >= planned_s:
+            return None
+        return max(planned_s, decode_s / (1 - min_share))
 
     def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,
                            limit: int) -> int:
