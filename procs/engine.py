@@ -199,6 +199,8 @@ class OfflineEngine:
             self.close()
             raise
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
+        self.draft_tokens = 0  # speculative decoding so far: tokens proposed, and those accepted
+        self.accepted_tokens = 0
 
     def __enter__(self) -> OfflineEngine:
         return self
@@ -291,7 +293,8 @@ class OfflineEngine:
                 ids = [int(t) for t in request.prompt_ids]
                 try:
                     self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
-                                               request.logits, priority=request.priority)
+                                               request.logits, priority=request.priority,
+                                               speculative=request.speculative)
                 except BaseException:  # a refusal (Refusal names the field): this call runs none of them
                     for rid in live:
                         self.scheduler.abort(rid)
@@ -313,6 +316,8 @@ class OfflineEngine:
                 self._failure = self._rank_failure(exc)
                 raise self._failure from exc
             self.preemptions += len(out.preempted)
+            self.draft_tokens += out.draft_tokens
+            self.accepted_tokens += out.accepted_tokens
             new: dict[str, list[int]] = {}
             for rid, token in out.new_tokens:
                 new.setdefault(rid, []).append(int(token))

@@ -24,6 +24,10 @@ OverlapSchedule = Literal["auto", "on", "off"]  # the default first
 # The waiting queue's order (procs/scheduler/SCHEDULING.md section 8): arrival, or priority then arrival.
 SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+# Speculative decoding (procs/scheduler/ngram.py proposes, the worker verifies): off, or prompt lookup.
+Speculative = Literal["off", "ngram"]  # the default first
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
+NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 4, 2, 4  # their defaults (the server's and the scheduler's)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -87,6 +91,15 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
         previous step's tokens are back (the chapter's loop). auto: on with a CUDA worker, off on the CPU,
         where the scheduler's work competes with the model for the same cores.""")] = "auto"
+    speculative: Annotated[Speculative, _doc("""Speculative decoding: ngram = prompt lookup (each decode row
+        also feeds up to num_speculative_tokens tokens found after the last ngram_max..ngram_min tokens'
+        latest earlier occurrence in the prompt and output; the model checks them in the same step and keeps
+        what it would have sampled anyway, so the output is unchanged and each step may give several
+        tokens); off: one token per step. Needs overlap_schedule off (auto turns it off). A request opts out
+        with "speculative": false.""")] = "off"
+    num_speculative_tokens: Annotated[int, _doc("Most tokens one speculative decode row proposes (k).")] = NUM_SPECULATIVE_TOKENS
+    ngram_min: Annotated[int, _doc("Shortest match (in tokens) that prompt lookup proposes from.")] = NGRAM_MIN
+    ngram_max: Annotated[int, _doc("Longest match (in tokens) that prompt lookup tries first.")] = NGRAM_MAX
     step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
         Generous: a long prefill chunk on a CPU takes seconds. With tensor parallelism, also the

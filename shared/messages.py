@@ -179,6 +179,10 @@ class StepResult(msgspec.Struct, kw_only=True):
     # Prefill chunks of requests that asked for prompt logprobs: (slot, logprobs of the prompt
     # tokens this chunk predicts, in order).
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] = []
+    # Rows with proposed tokens (speculative decoding): how many positions of each sampling row (rows
+    # with sample_lens > 0, in batch order) verification kept, the first always; [] when every row has
+    # one position. The tokens of the others are in next_token_ids and do not count.
+    accepted_lens: list[int] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +248,7 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     stop: StopParams = StopParams()
     arrival_time: float = 0.0  # time.time() at the api
     priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
+    speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
     # The field `stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
     # tokenizer's refusal names the one the client sent.
     max_tokens_param: str = "max_tokens"
@@ -299,6 +304,7 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
     arrival_time: float = 0.0
     logits: LogitsParams = PLAIN_LOGITS
     priority: int = 0
+    speculative: bool = True  # False: the request opted out of speculative decoding
 
 
 class RequestRejected(msgspec.Struct, tag=True, kw_only=True):
@@ -387,6 +393,10 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     preemptions: int = 0  # requests preempted since the previous stats message
     steps_target_out_of_reach: int = 0  # steps since then whose decodes alone took the step-time target
     kv_reserve_ratio: float = 1.0  # the scheduler's configured ratio (procs/scheduler/SCHEDULING.md's rho)
+    # speculative decoding since then: decode rows with a draft, their draft tokens, the accepted ones
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

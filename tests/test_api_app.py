@@ -141,6 +141,21 @@ def test_priority_reaches_the_engine_for_every_choice():
     run(go())
 
 
+def test_a_request_opts_out_of_speculative_decoding():
+    async def go():
+        engine = FakeEngine()
+        async with api(engine) as client:
+            assert (await client.post("/v1/completions", json={"prompt": "x", "speculative": False})).status == 200
+            assert (await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "speculative": False})).status == 200
+            assert (await client.post("/v1/responses", json={"input": "x", "speculative": False})).status == 200
+            assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
+            resp = await client.post("/v1/completions", json={"prompt": "x", "speculative": "no"})
+            assert resp.status == 400 and "speculative" in (await resp.json())["error"]["message"]
+        assert [req.speculative for req in engine.requests] == [False, False, False, True]
+    run(go())
+
+
 def test_priority_outside_32_bits_is_a_400_naming_it():
     async def go():
         engine = FakeEngine()

@@ -69,7 +69,8 @@ def test_metrics_move_after_requests_and_stats():
                 await (await client.post(path, json=body)).read()
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
                                              kv_total_tokens=4096, batch_sizes=[1, 3, 3], preemptions=2,
-                                             kv_reserve_ratio=0.05, steps_target_out_of_reach=4))
+                                             kv_reserve_ratio=0.05, steps_target_out_of_reach=4,
+                                             spec_drafts=3, spec_draft_tokens=12, spec_accepted_tokens=7))
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
                                              kv_total_tokens=4096, preemptions=1, kv_reserve_ratio=0.05))
             after = samples(await (await client.get("/metrics")).text())
@@ -82,10 +83,13 @@ def test_metrics_move_after_requests_and_stats():
                  "batchserve_generation_tokens_total", "batchserve_time_to_first_token_seconds_count",
                  "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
                  "batchserve_batch_size_count", "batchserve_preemptions_total",
-                 "batchserve_step_target_out_of_reach_total"):
+                 "batchserve_step_target_out_of_reach_total", "batchserve_spec_decode_num_drafts_total",
+                 "batchserve_spec_decode_num_draft_tokens_total", "batchserve_spec_decode_num_accepted_tokens_total"):
         assert value(before, name) == 0, name
     assert value(after, "batchserve_preemptions_total") == 3  # counts add up across stats messages
     assert value(after, "batchserve_step_target_out_of_reach_total") == 4
+    assert [value(after, f"batchserve_spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens",
+                                                                             "accepted_tokens")] == [3, 12, 7]
     assert value(after, "batchserve_kv_reserve_ratio") == 0.05
     assert value(after, "batchserve_num_requests_running") == 3
     assert value(after, "batchserve_num_requests_waiting") == 5

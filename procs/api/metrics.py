@@ -10,8 +10,11 @@ histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
            request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed),
-           step_target_out_of_reach_total (steps whose decodes alone took --max-step-ms: prefill then
-           gets its --min-prefill-share of the step instead),
+           step_target_out_of_reach_total (steps whose decodes alone took --max-step-ms: they are then
+           not bounded),
+           spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
+           spec_decode_num_accepted_tokens_total (speculative decoding, vLLM's names: decode rows with a
+           draft, their draft tokens, the accepted ones; mean acceptance length = 1 + accepted / drafts),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
 """
@@ -46,6 +49,12 @@ class ApiMetrics:
         self.out_of_reach = Counter("batchserve_step_target_out_of_reach",
                                     "Steps with prefill waiting whose decodes alone took the step-time target",
                                     registry=r)
+        self.spec_drafts = Counter("batchserve_spec_decode_num_drafts", "Decode rows that carried a draft",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("batchserve_spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         registry=r)
+        self.spec_accepted = Counter("batchserve_spec_decode_num_accepted_tokens",
+                                     "Draft tokens the model accepted", registry=r)
         self.cache_hits = Counter("batchserve_prefix_cache_hit_tokens",
                                   "Prompt tokens whose KV was found in the prefix cache", registry=r)
         self.cache_queries = Counter("batchserve_prefix_cache_queried_tokens",
@@ -88,6 +97,10 @@ class ApiMetrics:
             self.preemptions.inc(stats.preemptions)
         if stats.steps_target_out_of_reach:
             self.out_of_reach.inc(stats.steps_target_out_of_reach)
+        if stats.spec_drafts:
+            self.spec_drafts.inc(stats.spec_drafts)
+            self.spec_draft_tokens.inc(stats.spec_draft_tokens)
+            self.spec_accepted.inc(stats.spec_accepted_tokens)
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
 

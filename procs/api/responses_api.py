@@ -164,6 +164,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     priority: int | None = None
+    speculative: bool | None = None
     chat_template_kwargs: dict[str, object] | None = None
 
 
@@ -228,6 +229,7 @@ def to_chat(req: ResponsesRequest, previous: list[ChatMessageIn]) -> ChatTransla
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, priority=req.priority,
+        speculative=req.speculative,
         response_format=_response_format(text_format), tools=_tools(req.tools or []),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         logprobs=logprobs or None, top_logprobs=req.top_logprobs if logprobs else None,

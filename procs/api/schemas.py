@@ -82,6 +82,7 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     min_tokens: int | None = None  # vLLM's
     priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
+    speculative: bool | None = None  # false: no speculative decoding for this request (--speculative)
     # sampling
     temperature: float | None = None
     top_p: float | None = None

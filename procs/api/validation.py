@@ -97,7 +97,8 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     constraint = constraint_of(req)
     requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
                                 stop=_stop(req, max_tokens), arrival_time=time.time(),
-                                constraint=constraint, priority=req.priority or 0)
+                                constraint=constraint, priority=req.priority or 0,
+                                speculative=req.speculative is not False)
                 for prompt, prompt_ids in prompts]
     return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
                             echo=echo, drop_generated=drop_generated)
@@ -137,7 +138,7 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
         rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, given),
         max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
         forced_tool=forced_tool, chat_template_kwargs=template_kwargs, constraint=constraint,
-        priority=req.priority or 0,
+        priority=req.priority or 0, speculative=req.speculative is not False,
     )
     tool_names = frozenset(t.name for t in tools) if tool_choice != "none" else frozenset()
     return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs),

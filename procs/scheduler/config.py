@@ -7,7 +7,18 @@ import math
 
 import msgspec
 
-from shared.config import POLICIES, SCHEDULING_POLICIES, Policy, SchedulingPolicy, ServerConfig
+from shared.config import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NUM_SPECULATIVE_TOKENS,
+    POLICIES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    Policy,
+    SchedulingPolicy,
+    ServerConfig,
+    Speculative,
+)
 from shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
@@ -53,6 +64,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     scheduling_policy: SchedulingPolicy = "fcfs"
     # A long prompt's chunk leaves half of a step to the requests behind it (SCHEDULING.md section 9); off: the chapter.
     fair_prefill: bool = False
+    # Speculative decoding: "ngram" proposes up to `num_speculative_tokens` tokens per decode row by
+    # prompt lookup (`procs/scheduler/ngram.py`), matches of `ngram_min`..`ngram_max` tokens.
+    speculative: Speculative = "off"
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
+    ngram_min: int = NGRAM_MIN
+    ngram_max: int = NGRAM_MAX
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -67,6 +84,14 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise SchedulerConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                                        f"got {self.scheduling_policy!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise SchedulerConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                                       f"got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise SchedulerConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SchedulerConfigError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} and "
+                                       f"ngram_max={self.ngram_max}")
         if self.kv_capacity_tokens < self.page_size:
             raise SchedulerConfigError(
                 f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one page of "
@@ -98,7 +123,8 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
         prefix_cache=not config.disable_prefix_cache, scheduling_policy=config.scheduling_policy,
-        fair_prefill=config.fair_prefill,
+        fair_prefill=config.fair_prefill, speculative=config.speculative,
+        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
     )
 
 
@@ -111,8 +137,10 @@ def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
 
 
 def overlap_schedule(config: ServerConfig, info: WorkerInfo) -> bool:
-    """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker)."""
-    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda")
+    """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker
+    without speculative decoding, whose rows must be verified before the next step plans them)."""
+    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda"
+                                               and config.speculative == "off")
 
 
 def check_config(config: ServerConfig) -> None:
@@ -122,6 +150,9 @@ def check_config(config: ServerConfig) -> None:
                          f"got {config.max_step_ms}")
     if not config.step_timeout_s > 0:  # NaN fails too; the scheduler's wait for every step
         raise ValueError(f"step_timeout_s must be > 0, got {config.step_timeout_s}")
+    if config.speculative != "off" and config.overlap_schedule == "on":
+        raise ValueError("speculative decoding needs overlap_schedule off or auto: a speculative row must be "
+                         "verified before the next step plans its request")
     if not 0 <= config.min_prefill_share <= MAX_PREFILL_SHARE:
         raise ValueError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], got {config.min_prefill_share}")
     scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),

@@ -18,6 +18,12 @@ that comes back is appended in order with the stop checks applied to each; the f
 request drops the rest of its row. A draft is accepted only once its request's last token is back,
 so that with overlap scheduling `FUTURE_TOKEN` still stands only first in a row.
 
+Speculative decoding (`speculative="ngram"`) gives drafts to decoding requests before each step
+that nothing is in flight for (`NgramProposer`), and the worker verifies them
+(`StepResult.accepted_lens`): only a row's accepted tokens are appended, and the rest of its row is
+rolled back (its KV positions, its generated count, and the pages past its KV). A draft never takes
+a row to its token limit, so that a rejection never has to put its request back in the decode set.
+
 The pieces: `PrefillManager` plans chunks and admissions within the budget, `DecodeManager` holds
 the decode set, `KVManager` owns the pages (reservation, preemption victims, allocation) and
 `batch.build_forward_batch` packs the plan for the worker; the policy (`managers.POLICY_PLANNERS`)
@@ -38,6 +44,7 @@ from procs.scheduler.deltas import token_deltas
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
+from procs.scheduler.ngram import NgramProposer, pause_after
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from shared.checks import check_priority
@@ -75,6 +82,11 @@ class StepOutput(msgspec.Struct, kw_only=True):
     # rid -> the record of each request this output finishes or cancels (forgotten by the scheduler;
     # its final `TokenDelta` still reads it)
     ended: dict[str, Request] = {}
+    # Speculative decoding: rows of this step that carried a draft, their draft tokens, and how many of
+    # those verification accepted (rows of requests that ended while the step ran not counted).
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -134,12 +146,15 @@ class Scheduler:
                                              fair=config.fair_prefill)
         self.decode_manager = DecodeManager()
         self._planner = POLICY_PLANNERS[config.policy]
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
+            if config.speculative == "ngram" else None
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
         self._step = 0
         self._cancelled: list[Request] = []  # aborted since the last launched step
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
+        self._drafts_in_flight = False  # a launched step has draft rows (it must complete before the next launch)
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
 
     # ------------------------------------------------------------------ public state
@@ -207,9 +222,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0) -> None:
+                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0,
+                    speculative: bool = True) -> None:
         """Queue a request (at the tail of the waiting queue; by `priority` under the priority policy),
-        or raise `Refusal`."""
+        or raise `Refusal`. `speculative` False: never give it a draft."""
         if rid in self._live:
             raise Refusal("a request with this id is already queued or running")
         if priority and not self.by_priority:
@@ -228,7 +244,8 @@ class Scheduler:
         if capacity is not None and len(self._live) >= capacity:
             raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
                           f"{self.config.max_waiting} waiting requests)", status=503)
-        request = Request(rid, prompt, sampling, stop, logits, priority=priority, arrival=self._arrivals)
+        request = Request(rid, prompt, sampling, stop, logits, priority=priority, arrival=self._arrivals,
+                          speculative=speculative)
         self._arrivals += 1
         self._live[rid] = request
         self.prefill_manager.enqueue(request)
@@ -310,6 +327,9 @@ class Scheduler:
         dropped when it comes back. Preemption needs every token known (a victim's tokens become its
         prompt): if this step must preempt while steps run, `drain` is called first to complete them.
         """
+        if self._drafts_in_flight:
+            raise RuntimeError("a step with draft rows is in flight: complete it before launching another "
+                               "(speculative decoding needs overlap scheduling off)")
         out = StepOutput(step=self._step)
         if self._cancelled:
             out.cancelled = [r.rid for r in self._cancelled]
@@ -318,6 +338,8 @@ class Scheduler:
         self._step += 1
         if self.by_priority and self.config.policy != "fixed":
             self._preempt_for_head(out, drain)
+        if self.proposer is not None and not self._launched:
+            self._propose_drafts()
         plan = self._plan(prefill_tokens)
         slots, tokens = plan.slots_and_tokens()
         growth = self.kv.growth(slots, tokens)
@@ -344,6 +366,26 @@ class Scheduler:
         return self._advance(plan, batch, out)
 
     # ------------------------------------------------------------------ planning
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: a draft for each decoding request that may have one, not backing off,
+        with room for a row one token below its limit (every last token is back: nothing is in flight)."""
+        table, proposer = self.table, self.proposer
+        assert proposer is not None
+        for request in self.decode_manager.running_reqs.values():
+            if not request.speculative or request.draft.shape[0]:
+                continue
+            if request.spec_pause:
+                request.spec_pause -= 1
+                continue
+            slot = request.slot
+            generated = int(table.generated[slot])
+            room = int(table.token_limit[slot]) - generated - 2  # the row of 1 + draft stays below the limit
+            if room < 1:
+                continue
+            draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room)
+            if draft.shape[0]:
+                self.decode_manager.set_draft(request, draft)
+
     def _plan(self, prefill_tokens: int | None) -> StepPlan:
         budget = self.config.prefill_budget
         cap = budget if prefill_tokens is None else prefill_tokens
@@ -380,6 +422,7 @@ class Scheduler:
             table.kv_len[ds] += widths
             if self.decode_manager.drafting:
                 self.decode_manager.use_drafts()  # packed into this batch's rows
+                self._drafts_in_flight = True
         completing: list[Request] = []
         if plan.prefill:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
@@ -424,13 +467,22 @@ class Scheduler:
         batch, out = launched.batch, launched.out
         assert batch is not None, "an empty step has nothing to complete"
         self._launched -= 1
+        self._drafts_in_flight = False
         table = self.table
         token_ids = np.asarray(result.next_token_ids)
         if result.step != batch.step or token_ids.shape != (batch.num_sampled,):
             raise ExecutorError(
                 f"step {batch.step}: expected {batch.num_sampled} token ids for step {batch.step}, got "
                 f"shape {token_ids.shape} for step {result.step}")
-        kept = self._kept_tokens(launched, token_ids)
+        accepted = None
+        if result.accepted_lens:
+            accepted = np.asarray(result.accepted_lens, dtype=np.int64)
+            if accepted.shape != launched.sample_lens.shape or not (
+                    (accepted >= 1) & (accepted <= launched.sample_lens)).all():
+                raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
+                                    f"rows' sample lens {launched.sample_lens.tolist()}")
+            self._verified(launched, accepted, out)
+        kept = self._kept_tokens(launched, token_ids, accepted)
         slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
@@ -459,9 +511,34 @@ class Scheduler:
             self._release(finished)
         return out
 
-    def _kept_tokens(self, launched: LaunchedStep, token_ids: np.ndarray) -> _KeptTokens:
+    def _verified(self, launched: LaunchedStep, accepted: np.ndarray, out: StepOutput) -> None:
+        """Speculative rows came back with `accepted` positions each: roll back the rest of each live row
+        (KV positions, generated count, the pages past its KV), count the drafts and update each
+        request's back-off."""
+        table = self.table
+        slots, lens = launched.sample_slots, launched.sample_lens
+        live = table.admit_seq[slots] == launched.admit_seq
+        drafted = np.flatnonzero(live & (lens > 1))
+        out.drafts = int(drafted.shape[0])
+        out.draft_tokens = int((lens[drafted] - 1).sum())
+        out.accepted_tokens = int((accepted[drafted] - 1).sum())
+        for i in drafted.tolist():
+            request = table.requests[int(slots[i])]
+            assert request is not None
+            request.spec_misses = 0 if accepted[i] > 1 else request.spec_misses + 1
+            request.spec_pause = pause_after(request.spec_misses)
+        short = np.flatnonzero(live & (accepted < lens))
+        if short.shape[0]:
+            rejected, rslots = lens[short] - accepted[short], slots[short]
+            table.kv_len[rslots] -= rejected
+            table.generated[rslots] -= rejected
+            self.kv.truncate(rslots)
+
+    def _kept_tokens(self, launched: LaunchedStep, token_ids: np.ndarray,
+                     accepted: np.ndarray | None = None) -> _KeptTokens:
         """The sampled tokens that count, each with its slot and index in its request's output: not those
-        of rows whose request ended while the step ran, nor a row's tokens after the one that ends it."""
+        of rows whose request ended while the step ran, nor a row's tokens past what verification
+        `accepted`, nor those after the one that ends it."""
         table = self.table
         slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
         num_sampled = token_ids.shape[0]
@@ -475,6 +552,8 @@ class Scheduler:
             offset = np.arange(num_sampled, dtype=np.int64) - row_starts[row]
             slots, index = slots[row], index[row] + offset
             live = table.admit_seq[slots] == launched.admit_seq[row]
+            if accepted is not None:
+                live &= offset < accepted[row]
         stopped = self._stopped(slots, token_ids, live)
         ends = (stopped | (index + 1 >= table.token_limit[slots])) & live
         keep = live

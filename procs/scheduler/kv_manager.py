@@ -202,6 +202,19 @@ class KVManager:
         t.num_pages[slots] = have + growth
         return _joined([*attached, PageTableUpdates(new_slots, new_cols, pages)])
 
+    def truncate(self, slots: np.ndarray) -> None:
+        """Give back each slot's own pages past its KV (a speculative row's rejected tokens had them)."""
+        t = self.table
+        keep = self.pages_for(t.kv_len[slots])
+        extra = t.num_pages[slots] - keep
+        rows = np.flatnonzero(extra > 0)
+        if not rows.shape[0]:
+            return
+        slots, keep, extra = slots[rows], keep[rows], extra[rows]
+        cols = np.repeat(keep, extra) + np.arange(int(extra.sum()), dtype=np.int64) - np.repeat(np.cumsum(extra) - extra, extra)
+        self.allocator.free(t.page_table[np.repeat(slots, extra), cols])
+        t.num_pages[slots] = keep
+
     def release(self, requests: list[Request]) -> None:
         """Empty their table rows and give back their pages. With the cache, their completed pages join
         it first (prompt and generated tokens; a partial last page stays out), and only the pages the

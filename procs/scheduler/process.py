@@ -62,6 +62,7 @@ class SchedulerLoop:
         self._preemptions = 0
         self._steps_out_of_reach = 0  # steps whose decodes alone were predicted over the target
         self._said_out_of_reach = False
+        self._spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted ones, since the last stats message
         self._cache_counts = (0, 0, 0)
         self._last_stats = 0.0
         self._was_busy = False
@@ -108,7 +109,8 @@ class SchedulerLoop:
         if isinstance(message, TokenizedRequest):
             try:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
-                                           message.logits, priority=message.priority)
+                                           message.logits, priority=message.priority,
+                                           speculative=message.speculative)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))
@@ -166,6 +168,9 @@ class SchedulerLoop:
                 "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
+        if out.drafts:
+            self._spec_counts = [a + b for a, b in zip(self._spec_counts, (out.drafts, out.draft_tokens,
+                                                                           out.accepted_tokens))]
 
     def _prefill_tokens(self) -> int | None:
         """Prompt tokens this step may carry within the step-time target, or the share of the step that
@@ -204,7 +209,10 @@ class SchedulerLoop:
                                         kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
                                         preemptions=self._preemptions,
                                         steps_target_out_of_reach=self._steps_out_of_reach,
-                                        kv_reserve_ratio=sched.config.kv_reserve_ratio, **self._cache_stats()))
+                                        kv_reserve_ratio=sched.config.kv_reserve_ratio,
+                                        spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
+                                        spec_accepted_tokens=self._spec_counts[2], **self._cache_stats()))
+        self._spec_counts = [0, 0, 0]
         self._batch_sizes = []
         self._preemptions = 0
         self._steps_out_of_reach = 0

@@ -29,13 +29,18 @@ class Request:
     them after the last token, one sampled position each, and uses them up.
     `reported`: tokens sent downstream in `TokenDelta`s so far (0: its first delta is still to come).
     `priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue under
-    the priority scheduling policy (SCHEDULING.md section 8)."""
+    the priority scheduling policy (SCHEDULING.md section 8).
+    `speculative`: the server may propose drafts for it (speculative decoding, unless it opted out);
+    `spec_misses` / `spec_pause`: its proposals in a row with nothing accepted, and the steps it still
+    skips for them (`procs.scheduler.ngram`)."""
 
     __slots__ = ("rid", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
-                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival")
+                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival",
+                 "speculative", "spec_misses", "spec_pause")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams,
-                 logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0) -> None:
+                 logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0,
+                 speculative: bool = True) -> None:
         self.rid = rid
         self.prompt = prompt  # int32 [prompt_len]
         self.num_prompt_tokens = int(prompt.shape[0])
@@ -53,6 +58,9 @@ class Request:
         self.reported = 0
         self.priority = priority
         self.arrival = arrival
+        self.speculative = speculative
+        self.spec_misses = 0
+        self.spec_pause = 0
 
     @property
     def queue_key(self) -> tuple[int, int]:

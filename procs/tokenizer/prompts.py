@@ -184,7 +184,7 @@ class PromptTokenizer:
                                              grammar_after=self._thinking_end(ids) if request.messages else None)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
-                                logits=logits, priority=request.priority)
+                                logits=logits, priority=request.priority, speculative=request.speculative)
 
     def _thinking_end(self, prompt_ids: list[int]) -> int | None:
         """A thinking model's `</think>` token, when the answer will start by thinking: the grammar

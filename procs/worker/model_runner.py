@@ -276,7 +276,14 @@ class ModelRunner:
                 sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
                 token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows)
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
-                lasts = rows.last_positions()
+                kept_rows, kept = rows, None
+                if rows.width > 1:  # proposed tokens: keep what verification accepts (speculative decoding)
+                    accepted = rows.accepted(result.next_token_ids)
+                    result.accepted_lens = accepted.tolist()
+                    kept_rows, kept = rows.kept(accepted)
+                self.logits_state.record(kept_rows, token_ids if kept is None else
+                                         token_ids.index_select(0, torch.from_numpy(kept).to(self.device)))
+                lasts = rows.firsts + kept_rows.lens - 1
                 self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
         return result
 
@@ -295,15 +302,14 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
                 ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
-        """Adjust (penalties, bias, bans), sample, count, one logit row per sampled position; logprobs
-        from the logits as the model gave them."""
+        """Adjust (penalties, bias, bans) and sample, one logit row per sampled position; logprobs from
+        the logits as the model gave them. The caller counts the tokens it keeps."""
         state = self.logits_state
         wanted = state.logprob_rows(rows.slots)
         row_index = torch.from_numpy(wanted).to(self.device) if wanted.shape[0] else None
         raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
         state.adjust_(logits, rows)
         token_ids = sample_batch(logits, sampling, rows.counts.tolist())
-        state.record(rows, token_ids)
         if raw is None:
             return token_ids, [], []
         return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
