@@ -22,7 +22,8 @@ from loadtests.runner import LoadPoint
 from loadtests.server_process import DEFAULT_SERVE_COMMAND
 from loadtests.targets import Opener, Plan, measure_targets, server_target, transformers_target, url_target
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
-                                chat_workload, multiturn_workload, questions_workload, random_workload)
+                                chat_workload, editing_workload, multiturn_workload, questions_workload,
+                                random_workload)
 from procs.cli import CliError
 from shared.config import DEFAULT_MODEL, POLICIES, ServerConfig
 from shared.model import resolve_model
@@ -37,10 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     load = parser.add_argument_group("workload")
-    load.add_argument("--workload", choices=("random", "chat", "questions", "multiturn"), default="random",
+    load.add_argument("--workload", choices=("random", "chat", "questions", "editing", "multiturn"),
+                      default="random",
                       help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix; "
                       "questions: everyday chat questions sent without max_tokens (answered until EOS), "
-                      "sampled at temperature 0.7 with a seed per request; multiturn: --num-prompts "
+                      "sampled at temperature 0.7 with a seed per request; editing: requests to rewrite a "
+                      "passage that the answer mostly repeats, greedy, without max_tokens (speculative "
+                      "decoding's case); multiturn: --num-prompts "
                       "conversations of --turns questions behind one --system-tokens system prompt, each turn "
                       "resending the history (chat endpoint; --concurrency = conversations in flight)")
     load.add_argument("--turns", type=int, default=4, help="questions per conversation (multiturn)")
@@ -187,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")
     with_transformers = args.compare and not args.no_transformers
-    if with_transformers and args.workload in ("questions", "multiturn"):
+    if with_transformers and args.workload in ("questions", "editing", "multiturn"):
         raise CliError(f"the {args.workload} workload cannot run on the transformers.generate baseline: "
                        "add --no-transformers")
     if args.workload == "multiturn" and (args.endpoint != "chat" or args.request_rate):
@@ -202,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
     elif args.workload == "questions":
         specs = questions_workload(num_prompts, args.seed)
         warmup = questions_workload(args.warmup, args.seed + 1) if args.warmup else []
+    elif args.workload == "editing":
+        specs = editing_workload(num_prompts, args.seed)
+        warmup = editing_workload(args.warmup, args.seed + 1) if args.warmup else []
     elif args.workload == "multiturn":
         output_len = LengthRange.parse(args.output_len, "--output-len").high
         specs = multiturn_workload(num_prompts, args.turns, args.system_tokens, output_len, args.seed, builder)

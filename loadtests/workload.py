@@ -189,6 +189,31 @@ def questions_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
                         None, QUESTION_TEMPERATURE, int(seeds[i])) for i in range(num_prompts)]
 
 
+EDITS = (
+    "Rewrite the following text with every 'that' replaced by 'which'. Reply with the rewritten text only.",
+    "Repeat the following text word for word.",
+    "Rewrite the following text, writing 'nation' as 'country' and changing nothing else.",
+    "Copy the following text, starting every sentence on a new line.",
+)
+PASSAGES = Path(__file__).parent / "data" / "english_text.txt"  # public-domain passages
+
+
+def editing_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
+    """`num_prompts` chat requests to edit a passage (of `PASSAGES`) that the answer mostly repeats:
+    the work speculative decoding by prompt lookup is for. Greedy, no max_tokens (answered until EOS),
+    so every target computes the same tokens."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    passages = [p.strip() for p in PASSAGES.read_text().split("\n\n") if len(p.split()) >= 20]
+    rng = np.random.default_rng(seed)
+    specs = []
+    for _ in range(num_prompts):
+        passage = passages[int(rng.integers(len(passages)))]
+        prompt = f"{EDITS[int(rng.integers(len(EDITS)))]}\n\n{passage}"
+        specs.append(RequestSpec(prompt, len(prompt.split()) * 4 // 3, None))
+    return specs
+
+
 def multiturn_workload(conversations: int, turns: int, system_tokens: int, output_len: int, seed: int,
                        builder: PromptBuilder) -> list[RequestSpec]:
     """`conversations` chats of `turns` questions each behind one shared `system_tokens`-token system

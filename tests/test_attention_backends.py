@@ -26,15 +26,25 @@ def _naive(q, keys, values, prefix):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+# (slot, prefix, extend) of a step's rows:
+LAYOUTS = {
+    # decode, fresh prefill, short continued chunk (attended as decode rows), decode, 1-token fresh
+    # prompt, long continued chunk (SDPA), padded row
+    "mixed": [(3, 9, 1), (0, 0, 6), (5, 7, 4), (1, 20, 1), (6, 0, 1), (2, 5, 20), (7, 0, 1)],
+    # decode rows with drafts (speculative decoding): the whole step attends as decode rows
+    "wide-decode": [(3, 9, 1), (5, 7, 4), (1, 20, 5), (2, 3, 2)],
+}
+
+
 @pytest.mark.parametrize("backend_name", ["torch", pytest.param("cpu", marks=requires_native_kernels)])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
-def test_mixed_step_matches_naive_attention(page_size, backend_name):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_matches_naive_attention(page_size, backend_name, layout):
     torch.manual_seed(0)
     cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
                     max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
     backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5)
-    # (slot, prefix, extend): decode, fresh prefill, continued chunk, decode, 1-token fresh prompt, padded row
-    rows = [(3, 9, 1), (0, 0, 6), (5, 7, 4), (1, 20, 1), (6, 0, 1), (7, 0, 1)]
+    rows = LAYOUTS[layout]
     padded_slot = 7
     free_pages = torch.randperm(199).add(1).tolist()
     history = {}  # slot -> full k, v of its sequence so far (reference)
@@ -59,6 +69,7 @@ def test_mixed_step_matches_naive_attention(page_size, backend_name):
     v = torch.cat([history[s][1][p:] if s in history else torch.randn(1, KV_HEADS, DIM) for s, p, _ in rows])
     backend.plan(AttentionMetadata(slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
                                    extend_lens=[r[2] for r in rows], kv_locs=torch.tensor(kv_locs)))
+    assert (backend.paged_decode() is not None) == (layout == "wide-decode" and backend_name == "cpu")
     out = backend.forward(q, k, v, layer)
     start = 0
     for slot, prefix, extend in rows:

@@ -113,3 +113,14 @@ def test_load_points_get_their_own_prompts():
     assert list(first) + list(second) == specs
     every = Plan(specs, [], points, 0, "completions")  # no counts: every point runs the whole workload
     assert every.specs_for(0) == every.specs_for(1) == specs
+
+
+def test_editing_prompts_hold_a_passage_and_send_no_max_tokens():
+    from loadtests.workload import EDITS, editing_workload
+
+    specs = editing_workload(12, seed=0)
+    assert specs == editing_workload(12, seed=0) != editing_workload(12, seed=1)
+    for spec in specs:
+        instruction, passage = spec.prompt.split("\n\n", 1)
+        assert instruction in EDITS and len(passage.split()) >= 20
+        assert spec.output_len is None and spec.temperature == 0.0

@@ -230,3 +230,23 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="overlap"):
         check_config(ServerConfig(speculative="ngram", overlap_schedule="on"))
     check_config(ServerConfig(speculative="ngram"))
+
+
+def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay() -> None:
+    """`min_acceptance`: the server's break-even share of accepted draft tokens (its step-cost model)."""
+    def drafts(min_acceptance: float) -> tuple[int, list[StepOutput]]:
+        job = Job(0, 30, 60, 99, 4)  # a detour every fourth token: a 4-token draft gets 2 of 4 at best
+        sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
+        sched.min_acceptance = min_acceptance
+        model = CopyModel(sched, {job.rid: job})
+        sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=job.max_tokens))
+        outputs = []
+        while sched.has_unfinished():
+            outputs.append(sched.step(model))
+        assert results(outputs) == {job.rid: job.expected()}
+        return sum(o.drafts for o in outputs), outputs
+
+    eager, _ = drafts(0.0)
+    wary, _ = drafts(0.6)  # no draft here gets more than half accepted: each one doubles the pause
+    assert eager > 2 * wary > 0
+    assert drafts(1.0)[0] == 0

@@ -166,3 +166,19 @@ def test_the_prefill_share_is_checked():
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="step_timeout_s"):
             check_config(ServerConfig(step_timeout_s=bad))
+
+
+def test_a_draft_must_win_more_tokens_than_it_costs():
+    """Speculative decoding's break-even share: k draft tokens add k * (w1 + w2 * context / 1000) s and
+    win accepted tokens; they pay when tokens per second rise, i.e. when the accepted share is above
+    what a token costs over the step's time per row."""
+    model = StepCostModel(probe())
+    for rows in (1, 4, 64):
+        pairs = rows * 300.0
+        share = model.min_acceptance(rows, pairs)
+        k = 4
+        base = rows / seconds(rows, pairs)
+        with_draft = lambda accepted: (rows + accepted) / seconds(rows + k, pairs + k * 301)
+        assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
+    assert model.min_acceptance(1, 300.0) < 0.5 < model.min_acceptance(64, 64 * 300.0)
+    assert model.min_acceptance(0, 0.0) == 0.0

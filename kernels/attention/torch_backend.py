@@ -3,7 +3,10 @@
 Per step, `plan()` turns the batch into index tensors once:
 - decode rows (extend_len 1) are batched together: their pages are gathered through the page table
   into a padded `[b, max_pages * page_size]` key/value tensor (padding reads the dummy page) with a
-  length mask;
+  length mask. A short row after a cached prefix (a decode row with a draft, up to
+  `MAX_DECODE_ROW_TOKENS`) joins them as one decode row per token, token j attending to the prefix
+  and the row's first j + 1 tokens: causal attention exactly, since every layer writes the whole
+  step's k/v before it attends;
 - prefill chunks run one request at a time through `F.scaled_dot_product_attention` (a varlen kernel
   does not exist on CPU): a fresh prompt attends causally to its own k/v directly, a later chunk
   attends to its cached prefix plus the causal part of the chunk, gathered through the page table.
@@ -18,6 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+
+# A row of at most this many tokens after a cached prefix attends as decode rows (see above): the
+# widest decode row speculative decoding sends, with room; prefill chunks are longer as a rule, and
+# compute-bound, where SDPA's blocked kernel is the better one.
+MAX_DECODE_ROW_TOKENS = 16
 
 
 @dataclass
@@ -56,10 +64,10 @@ class TorchAttentionBackend(AttentionBackend):
         decode_lens: list[int] = []
         start = 0
         for slot, prefix, length in zip(metadata.slots, metadata.prefix_lens, metadata.extend_lens):
-            if length == 1:
-                decode_rows.append(start)
-                decode_slots.append(slot)
-                decode_lens.append(prefix + 1)
+            if length == 1 or prefix and length <= MAX_DECODE_ROW_TOKENS:
+                decode_rows.extend(range(start, start + length))
+                decode_slots.extend([slot] * length)
+                decode_lens.extend(range(prefix + 1, prefix + length + 1))
             elif prefix == 0:
                 self._prefills.append(_PrefillChunk(start, length, None, None))
             else:

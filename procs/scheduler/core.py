@@ -148,6 +148,10 @@ class Scheduler:
         self._planner = POLICY_PLANNERS[config.policy]
         self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
             if config.speculative == "ngram" else None
+        # The share of a draft's tokens that must be accepted for it to pay (set by the server from its
+        # step-cost model before each launch): a request whose draft got no more backs off; 1 or more:
+        # no draft pays, none is proposed. 0: every draft with a token accepted pays (simulate, tests).
+        self.min_acceptance = 0.0
         self._live: dict[str, Request] = {}  # waiting + admitted, by rid
         self._step = 0
         self._cancelled: list[Request] = []  # aborted since the last launched step
@@ -371,6 +375,8 @@ class Scheduler:
         with room for a row one token below its limit (every last token is back: nothing is in flight)."""
         table, proposer = self.table, self.proposer
         assert proposer is not None
+        if self.min_acceptance >= 1.0:
+            return
         for request in self.decode_manager.running_reqs.values():
             if not request.speculative or request.draft.shape[0]:
                 continue
@@ -525,7 +531,8 @@ class Scheduler:
         for i in drafted.tolist():
             request = table.requests[int(slots[i])]
             assert request is not None
-            request.spec_misses = 0 if accepted[i] > 1 else request.spec_misses + 1
+            paid = accepted[i] - 1 > self.min_acceptance * (lens[i] - 1)
+            request.spec_misses = 0 if paid else request.spec_misses + 1
             request.spec_pause = pause_after(request.spec_misses)
         short = np.flatnonzero(live & (accepted < lens))
         if short.shape[0]:

@@ -7,9 +7,12 @@ vLLM's and SGLang's `ngram`). The longest n in [min_n, max_n] that occurs wins, 
 occurrence. The target model verifies the proposal in one step (`SampleRows.accepted`), so a wrong
 guess costs a wider row, never a different output.
 
-A request whose proposals keep failing backs off: after a proposal with no token accepted it skips
-1, 2, 4 .. up to `MAX_PAUSE` steps before it tries again, so that text with no repeats (where every
-row would only be wider) runs as plain decoding; one accepted token ends the back-off.
+A request whose proposals do not pay backs off: after a proposal with too few tokens accepted (no
+more than `Scheduler.min_acceptance` of them, a share the server's step-cost model sets: what a
+token costs beside the step's tokens per second, small beside one request and near 1 in a big
+batch) it skips 1, 2, 4 .. up to `MAX_PAUSE` steps before it tries again, so that text with no
+repeats (where every row would only be wider) runs as plain decoding; one proposal that pays ends
+the back-off.
 """
 
 from __future__ import annotations

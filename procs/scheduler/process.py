@@ -86,8 +86,11 @@ class SchedulerLoop:
                                            eos_token_ids=message.eos_token_ids)
                 self.step_target_s = step_target_s(self.config, message)
                 self.overlap = overlap_schedule(self.config, message)
-                if self.step_target_s is not None:
+                if self.step_target_s is not None or self.config.speculative != "off" and len(
+                        {tokens for tokens, _, _ in message.step_costs}) >= 2:
                     self.executor.cost = StepCostModel(message.step_costs)
+                if self.step_target_s is not None:
+                    assert self.executor.cost is not None
                     w0, w1, w2 = self.executor.cost.weights
                     log.info("step-time bound", extra={"fields": {
                         "max_step_ms": round(self.step_target_s * 1000, 1), "ms_per_step": round(w0 * 1000, 2),
@@ -132,6 +135,8 @@ class SchedulerLoop:
                     self.handle(message)
             launched_batch = False
             if sched.has_unfinished():
+                if sched.proposer is not None and self.executor.cost is not None:
+                    sched.min_acceptance = self.executor.cost.min_acceptance(*sched.decode_load())
                 launched = sched.launch(self._prefill_tokens(), drain=self._complete_in_flight)
                 if launched.batch is not None:
                     self.executor.submit(launched.batch)

@@ -90,6 +90,17 @@ class StepCostModel:
             return None
         return max(planned_s, decode_s / (1 - min_share))
 
+    def min_acceptance(self, decode_rows: int, decode_pairs: float) -> float:
+        """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to
+        pay, that is to raise the tokens per second of a step of these decodes: what one more token
+        costs (w1, and w2 for its attention over an average row's context) over the step's time per
+        row. Small beside one request, near or past 1 in a batch big enough to be compute-bound."""
+        if decode_rows <= 0:
+            return 0.0
+        _, w1, w2 = self.weights
+        per_token = w1 + w2 * decode_pairs / decode_rows / 1000
+        return per_token * decode_rows / max(self.predict(decode_rows, decode_pairs), 1e-9)
+
     def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,
                            limit: int) -> int:
         """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
