@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="random: lengths from --input-len/--output-len; chat: a built-in chat-like mix; "
                       "questions: everyday chat questions sent without max_tokens (answered until EOS), "
                       "sampled at temperature 0.7 with a seed per request; editing: requests to rewrite a "
-                      "passage that the answer mostly repeats, greedy, without max_tokens (speculative "
+                      "passage that the answer mostly repeats, greedy, ending at EOS (speculative "
                       "decoding's case); multiturn: --num-prompts "
                       "conversations of --turns questions behind one --system-tokens system prompt, each turn "
                       "resending the history (chat endpoint; --concurrency = conversations in flight)")

@@ -47,7 +47,7 @@ def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str
     }
     if spec.output_len is not None:
         payload["max_tokens"] = spec.output_len
-        payload["ignore_eos"] = True  # so output lengths are exactly as asked
+        payload["ignore_eos"] = not spec.stop_at_eos  # so output lengths are exactly as asked
     if spec.seed is not None:
         payload["seed"] = spec.seed
     if endpoint == "chat":

@@ -19,8 +19,9 @@ import numpy as np
 class RequestSpec:
     prompt: str
     input_len: int  # intended prompt length in tokens (the prompt is built to be about this long)
-    # Tokens asked for, with ignore_eos so the server produces exactly this many; None: no max_tokens
-    # at all (the openai client's default), the request ends at EOS or at the end of the context.
+    # Tokens asked for (max_tokens), with ignore_eos so the server produces exactly this many unless
+    # `stop_at_eos`; None: no max_tokens at all (the openai client's default), the request ends at EOS
+    # or at the end of the context.
     output_len: int | None
     temperature: float = 0.0
     seed: int | None = None  # sampling seed: with temperature > 0 the same tokens on every target
@@ -29,6 +30,7 @@ class RequestSpec:
     conversation: int | None = None
     turn: int = 0
     history: tuple[tuple[str, str], ...] = ()  # (role, content) messages before this turn's question
+    stop_at_eos: bool = False  # with output_len: at most that many tokens, ending at EOS
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,8 @@ PASSAGES = Path(__file__).parent / "data" / "english_text.txt"  # public-domain 
 
 def editing_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
     """`num_prompts` chat requests to edit a passage (of `PASSAGES`) that the answer mostly repeats:
-    the work speculative decoding by prompt lookup is for. Greedy, no max_tokens (answered until EOS),
-    so every target computes the same tokens."""
+    the work speculative decoding by prompt lookup is for. Greedy, ending at EOS (or at twice the
+    passage's words, should a model ramble), so every target computes the same tokens."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     passages = [p.strip() for p in PASSAGES.read_text().split("\n\n") if len(p.split()) >= 20]
@@ -210,7 +212,7 @@ def editing_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
     for _ in range(num_prompts):
         passage = passages[int(rng.integers(len(passages)))]
         prompt = f"{EDITS[int(rng.integers(len(EDITS)))]}\n\n{passage}"
-        specs.append(RequestSpec(prompt, len(prompt.split()) * 4 // 3, None))
+        specs.append(RequestSpec(prompt, len(prompt.split()) * 4 // 3, 2 * len(passage.split()), stop_at_eos=True))
     return specs
 
 

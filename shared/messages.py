@@ -330,6 +330,9 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # speculative decoding so far: draft tokens its rows carried, and those verification accepted
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     # Set on a request's first delta only, for the detokenizer's per-request state:
     stop: tuple[str, ...] = ()  # stop strings (StopParams.stop)
     prompt_tail: list[int] = []  # the prompt's last few ids: context for decoding the first tokens
@@ -345,6 +348,10 @@ class Usage(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
+    # speculative decoding: draft tokens proposed for it, and those accepted (OpenAI's predicted outputs'
+    # accepted_prediction_tokens / rejected_prediction_tokens)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

@@ -115,7 +115,7 @@ def test_load_points_get_their_own_prompts():
     assert every.specs_for(0) == every.specs_for(1) == specs
 
 
-def test_editing_prompts_hold_a_passage_and_send_no_max_tokens():
+def test_editing_prompts_hold_a_passage_and_end_at_eos():
     from loadtests.workload import EDITS, editing_workload
 
     specs = editing_workload(12, seed=0)
@@ -123,4 +123,4 @@ def test_editing_prompts_hold_a_passage_and_send_no_max_tokens():
     for spec in specs:
         instruction, passage = spec.prompt.split("\n\n", 1)
         assert instruction in EDITS and len(passage.split()) >= 20
-        assert spec.output_len is None and spec.temperature == 0.0
+        assert spec.output_len == 2 * len(passage.split()) and spec.stop_at_eos and spec.temperature == 0.0

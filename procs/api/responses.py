@@ -39,8 +39,15 @@ def sse_event(obj: Any) -> bytes:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    """OpenAI's usage object; with speculative decoding, its draft tokens as OpenAI counts a predicted
+    output's (`completion_tokens_details`)."""
+    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                           "total_tokens": usage.total_tokens,
+                           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.draft_tokens:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_tokens,
+                                            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_tokens}
+    return out
 
 
 @dataclass
@@ -124,8 +131,10 @@ def total_usage(choices: list[ChoiceOutput]) -> Usage:
     leaders = [c.usage for c in choices if c.leader is None and c.usage is not None]
     prompt = sum(u.prompt_tokens for u in leaders)
     completion = sum(c.completion_tokens for c in choices)
+    every = [c.usage for c in choices if c.usage is not None]
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 cached_tokens=sum(u.cached_tokens for u in leaders))
+                 cached_tokens=sum(u.cached_tokens for u in leaders), draft_tokens=sum(u.draft_tokens for u in every),
+                 accepted_tokens=sum(u.accepted_tokens for u in every))
 
 
 def _clamp(logprob: float) -> float:

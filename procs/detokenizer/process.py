@@ -61,7 +61,8 @@ class Detokenizers:
         del self.active[rid]
         out.finish_reason = finish
         out.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                          total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens)
+                          total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens,
+                          draft_tokens=delta.draft_tokens, accepted_tokens=delta.accepted_tokens)
         return out, abort
 
 

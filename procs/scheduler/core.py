@@ -531,6 +531,8 @@ class Scheduler:
         for i in drafted.tolist():
             request = table.requests[int(slots[i])]
             assert request is not None
+            request.draft_tokens += int(lens[i] - 1)
+            request.accepted_tokens += int(accepted[i] - 1)
             paid = accepted[i] - 1 > self.min_acceptance * (lens[i] - 1)
             request.spec_misses = 0 if paid else request.spec_misses + 1
             request.spec_pause = pause_after(request.spec_misses)

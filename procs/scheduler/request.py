@@ -32,11 +32,13 @@ class Request:
     the priority scheduling policy (SCHEDULING.md section 8).
     `speculative`: the server may propose drafts for it (speculative decoding, unless it opted out);
     `spec_misses` / `spec_pause`: its proposals in a row with nothing accepted, and the steps it still
-    skips for them (`procs.scheduler.ngram`)."""
+    skips for them (`procs.scheduler.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
+    far and the accepted ones (its usage reports them)."""
 
     __slots__ = ("rid", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
                  "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival",
-                 "speculative", "spec_misses", "spec_pause")
+                 "speculative", "spec_misses", "spec_pause",
+                 "draft_tokens", "accepted_tokens")
 
     def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams,
                  logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0,
@@ -61,6 +63,8 @@ class Request:
         self.speculative = speculative
         self.spec_misses = 0
         self.spec_pause = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
 
     @property
     def queue_key(self) -> tuple[int, int]:
