@@ -27,7 +27,8 @@ SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 # Speculative decoding (procs/scheduler/ngram.py proposes, the worker verifies): off, or prompt lookup.
 Speculative = Literal["off", "ngram"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
-NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 4, 2, 4  # their defaults (the server's and the scheduler's)
+# their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
+NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -74,10 +75,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
         across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
     min_prefill_share: Annotated[float, _doc("""Least share of a step's time that prefill gets while requests
-        wait (0-0.9): a step may then run past max_step_ms, up to the decodes' time / (1 - share), so that
-        the bound never stalls admission; once the decodes alone take max_step_ms (a slow or busy machine)
-        steps are not bounded at all (procs/scheduler/SCHEDULING.md 6.5); 0 = the bound alone, with a
-        32-token floor.""")] = 0.5
+        wait (0-0.9; more when more wait: their share of the requests in the server): a step may then run
+        past max_step_ms, up to the decodes' time / (1 - share), so that the bound never stalls admission;
+        once the decodes alone take max_step_ms (a slow or busy machine) steps are not bounded at all
+        (procs/scheduler/SCHEDULING.md 6.5).""")] = 0.5
     fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
         section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True

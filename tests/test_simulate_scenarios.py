@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from procs.cli import main as cli_main
-from procs.scheduler import Scheduler
-from procs.scheduler.simulate import EOS_TOKEN_ID, load_scenario, run_scenario, scheduler_config_from_scenario
+from procs.scheduler.simulate import load_scenario, run_scenario, scenario_scheduler, scheduler_config_from_scenario
 
 HERE = Path(__file__).resolve().parent
 LOCAL = HERE / "scenarios"
@@ -66,17 +65,17 @@ def test_simulate_reproduces_the_expected_trace(path: Path, policy: str, capsys:
     got = [json.loads(line) for line in lines]
     expected = json.loads(path.read_text())["expected"][policy]
     assert _normalise(got) == _normalise(expected)
-    for line in lines:  # exactly the documented keys, in order; `preempted` only on steps that preempt
+    for line in lines:  # exactly the documented keys, in order; `preempted` and `drafts` only where they happen
         keys = list(json.loads(line))
-        assert keys in (["step", "prefill", "decode", "finished", "cancelled"],
-                        ["step", "prefill", "decode", "finished", "cancelled", "preempted"])
+        base = ["step", "prefill", "decode", "finished", "cancelled"]
+        assert keys in (base, base + ["preempted"], base + ["drafts"], base + ["preempted", "drafts"])
 
 
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])
 def test_scenarios_leave_no_slot_or_page_behind(path: Path, policy: str) -> None:
     scenario = load_scenario(path)
     config = scheduler_config_from_scenario(scenario, policy)
-    scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
+    scheduler = scenario_scheduler(scenario, config)
     run_scenario(scenario, config, scheduler=scheduler)
     assert not scheduler.has_unfinished()
     assert scheduler.num_running == scheduler.num_waiting == 0

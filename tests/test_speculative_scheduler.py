@@ -161,7 +161,7 @@ def test_speculative_rows_give_exactly_the_tokens_of_plain_decoding(policy: str,
     expected = {j.rid: j.expected() for j in jobs}
     assert results(plain) == expected
     assert results(spec) == expected
-    drafted = sum(o.drafts for o in spec)
+    drafted = sum(len(o.drafted) for o in spec)
     draft_tokens, accepted = sum(o.draft_tokens for o in spec), sum(o.accepted_tokens for o in spec)
     assert drafted > 0 and 0 < accepted < draft_tokens  # drafts were right and wrong
     assert len(spec) < len(plain)  # several tokens per step
@@ -193,7 +193,7 @@ def test_a_rejection_frees_the_pages_past_the_kept_tokens() -> None:
     rejected = 0
     while sched.has_unfinished():
         out = sched.step(model)
-        if out.drafts and out.accepted_tokens < out.draft_tokens:
+        if out.drafted and out.accepted_tokens < out.draft_tokens:
             rejected += 1
         if sched.table.requests[0] is not None:
             # page size 1: one page per KV position, the rejected ones' pages given back
@@ -244,7 +244,7 @@ def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay(
         while sched.has_unfinished():
             outputs.append(sched.step(model))
         assert results(outputs) == {job.rid: job.expected()}
-        return sum(o.drafts for o in outputs), outputs
+        return sum(len(o.drafted) for o in outputs), outputs
 
     eager, _ = drafts(0.0)
     wary, _ = drafts(0.6)  # no draft here gets more than half accepted: each one doubles the pause

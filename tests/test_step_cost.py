@@ -182,3 +182,15 @@ def test_a_draft_must_win_more_tokens_than_it_costs():
         assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
     assert model.min_acceptance(1, 300.0) < 0.5 < model.min_acceptance(64, 64 * 300.0)
     assert model.min_acceptance(0, 0.0) == 0.0
+
+
+def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
+    """Each request in the server an equal share of the step: 20 waiting beside 4 decoding get 20/24
+    of it; a lone waiting request among many decoding still gets the least share."""
+    from procs.scheduler.step_cost import prefill_share
+
+    assert prefill_share(0.5, 20, 4, 0.9) == pytest.approx(20 / 24)
+    assert prefill_share(0.5, 1, 23, 0.9) == 0.5
+    assert prefill_share(0.5, 30, 1, 0.9) == 0.9  # at most the cap
+    assert prefill_share(0.5, 0, 8, 0.9) == 0.5
+    assert prefill_share(0.0, 3, 9, 0.9) == pytest.approx(0.25)

@@ -33,7 +33,7 @@ chooses the batch. This module runs the step and applies what came back.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -82,11 +82,17 @@ class StepOutput(msgspec.Struct, kw_only=True):
     # rid -> the record of each request this output finishes or cancels (forgotten by the scheduler;
     # its final `TokenDelta` still reads it)
     ended: dict[str, Request] = {}
-    # Speculative decoding: rows of this step that carried a draft, their draft tokens, and how many of
-    # those verification accepted (rows of requests that ended while the step ran not counted).
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    # Speculative decoding: (rid, draft tokens, those verification accepted) of each row that carried a
+    # draft, batch order (rows of requests that ended while the step ran left out).
+    drafted: list[tuple[str, int, int]] = []
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(n for _, n, _ in self.drafted)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(a for _, _, a in self.drafted)
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -122,6 +128,13 @@ class _KeptTokens(NamedTuple):
     positions: np.ndarray | None
 
 
+class Proposer(Protocol):
+    """Proposes drafts: at most `limit` tokens to follow request `rid`'s `history` (its prompt and output
+    so far); none is a fine answer. `NgramProposer`, or `simulate`'s scripted one."""
+
+    def propose(self, history: np.ndarray, limit: int, rid: str) -> np.ndarray: ...
+
+
 class Scheduler:
     """Waiting queue, running set, request table and KV pages; plans and applies one step at a time.
 
@@ -130,7 +143,10 @@ class Scheduler:
     deferred to the end of that step.
     """
 
-    def __init__(self, config: SchedulerConfig, *, eos_token_ids: Collection[int] = ()) -> None:
+    def __init__(self, config: SchedulerConfig, *, eos_token_ids: Collection[int] = (),
+                 proposer: Proposer | None = None) -> None:
+        """`proposer`: where drafts come from (default: prompt lookup when `config.speculative` is
+        "ngram", else none)."""
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -146,8 +162,9 @@ class Scheduler:
                                              fair=config.fair_prefill)
         self.decode_manager = DecodeManager()
         self._planner = POLICY_PLANNERS[config.policy]
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max) \
-            if config.speculative == "ngram" else None
+        if proposer is None and config.speculative == "ngram":
+            proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+        self.proposer = proposer
         # The share of a draft's tokens that must be accepted for it to pay (set by the server from its
         # step-cost model before each launch): a request whose draft got no more backs off; 1 or more:
         # no draft pays, none is proposed. 0: every draft with a token accepted pays (simulate, tests).
@@ -165,6 +182,15 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.prefill_manager.pending_list)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests waiting, or admitted with prompt tokens left."""
+        return len(self.prefill_manager.pending_list) + len(self.prefill_manager.chunking)
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self.decode_manager)
 
     @property
     def num_running(self) -> int:
@@ -388,7 +414,8 @@ class Scheduler:
             room = int(table.token_limit[slot]) - generated - 2  # the row of 1 + draft stays below the limit
             if room < 1:
                 continue
-            draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room)
+            draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room,
+                                     request.rid)
             if draft.shape[0]:
                 self.decode_manager.set_draft(request, draft)
 
@@ -525,15 +552,14 @@ class Scheduler:
         slots, lens = launched.sample_slots, launched.sample_lens
         live = table.admit_seq[slots] == launched.admit_seq
         drafted = np.flatnonzero(live & (lens > 1))
-        out.drafts = int(drafted.shape[0])
-        out.draft_tokens = int((lens[drafted] - 1).sum())
-        out.accepted_tokens = int((accepted[drafted] - 1).sum())
         for i in drafted.tolist():
             request = table.requests[int(slots[i])]
             assert request is not None
-            request.draft_tokens += int(lens[i] - 1)
-            request.accepted_tokens += int(accepted[i] - 1)
-            paid = accepted[i] - 1 > self.min_acceptance * (lens[i] - 1)
+            proposed, kept = int(lens[i] - 1), int(accepted[i] - 1)
+            out.drafted.append((request.rid, proposed, kept))
+            request.draft_tokens += proposed
+            request.accepted_tokens += kept
+            paid = kept > self.min_acceptance * proposed
             request.spec_misses = 0 if paid else request.spec_misses + 1
             request.spec_pause = pause_after(request.spec_misses)
         short = np.flatnonzero(live & (accepted < lens))

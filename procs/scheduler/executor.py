@@ -7,6 +7,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from shared.messages import ForwardBatch, StepResult
+from shared.verification import accepted_lengths
 
 
 class Executor(Protocol):
@@ -19,11 +20,18 @@ class ExecutorError(RuntimeError):
     """An executor answered a batch with the wrong number of tokens (or for another step)."""
 
 
+def scripted_token(k: int, output_tokens: int, *, eos_token_id: int = 2, first_token_id: int = 100) -> int:
+    """The k-th (0-based) token `ScriptedExecutor` samples for a request that emits EOS as its
+    `output_tokens`-th."""
+    return eos_token_id if k + 1 >= output_tokens else first_token_id + k
+
+
 class ScriptedExecutor:
     """A fake model: the request in slot s emits EOS as its `output_tokens(s)`-th token.
 
     Other tokens are `first_token_id + k` for the k-th sampled token (0-based; a row's j-th position
     is its `sample_counts[i] + j`-th), so they never equal the EOS id as long as `first_token_id > eos_token_id`.
+    Rows with a draft are verified as the worker does (`shared.verification`).
     """
 
     def __init__(self, output_tokens: Callable[[int], int], *, eos_token_id: int = 2,
@@ -35,9 +43,15 @@ class ScriptedExecutor:
         self._first = first_token_id
 
     def execute(self, batch: ForwardBatch) -> StepResult:
-        ids = [
-            self._eos if k + 1 >= self._output_tokens(slot) else self._first + k
+        ids = np.asarray([
+            scripted_token(k, self._output_tokens(slot), eos_token_id=self._eos, first_token_id=self._first)
             for slot, n, count in zip(batch.slots, batch.sample_lens, batch.sample_counts)
             for k in range(count, count + n)
-        ]
-        return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))
+        ], dtype=np.int32)
+        result = StepResult(step=batch.step, next_token_ids=ids)
+        lens = np.asarray([n for n in batch.sample_lens if n], dtype=np.int64)
+        if lens.shape[0] and int(lens.max()) > 1:
+            ends = np.cumsum(np.asarray(batch.extend_lens, dtype=np.int64))
+            fed = np.concatenate([batch.input_ids[e - n:e] for e, n in zip(ends.tolist(), batch.sample_lens) if n])
+            result.accepted_lens = accepted_lengths(ids, fed, np.cumsum(lens) - lens, lens).tolist()
+        return result

@@ -33,9 +33,10 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, history: np.ndarray, limit: int) -> np.ndarray:
+    def propose(self, history: np.ndarray, limit: int, rid: str = "") -> np.ndarray:
         """At most min(num_tokens, limit) tokens to follow `history` (a request's prompt and output so
-        far): what followed the latest earlier occurrence of its last n tokens; none if no n matches."""
+        far): what followed the latest earlier occurrence of its last n tokens; none if no n matches.
+        (`rid` is the `Proposer` protocol's; prompt lookup needs no more than the history.)"""
         count = min(self.num_tokens, limit)
         length = history.shape[0]
         if count < 1:

@@ -16,6 +16,7 @@ from collections import deque
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import (
+    MAX_PREFILL_SHARE,
     MIN_PREFILL_TOKENS,
     check_config,
     overlap_schedule,
@@ -24,7 +25,7 @@ from procs.scheduler.config import (
 )
 from procs.scheduler.core import LaunchedStep, Scheduler, StepOutput
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
-from procs.scheduler.step_cost import StepCostModel
+from procs.scheduler.step_cost import StepCostModel, prefill_share
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
@@ -173,8 +174,8 @@ class SchedulerLoop:
                 "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
-        if out.drafts:
-            self._spec_counts = [a + b for a, b in zip(self._spec_counts, (out.drafts, out.draft_tokens,
+        if out.drafted:
+            self._spec_counts = [a + b for a, b in zip(self._spec_counts, (len(out.drafted), out.draft_tokens,
                                                                            out.accepted_tokens))]
 
     def _prefill_tokens(self) -> int | None:
@@ -185,7 +186,9 @@ class SchedulerLoop:
             return None
         assert sched is not None
         decode_rows, decode_pairs = sched.decode_load()
-        step_s = cost.prefill_step_s(target, decode_rows, decode_pairs, self.config.min_prefill_share)
+        share = prefill_share(self.config.min_prefill_share, sched.num_prefilling, sched.num_decoding,
+                              MAX_PREFILL_SHARE)
+        step_s = cost.prefill_step_s(target, decode_rows, decode_pairs, share)
         if step_s is None:  # out of reach: run as the unbounded scheduler does
             if sched.has_prefill_work():
                 self._steps_out_of_reach += 1

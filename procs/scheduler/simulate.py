@@ -1,7 +1,10 @@
 """`batchserve simulate SCENARIO.json`: run a scheduling scenario through the real scheduler.
 
 The model is replaced by `ScriptedExecutor` (request X emits EOS as its `output_tokens`-th token);
-everything else (queues, slots, KV pages, budget, policy) is the production `Scheduler`. Output is
+everything else (queues, slots, KV pages, budget, policy) is the production `Scheduler`. With
+`num_speculative_tokens` k > 0 in the config, every decoding request with room gets a k-token draft
+each step, of which the request's next `accepted` entry is accepted (all of it past the list's end):
+`ScriptedDrafts` proposes the tokens the scripted model will sample, up to that many. Output is
 the step trace of SCHEDULING.md as JSON lines, or a table like the chapter's Figures 3 and 8.
 """
 
@@ -14,15 +17,18 @@ from pathlib import Path
 from typing import Annotated, Any, TextIO
 
 import msgspec
+import numpy as np
 
 from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
 from procs.scheduler.core import Scheduler, StepOutput
-from procs.scheduler.executor import ScriptedExecutor
+from procs.scheduler.executor import ScriptedExecutor, scripted_token
 from shared.errors import Refusal
 from shared.messages import SamplingParams, StopParams
 
 EOS_TOKEN_ID = 2
+FIRST_TOKEN_ID = 100  # the scripted model's k-th token is FIRST_TOKEN_ID + k (ScriptedExecutor)
+NEVER_SAMPLED = 1  # a draft token the scripted model never samples (below FIRST_TOKEN_ID, not EOS)
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -38,6 +44,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     policy: str | None = None  # the scenario's default policy; `--policy` wins
     scheduling_policy: str = "fcfs"  # the waiting queue's order: fcfs | priority (SCHEDULING.md section 8)
     fair_prefill: bool = False  # a long prompt leaves half of a step to those behind it (SCHEDULING.md section 9)
+    num_speculative_tokens: NonNegativeInt = 0  # k > 0: scripted drafts of k tokens (SCHEDULING.md 6.4)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -48,6 +55,7 @@ class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: PositiveInt | None = None  # default: output_tokens
     shared_prefix: NonNegativeInt = 0  # the first tokens of its prompt are the ones every such request has
     priority: int = 0  # lower first, under scheduling_policy "priority"
+    accepted: list[NonNegativeInt] = []  # accepted tokens of its successive drafts; past the end: all
 
 
 class ScenarioCancel(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,7 +120,7 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
                                prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
                                scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
-                               fair_prefill=c.fair_prefill)
+                               fair_prefill=c.fair_prefill)  # drafts: the scenario's scripted ones (run_scenario)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -124,14 +132,41 @@ def scenario_prompt(index: int, request: ScenarioRequest) -> list[int]:
     return [3 + i for i in range(shared)] + [5000 + 1000 * index + i for i in range(request.input_tokens - shared)]
 
 
+class ScriptedDrafts:
+    """Drafts for `simulate`: request r's next draft is `k` tokens (at most the limit), of which the
+    first `accepted` are the tokens `ScriptedExecutor` will sample there and the rest a token it never
+    samples, so verification keeps exactly `accepted` of them."""
+
+    def __init__(self, scenario: Scenario, k: int) -> None:
+        self.k = k
+        self.prompt_len = {r.id: r.input_tokens for r in scenario.requests}
+        self.output_tokens = {r.id: r.output_tokens for r in scenario.requests}
+        self.accepted = {r.id: list(r.accepted) for r in scenario.requests}
+
+    def propose(self, history: np.ndarray, limit: int, rid: str) -> np.ndarray:
+        n = min(self.k, limit)
+        script = self.accepted[rid]
+        accepted = min(script.pop(0) if script else n, n)
+        count = history.shape[0] - self.prompt_len[rid]  # tokens generated so far
+        tokens = [scripted_token(count + j, self.output_tokens[rid], eos_token_id=EOS_TOKEN_ID,
+                                 first_token_id=FIRST_TOKEN_ID) for j in range(accepted)]
+        return np.asarray(tokens + [NEVER_SAMPLED] * (n - accepted), dtype=np.int32)
+
+
+def scenario_scheduler(scenario: Scenario, config: SchedulerConfig) -> Scheduler:
+    """A fresh scheduler for `scenario`: EOS id `EOS_TOKEN_ID`, and the scenario's scripted drafts."""
+    k = scenario.config.num_speculative_tokens
+    return Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,), proposer=ScriptedDrafts(scenario, k) if k else None)
+
+
 def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
                  scheduler: Scheduler | None = None) -> list[StepOutput]:
     """Every step until all requests have finished or been cancelled (idle steps included).
 
-    `scheduler`: a fresh one built from `config` with EOS id `EOS_TOKEN_ID`, to inspect afterwards.
+    `scheduler`: one from `scenario_scheduler`, to inspect afterwards (default: a fresh one).
     """
     if scheduler is None:
-        scheduler = Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,))
+        scheduler = scenario_scheduler(scenario, config)
     outputs_of = {r.id: r.output_tokens for r in scenario.requests}
 
     def output_tokens(slot: int) -> int:
@@ -139,7 +174,7 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         assert rid is not None, f"the scheduler planned slot {slot}, which holds no request"
         return outputs_of[rid]
 
-    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID)
+    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID)
     arrivals = sorted(scenario.requests, key=lambda r: r.arrival_step)  # stable: scenario order within a step
     cancels = sorted(scenario.cancels, key=lambda c: c.before_step)
     next_arrival = next_cancel = 0
@@ -172,6 +207,8 @@ def trace_record(out: StepOutput) -> dict[str, Any]:
               "finished": list(out.finished), "cancelled": list(out.cancelled)}
     if out.preempted:
         record["preempted"] = list(out.preempted)
+    if out.drafted:
+        record["drafts"] = [[rid, n, accepted] for rid, n, accepted in out.drafted]
     return record
 
 

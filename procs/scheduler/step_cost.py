@@ -39,6 +39,15 @@ MIN_MARGIN_STEPS = 8  # fewer: no margin yet
 MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model overestimates
 
 
+def prefill_share(min_share: float, prefilling: int, decoding: int, most: float) -> float:
+    """The least share of a step's time that prefill gets: each request in the server an equal share
+    (the decoding ones' is their row), so the requests that wait for or are in prefill get theirs
+    together; never below `min_share`, nor above `most` (a share of 1 would let a step grow without
+    end)."""
+    share = prefilling / (prefilling + decoding) if prefilling else 0.0
+    return min(max(min_share, share), most)
+
+
 class StepCostModel:
     def __init__(self, probe: Sequence[tuple[int, float, float]]) -> None:
         """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two

@@ -7,12 +7,8 @@ j-th position counts as `sample_counts[i] + j`, and the slot's penalty counts an
 (`SlotLogitsState.adjust_`, `SlotGrammars.mask_`). With one position per row, k = 1, nothing is
 proposed and each position is its row.
 
-Speculative decoding verifies a proposal by these positions (`accepted`): a row keeps its first
-position, and each next one while the token sampled before it is the one proposed there, so every
-kept token was sampled from exactly the logits plain decoding would have had. With a proposal that
-is one token per position (n-gram lookup), that is rejection sampling with a one-hot draft
-distribution: position j is kept with probability p(d_j), and a rejected one's sample is p without
-d_j, renormalised (Leviathan et al.'s residual), so the output's distribution is the target's.
+Speculative decoding verifies a proposal by these positions (`accepted`, the rule of
+`shared.verification`).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.messages import ForwardBatch
+from shared.verification import accepted_lengths
 
 
 def sampled_tokens(extend_lens: list[int], sample_lens: list[int]) -> np.ndarray:
@@ -85,13 +82,10 @@ class SampleRows:
 
     def accepted(self, token_ids: np.ndarray) -> np.ndarray:
         """[rows] how many of each row's positions are kept (1 .. lens): its first, then each next one
-        while the token sampled before it is the token proposed there (see the module's docstring)."""
+        while the token sampled before it is the token proposed there (`shared.verification`)."""
         if self.width <= 1:
             return self.lens
-        matches = np.zeros(token_ids.shape[0], dtype=bool)
-        matches[:-1] = token_ids[:-1] == self.fed[1:]
-        matches[self.last_positions()] = False  # a row's last position has nothing after it to vouch for
-        return np.minimum.reduceat(np.where(matches, token_ids.shape[0], self.offsets), self.firsts) + 1
+        return accepted_lengths(np.asarray(token_ids), self.fed, self.firsts, self.lens)
 
     def kept(self, accepted: np.ndarray) -> tuple["SampleRows", np.ndarray]:
         """The rows cut to their `accepted` positions, and those positions' indices in these rows."""
