@@ -227,7 +227,7 @@ def _serve(runner, requests, max_tokens, drafts=None):
     steps = 0
     while sched.has_unfinished():
         for rid, tokens in outputs.items():
-            room = max_tokens - len(tokens) - 1
+            room = max_tokens - len(tokens) - 2  # a draft row stays below the limit
             if drafts is not None and tokens and room > 0:
                 sched.set_draft(rid, drafts[rid][len(tokens):len(tokens) + min(2, room)])
         out = sched.step(runner)

@@ -78,16 +78,20 @@ def test_a_stop_token_in_the_middle_of_a_row_ends_the_request_and_drops_the_rest
     assert [d.completion_tokens for d in sched.token_deltas(out)] == [3, 3]
 
 
-def test_a_row_that_reaches_the_token_limit_ends_at_it() -> None:
+def test_a_row_stays_below_the_token_limit() -> None:
+    """A draft leaves its row a token below the limit: were the row rejected in part, its request
+    would still be decoding (SCHEDULING.md 6.4)."""
     sched = make()
     sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=4))
-    ex = Scripted([100], [101, 102, 103])
+    ex = Scripted([100], [101, 102], [103])
     sched.step(ex)
     with pytest.raises(ValueError, match="passes its token limit"):
-        sched.set_draft("A", [5, 6, 7])  # 1 + 3 sampled more would make 5 > 4
-    sched.set_draft("A", [5, 6])
+        sched.set_draft("A", [5, 6])  # 1 + 2 sampled more would reach the limit of 4
+    sched.set_draft("A", [5])
     out = sched.step(ex)
-    assert out.new_tokens == [("A", 101), ("A", 102), ("A", 103)] and out.finish_reasons == {"A": "length"}
+    assert out.new_tokens == [("A", 101), ("A", 102)] and not out.finished
+    out = sched.step(ex)
+    assert out.new_tokens == [("A", 103)] and out.finish_reasons == {"A": "length"}
 
 
 def test_mixed_counts_a_row_of_width_k_as_k_tokens_of_the_budget() -> None:
@@ -137,3 +141,54 @@ def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_i
                         logprob_rows=[0, 1, 2, 3], logprobs=lps)
     out = sched.complete(launched, result)
     assert out.new_tokens == [("A", 101), ("A", 102), ("A", 103)] and out.logprobs == {"A": lps[:3]}
+
+
+def test_a_row_that_ends_early_caches_only_the_tokens_its_request_kept() -> None:
+    """EOS inside a row the verification accepted whole: the row's KV past it is rolled back, so the
+    prefix cache files exactly the request's own tokens under its pages."""
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=1,
+                             prefix_cache=True)
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    sched.add_request("A", [3, 4, 5, 6], GREEDY, StopParams(max_tokens=10))
+    sched.step(Scripted([100]))
+    sched.set_draft("A", [101, 102, 103])
+
+    class AllAccepted(Scripted):
+        def execute(self, batch):
+            result = super().execute(batch)
+            result.accepted_lens = [4]
+            return result
+
+    out = sched.step(AllAccepted([101, EOS, 103, 104]))
+    assert out.new_tokens == [("A", 101), ("A", EOS)] and out.finish_reasons == {"A": "stop"}
+    assert out.drafted == [("A", 3, 1)]  # what counted: 101 (EOS came in place of 102)
+    cached = sched.kv.cache.match(np.asarray([3, 4, 5, 6, 100, 101, EOS, 103, 104]), 8)
+    assert len(cached) == 6  # positions 0-5 hold 3 4 5 6 100 101; the KV of 102 and 103 is not filed
+    assert sched.kv_used_tokens == 0
+
+
+def test_drafts_are_dropped_before_they_would_cost_a_preemption() -> None:
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=16, page_size=4,
+                             kv_reserve_ratio=0.05)
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    sched.add_request("A", [3, 4, 5, 6, 7, 8, 9], GREEDY, StopParams(max_tokens=8))
+    sched.add_request("B", [13, 14, 15, 16, 17, 18, 19], GREEDY, StopParams(max_tokens=8))
+    ex = Scripted([100, 200], [101, 201])
+    sched.step(ex)  # both prompts on 2 pages each: the pool's 4 pages are all held
+    sched.set_draft("A", [101, 102, 103])  # its row would need a fifth page
+    out = sched.step(ex)
+    assert out.preempted == [] and ex.batches[-1].extend_lens == [1, 1]
+    assert not sched.decode_manager.drafting and out.new_tokens == [("A", 101), ("B", 201)]
+
+
+def test_proposed_drafts_count_in_the_decode_load_the_step_time_bound_sizes_with() -> None:
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=256, page_size=4,
+                             speculative="ngram", ngram_min=1)
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], GREEDY, StopParams(max_tokens=20))
+    sched.step(Scripted([6]))
+    assert sched.decode_load()[0] == 1
+    sched.propose_drafts()  # the server proposes first, then sizes the step with them
+    assert sched.decode_load()[0] == 1 + 4  # "7 8 5 6" occurred before, followed by 7 8 5 6
+    launched = sched.launch()
+    assert launched.batch.extend_lens == [5]  # launch took the drafts as proposed, and proposed no more

@@ -58,6 +58,11 @@ class StepPlan(NamedTuple):
             return self.prefill_slots, tokens
         return (np.concatenate([self.decode_slots, self.prefill_slots]), np.concatenate([self.decode_widths, tokens]))
 
+    def without_drafts(self) -> "StepPlan":
+        """The plan with every decode row one token wide."""
+        n = self.decode_slots.shape[0]
+        return self._replace(decode_widths=np.ones(n, dtype=np.int64), decode_tokens=n)
+
     def without(self, slots: list[int]) -> "StepPlan":
         """The plan minus the items of `slots` (preempted requests)."""
         gone = set(slots)

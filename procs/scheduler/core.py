@@ -15,8 +15,8 @@ the chapter's schedule exactly (`simulate`'s traces).
 A decode row feeds its request's last token and then its draft, if it has one (`set_draft`): a row of
 width k adds k KV positions, samples k tokens and counts k against the prefill budget. Every token
 that comes back is appended in order with the stop checks applied to each; the first that ends the
-request drops the rest of its row. A draft is accepted only once its request's last token is back,
-so that with overlap scheduling `FUTURE_TOKEN` still stands only first in a row.
+request drops the rest of its row. A draft is taken only while no step is in flight: its row's
+verification decides where the request's next row starts, so no step launches behind it.
 
 Speculative decoding (`speculative="ngram"`) gives drafts to decoding requests before each step
 that nothing is in flight for (`NgramProposer`), and the worker verifies them
@@ -176,6 +176,7 @@ class Scheduler:
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
         self._drafts_in_flight = False  # a launched step has draft rows (it must complete before the next launch)
+        self._proposed = False  # propose_drafts ran for the next launch
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
 
     # ------------------------------------------------------------------ public state
@@ -305,8 +306,9 @@ class Scheduler:
         """Give decoding request `rid` tokens proposed to follow its last token: its next decode row feeds
         them after it and samples one token at each (ValueError if it cannot take them).
 
-        Only once its last token is back (no launched step holds it), so that a row's inputs are known
-        past its first; and at most its token limit less one, so that the row never samples past it."""
+        Only while no step is in flight (its last token is back, and the verification of the row decides
+        where the next row starts); and at most its token limit less two tokens, so that the row stays
+        below the limit (a rejection never has to put the request back in the decode set)."""
         request = self._live.get(rid)
         if request is None or rid not in self.decode_manager:
             raise ValueError(f"request {rid!r} is not decoding")
@@ -314,10 +316,9 @@ class Scheduler:
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (
                 tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > _INT32_MAX)):
             raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
-        slot = request.slot
-        if self.table.last_token[slot] == FUTURE_TOKEN:
-            raise ValueError(f"request {rid!r}: its last token is not back yet")
-        room = int(self.table.token_limit[slot] - self.table.generated[slot]) - 1
+        if self._launched:
+            raise ValueError(f"request {rid!r}: its last token is not back yet (a step is in flight)")
+        room = self._draft_room(request.slot)
         if tokens.shape[0] > room:
             raise ValueError(f"request {rid!r}: a draft of {tokens.shape[0]} tokens passes its token limit "
                              f"(room for {room})")
@@ -368,12 +369,19 @@ class Scheduler:
         self._step += 1
         if self.by_priority and self.config.policy != "fixed":
             self._preempt_for_head(out, drain)
-        if self.proposer is not None and not self._launched:
-            self._propose_drafts()
+        if not self._proposed:
+            self.propose_drafts()
+        self._proposed = False
         plan = self._plan(prefill_tokens)
         slots, tokens = plan.slots_and_tokens()
         growth = self.kv.growth(slots, tokens)
         victims = self.kv.preemption_victims(slots, growth, self.by_priority)
+        if victims and self.decode_manager.drafting:  # a draft never costs a preemption: drop them first
+            self.decode_manager.clear_drafts()
+            plan = plan.without_drafts()
+            slots, tokens = plan.slots_and_tokens()
+            growth = self.kv.growth(slots, tokens)
+            victims = self.kv.preemption_victims(slots, growth, self.by_priority)
         if victims and self._launched:
             if drain is None:
                 raise RuntimeError("preempting while steps are in flight needs a drain")
@@ -396,12 +404,14 @@ class Scheduler:
         return self._advance(plan, batch, out)
 
     # ------------------------------------------------------------------ planning
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: a draft for each decoding request that may have one, not backing off,
-        with room for a row one token below its limit (every last token is back: nothing is in flight)."""
+    def propose_drafts(self) -> None:
+        """Speculative decoding: a draft for each decoding request that may have one, is not backing
+        off, and has room (`_draft_room`), when nothing is in flight (every last token is back). The
+        next `launch` plans with them; it calls this itself unless the caller did first (the server
+        does, to size the step-time bound with the drafts' tokens)."""
+        self._proposed = True
         table, proposer = self.table, self.proposer
-        assert proposer is not None
-        if self.min_acceptance >= 1.0:
+        if proposer is None or self._launched or self.min_acceptance >= 1.0:
             return
         for request in self.decode_manager.running_reqs.values():
             if not request.speculative or request.draft.shape[0]:
@@ -410,14 +420,19 @@ class Scheduler:
                 request.spec_pause -= 1
                 continue
             slot = request.slot
-            generated = int(table.generated[slot])
-            room = int(table.token_limit[slot]) - generated - 2  # the row of 1 + draft stays below the limit
+            room = self._draft_room(slot)
             if room < 1:
                 continue
+            generated = int(table.generated[slot])
             draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room,
                                      request.rid)
             if draft.shape[0]:
                 self.decode_manager.set_draft(request, draft)
+
+    def _draft_room(self, slot: int) -> int:
+        """The most draft tokens the slot's next row may carry: its row of 1 + draft stays one token below
+        its token limit (SCHEDULING.md 6.4)."""
+        return int(self.table.token_limit[slot] - self.table.generated[slot]) - 2
 
     def _plan(self, prefill_tokens: int | None) -> StepPlan:
         budget = self.config.prefill_budget
@@ -454,7 +469,7 @@ class Scheduler:
         if ds.shape[0]:
             table.kv_len[ds] += widths
             if self.decode_manager.drafting:
-                self.decode_manager.use_drafts()  # packed into this batch's rows
+                self.decode_manager.clear_drafts()  # packed into this batch's rows
                 self._drafts_in_flight = True
         completing: list[Request] = []
         if plan.prefill:
@@ -514,8 +529,9 @@ class Scheduler:
                     (accepted >= 1) & (accepted <= launched.sample_lens)).all():
                 raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
                                     f"rows' sample lens {launched.sample_lens.tolist()}")
-            self._verified(launched, accepted, out)
         kept = self._kept_tokens(launched, token_ids, accepted)
+        if launched.sample_lens.shape[0] and int(launched.sample_lens.max()) > 1:
+            self._settle_wide_rows(launched, kept, out)
         slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
@@ -544,27 +560,32 @@ class Scheduler:
             self._release(finished)
         return out
 
-    def _verified(self, launched: LaunchedStep, accepted: np.ndarray, out: StepOutput) -> None:
-        """Speculative rows came back with `accepted` positions each: roll back the rest of each live row
-        (KV positions, generated count, the pages past its KV), count the drafts and update each
-        request's back-off."""
+    def _settle_wide_rows(self, launched: LaunchedStep, kept: _KeptTokens, out: StepOutput) -> None:
+        """Rows of several positions came back: each live row keeps the tokens that count (those
+        verification accepted, up to the one that ends its request) and rolls back the rest (KV
+        positions, generated count, the pages past its KV), so that a release caches exactly the
+        tokens it has; count the drafts and update each request's back-off."""
         table = self.table
         slots, lens = launched.sample_slots, launched.sample_lens
+        if kept.positions is None:
+            counted = lens
+        else:
+            rows = np.repeat(np.arange(lens.shape[0]), lens)
+            counted = np.bincount(rows[kept.positions], minlength=lens.shape[0])
         live = table.admit_seq[slots] == launched.admit_seq
-        drafted = np.flatnonzero(live & (lens > 1))
-        for i in drafted.tolist():
+        for i in np.flatnonzero(live & (lens > 1)).tolist():
             request = table.requests[int(slots[i])]
             assert request is not None
-            proposed, kept = int(lens[i] - 1), int(accepted[i] - 1)
-            out.drafted.append((request.rid, proposed, kept))
+            proposed, accepted = int(lens[i] - 1), int(counted[i] - 1)
+            out.drafted.append((request.rid, proposed, accepted))
             request.draft_tokens += proposed
-            request.accepted_tokens += kept
-            paid = kept > self.min_acceptance * proposed
+            request.accepted_tokens += accepted
+            paid = accepted > self.min_acceptance * proposed
             request.spec_misses = 0 if paid else request.spec_misses + 1
             request.spec_pause = pause_after(request.spec_misses)
-        short = np.flatnonzero(live & (accepted < lens))
+        short = np.flatnonzero(live & (counted < lens))
         if short.shape[0]:
-            rejected, rslots = lens[short] - accepted[short], slots[short]
+            rejected, rslots = lens[short] - counted[short], slots[short]
             table.kv_len[rslots] -= rejected
             table.generated[rslots] -= rejected
             self.kv.truncate(rslots)

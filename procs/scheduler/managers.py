@@ -185,8 +185,8 @@ class DecodeManager:
         request.draft = draft
         self.drafting[request.rid] = request
 
-    def use_drafts(self) -> None:
-        """A decode step was launched: every draft went into its row."""
+    def clear_drafts(self) -> None:
+        """Every draft is gone: into a launched step's rows, or dropped (they would cost a preemption)."""
         for request in self.drafting.values():
             request.draft = NO_DRAFT
         self.drafting.clear()

@@ -59,5 +59,5 @@ class NgramProposer:
 
 
 def pause_after(misses: int) -> int:
-    """Steps to skip after `misses` proposals in a row with no token accepted (0: none missed)."""
+    """Proposals to skip (one a step) after `misses` drafts in a row that did not pay (0: none missed)."""
     return 0 if misses <= 0 else min(2 ** (misses - 1), MAX_PAUSE)

@@ -138,6 +138,7 @@ class SchedulerLoop:
             if sched.has_unfinished():
                 if sched.proposer is not None and self.executor.cost is not None:
                     sched.min_acceptance = self.executor.cost.min_acceptance(*sched.decode_load())
+                sched.propose_drafts()  # before the bound sizes the step: it counts the drafts' tokens
                 launched = sched.launch(self._prefill_tokens(), drain=self._complete_in_flight)
                 if launched.batch is not None:
                     self.executor.submit(launched.batch)
