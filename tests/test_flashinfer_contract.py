@@ -58,6 +58,7 @@ import torch
 
 import kernels.attention.flashinfer as flashinfer_backend_module
 from kernels.attention import AttentionMetadata, create_backend
+from kernels.attention.torch_backend import MAX_DECODE_ROW_TOKENS
 from kernels.kv_cache import KVCache
 
 FLASHINFER_VERSION = "0.7.4"  # the version the signatures below are transcribed from; the gpu extra pins it
@@ -535,17 +536,18 @@ def run_step(backends: Backends, requests: Sequence[Request], num_padding: int =
 
 
 def torch_page_lists(backend, metadata: AttentionMetadata, page_size: int) -> list[tuple[list[int], int]]:
-    """Per request, in batch order: (pages, kv_len) the torch backend reads after plan(). Decode rows read
-    `_decode.pages` / `_decode.lens`; a chunk after a cached prefix reads its gathered pages up to its mask
+    """Per request, in batch order: (pages, kv_len) the torch backend reads after plan(). Decode rows (and
+    short rows after a cached prefix) read `_decode.pages` / `_decode.lens`; a longer chunk after a cached prefix reads its gathered pages up to its mask
     width; a fresh prompt attends to its own new K/V, i.e. the tokens written at its kv_locs."""
     decode_rows = 0
     prefills = iter(backend._prefills)
     lists = []
-    for extend_len in metadata.extend_lens:
-        if extend_len == 1:
-            row = backend._decode.pages[decode_rows].tolist()
-            kv_len = int(backend._decode.lens[decode_rows])
-            decode_rows += 1
+    for prefix_len, extend_len in zip(metadata.prefix_lens, metadata.extend_lens):
+        if extend_len == 1 or prefix_len and extend_len <= MAX_DECODE_ROW_TOKENS:
+            # a short row after a cached prefix is one decode row per token; its last reads the whole KV
+            decode_rows += extend_len
+            row = backend._decode.pages[decode_rows - 1].tolist()
+            kv_len = int(backend._decode.lens[decode_rows - 1])
         else:
             chunk = next(prefills)
             if chunk.pages is None:

@@ -174,7 +174,8 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
 
     import msgspec
 
-    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config_from_scenario, trace_record
+    from procs.scheduler.simulate import (load_scenario, run_scenario, scenario_scheduler,
+                                          scheduler_config_from_scenario, trace_record)
 
     def normal(trace: list[dict]) -> list[dict]:
         return [{**s, "finished": sorted(s["finished"]), "cancelled": sorted(s["cancelled"])} for s in trace]
@@ -186,7 +187,7 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
             continue
         for policy, expected in scenario.expected.items():
             config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, policy), prefix_cache=True)
-            sched = Scheduler(config, eos_token_ids=(2,))
+            sched = scenario_scheduler(scenario, config)  # the scenario's scripted drafts, if any
             trace = [trace_record(out) for out in run_scenario(scenario, config, scheduler=sched)]
             assert normal(trace) == normal(expected), (path.name, policy)
             assert sched.kv.hit_tokens == 0 and sched.kv.cache.num_referenced == 0
