@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--tokenizer", default="auto", help="auto: the model's tokenizer when it resolves, else "
                       "words; words: a word list; or a tokenizer.json / model folder")
     load.add_argument("--rounds", type=int, default=1, help="measure every (target, load point) this many times, "
-                      "interleaved with the other targets in rotated order, and pool the results")
+                      "interleaved with the other targets in rotated order, each round with prompts of its own, "
+                      "and pool the results")
     load.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                       help="count requests meeting every objective, e.g. --goodput ttft:3000 tpot:150 (also e2el:MS), "
                            "or a device's preset: cpu (" + DEFAULT_SLOS["cpu"].label() + ") or cuda ("
@@ -186,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
     points = parse_points(args.concurrency, args.request_rate)
     counts = parse_num_prompts(args.num_prompts, len(points))
-    num_prompts = sum(counts)  # each point its own prompts (Plan.specs_for)
+    num_prompts = sum(counts) * args.rounds  # each point and round its own prompts (Plan.specs_for)
     policies = [p for p in args.policies.split(",") if p] if args.compare else []
     if unknown := [p for p in policies if p not in POLICIES]:
         raise CliError(f"--policies: unknown {unknown}; choose from {list(POLICIES)}")

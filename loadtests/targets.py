@@ -36,15 +36,17 @@ class Plan:
     endpoint: Endpoint
     request_timeout_s: float = 600.0
     show_progress: bool = True
-    # per point, consecutive slices of `specs`, so that no point repeats an earlier point's prompts (a
-    # prefix-caching server would answer those from its cache); empty: all of `specs` at every point
+    # per point and round, consecutive slices of `specs`, so that no point or round repeats an earlier
+    # one's prompts (a prefix-caching server would answer those from its cache); empty: all of `specs`
+    # at every point
     num_prompts: Sequence[int] = ()
     slo: Slo | None = None  # goodput objectives (`--goodput`)
 
-    def specs_for(self, index: int) -> Sequence[RequestSpec]:
+    def specs_for(self, index: int, round: int = 0) -> Sequence[RequestSpec]:
+        """Point `index`'s prompts in round `round` (`specs` holds sum(num_prompts) of them per round)."""
         if not self.num_prompts:
             return self.specs
-        start = sum(self.num_prompts[:index])
+        start = round * sum(self.num_prompts) + sum(self.num_prompts[:index])
         return self.specs[start: start + self.num_prompts[index]]
 
 
@@ -119,7 +121,7 @@ async def _measure_all(targets: Sequence[tuple[str, OpenTarget]], plan: Plan, ro
                 for label, send, metrics_url in senders[shift:] + senders[:shift]:
                     probe = ServerStatsProbe(session, metrics_url) if metrics_url else None
                     async with probe or contextlib.nullcontext():
-                        metrics, results = await measure(send, plan.specs_for(i), point, plan.seed,
+                        metrics, results = await measure(send, plan.specs_for(i, r), point, plan.seed,
                                                          warmup=plan.warmup, desc=f"{label} @ {point.label()}",
                                                          show_progress=plan.show_progress)
                     if rounds > 1:

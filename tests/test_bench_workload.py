@@ -115,6 +115,16 @@ def test_load_points_get_their_own_prompts():
     assert every.specs_for(0) == every.specs_for(1) == specs
 
 
+def test_rounds_get_their_own_prompts():
+    """`--rounds`: a round must not resend an earlier round's prompts either (the second would be served
+    from the prefix cache that the first filled)."""
+    specs = random_workload(2 * (3 + 4), LengthRange(4, 8), LengthRange(2, 2), 0, WordPromptBuilder())
+    plan = Plan(specs, [], [LoadPoint(concurrency=1), LoadPoint(concurrency=2)], 0, "completions", num_prompts=[3, 4])
+    slices = [plan.specs_for(i, r) for r in range(2) for i in range(2)]
+    assert [len(s) for s in slices] == [3, 4, 3, 4]
+    assert [spec for piece in slices for spec in piece] == specs
+
+
 def test_editing_prompts_hold_a_passage_and_end_at_eos():
     from loadtests.workload import EDITS, editing_workload
 
