@@ -194,3 +194,23 @@ def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
     assert prefill_share(0.5, 30, 1, 0.9) == 0.9  # at most the cap
     assert prefill_share(0.5, 0, 8, 0.9) == 0.5
     assert prefill_share(0.0, 3, 9, 0.9) == pytest.approx(0.25)
+
+
+def test_prefill_keeps_up_with_the_prompts_arriving():
+    """`PrefillDemand`: the prompts of the last 10 s, as the share of the machine's time their prefill
+    needs (times the headroom); prefill's share of a step is at least that, so a bound never admits
+    slower than requests arrive. Arrivals older than the window no longer count."""
+    from procs.scheduler.step_cost import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
+
+    model = StepCostModel(probe())
+    demand = PrefillDemand()
+    assert demand.share(model, 0.0) == 0.0
+    for i in range(8):  # 8 prompts of 300 tokens in 4 s
+        demand.arrived(300, now=i * 0.5)
+    need = 8 * (seconds(300, attention_pairs([0], [300])) - TRUE[0])  # seconds of prefill, fixed cost aside
+    share = demand.share(model, 4.0)
+    assert share == pytest.approx(DEMAND_HEADROOM * need / DEMAND_WINDOW_S, rel=1e-6)
+    assert prefill_share(0.5, 1, 31, 0.9, share) == max(0.5, share)
+    assert prefill_share(0.5, 1, 31, 0.9, 2.0) == 0.9  # demand past the machine: at most the cap
+    assert demand.share(model, 3.5 + DEMAND_WINDOW_S) == pytest.approx(share / 8)  # only the last one left
+    assert demand.share(model, 100.0) == 0.0

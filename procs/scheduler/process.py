@@ -25,7 +25,7 @@ from procs.scheduler.config import (
 )
 from procs.scheduler.core import LaunchedStep, Scheduler, StepOutput
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
-from procs.scheduler.step_cost import StepCostModel, prefill_share
+from procs.scheduler.step_cost import PrefillDemand, StepCostModel, prefill_share
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
@@ -68,6 +68,7 @@ class SchedulerLoop:
         self._last_stats = 0.0
         self._was_busy = False
         self.step_target_s: float | None = None  # set with the step-cost model, from the worker's info
+        self.demand = PrefillDemand()  # the prompts arriving, which the bound's prefill share keeps up with
         self.overlap = False  # overlap scheduling, decided from the worker's device
 
     def _open_sockets(self, config: ServerConfig, rt: ProcessRuntime) -> None:
@@ -115,6 +116,7 @@ class SchedulerLoop:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
                                            message.logits, priority=message.priority,
                                            speculative=message.speculative)
+                self.demand.arrived(len(message.prompt_ids), time.monotonic())
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))
@@ -188,7 +190,7 @@ class SchedulerLoop:
         assert sched is not None
         decode_rows, decode_pairs = sched.decode_load()
         share = prefill_share(self.config.min_prefill_share, sched.num_prefilling, sched.num_decoding,
-                              MAX_PREFILL_SHARE)
+                              MAX_PREFILL_SHARE, self.demand.share(cost, time.monotonic()))
         step_s = cost.prefill_step_s(target, decode_rows, decode_pairs, share)
         if step_s is None:  # out of reach: run as the unbounded scheduler does
             if sched.has_prefill_work():

@@ -15,8 +15,9 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-Prefill never gets less than a share of a step, and once the decodes alone take the target a step is
-not bounded at all (`prefill_step_s`), so a machine too slow for the target admits as fast as it can.
+Prefill never gets less than a share of a step, at least what keeps up with the prompts arriving
+(`PrefillDemand`), and once the decodes alone take the target a step is not bounded at all
+(`prefill_step_s`), so a machine too slow for the target admits as fast as it can.
 """
 
 from __future__ import annotations
@@ -39,13 +40,42 @@ MIN_MARGIN_STEPS = 8  # fewer: no margin yet
 MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model overestimates
 
 
-def prefill_share(min_share: float, prefilling: int, decoding: int, most: float) -> float:
+DEMAND_WINDOW_S = 10.0  # arrivals whose prompts make up the prefill demand
+DEMAND_HEADROOM = 1.5  # prefill's share of a step covers the demand this many times over
+
+
+def prefill_share(min_share: float, prefilling: int, decoding: int, most: float, demand: float = 0.0) -> float:
     """The least share of a step's time that prefill gets: each request in the server an equal share
     (the decoding ones' is their row), so the requests that wait for or are in prefill get theirs
-    together; never below `min_share`, nor above `most` (a share of 1 would let a step grow without
-    end)."""
+    together; at least `demand` (`PrefillDemand.share`: what keeps up with the prompts arriving);
+    never below `min_share`, nor above `most` (a share of 1 would let a step grow without end)."""
     share = prefilling / (prefilling + decoding) if prefilling else 0.0
-    return min(max(min_share, share), most)
+    return min(max(min_share, share, demand), most)
+
+
+class PrefillDemand:
+    """The prompts that arrived in the last `DEMAND_WINDOW_S` seconds, as the share of the machine's
+    time their prefill takes. A bound that gives prefill less than that share of every step admits
+    slower than requests arrive: the waiting queue grows until fewer requests decode (so each step's
+    decodes shrink and prefill's share grows), at a cost in throughput and time to first token."""
+
+    def __init__(self, window_s: float = DEMAND_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, prompt tokens, attention pairs)
+
+    def arrived(self, prompt_tokens: int, now: float) -> None:
+        self._arrivals.append((now, prompt_tokens, attention_pairs([0], [prompt_tokens])))
+
+    def share(self, cost: "StepCostModel", now: float) -> float:
+        """`DEMAND_HEADROOM` times the seconds of prefill that the window's prompts need (as `cost`
+        predicts them, beyond a step's fixed cost) per second of the window."""
+        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
+            self._arrivals.popleft()
+        if not self._arrivals:
+            return 0.0
+        tokens = sum(t for _, t, _ in self._arrivals)
+        pairs = sum(p for _, _, p in self._arrivals)
+        return DEMAND_HEADROOM * cost.prefill_s(tokens, pairs) / self.window_s
 
 
 class StepCostModel:
@@ -64,6 +94,10 @@ class StepCostModel:
     def predict(self, tokens: float, pairs: float) -> float:
         w0, w1, w2 = self.weights
         return w0 + w1 * tokens + w2 * pairs / 1000
+
+    def prefill_s(self, tokens: float, pairs: float) -> float:
+        """What these tokens add to a step, beyond its fixed cost."""
+        return self.predict(tokens, pairs) - self.weights[0]
 
     def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
         """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
