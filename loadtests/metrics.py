@@ -89,9 +89,10 @@ class Slo:
 
 
 # Per device, objectives for an interactive chat with a small model: the first token within a short
-# wait and a stream a reader keeps pace with (CPU: ~7 tokens/s per stream at the 300 ms step target's
-# scale; CUDA: DistServe's chatbot-like objectives). Pick your own for other workloads.
-DEFAULT_SLOS = {"cpu": Slo(ttft_ms=3000.0, tpot_ms=150.0), "cuda": Slo(ttft_ms=500.0, tpot_ms=50.0)}
+# wait and a stream that keeps moving (CPU: 4 tokens/s per stream, what 2 cores give 16-32 streams of the
+# default model at the 300 ms step target; the objectives issue 30's runs were judged by; CUDA:
+# DistServe's chatbot-like objectives). Pick your own for other workloads.
+DEFAULT_SLOS = {"cpu": Slo(ttft_ms=5000.0, tpot_ms=250.0), "cuda": Slo(ttft_ms=500.0, tpot_ms=50.0)}
 
 
 @dataclass(frozen=True)
