@@ -172,6 +172,21 @@ def test_prompt_context_keeps_the_leading_space() -> None:
     assert "".join(alone.add([t]).text for t in (1, 2, 3)) + alone.finish() == "Hello world!"
 
 
+def test_a_skipped_special_token_keeps_the_next_words_space() -> None:
+    """A special token between two words shows no text; streamed alone, it must not become the next
+    window's only context (the next word would lose its leading space), and any chunking of the
+    stream gives the full decode."""
+    tok = _metaspace_tokenizer()
+    tok.add_special_tokens(["<sep>"])
+    sep = tok.token_to_id("<sep>")
+    ids = [1, sep, 2, sep, sep, 4, 3]
+    expected = tok.decode(ids, skip_special_tokens=True)
+    assert expected == "Hello world again!"
+    for chunks in ([[t] for t in ids], [ids], [[1, sep], [2], [sep], [sep, 4, 3]]):
+        detok = IncrementalDetokenizer(tok)
+        assert "".join(detok.add(c).text for c in chunks) + detok.finish() == expected, chunks
+
+
 def _byte_fallback_tokenizer() -> Tokenizer:
     """A Llama/Mistral-style SentencePiece BPE: characters outside the vocab become <0xXX> tokens,
     and the decoder shows each byte of an incomplete sequence as its own U+FFFD."""

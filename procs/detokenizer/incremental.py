@@ -139,8 +139,10 @@ class IncrementalDetokenizer:
 
     def _advance_window(self) -> None:
         """The text is complete at the end of `_ids`: the next window starts at the last read
-        offset, keeping the previously read tokens as decoding context."""
-        if self._read_offset == len(self._ids):
+        offset, keeping the previously read tokens as decoding context. Not while the tokens read
+        since show no text (special tokens skipped): a window starting with them alone would decode
+        its next word as a sequence's first (a SentencePiece-style decoder drops its space)."""
+        if self._read_offset == len(self._ids) or not self._decode(self._ids[self._read_offset:]):
             return
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._emitted_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
