@@ -22,7 +22,8 @@ from kernels import native
 
 from shared.messages import SamplingParams, TokenLogprobs
 
-__all__ = ["sample_batch", "apply_repetition_penalty_", "token_logprobs"]
+__all__ = ["sample_batch", "draft_sample", "filtered_scores", "rejection_sample", "speculative_noise",
+           "apply_repetition_penalty_", "token_logprobs"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -31,6 +32,11 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x27D4EB2F
 _MUL_C = 0x165667B1
+# Noise streams of a seeded request besides its sampling's (salt 0): a draft model's draws, and
+# speculative sampling's acceptance test and residual draw (`speculative_noise`).
+DRAFT_SALT = 0x5EED0001
+_ACCEPT_SALT = 0x5EED0002
+_RESIDUAL_SALT = 0x5EED0003
 
 
 def sample_batch(
@@ -48,7 +54,22 @@ def sample_batch(
         raise ValueError(f"{n} logit rows but {len(params)} params and {len(sample_counts)} counts")
     if all(p.temperature == 0.0 for p in params):
         return _argmax(logits)
+    greedy = [p.temperature == 0.0 for p in params]
+    scores = filtered_scores(logits, params)
+    scores.sub_(_log_exponential_noise(params, sample_counts, greedy, vocab, logits.device))
+    sampled = _argmax(scores)
+    if any(greedy):
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(logits.device, non_blocking=True)
+        sampled = torch.where(greedy_mask, _argmax(logits), sampled)
+    return sampled
 
+
+def filtered_scores(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[n, vocab] float32 log-probabilities up to a constant per row: what `sample_batch` samples
+    from, `softmax` of which is the sampled distribution (temperature, then top-k, top-p and min-p
+    applied; filtered tokens -inf). A greedy row (temperature 0) is returned unscaled and unfiltered:
+    its distribution is its argmax alone, which callers take from the logits."""
+    n, vocab = logits.shape
     device = logits.device
     greedy = [p.temperature == 0.0 for p in params]
     # One host->device copy for all float parameters: temperature, top_p, min_p, top_k.
@@ -71,7 +92,7 @@ def sample_batch(
     scores = logits.float()
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)
 
-    # Greedy rows are answered by argmax below, so they skip the filters.
+    # Greedy rows are answered by argmax, so they skip the filters.
     topk_rows = [
         i for i, p in enumerate(params) if not greedy[i] and 0 < p.top_k < vocab and p.top_p >= 1.0
     ]
@@ -84,13 +105,64 @@ def sample_batch(
     # min-p: keep p_i >= min_p * p_max, i.e. score_i >= log(min_p) since max score is 0.
     # min_p == 0 gives log(0) = -inf, which filters nothing.
     scores.masked_fill_(scores < torch.log(min_p).unsqueeze(1), float("-inf"))
+    return scores
 
-    scores.sub_(_log_exponential_noise(params, sample_counts, greedy, vocab, device))
-    sampled = _argmax(scores)
+
+def draft_sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft model's tokens and the distributions they were drawn from ([n] int64, [n, vocab] float32):
+    each row sampled under its request's temperature and filters (`filtered_scores`), seeded rows in
+    the draft's own noise stream (`DRAFT_SALT`); greedy rows take the argmax (their distribution is
+    then never read: a greedy proposal is verified by an exact match)."""
+    n, vocab = logits.shape
+    if all(p.temperature == 0.0 for p in params):
+        return _argmax(logits), logits.new_zeros((0, vocab), dtype=torch.float32)
+    greedy = [p.temperature == 0.0 for p in params]
+    scores = filtered_scores(logits, params)
+    noisy = scores - _log_exponential_noise(params, sample_counts, greedy, vocab, logits.device, DRAFT_SALT)
+    tokens = _argmax(noisy)
     if any(greedy):
-        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
-        sampled = torch.where(greedy_mask, _argmax(logits), sampled)
-    return sampled
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(logits.device, non_blocking=True)
+        tokens = torch.where(greedy_mask, _argmax(logits), tokens)
+    return tokens, scores.softmax(dim=-1)
+
+
+def rejection_sample(target: torch.Tensor, draft: torch.Tensor, proposed: torch.Tensor,
+                     uniform: torch.Tensor, log_noise: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023), one token per position.
+
+    Position i holds the target's distribution `target[i]` ([m, vocab] probabilities) and the draft
+    distribution `draft[i]` that the next fed token `proposed[i]` was drawn from. The proposed token
+    is kept with probability min(1, p / q) (kept when `uniform[i]` < p / q); otherwise the token is
+    drawn from the residual max(0, p - q), renormalised (by the exponential race with `log_noise[i]`,
+    log Exp(1) per token). A position with nothing proposed after it (`proposed[i]` < 0: a row's last)
+    draws from p. Either way the token is distributed as p, and a rejected position's token is never
+    the proposed one (the residual has no mass there), so verification's rule, keep positions while
+    the token sampled before is the one proposed, keeps exactly the accepted ones."""
+    rows = torch.arange(target.shape[0], device=target.device)
+    has_draft = proposed >= 0
+    token = proposed.clamp_min(0)
+    p, q = target[rows, token], draft[rows, token]
+    accept = has_draft & (uniform * q < p)  # u < p / q without dividing by a zero q
+    residual = torch.where(has_draft.unsqueeze(1), (target - draft).clamp_min_(0.0), target)
+    # A residual of zero mass cannot be reached (rejection needs p(d) < q(d), so p - q > 0 elsewhere);
+    # rounding may still leave one: fall back to p.
+    empty = residual.sum(dim=1, keepdim=True) <= 0
+    residual = torch.where(empty, target, residual)
+    drawn = _argmax(residual.log() - log_noise)
+    return torch.where(accept, proposed, drawn)
+
+
+def speculative_noise(params: Sequence[SamplingParams], sample_counts: Sequence[int], vocab: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniform [n], log_noise [n, vocab]) for `rejection_sample`: the draws of seeded rows are
+    functions of (seed, count), each in a stream of its own (the acceptance test's and the residual's),
+    so that a seeded request's output does not depend on its batch."""
+    greedy = [False] * len(params)
+    log_noise = _log_exponential_noise(params, sample_counts, greedy, vocab, device, _RESIDUAL_SALT)
+    # u = exp(-E) for E ~ Exp(1) is uniform on (0, 1): the first token's noise of a separate stream.
+    uniform = _log_exponential_noise(params, sample_counts, greedy, 1, device, _ACCEPT_SALT)[:, 0].exp().neg().exp()
+    return uniform, log_noise
 
 
 def apply_repetition_penalty_(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
@@ -196,6 +268,7 @@ def _log_exponential_noise(
     greedy: Sequence[bool],
     vocab: int,
     device: torch.device,
+    salt: int = 0,
 ) -> torch.Tensor:
     """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key.
     Greedy rows get global-RNG noise that is never used (cheaper than a hash)."""
@@ -204,7 +277,7 @@ def _log_exponential_noise(
     if not seeded_rows:
         return _log_torch_exponential(n, vocab, device)
     keys = torch.tensor(
-        [_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
+        [_row_key(params[i].seed ^ salt, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
     ).to(device, non_blocking=True)
     seeded = _log_hash_exponential(keys, vocab)
     if len(seeded_rows) == n:

@@ -31,7 +31,7 @@ import msgspec
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.scheduler.core import Scheduler
-from procs.scheduler.config import scheduler_config_from_server
+from procs.scheduler.config import check_config, scheduler_config_from_server
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
@@ -157,6 +157,7 @@ class OfflineEngine:
         from procs.worker.model_runner import ModelRunner, resolve_device
         from procs.worker.parallel import TensorParallelError, check_local_devices, rank_device
 
+        check_config(config)  # unworkable settings: one line now, not after loading the model
         config = with_init_addr(config)  # a free loopback port where all ranks are local
         layout = RankLayout.of(config, 0)  # checks the layout before anything starts
         if layout.rank != 0:

@@ -24,8 +24,9 @@ OverlapSchedule = Literal["auto", "on", "off"]  # the default first
 # The waiting queue's order (procs/scheduler/SCHEDULING.md section 8): arrival, or priority then arrival.
 SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
-# Speculative decoding (procs/scheduler/ngram.py proposes, the worker verifies): off, or prompt lookup.
-Speculative = Literal["off", "ngram"]  # the default first
+# Speculative decoding (the worker verifies): off, prompt lookup (procs/scheduler/ngram.py proposes) or a
+# draft model (procs/worker/draft_model.py proposes).
+Speculative = Literal["off", "ngram", "draft"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
 # their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
 NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
@@ -96,9 +97,17 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         also feeds up to num_speculative_tokens tokens found after the last ngram_max..ngram_min tokens'
         latest earlier occurrence in the prompt and output; the model checks them in the same step and keeps
         what it would have sampled anyway, so the output is unchanged and each step may give several
-        tokens); off: one token per step. Needs overlap_schedule off (auto turns it off). A request opts out
-        with "speculative": false.""")] = "off"
+        tokens); draft = a draft model (draft_model) proposes num_speculative_tokens tokens per row, which
+        the model accepts by rejection sampling, so the output is distributed as without it (greedy: the
+        same tokens); off: one token per step. Needs overlap_schedule off (auto turns it off). A request
+        opts out with "speculative": false.""")] = "off"
     num_speculative_tokens: Annotated[int, _doc("Most tokens one speculative decode row proposes (k).")] = NUM_SPECULATIVE_TOKENS
+    draft_model: Annotated[str, _doc("""With speculative draft: the draft model (a known name, a Hugging Face folder
+        or a .gguf file) with the model's tokenizer, run by the worker beside it, its KV in the same pages
+        (the KV pool's memory holds both).""")] = ""
+    draft_quantization: Annotated[Quantization, _doc("""Weights of the draft model: none, or int8 (as
+        quantization; int8 of the served model itself is a draft that agrees with it on most tokens at a
+        quarter of its weight bytes).""")] = "none"
     ngram_min: Annotated[int, _doc("Shortest match (in tokens) that prompt lookup proposes from.")] = NGRAM_MIN
     ngram_max: Annotated[int, _doc("Longest match (in tokens) that prompt lookup tries first.")] = NGRAM_MAX
     step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:

@@ -107,6 +107,7 @@ class SlotStart(msgspec.Struct, kw_only=True):
 
 
 FUTURE_TOKEN = -1  # an input id the worker fills with the slot's last sampled token (see ForwardBatch)
+DRAFT_TOKEN = -2  # an input id the worker's draft model fills with a proposed token (see ForwardBatch)
 
 
 class ForwardBatch(msgspec.Struct, kw_only=True):
@@ -122,6 +123,8 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     in a row.
     A decode row of k tokens (prefix_lens[i] > 0, extend_lens[i] == sample_lens[i] == k) feeds the
     request's last token, then k - 1 proposed tokens; each of its k positions samples one token.
+    With a draft model (`--speculative draft`) the proposed tokens are `DRAFT_TOKEN`s, which the
+    worker's draft model fills before the step runs (`procs.worker.draft_model`).
     """
 
     step: int

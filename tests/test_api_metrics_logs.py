@@ -7,6 +7,7 @@ import json
 import logging
 import re
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,6 +91,7 @@ def test_metrics_move_after_requests_and_stats():
     assert value(after, "batchserve_step_target_out_of_reach_total") == 4
     assert [value(after, f"batchserve_spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens",
                                                                              "accepted_tokens")] == [3, 12, 7]
+    assert value(after, "batchserve_spec_decode_mean_acceptance_length") == pytest.approx(1 + 7 / 3)
     assert value(after, "batchserve_kv_reserve_ratio") == 0.05
     assert value(after, "batchserve_num_requests_running") == 3
     assert value(after, "batchserve_num_requests_waiting") == 5

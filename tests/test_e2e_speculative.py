@@ -1,5 +1,5 @@
-"""End to end with `--speculative ngram`: `batchserve serve` on a tiny random model, called through the
-`openai` package as users do. Greedy output is token for token plain decoding's (`OfflineEngine`
+"""End to end with `--speculative ngram` and `--speculative draft` (the model drafting for itself):
+`batchserve serve` on a tiny random model, called through the `openai` package as users do. Greedy output is token for token plain decoding's (`OfflineEngine`
 without speculation), streamed or not; usage reports the draft tokens as OpenAI reports a predicted
 output's; a request that opts out gets no drafts; `/metrics` counts them."""
 
@@ -25,10 +25,15 @@ def model(tiny_model_dir):
     return tiny_model_dir("llama", with_tokenizer=True, seed=5)
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+METHOD_FLAGS = {"ngram": ["--speculative", "ngram", "--ngram-min", "1"],
+                "draft": ["--speculative", "draft", "--draft-model"]}  # + the model itself
+
+
+@pytest.fixture(scope="module", params=list(METHOD_FLAGS))
+def server(request, model, tmp_path_factory):
+    flags = METHOD_FLAGS[request.param] + ([str(model)] if request.param == "draft" else [])
     srv = start_server(model, tmp_path_factory.mktemp("e2e-spec") / "serve.log", "--kv-capacity-tokens", "4096",
-                       "--speculative", "ngram", "--ngram-min", "1")
+                       *flags)
     yield srv
     srv.stop()
 
@@ -62,6 +67,7 @@ def test_greedy_output_is_plain_decodings_and_usage_counts_the_drafts(server, cl
     assert accepted > 0
     assert metric(server.url, "batchserve_spec_decode_num_draft_tokens_total") > drafts_before
     assert metric(server.url, "batchserve_spec_decode_num_accepted_tokens_total") > 0
+    assert metric(server.url, "batchserve_spec_decode_mean_acceptance_length") > 1
 
 
 def test_a_request_that_opts_out_gets_the_same_text_without_drafts(client, model):

@@ -1,8 +1,13 @@
-"""Speculative decoding for real (`--speculative ngram`): the scheduler and the worker in one process
-(`OfflineEngine`) on tiny random models. Verification keeps only what plain decoding would have
-sampled, so every output (greedy, seeded sampling, penalties, logit_bias, min_tokens, logprobs,
-grammars) must be token-identical with it on and off, with preemptions too; and drafts must really
-have been proposed and accepted."""
+"""Speculative decoding for real (`--speculative ngram` and `--speculative draft`): the scheduler and
+the worker in one process (`OfflineEngine`) on tiny random models. Verification keeps only what plain
+decoding would have sampled, so every greedy output (penalties, logit_bias, min_tokens, logprobs,
+grammars too) must be token-identical with it on and off, with preemptions too; and drafts must
+really have been proposed and accepted. Seeded sampling with prompt lookup draws the very same
+tokens; a draft model's sampled tokens go through rejection sampling (`test_rejection_sampler.py`),
+reproducibly for a seed.
+
+The draft model here is the served model itself (it agrees with it: most drafts are accepted) or
+another random model (it does not: most are rejected)."""
 
 from __future__ import annotations
 
@@ -24,10 +29,16 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama", with_tokenizer=True, seed=5)
 
 
+METHODS = ["ngram", "draft"]
+
+
 def engine(model_dir, speculative: str, **overrides) -> OfflineEngine:
+    """`speculative` "draft": the draft model is `overrides["draft_model"]`, by default the model itself."""
     config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=32,
                   max_running_requests=5, speculative=speculative, num_speculative_tokens=4,
                   ngram_min=1)  # single-token matches too: more drafts, right and wrong
+    if speculative == "draft":
+        config["draft_model"] = str(model_dir)
     return OfflineEngine(ServerConfig(**{**config, **overrides}))
 
 
@@ -36,9 +47,9 @@ def requests(sampling: dict, logits: dict | None = None, n: int = NEW_TOKENS, **
                     logits=logits or {}, **fields) for i, p in enumerate(PROMPTS)]
 
 
-def both(model_dir, reqs, **overrides):
-    plain = engine(model_dir, "off", **overrides)
-    spec = engine(model_dir, "ngram", **overrides)
+def both(model_dir, reqs, method: str = "ngram", **overrides):
+    plain = engine(model_dir, "off", **{k: v for k, v in overrides.items() if k != "draft_model"})
+    spec = engine(model_dir, method, **overrides)
     return plain.generate(reqs), spec.generate(reqs), spec
 
 
@@ -48,18 +59,52 @@ def assert_same(plain, spec) -> None:
     assert [c.text for c in spec] == [c.text for c in plain]
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("policy", ["mixed", "prefill-first", "fixed"])
-def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, policy):
-    plain, spec, eng = both(model_dir, requests({"temperature": 0}), policy=policy)
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, policy, method):
+    plain, spec, eng = both(model_dir, requests({"temperature": 0}), method, policy=policy)
     assert_same(plain, spec)
-    assert eng.accepted_tokens > 0 and eng.draft_tokens > eng.accepted_tokens
+    assert eng.accepted_tokens > 0 and eng.draft_tokens >= eng.accepted_tokens
+    assert eng.scheduler.kv_used_tokens == 0
+    if method == "draft":  # the model drafting for itself: nearly every draft token is right
+        assert eng.accepted_tokens > 0.9 * eng.draft_tokens
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_one_request_alone_is_unchanged(model_dir, method):
+    plain, spec, eng = both(model_dir, requests({"temperature": 0})[:1], method, max_running_requests=1)
+    assert_same(plain, spec)
+    assert eng.accepted_tokens > 0
+
+
+def test_a_draft_model_that_disagrees_changes_no_greedy_token(model_dir, tiny_model_dir):
+    """Another random model drafts: its tokens are mostly rejected (rolled back), the output is the same."""
+    other = tiny_model_dir("llama", with_tokenizer=True, seed=6)
+    plain, spec, eng = both(model_dir, requests({"temperature": 0}), "draft", draft_model=str(other))
+    assert_same(plain, spec)
+    assert eng.draft_tokens > 0 and eng.accepted_tokens < 0.5 * eng.draft_tokens
     assert eng.scheduler.kv_used_tokens == 0
 
 
-def test_one_request_alone_is_unchanged(model_dir):
-    plain, spec, eng = both(model_dir, requests({"temperature": 0})[:1], max_running_requests=1)
-    assert_same(plain, spec)
-    assert eng.accepted_tokens > 0
+def test_a_draft_model_samples_reproducibly_for_a_seed(model_dir, tiny_model_dir):
+    """Sampled requests verify a draft model's tokens by rejection sampling: a seed gives the same
+    tokens every run, whatever else is in the batch, with a draft that agrees and one that does not."""
+    reqs = [request(f"s{i}", prompt=p, sampling={"temperature": 0.9, "top_p": 0.95, "seed": 10 + i},
+                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    for draft in (model_dir, tiny_model_dir("llama", with_tokenizer=True, seed=6)):
+        first = engine(model_dir, "draft", draft_model=str(draft))
+        tokens = [c.token_ids for c in first.generate(reqs)]
+        assert all(len(t) == NEW_TOKENS for t in tokens) and first.accepted_tokens > 0
+        alone = engine(model_dir, "draft", draft_model=str(draft), max_running_requests=1)
+        assert [c.token_ids for c in alone.generate(reqs[::-1])][::-1] == tokens
+
+
+def test_a_draft_model_must_share_the_vocabulary(model_dir, tiny_model_dir):
+    from shared.model import ModelLoadError
+
+    other = tiny_model_dir("llama", with_tokenizer=True, seed=6, vocab_size=300)
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        engine(model_dir, "draft", draft_model=str(other))
 
 
 def test_seeded_sampling_draws_the_same_tokens(model_dir):
@@ -72,18 +117,20 @@ def test_seeded_sampling_draws_the_same_tokens(model_dir):
     assert eng.draft_tokens > 0
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("logits", [
     {"repetition_penalty": 1.3}, {"frequency_penalty": 0.6, "presence_penalty": 0.4},
     {"logit_bias": {"10": -100.0, "11": 5.0}}, {"min_tokens": 30},
 ], ids=["repetition", "frequency-presence", "logit-bias", "min-tokens"])
-def test_logits_processing_sees_exactly_the_accepted_tokens(model_dir, logits):
-    plain, spec, eng = both(model_dir, requests({"temperature": 0}, logits))
+def test_logits_processing_sees_exactly_the_accepted_tokens(model_dir, logits, method):
+    plain, spec, eng = both(model_dir, requests({"temperature": 0}, logits), method)
     assert_same(plain, spec)
     assert eng.draft_tokens > 0
 
 
-def test_logprobs_are_those_of_the_accepted_tokens(model_dir):
-    plain, spec, eng = both(model_dir, requests({"temperature": 0}, {"logprobs": 2}, n=24))
+@pytest.mark.parametrize("method", METHODS)
+def test_logprobs_are_those_of_the_accepted_tokens(model_dir, method):
+    plain, spec, eng = both(model_dir, requests({"temperature": 0}, {"logprobs": 2}, n=24), method)
     assert_same(plain, spec)
     for p, s in zip(plain, spec):
         assert len(s.logprobs) == len(s.token_ids)
@@ -92,20 +139,22 @@ def test_logprobs_are_those_of_the_accepted_tokens(model_dir):
     assert eng.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_preempted_speculative_requests_are_unchanged(model_dir, page_size):
+def test_preempted_speculative_requests_are_unchanged(model_dir, page_size, method):
     """A pool too small for every output: requests are preempted and recomputed from their kept tokens."""
     reqs = requests({"temperature": 0}, n=24)
     plain = engine(model_dir, "off").generate(reqs)
-    tight = engine(model_dir, "ngram", page_size=page_size, kv_capacity_tokens=64, kv_reserve_ratio=0.05,
+    tight = engine(model_dir, method, page_size=page_size, kv_capacity_tokens=64, kv_reserve_ratio=0.05,
                    prefill_budget=8)
     assert_same(plain, tight.generate(reqs))
     assert tight.preemptions > 0 and tight.accepted_tokens > 0
     assert tight.scheduler.kv_used_tokens == 0
 
 
-def test_a_request_can_opt_out(model_dir):
-    eng = engine(model_dir, "ngram")
+@pytest.mark.parametrize("method", METHODS)
+def test_a_request_can_opt_out(model_dir, method):
+    eng = engine(model_dir, method)
     eng.generate(requests({"temperature": 0}, speculative=False))
     assert eng.draft_tokens == 0
     eng.generate(requests({"temperature": 0}))
@@ -117,7 +166,8 @@ def byte_model_dir(tiny_model_dir):
     return tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
 
 
-def test_grammar_constrained_output_is_unchanged_and_valid(byte_model_dir):
+@pytest.mark.parametrize("method", METHODS)
+def test_grammar_constrained_output_is_unchanged_and_valid(byte_model_dir, method):
     schema = {"type": "object", "additionalProperties": False, "required": ["ok", "colour", "n"],
               "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]},
                              "n": {"type": "integer"}}}
@@ -126,7 +176,7 @@ def test_grammar_constrained_output_is_unchanged_and_valid(byte_model_dir):
             for i, p in enumerate(["the quick brown fox", '{"ok": true, "colour": "red", "n": 1}', "abc abc abc"])]
     reqs += [request("regex", prompt="yes no yes no yes", sampling={"temperature": 0}, stop={"max_tokens": 40},
                      constraint={"kind": "regex", "spec": "((yes|no) ){6}"})]
-    plain, spec, eng = both(byte_model_dir, reqs, kv_capacity_tokens=4096, prefill_budget=64)
+    plain, spec, eng = both(byte_model_dir, reqs, method, kv_capacity_tokens=4096, prefill_budget=64)
     assert_same(plain, spec)
     for c in spec[:3]:
         value = json.loads(c.text)

@@ -230,6 +230,13 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="overlap"):
         check_config(ServerConfig(speculative="ngram", overlap_schedule="on"))
     check_config(ServerConfig(speculative="ngram"))
+    for bad in (ServerConfig(speculative="draft"), ServerConfig(draft_model="m"),
+                ServerConfig(speculative="ngram", draft_model="m")):
+        with pytest.raises(ValueError, match="draft_model"):
+            check_config(bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        check_config(ServerConfig(speculative="draft", draft_model="m", tensor_parallel_size=2))
+    check_config(ServerConfig(speculative="draft", draft_model="m"))
 
 
 def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay() -> None:

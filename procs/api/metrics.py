@@ -4,7 +4,8 @@ Scheduler gauges come from `SchedulerStats` pushed by the engine client; latenci
 counts are measured here, per request. Names (all prefixed `batchserve_`):
 
 gauges     num_requests_running, num_requests_waiting, kv_cache_used_tokens, kv_cache_total_tokens,
-           api_requests_in_flight, kv_reserve_ratio (the scheduler's configured ratio)
+           api_requests_in_flight, kv_reserve_ratio (the scheduler's configured ratio),
+           spec_decode_mean_acceptance_length (1 + accepted draft tokens / drafts, since the start)
 histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between successive token
            deliveries of one request), e2e_request_latency_seconds, batch_size (requests per step)
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
@@ -14,7 +15,7 @@ counters   prompt_tokens_total, generation_tokens_total, request_success_total{f
            not bounded),
            spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
            spec_decode_num_accepted_tokens_total (speculative decoding, vLLM's names: decode rows with a
-           draft, their draft tokens, the accepted ones; mean acceptance length = 1 + accepted / drafts),
+           draft, their draft tokens, the accepted ones),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
 """
@@ -55,6 +56,10 @@ class ApiMetrics:
                                          registry=r)
         self.spec_accepted = Counter("batchserve_spec_decode_num_accepted_tokens",
                                      "Draft tokens the model accepted", registry=r)
+        self.spec_acceptance_length = Gauge("batchserve_spec_decode_mean_acceptance_length",
+                                            "Tokens a decode row with a draft gave on average since the start "
+                                            "(1 + accepted draft tokens / drafts)", registry=r)
+        self._spec_totals = [0, 0]  # drafts, accepted tokens: the mean acceptance length's terms
         self.cache_hits = Counter("batchserve_prefix_cache_hit_tokens",
                                   "Prompt tokens whose KV was found in the prefix cache", registry=r)
         self.cache_queries = Counter("batchserve_prefix_cache_queried_tokens",
@@ -101,6 +106,9 @@ class ApiMetrics:
             self.spec_drafts.inc(stats.spec_drafts)
             self.spec_draft_tokens.inc(stats.spec_draft_tokens)
             self.spec_accepted.inc(stats.spec_accepted_tokens)
+            self._spec_totals[0] += stats.spec_drafts
+            self._spec_totals[1] += stats.spec_accepted_tokens
+            self.spec_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
 

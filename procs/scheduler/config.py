@@ -65,7 +65,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # A long prompt's chunk leaves half of a step to the requests behind it (SCHEDULING.md section 9); off: the chapter.
     fair_prefill: bool = False
     # Speculative decoding: "ngram" proposes up to `num_speculative_tokens` tokens per decode row by
-    # prompt lookup (`procs/scheduler/ngram.py`), matches of `ngram_min`..`ngram_max` tokens.
+    # prompt lookup (`procs/scheduler/ngram.py`), matches of `ngram_min`..`ngram_max` tokens; "draft"
+    # plans rows of `num_speculative_tokens` placeholders that the worker's draft model fills.
     speculative: Speculative = "off"
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
     ngram_min: int = NGRAM_MIN
@@ -153,6 +154,11 @@ def check_config(config: ServerConfig) -> None:
     if config.speculative != "off" and config.overlap_schedule == "on":
         raise ValueError("speculative decoding needs overlap_schedule off or auto: a speculative row must be "
                          "verified before the next step plans its request")
+    if (config.speculative == "draft") != bool(config.draft_model):
+        raise ValueError("speculative draft needs a draft_model, and a draft_model needs speculative draft "
+                         f"(got speculative {config.speculative!r}, draft_model {config.draft_model!r})")
+    if config.speculative == "draft" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative draft runs with tensor_parallel_size 1 only (the draft model is not sharded)")
     if not 0 <= config.min_prefill_share <= MAX_PREFILL_SHARE:
         raise ValueError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], got {config.min_prefill_share}")
     scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),

@@ -18,8 +18,9 @@ that comes back is appended in order with the stop checks applied to each; the f
 request drops the rest of its row. A draft is taken only while no step is in flight: its row's
 verification decides where the request's next row starts, so no step launches behind it.
 
-Speculative decoding (`speculative="ngram"`) gives drafts to decoding requests before each step
-that nothing is in flight for (`NgramProposer`), and the worker verifies them
+Speculative decoding (`speculative="ngram"` or `"draft"`) gives drafts to decoding requests before each
+step that nothing is in flight for (`NgramProposer`, or `DraftPlaceholders` that the worker's draft
+model fills), and the worker verifies them
 (`StepResult.accepted_lens`): only a row's accepted tokens are appended, and the rest of its row is
 rolled back (its KV positions, its generated count, and the pages past its KV). A draft never takes
 a row to its token limit, so that a rejection never has to put its request back in the decode set.
@@ -44,6 +45,7 @@ from procs.scheduler.deltas import token_deltas
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
+from procs.scheduler.draft_placeholders import DraftPlaceholders
 from procs.scheduler.ngram import NgramProposer, pause_after
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
@@ -130,7 +132,7 @@ class _KeptTokens(NamedTuple):
 
 class Proposer(Protocol):
     """Proposes drafts: at most `limit` tokens to follow request `rid`'s `history` (its prompt and output
-    so far); none is a fine answer. `NgramProposer`, or `simulate`'s scripted one."""
+    so far); none is a fine answer. `NgramProposer`, `DraftPlaceholders`, or `simulate`'s scripted one."""
 
     def propose(self, history: np.ndarray, limit: int, rid: str) -> np.ndarray: ...
 
@@ -146,7 +148,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Collection[int] = (),
                  proposer: Proposer | None = None) -> None:
         """`proposer`: where drafts come from (default: prompt lookup when `config.speculative` is
-        "ngram", else none)."""
+        "ngram", the worker's draft model's placeholders when "draft", else none)."""
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -164,6 +166,8 @@ class Scheduler:
         self._planner = POLICY_PLANNERS[config.policy]
         if proposer is None and config.speculative == "ngram":
             proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+        elif proposer is None and config.speculative == "draft":
+            proposer = DraftPlaceholders(config.num_speculative_tokens)
         self.proposer = proposer
         # The share of a draft's tokens that must be accepted for it to pay (set by the server from its
         # step-cost model before each launch): a request whose draft got no more backs off; 1 or more:

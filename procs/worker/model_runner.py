@@ -19,18 +19,19 @@ import torch
 from kernels.attention import BACKENDS, AttentionMetadata, create_backend, resolve_backend_name
 from kernels import native
 from kernels.kv_cache import KVCache
-from kernels.sampling import sample_batch
+from kernels.sampling import filtered_scores, rejection_sample, sample_batch, speculative_noise
+from procs.worker.draft_model import DraftDistributions, DraftModel
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
-from procs.worker.loader import load_model
+from procs.worker.loader import load_model, load_model_config
 from procs.worker.models.base import CausalLM, ModelConfig
 from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import QUANTIZATIONS, ServerConfig
-from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
+from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.parallel import RankLayout
 from shared.step_features import attention_pairs
@@ -81,6 +82,8 @@ class ModelRunner:
     on the CPU; see `kv_memory_budget_gb`); page 0 is the dummy page and is not counted in `kv_capacity_tokens`.
     `max_context` 0 means the model's max_position_embeddings. `pad_decode`: run decode steps on the
     padded static buffers CUDA graphs replay (None: only where graphs are captured).
+    `draft_model`: a model with this one's tokenizer that proposes speculative decoding's draft tokens
+    (`procs.worker.draft_model`; its weights in `draft_quantization`), its KV in this pool's pages.
     """
 
     def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
@@ -88,7 +91,8 @@ class ModelRunner:
                  kv_memory_fraction: float = 0.85,
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
-                 quantization: str = "none", tp: TensorParallel | None = None):
+                 quantization: str = "none", tp: TensorParallel | None = None, draft_model: str = "",
+                 draft_quantization: str = "none"):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -102,11 +106,21 @@ class ModelRunner:
                                           tp=self.tp)
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
+        draft_spec = None
+        bytes_per_token = kv_bytes_per_token(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, self.dtype)
+        if draft_model:
+            if self.tp.world_size > 1:
+                raise ValueError("a draft model runs with tensor_parallel_size 1 only")
+            check_quantization(draft_quantization, self.device, self.dtype)
+            draft_spec = DraftModel.spec_for(draft_model, self.spec)
+            draft_cfg = load_model_config(draft_spec)  # its KV shares the pool's pages: size them for both
+            bytes_per_token += kv_bytes_per_token(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim,
+                                                  self.dtype)
         # Each rank sizes its pool from its own memory; all take the smallest, which the scheduler plans with.
         num_pages = self.tp.min_int(num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
             memory_gb=0.0 if kv_capacity_tokens > 0 else kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
-            bytes_per_token=kv_bytes_per_token(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, self.dtype),
+            bytes_per_token=bytes_per_token,
         ))
         self.kv_cache = KVCache(
             num_layers=cfg.num_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
@@ -116,6 +130,9 @@ class ModelRunner:
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
                                         heads.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.draft: DraftModel | None = None if draft_spec is None else DraftModel.load(
+            draft_spec, self.kv_cache, dtype=self.dtype, quantization=draft_quantization,
+            attention_backend=attention_backend)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
@@ -159,7 +176,9 @@ class ModelRunner:
                          kv_memory_fraction=config.kv_memory_fraction,
                          max_running_requests=config.max_running_requests, max_context=config.max_context,
                          attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
-                         cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization, tp=tp)
+                         cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization, tp=tp,
+                         draft_model=config.draft_model if config.speculative == "draft" else "",
+                         draft_quantization=config.draft_quantization)
         except BaseException:
             tp.close()
             raise
@@ -261,6 +280,13 @@ class ModelRunner:
         batch = self._fill_future_tokens(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
+        drafts = None
+        if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
+            for start in batch.slot_starts:
+                self.draft.start(start.slot)
+            self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
+                                                   batch.page_table_pages)
+            batch, drafts = self.draft.propose(batch)
         with torch.inference_mode():
             prompt_chunks = self._prompt_logprob_chunks(batch)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
@@ -274,13 +300,16 @@ class ModelRunner:
             if num_sampled:
                 rows = SampleRows.of_batch(batch)
                 sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
-                token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows)
+                token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows,
+                                                                               drafts)
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
                 kept_rows, kept = rows, None
                 if rows.width > 1:  # proposed tokens: keep what verification accepts (speculative decoding)
                     accepted = rows.accepted(result.next_token_ids)
                     result.accepted_lens = accepted.tolist()
                     kept_rows, kept = rows.kept(accepted)
+                    if self.draft is not None:
+                        self.draft.verified(batch, accepted)
                 self.logits_state.record(kept_rows, token_ids if kept is None else
                                          token_ids.index_select(0, torch.from_numpy(kept).to(self.device)))
                 lasts = rows.firsts + kept_rows.lens - 1
@@ -301,18 +330,36 @@ class ModelRunner:
         return msgspec.structs.replace(batch, input_ids=ids)
 
     def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
-                ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
+                drafts: DraftDistributions | None = None) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
         """Adjust (penalties, bias, bans) and sample, one logit row per sampled position; logprobs from
-        the logits as the model gave them. The caller counts the tokens it keeps."""
+        the logits as the model gave them. The caller counts the tokens it keeps. `drafts`: where a
+        proposed token was drawn from a draft distribution, the position before it samples by rejection
+        (`kernels.sampling.rejection_sample`); every other proposed token is one token for sure (prompt
+        lookup, or a greedy draft), which sampling then verifies as it is (`shared.verification`)."""
         state = self.logits_state
         wanted = state.logprob_rows(rows.slots)
         row_index = torch.from_numpy(wanted).to(self.device) if wanted.shape[0] else None
         raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
         state.adjust_(logits, rows)
         token_ids = sample_batch(logits, sampling, rows.counts.tolist())
+        if drafts is not None:
+            token_ids = self._rejection_sample(logits, sampling, rows, drafts, token_ids)
         if raw is None:
             return token_ids, [], []
         return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
+
+    def _rejection_sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
+                          drafts: DraftDistributions, token_ids: torch.Tensor) -> torch.Tensor:
+        """`token_ids` with the positions `drafts` names sampled by rejection against their draft
+        distributions (the logits already adjusted)."""
+        at = drafts.positions
+        index = torch.from_numpy(at).to(self.device)
+        params = [sampling[i] for i in at.tolist()]
+        counts = rows.counts[at].tolist()
+        target = filtered_scores(logits.index_select(0, index), params).softmax(dim=-1)
+        uniform, log_noise = speculative_noise(params, counts, logits.shape[1], self.device)
+        proposed = torch.from_numpy(rows.fed[at + 1]).to(self.device)  # a named position is never a row's last
+        return token_ids.index_copy(0, index, rejection_sample(target, drafts.probs, proposed, uniform, log_noise))
 
     def _prompt_logprob_chunks(self, batch: ForwardBatch) -> list[tuple[int, range, np.ndarray]]:
         """(slot, prompt positions, packed token rows) of the prefill chunks that want prompt logprobs."""
@@ -397,8 +444,11 @@ class ModelRunner:
             raise ValueError(f"ForwardBatch: kv_locs out of range [0, {pool_tokens})")
         if int(batch.positions.min()) < 0 or int(batch.positions.max()) >= self._max_context:
             raise ValueError(f"ForwardBatch: position out of range [0, {self._max_context})")
-        if int(batch.input_ids.min()) < FUTURE_TOKEN or int(batch.input_ids.max()) >= self.vocab_size:
+        if int(batch.input_ids.min()) < min(FUTURE_TOKEN, DRAFT_TOKEN) or int(batch.input_ids.max()) >= self.vocab_size:
             raise ValueError(f"ForwardBatch: token id out of range [0, {self.vocab_size})")
         firsts = np.cumsum(batch.extend_lens) - np.asarray(batch.extend_lens)
         if not np.isin(np.flatnonzero(batch.input_ids == FUTURE_TOKEN), firsts).all():
             raise ValueError("ForwardBatch: FUTURE_TOKEN stands other than first in a row")
+        if (batch.input_ids == DRAFT_TOKEN).any() and (self.draft is None or np.isin(
+                np.flatnonzero(batch.input_ids == DRAFT_TOKEN), firsts).any()):
+            raise ValueError("ForwardBatch: DRAFT_TOKEN without a draft model, or first in a row")
