@@ -42,10 +42,10 @@ import numpy as np
 from procs.scheduler.batch import StepPlan, build_forward_batch
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.deltas import token_deltas
+from procs.scheduler.draft_placeholders import DraftPlaceholders
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
-from procs.scheduler.draft_placeholders import DraftPlaceholders
 from procs.scheduler.ngram import NgramProposer, pause_after
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
