@@ -61,8 +61,9 @@ ENV_FILE_HEADER = """\
 # batchserve settings for the systemd units: /etc/batchserve/batchserve.env
 # Read by every batchserve-*.service (EnvironmentFile=). Each line sets one ServerConfig field;
 # a commented-out line shows the default. After an edit: systemctl restart batchserve.target
-# (after changing tensor_parallel_size, nnodes or node_rank, first `batchserve install-systemd`
-# again: it decides which worker ranks, and whether the other processes, run on this machine).
+# (after changing tensor_parallel_size, nnodes, node_rank, data_parallel_size or router, first
+# `batchserve install-systemd` again: it decides which worker ranks, replicas and other processes
+# run on this machine).
 #
 # Set by the units themselves (override here if needed): BATCHSERVE_CACHE=/var/cache/batchserve
 # (converted models, compiled kernels), HOME=/var/lib/batchserve.
