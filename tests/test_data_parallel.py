@@ -5,6 +5,7 @@ tests/test_data_parallel_router.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from procs import serve
 from procs.router import SMG_LAUNCH, smg_args
 from procs.runtime import resolve_runtime_dir
-from procs.worker.parallel import rank_device
+from procs.worker.parallel import join, rank_device
 from shared.config import ROUTER_POLICIES, ServerConfig
 from shared.parallel import (RankLayout, check_parallel_config, replica_dir, replica_port, replica_urls, replicated,
                              router_metrics_port)
@@ -53,6 +54,18 @@ def test_a_replica_takes_its_own_device_or_share_of_the_cores():
     assert rank_device(torch.device("cpu"), layout) == torch.device("cpu")
     alone = RankLayout.of(ServerConfig(), 0)
     assert not alone.picks_device and rank_device(torch.device("cuda"), alone) == torch.device("cuda")
+
+
+def test_a_replica_worker_takes_its_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    config = msgspec.structs.replace(TWO, data_parallel_rank=1)
+    try:
+        tp = join(config, RankLayout.of(config, 0), torch.device("cpu"))
+        assert tp.world_size == 1  # no group to join: a replica is one rank
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("fields, message", [
