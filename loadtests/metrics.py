@@ -120,8 +120,13 @@ class BenchMetrics:
         sent = self.completed + self.failed
         return None if self.slo is None or not sent else self.good_requests / sent
 
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """The prefix-cache hit rate the server reported: cached input tokens / input tokens."""
+        return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else None
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "cache_hit_rate": self.cache_hit_rate}
 
 
 def ttft(result: RequestResult) -> float:

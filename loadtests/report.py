@@ -51,7 +51,7 @@ def format_run(record: RunRecord) -> str:
         f"{'Benchmark duration (s):':<34}{m.duration_s:.2f}",
         f"{'Total input tokens:':<34}{m.total_input_tokens}",
         f"{'Total generated tokens:':<34}{m.total_output_tokens}",
-        f"{'Cached input tokens (server):':<34}{m.total_cached_tokens}",
+        f"{'Cached input tokens (server):':<34}{m.total_cached_tokens} ({_percent(m.cache_hit_rate)} hit rate)",
         f"{'Request throughput (req/s):':<34}{m.request_throughput:.2f}",
         f"{'Input token throughput (tok/s):':<34}{m.input_throughput:.2f}",
         f"{'Output token throughput (tok/s):':<34}{m.output_throughput:.2f}",
@@ -103,17 +103,19 @@ def format_table(records: Sequence[RunRecord]) -> str:
 
 
 def format_turns(records: Sequence[RunRecord]) -> str:
-    """TTFT of each turn of multi-turn chats, per config (ms); "" when no record has turns."""
+    """TTFT of each turn of multi-turn chats, per config (ms), and the prefix-cache hit rate of all of
+    them; "" when no record has turns."""
     with_turns = [r for r in records if r.by_turn]
     if not with_turns:
         return ""
     turns = sorted({t for r in with_turns for t in r.by_turn})  # type: ignore[union-attr]
-    header = f"{'load':<16}{'config':<16}" + "".join(f"{f'turn {t + 1} p50/p99':>22}" for t in turns)
-    rows = ["TTFT by turn (ms)", header, "-" * len(header)]
+    header = (f"{'load':<16}{'config':<16}" + "".join(f"{f'turn {t + 1} p50/p99':>22}" for t in turns)
+              + f"{'cache hits':>12}")
+    rows = ["TTFT by turn (ms), prefix-cache hit rate", header, "-" * len(header)]
     for r in with_turns:
         cells = "".join(f"{_ms(r.by_turn[t].ttft_ms.p50) + ' / ' + _ms(r.by_turn[t].ttft_ms.p99):>22}"  # type: ignore[index]
                         if t in r.by_turn else f"{'-':>22}" for t in turns)  # type: ignore[operator]
-        rows.append(f"{r.point.label():<16}{r.config:<16}{cells}")
+        rows.append(f"{r.point.label():<16}{r.config:<16}{cells}{_percent(r.metrics.cache_hit_rate):>12}")
     return "\n".join(rows)
 
 

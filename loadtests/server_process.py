@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,10 +26,28 @@ class ServerStartError(RuntimeError):
     pass
 
 
-def free_port() -> int:
+# Ports a started server may take from its own on: its replicas' and its router's (`--data-parallel-size`,
+# `--router`: shared.parallel.replica_port), free when it starts.
+SERVER_PORT_SPAN = 16
+
+
+def free_port(span: int = 1) -> int:
+    """A free loopback port; with `span` > 1, the first of that many consecutive free ports."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if span == 1 or (port + span <= 65536 and all(_can_bind(p) for p in range(port + 1, port + span))):
+            return port
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ServerProcess:
@@ -39,7 +58,7 @@ class ServerProcess:
 
     def __init__(self, command: Sequence[str], log_path: Path, health_timeout_s: float = 600.0,
                  stop_timeout_s: float = 30.0, env: Mapping[str, str] | None = None, cwd: Path | None = None):
-        self.port = free_port()
+        self.port = free_port(SERVER_PORT_SPAN)
         self.command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.health_timeout_s, self.stop_timeout_s = health_timeout_s, stop_timeout_s
@@ -78,13 +97,21 @@ class ServerProcess:
                                f"{' '.join(self.command)}\n{self.log_tail()}")
 
     def ready(self) -> bool:
-        return self.healthy()
+        return self.healthy() and self.serves_a_model()
 
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def serves_a_model(self) -> bool:
+        """`/v1/models` lists one: a gateway answers /health before it has registered its workers."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as resp:
+                return bool(json.loads(resp.read()).get("data"))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError):
             return False
 
     def stop(self, timeout: float | None = None) -> int | None:

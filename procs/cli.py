@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("procs.serve", "start all five processes and serve the OpenAI-compatible API"),
     "proc": ("procs.launch", "run one process (api, tokenizer, scheduler, worker, detokenizer)"),
+    "router": ("procs.router", "run the gateway (smg) in front of the replicas, as --router and --data-parallel-size say"),
     "generate": ("procs.generate", "one-shot offline generation for a batch of prompts"),
     "simulate": ("procs.scheduler.simulate", "run a scheduling scenario through the real scheduler"),
     "bench": ("loadtests.bench", "benchmark an OpenAI-compatible endpoint (TTFT, ITL, TPOT, throughput)"),

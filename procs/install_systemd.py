@@ -2,12 +2,14 @@
 
 The unit templates live in `systemd/` next to the packages (a source checkout, installed with
 `pip install -e .`); `@VENV@`, `@SOURCE@`, `@PROTECT_HOME@` and `@PRIVATE_TMP@` are filled in here, and
-`@WORKERS@` / `@SERVICES@` with the units of this machine's layout (`MachineUnits`): one instance of
-`batchserve-worker@.service` per local tensor-parallel rank, plus scheduler, tokenizer, detokenizer
-and api on the machine of node_rank 0 only. The layout comes from the env file the units will read
-(when kept) and the layout flags. The example env file `systemd/batchserve.env` is generated from
-`ServerConfig` by `render_env_file()`, and a test keeps the two equal, so every setting is
-documented there.
+the units' names with those of this machine's layout (`Layout.names`). One server (`MachineUnits`):
+one instance of `batchserve-worker@.service` per local tensor-parallel rank, plus scheduler, tokenizer,
+detokenizer and api on the machine of node_rank 0 only. Replicas (`ReplicaUnits`: data_parallel_size
+> 1, or a router): the same five unit files installed as templates (`batchserve-api@.service`, ...),
+instance I being replica I's process, grouped by `batchserve@I.target`, and the router's unit. The
+layout comes from the env file the units will read (when kept) and the layout flags. The example env
+file `systemd/batchserve.env` is generated from `ServerConfig` by `render_env_file()`, and a test keeps
+the two equal, so every setting is documented there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from procs.cli import CliError
 from procs.launch import START_ORDER
 from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
                            field_description, flag_name)
-from shared.parallel import RankLayout
+from shared.parallel import RankLayout, replica_port, replicated
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
@@ -38,13 +40,20 @@ TARGET = "batchserve.target"
 WORKER_TEMPLATE = "batchserve-worker@.service"  # one instance per local rank: batchserve-worker@I.service
 # The units besides the worker ranks, in start order (systemd stops them in reverse: api first); only
 # the machine of node_rank 0 runs them.
-SERVER_UNITS = tuple(f"batchserve-{name}.service" for name in START_ORDER if name != "worker")
-TEMPLATE_NAMES = (TARGET, WORKER_TEMPLATE, *SERVER_UNITS)  # the files in systemd/
+SERVER_PROCESSES = tuple(name for name in START_ORDER if name != "worker")
+SERVER_UNITS = tuple(f"batchserve-{name}.service" for name in SERVER_PROCESSES)
+TEMPLATE_NAMES = (TARGET, WORKER_TEMPLATE, *SERVER_UNITS)  # the files a one-server install writes
+# Replicas: every process's unit a template, instance I = replica I, grouped by its target; the router.
+REPLICA_TARGET_TEMPLATE = "batchserve@.target"
+REPLICA_TEMPLATES = tuple(f"batchserve-{name}@.service" for name in SERVER_PROCESSES)
+ROUTER_UNIT = "batchserve-router.service"
 # Written by installs before the worker became a template; it would run a second rank 0 next to
 # batchserve-worker@0.service (both are part of batchserve.target).
 FORMER_UNITS = ("batchserve-worker.service",)
+# Every unit file some layout installs (one that this machine's does not is removed).
+INSTALLED_NAMES = (*TEMPLATE_NAMES, REPLICA_TARGET_TEMPLATE, *REPLICA_TEMPLATES, ROUTER_UNIT)
 # The settings that decide which units a machine runs; install-systemd takes them as flags too.
-LAYOUT_FIELDS = ("tensor_parallel_size", "nnodes", "node_rank", "dist_init_addr")
+LAYOUT_FIELDS = ("tensor_parallel_size", "nnodes", "node_rank", "dist_init_addr", "data_parallel_size", "router")
 
 # ProtectHome=yes hides these; code or a venv under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
@@ -61,8 +70,9 @@ ENV_FILE_HEADER = """\
 # batchserve settings for the systemd units: /etc/batchserve/batchserve.env
 # Read by every batchserve-*.service (EnvironmentFile=). Each line sets one ServerConfig field;
 # a commented-out line shows the default. After an edit: systemctl restart batchserve.target
-# (after changing tensor_parallel_size, nnodes or node_rank, first `batchserve install-systemd`
-# again: it decides which worker ranks, and whether the other processes, run on this machine).
+# (after changing tensor_parallel_size, nnodes, node_rank, data_parallel_size or router, first
+# `batchserve install-systemd` again: it decides which worker ranks, replicas and other processes
+# run on this machine).
 #
 # Set by the units themselves (override here if needed): BATCHSERVE_CACHE=/var/cache/batchserve
 # (converted models, compiled kernels), HOME=/var/lib/batchserve.
@@ -162,6 +172,15 @@ def worker_unit(local_rank: int) -> str:
     return f"batchserve-worker@{local_rank}.service"
 
 
+def replica_unit(process: str, replica: int | str) -> str:
+    """Replica `replica`'s unit of `process` (`%i` in a template of another replica unit)."""
+    return f"batchserve-{process}@{replica}.service"
+
+
+def replica_target(replica: int | str) -> str:
+    return f"batchserve@{replica}.target"
+
+
 @dataclass(frozen=True)
 class MachineUnits:
     """The services one machine runs for a tensor-parallel layout: its worker ranks' instances, and
@@ -170,31 +189,96 @@ class MachineUnits:
     workers: tuple[str, ...]
     server: tuple[str, ...]  # scheduler, tokenizer, detokenizer, api (node_rank 0), else none
 
-    @classmethod
-    def of(cls, config: ServerConfig) -> MachineUnits:
-        layout = RankLayout.of(config, 0)  # ValueError naming the setting for a layout that cannot run
-        return cls(workers=tuple(worker_unit(i) for i in range(layout.local_world_size)),
-                   server=SERVER_UNITS if config.node_rank == 0 else ())
-
     @property
     def services(self) -> tuple[str, ...]:
         """In start order: the ranks (together), then the server's units."""
         return self.workers + self.server
 
     @property
-    def templates(self) -> tuple[str, ...]:
-        """The files of systemd/ this machine installs."""
-        return (TARGET, WORKER_TEMPLATE, *self.server)
+    def templates(self) -> dict[str, str]:
+        """The unit files this machine installs: installed name -> its file in systemd/."""
+        return {name: name for name in (TARGET, WORKER_TEMPLATE, *self.server)}
+
+    @property
+    def names(self) -> dict[str, str]:
+        """The templates' placeholders for the units' names: each unit as named."""
+        return {"@WORKERS@": " ".join(self.workers), "@SERVICES@": " ".join(self.services), "@AT@": "",
+                "@WORKER0@": worker_unit(0), "@PART_OF@": TARGET, "@REPLICA_FLAG@": "",
+                "@WORKER_FLAG@": "--local-rank %i", "@WORKER_INSTANCE@": "local rank"}
+
+    def describe(self, config: ServerConfig) -> str:
+        first = RankLayout.of(config, 0).rank
+        last = first + len(self.workers) - 1
+        ranks = f"worker rank {first}" if first == last else f"worker ranks {first}..{last}"
+        of = f" of {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
+        if self.server:
+            return f"This machine runs {ranks}{of} ({', '.join(self.workers)}) and the server's other units.\n"
+        return (f"This machine (node_rank {config.node_rank} of {config.nnodes}) runs only {ranks}{of} "
+                f"({', '.join(self.workers)}); they join global rank 0 at {config.dist_init_addr}, on the "
+                "machine of node_rank 0, which serves the api (start either first: each waits "
+                f"dist_timeout_s={config.dist_timeout_s:g} for the other).\n")
 
 
-SINGLE_WORKER = MachineUnits.of(ServerConfig())
+@dataclass(frozen=True)
+class ReplicaUnits:
+    """The services of a server run as replicas (data_parallel_size > 1, or a router): replica I's five
+    processes as instance I of each unit's template, grouped by batchserve@I.target; then the router."""
+
+    replicas: int
+    router: bool
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """What batchserve.target wants, in start order: every replica (together), then the router."""
+        return tuple(replica_target(i) for i in range(self.replicas)) + ((ROUTER_UNIT,) if self.router else ())
+
+    @property
+    def templates(self) -> dict[str, str]:
+        """The unit files this machine installs: installed name -> its file in systemd/."""
+        files = {TARGET: TARGET, REPLICA_TARGET_TEMPLATE: REPLICA_TARGET_TEMPLATE, WORKER_TEMPLATE: WORKER_TEMPLATE}
+        files.update(zip(REPLICA_TEMPLATES, SERVER_UNITS))
+        return files | ({ROUTER_UNIT: ROUTER_UNIT} if self.router else {})
+
+    @property
+    def names(self) -> dict[str, str]:
+        """The templates' placeholders for the units' names: instance %i of each, replica %i's."""
+        return {"@WORKERS@": replica_unit("worker", "%i"), "@SERVICES@": " ".join(self.services), "@AT@": "@%i",
+                "@WORKER0@": replica_unit("worker", "%i"), "@PART_OF@": replica_target("%i"),
+                "@REPLICA_FLAG@": " --data-parallel-rank %i", "@WORKER_FLAG@": "--data-parallel-rank %i",
+                "@WORKER_INSTANCE@": "replica",
+                "@REPLICA_SERVICES@": " ".join(replica_unit(name, "%i") for name in START_ORDER),
+                "@REPLICA_TARGETS@": " ".join(replica_target(i) for i in range(self.replicas))}
+
+    def describe(self, config: ServerConfig) -> str:
+        ports = f"{replica_port(config, 0)}..{replica_port(config, self.replicas - 1)}"
+        router = (f", and {ROUTER_UNIT}: smg ({config.router_policy}) on port {config.port} in front of them"
+                  if self.router else "")
+        return (f"This machine runs {self.replicas} replica(s), {replica_target(0)} .. "
+                f"{replica_target(self.replicas - 1)} (each its worker, scheduler, tokenizer, detokenizer and api: "
+                f"{replica_unit('api', 0)} ..; apis on ports {ports}){router}.\n")
+
+
+Layout = MachineUnits | ReplicaUnits
+
+
+def machine_units(config: ServerConfig) -> Layout:
+    """The units this machine runs for `config` (ValueError naming the setting for a layout that cannot run)."""
+    layout = RankLayout.of(config, 0)
+    if replicated(config):
+        return ReplicaUnits(replicas=config.data_parallel_size, router=config.router != "none")
+    return MachineUnits(workers=tuple(worker_unit(i) for i in range(layout.local_world_size)),
+                        server=SERVER_UNITS if config.node_rank == 0 else ())
+
+
+SINGLE_WORKER = machine_units(ServerConfig())
 
 
 def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes",
-                private_tmp: str = "yes", units: MachineUnits = SINGLE_WORKER) -> str:
+                private_tmp: str = "yes", units: Layout = SINGLE_WORKER) -> str:
     text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
-            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp)
-            .replace("@WORKERS@", " ".join(units.workers)).replace("@SERVICES@", " ".join(units.services)))
+            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp))
+    for placeholder, value in units.names.items():
+        text = text.replace(placeholder, value)
     left = _PLACEHOLDER.search(text)
     if left:
         raise ValueError(f"unit template has an unknown placeholder {left.group()}")
@@ -235,38 +319,37 @@ def plan_files(prefix: Path, venv: Path, force: bool = False,
         raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
                        "checkout (pip install -e .)")
     layout = layout or {}
-    units = MachineUnits.of(machine_config(prefix, layout, force))
+    units = machine_units(machine_config(prefix, layout, force))
     protect_home = protect_home_for(venv)
     private_tmp = private_tmp_for(venv)
     files = [PlannedFile(prefix / UNIT_DIR / name,
-                         render_unit((TEMPLATE_DIR / name).read_text(), venv, SOURCE_DIR, protect_home, private_tmp,
-                                     units),
+                         render_unit((TEMPLATE_DIR / template).read_text(), venv, SOURCE_DIR, protect_home,
+                                     private_tmp, units),
                          0o644, keep_existing=False)
-             for name in units.templates]
+             for name, template in units.templates.items()]
     files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(layout), 0o644,
                              keep_existing=not force))
     return files
 
 
-def stale_units(prefix: Path, units: MachineUnits) -> list[Path]:
-    """Unit files of an earlier install that this machine no longer runs: the former worker unit,
-    and the server's units on a machine that now has node_rank > 0."""
-    names = [*FORMER_UNITS, *(name for name in SERVER_UNITS if name not in units.server)]
+def stale_units(prefix: Path, units: Layout) -> list[Path]:
+    """Unit files of an earlier install that this machine no longer runs: the former worker unit, the
+    server's units on a machine that now has node_rank > 0, one layout's units after a switch to the
+    other (replicas or not), the router's once there is none."""
+    names = [*FORMER_UNITS, *(name for name in INSTALLED_NAMES if name not in units.templates)]
     return [path for path in (prefix / UNIT_DIR / name for name in names) if path.exists()]
 
 
-def describe_machine(config: ServerConfig, units: MachineUnits) -> str:
+def describe_machine(config: ServerConfig, units: Layout) -> str:
     """What this machine runs, in a line (printed after the files)."""
-    first = RankLayout.of(config, 0).rank
-    last = first + len(units.workers) - 1
-    ranks = f"worker rank {first}" if first == last else f"worker ranks {first}..{last}"
-    of = f" of {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
-    if units.server:
-        return f"This machine runs {ranks}{of} ({', '.join(units.workers)}) and the server's other units.\n"
-    return (f"This machine (node_rank {config.node_rank} of {config.nnodes}) runs only {ranks}{of} "
-            f"({', '.join(units.workers)}); they join global rank 0 at {config.dist_init_addr}, on the "
-            "machine of node_rank 0, which serves the api (start either first: each waits "
-            f"dist_timeout_s={config.dist_timeout_s:g} for the other).\n")
+    return units.describe(config)
+
+
+def check_router_in_venv(config: ServerConfig, venv: Path) -> None:
+    """The router's unit runs `batchserve router` from `venv`: smg must be installed there."""
+    if config.router == "smg" and not (venv / "bin" / "smg").is_file():
+        raise CliError(f"router smg: smg is not installed in {venv} (install batchserve with its router extra: "
+                       f"{venv}/bin/pip install -e '.[router]' in the checkout)")
 
 
 def next_steps(prefix: Path) -> str:
@@ -282,7 +365,9 @@ def next_steps(prefix: Path) -> str:
 DESCRIPTION_EPILOG = """\
 Tensor parallelism: the worker unit is a template, batchserve-worker@.service, and batchserve.target
 starts one instance per local rank (batchserve-worker@0.service .. @N-1, N = tensor_parallel_size /
-nnodes). The layout is what PREFIX/etc/batchserve/batchserve.env says when that file is kept (the
+nnodes). Replicas (data_parallel_size N > 1, or a router): every process's unit is a template whose
+instance I is replica I's (batchserve-api@I.service, ...), batchserve.target starts batchserve@0.target
+.. @N-1 (each a replica's five units) and, with a router, batchserve-router.service. The layout is what PREFIX/etc/batchserve/batchserve.env says when that file is kept (the
 layout flags must then agree with it), else the flags, which are written into the new env file.
 On the machine of node_rank 0 the target also starts scheduler, tokenizer, detokenizer and api; on
 a machine with node_rank > 0 only its worker ranks are installed (they join global rank 0 at
@@ -301,8 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="virtualenv whose bin/batchserve the units run (default: this one, %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     parser.add_argument("--force", action="store_true", help="overwrite an existing batchserve.env")
-    add_config_arguments(parser.add_argument_group("layout (tensor parallelism; default: as batchserve.env says)"),
-                         only=LAYOUT_FIELDS)
+    add_config_arguments(parser.add_argument_group("layout (tensor and data parallelism, router; default: as "
+                                                   "batchserve.env says)"), only=LAYOUT_FIELDS)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -316,7 +401,8 @@ def main(args: argparse.Namespace) -> int:
     prefix = Path(args.prefix).absolute()
     layout = {name: getattr(args, name) for name in LAYOUT_FIELDS if getattr(args, name, None) is not None}
     config = machine_config(prefix, layout, force=args.force)
-    for stale in stale_units(prefix, MachineUnits.of(config)):
+    check_router_in_venv(config, venv)
+    for stale in stale_units(prefix, machine_units(config)):
         if args.dry_run:
             print(f"--- would remove {stale} (not run on this machine any more)")
             continue
@@ -350,5 +436,5 @@ def main(args: argparse.Namespace) -> int:
     if under_tmp:
         print(f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
               "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)", file=sys.stderr)
-    print(describe_machine(config, MachineUnits.of(config)) + next_steps(prefix))
+    print(describe_machine(config, machine_units(config)) + next_steps(prefix))
     return 0

@@ -4,9 +4,12 @@ readiness and heartbeats. `procs.launch` builds one `ProcessRuntime` per process
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
+import sys
 import socket
 import tempfile
 import threading
@@ -18,12 +21,14 @@ import zmq
 from shared.config import ServerConfig
 from shared.ipc import Endpoints, Sender
 from shared.messages import Heartbeat
+from shared.parallel import replica_dir
 from shared.shm import remove_stale_segments
 from shared.readiness import notify_ready, notify_stopping, notify_watchdog, watchdog_enabled
 
 HEARTBEAT_INTERVAL_S = 1.0
 POLL_INTERVAL_S = 0.1  # how often blocking loops look at the stop flag
 WATCHDOG_INTERVAL_S = 1.0  # WATCHDOG=1 at most this often (WatchdogSec= is far longer)
+PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("batchserve.process")
 
@@ -34,10 +39,12 @@ def default_runtime_dir() -> Path:
 
 
 def resolve_runtime_dir(config: ServerConfig) -> Path:
-    """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY`, else `default_runtime_dir()`;
-    created if missing, and made private (0700) even if it existed: it holds every socket."""
+    """`config.runtime_dir`, else systemd's `$RUNTIME_DIRECTORY`, else `default_runtime_dir()`, or in it
+    this process's replica's directory (`shared.parallel.replica_dir`); created if missing, and made
+    private (0700) even if it existed: it holds every socket."""
     chosen = configured_runtime_dir(config)
-    return make_private_dir(Path(chosen) if chosen else default_runtime_dir())
+    base = make_private_dir(Path(chosen) if chosen else default_runtime_dir())
+    return make_private_dir(replica_dir(base, config))
 
 
 def configured_runtime_dir(config: ServerConfig) -> str:
@@ -52,6 +59,17 @@ def make_private_dir(path: Path) -> Path:
     except PermissionError:
         raise ValueError(f"runtime dir {path}: not ours, so it cannot be made private (0700)") from None
     return path
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Run in a child between fork and exec: SIGTERM it when its parent dies (Linux), so that no
+    process outlives the one that supervises it; exit at once if the parent is gone already."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class StopRequested(BaseException):

@@ -9,16 +9,22 @@ Tensor parallelism (`--tp N`): the worker is this machine's N / nnodes worker ra
 where the worker starts. With `--node-rank R > 0` this machine serves no api: `serve` starts and
 supervises only its worker ranks, which join global rank 0's at `--dist-init-addr`.
 
-SIGINT/SIGTERM: the api is stopped first (it answers 503 to new requests and lets running ones
-finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
+Replicas (`--data-parallel-size N`, or a `--router`): N copies of the five processes, replica I's
+children started with `--data-parallel-rank I` (named `api@I`, ...: their own port, device and
+sockets, `shared.parallel`), and once every one is ready, the router (`batchserve router`, smg in front
+of them). Once all are serving, a replica whose process dies is stopped as a whole (its api first
+ends the requests it had with their terminal events) and the others serve on: the router stops
+sending to it when its /health fails; `serve` exits 1 when no replica is left, or when the router ends.
+
+SIGINT/SIGTERM: the api (every replica's, and the router) is stopped first (it answers 503 to new
+requests and lets running ones finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
 If any process dies on its own, the others are stopped and `serve` exits 1 naming it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
+import dataclasses
 import os
 import select
 import shutil
@@ -34,14 +40,15 @@ from pathlib import Path
 import msgspec
 
 from procs.launch import START_ORDER
-from procs.runtime import configured_runtime_dir, make_private_dir
+from procs.router import check_router
+from procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
 from shared.config import ServerConfig, add_config_arguments, config_from_args
-from shared.parallel import check_parallel_config, with_init_addr, worker_process_names
+from shared.parallel import (check_parallel_config, local_url, replica_port, replica_urls, replicated,
+                             router_metrics_port, with_init_addr, worker_process_names)
 from shared.shm import remove_segments_of
 
 BACKEND_STOP_TIMEOUT_S = 10.0
 EXIT_POLL_S = 0.02  # how often the stop looks for exited children
-PR_SET_PDEATHSIG = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,31 +62,48 @@ def _say(message: str) -> None:
 def _child_setup(parent_pid: int) -> None:
     """Runs in the child between fork and exec: own process group, die with the parent."""
     os.setpgid(0, 0)
-    libc_name = ctypes.util.find_library("c")
-    if libc_name and sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent_pid)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One child to start: its name (as it heartbeats), the process it runs, and its worker rank."""
+    """One child to start: its name (as it heartbeats), the process it runs, its worker rank, and the
+    replica it belongs to (None: the server is not run as replicas, or the router)."""
 
     name: str
     process: str
     local_rank: int = 0
+    replica: int | None = None
+
+    @property
+    def key(self) -> str:
+        """How `serve` names it (ready line, exits): its name, `@I` added for replica I's."""
+        return self.name if self.replica is None else f"{self.name}@{self.replica}"
+
+
+ROUTER = Launch("router", "router")  # started once every replica is ready, as its systemd unit is
 
 
 def launches(config: ServerConfig) -> list[Launch]:
     """This machine's children in start order: every worker rank where the worker starts; on a
-    machine of node_rank > 0 only its worker ranks (the api and the rest run on node 0)."""
+    machine of node_rank > 0 only its worker ranks (the api and the rest run on node 0); with
+    replicas, the five processes of each, replica by replica (the router comes after them)."""
     ranks = [Launch(name, "worker", i) for i, name in enumerate(worker_process_names(config))]
     if config.node_rank > 0:
         return ranks
-    return [launch for process in START_ORDER
-            for launch in (ranks if process == "worker" else [Launch(process, process)])]
+    server = [launch for process in START_ORDER
+              for launch in (ranks if process == "worker" else [Launch(process, process)])]
+    if not replicated(config):
+        return server
+    return [dataclasses.replace(launch, replica=i) for i in range(config.data_parallel_size) for launch in server]
+
+
+def listen_ports(config: ServerConfig) -> list[int]:
+    """The ports this machine's server listens on: each replica's api, and the router's two."""
+    if config.node_rank > 0:
+        return []
+    ports = [replica_port(config, i) for i in range(config.data_parallel_size)]
+    return ports + [config.port, router_metrics_port(config)] if config.router != "none" else ports
 
 
 @dataclass
@@ -87,6 +111,7 @@ class Child:
     name: str
     popen: subprocess.Popen
     notify: socket.socket
+    launch: Launch
     ready: bool = False
     expected_exit: bool = False
     killed_pids: list[int] = field(default_factory=list)
@@ -110,25 +135,36 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.signals = 0
         self.stop_seconds: dict[str, float] = {}  # each stopped child's seconds from SIGTERM to its exit
+        self.config_path = runtime_dir / "config.json"
+        self.failed_replicas: set[int] = set()  # stopped after one of their processes died
 
     # -- signals ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals += 1
 
     # -- start --------------------------------------------------------------------------------
-    def _spawn(self, launch: Launch, config_path: Path) -> Child:
-        name = launch.name
+    def _spawn(self, launch: Launch) -> Child:
+        name = launch.key
         notify_path = self.runtime_dir / f"notify-{name}.sock"
         notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
         parent = os.getpid()
-        command = [sys.executable, "-m", "procs.cli", "proc", launch.process, "--config", str(config_path)]
+        config = ["--config", str(self.config_path)]
+        if launch.process == "router":
+            command = [sys.executable, "-m", "procs.cli", "router", *config]
+        else:
+            command = [sys.executable, "-m", "procs.cli", "proc", launch.process, *config]
         if launch.process == "worker" and self.config.tensor_parallel_size > 1:
             command += ["--local-rank", str(launch.local_rank)]
+        if launch.replica is not None:
+            command += ["--data-parallel-rank", str(launch.replica)]
         popen = subprocess.Popen(command, env=env, preexec_fn=lambda: _child_setup(parent), close_fds=True)
-        return Child(name, popen, notify)
+        return Child(name, popen, notify, launch)
+
+    def _start(self, launch: Launch) -> None:
+        self.children[launch.key] = self._spawn(launch)
 
     def _read_notifications(self, timeout_s: float) -> None:
         socks = {c.notify.fileno(): c for c in self.children.values()}
@@ -151,13 +187,12 @@ class Supervisor:
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
-        config_path = self.runtime_dir / "config.json"
-        config_path.write_bytes(msgspec.json.format(self.config.to_json()))
+        self.config_path.write_bytes(msgspec.json.format(self.config.to_json()))
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
             for launch in launches(self.config):
-                self.children[launch.name] = self._spawn(launch, config_path)
+                self._start(launch)
             return self._supervise()
         finally:
             self._stop_all()
@@ -171,16 +206,37 @@ class Supervisor:
             if self._group_stopped():
                 _say("global rank 0 stopped the worker group; this machine's worker ranks exited")
                 return 0
-            if self._report_dead("; stopping the others"):
+            if self._dead_children() and not (announced and self._stop_failed_replicas()):
+                self._report_dead("; stopping the others")
                 return 1
             if self.signals:
                 if not announced:
                     _say("stopping before every process was ready")
                     return 0
                 return self._drain()
-            if not announced and all(c.ready for c in self.children.values()):
+            everyone_ready = all(c.ready for c in self.children.values())
+            if everyone_ready and self.config.router != "none" and ROUTER.key not in self.children:
+                self._start(ROUTER)  # in front of the replicas once they serve, as its unit's After= orders it
+            elif not announced and everyone_ready:
                 announced = True
                 print(self._ready_line(time.monotonic() - started), flush=True)
+
+    def _stop_failed_replicas(self) -> bool:
+        """A replica's process died after the server was up: stop that replica (its api first ends what it
+        had in flight: the others' heartbeats are gone) and let the others serve on. False when that
+        cannot be: the router ended, or no replica is left."""
+        dead = self._dead_children()
+        replicas = {child.launch.replica for child in dead}
+        if None in replicas:  # the router, or a server that is one replica
+            return False
+        left = set(range(self.config.data_parallel_size)) - self.failed_replicas - replicas
+        if not left:
+            return False
+        self._report_dead(f"; stopping replica {', '.join(map(str, sorted(replicas)))}, replica "
+                          f"{', '.join(map(str, sorted(left)))} serves on")
+        self.failed_replicas |= replicas  # type: ignore[arg-type]  # None is not among them
+        self._stop([child for child in self.children.values() if child.launch.replica in replicas])
+        return True
 
     def _ready_line(self, seconds: float) -> str:
         pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
@@ -189,6 +245,11 @@ class Supervisor:
             return (f"batchserve: serving worker ranks of {model} for node 0 at {self.config.dist_init_addr}, "
                     f"node {self.config.node_rank} of {self.config.nnodes}, no api here (ready in {seconds:.1f}s; "
                     f"{pids}; runtime dir {self.runtime_dir})")
+        if replicated(self.config):
+            replicas = f"{self.config.data_parallel_size} replica(s) at {' '.join(replica_urls(self.config))}"
+            where = (f"at {local_url(self.config.host, self.config.port)} through {self.config.router} "
+                     f"({self.config.router_policy}) over {replicas}" if self.config.router != "none" else f"on {replicas}")
+            return f"batchserve: serving {model} {where} (ready in {seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})"
         return (f"batchserve: serving {model} at http://{self.config.host}:{self.config.port} (ready in "
                 f"{seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})")
 
@@ -209,50 +270,63 @@ class Supervisor:
                        f"{_describe_status(child.popen.returncode)}" for child in dead) + suffix)
         return True
 
+    def _front(self) -> list[Child]:
+        """What clients talk to, stopped first: the router, then every live replica's api."""
+        return [child for child in sorted(self.children.values(), key=_stop_order)
+                if child.launch.process in ("router", "api") and child.popen.poll() is None]
+
     def _drain(self) -> int:
-        """Stop the api first (it drains), then the backend; a second signal cuts it short."""
-        api = self.children.get("api")
-        if api is None:  # a machine of worker ranks only: rank 0's node drains, its stop ends ours
+        """Stop the router and the apis first (they drain), then the backend; a second signal cuts it short."""
+        front = self._front()
+        if not front:  # a machine of worker ranks only: rank 0's node drains, its stop ends ours
             _say("stopping this machine's worker ranks")
             return 0
         _say(f"draining (up to {self.config.drain_timeout_s:g}s); signal again to stop now")
-        api.expected_exit = True
         signals_seen = self.signals
-        api.signal(signal.SIGTERM)
+        for child in front:
+            child.expected_exit = True
+            child.signal(signal.SIGTERM)
         asked = time.monotonic()
         deadline = asked + self.config.drain_timeout_s + BACKEND_STOP_TIMEOUT_S
-        while api.popen.poll() is None and time.monotonic() < deadline and self.signals == signals_seen:
+        waiting = list(front)
+        while waiting and time.monotonic() < deadline and self.signals == signals_seen:
             self._read_notifications(EXIT_POLL_S)
             if self._report_dead(" while draining"):
                 return 1
-        if api.popen.poll() is None:
-            _say("the api did not finish draining in time; stopping it")
-        else:
-            self.stop_seconds["api"] = time.monotonic() - asked
+            for child in [c for c in waiting if c.popen.poll() is not None]:
+                self.stop_seconds[child.name] = time.monotonic() - asked
+                waiting.remove(child)
+        for child in waiting:
+            _say(f"the {child.name} did not finish draining in time; stopping it")
         return 0
 
     # -- stop ---------------------------------------------------------------------------------
     def _stop_all(self) -> None:
-        """SIGTERM every live process (the api first), wait, then SIGKILL their groups. Follower
-        worker ranks then exit on rank 0's stop broadcast (or by themselves within a few seconds)."""
-        api_first = sorted(self.children.values(), key=lambda c: c.name != "api")  # stable: the rest in start order
-        running = [child for child in api_first if child.popen.poll() is None]
-        for child in api_first:
+        """SIGTERM every live process (the router and the apis first), wait, then SIGKILL their groups.
+        Follower worker ranks then exit on rank 0's stop broadcast (or by themselves within a few seconds)."""
+        self._stop(list(self.children.values()))
+        if self.stop_seconds:
+            _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
+                f"{name} {seconds:.2f}{_exit_note(self.children[name].popen.returncode)}"
+                for name, seconds in self.stop_seconds.items()))
+
+    def _stop(self, children: list[Child]) -> None:
+        """SIGTERM `children` that still run, all at once, the router and apis first; wait for them, then
+        SIGKILL their groups."""
+        in_order = sorted(children, key=_stop_order)
+        running = [child for child in in_order if child.popen.poll() is None]
+        for child in in_order:
             child.expected_exit = True
         for child in running:
             child.signal(signal.SIGTERM)
             child.signal(signal.SIGCONT)  # a stopped (SIGSTOP) process takes SIGTERM only once running
         self.stop_seconds.update(self._wait_for_exits(running, BACKEND_STOP_TIMEOUT_S))
-        for child in self.children.values():
+        for child in in_order:
             if child.popen.poll() is None:
                 _say(f"the {child.name} process (pid {child.pid}) did not stop; killing it")
             child.signal(signal.SIGKILL)  # also reaps helpers left in its group
             if child.popen.poll() is None:
                 child.popen.wait()
-        if self.stop_seconds:
-            _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
-                f"{name} {seconds:.2f}{_exit_note(self.children[name].popen.returncode)}"
-                for name, seconds in self.stop_seconds.items()))
 
     @staticmethod
     def _wait_for_exits(children: list[Child], timeout_s: float) -> dict[str, float]:
@@ -277,6 +351,11 @@ class Supervisor:
         else:
             for child in self.children.values():
                 (self.runtime_dir / f"notify-{child.name}.sock").unlink(missing_ok=True)
+
+
+def _stop_order(child: Child) -> int:
+    """The router first, then the apis, then the rest in start order (sorting is stable)."""
+    return {"router": 0, "api": 1}.get(child.launch.process, 2)
 
 
 def _exit_note(code: int | None) -> str:
@@ -331,8 +410,9 @@ def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model
     check_parallel_config(config)
-    if config.node_rank == 0:  # machines of worker ranks only serve no api
-        check_can_listen(config.host, config.port)
+    check_router(config)
+    for port in listen_ports(config):  # machines of worker ranks only serve no api
+        check_can_listen(config.host, port)
     config = with_init_addr(config)  # two servers on one machine: their ranks meet at different ports
     chosen = configured_runtime_dir(config)
     if chosen:

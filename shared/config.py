@@ -28,6 +28,13 @@ SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 # draft model (procs/worker/draft_model.py proposes).
 Speculative = Literal["off", "ngram", "draft"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
+# The gateway in front of the replicas (procs/router.py): none, or the Shepherd Model Gateway.
+Router = Literal["none", "smg"]  # the default first
+# smg's routing policies that need nothing but the requests (its manual and passthrough ones need routing
+# keys); cache_aware first, the default: a conversation's turns reach the replica holding its history.
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "prefix_hash", "consistent_hashing",
+                       "least_load", "random"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 # their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
 NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -134,6 +141,27 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     dist_timeout_s: Annotated[float, _doc("""Seconds the worker ranks wait for each other to join and load the
         model; a rank that does not arrive ends the start with an error. Within a step, the ranks' collectives
         time out after step_timeout_s.""")] = 600.0
+    # data parallelism: replicas of the whole server (shared/parallel.py, procs/serve.py, procs/router.py)
+    data_parallel_size: Annotated[int, _doc("""Replicas of the whole server on this machine (data parallelism, also
+        --dp): each a complete batchserve server (its own api, tokenizer, scheduler, worker and detokenizer) on its
+        own device (cuda:I on a GPU box, a share of the cores on a CPU), its api on port + I, or port + 1 + I
+        behind a router. Not with tensor_parallel_size > 1.""")] = 1
+    data_parallel_rank: Annotated[int, _doc("""Which replica a process belongs to (0 .. data_parallel_size - 1):
+        it picks the replica's port, device and sockets (runtime_dir/replica-I). Set by `batchserve serve` and
+        by the replicas' systemd units (`batchserve-api@I.service`: --data-parallel-rank I), not in the env
+        file.""")] = 0
+    router: Annotated[Router, _doc("""A gateway in front of the replicas: smg (the Shepherd Model Gateway, `pip
+        install -e '.[router]'`) listens on port and sends each request to a replica (port + 1 ..) by
+        router_policy, checking each replica's /health; none: no gateway, the replicas serve on port ..
+        port + data_parallel_size - 1.""")] = "none"
+    router_policy: Annotated[RouterPolicy, _doc("""The gateway's routing policy: """ + ", ".join(ROUTER_POLICIES)
+        + """ (smg's). cache_aware sends a request to the replica that served the longest prefix of its text (a
+        chat's earlier turns: their KV is in that replica's prefix cache) unless the replicas' loads are too
+        far apart.""")] = "cache_aware"
+    router_args: Annotated[str, _doc("""More flags for the router, appended to the `smg launch` command that
+        `batchserve router` builds (procs/router.py), e.g. '--balance-abs-threshold 8' (smg's defaults suit
+        fleets far busier than one machine: cache_aware keeps a request on its prefix's replica until the
+        replicas' loads differ by 64 requests).""")] = ""
     # api
     host: Annotated[str, _doc("Address the HTTP api listens on (0.0.0.0 for every interface).")] = "127.0.0.1"
     port: Annotated[int, _doc("""HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see
@@ -180,7 +208,7 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}  # the peers' short spellings
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",), "data_parallel_size": ("--dp",)}  # the peers' short spellings
 
 
 def field_default(field: msgspec.structs.FieldInfo) -> Any:

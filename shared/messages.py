@@ -394,6 +394,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_used_tokens: int
     kv_total_tokens: int
     batch_sizes: list[int] = []  # requests per step since the previous stats message
+    # seconds each request admitted since then waited in the queue (arrival here to its first admission)
+    queue_times: list[float] = []
     # prefix cache: counters since the previous stats message, then the cache's size now
     cache_hit_tokens: int = 0
     cache_queried_tokens: int = 0

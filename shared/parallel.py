@@ -1,12 +1,17 @@
-"""The layout of the worker's tensor-parallel ranks, as every process sees it (no torch here: the api,
-`serve` and the CLI check and name ranks without loading it). The ranks' collectives are
-`procs.worker.parallel`'s.
+"""The layout of the worker's tensor-parallel ranks and of the server's data-parallel replicas, as every
+process sees it (no torch here: the api, `serve` and the CLI check and name ranks without loading it).
+The ranks' collectives are `procs.worker.parallel`'s.
+
+Replicas (`--data-parallel-size N`): N complete servers on one machine, replica I's processes told
+apart by `data_parallel_rank` I: its api listens on `replica_port` (port + I, or port + 1 + I behind a
+router, which takes `port`), its sockets are in `runtime_dir/replica-I`, its worker on the I-th device.
 """
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
@@ -20,12 +25,15 @@ TICK_INTERVAL_S = 1.0
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where one worker rank stands: its global and local rank among how many."""
+    """Where one worker rank stands: its global and local rank among how many, and its replica (of
+    `replicas` on this machine, each with `local_world_size` ranks)."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
+    replica: int = 0
+    replicas: int = 1
 
     @classmethod
     def of(cls, config: ServerConfig, local_rank: int) -> RankLayout:
@@ -35,7 +43,24 @@ class RankLayout:
             raise ValueError(f"--local-rank {local_rank}: this machine runs worker ranks 0..{local_world - 1} "
                              f"(tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} nodes)")
         return cls(rank=config.node_rank * local_world + local_rank, world_size=config.tensor_parallel_size,
-                   local_rank=local_rank, local_world_size=local_world)
+                   local_rank=local_rank, local_world_size=local_world, replica=config.data_parallel_rank,
+                   replicas=config.data_parallel_size)
+
+    @property
+    def picks_device(self) -> bool:
+        """The layout places this rank (cuda:I, a share of the cores), rather than --device alone: it is one
+        of several ranks, or of several replicas."""
+        return self.world_size > 1 or self.replicas > 1
+
+    @property
+    def first_local_device(self) -> int:
+        """Index of this replica's first rank among this machine's devices (offset from --device's)."""
+        return self.replica * self.local_world_size
+
+    @property
+    def cpu_shares(self) -> int:
+        """Processes that split this machine's cores between them: every local rank of every replica."""
+        return self.local_world_size * self.replicas
 
 
 def check_parallel_config(config: ServerConfig) -> None:
@@ -55,6 +80,7 @@ def check_parallel_config(config: ServerConfig) -> None:
         raise ValueError(f"dist_timeout_s must be > 0, got {config.dist_timeout_s}")
     if config.step_timeout_s <= 0:
         raise ValueError(f"step_timeout_s must be > 0, got {config.step_timeout_s}")
+    check_replicas(config)
     # A tick can be a poll late: twice the interval leaves an idle follower's wait room for one.
     if tp > 1 and config.step_timeout_s <= 2 * TICK_INTERVAL_S:
         raise ValueError(f"step_timeout_s must be > {2 * TICK_INTERVAL_S:g} with tensor_parallel_size > 1 (it "
@@ -89,3 +115,61 @@ def with_init_addr(config: ServerConfig) -> ServerConfig:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{port}")
+
+
+def check_replicas(config: ServerConfig) -> None:
+    """ValueError naming the setting for a replica layout that cannot be run."""
+    size, rank = config.data_parallel_size, config.data_parallel_rank
+    if size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={size}), got {rank}")
+    # One replica's ranks meet at dist_init_addr and take cuda:0..tp-1; replicas of several ranks each
+    # would need their own meeting point and devices, which nothing here gives them (nor tests).
+    if size > 1 and config.tensor_parallel_size > 1:
+        raise ValueError(f"data_parallel_size {size} with tensor_parallel_size {config.tensor_parallel_size} is "
+                         "not supported: run one `batchserve serve --tp N` per replica (--device, --port) and put "
+                         "a router in front of them")
+    if replicated(config) and config.port == 0:
+        raise ValueError("port 0 (any free port) cannot be used with data_parallel_size > 1 or a router: the "
+                         "replicas' ports follow from port")
+    highest = router_metrics_port(config) if config.router != "none" else replica_port(config, size - 1)
+    if highest > 65535:
+        raise ValueError(f"port {config.port}: the replicas' ports (and the router's metrics port) would pass 65535")
+
+
+def replica_port(config: ServerConfig, rank: int | None = None) -> int:
+    """The port replica `rank`'s api listens on (default: this process's replica): port + rank, or
+    port + 1 + rank behind a router (which listens on port). 0 (any free port) stays 0."""
+    if config.port == 0:
+        return 0
+    rank = config.data_parallel_rank if rank is None else rank
+    return config.port + (config.router != "none") + rank
+
+
+def router_metrics_port(config: ServerConfig) -> int:
+    """Where the router serves its own Prometheus metrics: the port after the last replica's."""
+    return replica_port(config, config.data_parallel_size - 1) + 1
+
+
+def local_url(host: str, port: int) -> str:
+    """The base URL a process on this machine reaches `host:port` at (loopback for every interface)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def replica_urls(config: ServerConfig) -> list[str]:
+    """Every replica's base URL, as the router reaches it."""
+    return [local_url(config.host, replica_port(config, rank)) for rank in range(config.data_parallel_size)]
+
+
+def replicated(config: ServerConfig) -> bool:
+    """The server is run as replicas (several, or one behind a router): processes are then named and
+    placed per replica (`replica_dir`, `batchserve-api@I.service`)."""
+    return config.data_parallel_size > 1 or config.router != "none"
+
+
+def replica_dir(runtime_dir: Path, config: ServerConfig) -> Path:
+    """This replica's sockets: `runtime_dir` itself for a server of one replica without a router,
+    else its own subdirectory, so that replicas' sockets never meet."""
+    return runtime_dir / f"replica-{config.data_parallel_rank}" if replicated(config) else runtime_dir

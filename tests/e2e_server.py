@@ -15,11 +15,15 @@ from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess,
 from loadtests.sse import StreamReader
 from shared.liveness import pid_gone
 
-__all__ = ["REPO", "Server", "free_port", "http", "metric", "pid_alive", "reference_greedy", "start_server", "stream",
+__all__ = ["REPO", "ReplicatedServer", "Server", "free_port", "http", "metric", "pid_alive", "reference_greedy", "start_server", "stream",
            "wait_until"]
 
 SERVING_LINE = re.compile(r"batchserve: serving .* at (http://\S+) .*?; (worker=\d+ .*?api=\d+);")
 RUNTIME_DIR = re.compile(r"runtime dir (\S+)\)")
+# `serve --data-parallel-size N [--router R]`: the gateway's URL (with a router), the replicas' URLs, and
+# every child's pid, named NAME@REPLICA (and `router`).
+REPLICATED_LINE = re.compile(r"batchserve: serving \S+ (?:at (http://\S+) through .*? )?(?:over|on) \d+ "
+                             r"replica\(s\) at ((?:http://\S+ )+)\(ready in \S+; (.*?); runtime dir (\S+)\)")
 
 
 class Server(ServerProcess):
@@ -43,6 +47,26 @@ class Server(ServerProcess):
         self.pids = {k: int(v) for k, v in (kv.split("=") for kv in match.group(2).split())}
         dir_match = RUNTIME_DIR.search(log)
         self.runtime_dir = Path(dir_match.group(1)) if dir_match else None
+        return True
+
+
+class ReplicatedServer(Server):
+    """`batchserve serve --data-parallel-size N` (and `--router`): ready once it prints its "serving" line;
+    then `url` is the router's (else replica 0's), `replica_urls` every replica's, and `pids` every child's
+    by its name in that line (`worker@1`, `api@0`, `router`)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.replica_urls: list[str] = []
+
+    def ready(self) -> bool:
+        match = REPLICATED_LINE.search(self.log())
+        if not match:
+            return False
+        self.replica_urls = match.group(2).split()
+        self.url = match.group(1) or self.replica_urls[0]
+        self.pids = {k: int(v) for k, v in (kv.split("=") for kv in match.group(3).split())}
+        self.runtime_dir = Path(match.group(4))
         return True
 
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api_fake_engine import FakeEngine
 from procs.api.app import create_app
+from procs.api.metrics import PROTOCOL_ALIASES
 from shared.config import ServerConfig
 from shared.logs import JsonFormatter, TextFormatter, log_event, setup_logging
 from shared.messages import SchedulerStats
@@ -33,6 +34,29 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 def value(page: dict, name: str, **labels) -> float:
     return page[(name, tuple(sorted(labels.items())))]
+
+
+def test_gauges_routers_read_with_their_protocol_names_and_the_queue_time():
+    """The Inference Extension's gauges (waiting, running, KV utilization as a fraction), ours and their
+    vLLM-named aliases alike, and the queue-time histogram from the scheduler's stats."""
+    async def go():
+        engine = FakeEngine()
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            before = samples(await (await client.get("/metrics")).text())
+            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=1024,
+                                             kv_total_tokens=4096, queue_times=[0.5, 2.0]))
+            after = samples(await (await client.get("/metrics")).text())
+        return before, after
+
+    before, after = run(go())
+    assert value(before, "batchserve_request_queue_time_seconds_count") == 0
+    assert value(after, "batchserve_request_queue_time_seconds_count") == 2
+    assert value(after, "batchserve_request_queue_time_seconds_sum") == 2.5
+    assert value(after, "batchserve_kv_cache_usage_ratio") == 0.25
+    for ours, alias in PROTOCOL_ALIASES.items():
+        assert value(before, alias) == value(before, ours) == 0, alias
+        assert value(after, alias) == value(after, ours), alias
+    assert [value(after, n) for n in PROTOCOL_ALIASES.values()] == [5, 3, 0.25]
 
 
 class CaptureRequestLog(logging.Handler):

@@ -5,7 +5,11 @@ killed with SIGKILL and must come back with every unit that needs it restarted a
 request is served; stopping the target must stop every service cleanly (exit 0 within
 TimeoutStopSec=, so `Result=success`). With two tensor-parallel ranks (`--tp 2`: instances 0 and 1
 of `batchserve-worker@.service`): a follower killed, then a follower stopped on its own, must each
-bring the whole set back (every rank and every unit after them restarted), then a clean stop.
+bring the whole set back (every rank and every unit after them restarted), then a clean stop. With
+two replicas behind the router (`--dp 2 --router smg`: instances 0 and 1 of every process's template,
+`batchserve@I.target`, `batchserve-router.service`): requests through the router; replica 1's worker
+killed brings back replica 1's units alone while the router (never restarted) serves from replica 0;
+then a clean stop, the router first.
 
 What differs from a system install: a user manager cannot switch users, so `User=`, `Group=` and
 `SupplementaryGroups=` are dropped from the copies; `EnvironmentFile=` points at the staged env
@@ -114,10 +118,23 @@ def run_base() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A free port (the first of `span` consecutive ones: a router's and its replicas')."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if all(_free(p) for p in range(port + 1, port + span)):
+            return port
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def complete(port: int) -> dict:
@@ -158,22 +175,23 @@ def wait_all_active(manager: UserManager, services: list[str], timeout_s: float,
     raise AssertionError(f"not every service came up within {timeout_s:.0f}s: {states}\n{manager.journal()}")
 
 
-def start_server(run_base: Path, model: Path, tp: int) -> tuple[UserManager, list[str], int]:
-    """Install for `tp` ranks under run_base, stage the units in a fresh user manager, start the
-    target: (manager, the services the target wants, the api's port). Skips where no manager runs."""
+def start_server(run_base: Path, model: Path, *layout: str) -> tuple[UserManager, list[str], int]:
+    """Install for the `layout` flags under run_base, stage the units in a fresh user manager, start the
+    target: (manager, the services the target wants, a replica's target standing for its services, and
+    the port clients call). Skips where no manager runs."""
     prefix = run_base / "root"
     batchserve = Path(sys.prefix) / "bin" / "batchserve"
-    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix), "--tp", str(tp)],
+    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix), *layout],
                                capture_output=True, text=True, timeout=60)
     assert installed.returncode == 0, installed.stderr
     model = shutil.copytree(model, run_base / "model")
-    port = free_port()
+    port = free_port(span=8)
     env_file = prefix / inst.ENV_DIR / inst.ENV_FILE_NAME
     with env_file.open("a") as f:
         f.write(f"BATCHSERVE_MODEL={model}\nBATCHSERVE_PORT={port}\nBATCHSERVE_DEVICE=cpu\n"
                 f"BATCHSERVE_KV_CAPACITY_TOKENS=4096\n")
-        if tp > 1:  # not the standalone default port, which another test's ranks may hold
-            f.write(f"BATCHSERVE_DIST_INIT_ADDR=127.0.0.1:{free_port()}\n")
+        # not the standalone default port, which another test's ranks may hold
+        f.write(f"BATCHSERVE_DIST_INIT_ADDR=127.0.0.1:{free_port()}\n")
 
     (run_base / "logs").mkdir()
     manager = UserManager(run_base)
@@ -195,8 +213,14 @@ def start_server(run_base: Path, model: Path, tp: int) -> tuple[UserManager, lis
         (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
     assert manager.systemctl("daemon-reload").returncode == 0
     target = inst.read_unit((prefix / inst.UNIT_DIR / inst.TARGET).read_text())
-    services = " ".join(inst.unit_values(target, "Unit", "Wants")).split()
-    assert services == [*(inst.worker_unit(rank) for rank in range(tp)), *inst.SERVER_UNITS]
+    services = []
+    for name in " ".join(inst.unit_values(target, "Unit", "Wants")).split():
+        if name.endswith(".target"):  # a replica's: its five units
+            replica = inst.read_unit((prefix / inst.UNIT_DIR / inst.REPLICA_TARGET_TEMPLATE).read_text()
+                                     .replace("%i", name.split("@")[1].removesuffix(".target")))
+            services += " ".join(inst.unit_values(replica, "Unit", "Wants")).split()
+        else:
+            services.append(name)
 
     # The target's start job finishes only when every service sent READY=1 (After= + Type=notify).
     started = time.monotonic()
@@ -211,9 +235,10 @@ def exits(run_base: Path) -> list[list[str]]:
     return [line.split() for line in (run_base / "xdg" / "batchserve" / "exits.log").read_text().splitlines()]
 
 
-def stop_cleanly(manager: UserManager, services: list[str], run_base: Path) -> list[list[str]]:
-    """Stop the target: api first, the worker ranks last; each drains and exits 0 within its
-    TimeoutStopSec=. Returns every recorded end."""
+def stop_cleanly(manager: UserManager, services: list[str], run_base: Path,
+                 first: str = "batchserve-api.service") -> list[list[str]]:
+    """Stop the target: `first` (the api, or the router in front of replicas) first, the worker ranks
+    last; each drains and exits 0 within its TimeoutStopSec=. Returns every recorded end."""
     result = manager.systemctl("stop", "batchserve.target", timeout=120)
     assert result.returncode == 0, result.stderr
     deadline = time.monotonic() + 120
@@ -231,7 +256,12 @@ def stop_cleanly(manager: UserManager, services: list[str], run_base: Path) -> l
         assert final[name][:2] == ("exited", "0"), (name, final[name], manager.journal())
     stopped = sorted(services, key=lambda n: final[n][2])
     workers = [name for name in services if name.startswith("batchserve-worker@")]
-    assert stopped[0] == "batchserve-api.service" and set(stopped[-len(workers):]) == set(workers), ends
+    assert stopped[0] == first, ends
+    for instance in {name.split("@")[1] for name in services if "@" in name and not name.startswith("batchserve-worker@")}:
+        mine = [name for name in stopped if name.endswith(f"@{instance}")]  # a replica: api first, worker last
+        assert mine[0].startswith("batchserve-api@") and mine[-1].startswith("batchserve-worker@"), ends
+    if not any("@" in name and not name.startswith("batchserve-worker@") for name in services):
+        assert set(stopped[-len(workers):]) == set(workers), ends
     # RuntimeDirectoryPreserve=yes: the shared directory outlives the units.
     assert (run_base / "xdg" / "batchserve").is_dir()
     return ends
@@ -239,7 +269,8 @@ def stop_cleanly(manager: UserManager, services: list[str], run_base: Path) -> l
 
 def test_units_under_systemd_start_restart_together_and_stop_cleanly(
         run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
-    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), tp=1)
+    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True))
+    assert services == [inst.worker_unit(0), *inst.SERVER_UNITS]
     worker = inst.worker_unit(0)
     try:
         pids = wait_all_active(manager, services, 10)  # Wants= lets the target succeed even if a service failed
@@ -263,7 +294,8 @@ def test_units_under_systemd_start_restart_together_and_stop_cleanly(
 
 def test_two_worker_ranks_under_systemd_come_back_as_a_set(
         run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
-    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), tp=2)
+    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), "--tp", "2")
+    assert services == [inst.worker_unit(0), inst.worker_unit(1), *inst.SERVER_UNITS]
     follower = inst.worker_unit(1)
     try:
         pids = wait_all_active(manager, services, 10)
@@ -289,5 +321,33 @@ def test_two_worker_ranks_under_systemd_come_back_as_a_set(
         ends = [tuple(e[:3]) for e in stop_cleanly(manager, services, run_base)]
         assert (follower, "killed", "KILL") in ends and (follower, "exited", "0") in ends
         assert (inst.worker_unit(0), "exited", "1") in ends  # rank 0 left a broken group with status 1
+    finally:
+        manager.close()
+
+
+def test_two_replicas_behind_the_router_under_systemd(run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+    if not (Path(sys.prefix) / "bin" / "smg").is_file():
+        pytest.skip("smg is not installed in this venv (pip install -e '.[router]'): no router unit")
+    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True),
+                                           "--dp", "2", "--router", "smg")
+    replica = {i: [inst.replica_unit(name, i) for name in ("worker", *inst.SERVER_PROCESSES)] for i in (0, 1)}
+    assert services == [*replica[0], *replica[1], inst.ROUTER_UNIT]
+    try:
+        pids = wait_all_active(manager, services, 10)
+        assert (run_base / "xdg" / "batchserve" / "replica-1" / "worker.sock").exists()  # each replica's sockets
+        for target in (port, port + 1, port + 2):  # the router, and each replica directly
+            assert complete(target)["usage"]["completion_tokens"] >= 1
+
+        # Replica 1's worker dies: its units come back after it, replica 0 and the router go on.
+        os.kill(int(pids[replica[1][0]]), signal.SIGKILL)
+        killed = time.monotonic()
+        assert complete(port)["usage"]["completion_tokens"] >= 1  # through the router, meanwhile
+        new_pids = wait_all_active(manager, replica[1], START_LIMIT_S, previous={n: pids[n] for n in replica[1]})
+        print(f"replica 1 restarted {time.monotonic() - killed:.1f}s after its worker was killed")
+        assert main_pids(manager, [*replica[0], inst.ROUTER_UNIT]) == {n: pids[n] for n in (*replica[0], inst.ROUTER_UNIT)}
+        assert complete(port + 2)["usage"]["completion_tokens"] >= 1 and new_pids
+
+        ends = [tuple(e[:3]) for e in stop_cleanly(manager, services, run_base, first=inst.ROUTER_UNIT)]
+        assert (replica[1][0], "killed", "KILL") in ends
     finally:
         manager.close()

@@ -1,6 +1,7 @@
 """The systemd units and env file: generated env file in sync with ServerConfig, install-systemd's
-behaviour (for one worker, two ranks, and a machine of node_rank 1), dependency/readiness/draining
-settings, the worker ranks' template, and `systemd-analyze verify` on rendered units."""
+behaviour (for one worker, two ranks, a machine of node_rank 1, and replicas with and without a router),
+dependency/readiness/draining settings, the worker ranks' template, the replicas' templates, and
+`systemd-analyze verify` on rendered units."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ SERVICES = list(inst.SINGLE_WORKER.services)
 WORKER = inst.worker_unit(0)
 TWO_RANKS = ("--tp", "2")
 NODE_1 = ("--tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500")
+TWO_REPLICAS = ("--dp", "2")
+REPLICA_SERVICES = [inst.replica_unit(name, i) for i in range(2) for name in ("worker", *inst.SERVER_PROCESSES)]
 
 
 def run_install(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -29,9 +32,10 @@ def run_install(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def unit_file(name: str) -> str:
-    """The file a unit is loaded from: an instance (batchserve-worker@1.service) from its template."""
-    prefix, at, _ = name.partition("@")
-    return f"{prefix}@.service" if at else name
+    """The file a unit is loaded from: an instance (batchserve-worker@1.service, batchserve@1.target)
+    from its template."""
+    prefix, at, rest = name.partition("@")
+    return f"{prefix}@.{rest.rpartition('.')[2]}" if at else name
 
 
 def load_units(prefix: Path, names: tuple[str, ...] | list[str]) -> dict[str, dict[str, list[tuple[str, str]]]]:
@@ -39,7 +43,7 @@ def load_units(prefix: Path, names: tuple[str, ...] | list[str]) -> dict[str, di
     loaded = {}
     for name in names:
         text = (prefix / inst.UNIT_DIR / unit_file(name)).read_text()
-        instance = name.partition("@")[2].removesuffix(".service")
+        instance = name.partition("@")[2].rpartition(".")[0]
         loaded[name] = inst.read_unit(text.replace("%i", instance) if instance else text)
     return loaded
 
@@ -294,9 +298,10 @@ def test_start_order_is_worker_first_api_last(units: dict) -> None:
 # --- tensor parallelism: the worker ranks' template ------------------------------------------------
 
 def test_worker_template_runs_its_instance_as_the_local_rank() -> None:
-    template = inst.read_unit((inst.TEMPLATE_DIR / inst.WORKER_TEMPLATE).read_text())
+    text = inst.render_unit((inst.TEMPLATE_DIR / inst.WORKER_TEMPLATE).read_text(), Path("/opt/venv"))
+    template = inst.read_unit(text)
     exec_start = inst.unit_values(template, "Service", "ExecStart")
-    assert exec_start == ["@VENV@/bin/batchserve proc worker --local-rank %i"]
+    assert exec_start == ["/opt/venv/bin/batchserve proc worker --local-rank %i"]
     assert inst.unit_values(template, "Service", "SyslogIdentifier") == ["batchserve-worker@%i"]
     assert not (inst.TEMPLATE_DIR / "batchserve-worker.service").exists()  # replaced by the template
 
@@ -400,11 +405,98 @@ def test_install_removes_units_this_machine_no_longer_runs(tmp_path: Path) -> No
     (("--tp", "2", "--nnodes", "2", "--node-rank", "1"), "dist_init_addr HOST:PORT is required"),
     (("--tp", "3", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29500"), "nnodes must be >= 1 and divide"),
     (("--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "10.0.0.1:29500"), "node_rank must be in"),
+    (("--tp", "2", "--dp", "2"), "data_parallel_size 2 with tensor_parallel_size 2 is not supported"),
 ])
 def test_a_layout_that_cannot_run_is_refused(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
     result = run_install("--prefix", str(tmp_path), *argv)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- replicas: one set of units per replica ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def installed_replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    prefix = tmp_path_factory.mktemp("root-dp2")
+    result = run_install("--prefix", str(prefix), *TWO_REPLICAS)
+    assert result.returncode == 0, result.stderr
+    return prefix, result
+
+
+def replica_services(replica: int) -> list[str]:
+    return [inst.replica_unit(name, replica) for name in ("worker", *inst.SERVER_PROCESSES)]
+
+
+def needs_smg_in_this_venv() -> None:
+    if not (Path(sys.prefix) / "bin" / "smg").is_file():
+        pytest.skip("smg is not installed in this venv (pip install -e '.[router]'): no router unit to install")
+
+
+def test_install_for_two_replicas(installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, result = installed_replicas
+    assert sorted(p.name for p in (prefix / inst.UNIT_DIR).iterdir()) == sorted(
+        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES])
+    targets = [inst.replica_target(0), inst.replica_target(1)]
+    units = load_units(prefix, [inst.TARGET, *targets, *REPLICA_SERVICES])
+    assert words(units[inst.TARGET], "Unit", "Wants") == targets == words(units[inst.TARGET], "Unit", "After")
+    for replica, target in enumerate(targets):
+        mine = replica_services(replica)
+        assert words(units[target], "Unit", "Wants") == mine == words(units[target], "Unit", "After")
+        assert words(units[target], "Unit", "PartOf") == [inst.TARGET]
+        for name in mine:
+            unit = units[name]
+            assert inst.unit_values(unit, "Service", "ExecStart")[0].endswith(f" --data-parallel-rank {replica}"), name
+            assert inst.unit_values(unit, "Service", "SyslogIdentifier") == [name.removesuffix(".service")]
+            assert words(unit, "Unit", "PartOf")[0] == target, name
+            named = [u for key in ("Requires", "After", "Before", "Wants", "PartOf") for u in words(unit, "Unit", key)
+                     if u.startswith("batchserve")]
+            assert set(named) <= {*mine, target}, (name, named)  # nothing of another replica
+        # Within a replica, what one server has: the start order, and a dead worker restarting the rest.
+        assert start_waves(units, mine) == [[mine[0]], [mine[1]], [mine[2], mine[3]], [mine[4]]]
+        assert words(units[mine[1]], "Unit", "Requires") == [mine[0]]
+    env = inst.read_env_file((prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).read_text())
+    assert config_from_args(argparse.Namespace(), env=env).data_parallel_size == 2
+    assert "runs 2 replica(s)" in result.stdout and "ports 8000..8001" in result.stdout
+
+
+def test_install_with_a_router(tmp_path: Path) -> None:
+    needs_smg_in_this_venv()
+    result = run_install("--prefix", str(tmp_path), *TWO_REPLICAS, "--router", "smg")
+    assert result.returncode == 0, result.stderr
+    assert inst.ROUTER_UNIT in {p.name for p in (tmp_path / inst.UNIT_DIR).iterdir()}
+    targets = [inst.replica_target(0), inst.replica_target(1)]
+    units = load_units(tmp_path, [inst.TARGET, inst.ROUTER_UNIT])
+    assert words(units[inst.TARGET], "Unit", "Wants") == [*targets, inst.ROUTER_UNIT]
+    router = units[inst.ROUTER_UNIT]
+    assert inst.unit_values(router, "Service", "ExecStart") == [f"{Path(sys.prefix).absolute()}/bin/batchserve router"]
+    assert inst.unit_values(router, "Service", "Type") == ["notify"]
+    # after the replicas, and not restarted with one of them (its health checks take a replica out)
+    assert set(targets) <= set(words(router, "Unit", "After")) and set(targets) <= set(words(router, "Unit", "Wants"))
+    assert inst.unit_values(router, "Unit", "Requires") == []
+    assert "smg (cache_aware) on port 8000" in result.stdout and "ports 8001..8002" in result.stdout
+    assert_verified(verify(tmp_path / inst.UNIT_DIR, [inst.TARGET, inst.ROUTER_UNIT, *targets]))
+
+
+def test_a_router_needs_smg_in_the_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "batchserve").write_text("")
+    result = run_install("--prefix", str(tmp_path / "root"), "--venv", str(venv), "--router", "smg")
+    assert result.returncode == 2 and "router smg: smg is not installed in" in result.stderr, result.stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_switching_to_replicas_and_back_replaces_the_units(tmp_path: Path) -> None:
+    unit_dir = tmp_path / inst.UNIT_DIR
+    assert run_install("--prefix", str(tmp_path)).returncode == 0
+    result = run_install("--prefix", str(tmp_path), "--force", *TWO_REPLICAS)
+    assert result.returncode == 0, result.stderr
+    assert f"remove   {unit_dir / 'batchserve-api.service'}" in result.stdout
+    assert sorted(p.name for p in unit_dir.iterdir()) == sorted(
+        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES])
+    result = run_install("--prefix", str(tmp_path), "--force")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in unit_dir.iterdir()) == sorted(inst.TEMPLATE_NAMES)
 
 
 # --- systemd-analyze verify -----------------------------------------------------------------------
@@ -438,6 +530,13 @@ def test_systemd_analyze_verify_passes_for_two_ranks_and_on_node_rank_1(
                                                     *inst.SERVER_UNITS]))
     prefix, _ = installed_node_1
     assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1)]))
+
+
+def test_systemd_analyze_verify_passes_for_replicas(
+        installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, _ = installed_replicas
+    assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.replica_target(0), inst.replica_target(1),
+                                                    *REPLICA_SERVICES]))
 
 
 def test_systemd_analyze_verify_catches_a_broken_unit(installed: Path, tmp_path: Path) -> None:

@@ -4,10 +4,12 @@ Scheduler gauges come from `SchedulerStats` pushed by the engine client; latenci
 counts are measured here, per request. Names (all prefixed `batchserve_`):
 
 gauges     num_requests_running, num_requests_waiting, kv_cache_used_tokens, kv_cache_total_tokens,
-           api_requests_in_flight, kv_reserve_ratio (the scheduler's configured ratio),
-           spec_decode_mean_acceptance_length (1 + accepted draft tokens / drafts, since the start)
+           kv_cache_usage_ratio (used / total, 0..1), api_requests_in_flight, kv_reserve_ratio (the
+           scheduler's configured ratio), spec_decode_mean_acceptance_length (1 + accepted draft
+           tokens / drafts, since the start)
 histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between successive token
-           deliveries of one request), e2e_request_latency_seconds, batch_size (requests per step)
+           deliveries of one request), e2e_request_latency_seconds, request_queue_time_seconds (arrival at
+           the scheduler to first admission), batch_size (requests per step)
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
            request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed),
@@ -18,6 +20,11 @@ counters   prompt_tokens_total, generation_tokens_total, request_success_total{f
            draft, their draft tokens, the accepted ones),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
+
+For routers and autoscalers (the Gateway API Inference Extension's model server protocol: queued and
+running requests, KV-cache utilization), the three gauges also under the names its endpoint picker
+reads by default, vLLM's: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` (a fraction, as vLLM's, despite the name).
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+# Our gauge -> its alias under the name the Inference Extension's endpoint picker reads by default.
+PROTOCOL_ALIASES = {"batchserve_num_requests_waiting": "vllm:num_requests_waiting",
+                    "batchserve_num_requests_running": "vllm:num_requests_running",
+                    "batchserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc"}
+
+
 class ApiMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -43,6 +56,11 @@ class ApiMetrics:
         self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
         self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
+        self.kv_usage = Gauge("batchserve_kv_cache_usage_ratio",
+                              "KV cache positions in use, as a fraction of the pool (0..1)", registry=r)
+        gauges = {g.describe()[0].name: g for g in (self.waiting, self.running, self.kv_usage)}
+        self.aliases = {gauges[name]: Gauge(alias, f"{name}, under the name routers read by default (vLLM's)",
+                                            registry=r) for name, alias in PROTOCOL_ALIASES.items()}
         self.reserve_ratio = Gauge("batchserve_kv_reserve_ratio",
                                    "Share of remaining max_tokens reserved in the KV cache at admission", registry=r)
         self.preemptions = Counter("batchserve_preemptions", "Requests preempted (KV freed, recomputed later)",
@@ -78,6 +96,9 @@ class ApiMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("batchserve_e2e_request_latency_seconds", "Time from arrival to the last token",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("batchserve_request_queue_time_seconds",
+                                    "Time from arrival at the scheduler to the request's first admission",
+                                    buckets=_E2E_BUCKETS, registry=r)
         self.batch_size = Histogram("batchserve_batch_size", "Requests per model step", buckets=_BATCH_BUCKETS,
                                     registry=r)
         self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -87,11 +108,18 @@ class ApiMetrics:
         self.rejected = Counter("batchserve_request_rejected", "Requests refused, by HTTP status", ["status"],
                                 registry=r)
 
+    def _set(self, gauge: Gauge, value: float) -> None:
+        """Set `gauge`, and its alias if it has one."""
+        gauge.set(value)
+        if gauge in self.aliases:
+            self.aliases[gauge].set(value)
+
     def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
+        self._set(self.running, stats.num_running)
+        self._set(self.waiting, stats.num_waiting)
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
+        self._set(self.kv_usage, stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
         self.reserve_ratio.set(stats.kv_reserve_ratio)
         self.cache_hits.inc(stats.cache_hit_tokens)
         self.cache_queries.inc(stats.cache_queried_tokens)
@@ -111,6 +139,8 @@ class ApiMetrics:
             self.spec_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
+        for seconds in stats.queue_times:
+            self.queue_time.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

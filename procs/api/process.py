@@ -25,6 +25,7 @@ from shared.checks import max_prompt_chars, model_token_chars
 from shared.config import ServerConfig
 from shared.ipc import Endpoints
 from shared.model import ModelSpec
+from shared.parallel import replica_port
 from shared.readiness import notify_ready, notify_stopping
 
 log = logging.getLogger("batchserve.api")
@@ -45,12 +46,14 @@ async def serve(config: ServerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    # The drain below is ours; aiohttp's own shutdown wait only has to cut off what outlived it.
+    # The drain below is ours; aiohttp's own shutdown wait only has to cut off what outlived it. A replica
+    # listens on its own port (shared.parallel.replica_port).
+    port = replica_port(config)
     try:
-        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S),
-                                 reasoning=reasoning)
+        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S,
+                                                                 port=port), reasoning=reasoning)
     except OSError as exc:  # port in use, address not available: a configuration error
-        raise ValueError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot listen on {config.host}:{port}: {exc.strerror or exc}") from None
     try:
         while not engine.backends_ready() and not stop.is_set():
             try:
@@ -58,7 +61,7 @@ async def serve(config: ServerConfig) -> int:
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         if not stop.is_set():
-            log.info("api ready", extra={"fields": {"pid": os.getpid(), "url": f"http://{config.host}:{config.port}",
+            log.info("api ready", extra={"fields": {"pid": os.getpid(), "url": f"http://{config.host}:{port}",
                                                     "model": engine.model_name}})
             notify_ready()
         await stop.wait()

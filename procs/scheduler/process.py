@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Iterable
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import (
@@ -46,6 +47,34 @@ STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
 
 
+class QueueTimes:
+    """How long each request waited in the queue: from its arrival here to its first admission (a
+    preempted request's second wait is not counted, as vLLM's request_queue_time). Kept around the core,
+    which keeps no clock."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+        self.waited: list[float] = []  # since the last `take`
+
+    def arrived(self, rid: str) -> None:
+        self._since[rid] = time.monotonic()
+
+    def gone(self, rid: str) -> None:
+        """Aborted while it waited (or later: then it is not here any more)."""
+        self._since.pop(rid, None)
+
+    def admitted(self, rids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for rid in rids:
+            since = self._since.pop(rid, None)
+            if since is not None:
+                self.waited.append(now - since)
+
+    def take(self) -> list[float]:
+        waited, self.waited = self.waited, []
+        return waited
+
+
 class SchedulerLoop:
     def __init__(self, config: ServerConfig, rt: ProcessRuntime) -> None:
         self.config = config
@@ -60,6 +89,7 @@ class SchedulerLoop:
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
+        self.queue_times = QueueTimes()
         self._preemptions = 0
         self._steps_out_of_reach = 0  # steps whose decodes alone were predicted over the target
         self._said_out_of_reach = False
@@ -117,11 +147,13 @@ class SchedulerLoop:
                                            message.logits, priority=message.priority,
                                            speculative=message.speculative)
                 self.demand.arrived(len(message.prompt_ids), time.monotonic())
+                self.queue_times.arrived(message.rid)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
+            self.queue_times.gone(message.rid)
         # A repeated WorkerInfo (the worker re-announces itself while idle) needs nothing.
 
     def run(self) -> None:
@@ -142,6 +174,7 @@ class SchedulerLoop:
                     sched.min_acceptance = self.executor.cost.min_acceptance(*sched.decode_load())
                 sched.propose_drafts()  # before the bound sizes the step: it counts the drafts' tokens
                 launched = sched.launch(self._prefill_tokens(), drain=self._complete_in_flight)
+                self.queue_times.admitted(rid for rid, _ in launched.out.prefill)
                 if launched.batch is not None:
                     self.executor.submit(launched.batch)
                     self.in_flight.append(launched)
@@ -218,6 +251,7 @@ class SchedulerLoop:
         self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                                         kv_used_tokens=sched.kv_used_tokens,
                                         kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
+                                        queue_times=self.queue_times.take(),
                                         preemptions=self._preemptions,
                                         steps_target_out_of_reach=self._steps_out_of_reach,
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio,

@@ -98,7 +98,7 @@ class ModelRunner:
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
         self.tp = tp or TensorParallel()
         self.rank_steps = RankSteps(self.tp)
-        self.device = self.tp.device if self.tp.world_size > 1 else resolve_device(device)
+        self.device = self.tp.device if self.tp.layout.picks_device else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
         self._max_context = self.spec.context_length

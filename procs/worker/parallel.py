@@ -158,20 +158,24 @@ class TensorParallel:
 
 
 def rank_device(device: torch.device, layout: RankLayout) -> torch.device:
-    """A rank's device: cuda:(base + local_rank) for a CUDA `device` (base: its index, 0 if none)."""
-    if device.type != "cuda" or layout.world_size == 1:
+    """A rank's device: cuda:(base + its replica's first device + local_rank) for a CUDA `device` (base: its
+    index, 0 if none)."""
+    if device.type != "cuda" or not layout.picks_device:
         return device
-    return torch.device("cuda", (device.index or 0) + layout.local_rank)
+    return torch.device("cuda", (device.index or 0) + layout.first_local_device + layout.local_rank)
 
 
 def check_local_devices(device: torch.device, layout: RankLayout) -> None:
     """ValueError when this machine has fewer CUDA devices than its ranks take (`device`: this rank's,
     from `rank_device`). Every rank checks before joining, so that none waits for one that cannot start."""
-    if device.type != "cuda" or layout.world_size == 1:
+    if device.type != "cuda" or not layout.picks_device:
         return
     first = (device.index or 0) - layout.local_rank
     count = torch.cuda.device_count()
     if first + layout.local_world_size > count:
+        if layout.replicas > 1:
+            raise ValueError(f"data_parallel_size {layout.replicas} puts replica {layout.replica} on cuda:{first}, "
+                             f"but this machine has {count} CUDA device(s)")
         raise ValueError(
             f"tensor_parallel_size {layout.world_size} over nnodes {layout.world_size // layout.local_world_size} "
             f"runs {layout.local_world_size} worker ranks on this machine, on cuda:{first}.."
@@ -181,17 +185,19 @@ def check_local_devices(device: torch.device, layout: RankLayout) -> None:
 def join(config: ServerConfig, layout: RankLayout, device: torch.device,
          joining: Callable[[], object] | None = None) -> TensorParallel:
     """Join the worker's process group (every rank calls this; each waits up to dist_timeout_s for the
-    others) and limit this rank's CPU threads to its share of the machine's cores. `joining` is called
-    just before the wait (this rank got that far)."""
+    others) and limit this rank's CPU threads to its share of the machine's cores (one of every replica's
+    ranks). `joining` is called just before the wait (this rank got that far)."""
     tp = TensorParallel(layout, device)
     tp.step_timeout_s = config.step_timeout_s
-    if layout.world_size == 1:
+    if not layout.picks_device:
         return tp
     check_local_devices(device, layout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // layout.local_world_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // layout.cpu_shares))
+    if layout.world_size == 1:
+        return tp
     host, port = split_init_addr(config.dist_init_addr or STANDALONE_INIT_ADDR)
     if joining is not None:
         joining()

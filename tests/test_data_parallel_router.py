@@ -1,0 +1,188 @@
+"""Data parallelism end to end: `batchserve serve --data-parallel-size 2 --router smg`, two replicas of a
+tiny model (each its five processes, its own port and sockets) behind a real smg process on loopback,
+called through the gateway with the `openai` package: chat, streaming, n and structured output; API keys
+checked at the gateway as at each replica; a conversation's next turn reaches the replica holding its
+history (cache_aware); each replica is an ordinary server with the gauges routers read. Last, a replica's worker killed mid-stream: its streams
+end with their terminal events, the gateway stops sending to it, and new requests succeed on the other
+replica. Skipped where smg's wheel is not installed (the router extra)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from e2e_server import ReplicatedServer, http, metric, wait_until
+from fault_injection import StreamRecord, health, stream_until_end
+from procs.api.metrics import PROTOCOL_ALIASES
+from procs.router import healthy_workers
+
+pytest.importorskip("smg", reason="smg is not installed: `pip install -e '.[router]'` installs the gateway "
+                                  "(its wheel, smg==1.13.0) that these tests run in front of the replicas")
+
+KEYS = ("k1", "k2")
+FLAGS = ("--kv-capacity-tokens", "4096", "--max-running-requests", "16", "--drain-timeout-s", "5",
+         "--api-key", KEYS[0], "--api-key", KEYS[1])
+SYSTEM = " ".join(f"item {i}" for i in range(40))  # ~300 tokens: whole pages for the prefix cache
+GONE_WITHIN_S = 15.0  # a dead replica out of the gateway's rotation: its health checks, every second
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = ReplicatedServer(model, tmp_path_factory.mktemp("data-parallel") / "serve.log",
+                           "--data-parallel-size", "2", "--router", "smg", *FLAGS)
+    srv.start()
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
+def client(url: str, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(url: str, model: Path, messages: list[dict], key: str = KEYS[0], **kw):
+    return client(url, key).chat.completions.create(model=str(model), messages=messages, temperature=0,
+                                                    max_tokens=kw.pop("max_tokens", 16), **kw)
+
+
+class Reply(BaseModel):
+    ok: bool
+    colour: Literal["red", "green"]
+    word: str = Field(max_length=8)
+
+
+def test_replicas_are_ordinary_servers_on_their_own_ports(server):
+    assert server.url.rsplit(":", 1)[1] == str(server.port)  # the gateway on --port, the replicas after it
+    assert [u.rsplit(":", 1)[1] for u in server.replica_urls] == [str(server.port + 1), str(server.port + 2)]
+    assert {"router", "worker@0", "api@0", "worker@1", "api@1"} <= set(server.pids)
+    for url in server.replica_urls:
+        assert health(url) == 200
+    assert server.runtime_dir is not None
+    assert sorted(p.name for p in server.runtime_dir.glob("replica-*")) == ["replica-0", "replica-1"]
+
+
+def test_chat_stream_n_and_structured_output_through_the_gateway(server, model):
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    whole = chat(server.url, model, messages, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 16
+    for url in server.replica_urls:  # the same weights everywhere: greedy answers agree
+        assert chat(url, model, messages, extra_body={"ignore_eos": True}).choices[0].message.content == \
+            whole.choices[0].message.content
+    text, finish = [], None
+    for chunk in chat(server.url, model, messages, stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert ("".join(text), finish) == (whole.choices[0].message.content, "length")
+    several = client(server.url).completions.create(model=str(model), prompt="jumps over", n=3, max_tokens=8,
+                                                    temperature=0.9, seed=5)
+    assert [c.index for c in several.choices] == [0, 1, 2] and several.usage.completion_tokens == 24
+    parsed = client(server.url).chat.completions.parse(
+        model=str(model), messages=[{"role": "user", "content": '{"name": "Ada", "age": 36, "ok": true}'}],
+        response_format=Reply, temperature=0, max_tokens=80)
+    assert parsed.choices[0].finish_reason == "stop"
+    assert isinstance(parsed.choices[0].message.parsed, Reply)  # pydantic validated it against the schema
+
+
+def test_the_api_keys_hold_at_the_gateway_as_at_each_replica(server, model):
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    for url in (server.url, *server.replica_urls):
+        for key in KEYS:
+            assert chat(url, model, messages, key=key).choices[0].finish_reason in ("stop", "length"), (url, key)
+        with pytest.raises(openai.AuthenticationError):
+            chat(url, model, messages, key="not-a-key")
+        status, _ = http(f"{url}/v1/chat/completions", {"model": str(model), "messages": messages})  # no key
+        assert status == 401, url
+
+
+def test_a_conversations_next_turn_reaches_the_replica_holding_its_history(server, model):
+    """cache_aware: a turn's text starts with the previous turn's, so smg sends it where that went, and
+    that replica's prefix cache has its KV. Several conversations, so that each replica serves some."""
+    for i in range(4):
+        history = [{"role": "system", "content": f"conversation {i}: {SYSTEM}"},
+                   {"role": "user", "content": "the quick brown fox"}]
+        first = chat(server.url, model, history)
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "jumps over the lazy dog"}]
+        second = chat(server.url, model, history)
+        assert first.usage.prompt_tokens > 250
+        # every whole page of the first turn's prompt: the last partial page stays private
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16, i
+
+
+def test_each_replica_exports_the_gauges_routers_read(server):
+    for url in server.replica_urls:
+        status, page = http(f"{url}/metrics")
+        assert status == 200
+        names = {line.split("{")[0].split(" ")[0] for line in str(page).splitlines() if not line.startswith("#")}
+        for name in (*PROTOCOL_ALIASES, *PROTOCOL_ALIASES.values(), "batchserve_time_to_first_token_seconds_count",
+                     "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
+                     "batchserve_request_queue_time_seconds_count"):
+            assert name in names, (url, name)
+        assert 0 <= metric(url, "vllm:kv_cache_usage_perc") <= 1
+        assert metric(url, "batchserve_request_queue_time_seconds_count") > 0  # requests have been through both
+
+
+def running(url: str) -> float:
+    try:
+        return metric(url, "batchserve_api_requests_in_flight")
+    except (AssertionError, OSError):
+        return 0.0
+
+
+def healthy_in_gateway(url: str) -> set[str]:
+    return healthy_workers(url, KEYS[0])
+
+
+async def streams_until_a_replica_dies(server: ReplicatedServer, bodies: list[dict], records: list[StreamRecord]) -> int:
+    """Stream each body through the gateway; once every stream has 2 chunks, SIGKILL the worker of the
+    replica serving the most of them; wait for every stream to end. Returns that replica."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     headers={"Authorization": f"Bearer {KEYS[0]}"}) as session:
+        tasks = [asyncio.create_task(stream_until_end(session, server.url, body, r)) for body, r in zip(bodies, records)]
+        deadline = time.monotonic() + 60
+        while any(r.chunks < 2 for r in records):
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), [r.terminal() for r in records]
+            await asyncio.sleep(0.01)
+        victim = max(range(len(server.replica_urls)), key=lambda i: running(server.replica_urls[i]))
+        os.kill(server.pids[f"worker@{victim}"], signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        return victim
+
+
+def test_a_killed_replica_ends_its_streams_and_leaves_the_rotation(server, model):
+    """(Last: it leaves one replica.) The killed replica's api ends the streams it carried with their
+    terminal events; `serve` stops that replica and serves on; smg takes it out of rotation when its
+    /health fails, and sends every new request to the other replica."""
+    # distinct prompts, so that the gateway spreads them (no common prefix to follow)
+    bodies = [{"model": str(model), "prompt": f"{i} the quick brown fox", "max_tokens": 400, "ignore_eos": True,
+               "temperature": 0} for i in range(6)]
+    records = [StreamRecord() for _ in bodies]
+    victim = asyncio.run(streams_until_a_replica_dies(server, bodies, records))
+    survivor_url = server.replica_urls[1 - victim]
+    ends = sorted(record.terminal() for record in records)
+    assert all(end == "completed + [DONE]" or end.startswith("finish_reason abort + error") for end in ends), ends
+    assert any(end.startswith("finish_reason abort") for end in ends), ends  # the victim carried some
+    log = server.log()
+    assert wait_until(lambda: f"stopping replica {victim}, replica {1 - victim} serves on" in server.log(), 15), log
+    assert wait_until(lambda: server.replica_urls[victim] not in healthy_in_gateway(server.url), GONE_WITHIN_S)
+    assert healthy_in_gateway(server.url) == {survivor_url}
+    served_before = metric(survivor_url, "batchserve_e2e_request_latency_seconds_count")
+    for i in range(6):
+        answer = chat(server.url, model, [{"role": "user", "content": f"w{i} the lazy dog"}])
+        assert answer.choices[0].finish_reason in ("stop", "length")
+    assert metric(survivor_url, "batchserve_e2e_request_latency_seconds_count") - served_before == 6
+    assert server.proc is not None and server.proc.poll() is None  # serve serves on with one replica
