@@ -185,6 +185,12 @@ def test_a_skipped_special_token_keeps_the_next_words_space() -> None:
     for chunks in ([[t] for t in ids], [ids], [[1, sep], [2], [sep], [sep, 4, 3]]):
         detok = IncrementalDetokenizer(tok)
         assert "".join(detok.add(c).text for c in chunks) + detok.finish() == expected, chunks
+    # a long run of them (a model repeating its end token under ignore_eos) is not kept to decode again
+    detok = IncrementalDetokenizer(tok)
+    detok.add([1])
+    for _ in range(1000):
+        assert detok.add([sep]).text == ""
+    assert len(detok._ids) < 10 and detok.add([2]).text == " world"
 
 
 def _byte_fallback_tokenizer() -> Tokenizer:

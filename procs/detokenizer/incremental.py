@@ -34,6 +34,15 @@ class DetokenizerOutput:
 Decode = Callable[[list[int]], str]
 
 
+def special_token_ids(tokenizer: object) -> frozenset[int]:
+    """The ids of a `tokenizers.Tokenizer`'s or a transformers tokenizer's special tokens (those a decode
+    with `skip_special_tokens` leaves out)."""
+    backend = tokenizer if isinstance(tokenizer, tokenizers.Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, tokenizers.Tokenizer):
+        return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 def make_decode(tokenizer: object, *, skip_special_tokens: bool = True) -> Decode:
     """A `decode(ids) -> str` for a `tokenizers.Tokenizer` or a transformers tokenizer.
 
@@ -83,6 +92,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._decode = make_decode(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stop = StopStringMatcher(stop)
         # `_ids[_prefix_offset:_read_offset]` were decoded and emitted (or are prompt context);
         # `_emitted_len` is how many characters of `decode(_ids[_prefix_offset:])` are emitted.
@@ -140,9 +150,15 @@ class IncrementalDetokenizer:
     def _advance_window(self) -> None:
         """The text is complete at the end of `_ids`: the next window starts at the last read
         offset, keeping the previously read tokens as decoding context. Not while the tokens read
-        since show no text (special tokens skipped): a window starting with them alone would decode
-        its next word as a sequence's first (a SentencePiece-style decoder drops its space)."""
-        if self._read_offset == len(self._ids) or not self._decode(self._ids[self._read_offset:]):
+        since show no text: a window starting with them alone would decode its next word as a
+        sequence's first (a SentencePiece-style decoder drops its space). Skipped special tokens are
+        dropped instead (every decode leaves them out), so a run of them costs nothing later."""
+        if self._read_offset == len(self._ids):
+            return
+        if all(t in self._skipped for t in self._ids[self._read_offset:]):
+            del self._ids[self._read_offset:]
+            return
+        if not self._decode(self._ids[self._read_offset:]):
             return
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._emitted_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
