@@ -32,9 +32,8 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x27D4EB2F
 _MUL_C = 0x165667B1
-# Noise streams of a seeded request besides its sampling's (salt 0): a draft model's draws, and
-# speculative sampling's acceptance test and residual draw (`speculative_noise`).
-DRAFT_SALT = 0x5EED0001
+# Noise streams of a seeded request besides its sampling's (salt 0): speculative sampling's acceptance
+# test and residual draw (`speculative_noise`).
 _ACCEPT_SALT = 0x5EED0002
 _RESIDUAL_SALT = 0x5EED0003
 
@@ -111,15 +110,18 @@ def filtered_scores(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 def draft_sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft model's tokens and the distributions they were drawn from ([n] int64, [n, vocab] float32):
-    each row sampled under its request's temperature and filters (`filtered_scores`), seeded rows in
-    the draft's own noise stream (`DRAFT_SALT`); greedy rows take the argmax (their distribution is
-    then never read: a greedy proposal is verified by an exact match)."""
+    each row sampled under its request's temperature and filters (`filtered_scores`); greedy rows take
+    the argmax. A seeded row draws with the very noise the model will sample that position with (its
+    seed and count: `sample_batch`'s), so that where the two distributions are close the two draws
+    agree (Gumbel-max coupling); its proposal is then verified by an exact match, which keeps exactly
+    the tokens plain decoding samples. Only unseeded sampled rows read their distribution
+    (`rejection_sample`)."""
     n, vocab = logits.shape
     if all(p.temperature == 0.0 for p in params):
         return _argmax(logits), logits.new_zeros((0, vocab), dtype=torch.float32)
     greedy = [p.temperature == 0.0 for p in params]
     scores = filtered_scores(logits, params)
-    noisy = scores - _log_exponential_noise(params, sample_counts, greedy, vocab, logits.device, DRAFT_SALT)
+    noisy = scores - _log_exponential_noise(params, sample_counts, greedy, vocab, logits.device)
     tokens = _argmax(noisy)
     if any(greedy):
         greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(logits.device, non_blocking=True)
@@ -146,9 +148,9 @@ def rejection_sample(target: torch.Tensor, draft: torch.Tensor, proposed: torch.
     accept = has_draft & (uniform * q < p)  # u < p / q without dividing by a zero q
     residual = torch.where(has_draft.unsqueeze(1), (target - draft).clamp_min_(0.0), target)
     # A residual of zero mass cannot be reached (rejection needs p(d) < q(d), so p - q > 0 elsewhere);
-    # rounding may still leave one: fall back to p.
-    empty = residual.sum(dim=1, keepdim=True) <= 0
-    residual = torch.where(empty, target, residual)
+    # rounding may still leave one, where p and q are equal but for it: keep the proposal there.
+    empty = residual.sum(dim=1) <= 0
+    accept |= has_draft & empty
     drawn = _argmax(residual.log() - log_noise)
     return torch.where(accept, proposed, drawn)
 

@@ -186,6 +186,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     # with sample_lens > 0, in batch order) verification kept, the first always; [] when every row has
     # one position. The tokens of the others are in next_token_ids and do not count.
     accepted_lens: list[int] = []
+    # Seconds the worker's draft model spent proposing this step's draft tokens (its passes after the
+    # first, which runs every step to keep its KV; `procs.worker.draft_model`); 0 without one.
+    draft_s: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------

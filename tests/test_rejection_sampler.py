@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import draft_sample, filtered_scores, rejection_sample, speculative_noise
+from kernels.sampling import draft_sample, filtered_scores, rejection_sample, sample_batch, speculative_noise
 from shared.messages import SamplingParams
 from shared.verification import accepted_lengths
 
@@ -97,14 +97,16 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
 
 
 def test_seeded_draws_depend_on_seed_and_count_only():
-    """The draft's draws and the rejection step's are functions of (seed, count), in streams of their
-    own: the same in any batch, different from each other and from plain sampling's."""
+    """A seeded draft draws with the noise the model samples the same position with (so a draft whose
+    distribution is the model's proposes exactly the model's token); the rejection step's draws are
+    functions of (seed, count) in streams of their own. All the same in any batch."""
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=6),
               SamplingParams(temperature=0.0)]
     tokens, probs = draft_sample(logits, params, [4, 4, 4])
     again, _ = draft_sample(logits[:2].flip(0), params[:2][::-1], [4, 4])
     assert tokens[:2].tolist() == again.flip(0).tolist()
+    assert tokens.tolist() == sample_batch(logits, params, [4, 4, 4]).tolist()  # coupled with the model's draw
     assert int(tokens[2]) == int(logits[2].argmax())
     assert torch.allclose(probs[0], filtered_scores(logits[:1], params[:1]).softmax(-1)[0])
     uniform, noise = speculative_noise(params[:2], [4, 4], 64, logits.device)

@@ -198,19 +198,39 @@ def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
 
 def test_prefill_keeps_up_with_the_prompts_arriving():
     """`PrefillDemand`: the prompts of the last 10 s, as the share of the machine's time their prefill
-    needs (times the headroom); prefill's share of a step is at least that, so a bound never admits
-    slower than requests arrive. Arrivals older than the window no longer count."""
+    needs (times the headroom; what the prefix cache holds of them aside); prefill's share of a step is
+    at least that, so a bound never admits slower than requests arrive. Arrivals older than the window
+    no longer count, and are forgotten as new ones come, asked or not."""
     from procs.scheduler.step_cost import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
 
     model = StepCostModel(probe())
     demand = PrefillDemand()
     assert demand.share(model, 0.0) == 0.0
-    for i in range(8):  # 8 prompts of 300 tokens in 4 s
-        demand.arrived(300, now=i * 0.5)
-    need = 8 * (seconds(300, attention_pairs([0], [300])) - TRUE[0])  # seconds of prefill, fixed cost aside
+    for i in range(8):  # 8 prompts of 300 tokens in 4 s, the first 100 of each in the prefix cache
+        demand.arrived(300, 100, now=i * 0.5)
+    need = 8 * (seconds(200, attention_pairs([100], [200])) - TRUE[0])  # seconds of prefill, fixed cost aside
     share = demand.share(model, 4.0)
     assert share == pytest.approx(DEMAND_HEADROOM * need / DEMAND_WINDOW_S, rel=1e-6)
     assert prefill_share(0.5, 1, 31, 0.9, share) == max(0.5, share)
     assert prefill_share(0.5, 1, 31, 0.9, 2.0) == 0.9  # demand past the machine: at most the cap
     assert demand.share(model, 3.5 + DEMAND_WINDOW_S) == pytest.approx(share / 8)  # only the last one left
     assert demand.share(model, 100.0) == 0.0
+    for i in range(1000):  # the bound off: nobody asks for the share, and the window still forgets
+        demand.arrived(10, 0, now=200.0 + i)
+    assert len(demand._arrivals) <= DEMAND_WINDOW_S + 1
+
+
+def test_a_draft_models_cost_raises_the_break_even():
+    """With a draft model, a draft token also costs the draft's time to propose it (the worker reports
+    it per step; a moving average per token): the share that must be accepted rises with it, past 1
+    (no draft pays) where the model's own tokens are cheap beside it."""
+    model = StepCostModel(probe())
+    rows, pairs = 16, 16 * 300.0
+    plain = model.min_acceptance(rows, pairs)
+    for _ in range(100):
+        model.observe_drafts(0.016, 4)  # 4 ms a draft token
+    assert model.draft_token_s == pytest.approx(0.004, rel=1e-3)
+    per_row = seconds(rows, pairs) / rows
+    assert model.min_acceptance(rows, pairs) == pytest.approx(plain + 0.004 / per_row, rel=1e-3)
+    model.observe_drafts(1.0, 0)  # no draft tokens: nothing to learn
+    assert model.draft_token_s == pytest.approx(0.004, rel=1e-3)

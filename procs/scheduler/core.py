@@ -251,6 +251,11 @@ class Scheduler:
         chunking = self.prefill_manager.chunking
         return chunking[0].prefilled if chunking else 0
 
+    def cached_prefix_tokens(self, rid: str) -> int:
+        """Of waiting request `rid`'s prompt, the tokens the prefix cache holds now (its admission would
+        not compute them, should they still be there)."""
+        return len(self.kv.lookup(self._live[rid])) * self.page_size
+
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]
         return None if request is None else request.rid

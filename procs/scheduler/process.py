@@ -146,7 +146,8 @@ class SchedulerLoop:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
                                            message.logits, priority=message.priority,
                                            speculative=message.speculative)
-                self.demand.arrived(len(message.prompt_ids), time.monotonic())
+                self.demand.arrived(len(message.prompt_ids), self.scheduler.cached_prefix_tokens(message.rid),
+                                    time.monotonic())
                 self.queue_times.arrived(message.rid)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,

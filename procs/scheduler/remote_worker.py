@@ -8,7 +8,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.executor import ExecutorError
 from procs.scheduler.step_cost import StepCostModel
 from shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
-from shared.messages import ForwardBatch, StepResult
+from shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
 from shared.step_features import attention_pairs
 
 WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
@@ -58,8 +58,12 @@ class RemoteWorker:
                 self._last_result = now = time.monotonic()
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
+                    # A draft model's proposing is its own cost, apart from the model's step.
                     self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
-                                      now - started, with_prefill=batch.num_tokens > batch.num_sampled)
+                                      now - started - result.draft_s,
+                                      with_prefill=batch.num_tokens > batch.num_sampled)
+                    if result.draft_s:
+                        self.cost.observe_drafts(result.draft_s, int((batch.input_ids == DRAFT_TOKEN).sum()))
                 return result
             now = time.monotonic()
             if now - started > self.step_timeout_s:

@@ -38,6 +38,7 @@ MARGIN_STEPS = 64  # recent steps with prefill whose actual / predicted times se
 MARGIN_QUANTILE = 0.9  # the share of them the margin would have kept within the target
 MIN_MARGIN_STEPS = 8  # fewer: no margin yet
 MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model overestimates
+DRAFT_COST_WEIGHT = 0.1  # the latest step's share of a draft model's moving per-token cost
 
 
 DEMAND_WINDOW_S = 10.0  # arrivals whose prompts make up the prefill demand
@@ -55,27 +56,38 @@ def prefill_share(min_share: float, prefilling: int, decoding: int, most: float,
 
 class PrefillDemand:
     """The prompts that arrived in the last `DEMAND_WINDOW_S` seconds, as the share of the machine's
-    time their prefill takes. A bound that gives prefill less than that share of every step admits
-    slower than requests arrive: the waiting queue grows until fewer requests decode (so each step's
-    decodes shrink and prefill's share grows), at a cost in throughput and time to first token."""
+    time their prefill takes (what the prefix cache already holds of them aside). A bound that gives
+    prefill less than that share of every step admits slower than requests arrive: the waiting queue
+    grows until fewer requests decode (so each step's decodes shrink and prefill's share grows), at a
+    cost in throughput and time to first token."""
 
     def __init__(self, window_s: float = DEMAND_WINDOW_S) -> None:
         self.window_s = window_s
-        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, prompt tokens, attention pairs)
+        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, tokens to compute, attention pairs)
+        self._tokens = 0  # the window's sums
+        self._pairs = 0.0
 
-    def arrived(self, prompt_tokens: int, now: float) -> None:
-        self._arrivals.append((now, prompt_tokens, attention_pairs([0], [prompt_tokens])))
+    def arrived(self, prompt_tokens: int, cached_tokens: int, now: float) -> None:
+        """A prompt of `prompt_tokens`, the first `cached_tokens` of which the prefix cache holds."""
+        tokens, pairs = prompt_tokens - cached_tokens, attention_pairs([cached_tokens], [prompt_tokens - cached_tokens])
+        self._arrivals.append((now, tokens, pairs))
+        self._tokens += tokens
+        self._pairs += pairs
+        self._forget(now)
 
     def share(self, cost: "StepCostModel", now: float) -> float:
         """`DEMAND_HEADROOM` times the seconds of prefill that the window's prompts need (as `cost`
         predicts them, beyond a step's fixed cost) per second of the window."""
-        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
-            self._arrivals.popleft()
+        self._forget(now)
         if not self._arrivals:
             return 0.0
-        tokens = sum(t for _, t, _ in self._arrivals)
-        pairs = sum(p for _, _, p in self._arrivals)
-        return DEMAND_HEADROOM * cost.prefill_s(tokens, pairs) / self.window_s
+        return DEMAND_HEADROOM * cost.prefill_s(self._tokens, self._pairs) / self.window_s
+
+    def _forget(self, now: float) -> None:
+        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
+            _, tokens, pairs = self._arrivals.popleft()
+            self._tokens -= tokens
+            self._pairs -= pairs
 
 
 class StepCostModel:
@@ -87,6 +99,7 @@ class StepCostModel:
         self._since_fit = 0
         self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
         self.margin = 1.0
+        self.draft_token_s = 0.0  # a draft model's seconds to propose one token (`observe_drafts`)
         self.weights = self._fit(self._probe)
         if self.weights is None:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
@@ -133,15 +146,22 @@ class StepCostModel:
             return None
         return max(planned_s, decode_s / (1 - min_share))
 
+    def observe_drafts(self, seconds: float, draft_tokens: int) -> None:
+        """A draft model proposed `draft_tokens` tokens in `seconds` (a moving average per token)."""
+        if draft_tokens > 0:
+            per_token = seconds / draft_tokens
+            self.draft_token_s += DRAFT_COST_WEIGHT * (per_token - self.draft_token_s)
+
     def min_acceptance(self, decode_rows: int, decode_pairs: float) -> float:
         """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to
         pay, that is to raise the tokens per second of a step of these decodes: what one more token
-        costs (w1, and w2 for its attention over an average row's context) over the step's time per
-        row. Small beside one request, near or past 1 in a batch big enough to be compute-bound."""
+        costs (w1, and w2 for its attention over an average row's context, and what a draft model
+        takes to propose it) over the step's time per row. Small beside one request, near or past 1
+        in a batch big enough to be compute-bound."""
         if decode_rows <= 0:
             return 0.0
         _, w1, w2 = self.weights
-        per_token = w1 + w2 * decode_pairs / decode_rows / 1000
+        per_token = w1 + w2 * decode_pairs / decode_rows / 1000 + self.draft_token_s
         return per_token * decode_rows / max(self.predict(decode_rows, decode_pairs), 1e-9)
 
     def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,

@@ -17,11 +17,15 @@ draft token of a row is accepted, the last one was never fed to the draft; the n
 first (`_Pending`).
 
 A draft token is drawn from the draft's distribution under the request's own temperature, top-k,
-top-p and min-p (argmax for greedy requests), in a noise stream of its own for seeded requests.
+top-p and min-p (argmax for greedy requests). An unseeded sampled request's tokens are verified by
+rejection sampling against those distributions; a seeded request's draft draws with the noise the
+model samples the same position with (`kernels.sampling.draft_sample`), and is verified by an exact
+match, so its output is plain decoding's, token for token.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -31,7 +35,6 @@ import torch
 from kernels.attention import AttentionMetadata, create_backend
 from kernels.kv_cache import KVCache
 from kernels.sampling import draft_sample
-from procs.worker.loader import load_model
 from procs.worker.models.base import CausalLM
 from shared.messages import DRAFT_TOKEN, ForwardBatch
 from shared.model import ModelLoadError, ModelSpec
@@ -40,8 +43,8 @@ from shared.model import ModelLoadError, ModelSpec
 @dataclass(frozen=True)
 class DraftDistributions:
     """The draft distributions of one step's proposed tokens: `positions` index the step's sampled
-    positions (`SampleRows` order) that have a proposed token after them, from a sampled (not
-    greedy) request; `probs[i]` is the distribution that token was drawn from."""
+    positions (`SampleRows` order) that have a proposed token after them, from an unseeded sampled
+    request; `probs[i]` is the distribution that token was drawn from."""
 
     positions: np.ndarray  # [m] int64
     probs: torch.Tensor  # [m, vocab] float32
@@ -67,6 +70,7 @@ class DraftModel:
                                         cfg.head_dim, cfg.head_dim ** -0.5)
         self.device = kv_cache.device
         self._pending: dict[int, _Pending] = {}
+        self.proposing_s = 0.0  # the last `propose`'s time for its draft tokens (StepResult.draft_s)
 
     @staticmethod
     def spec_for(path: str, target: ModelSpec) -> ModelSpec:
@@ -82,16 +86,14 @@ class DraftModel:
         return spec
 
     @classmethod
-    def load(cls, spec: ModelSpec, target_cache: KVCache, *, dtype: torch.dtype, quantization: str,
-             attention_backend: str) -> "DraftModel":
-        """The draft model of `spec` (from `spec_for`), with a KV pool of `target_cache`'s pages that
+    def in_pool(cls, model: CausalLM, target_cache: KVCache, attention_backend: str) -> "DraftModel":
+        """The draft `model` (loaded from a `spec_for` spec) with a KV pool of `target_cache`'s pages that
         reads `target_cache`'s page table."""
-        model = load_model(spec, dtype=dtype, device=target_cache.device, quantization=quantization)
         cfg = model.config
         cache = KVCache(num_layers=cfg.num_layers, num_kv_heads=model.heads.num_kv_heads, head_dim=cfg.head_dim,
                         page_size=target_cache.page_size, num_pages=target_cache.num_pages,
                         max_running_requests=target_cache.max_running_requests,
-                        max_pages_per_request=target_cache.max_pages_per_request, dtype=dtype,
+                        max_pages_per_request=target_cache.max_pages_per_request, dtype=target_cache.dtype,
                         device=target_cache.device)
         cache.page_table = target_cache.page_table  # one page table: the scheduler's pages hold both
         return cls(model, cache, attention_backend)
@@ -114,6 +116,7 @@ class DraftModel:
             logits = self._first_pass(batch, drafting, firsts)
             for slot in batch.slots:  # fed now, or behind the row: `verified` says what is pending next
                 self._pending.pop(slot, None)
+            self.proposing_s = 0.0
             if not drafting:
                 return batch, None
             ids = ids.copy()  # the batch's arrays are views of the scheduler's shared memory
@@ -124,6 +127,7 @@ class DraftModel:
             prefix = np.asarray(batch.prefix_lens, dtype=np.int64)[drafting]
             slots = np.asarray(batch.slots, dtype=np.int64)[drafting]
             row_firsts = firsts[drafting]
+            started = time.perf_counter()
             probs: list[torch.Tensor] = []
             rows = np.arange(len(drafting))
             for j in range(1, int(widths.max())):
@@ -135,6 +139,7 @@ class DraftModel:
                     break
                 feed = row_firsts[rows] + j
                 logits = self._decode_pass(slots[rows], prefix[rows] + j, ids[feed], kv_locs[feed])
+            self.proposing_s = time.perf_counter() - started
         return self._filled(batch, ids), self._distributions(batch, drafting, widths, firsts, probs)
 
     def verified(self, batch: ForwardBatch, accepted: np.ndarray) -> None:
@@ -211,8 +216,9 @@ class DraftModel:
         starts = np.cumsum(lens) - lens
         positions, pieces = [], []
         for r, row in enumerate(drafting):
-            if batch.sampling[row].temperature == 0.0:
-                continue  # greedy: the proposal is the draft's argmax, verified by an exact match
+            params = batch.sampling[row]
+            if params.temperature == 0.0 or params.seed is not None:
+                continue  # greedy, or coupled with the model's own seeded draw: verified by an exact match
             for j in range(int(widths[r]) - 1):
                 # probs[j] holds the rows still drafting at pass j + 1, in drafting order
                 index = int(np.count_nonzero(widths[:r] > j + 1))

@@ -25,7 +25,7 @@ from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
-from procs.worker.loader import load_model, load_model_config
+from procs.worker.loader import load_model
 from procs.worker.models.base import CausalLM, ModelConfig
 from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
@@ -101,21 +101,24 @@ class ModelRunner:
         self.device = self.tp.device if self.tp.layout.picks_device else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
+        draft_spec = None
+        if draft_model:  # checked before either model loads: a wrong draft fails at once
+            if self.tp.world_size > 1:
+                raise ValueError("a draft model runs with tensor_parallel_size 1 only")
+            check_quantization(draft_quantization, self.device, self.dtype)
+            draft_spec = DraftModel.spec_for(draft_model, self.spec)
         self._max_context = self.spec.context_length
         self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
                                           tp=self.tp)
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
-        draft_spec = None
         bytes_per_token = kv_bytes_per_token(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, self.dtype)
-        if draft_model:
-            if self.tp.world_size > 1:
-                raise ValueError("a draft model runs with tensor_parallel_size 1 only")
-            check_quantization(draft_quantization, self.device, self.dtype)
-            draft_spec = DraftModel.spec_for(draft_model, self.spec)
-            draft_cfg = load_model_config(draft_spec)  # its KV shares the pool's pages: size them for both
-            bytes_per_token += kv_bytes_per_token(draft_cfg.num_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim,
-                                                  self.dtype)
+        # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
+        draft = None if draft_spec is None else load_model(draft_spec, dtype=self.dtype, device=self.device,
+                                                           quantization=draft_quantization)
+        if draft is not None:
+            bytes_per_token += kv_bytes_per_token(draft.config.num_layers, draft.heads.num_kv_heads,
+                                                  draft.config.head_dim, self.dtype)
         # Each rank sizes its pool from its own memory; all take the smallest, which the scheduler plans with.
         num_pages = self.tp.min_int(num_pages_for(
             page_size, capacity_tokens=kv_capacity_tokens,
@@ -130,9 +133,8 @@ class ModelRunner:
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
                                         heads.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
-        self.draft: DraftModel | None = None if draft_spec is None else DraftModel.load(
-            draft_spec, self.kv_cache, dtype=self.dtype, quantization=draft_quantization,
-            attention_backend=attention_backend)
+        self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
+                                                                                       attention_backend)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
@@ -292,7 +294,8 @@ class ModelRunner:
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
             logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
-            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32))
+            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32),
+                                draft_s=0.0 if self.draft is None else self.draft.proposing_s)
             if logits is None:
                 return result
             if prompt_chunks:
