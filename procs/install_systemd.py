@@ -6,16 +6,20 @@ the units' names with those of this machine's layout (`Layout.names`). One serve
 one instance of `batchserve-worker@.service` per local tensor-parallel rank, plus scheduler, tokenizer,
 detokenizer and api on the machine of node_rank 0 only. Replicas (`ReplicaUnits`: data_parallel_size
 > 1, or a router): the same five unit files installed as templates (`batchserve-api@.service`, ...),
-instance I being replica I's process, grouped by `batchserve@I.target`, and the router's unit. The
-layout comes from the env file the units will read (when kept) and the layout flags. The example env
-file `systemd/batchserve.env` is generated from `ServerConfig` by `render_env_file()`, and a test keeps
-the two equal, so every setting is documented there.
+instance I being replica I's process, grouped by `batchserve@I.target`, and the router's unit; with a
+router also `internal-key.env` (0600, made once, kept on reinstall): the router's internal key, which
+the router's unit and the replicas' api units read (EnvironmentFile=, read by systemd as root) and no
+client is given (procs/router.py). The layout comes from the env file the units will read (when kept)
+and the layout flags. The example env file `systemd/batchserve.env` is generated from `ServerConfig` by
+`render_env_file()`, and a test keeps the two equal, so every setting is documented there.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import secrets
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 
+from procs.api.auth import INTERNAL_KEY_ENV
 from procs.cli import CliError
 from procs.launch import START_ORDER
 from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
@@ -32,6 +37,8 @@ from shared.parallel import RankLayout, replica_port, replicated
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
 ENV_FILE_NAME = "batchserve.env"
+# With a router: its internal key, for the router's unit and the replicas' api units alone.
+INTERNAL_KEY_FILE_NAME = "internal-key.env"
 UNIT_DIR = Path("etc/systemd/system")
 ENV_DIR = Path("etc/batchserve")
 SERVICE_USER = "batchserve"
@@ -204,7 +211,7 @@ class MachineUnits:
         """The templates' placeholders for the units' names: each unit as named."""
         return {"@WORKERS@": " ".join(self.workers), "@SERVICES@": " ".join(self.services), "@AT@": "",
                 "@WORKER0@": worker_unit(0), "@PART_OF@": TARGET, "@REPLICA_FLAG@": "",
-                "@WORKER_FLAG@": "--local-rank %i", "@WORKER_INSTANCE@": "local rank"}
+                "@WORKER_FLAG@": "--local-rank %i", "@WORKER_INSTANCE@": "local rank", "@INTERNAL_KEY_ENV@": ""}
 
     def describe(self, config: ServerConfig) -> str:
         first = RankLayout.of(config, 0).rank
@@ -247,7 +254,8 @@ class ReplicaUnits:
                 "@REPLICA_FLAG@": " --data-parallel-rank %i", "@WORKER_FLAG@": "--data-parallel-rank %i",
                 "@WORKER_INSTANCE@": "replica",
                 "@REPLICA_SERVICES@": " ".join(replica_unit(name, "%i") for name in START_ORDER),
-                "@REPLICA_TARGETS@": " ".join(replica_target(i) for i in range(self.replicas))}
+                "@REPLICA_TARGETS@": " ".join(replica_target(i) for i in range(self.replicas)),
+                "@INTERNAL_KEY_ENV@": f"EnvironmentFile=/{ENV_DIR / INTERNAL_KEY_FILE_NAME}" if self.router else ""}
 
     def describe(self, config: ServerConfig) -> str:
         ports = f"{replica_port(config, 0)}..{replica_port(config, self.replicas - 1)}"
@@ -291,6 +299,17 @@ class PlannedFile:
     text: str
     mode: int
     keep_existing: bool  # an existing file is left alone (the env file, without --force)
+    secret: bool = False  # never printed, kept even with --force (a new key needs every unit restarted)
+
+
+def render_internal_key_file() -> str:
+    """The router's internal key file: a fresh key (`INTERNAL_KEY_ENV`) for the router's and the replicas'
+    api units."""
+    return ("# The router's internal key: smg's control-plane key and the key it presents to the replicas'\n"
+            "# apis. Made by `batchserve install-systemd`; no client is given it. Read by\n"
+            "# batchserve-router.service and batchserve-api@.service. For a new one: delete this file, run\n"
+            "# install-systemd again, restart batchserve.target.\n"
+            f"{INTERNAL_KEY_ENV}={secrets.token_urlsafe(32)}\n")
 
 
 def machine_config(prefix: Path, layout: dict[str, object], force: bool = False) -> ServerConfig:
@@ -329,7 +348,19 @@ def plan_files(prefix: Path, venv: Path, force: bool = False,
              for name, template in units.templates.items()]
     files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(layout), 0o644,
                              keep_existing=not force))
+    if isinstance(units, ReplicaUnits) and units.router:
+        files.append(PlannedFile(prefix / ENV_DIR / INTERNAL_KEY_FILE_NAME, render_internal_key_file(), 0o600,
+                                 keep_existing=True, secret=True))
     return files
+
+
+def write_file(planned: PlannedFile) -> None:
+    """Write `planned` with its mode from the start (a key file must never be readable by others, not even
+    for a moment)."""
+    fd = os.open(planned.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, planned.mode)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), planned.mode)  # a replaced file keeps its old mode through open()
+        f.write(planned.text)
 
 
 def stale_units(prefix: Path, units: Layout) -> list[Path]:
@@ -338,6 +369,15 @@ def stale_units(prefix: Path, units: Layout) -> list[Path]:
     other (replicas or not), the router's once there is none."""
     names = [*FORMER_UNITS, *(name for name in INSTALLED_NAMES if name not in units.templates)]
     return [path for path in (prefix / UNIT_DIR / name for name in names) if path.exists()]
+
+
+def stop_hint(unit: Path) -> str:
+    """How to stop what still runs of a removed unit file: a template's instances by a quoted glob
+    (`systemctl stop batchserve-api@.service` would stop none of them)."""
+    name = unit.name
+    if "@." in name:
+        name = f"'{name.replace('@.', '@*.')}'"
+    return f"systemctl stop {name}"
 
 
 def describe_machine(config: ServerConfig, units: Layout) -> str:
@@ -410,20 +450,21 @@ def main(args: argparse.Namespace) -> int:
             stale.unlink()
         except PermissionError as exc:
             raise CliError(f"cannot remove {stale} ({exc.strerror}): run as root, or use --prefix") from None
-        print(f"remove   {stale} (not run on this machine any more; `systemctl stop {stale.name}` if it runs)")
+        print(f"remove   {stale} (not run on this machine any more; `{stop_hint(stale)}` if it runs)")
     for planned in plan_files(prefix, venv, force=args.force, layout=layout):
         exists = planned.path.exists()
         if planned.keep_existing and exists:
-            print(f"keep     {planned.path} (exists; --force replaces it)")
+            why = "the router's key; delete it for a new one" if planned.secret else "--force replaces it"
+            print(f"keep     {planned.path} (exists; {why})")
             continue
         verb = "replace" if exists else "write"
         if args.dry_run:
-            print(f"--- would {verb} {planned.path} (mode {planned.mode:o})\n{planned.text}")
+            text = "(a new key, not shown)\n" if planned.secret else planned.text
+            print(f"--- would {verb} {planned.path} (mode {planned.mode:o})\n{text}")
             continue
         try:
             planned.path.parent.mkdir(parents=True, exist_ok=True)
-            planned.path.write_text(planned.text)
-            planned.path.chmod(planned.mode)
+            write_file(planned)
         except PermissionError as exc:
             raise CliError(f"cannot write {planned.path} ({exc.strerror}): run as root, or use --prefix") from None
         print(f"{verb:<8} {planned.path}")

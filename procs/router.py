@@ -3,11 +3,19 @@ and the `batchserve-router.service` unit start it.
 
 It runs the Shepherd Model Gateway (`smg launch`, the `smg` package: `pip install -e '.[router]'`) on
 `--port`, with every replica's api (`shared.parallel.replica_urls`) as its workers, `--router-policy`
-as its policy and our `/health` as its health check, and reports ready (sd_notify READY=1) once smg
-lists every replica as a healthy worker. smg takes a replica whose `/health` fails out of rotation
-and sends its requests to the others. `smg_args` is the one place its command line is built. With
-API keys, smg checks them too (and sends the first to the replicas); they reach it on its stdin
-(`procs.smg_launch`), never on a command line.
+as its policy and our `/health` as its health check. smg takes a replica whose `/health` fails out of
+rotation and sends its requests to the others. `smg_args` is the one place its command line is built.
+
+Readiness (sd_notify READY=1): once smg lists every replica as a healthy worker, or, when some do not
+come, `REST_WAIT_S` after the first one is (the lines name those that are not yet): one broken replica
+must not keep the router from serving with the others (under systemd its unit's start would time out,
+be restarted, and finally given up: an outage although a replica serves).
+
+Keys (procs/smg_launch.py): the clients' API keys are smg's tenant keys, for the serving routes only.
+Its control plane (`/workers`: adding or removing a worker) and the key it presents to the replicas are
+the internal key (`INTERNAL_KEY_ENV`), which `serve` and install-systemd give the router and the
+replicas' apis alike and no client ever has; run by hand without one, the router makes its own for
+this start. Every key reaches smg on its stdin, never on a command line.
 
 SIGTERM/SIGINT is passed on to smg, which stops taking requests and lets running ones finish for
 up to `drain_timeout_s`; `batchserve router` exits with smg's status (0 once asked to stop).
@@ -20,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -28,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 
-from procs.api.auth import load_api_keys
+from procs.api.auth import INTERNAL_KEY_ENV, internal_key, load_api_keys
 from procs.launch import load_config
 from procs.runtime import die_with_parent
 from shared.config import ServerConfig, add_config_arguments
@@ -45,6 +54,9 @@ HEALTH_CHECK_TIMEOUT_S = 5
 # and `serve` order it so), polling every second rather than its default 30.
 WORKER_STARTUP_TIMEOUT_S = 300
 READY_POLL_S = 0.2
+# Ready with some replicas healthy, this long after the first one is, when the others have not come (a
+# replica that is up registers within a second or two; smg keeps trying the others).
+REST_WAIT_S = 5.0
 STOP_GRACE_S = 10.0  # after its drain, how long smg may take to exit before it is killed
 
 
@@ -70,7 +82,7 @@ def router_flags(config: ServerConfig) -> list[str]:
         raise ValueError(f"router_args {config.router_args!r}: {exc}") from None
 
 
-# `smg launch`, taking the API keys on stdin (procs/smg_launch.py), from this interpreter's environment.
+# `smg launch`, taking its keys on stdin (procs/smg_launch.py), from this interpreter's environment.
 SMG_LAUNCH = (sys.executable, "-m", "procs.smg_launch")
 
 
@@ -98,8 +110,8 @@ def smg_args(config: ServerConfig) -> list[str]:
 
 
 def healthy_workers(base_url: str, api_key: str | None = None) -> set[str]:
-    """The worker URLs smg lists as healthy (`GET /workers`, with the key smg checks if any); empty while
-    it does not answer."""
+    """The worker URLs smg lists as healthy (`GET /workers`, a control route: with the internal key); empty
+    while it does not answer."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(f"{base_url}/workers", headers=headers), timeout=2) as resp:
@@ -112,9 +124,10 @@ def healthy_workers(base_url: str, api_key: str | None = None) -> set[str]:
 class Gateway:
     """smg as a child of this process (it dies with us), and its readiness."""
 
-    def __init__(self, config: ServerConfig, keys: list[str]) -> None:
+    def __init__(self, config: ServerConfig, keys: list[str], internal: str) -> None:
         self.config = config
-        self.keys = keys  # the server's API keys, which smg checks too
+        self.keys = keys  # the clients' API keys: smg's tenant keys
+        self.internal = internal  # its control plane's key, which it presents to the replicas
         self.stopping = False  # asked to stop
         self.passed_on = False  # smg was told
         self.proc: subprocess.Popen[bytes] | None = None
@@ -132,24 +145,45 @@ class Gateway:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        parent = os.getpid()
-        # NO_COLOR: plain log lines for a file or the journal
-        self.proc = subprocess.Popen([*SMG_LAUNCH, *smg_args(self.config)], stdin=subprocess.PIPE,
-                                     env=dict(os.environ, NO_COLOR="1"), preexec_fn=lambda: die_with_parent(parent))
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("".join(f"{key}\n" for key in self.keys).encode())
-        self.proc.stdin.close()
-        url, expected = local_url(self.config.host, self.config.port), set(replica_urls(self.config))
-        while self.proc.poll() is None and not self.stopping:
-            if expected <= healthy_workers(url, self.keys[0] if self.keys else None):
-                print(f"batchserve router: smg ({self.config.router_policy}) at {url} routes to "
-                      f"{' '.join(sorted(expected))}", file=sys.stderr, flush=True)
-                notify_ready()
-                break
-            time.sleep(READY_POLL_S)
+        self._start_smg()
+        self._wait_ready()
         status = self._wait()
         notify_stopping()
         return 0 if self.stopping and status in (0, -signal.SIGTERM) else status
+
+    def _start_smg(self) -> None:
+        """smg, its keys on its stdin (the internal key first); its environment without the internal key,
+        which it has from there. NO_COLOR: plain log lines for a file or the journal."""
+        parent = os.getpid()
+        env = {name: value for name, value in os.environ.items() if name != INTERNAL_KEY_ENV}
+        self.proc = subprocess.Popen([*SMG_LAUNCH, *smg_args(self.config)], stdin=subprocess.PIPE,
+                                     env=dict(env, NO_COLOR="1"), preexec_fn=lambda: die_with_parent(parent))
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("".join(f"{key}\n" for key in (self.internal, *self.keys)).encode())
+        self.proc.stdin.close()
+
+    def _wait_ready(self) -> None:
+        """READY=1 once smg routes to every replica, or `REST_WAIT_S` after it routes to the first (naming
+        those it does not yet); nothing while none is healthy, or once asked to stop or smg ended."""
+        assert self.proc is not None
+        url, expected = local_url(self.config.host, self.config.port), set(replica_urls(self.config))
+        first_healthy: float | None = None
+        while self.proc.poll() is None and not self.stopping:
+            healthy = expected & healthy_workers(url, self.internal)
+            if healthy and first_healthy is None:
+                first_healthy = time.monotonic()
+            if healthy == expected or (healthy and time.monotonic() - first_healthy >= REST_WAIT_S):
+                self._say_ready(url, healthy, expected - healthy)
+                notify_ready()
+                return
+            time.sleep(READY_POLL_S)
+
+    def _say_ready(self, url: str, healthy: set[str], missing: set[str]) -> None:
+        line = f"batchserve router: smg ({self.config.router_policy}) at {url} routes to {' '.join(sorted(healthy))}"
+        if missing:
+            line += (f"; not yet healthy: {' '.join(sorted(missing))} (smg keeps checking: it registers a replica "
+                     f"that answers within {WORKER_STARTUP_TIMEOUT_S}s of its start, and routes to it once healthy)")
+        print(line, file=sys.stderr, flush=True)
 
     def _wait(self) -> int:
         """smg's exit status; once asked to stop, it gets its drain and a grace, then it is killed."""
@@ -172,4 +206,18 @@ def main(args: argparse.Namespace) -> int:
     if config.router == "none":
         raise ValueError("router is none: nothing to run (--router smg)")
     check_router(config)
-    return Gateway(config, [key.decode() for key in load_api_keys(config)]).run()
+    keys = [key.decode() for key in load_api_keys(config)]
+    return Gateway(config, keys, gateway_key(keys)).run()
+
+
+def gateway_key(keys: list[str]) -> str:
+    """The internal key: the one `serve` or the units set (the replicas accept it too), else a fresh one for
+    this start, so that smg's control plane is never open."""
+    key = internal_key()
+    if key is None:
+        key = secrets.token_urlsafe(32)
+        if keys:  # smg presents it to the replicas, whose /v1/models would refuse it
+            print(f"batchserve router: {INTERNAL_KEY_ENV} is not set: smg's control plane takes a key made for "
+                  f"this start, which the replicas do not know (give the router and the replicas' apis the same "
+                  f"{INTERNAL_KEY_ENV})", file=sys.stderr, flush=True)
+    return key

@@ -15,6 +15,10 @@ sockets, `shared.parallel`), and once every one is ready, the router (`batchserv
 of them). Once all are serving, a replica whose process dies is stopped as a whole (its api first
 ends the requests it had with their terminal events) and the others serve on: the router stops
 sending to it when its /health fails; `serve` exits 1 when no replica is left, or when the router ends.
+Once stopped, that replica's processes are done with: their shared memory is removed then, and they are
+never signalled again (their pids may belong to other processes by the time `serve` stops).
+The router and the replicas' apis share a key made for this start (`INTERNAL_KEY_ENV` in their
+environment alone), smg's control-plane key and the one it presents to the replicas (procs/router.py).
 
 SIGINT/SIGTERM: the api (every replica's, and the router) is stopped first (it answers 503 to new
 requests and lets running ones finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -39,6 +44,7 @@ from pathlib import Path
 
 import msgspec
 
+from procs.api.auth import INTERNAL_KEY_ENV
 from procs.launch import START_ORDER
 from procs.router import check_router
 from procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
@@ -133,6 +139,10 @@ class Supervisor:
         self.runtime_dir = runtime_dir
         self.owns_runtime_dir = owns_runtime_dir
         self.children: dict[str, Child] = {}
+        # children of failed replicas, stopped and reaped: kept for the exit report, never signalled again
+        self.retired: dict[str, Child] = {}
+        # the router's internal key, for the router and the replicas' apis (procs/router.py)
+        self.internal_key = secrets.token_urlsafe(32) if config.router != "none" else None
         self.signals = 0
         self.stop_seconds: dict[str, float] = {}  # each stopped child's seconds from SIGTERM to its exit
         self.config_path = runtime_dir / "config.json"
@@ -150,6 +160,9 @@ class Supervisor:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), PYTHONUNBUFFERED="1")
+        env.pop(INTERNAL_KEY_ENV, None)
+        if self.internal_key is not None and launch.process in ("router", "api"):
+            env[INTERNAL_KEY_ENV] = self.internal_key
         parent = os.getpid()
         config = ["--config", str(self.config_path)]
         if launch.process == "router":
@@ -223,8 +236,8 @@ class Supervisor:
 
     def _stop_failed_replicas(self) -> bool:
         """A replica's process died after the server was up: stop that replica (its api first ends what it
-        had in flight: the others' heartbeats are gone) and let the others serve on. False when that
-        cannot be: the router ended, or no replica is left."""
+        had in flight: the others' heartbeats are gone), retire its processes, and let the others serve on.
+        False when that cannot be: the router ended, or no replica is left."""
         dead = self._dead_children()
         replicas = {child.launch.replica for child in dead}
         if None in replicas:  # the router, or a server that is one replica
@@ -235,8 +248,20 @@ class Supervisor:
         self._report_dead(f"; stopping replica {', '.join(map(str, sorted(replicas)))}, replica "
                           f"{', '.join(map(str, sorted(left)))} serves on")
         self.failed_replicas |= replicas  # type: ignore[arg-type]  # None is not among them
-        self._stop([child for child in self.children.values() if child.launch.replica in replicas])
+        failed = [child for child in self.children.values() if child.launch.replica in replicas]
+        self._stop(failed)
+        for child in failed:
+            self._retire(child)
         return True
+
+    def _retire(self, child: Child) -> None:
+        """A stopped and reaped child is done with: remove what it left in /dev/shm (a killed process could
+        not) and its notify socket now, and move it out of `children`, so that no later stop signals its
+        pid or removes segments by it: by then either may be another process's."""
+        child.notify.close()
+        remove_segments_of(child.pid)
+        (self.runtime_dir / f"notify-{child.name}.sock").unlink(missing_ok=True)
+        self.retired[child.name] = self.children.pop(child.name)
 
     def _ready_line(self, seconds: float) -> str:
         pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
@@ -306,8 +331,9 @@ class Supervisor:
         Follower worker ranks then exit on rank 0's stop broadcast (or by themselves within a few seconds)."""
         self._stop(list(self.children.values()))
         if self.stop_seconds:
+            every = {**self.retired, **self.children}
             _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
-                f"{name} {seconds:.2f}{_exit_note(self.children[name].popen.returncode)}"
+                f"{name} {seconds:.2f}{_exit_note(every[name].popen.returncode)}"
                 for name, seconds in self.stop_seconds.items()))
 
     def _stop(self, children: list[Child]) -> None:

@@ -1,11 +1,14 @@
 """Data parallelism without a model: the replicas' layout (ports, sockets, devices, the cores' split),
-the layouts refused with one line naming the setting, what `serve` starts, and the gateway's command
-line against smg's own parser (where smg is installed). The replicas end to end, behind a real smg:
-tests/test_data_parallel_router.py."""
+the layouts refused with one line naming the setting, what `serve` starts, the gateway's command line
+and keys against smg's own parser (where smg is installed), the replicas' acceptance of the router's
+internal key, and a failed replica's processes retired at once by `serve` (stand-in processes). The
+replicas end to end, behind a real smg: tests/test_data_parallel_router.py."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from procs import serve
+from procs.api.auth import INTERNAL_KEY_ENV, accepted_keys
 from procs.router import SMG_LAUNCH, smg_args
 from procs.runtime import resolve_runtime_dir
 from procs.worker.parallel import join, rank_device
@@ -129,3 +133,78 @@ def test_smg_reads_the_gateway_command_line_and_knows_our_policies():
         assert (args.worker_urls, args.policy, args.port, args.host) == (replica_urls(ROUTED), policy, 8000, "127.0.0.1")
         assert args.health_check_endpoint == "/health" and args.disable_tokenizer_autoload
         assert args.prometheus_port == 8003 and args.log_level == "warn"
+
+
+def test_smg_gets_every_client_key_as_a_tenant_key_and_the_internal_key_for_its_control_plane():
+    """procs/smg_launch.py against smg's own RouterArgs: no client key is smg's `--api-key` (which opens its
+    control plane and which it presents to the replicas); the internal key is, and its control plane's."""
+    smg_launch = pytest.importorskip("procs.smg_launch", reason="smg is not installed (pip install -e '.[router]')")
+    from smg.launch_router import parse_router_args
+
+    args = parse_router_args(smg_args(ROUTED))
+    smg_launch.apply_keys(args, "internal", ["k1", "k2", "k1"])
+    assert args.api_key == "internal"
+    assert args.tenant_api_keys == [("key1", "k1"), ("key2", "k2")]  # each key once: smg refuses duplicates
+    assert args.control_plane_api_keys == [(smg_launch.CONTROL_KEY_ID, "batchserve router", "internal", "admin")]
+    open_server = parse_router_args(smg_args(ROUTED))
+    smg_launch.apply_keys(open_server, "internal", [])
+    assert open_server.api_key is None and open_server.tenant_api_keys == []  # serving stays open, as the replicas
+    assert [key for _, _, key, _ in open_server.control_plane_api_keys] == ["internal"]  # its control plane does not
+
+
+def test_a_replicas_api_accepts_the_internal_key_beside_the_client_keys():
+    with_keys = ServerConfig(api_key=["k1"])
+    assert accepted_keys(with_keys, env={INTERNAL_KEY_ENV: "internal"}) == (b"k1", b"internal")
+    assert accepted_keys(with_keys, env={}) == (b"k1",)
+    assert accepted_keys(ServerConfig(), env={INTERNAL_KEY_ENV: "internal"}) == ()  # an open server stays open
+
+
+STAND_IN = ("import os, sys, time\n"
+            "open(f'/dev/shm/batchserve-{os.getpid()}-stand-in', 'w').close()\n"
+            "print('up', flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def stand_in(launch: serve.Launch) -> serve.Child:
+    """A child of `serve` for `launch` that holds a shared-memory segment named by its pid, as ours do."""
+    popen = subprocess.Popen([sys.executable, "-c", STAND_IN], stdout=subprocess.PIPE, start_new_session=True)
+    assert popen.stdout is not None and popen.stdout.readline() == b"up\n"
+    return serve.Child(launch.key, popen, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), launch, ready=True)
+
+
+def test_a_failed_replica_is_cleaned_up_at_once_and_never_signalled_again(tmp_path, monkeypatch):
+    """Once a replica's process died and `serve` stopped that replica, its processes' shared memory is gone
+    at once and they leave `children`: the final stop signals only the live replica's process groups, and
+    removes no segment by a retired pid (which may be another process's by then)."""
+    supervisor = serve.Supervisor(msgspec.structs.replace(ROUTED, runtime_dir=str(tmp_path)), tmp_path,
+                                  owns_runtime_dir=False)
+    children = [stand_in(serve.Launch(name, name, replica=i)) for i in (0, 1) for name in ("worker", "api")]
+    supervisor.children = {child.name: child for child in children}
+    live, failed = children[:2], children[2:]
+    try:
+        os.kill(failed[0].pid, signal.SIGKILL)
+        failed[0].popen.wait()
+        assert supervisor._stop_failed_replicas()
+        assert list(supervisor.children) == ["worker@0", "api@0"] and list(supervisor.retired) == ["worker@1", "api@1"]
+        assert all(child.popen.poll() is not None for child in failed)
+        assert not any(Path(f"/dev/shm/batchserve-{child.pid}-stand-in").exists() for child in failed)
+        assert all(Path(f"/dev/shm/batchserve-{child.pid}-stand-in").exists() for child in live)
+
+        reused = Path(f"/dev/shm/batchserve-{failed[0].pid}-another-process")  # as if its pid were taken again
+        reused.touch()
+        signalled: list[int] = []
+        killpg = os.killpg
+        monkeypatch.setattr(serve.os, "killpg", lambda pid, signum: (signalled.append(pid), killpg(pid, signum)))
+        supervisor._stop_all()
+        supervisor._cleanup()
+        assert set(signalled) == {child.pid for child in live}
+        assert reused.exists()
+        assert not any(Path(f"/dev/shm/batchserve-{child.pid}-stand-in").exists() for child in live)
+    finally:
+        for child in children:
+            if child.popen.poll() is None:
+                child.popen.kill()
+                child.popen.wait()
+            child.popen.stdout.close()  # type: ignore[union-attr]
+            for path in Path("/dev/shm").glob(f"batchserve-{child.pid}-*"):
+                path.unlink()

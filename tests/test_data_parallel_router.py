@@ -1,17 +1,23 @@
 """Data parallelism end to end: `batchserve serve --data-parallel-size 2 --router smg`, two replicas of a
 tiny model (each its five processes, its own port and sockets) behind a real smg process on loopback,
 called through the gateway with the `openai` package: chat, streaming, n and structured output; API keys
-checked at the gateway as at each replica; a conversation's next turn reaches the replica holding its
-history (cache_aware); each replica is an ordinary server with the gauges routers read. Last, a replica's worker killed mid-stream: its streams
-end with their terminal events, the gateway stops sending to it, and new requests succeed on the other
-replica. Skipped where smg's wheel is not installed (the router extra)."""
+checked at the gateway as at each replica, and none of them opens smg's control plane, whose key (made by
+`serve` for this start) only the router and the replicas' apis have; a conversation's next turn reaches
+the replica holding its history (cache_aware); each replica is an ordinary server with the gauges
+routers read. Last, a replica's worker killed mid-stream: its streams end with their terminal events,
+`serve` removes that replica's shared memory at once, the gateway stops sending to it, and new requests
+succeed on the other replica. Skipped where smg's wheel is not installed (the router extra). The gateway
+alone, in front of a replica that never answers: tests/test_router_gateway.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from e2e_server import ReplicatedServer, http, metric, wait_until
 from fault_injection import StreamRecord, health, stream_until_end
+from procs.api.auth import INTERNAL_KEY_ENV
 from procs.api.metrics import PROTOCOL_ALIASES
 from procs.router import healthy_workers
 
@@ -108,6 +115,41 @@ def test_the_api_keys_hold_at_the_gateway_as_at_each_replica(server, model):
         assert status == 401, url
 
 
+def environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().partition("=")[::2] for entry in entries if entry)
+
+
+def internal_key(server: ReplicatedServer) -> str:
+    """The key `serve` made for the router and the replicas' apis: from the router's environment."""
+    return environment(server.pids["router"])[INTERNAL_KEY_ENV]
+
+
+def test_only_the_internal_key_opens_smgs_control_plane(server):
+    key = internal_key(server)
+    assert len(key) >= 40 and key not in KEYS
+    for name in ("api@0", "api@1"):  # the replicas' apis accept it; no other process is given it
+        assert environment(server.pids[name])[INTERNAL_KEY_ENV] == key, name
+    for name in ("worker@0", "scheduler@1", "tokenizer@0", "detokenizer@1"):
+        assert INTERNAL_KEY_ENV not in environment(server.pids[name]), name
+    assert healthy_workers(server.url, key) == set(server.replica_urls)
+    for client_key in (*KEYS, None):
+        headers = {"Authorization": f"Bearer {client_key}"} if client_key else {}
+        assert http_status(f"{server.url}/workers", "GET", headers) == 401, client_key
+        assert http_status(f"{server.url}/workers", "POST", headers, {"url": "http://127.0.0.1:9"}) == 401, client_key
+    assert healthy_workers(server.url, key) == set(server.replica_urls)
+
+
+def http_status(url: str, method: str, headers: dict[str, str], body: dict | None = None) -> int:
+    request = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json", **headers},
+                                     data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_a_conversations_next_turn_reaches_the_replica_holding_its_history(server, model):
     """cache_aware: a turn's text starts with the previous turn's, so smg sends it where that went, and
     that replica's prefix cache has its KV. Several conversations, so that each replica serves some."""
@@ -143,8 +185,13 @@ def running(url: str) -> float:
         return 0.0
 
 
-def healthy_in_gateway(url: str) -> set[str]:
-    return healthy_workers(url, KEYS[0])
+def healthy_in_gateway(server: ReplicatedServer) -> set[str]:
+    return healthy_workers(server.url, internal_key(server))
+
+
+def segments(pid: int) -> list[Path]:
+    """What process `pid` has in /dev/shm (names carry the owner's pid: shared.shm)."""
+    return list(Path("/dev/shm").glob(f"batchserve-{pid}-*"))
 
 
 async def streams_until_a_replica_dies(server: ReplicatedServer, bodies: list[dict], records: list[StreamRecord]) -> int:
@@ -165,12 +212,14 @@ async def streams_until_a_replica_dies(server: ReplicatedServer, bodies: list[di
 
 def test_a_killed_replica_ends_its_streams_and_leaves_the_rotation(server, model):
     """(Last: it leaves one replica.) The killed replica's api ends the streams it carried with their
-    terminal events; `serve` stops that replica and serves on; smg takes it out of rotation when its
-    /health fails, and sends every new request to the other replica."""
+    terminal events; `serve` stops that replica, removes its shared memory (the killed worker's too) and
+    serves on; smg takes it out of rotation when its /health fails, and sends every new request to the
+    other replica."""
     # distinct prompts, so that the gateway spreads them (no common prefix to follow)
     bodies = [{"model": str(model), "prompt": f"{i} the quick brown fox", "max_tokens": 400, "ignore_eos": True,
                "temperature": 0} for i in range(6)]
     records = [StreamRecord() for _ in bodies]
+    assert all(segments(server.pids[f"worker@{i}"]) for i in (0, 1))  # the workers' step buffers
     victim = asyncio.run(streams_until_a_replica_dies(server, bodies, records))
     survivor_url = server.replica_urls[1 - victim]
     ends = sorted(record.terminal() for record in records)
@@ -178,8 +227,11 @@ def test_a_killed_replica_ends_its_streams_and_leaves_the_rotation(server, model
     assert any(end.startswith("finish_reason abort") for end in ends), ends  # the victim carried some
     log = server.log()
     assert wait_until(lambda: f"stopping replica {victim}, replica {1 - victim} serves on" in server.log(), 15), log
-    assert wait_until(lambda: server.replica_urls[victim] not in healthy_in_gateway(server.url), GONE_WITHIN_S)
-    assert healthy_in_gateway(server.url) == {survivor_url}
+    victims = [pid for name, pid in server.pids.items() if name.endswith(f"@{victim}")]
+    assert wait_until(lambda: not any(segments(pid) for pid in victims), 30), [segments(pid) for pid in victims]
+    assert segments(server.pids[f"worker@{1 - victim}"])  # the survivor's are its own
+    assert wait_until(lambda: server.replica_urls[victim] not in healthy_in_gateway(server), GONE_WITHIN_S)
+    assert healthy_in_gateway(server) == {survivor_url}
     served_before = metric(survivor_url, "batchserve_e2e_request_latency_seconds_count")
     for i in range(6):
         answer = chat(server.url, model, [{"role": "user", "content": f"w{i} the lazy dog"}])

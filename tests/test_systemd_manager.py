@@ -13,7 +13,7 @@ then a clean stop, the router first.
 
 What differs from a system install: a user manager cannot switch users, so `User=`, `Group=` and
 `SupplementaryGroups=` are dropped from the copies; `EnvironmentFile=` points at the staged env
-file; there is no journald, so `StandardOutput=`/`StandardError=` append to files; an added
+file (and key file); there is no journald, so `StandardOutput=`/`StandardError=` append to files; an added
 `ExecStopPost=` records how each main process ended (a cleanly stopped unit is unloaded). Everything
 else (Type=notify, ordering, Requires=/PartOf=, RuntimeDirectory=, the sandboxing) is the
 installed text. Files live under /dev/shm: `PrivateTmp=yes` hides /tmp, and
@@ -41,6 +41,8 @@ from typing import Callable, Iterator
 import pytest
 
 from procs import install_systemd as inst
+from procs.api.auth import INTERNAL_KEY_ENV
+from procs.router import healthy_workers
 
 SYSTEMD = Path("/lib/systemd/systemd")
 DROPPED_KEYS = ("User=", "Group=", "SupplementaryGroups=")
@@ -202,7 +204,9 @@ def start_server(run_base: Path, model: Path, *layout: str) -> tuple[UserManager
         name = path.name
         lines = path.read_text().splitlines()
         lines = [line for line in lines if not line.startswith(DROPPED_KEYS)]
-        lines = [f"EnvironmentFile={env_file}" if line.startswith("EnvironmentFile=") else line for line in lines]
+        # the staged env file (and the router's key file) in place of /etc/batchserve's
+        lines = [line.replace(f"=/{inst.ENV_DIR}/", f"={prefix / inst.ENV_DIR}/") if line.startswith("EnvironmentFile=")
+                 else line for line in lines]
         # No journald in the private manager: what would go to the journal goes to a file (%n: the
         # instance's own name, batchserve-worker@1.service).
         lines = [f"{line.split('=')[0]}=append:{run_base / 'logs'}/%n.log"
@@ -337,6 +341,12 @@ def test_two_replicas_behind_the_router_under_systemd(run_base: Path, tiny_model
         assert (run_base / "xdg" / "batchserve" / "replica-1" / "worker.sock").exists()  # each replica's sockets
         for target in (port, port + 1, port + 2):  # the router, and each replica directly
             assert complete(target)["usage"]["completion_tokens"] >= 1
+        # smg's control plane: closed to clients, open to the key install-systemd made for the router
+        key_file = run_base / "root" / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME
+        key = inst.read_env_file(key_file.read_text())[INTERNAL_KEY_ENV]
+        assert healthy_workers(f"http://127.0.0.1:{port}", key) == {f"http://127.0.0.1:{port + 1}",
+                                                                   f"http://127.0.0.1:{port + 2}"}
+        assert healthy_workers(f"http://127.0.0.1:{port}") == set()  # 401 without it
 
         # Replica 1's worker dies: its units come back after it, replica 0 and the router go on.
         os.kill(int(pids[replica[1][0]]), signal.SIGKILL)

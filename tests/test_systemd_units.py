@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from procs import install_systemd as inst
+from procs.api.auth import INTERNAL_KEY_ENV
 from shared.config import ServerConfig, config_from_args
 
 SERVICES = list(inst.SINGLE_WORKER.services)
@@ -477,6 +478,35 @@ def test_install_with_a_router(tmp_path: Path) -> None:
     assert_verified(verify(tmp_path / inst.UNIT_DIR, [inst.TARGET, inst.ROUTER_UNIT, *targets]))
 
 
+def test_the_router_and_the_replicas_apis_share_an_internal_key_no_one_else_reads(tmp_path: Path) -> None:
+    """install-systemd makes the router's internal key once (0600; systemd reads it as root), for the
+    router's unit and the replicas' api units alone; a reinstall keeps it; --dry-run does not show it."""
+    needs_smg_in_this_venv()
+    dry = run_install("--prefix", str(tmp_path), *TWO_REPLICAS, "--router", "smg", "--dry-run")
+    key_file = tmp_path / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME
+    assert dry.returncode == 0 and f"would write {key_file} (mode 600)\n(a new key, not shown)" in dry.stdout, dry.stdout
+    assert f"{INTERNAL_KEY_ENV}=" not in dry.stdout
+    assert run_install("--prefix", str(tmp_path), *TWO_REPLICAS, "--router", "smg").returncode == 0
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = inst.read_env_file(key_file.read_text())[INTERNAL_KEY_ENV]
+    assert len(key) >= 40
+    readers = {name for name in [inst.ROUTER_UNIT, *REPLICA_SERVICES]
+               if f"/{inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME}" in
+               inst.unit_values(load_units(tmp_path, [name])[name], "Service", "EnvironmentFile")}
+    assert readers == {inst.ROUTER_UNIT, inst.replica_unit("api", 0), inst.replica_unit("api", 1)}
+    again = run_install("--prefix", str(tmp_path), "--force", *TWO_REPLICAS, "--router", "smg")
+    assert again.returncode == 0 and f"keep     {key_file} (exists; the router's key" in again.stdout
+    assert inst.read_env_file(key_file.read_text())[INTERNAL_KEY_ENV] == key
+
+
+def test_replicas_without_a_router_have_no_internal_key(
+        installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    prefix, _ = installed_replicas
+    assert not (prefix / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME).exists()
+    api = load_units(prefix, [inst.replica_unit("api", 0)])[inst.replica_unit("api", 0)]
+    assert inst.unit_values(api, "Service", "EnvironmentFile") == ["/etc/batchserve/batchserve.env"]
+
+
 def test_a_router_needs_smg_in_the_venv(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -491,12 +521,17 @@ def test_switching_to_replicas_and_back_replaces_the_units(tmp_path: Path) -> No
     assert run_install("--prefix", str(tmp_path)).returncode == 0
     result = run_install("--prefix", str(tmp_path), "--force", *TWO_REPLICAS)
     assert result.returncode == 0, result.stderr
-    assert f"remove   {unit_dir / 'batchserve-api.service'}" in result.stdout
+    assert (f"remove   {unit_dir / 'batchserve-api.service'} (not run on this machine any more; "
+            "`systemctl stop batchserve-api.service` if it runs)") in result.stdout
     assert sorted(p.name for p in unit_dir.iterdir()) == sorted(
         [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES])
     result = run_install("--prefix", str(tmp_path), "--force")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in unit_dir.iterdir()) == sorted(inst.TEMPLATE_NAMES)
+    # A removed template's instances are stopped by a quoted glob (the template's own name stops none).
+    assert (f"remove   {unit_dir / 'batchserve-api@.service'} (not run on this machine any more; "
+            "`systemctl stop 'batchserve-api@*.service'` if it runs)") in result.stdout
+    assert "`systemctl stop 'batchserve@*.target'` if it runs" in result.stdout
 
 
 # --- systemd-analyze verify -----------------------------------------------------------------------

@@ -43,7 +43,7 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from procs.api.auth import auth_middleware, load_api_keys
+from procs.api.auth import accepted_keys, auth_middleware
 from procs.api.engine_client import EngineClient, EngineEvent
 from procs.api.errors import error_response
 from procs.api.metrics import ApiMetrics
@@ -455,7 +455,7 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: bool = 
     report as `reasoning_content`."""
     handlers = ApiHandlers(engine, config, reasoning=reasoning)
     engine.set_stats_listener(handlers.metrics.observe_scheduler_stats)
-    keys = load_api_keys(config)
+    keys = accepted_keys(config)
     middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[HANDLERS_KEY] = handlers

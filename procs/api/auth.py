@@ -3,11 +3,17 @@
 `/health` and `/metrics` stay open (load balancers and Prometheus call them without a key).
 Keys come from `--api-key` / `BATCHSERVE_API_KEY` and `--api-key-file` (one per line); they are
 compared in constant time.
+
+Behind a router, a replica's api also takes the router's internal key (`INTERNAL_KEY_ENV`, set by
+`batchserve serve` in the api's and the router's environment, or by the units' `internal-key.env`):
+the key smg presents to the replicas and the only key of its control plane, which no client is given
+(procs/router.py). It never replaces the clients' keys, and a server without keys stays open.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -18,6 +24,9 @@ from procs.api.errors import error_body
 from shared.config import ServerConfig
 
 PROTECTED_PREFIX = "/v1/"
+# The router's internal key, in the environment of the router and of the replicas' apis (never a flag:
+# a command line is readable by every user of the machine).
+INTERNAL_KEY_ENV = "BATCHSERVE_INTERNAL_KEY"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -36,6 +45,20 @@ def load_api_keys(config: ServerConfig) -> tuple[bytes, ...]:
     if any(not key or any(c.isspace() for c in key) for key in keys):
         raise ValueError("an API key is empty or contains whitespace")
     return tuple(key.encode() for key in keys)
+
+
+def internal_key(env: dict[str, str] | None = None) -> str | None:
+    """The router's internal key from the environment (`INTERNAL_KEY_ENV`), if set."""
+    key = (os.environ if env is None else env).get(INTERNAL_KEY_ENV, "").strip()
+    return key or None
+
+
+def accepted_keys(config: ServerConfig, env: dict[str, str] | None = None) -> tuple[bytes, ...]:
+    """What the api checks `/v1/*` against: the configured keys, and the router's internal key when
+    there are any (without client keys the api is open, and smg then sends it no key)."""
+    keys = load_api_keys(config)
+    internal = internal_key(env)
+    return keys + (internal.encode(),) if keys and internal else keys
 
 
 def _unauthorized(message: str) -> web.Response:
