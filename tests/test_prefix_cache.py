@@ -216,3 +216,20 @@ def test_preempted_requests_recompute_from_the_cache(page_size):
     jobs = [Job(f"r{i}", 0, list(range(10 + i, 22 + i)), 20) for i in range(3)]
     sched, _ = run(config, jobs)
     assert sched.kv.hit_tokens > 0  # the recomputes found their own earlier pages
+
+
+@pytest.mark.parametrize("speculative, cached_pages", [("off", 2), ("draft", 1)])
+def test_with_a_draft_model_a_released_request_leaves_its_last_kv_token_out(speculative, cached_pages):
+    """A draft model is fed the last token of a row accepted whole only with the request's next row, so a
+    request released after such a row has that position's target KV but not the draft's: its page stays
+    out of the cache (a later request would read the draft KV there as written)."""
+    config = SchedulerConfig(max_running_requests=1, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
+                             prefix_cache=True, speculative=speculative)
+    prompt = list(range(10, 16))  # 6 tokens; 3 outputs leave KV for 8 positions: 2 full pages
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    ex = KVContentExecutor(sched, {"A": prompt}, {"A": 3})
+    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=3))
+    while sched.has_unfinished():
+        sched.step(ex)
+    assert ex.sampled["A"] == [ex.token("A", k) for k in range(3)]
+    assert sched.kv.cache.num_pages == cached_pages

@@ -53,6 +53,11 @@ class KVManager:
         self.allocator = PageAllocator(self.num_pages)
         self.table = table
         self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
+        # Tokens at the end of a request's KV that a draft model may not hold yet: the last draft token
+        # of a row accepted whole is fed to the draft only with the request's next row
+        # (procs/worker/draft_model.py), so a request released after such a row leaves its page out of
+        # the cache (a later request would read a draft KV the draft never wrote there).
+        self.draft_lag = 1 if config.speculative == "draft" else 0
         self._attached: list[PageTableUpdates] = []  # cached pages of new admissions, for the next batch
         self.hit_tokens = 0  # prompt tokens found in the cache at admissions (counters for /metrics)
         self.queried_tokens = 0
@@ -229,7 +234,8 @@ class KVManager:
             slot = request.slot
             done = request.num_generated_before
             outputs = t.output_ids[slot, done:t.generated[slot]]
-            self._insert(request, int(t.kv_len[slot]) // self.page_size, np.concatenate([request.prompt, outputs]))
+            computed = int(t.kv_len[slot]) - self.draft_lag
+            self._insert(request, computed // self.page_size, np.concatenate([request.prompt, outputs]))
         cached = np.fromiter((node.page for r in requests for node in r.cache_path), dtype=np.int32)
         pages = t.release(slots)
         self.allocator.free(pages[~np.isin(pages, cached)])
