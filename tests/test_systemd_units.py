@@ -55,10 +55,7 @@ def words(unit: dict, section: str, key: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prefix = tmp_path_factory.mktemp("root")
-    result = run_install("--prefix", str(prefix))
-    assert result.returncode == 0, result.stderr
-    return prefix
+    return install_layout(tmp_path_factory, "root")[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +63,23 @@ def units(installed: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
     return load_units(installed, [inst.TARGET, *SERVICES])
 
 
-@pytest.fixture(scope="module")
-def installed_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    prefix = tmp_path_factory.mktemp("root-tp2")
-    result = run_install("--prefix", str(prefix), *TWO_RANKS)
+def install_layout(tmp_path_factory: pytest.TempPathFactory, name: str,
+                   *layout: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """An install of `layout` under a fresh prefix, and what it printed."""
+    prefix = tmp_path_factory.mktemp(name)
+    result = run_install("--prefix", str(prefix), *layout)
     assert result.returncode == 0, result.stderr
     return prefix, result
+
+
+@pytest.fixture(scope="module")
+def installed_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    return install_layout(tmp_path_factory, "root-tp2", *TWO_RANKS)
 
 
 @pytest.fixture(scope="module")
 def installed_node_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    prefix = tmp_path_factory.mktemp("root-node1")
-    result = run_install("--prefix", str(prefix), *NODE_1)
-    assert result.returncode == 0, result.stderr
-    return prefix, result
+    return install_layout(tmp_path_factory, "root-node1", *NODE_1)
 
 
 def seconds(value: str) -> float:
@@ -418,10 +418,7 @@ def test_a_layout_that_cannot_run_is_refused(tmp_path: Path, argv: tuple[str, ..
 
 @pytest.fixture(scope="module")
 def installed_replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    prefix = tmp_path_factory.mktemp("root-dp2")
-    result = run_install("--prefix", str(prefix), *TWO_REPLICAS)
-    assert result.returncode == 0, result.stderr
-    return prefix, result
+    return install_layout(tmp_path_factory, "root-dp2", *TWO_REPLICAS)
 
 
 def replica_services(replica: int) -> list[str]:
