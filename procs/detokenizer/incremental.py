@@ -158,10 +158,11 @@ class IncrementalDetokenizer:
         if all(t in self._skipped for t in self._ids[self._read_offset:]):
             del self._ids[self._read_offset:]
             return
-        if not self._decode(self._ids[self._read_offset:]):
+        text = self._decode(self._ids[self._read_offset:])  # the next window's whole text, emitted
+        if not text:
             return
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._emitted_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
+        self._emitted_len = len(text)
         if self._prefix_offset >= _TRIM_THRESHOLD:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
