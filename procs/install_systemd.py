@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from procs.api.auth import INTERNAL_KEY_ENV
+from procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
 from procs.cli import CliError
 from procs.launch import START_ORDER
 from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
@@ -309,7 +308,7 @@ def render_internal_key_file() -> str:
             "# apis. Made by `batchserve install-systemd`; no client is given it. Read by\n"
             "# batchserve-router.service and batchserve-api@.service. For a new one: delete this file, run\n"
             "# install-systemd again, restart batchserve.target.\n"
-            f"{INTERNAL_KEY_ENV}={secrets.token_urlsafe(32)}\n")
+            f"{INTERNAL_KEY_ENV}={new_internal_key()}\n")
 
 
 def machine_config(prefix: Path, layout: dict[str, object], force: bool = False) -> ServerConfig:
@@ -380,11 +379,6 @@ def stop_hint(unit: Path) -> str:
     return f"systemctl stop {name}"
 
 
-def describe_machine(config: ServerConfig, units: Layout) -> str:
-    """What this machine runs, in a line (printed after the files)."""
-    return units.describe(config)
-
-
 def check_router_in_venv(config: ServerConfig, venv: Path) -> None:
     """The router's unit runs `batchserve router` from `venv`: smg must be installed there."""
     if config.router == "smg" and not (venv / "bin" / "smg").is_file():
@@ -442,7 +436,8 @@ def main(args: argparse.Namespace) -> int:
     layout = {name: getattr(args, name) for name in LAYOUT_FIELDS if getattr(args, name, None) is not None}
     config = machine_config(prefix, layout, force=args.force)
     check_router_in_venv(config, venv)
-    for stale in stale_units(prefix, machine_units(config)):
+    units = machine_units(config)
+    for stale in stale_units(prefix, units):
         if args.dry_run:
             print(f"--- would remove {stale} (not run on this machine any more)")
             continue
@@ -477,5 +472,5 @@ def main(args: argparse.Namespace) -> int:
     if under_tmp:
         print(f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
               "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)", file=sys.stderr)
-    print(describe_machine(config, machine_units(config)) + next_steps(prefix))
+    print(units.describe(config) + next_steps(prefix))
     return 0

@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import secrets
 import shlex
 import signal
 import subprocess
@@ -37,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 
-from procs.api.auth import INTERNAL_KEY_ENV, internal_key, load_api_keys
+from procs.api.auth import INTERNAL_KEY_ENV, internal_key, load_api_keys, new_internal_key
 from procs.launch import load_config
 from procs.runtime import die_with_parent
 from shared.config import ServerConfig, add_config_arguments
@@ -215,7 +214,7 @@ def gateway_key(keys: list[str]) -> str:
     this start, so that smg's control plane is never open."""
     key = internal_key()
     if key is None:
-        key = secrets.token_urlsafe(32)
+        key = new_internal_key()
         if keys:  # smg presents it to the replicas, whose /v1/models would refuse it
             print(f"batchserve router: {INTERNAL_KEY_ENV} is not set: smg's control plane takes a key made for "
                   f"this start, which the replicas do not know (give the router and the replicas' apis the same "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import msgspec
 
-from procs.api.auth import INTERNAL_KEY_ENV
+from procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
 from procs.launch import START_ORDER
 from procs.router import check_router
 from procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
@@ -142,7 +141,7 @@ class Supervisor:
         # children of failed replicas, stopped and reaped: kept for the exit report, never signalled again
         self.retired: dict[str, Child] = {}
         # the router's internal key, for the router and the replicas' apis (procs/router.py)
-        self.internal_key = secrets.token_urlsafe(32) if config.router != "none" else None
+        self.internal_key = new_internal_key() if config.router != "none" else None
         self.signals = 0
         self.stop_seconds: dict[str, float] = {}  # each stopped child's seconds from SIGTERM to its exit
         self.config_path = runtime_dir / "config.json"
@@ -258,10 +257,15 @@ class Supervisor:
         """A stopped and reaped child is done with: remove what it left in /dev/shm (a killed process could
         not) and its notify socket now, and move it out of `children`, so that no later stop signals its
         pid or removes segments by it: by then either may be another process's."""
+        self._release(child)
+        self.retired[child.name] = self.children.pop(child.name)
+
+    def _release(self, child: Child) -> None:
+        """What an exited child leaves: its notify socket, and its segments in /dev/shm (a killed process
+        could not unlink them itself)."""
         child.notify.close()
         remove_segments_of(child.pid)
         (self.runtime_dir / f"notify-{child.name}.sock").unlink(missing_ok=True)
-        self.retired[child.name] = self.children.pop(child.name)
 
     def _ready_line(self, seconds: float) -> str:
         pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
@@ -370,13 +374,9 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         for child in self.children.values():
-            child.notify.close()
-            remove_segments_of(child.pid)  # what a killed process could not unlink itself
+            self._release(child)
         if self.owns_runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        else:
-            for child in self.children.values():
-                (self.runtime_dir / f"notify-{child.name}.sock").unlink(missing_ok=True)
 
 
 def _stop_order(child: Child) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -45,6 +46,11 @@ def load_api_keys(config: ServerConfig) -> tuple[bytes, ...]:
     if any(not key or any(c.isspace() for c in key) for key in keys):
         raise ValueError("an API key is empty or contains whitespace")
     return tuple(key.encode() for key in keys)
+
+
+def new_internal_key() -> str:
+    """A fresh internal key (256 random bits, URL-safe: it travels in an Authorization header)."""
+    return secrets.token_urlsafe(32)
 
 
 def internal_key(env: dict[str, str] | None = None) -> str | None:
