@@ -128,19 +128,19 @@ class DraftModel:
             slots = np.asarray(batch.slots, dtype=np.int64)[drafting]
             row_firsts = firsts[drafting]
             started = time.perf_counter()
-            probs: list[torch.Tensor] = []
+            passes: list[tuple[np.ndarray, torch.Tensor]] = []  # (drafting rows, their draft distributions)
             rows = np.arange(len(drafting))
             for j in range(1, int(widths.max())):
                 tokens, q = draft_sample(logits, [sampling[r] for r in rows], (counts[rows] + j - 1).tolist())
                 ids[row_firsts[rows] + j] = tokens.cpu().numpy()
-                probs.append(q)
+                passes.append((rows, q))
                 rows = rows[widths[rows] > j + 1]  # rows with another placeholder to fill
                 if not rows.shape[0]:
                     break
                 feed = row_firsts[rows] + j
                 logits = self._decode_pass(slots[rows], prefix[rows] + j, ids[feed], kv_locs[feed])
             self.proposing_s = time.perf_counter() - started
-        return self._filled(batch, ids), self._distributions(batch, drafting, widths, firsts, probs)
+        return self._filled(batch, ids), self._distributions(batch, drafting, passes)
 
     def verified(self, batch: ForwardBatch, accepted: np.ndarray) -> None:
         """After verification: a speculative row accepted whole leaves its last draft token pending (the
@@ -209,22 +209,19 @@ class DraftModel:
         return msgspec.structs.replace(batch, input_ids=ids)
 
     @staticmethod
-    def _distributions(batch: ForwardBatch, drafting: list[int], widths: np.ndarray, firsts: np.ndarray,
-                       probs: list[torch.Tensor]) -> DraftDistributions | None:
-        """The distributions of the sampled (not greedy) speculative rows' draft tokens, by position."""
+    def _distributions(batch: ForwardBatch, drafting: list[int],
+                       passes: list[tuple[np.ndarray, torch.Tensor]]) -> DraftDistributions | None:
+        """The distributions of the sampled (not greedy) speculative rows' draft tokens, by position:
+        pass j proposed draft token j of the drafting rows it names."""
         lens = np.asarray(batch.sample_lens, dtype=np.int64)
         starts = np.cumsum(lens) - lens
-        positions, pieces = [], []
-        for r, row in enumerate(drafting):
-            params = batch.sampling[row]
-            if params.temperature == 0.0 or params.seed is not None:
-                continue  # greedy, or coupled with the model's own seeded draw: verified by an exact match
-            for j in range(int(widths[r]) - 1):
-                # probs[j] holds the rows still drafting at pass j + 1, in drafting order
-                index = int(np.count_nonzero(widths[:r] > j + 1))
-                positions.append(int(starts[row]) + j)
-                pieces.append(probs[j][index])
-        if not positions:
+        # greedy, or coupled with the model's own seeded draw: verified by an exact match
+        sampled = [p.temperature != 0.0 and p.seed is None for p in (batch.sampling[row] for row in drafting)]
+        found = [(int(starts[drafting[r]]) + j, q[k]) for j, (rows, q) in enumerate(passes)
+                 for k, r in enumerate(rows.tolist()) if sampled[r]]
+        if not found:
             return None
-        return DraftDistributions(np.asarray(positions, dtype=np.int64), torch.stack(pieces))
+        found.sort(key=lambda item: item[0])
+        return DraftDistributions(np.asarray([at for at, _ in found], dtype=np.int64),
+                                  torch.stack([q for _, q in found]))
 

@@ -286,9 +286,7 @@ class ModelRunner:
         if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
             for start in batch.slot_starts:
                 self.draft.start(start.slot)
-            self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
-                                                   batch.page_table_pages)
-            batch, drafts = self.draft.propose(batch)
+            batch, drafts = self.draft.propose(self._apply_page_table(batch))
         with torch.inference_mode():
             prompt_chunks = self._prompt_logprob_chunks(batch)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
@@ -318,6 +316,14 @@ class ModelRunner:
                 lasts = rows.firsts + kept_rows.lens - 1
                 self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
         return result
+
+    def _apply_page_table(self, batch: ForwardBatch) -> ForwardBatch:
+        """Apply the batch's page-table updates now (the draft model reads the same table); the batch
+        without them, so that the forward pass does not apply them again (no other rank needs them: a
+        draft model runs with one rank only, `check_config`)."""
+        self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
+        none = np.zeros(0, dtype=np.int32)
+        return msgspec.structs.replace(batch, page_table_slots=none, page_table_cols=none, page_table_pages=none)
 
     def _fill_future_tokens(self, batch: ForwardBatch) -> ForwardBatch:
         """Feed each `FUTURE_TOKEN` input (a decode planned before its token reached the scheduler; only
