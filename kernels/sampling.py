@@ -22,7 +22,7 @@ from kernels import native
 
 from shared.messages import SamplingParams, TokenLogprobs
 
-__all__ = ["sample_batch", "draft_sample", "filtered_scores", "rejection_sample", "speculative_noise",
+__all__ = ["sample_batch", "sample_with_scores", "draft_sample", "filtered_scores", "rejection_sample", "speculative_noise",
            "apply_repetition_penalty_", "token_logprobs"]
 
 _MASK32 = 0xFFFFFFFF
@@ -32,10 +32,6 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x27D4EB2F
 _MUL_C = 0x165667B1
-# Noise streams of a seeded request besides its sampling's (salt 0): speculative sampling's acceptance
-# test and residual draw (`speculative_noise`).
-_ACCEPT_SALT = 0x5EED0002
-_RESIDUAL_SALT = 0x5EED0003
 
 
 def sample_batch(
@@ -48,19 +44,33 @@ def sample_batch(
     positions gives its request k rows, counts c .. c + k - 1). Returns [n] int64 token ids on the
     logits' device.
     """
+    return _sample(logits, params, sample_counts, keep_scores=False)[0]
+
+
+def sample_with_scores(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample_batch`'s tokens, and the `filtered_scores` they were drawn from (None when every row is
+    greedy): speculative sampling verifies against their distributions."""
+    return _sample(logits, params, sample_counts, keep_scores=True)
+
+
+def _sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
+            keep_scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens, and with `keep_scores` the filtered scores (otherwise the noise is subtracted from
+    them in place, sparing a copy)."""
     n, vocab = logits.shape
     if n != len(params) or n != len(sample_counts):
         raise ValueError(f"{n} logit rows but {len(params)} params and {len(sample_counts)} counts")
     if all(p.temperature == 0.0 for p in params):
-        return _argmax(logits)
+        return _argmax(logits), None
     greedy = [p.temperature == 0.0 for p in params]
     scores = filtered_scores(logits, params)
-    scores.sub_(_log_exponential_noise(params, sample_counts, greedy, vocab, logits.device))
-    sampled = _argmax(scores)
+    noise = _log_exponential_noise(params, sample_counts, greedy, vocab, logits.device)
+    sampled = _argmax(scores - noise if keep_scores else scores.sub_(noise))
     if any(greedy):
         greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(logits.device, non_blocking=True)
         sampled = torch.where(greedy_mask, _argmax(logits), sampled)
-    return sampled
+    return sampled, scores if keep_scores else None
 
 
 def filtered_scores(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -116,16 +126,9 @@ def draft_sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_
     agree (Gumbel-max coupling); its proposal is then verified by an exact match, which keeps exactly
     the tokens plain decoding samples. Only unseeded sampled rows read their distribution
     (`rejection_sample`)."""
-    n, vocab = logits.shape
-    if all(p.temperature == 0.0 for p in params):
-        return _argmax(logits), logits.new_zeros((0, vocab), dtype=torch.float32)
-    greedy = [p.temperature == 0.0 for p in params]
-    scores = filtered_scores(logits, params)
-    noisy = scores - _log_exponential_noise(params, sample_counts, greedy, vocab, logits.device)
-    tokens = _argmax(noisy)
-    if any(greedy):
-        greedy_mask = torch.tensor(greedy, dtype=torch.bool).to(logits.device, non_blocking=True)
-        tokens = torch.where(greedy_mask, _argmax(logits), tokens)
+    tokens, scores = sample_with_scores(logits, params, sample_counts)
+    if scores is None:
+        return tokens, logits.new_zeros((0, logits.shape[1]), dtype=torch.float32)
     return tokens, scores.softmax(dim=-1)
 
 
@@ -155,16 +158,11 @@ def rejection_sample(target: torch.Tensor, draft: torch.Tensor, proposed: torch.
     return torch.where(accept, proposed, drawn)
 
 
-def speculative_noise(params: Sequence[SamplingParams], sample_counts: Sequence[int], vocab: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uniform [n], log_noise [n, vocab]) for `rejection_sample`: the draws of seeded rows are
-    functions of (seed, count), each in a stream of its own (the acceptance test's and the residual's),
-    so that a seeded request's output does not depend on its batch."""
-    greedy = [False] * len(params)
-    log_noise = _log_exponential_noise(params, sample_counts, greedy, vocab, device, _RESIDUAL_SALT)
-    # u = exp(-E) for E ~ Exp(1) is uniform on (0, 1): the first token's noise of a separate stream.
-    uniform = _log_exponential_noise(params, sample_counts, greedy, 1, device, _ACCEPT_SALT)[:, 0].exp().neg().exp()
-    return uniform, log_noise
+def speculative_noise(n: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniform [n], log_noise [n, vocab]) for `rejection_sample`, from the global RNG: only unseeded
+    rows are verified by rejection (a seeded row's draft is coupled with its own draw and verified by an
+    exact match: `draft_sample`)."""
+    return torch.rand(n, device=device), _log_torch_exponential(n, vocab, device)
 
 
 def apply_repetition_penalty_(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
@@ -270,7 +268,6 @@ def _log_exponential_noise(
     greedy: Sequence[bool],
     vocab: int,
     device: torch.device,
-    salt: int = 0,
 ) -> torch.Tensor:
     """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key.
     Greedy rows get global-RNG noise that is never used (cheaper than a hash)."""
@@ -279,7 +276,7 @@ def _log_exponential_noise(
     if not seeded_rows:
         return _log_torch_exponential(n, vocab, device)
     keys = torch.tensor(
-        [_row_key(params[i].seed ^ salt, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
+        [_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
     ).to(device, non_blocking=True)
     seeded = _log_hash_exponential(keys, vocab)
     if len(seeded_rows) == n:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import draft_sample, filtered_scores, rejection_sample, sample_batch, speculative_noise
+from kernels.sampling import draft_sample, filtered_scores, rejection_sample, sample_batch
 from shared.messages import SamplingParams
 from shared.verification import accepted_lengths
 
@@ -98,8 +98,8 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
 
 def test_seeded_draws_depend_on_seed_and_count_only():
     """A seeded draft draws with the noise the model samples the same position with (so a draft whose
-    distribution is the model's proposes exactly the model's token); the rejection step's draws are
-    functions of (seed, count) in streams of their own. All the same in any batch."""
+    distribution is the model's proposes exactly the model's token), the same in any batch; it is then
+    verified by an exact match, never by rejection."""
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=6),
               SamplingParams(temperature=0.0)]
@@ -109,8 +109,3 @@ def test_seeded_draws_depend_on_seed_and_count_only():
     assert tokens.tolist() == sample_batch(logits, params, [4, 4, 4]).tolist()  # coupled with the model's draw
     assert int(tokens[2]) == int(logits[2].argmax())
     assert torch.allclose(probs[0], filtered_scores(logits[:1], params[:1]).softmax(-1)[0])
-    uniform, noise = speculative_noise(params[:2], [4, 4], 64, logits.device)
-    uniform2, noise2 = speculative_noise(params[:2], [4, 4], 64, logits.device)
-    assert torch.equal(uniform, uniform2) and torch.equal(noise, noise2)
-    assert ((uniform > 0) & (uniform < 1)).all()
-    assert not torch.equal(noise[0], noise[1])

@@ -19,7 +19,7 @@ import torch
 from kernels.attention import BACKENDS, AttentionMetadata, create_backend, resolve_backend_name
 from kernels import native
 from kernels.kv_cache import KVCache
-from kernels.sampling import filtered_scores, rejection_sample, sample_batch, speculative_noise
+from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
 from procs.worker.draft_model import DraftDistributions, DraftModel
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
@@ -350,23 +350,24 @@ class ModelRunner:
         row_index = torch.from_numpy(wanted).to(self.device) if wanted.shape[0] else None
         raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
         state.adjust_(logits, rows)
-        token_ids = sample_batch(logits, sampling, rows.counts.tolist())
-        if drafts is not None:
-            token_ids = self._rejection_sample(logits, sampling, rows, drafts, token_ids)
+        if drafts is None:
+            token_ids = sample_batch(logits, sampling, rows.counts.tolist())
+        else:
+            token_ids, scores = sample_with_scores(logits, sampling, rows.counts.tolist())
+            assert scores is not None  # drafts are sampled rows' only
+            token_ids = self._rejection_sample(scores, rows, drafts, token_ids)
         if raw is None:
             return token_ids, [], []
         return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
 
-    def _rejection_sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
-                          drafts: DraftDistributions, token_ids: torch.Tensor) -> torch.Tensor:
+    def _rejection_sample(self, scores: torch.Tensor, rows: SampleRows, drafts: DraftDistributions,
+                          token_ids: torch.Tensor) -> torch.Tensor:
         """`token_ids` with the positions `drafts` names sampled by rejection against their draft
-        distributions (the logits already adjusted)."""
+        distributions (`scores`: the filtered scores the positions were sampled from)."""
         at = drafts.positions
         index = torch.from_numpy(at).to(self.device)
-        params = [sampling[i] for i in at.tolist()]
-        counts = rows.counts[at].tolist()
-        target = filtered_scores(logits.index_select(0, index), params).softmax(dim=-1)
-        uniform, log_noise = speculative_noise(params, counts, logits.shape[1], self.device)
+        target = scores.index_select(0, index).softmax(dim=-1)
+        uniform, log_noise = speculative_noise(at.shape[0], scores.shape[1], self.device)
         proposed = torch.from_numpy(rows.fed[at + 1]).to(self.device)  # a named position is never a row's last
         return token_ids.index_copy(0, index, rejection_sample(target, drafts.probs, proposed, uniform, log_noise))
 
