@@ -32,10 +32,10 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, create_backend
+from kernels.attention import create_backend
 from kernels.kv_cache import KVCache
 from kernels.sampling import draft_sample
-from procs.worker.models.base import CausalLM
+from procs.worker.models.base import CausalLM, eager_forward
 from shared.messages import DRAFT_TOKEN, ForwardBatch
 from shared.model import ModelLoadError, ModelSpec
 
@@ -68,7 +68,6 @@ class DraftModel:
         heads, cfg = model.heads, model.config
         self.attention = create_backend(attention_backend, kv_cache, heads.num_heads, heads.num_kv_heads,
                                         cfg.head_dim, cfg.head_dim ** -0.5)
-        self.device = kv_cache.device
         self._pending: dict[int, _Pending] = {}
         self.proposing_s = 0.0  # the last `propose`'s time for its draft tokens (StepResult.draft_s)
 
@@ -195,12 +194,8 @@ class DraftModel:
 
     def _run(self, slots: list[int], prefix_lens: list[int], extend_lens: list[int], ids: np.ndarray,
              positions: np.ndarray, kv_locs: np.ndarray, logit_rows: list[int]) -> torch.Tensor | None:
-        device = self.device
-        to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
-        self.attention.plan(AttentionMetadata(slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                                              kv_locs=to_device(kv_locs)))
-        return self.model.forward(to_device(ids), to_device(positions), self.attention,
-                                  to_device(logit_rows) if logit_rows else None)
+        return eager_forward(self.model, self.attention, slots, prefix_lens, extend_lens, ids, positions, kv_locs,
+                             np.asarray(logit_rows, dtype=np.int64))
 
     # -- bookkeeping -------------------------------------------------------------------------------
 

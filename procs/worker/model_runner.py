@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.attention import BACKENDS, AttentionMetadata, create_backend, resolve_backend_name
+from kernels.attention import BACKENDS, create_backend, resolve_backend_name
 from kernels import native
 from kernels.kv_cache import KVCache
 from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
@@ -26,7 +26,7 @@ from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
 from procs.worker.loader import load_model
-from procs.worker.models.base import CausalLM, ModelConfig
+from procs.worker.models.base import CausalLM, ModelConfig, eager_forward
 from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
@@ -414,17 +414,11 @@ class ModelRunner:
         or None if there are none."""
         if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch):
             return self.graph_runner.forward_logits(batch)
-        device = self.device
-        to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
-        self.attention.plan(AttentionMetadata(
-            slots=list(batch.slots), prefix_lens=list(batch.prefix_lens), extend_lens=list(batch.extend_lens),
-            kv_locs=to_device(batch.kv_locs),
-        ))
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:
             rows = np.concatenate([rows, extra_rows])
-        return self.model.forward(to_device(batch.input_ids), to_device(batch.positions), self.attention,
-                                  to_device(rows) if len(rows) else None)
+        return eager_forward(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
+                             batch.input_ids, batch.positions, batch.kv_locs, rows)
 
     def _check(self, batch: ForwardBatch) -> None:
         """Reject a malformed batch with a ValueError before it can corrupt the KV pool (only with

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, TypeVar
 
+import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend
+from kernels.attention import AttentionBackend, AttentionMetadata
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
 
@@ -159,3 +160,16 @@ class CausalLM(Protocol):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden rows: the last step of `forward`, which calls it."""
         ...
+
+
+def eager_forward(model: CausalLM, attention: AttentionBackend, slots: list[int], prefix_lens: list[int],
+                  extend_lens: list[int], input_ids: np.ndarray, positions: np.ndarray, kv_locs: np.ndarray,
+                  logits_rows: np.ndarray) -> torch.Tensor | None:
+    """One forward pass without a captured graph: `attention` planned for the packed rows (host arrays,
+    copied to its device), then `model.forward`; the logits of `logits_rows`, None without rows."""
+    device = attention.kv_cache.device
+    to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
+    attention.plan(AttentionMetadata(slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens),
+                                     kv_locs=to_device(kv_locs)))
+    return model.forward(to_device(input_ids), to_device(positions), attention,
+                         to_device(logits_rows) if len(logits_rows) else None)
