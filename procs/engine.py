@@ -101,7 +101,9 @@ class FollowerRanks:
                         in enumerate(zip(self.processes, self.joining), 1) if not event.is_set()]
                 raise RankFailure(f"the worker ranks did not start: {', '.join(late)} did not reach the group "
                                   f"within dist_timeout_s {timeout:g} s")
-            next(event for event in self.joining if not event.is_set()).wait(JOIN_POLL_S)
+            waiting = next((event for event in self.joining if not event.is_set()), None)  # None: set just now
+            if waiting is not None:
+                waiting.wait(JOIN_POLL_S)
 
     def failures(self, wait_s: float = 0.0) -> list[str]:
         """A line per follower that has exited (each exits only after rank 0's stop, or failing), after
