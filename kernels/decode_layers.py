@@ -15,37 +15,40 @@ from dataclasses import dataclass
 import torch
 
 from kernels import native
+from kernels.moe import NativeMoeBlock, ProjectionStruct
 from kernels.panel_linear import PanelWeight
 
-_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class _Projection(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("scale", _ptr), ("bias", _ptr)]
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
-                ("post_norm", _ptr), ("next_norm", _ptr), ("k_pool", _ptr), ("v_pool", _ptr)]
+    _fields_ = [*((name, ProjectionStruct) for name in ("qkv", "o", "gate_up", "down")),
+                ("moe", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("post_norm", _ptr), ("next_norm", _ptr),
+                ("k_pool", _ptr), ("v_pool", _ptr)]
 
 
 class _DecodeShape(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("page_size", _i64), ("max_pages", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("page_size", _i64), ("max_pages", _i64), ("whole_qk_norm", _i64), ("eps", _f32), ("scale", _f32),
+                ("clip_qkv", _f32)]
 
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """What one layer's fused call reads (the model's `LayerWeights` without q/k norms, and its pools)."""
+    """What one layer's fused call reads (the model's `LayerWeights`, and its pools): a dense MLP's
+    projections, or (`moe`) a mixture of experts in the C kernel; q/k norm weights or None."""
 
     qkv: PanelWeight
     qkv_bias: torch.Tensor | None
     o: PanelWeight
     o_bias: torch.Tensor | None
-    gate_up: PanelWeight
+    gate_up: PanelWeight | None
     gate_up_bias: torch.Tensor | None
-    down: PanelWeight
+    down: PanelWeight | None
     down_bias: torch.Tensor | None
+    moe: NativeMoeBlock | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     post_norm: torch.Tensor
     next_norm: torch.Tensor
     k_pool: torch.Tensor
@@ -60,21 +63,35 @@ def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
     return t.data_ptr()
 
 
-def _projection(weight: PanelWeight, bias: torch.Tensor | None, in_features: int, out_features: int,
-                name: str) -> _Projection:
+def _projection(weight: PanelWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int,
+                name: str) -> ProjectionStruct:
+    if weight is None:
+        return ProjectionStruct(None, None, None)
     if weight.packed.shape[1] != in_features or weight.out_features != out_features:
         raise ValueError(f"{name}: panels for [{weight.out_features}, {weight.packed.shape[1]}], "
                          f"expected [{out_features}, {in_features}]")
     scale = weight.scale.data_ptr() if weight.scale is not None else None
-    return _Projection(weight.packed.data_ptr(), scale, _fp32_vector(bias, out_features, f"{name} bias"))
+    return ProjectionStruct(weight.packed.data_ptr(), scale, _fp32_vector(bias, out_features, f"{name} bias"))
+
+
+def _moe_block(t: LayerTensors, hidden: int, i: int) -> int | None:
+    if t.moe is None:
+        if t.gate_up is None or t.down is None:
+            raise ValueError(f"layer {i}: neither a dense MLP nor an MoE block")
+        return None
+    if t.moe.hidden != hidden:
+        raise ValueError(f"layer {i}: MoE block for hidden size {t.moe.hidden}, expected {hidden}")
+    return ctypes.addressof(t.moe.struct)
 
 
 class DecodeLayers:
     """The fused call for one model on one KV pool. Keeps the tensors it points into alive."""
 
     def __init__(self, layers: list[LayerTensors], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, page_size: int, eps: float, scale: float) -> None:
+                 intermediate: int, page_size: int, eps: float, scale: float, whole_qk_norm: bool = False,
+                 clip_qkv: float = 0.0) -> None:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        norm_sizes = (q_size, kv_size) if whole_qk_norm else (head_dim, head_dim)
         self._tensors = layers
         self._layers = (_DecodeLayer * len(layers))()
         for i, t in enumerate(layers):
@@ -89,10 +106,14 @@ class DecodeLayers:
                 _projection(t.o, t.o_bias, q_size, hidden, f"layer {i} o"),
                 _projection(t.gate_up, t.gate_up_bias, hidden, 2 * intermediate, f"layer {i} gate_up"),
                 _projection(t.down, t.down_bias, intermediate, hidden, f"layer {i} down"),
+                _moe_block(t, hidden, i), _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
+                _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
                 _fp32_vector(t.post_norm, hidden, "post_norm"), _fp32_vector(t.next_norm, hidden, "next_norm"),
                 t.k_pool.data_ptr(), t.v_pool.data_ptr())
-        self._shape = _DecodeShape(hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, eps, scale)
-        self._widths = (q_size + 2 * kv_size, q_size + kv_size, q_size, hidden, 2 * intermediate, intermediate)
+        self._shape = _DecodeShape(hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, int(whole_qk_norm),
+                                   eps, scale, clip_qkv)
+        self._widths = (q_size + 2 * kv_size, q_size + kv_size, q_size + kv_size, q_size, hidden, 2 * intermediate,
+                        intermediate)
         self._head_dim = head_dim
 
     def run(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -111,11 +132,11 @@ class DecodeLayers:
                 and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))):
             raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
         self._shape.max_pages = pages.shape[1]
-        qkv, rot, attn, tmp, gate_up, act = (torch.empty((rows, width), dtype=torch.float32) for width in self._widths)
+        scratch = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
         status = native.library().decode_layers(
             ctypes.addressof(self._layers), len(self._tensors), ctypes.addressof(self._shape), rows, h.data_ptr(),
             residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), locs.data_ptr(), pages.data_ptr(), lens.data_ptr(),
-            qkv.data_ptr(), rot.data_ptr(), attn.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+            *(t.data_ptr() for t in scratch))
         if status != 0:
-            raise MemoryError("decode_layers: attention could not allocate its scratch memory")
+            raise MemoryError("decode_layers: attention or an MoE block could not allocate its scratch memory")
         return h

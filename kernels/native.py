@@ -52,7 +52,9 @@ SIGNATURES = {
     "apply_token_bitmask": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
     "f32_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]),
     "int8_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]),
-    "decode_layers": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, *[_ptr] * 13]),
+    "decode_layers": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, *[_ptr] * 14]),
+    "rms_norm_groups": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64]),
+    "moe_block": (ctypes.c_int, [_ptr, _ptr, _i64, _i64, _ptr]),
 }
 
 
@@ -219,6 +221,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_rows(weight, "weight")
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rms_norm(x.data_ptr(), x.shape[0], x.stride(0), weight.data_ptr(), x.shape[1], eps, out.data_ptr())
+    return out
+
+
+def rms_norm_groups(x: torch.Tensor, groups: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each of the `groups` equal runs of each row of x [rows, groups * dim] (rows may be
+    strided), all by weight [dim] -> a new contiguous [rows, groups * dim]."""
+    _check(x.dim() == 2 and groups >= 1 and x.shape[1] % groups == 0 and weight.shape == (x.shape[1] // groups,),
+           "x [rows, groups * dim], weight [dim]")
+    _check_rows(x, "x")
+    _check_rows(weight, "weight")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().rms_norm_groups(x.data_ptr(), x.shape[0], x.stride(0), groups, weight.shape[0], weight.data_ptr(), eps,
+                           out.data_ptr(), x.shape[1])
     return out
 
 

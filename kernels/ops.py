@@ -37,6 +37,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm_torch(x, weight, eps), x
 
 
+def rms_norm_groups(x: torch.Tensor, weight: torch.Tensor, eps: float, groups: int) -> torch.Tensor:
+    """RMSNorm of each of the `groups` equal runs of x [tokens, groups * dim]'s rows by weight [dim]: q/k
+    norms per head (groups = heads) or over a whole projection (groups = 1); a new contiguous tensor."""
+    if native.applies_to(x, weight) and native.rows_contiguous(x) and weight.is_contiguous():
+        return native.rms_norm_groups(x, groups, weight, eps)
+    return rms_norm_torch(x.reshape(x.shape[0], groups, -1), weight, eps).reshape(x.shape[0], -1)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32 like transformers' LlamaRMSNorm."""
     if x.dtype == torch.float32 and x.device.type == "cpu":  # torch's op: on CPU bit-identical to the formula below

@@ -55,3 +55,23 @@ def pack_panels(weight: torch.Tensor, quantization: str = "none") -> PanelWeight
     padded[:out_features] = weight
     packed = padded.reshape(panels, width, in_features).permute(0, 2, 1).contiguous()
     return PanelWeight(packed, scale, out_features)
+
+
+@dataclass(frozen=True)
+class StackedPanels:
+    """One projection per expert [experts, out, in], each packed as `PanelWeight` packs it, stacked:
+    packed [experts, panels, in, native.PANEL] (fp32, or int8 with `scale` [experts, panels * PANEL])."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor | None
+    out_features: int
+
+    def expert(self, e: int) -> PanelWeight:
+        return PanelWeight(self.packed[e], None if self.scale is None else self.scale[e], self.out_features)
+
+
+def pack_stacked_panels(weights: torch.Tensor, quantization: str = "none") -> StackedPanels:
+    """Pack fp32 CPU weights [experts, out, in] expert by expert (int8: rounded per output channel)."""
+    experts = [pack_panels(w, quantization) for w in weights]
+    scale = None if quantization != "int8" else torch.stack([e.scale for e in experts])
+    return StackedPanels(torch.stack([e.packed for e in experts]), scale, weights.shape[1])

@@ -131,6 +131,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: Annotated[int, _doc("""Worker ranks the model is split over (tensor parallelism, also
         --tp): each rank is one worker process on one device (cuda:LOCAL_RANK on a GPU box, a share of the
         cores on a CPU), all of them one torch.distributed group (NCCL on CUDA, gloo on the CPU).""")] = 1
+    enable_expert_parallel: Annotated[bool, _doc("""Mixture-of-experts models: each of the tensor_parallel_size
+        ranks holds whole experts, an even share of them, instead of a share of every expert's intermediate
+        dimension (attention stays split by heads).""")] = False
     nnodes: Annotated[int, _doc("""Machines the tensor_parallel_size ranks span (each runs
         tensor_parallel_size / nnodes of them); the machine of node_rank 0 runs the other processes.""")] = 1
     node_rank: Annotated[int, _doc("""This machine's place among the nnodes (0: the one serving; on the others

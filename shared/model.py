@@ -158,6 +158,31 @@ def _converted_dir(key: str, locate_gguf: Any) -> Path:
     return target
 
 
+# GGUF metadata that transformers' GGUF loader does not read into the config (it takes the config class's
+# default instead, right only for the checkpoint that default came from): llama.cpp key under the
+# architecture's prefix -> config field, by GGUF architecture.
+GGUF_FIELDS_TRANSFORMERS_MISSES = {
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+}
+
+
+def gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
+    """The config fields of `GGUF_FIELDS_TRANSFORMERS_MISSES` that this file's metadata holds."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    arch_field = fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    out = {}
+    for key, name in GGUF_FIELDS_TRANSFORMERS_MISSES.get(arch, {}).items():
+        field = fields.get(f"{arch}.{key}")
+        if field is not None:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """De-quantize a GGUF through transformers and write config.json, model.safetensors and the tokenizer."""
     import torch
@@ -166,7 +191,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     **gguf_config_fields(gguf))
     except Exception as exc:  # transformers raises many kinds for unsupported GGUF contents
         raise ModelLoadError(f"cannot read GGUF {gguf}: {exc}") from exc
     config = model.config.to_dict()

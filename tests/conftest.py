@@ -52,24 +52,34 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, *, thinkin
     tokenizer.save_pretrained(out_dir)
 
 
-def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
-                     **overrides: Any) -> Path:
-    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM (fp32)
-    into out_dir."""
-    import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROUTER_SCALE = 10.0  # MoE routers' weights scaled up: clear winners, so fp32 rounding never flips a top-k
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
-    config_cls, model_cls = classes[arch]
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
+                     fused_experts: bool = False, **overrides: Any) -> Path:
+    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM or
+    mixture of experts (`MOE_ARCHS`: 8 experts, top 2) (fp32) into out_dir. `fused_experts`: the experts
+    in transformers 5's fused tensors (`save_original_format=False`) rather than one tensor per expert."""
+    import torch
+    import transformers
+
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
+               "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
+    config_cls = getattr(transformers, classes[arch] + "Config")
+    model_cls = getattr(transformers, classes[arch] + "ForCausalLM")
     fields: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = 16
+    if arch in MOE_ARCHS:
+        fields.update(num_experts_per_tok=2, **{"num_local_experts" if arch == "mixtral" else "num_experts": 8})
+        fields.update(dict(mixtral=dict(intermediate_size=48), olmoe=dict(intermediate_size=48),
+                           qwen2_moe=dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
+                           qwen3_moe=dict(moe_intermediate_size=32)).get(arch, {}))
     fields.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields)).to(torch.float32).eval()
@@ -79,8 +89,10 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
                 param.normal_(0.0, 0.2)
             elif "norm" in name:
                 param.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                param.mul_(ROUTER_SCALE)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, save_original_format=not fused_experts)
     if with_tokenizer in ("bytes", "thinking"):
         write_byte_tokenizer(out_dir, fields["vocab_size"], thinking=with_tokenizer == "thinking")
     elif with_tokenizer:
@@ -90,9 +102,8 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3"|"mistral", with_tokenizer=False|True|"bytes"|"thinking", seed=0,
-    **config)`
-    -> folder.
+    """Factory: `tiny_model_dir(arch="llama"|"qwen2"|"qwen3"|"mistral"|one of MOE_ARCHS,
+    with_tokenizer=False|True|"bytes"|"thinking", seed=0, fused_experts=False, **config)` -> folder.
 
     Folders are built once per distinct argument set and shared across the session (treat them as read-only).
     """

@@ -1,6 +1,8 @@
 """`kernels.decode_layers`: every layer of a decode-only CPU step in one C call must give exactly the
 logits of the model's per-op Python loop (the same kernels in the same order), for each architecture
-it takes, fp32 and int8, over steps whose requests differ in length and join and leave."""
+it takes (q/k norms per head and over the projection, clipped q/k/v, mixtures of experts with and without a
+shared expert, dense layers between sparse ones), fp32 and int8, over steps whose requests differ in length
+and join and leave."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str,
     runner = ModelRunner(model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512,
                          quantization=quantization)
     model = runner.model
-    assert model.fuse_decode_layers  # llama and qwen2 layers qualify
+    assert model.fuse_decode_layers  # every architecture's layers qualify
     model.fuse_decode_layers = fuse
     logits: list[torch.Tensor] = []
     fused_calls = 0
@@ -54,10 +56,14 @@ def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str,
     return tokens, logits, fused_calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": dict(mlp_only_layers=[0]),
+         "qwen3_moe": dict(norm_topk_prob=True), "olmoe": dict(clip_qkv=2.0)}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_one_call_per_step_gives_the_python_loops_logits_bit_for_bit(tiny_model_dir, arch, quantization):
-    model_dir = tiny_model_dir(arch)
+    model_dir = tiny_model_dir(arch, **ARCHS[arch])
     loop_tokens, loop_logits, loop_calls = run(model_dir, fuse=False, quantization=quantization)
     fused_tokens, fused_logits, fused_calls = run(model_dir, fuse=True, quantization=quantization)
     assert loop_calls == 0 and fused_calls > 0
@@ -66,13 +72,6 @@ def test_one_call_per_step_gives_the_python_loops_logits_bit_for_bit(tiny_model_
     assert len(fused_logits) == len(loop_logits)
     for fused, loop in zip(fused_logits, loop_logits):
         assert torch.equal(fused, loop)
-
-
-def test_layers_with_q_and_k_norms_keep_the_python_loop(tiny_model_dir):
-    from procs.worker.model_runner import ModelRunner
-
-    runner = ModelRunner(tiny_model_dir("qwen3"), device="cpu", max_running_requests=2, kv_capacity_tokens=256)
-    assert not runner.model.fuse_decode_layers
 
 
 def test_mismatched_activations_are_refused(tiny_model_dir):

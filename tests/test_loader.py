@@ -71,16 +71,16 @@ def _config(model_dir, max_context: int = 0):
 def test_config_fields_per_architecture(tiny_model_dir):
     """Each architecture reads its own switches; the metadata every process shares is the spec's."""
     qwen2 = _config(tiny_model_dir("qwen2"))
-    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias, qwen2.qk_norm) == (True, False, False, False)
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.mlp_bias, qwen2.qk_norm) == (True, False, False, "none")
     qwen3 = _config(tiny_model_dir("qwen3"))
-    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 16)
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, "head", 16)
     llama = _config(tiny_model_dir("llama"))
     assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (4, 2, 16, 320)
-    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.qk_norm) == (False, False, False, False)
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.qk_norm) == (False, False, False, "none")
     biased = _config(tiny_model_dir("llama", attention_bias=True, mlp_bias=True))
     assert (biased.qkv_bias, biased.o_bias, biased.mlp_bias) == (True, True, True)
     mistral = _config(tiny_model_dir("mistral"))
-    assert (mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias, mistral.qk_norm) == (False, False, False, False)
+    assert (mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias, mistral.qk_norm) == (False, False, False, "none")
     spec = ModelSpec.resolve(tiny_model_dir("llama"))
     assert (spec.architecture, spec.eos_token_ids, spec.max_position_embeddings) == ("LlamaForCausalLM", (2,), 512)
 

@@ -158,11 +158,15 @@ def test_every_architecture_runs_through_the_registry(tiny_model_dir):
     from procs.worker.models.llama import LlamaModel
     from shared.model import ModelLoadError, ModelSpec
 
-    specs = [ModelSpec.resolve(tiny_model_dir(arch)) for arch in ("llama", "qwen2", "qwen3", "mistral")]
+    archs = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+    specs = [ModelSpec.resolve(tiny_model_dir(arch)) for arch in archs]
     assert [spec.architecture for spec in specs] == list(ARCHITECTURES)
     assert all(issubclass(model_class(name), LlamaModel) for name in ARCHITECTURES)
     assert len(set(ARCHITECTURES.values())) == len(ARCHITECTURES)
-    assert [load_model_config(spec).qk_norm for spec in specs] == [False, False, True, False]
+    configs = [load_model_config(spec) for spec in specs]
+    assert [c.qk_norm for c in configs] == ["none", "none", "head", "none", "none", "none", "head", "projection"]
+    assert [c.moe is not None for c in configs] == [False] * 4 + [True] * 4
     with pytest.raises(ModelLoadError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                             "MistralForCausalLM"):
+                                             "MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+                                             "Qwen3MoeForCausalLM, OlmoeForCausalLM"):
         model_class("GPT2LMHeadModel")

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks) through the `OfflineEngine`: rank 0 in this process,
 rank 1 a spawned process. Greedy tokens of TP=2 equal TP=1's and transformers' on tiny Llama, Qwen2
 and Qwen3 models (KV heads fewer than the ranks, tied embeddings, a vocabulary that does not divide
-by 2); every logit of a prefill, a mixed and a decode step within 1e-4 of TP=1's; seeded sampling
+by 2) and mixtures of experts (experts split by their intermediate dimension, or whole experts per rank
+with expert parallelism, EP=2); every logit of a prefill, a mixed and a decode step within 1e-4 of TP=1's; seeded sampling
 gives TP=1's tokens; models and layouts that cannot be split are refused naming the setting, as are
 more CUDA ranks than devices; the ranks agree on their attention backend and decode padding; a
 follower that dies (before joining, or later) or hangs fails the engine with `RankFailure` instead of
@@ -45,7 +46,15 @@ MODELS = {
     "llama-kv1-vocab321": dict(arch="llama", num_key_value_heads=1, vocab_size=321),
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True),  # biases on q/k/v; the LM head is the embedding
     "qwen3": dict(arch="qwen3"),  # q/k norms
+    # mixtures of experts: every expert's intermediate split (and the shared expert's), or whole experts per
+    # rank (expert parallelism); OLMoE's q/k norms over the whole projection summed over the ranks, its one
+    # KV head replicated on both
+    "qwen2_moe": dict(arch="qwen2_moe"),
+    "olmoe-kv1": dict(arch="olmoe", num_key_value_heads=1, clip_qkv=1.5),
+    "mixtral-ep": dict(arch="mixtral"),
+    "qwen3_moe-ep-fused": dict(arch="qwen3_moe", fused_experts=True, norm_topk_prob=True),
 }
+EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep-fused"}
 # Small steps and prefill chunks: prompts are chunked and requests join others' decodes mid-stream.
 # A short step timeout keeps the hung-rank test short (the tiny model's steps take milliseconds).
 ENGINE = dict(policy="mixed", prefill_budget=8, max_running_requests=3, page_size=4, kv_capacity_tokens=512,
@@ -106,7 +115,7 @@ class OneGroup:
     def get(self, name: str, model_dir: Path) -> OfflineEngine:
         if name != self.name:
             self.release()
-            self.engine = OfflineEngine(_config(model_dir, tp=2))
+            self.engine = OfflineEngine(_config(model_dir, tp=2, enable_expert_parallel=name in EXPERT_PARALLEL))
             self.name = name
             # Before any generate: the scheduler's prefix cache holds no page these steps could overwrite.
             with self.engine.direct_runner() as runner:
@@ -162,6 +171,11 @@ def test_greedy_tokens_equal_tp1_and_transformers(cases, group, name):
     case = cases(name)
     engine = group.get(name, case.model_dir)
     assert engine.runner.tp.world_size == 2 and engine.runner.model.heads.num_heads == 2
+    moe = engine.runner.model.layers[0].mlp
+    if name in EXPERT_PARALLEL:  # rank 0 holds experts 0-3 whole
+        assert (moe.experts.first, moe.experts.count, moe.experts.intermediate) == (0, 4, moe.config.intermediate_size)
+    elif hasattr(moe, "experts"):  # every expert, half of each
+        assert (moe.experts.count, 2 * moe.experts.intermediate) == (8, moe.config.intermediate_size)
     tp2 = [c.token_ids for c in engine.generate(_greedy())]
     assert tp2 == [c.token_ids for c in case.tp1.generate(_greedy())] == case.reference
     # again: the prompts now come from the prefix cache, on both ranks' pages

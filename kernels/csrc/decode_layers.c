@@ -1,16 +1,17 @@
 /* Every decoder layer of a decode-only step in one call: the same kernels, in the same order, on the
  * same data as the model's Python loop (procs/worker/models/llama.py), so the tokens are identical;
  * what goes away is the Python around a dozen small calls per layer, a large share of a small step.
- * Llama and Qwen2 layers (qkv bias) with panel weights (fp32 or int8). */
+ * Llama-family layers with panel weights (fp32 or int8): qkv bias, q/k norms per head or over the whole
+ * projection, clipped q/k/v, and a dense MLP or a mixture of experts (csrc/moe.c). */
 #include <stddef.h>
 #include <stdint.h>
 
-void f32_linear(const float *x, int64_t m, int64_t x_stride, const float *packed, const float *bias, int64_t n,
-                int64_t k_dim, float *y);
-void int8_linear(const float *x, int64_t m, int64_t x_stride, const int8_t *packed, const float *scale,
-                 const float *bias, int64_t n, int64_t k_dim, float *y);
+#include "moe.h"
+
 void add_rms_norm(float *x, const float *residual, int64_t rows, int64_t dim, const float *weight, float eps,
                   float *out);
+void rms_norm_groups(const float *x, int64_t rows, int64_t x_stride, int64_t groups, int64_t dim, const float *weight,
+                     float eps, float *out, int64_t out_stride);
 void rotary(const float *x, int64_t rows, int64_t x_stride, int64_t heads, int64_t head_dim, const float *cos,
             const float *sin, float *out);
 void write_kv(float *k_pool, float *v_pool, int64_t token_floats, const int64_t *locs, int64_t tokens, const float *k,
@@ -20,61 +21,87 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale);
 void silu_and_mul(const float *gate_up, int64_t rows, int64_t stride, int64_t half, float *out);
 
-/* One projection: packed panels, int8 scale (NULL: fp32 panels), bias (NULL: none). */
-typedef struct {
-    const void *packed;
-    const float *scale;
-    const float *bias;
-} Projection;
-
 /* One layer's weights and KV pool (layouts as kernels/panel_linear.py and kernels/kv_cache.py). */
 typedef struct {
-    Projection qkv, o, gate_up, down;
-    const float *post_norm; /* post_attention_layernorm */
-    const float *next_norm; /* the next layer's input_layernorm, or the final norm after the last layer */
+    Projection qkv, o, gate_up, down; /* gate_up and down: the dense MLP, unused with `moe` */
+    const MoeBlock *moe;              /* NULL: a dense MLP */
+    const float *q_norm, *k_norm;     /* NULL: none; per head [head_dim], or [q_size] / [kv_size] (whole_qk_norm) */
+    const float *post_norm;           /* post_attention_layernorm */
+    const float *next_norm;           /* the next layer's input_layernorm, or the final norm after the last layer */
     float *k_pool, *v_pool;
 } DecodeLayer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, page_size, max_pages;
-    float eps, scale;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, page_size, max_pages, whole_qk_norm;
+    float eps, scale, clip_qkv; /* clip_qkv 0: none */
 } DecodeShape;
 
-static void project(const Projection *p, const float *x, int64_t rows, int64_t in, int64_t out_features, float *y) {
-    if (p->scale != NULL)
-        int8_linear(x, rows, in, (const int8_t *)p->packed, p->scale, p->bias, out_features, in, y);
-    else
-        f32_linear(x, rows, in, (const float *)p->packed, p->bias, out_features, in, y);
+static void clip(float *x, int64_t rows, int64_t stride, int64_t width, float limit) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) {
+            float *v = x + r * stride + i;
+            *v = *v < -limit ? -limit : *v > limit ? limit : *v;
+        }
+}
+
+/* q | k of qkv, normed (into `normed` [rows, q_size + kv_size]) and clipped as the layer asks, rotated into
+ * rot; v clipped in place. */
+static void rotated_qk(const DecodeLayer *layer, const DecodeShape *s, int64_t rows, float *qkv, const float *cos,
+                       const float *sin, float *normed, float *rot) {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t qkv_width = q_size + 2 * kv_size, rot_width = q_size + kv_size;
+    const float *qk = qkv;
+    int64_t qk_stride = qkv_width;
+    if (layer->q_norm != NULL) {
+        const int64_t dim = s->whole_qk_norm ? 0 : s->head_dim;
+        rms_norm_groups(qkv, rows, qkv_width, dim ? s->heads : 1, dim ? dim : q_size, layer->q_norm, s->eps, normed,
+                        rot_width);
+        rms_norm_groups(qkv + q_size, rows, qkv_width, dim ? s->kv_heads : 1, dim ? dim : kv_size, layer->k_norm,
+                        s->eps, normed + q_size, rot_width);
+        qk = normed;
+        qk_stride = rot_width;
+    }
+    if (s->clip_qkv > 0) {
+        clip((float *)qk, rows, qk_stride, rot_width, s->clip_qkv);
+        clip(qkv + rot_width, rows, qkv_width, kv_size, s->clip_qkv);
+    }
+    rotary(qk, rows, qk_stride, s->heads + s->kv_heads, s->head_dim, cos, sin, rot); /* q and k heads */
 }
 
 /* h [rows, hidden]: the first layer's normed input; residual [rows, hidden]: the residual stream (the
  * embeddings). cos/sin [rows, head_dim]; locs [rows] KV slots; pages [rows, max_pages], lens [rows].
- * Scratch: qkv [rows, (heads + 2 kv_heads) head_dim], rot [rows, (heads + kv_heads) head_dim],
+ * Scratch: qkv [rows, (heads + 2 kv_heads) head_dim], rot and normed [rows, (heads + kv_heads) head_dim],
  * attn [rows, heads head_dim], tmp [rows, hidden], gate_up [rows, 2 intermediate], act [rows, intermediate].
- * On return h holds the final norm of every row. Returns 0, or -1 if attention ran out of memory. */
+ * On return h holds the final norm of every row. Returns 0, or -1 if attention or an MoE block ran out of
+ * memory. */
 int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, int64_t rows, float *h,
                   float *residual, const float *cos, const float *sin, const int64_t *locs, const int64_t *pages,
-                  const int64_t *lens, float *qkv, float *rot, float *attn, float *tmp, float *gate_up, float *act) {
+                  const int64_t *lens, float *qkv, float *rot, float *normed, float *attn, float *tmp, float *gate_up,
+                  float *act) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t qkv_width = q_size + 2 * kv_size, rot_width = q_size + kv_size;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecodeLayer *layer = &layers[l];
-        project(&layer->qkv, h, rows, s->hidden, qkv_width, qkv);
-        rotary(qkv, rows, qkv_width, s->heads + s->kv_heads, s->head_dim, cos, sin, rot); /* q and k heads */
+        project(&layer->qkv, h, rows, s->hidden, s->hidden, qkv_width, qkv);
+        rotated_qk(layer, s, rows, qkv, cos, sin, normed, rot);
         write_kv(layer->k_pool, layer->v_pool, kv_size, locs, rows, rot + q_size, rot_width, qkv + rot_width,
                  qkv_width);
         if (paged_decode_attention(rot, rot_width, layer->k_pool, layer->v_pool, pages, s->max_pages, lens, attn, rows,
                                    s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale) != 0)
             return -1;
-        project(&layer->o, attn, rows, q_size, s->hidden, tmp);
+        project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp);
         /* tmp += residual, h = norm(tmp); tmp is the residual stream from here (as `x` in ops.add_rms_norm) */
         add_rms_norm(tmp, residual, rows, s->hidden, layer->post_norm, s->eps, h);
         float *swap = residual;
         residual = tmp;
         tmp = swap;
-        project(&layer->gate_up, h, rows, s->hidden, 2 * s->intermediate, gate_up);
-        silu_and_mul(gate_up, rows, 2 * s->intermediate, s->intermediate, act);
-        project(&layer->down, act, rows, s->intermediate, s->hidden, tmp);
+        if (layer->moe != NULL) {
+            if (moe_block(layer->moe, h, rows, s->hidden, tmp) != 0) return -1;
+        } else {
+            project(&layer->gate_up, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up);
+            silu_and_mul(gate_up, rows, 2 * s->intermediate, s->intermediate, act);
+            project(&layer->down, act, rows, s->intermediate, s->intermediate, s->hidden, tmp);
+        }
         add_rms_norm(tmp, residual, rows, s->hidden, layer->next_norm, s->eps, h);
         swap = residual;
         residual = tmp;

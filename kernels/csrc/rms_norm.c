@@ -40,3 +40,14 @@ void add_rms_norm(float *restrict x, const float *restrict residual, int64_t row
         norm_row(xr, weight, dim, eps, out + r * dim);
     }
 }
+
+/* out [rows, groups * dim] (row stride out_stride) = RMSNorm of each run of `dim` floats of each row of x
+ * (row stride x_stride), all runs by one weight [dim]: q/k norms per head (groups = heads, Qwen3) or over a
+ * whole projection (groups = 1, OLMoE). */
+void rms_norm_groups(const float *restrict x, int64_t rows, int64_t x_stride, int64_t groups, int64_t dim,
+                     const float *restrict weight, float eps, float *restrict out, int64_t out_stride) {
+#pragma omp parallel for schedule(static) if (rows * groups * dim >= PARALLEL_MIN_FLOATS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++)
+            norm_row(x + r * x_stride + g * dim, weight, dim, eps, out + r * out_stride + g * dim);
+}

@@ -41,6 +41,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`ModelRunner._check`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
+EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -139,6 +140,7 @@ class ModelRunner:
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
+        self._expert_load_sent = time.monotonic()
         # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
         # Without graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode
@@ -235,18 +237,23 @@ class ModelRunner:
 
     def worker_info(self, step_costs: list[tuple[int, float, float]] | None = None) -> WorkerInfo:
         """What the scheduler sizes itself by (sent by the worker process at start)."""
+        moe = getattr(self.config, "moe", None)
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
-                          step_costs=step_costs or [])
+                          step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
+                          moe_top_k=moe.top_k if moe else 0)
 
     def probe_step_costs(self, prefill_tokens: tuple[int, ...] = (32, 256),
-                         decode_batches: tuple[int, ...] = (1, 16)) -> list[tuple[int, float, float]]:
+                         decode_batches: tuple[int, ...] | None = None) -> list[tuple[int, float, float]]:
         """Time a few steps before serving: (tokens, attention pairs, seconds), the best of two runs each,
         after a warm-up step. Small ones: the fit only needs a spread of token counts, and the scheduler
-        refits on live steps (a large step would add seconds to a CPU start).
+        refits on live steps (a large step would add seconds to a CPU start). Decode batches of 1 and 16
+        (and 4 for a mixture of experts, whose cost bends as more of its experts are read).
 
         Run only while no request holds KV: every token is written to and read from the dummy page 0
         (the page table is all zeros then), so nothing is disturbed and only the time is real."""
+        if decode_batches is None:
+            decode_batches = (1, 4, 16) if getattr(self.config, "moe", None) else (1, 16)
         context = min(256, self._max_context - 1)
         shapes = [([0], [n]) for n in prefill_tokens if n < self._max_context]
         shapes += [([context] * b, [1] * b) for b in decode_batches if b <= self.max_running_requests]
@@ -294,6 +301,9 @@ class ModelRunner:
             num_sampled = batch.num_sampled
             result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32),
                                 draft_s=0.0 if self.draft is None else self.draft.proposing_s)
+            if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
+                result.expert_load = self.model.take_expert_load()
+                self._expert_load_sent = time.monotonic()
             if logits is None:
                 return result
             if prompt_chunks:

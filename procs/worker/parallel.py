@@ -39,6 +39,8 @@ class TensorParallel:
         self.cpu_group: object | None = None
         self.collective_s = 0.0
         self.step_timeout_s = 0.0  # the serving groups' timeout (`start_serving`)
+        # whole experts per rank rather than a share of every expert (`procs.worker.models.moe`)
+        self.expert_parallel = False
 
     @property
     def rank(self) -> int:
@@ -189,6 +191,7 @@ def join(config: ServerConfig, layout: RankLayout, device: torch.device,
     ranks). `joining` is called just before the wait (this rank got that far)."""
     tp = TensorParallel(layout, device)
     tp.step_timeout_s = config.step_timeout_s
+    tp.expert_parallel = config.enable_expert_parallel
     if not layout.picks_device:
         return tp
     check_local_devices(device, layout)

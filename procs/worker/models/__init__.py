@@ -9,8 +9,11 @@ from __future__ import annotations
 from procs.worker.models.base import CausalLM
 from procs.worker.models.llama import LlamaModel
 from procs.worker.models.mistral import MistralModel
+from procs.worker.models.mixtral import MixtralModel
+from procs.worker.models.olmoe import OlmoeModel
 from procs.worker.models.qwen2 import Qwen2Model
 from procs.worker.models.qwen3 import Qwen3Model
+from procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
 from shared.model import ModelLoadError
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -18,6 +21,10 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
     "MistralForCausalLM": MistralModel,
+    "MixtralForCausalLM": MixtralModel,
+    "Qwen2MoeForCausalLM": Qwen2MoeModel,
+    "Qwen3MoeForCausalLM": Qwen3MoeModel,
+    "OlmoeForCausalLM": OlmoeModel,
 }
 
 

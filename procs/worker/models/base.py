@@ -71,7 +71,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:
-        """The common fields of config.json `raw`, plus the subclass's `fields`."""
+        """The common fields of config.json `raw`, plus the subclass's `fields`; ModelLoadError for a
+        quantized checkpoint (its weights would need that method's kernels)."""
+        quantization = raw.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+            raise ModelLoadError(f"quantized checkpoint (quantization_config quant_method {method!r} in "
+                                 f"{config_path(spec)}) is not supported: serve its unquantized weights (bf16 or "
+                                 f"fp32; on the CPU, --quantization int8 quantizes them at load)")
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         return cls(
@@ -123,6 +130,12 @@ class RankHeads:
         return cls(q=q, kv=kv, head_dim=config.head_dim)
 
 
+def with_defaults(raw: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """config.json `raw` with `defaults` (an architecture's transformers config class defaults) for the keys
+    it lacks: a missing key means what transformers makes of it."""
+    return {**defaults, **raw}
+
+
 def config_path(spec: ModelSpec) -> str:
     """Where the config errors point."""
     return str(spec.model_dir / "config.json")
@@ -159,6 +172,11 @@ class CausalLM(Protocol):
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden rows: the last step of `forward`, which calls it."""
+        ...
+
+    def take_expert_load(self) -> np.ndarray | None:
+        """A mixture of experts: the tokens routed to each expert of each MoE layer [layers, experts]
+        since the last call (the counters restart); None for a dense model."""
         ...
 
 

@@ -1,11 +1,12 @@
 """The models' linear and embedding layers, split over the worker's tensor-parallel ranks
 (`procs.worker.parallel.TensorParallel`) as Megatron-LM, vLLM and SGLang split them. Each layer holds
-this rank's shard, cut by the loader (`_WeightTaker` in llama.py) and packed once
+this rank's shard, cut by the loader (`procs.worker.models.weights.WeightTaker`) and packed once
 (`kernels.ops.pack_linear_weight`: on the CPU the C kernel's panels, fp32 or int8):
 - `ColumnParallelLinear` holds this rank's output features of each fused part (q | k | v, gate | up);
   its output stays split, as the rank's attention heads or SiLU-and-mul and the row layer after them take it.
 - `RowParallelLinear` holds this rank's input features; the ranks' partial products are summed by one
   all-reduce, and the bias is added once, after it.
+- `GatedMLP`: gate | up, SiLU-and-mul, down, of a dense layer or a shared expert.
 - `VocabParallelEmbedding` holds rows [start, start + rows) of the vocabulary; a rank embeds the ids
   in its rows, zeros for the others, and an all-reduce sums them.
 - `ParallelLMHead` holds the same vocabulary rows of the logits (the embedding's own shard where the
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.ops import LinearWeight, linear, pack_linear_weight
+from kernels.ops import LinearWeight, linear, pack_linear_weight, silu_and_mul
 from procs.worker.parallel import TensorParallel
 
 
@@ -44,18 +45,33 @@ class ColumnParallelLinear(_Linear):
 
 
 class RowParallelLinear(_Linear):
-    """One projection's input columns [out, in / ranks] (the whole `bias` [out]), summed over the ranks."""
+    """One projection's input columns [out, in / ranks] (the whole `bias` [out]), summed over the ranks;
+    with `reduce` False this rank's partial product alone, which its caller sums (an MoE block sums its
+    experts' and its shared expert's partial outputs in one all-reduce)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, tp: TensorParallel):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, tp: TensorParallel,
+                 *, reduce: bool = True):
         self.weight = pack_linear_weight(weight, quantization)
         self.bias = bias
         self.tp = tp
+        self.reduce = reduce
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1 or not self.reduce:
             return linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
+
+
+class GatedMLP:
+    """down(SiLU(gate) * up): a dense layer's MLP, or a mixture of experts' shared expert."""
+
+    def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear):
+        self.gate_up = gate_up
+        self.down = down
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(h)))
 
 
 class VocabParallelEmbedding:

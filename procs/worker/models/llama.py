@@ -1,9 +1,11 @@
 """The Llama decoder on packed inputs (no padding), our own code over plain tensors, and the Llama
-family's switches (`LlamaConfig`), which the Qwen2, Qwen3 and Mistral classes set from their configs.
+family's switches (`LlamaConfig`), which the Qwen2, Qwen3, Mistral and mixture-of-experts classes set
+from their configs.
 
 Input is one packed sequence of `[num_tokens]` ids and positions covering every request of the
 step; request boundaries live in the attention backend's plan. Projections are fused at load
-(q|k|v and gate|up); a config may bias them and norm q and k per head before rotary.
+(q|k|v and gate|up); a config may bias them, norm q and k (per head, or over the whole projection) before
+rotary and clip them, and replace a layer's MLP by a mixture of experts (`procs.worker.models.moe`).
 """
 
 from __future__ import annotations
@@ -11,27 +13,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from kernels import native
 from kernels.attention import AttentionBackend
 from kernels.decode_layers import DecodeLayers, LayerTensors
-from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups, rope_cos_sin_cache, rope_inv_freq
 from kernels.panel_linear import PanelWeight
 from procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
-from procs.worker.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
+from procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, SparseMoeBlock, take_moe_block
+from procs.worker.models.weights import WeightTaker
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
+
+QK_NORMS = ("none", "head", "projection")  # per head of head_dim (Qwen3), or over the whole q / k projection (OLMoE)
 
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
-    """Which projections carry a bias, and whether q and k are RMS-normed per head."""
+    """Which projections carry a bias, how q and k are normed and clipped, and the mixture of experts."""
 
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = "none"  # one of QK_NORMS
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (after the norms)
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
@@ -41,20 +50,24 @@ class LlamaConfig(ModelConfig):
         return super().from_hf(raw, spec, **switches)
 
 
+Mlp = GatedMLP | SparseMoeBlock
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: ColumnParallelLinear  # q | k | v: [(H + 2 * KVH) * D, hidden]
+    qkv: Any  # ColumnParallelLinear, q | k | v: [(H + 2 * KVH) * D, hidden]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: RowParallelLinear
+    o: Any  # RowParallelLinear
     post_norm: torch.Tensor
-    gate_up: ColumnParallelLinear  # gate | up: [2 * intermediate, hidden]
-    down: RowParallelLinear
+    mlp: Mlp
 
 
 class LlamaModel:
     """`LlamaForCausalLM`; a `CausalLM` (procs.worker.models.base)."""
+
+    EXPERT_NAMES: ExpertNames = QWEN_EXPERTS  # where a mixture of experts' tensors lie (one per expert)
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
@@ -77,7 +90,7 @@ class LlamaModel:
         self.heads = RankHeads.of(config, tp)
         self.q_size = self.heads.num_heads * config.head_dim
         self.kv_size = self.heads.num_kv_heads * config.head_dim
-        take = _WeightTaker(weights, dtype, device, quantization)
+        take = WeightTaker(weights, dtype, device, quantization)
         embed_shape = take.shape("model.embed_tokens.weight")
         if embed_shape != (config.vocab_size, config.hidden_size):
             raise ModelLoadError(f"embedding shape {embed_shape} does not match config "
@@ -86,8 +99,10 @@ class LlamaModel:
         vocab = slice(vocab_start, vocab_start + vocab_rows)
         self.embed = VocabParallelEmbedding(take("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows),
                                             vocab_start, tp)
-        self.intermediate = tp.split(config.intermediate_size, "intermediate_size")
-        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        sparse = set(config.moe.sparse_layers) if config.moe else set()
+        self.intermediate = None if len(sparse) == config.num_layers else \
+            tp.split(config.intermediate_size, "intermediate_size")
+        self.layers = [self._layer(take, i, i in sparse) for i in range(config.num_layers)]
         self.final_norm = take("model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
@@ -104,41 +119,44 @@ class LlamaModel:
         self.rope_cos = cos.to(device=device, dtype=dtype)
         self.rope_sin = sin.to(device=device, dtype=dtype)
         # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
-        # allow it (panel weights, no q/k norm, one rank: the call has no all-reduce between layers):
-        # same kernels, same tokens, no Python between them.
-        self.fuse_decode_layers = native.available() and not config.qk_norm and tp.world_size == 1 and all(
-            isinstance(proj.weight, PanelWeight)
-            for layer in self.layers for proj in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
+        # layers): same kernels, same tokens, no Python between them.
+        self.fuse_decode_layers = native.available() and tp.world_size == 1 and all(
+            _in_c(layer) for layer in self.layers)
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
-    def _layer(self, take: _WeightTaker, i: int) -> LayerWeights:
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
+        layer = f"model.layers.{i}."
+        attn, mlp = layer + "self_attn.", layer + "mlp."
         cfg, heads, tp = self.config, self.heads, self.tp
         q = _head_rows(heads.q, cfg.head_dim)
         kv = _head_rows(heads.kv, cfg.head_dim)
+        # a norm per head is the same on every rank; over the projection, each rank takes its heads' share
+        norm_rows = lambda rows: rows if cfg.qk_norm == "projection" else None
+        if sparse:
+            block: Mlp = take_moe_block(take, layer, self.EXPERT_NAMES, cfg.moe, tp)
+        else:
+            block = GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
+                                         cfg.mlp_bias),
+                             take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, tp))
         return LayerWeights(
-            input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
+            input_norm=take(f"{layer}input_layernorm.weight"),
             qkv=take.column([(attn + "q_proj", q), (attn + "k_proj", kv), (attn + "v_proj", kv)], cfg.qkv_bias),
-            q_norm=take(attn + "q_norm.weight") if cfg.qk_norm else None,  # per head_dim: the same on every rank
-            k_norm=take(attn + "k_norm.weight") if cfg.qk_norm else None,
+            q_norm=take(attn + "q_norm.weight", rows=norm_rows(q)) if cfg.qk_norm != "none" else None,
+            k_norm=take(attn + "k_norm.weight", rows=norm_rows(kv)) if cfg.qk_norm != "none" else None,
             o=take.row(attn + "o_proj", q, cfg.o_bias, tp),
-            post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
-            gate_up=take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
-                                cfg.mlp_bias),
-            down=take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, tp),
+            post_norm=take(f"{layer}post_attention_layernorm.weight"),
+            mlp=block,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
-        cfg, heads = self.config, self.heads
-        eps = cfg.rms_norm_eps
+        eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
         cos = self.rope_cos[positions]
         sin = self.rope_sin[positions]
         hidden = self.embed(input_ids)
-        num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
-        heads_qk = num_heads + num_kv_heads
         # The residual stream: each sublayer's output is added to `residual` by the norm that follows
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
@@ -148,89 +166,95 @@ class LlamaModel:
             h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)
-            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, num_kv_heads, cfg.head_dim)
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads_qk, cfg.head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat((rms_norm(qk[:, :num_heads], layer.q_norm, eps),
-                                rms_norm(qk[:, num_heads:], layer.k_norm, eps)), dim=1)
+            qk, v = self._qk_v(layer.qkv(h), layer)
             qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
-            q, k = qk[:, :num_heads], qk[:, num_heads:]
+            q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
             attended = attention.forward(q, k, v, index)
             out = layer.o(attended.reshape(num_tokens, self.q_size))
             h, residual = add_rms_norm(out, residual, layer.post_norm, eps)
-            out = layer.down(silu_and_mul(layer.gate_up(h)))
+            out = layer.mlp(h)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             h, residual = add_rms_norm(out, residual, next_norm, eps)
         if logits_rows is None:
             return None
         return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
 
+    def _qk_v(self, qkv: torch.Tensor, layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """q | k heads [tokens, H + KVH, D] normed and clipped as the config says (not yet rotated), and v
+        [tokens, KVH, D]; the same arithmetic as the fused decode call's."""
+        cfg, heads = self.config, self.heads
+        tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
+        qk, v = qkv[:, :q_size + kv_size], qkv[:, q_size + kv_size:]
+        if cfg.qk_norm == "head":
+            qk = torch.cat((rms_norm_groups(qkv[:, :q_size], layer.q_norm, cfg.rms_norm_eps, heads.num_heads),
+                            rms_norm_groups(qkv[:, q_size:q_size + kv_size], layer.k_norm, cfg.rms_norm_eps,
+                                            heads.num_kv_heads)), dim=1)
+        elif cfg.qk_norm == "projection":
+            kv_replicas = max(1, self.tp.world_size // cfg.num_kv_heads)  # ranks holding each KV head
+            qk = torch.cat((self._projection_norm(qkv[:, :q_size], layer.q_norm, 1),
+                            self._projection_norm(qkv[:, q_size:q_size + kv_size], layer.k_norm, kv_replicas)), dim=1)
+        if cfg.clip_qkv is not None:
+            qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        return (qk.view(tokens, heads.num_heads + heads.num_kv_heads, cfg.head_dim),
+                v.view(tokens, heads.num_kv_heads, cfg.head_dim))
+
+    def _projection_norm(self, x: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
+        """RMSNorm over a whole projection of which this rank holds columns `x` (its weight's share): the
+        squares summed over the ranks, each column counted once (`replicas` ranks hold each)."""
+        eps = self.config.rms_norm_eps
+        if self.tp.world_size == 1:
+            return rms_norm_groups(x, weight, eps, 1)
+        width = x.shape[1] * self.tp.world_size // replicas
+        squares = self.tp.all_reduce(x.float().pow(2).sum(dim=-1, keepdim=True)) / replicas
+        return weight * (x.float() * torch.rsqrt(squares / width + eps)).to(x.dtype)
+
     def _decode_layers_on(self, attention: AttentionBackend) -> DecodeLayers:
         """The fused call over this backend's KV pools, built on first use."""
         if self._decode_layers is None or self._decode_layers[0] is not attention:
             cfg, cache = self.config, attention.kv_cache
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-            layers = [LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, layer.gate_up.weight,
-                                   layer.gate_up.bias, layer.down.weight, layer.down.bias, layer.post_norm, next_norm,
-                                   cache.k[i], cache.v[i])
+            layers = [_layer_tensors(layer, next_norm, cache.k[i], cache.v[i])
                       for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
             self._decode_layers = (attention, DecodeLayers(
                 layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 intermediate=cfg.intermediate_size, page_size=cache.page_size, eps=cfg.rms_norm_eps,
-                scale=attention.scale))
+                scale=attention.scale, whole_qk_norm=cfg.qk_norm == "projection", clip_qkv=cfg.clip_qkv or 0.0))
         return self._decode_layers[1]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def take_expert_load(self) -> np.ndarray | None:
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if not blocks:
+            return None
+        load = torch.stack([block.load for block in blocks])
+        for block in blocks:
+            block.load.zero_()  # in place: the C blocks and captured graphs hold its address
+        return load.cpu().numpy()
+
+
+def _layer_tensors(layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor) -> LayerTensors:
+    """What the fused decode call reads of a layer (`_in_c` said it can)."""
+    mlp = layer.mlp
+    moe = mlp.native if isinstance(mlp, SparseMoeBlock) else None
+    dense = (None, None, None, None) if moe else (mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+    return LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, *dense, moe, layer.q_norm,
+                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool)
+
+
+def _in_c(layer: LayerWeights) -> bool:
+    """Whether the fused decode call can run this layer: panel projections, an MoE block in the C kernel."""
+    projections = [layer.qkv, layer.o]
+    if isinstance(layer.mlp, SparseMoeBlock):
+        if layer.mlp.native is None:
+            return False
+    else:
+        projections += [layer.mlp.gate_up, layer.mlp.down]
+    return all(isinstance(p.weight, PanelWeight) for p in projections)
+
 
 def _head_rows(heads: slice, head_dim: int) -> slice:
     """The rows of a projection's output that hold `heads`."""
     return slice(heads.start * head_dim, heads.stop * head_dim)
-
-
-class _WeightTaker:
-    """Pops named tensors from a checkpoint dict, reading only this rank's rows or columns of them,
-    converting dtype/device; clear error when missing."""
-
-    def __init__(self, weights: dict[str, Weight], dtype: torch.dtype, device: torch.device,
-                 quantization: str):
-        self.weights = weights
-        self.dtype = dtype
-        self.device = device
-        self.quantization = quantization
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        weight = self._get(name)
-        return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
-
-    def _get(self, name: str) -> Weight:
-        try:
-            return self.weights[name]
-        except KeyError:
-            raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
-
-    def __call__(self, name: str, *, rows: slice | None = None, cols: slice | None = None,
-                 pad_rows: int = 0) -> torch.Tensor:
-        """Tensor `name` (its `rows`, or its `cols` of every row), zero rows appended up to `pad_rows`."""
-        weight = self._get(name)
-        del self.weights[name]
-        tensor = weight[rows] if rows is not None else weight[:, cols] if cols is not None else weight[:]
-        tensor = tensor.to(device=self.device, dtype=self.dtype).contiguous()
-        if tensor.shape[0] < pad_rows:
-            padding = tensor.new_zeros((pad_rows - tensor.shape[0], *tensor.shape[1:]))
-            tensor = torch.cat((tensor, padding))
-        return tensor
-
-    def column(self, projections: list[tuple[str, slice]], bias: bool) -> ColumnParallelLinear:
-        """The named projections' output `rows` (`<name>.weight`, and `<name>.bias` with `bias`), fused
-        along the output."""
-        biases = [self(name + ".bias", rows=rows) for name, rows in projections] if bias else None
-        return ColumnParallelLinear([self(name + ".weight", rows=rows) for name, rows in projections], biases,
-                                    self.quantization)
-
-    def row(self, projection: str, cols: slice, bias: bool, tp: TensorParallel) -> RowParallelLinear:
-        """The projection's input `cols`, and its whole bias with `bias`."""
-        return RowParallelLinear(self(projection + ".weight", cols=cols),
-                                 self(projection + ".bias") if bias else None, self.quantization, tp)

@@ -13,4 +13,4 @@ class Qwen3Model(LlamaModel):
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
         bias = bool(raw.get("attention_bias", False))
-        return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, qk_norm="head")

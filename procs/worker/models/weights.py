@@ -1,0 +1,78 @@
+"""`WeightTaker`: how a model takes its tensors from a checkpoint. Each tensor is taken once (what is left
+over at the end is an error the model raises), read only as far as this rank's share of it, converted to
+the model's dtype and device, and checked for its shape, naming it when it is missing or misshapen."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from procs.worker.models.base import Weight
+from procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from procs.worker.parallel import TensorParallel
+from shared.model import ModelLoadError
+
+Index = tuple[slice, ...]
+
+
+class WeightTaker:
+    """Pops named tensors from a checkpoint dict (name -> tensor or safetensors slice)."""
+
+    def __init__(self, weights: dict[str, Weight], dtype: torch.dtype, device: torch.device, quantization: str):
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.quantization = quantization
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        weight = self._get(name)
+        return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        """ModelLoadError naming `name` unless it is there with `shape`."""
+        if self.shape(name) != shape:
+            raise ModelLoadError(f"checkpoint tensor {name} has shape {self.shape(name)}, expected {shape}")
+
+    def _get(self, name: str) -> Weight:
+        try:
+            return self.weights[name]
+        except KeyError:
+            raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
+
+    def skip(self, name: str) -> None:
+        """Take `name` without reading it (another rank's part)."""
+        self._get(name)
+        del self.weights[name]
+
+    def __call__(self, name: str, *, rows: slice | None = None, cols: slice | None = None,
+                 pad_rows: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name` (its `rows`, or its `cols` of every row), zero rows appended up to `pad_rows`."""
+        index = (rows,) if rows is not None else (slice(None), cols) if cols is not None else (slice(None),)
+        tensor = self.parts(name, [index], dtype)[0]
+        if tensor.shape[0] < pad_rows:
+            padding = tensor.new_zeros((pad_rows - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat((tensor, padding))
+        return tensor
+
+    def parts(self, name: str, indices: Sequence[Index], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The `indices` of tensor `name`, each read on its own (in the model's dtype, or `dtype`)."""
+        weight = self._get(name)
+        del self.weights[name]
+        return [weight[index].to(device=self.device, dtype=dtype or self.dtype).contiguous() for index in indices]
+
+    def column(self, projections: list[tuple[str, slice]], bias: bool) -> ColumnParallelLinear:
+        """The named projections' output `rows` (`<name>.weight`, and `<name>.bias` with `bias`), fused
+        along the output."""
+        biases = [self(name + ".bias", rows=rows) for name, rows in projections] if bias else None
+        return ColumnParallelLinear([self(name + ".weight", rows=rows) for name, rows in projections], biases,
+                                    self.quantization)
+
+    def row(self, projection: str, cols: slice, bias: bool, tp: TensorParallel, *,
+            reduce: bool = True) -> RowParallelLinear:
+        """The projection's input `cols`, and its whole bias with `bias`; `reduce`: summed over the ranks."""
+        return RowParallelLinear(self(projection + ".weight", cols=cols),
+                                 self(projection + ".bias") if bias else None, self.quantization, tp, reduce=reduce)
