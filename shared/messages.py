@@ -189,6 +189,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     # Seconds the worker's draft model spent proposing this step's draft tokens (its passes after the
     # first, which runs every step to keep its KV; `procs.worker.draft_model`); 0 without one.
     draft_s: float = 0.0
+    # A mixture-of-experts model: the tokens routed to each expert of each MoE layer [layers, experts]
+    # since the worker last sent them (about once a second), for /metrics; None between.
+    expert_load: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +415,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # mixture of experts: tokens routed to each expert of each MoE layer [layers, experts] since then
+    expert_load: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +433,9 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     device_type: str = "cpu"  # "cpu" | "cuda": picks the default step-time target
     # Steps timed at startup: (tokens, attention query-key pairs, seconds), for the step-cost model.
     step_costs: list[tuple[int, float, float]] = []
+    # A mixture-of-experts model's experts and experts per token (0 and 0: dense), for the step-cost model.
+    moe_experts: int = 0
+    moe_top_k: int = 0
 
 
 # The five processes, in start order (`serve` and the systemd units): the slowest (model loading)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -57,6 +58,26 @@ def test_gauges_routers_read_with_their_protocol_names_and_the_queue_time():
         assert value(before, alias) == value(before, ours) == 0, alias
         assert value(after, alias) == value(after, ours), alias
     assert [value(after, n) for n in PROTOCOL_ALIASES.values()] == [5, 3, 0.25]
+
+
+def test_expert_load_as_an_imbalance_histogram_not_a_series_per_expert():
+    """Tokens routed per MoE layer and expert become one histogram (busiest / mean, per layer and interval)
+    and one gauge (the worst layer), whatever the number of layers and experts."""
+    async def go():
+        engine = FakeEngine()
+        async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
+            load = np.array([[4, 4, 4, 4], [10, 2, 2, 2], [0, 0, 0, 0]])  # balanced, skewed, an idle layer
+            engine.push_stats(SchedulerStats(num_running=1, num_waiting=0, kv_used_tokens=0, kv_total_tokens=16,
+                                             expert_load=load))
+            return await (await client.get("/metrics")).text()
+
+    text = run(go())
+    page = samples(text)
+    assert value(page, "batchserve_moe_expert_load_imbalance_count") == 2  # the idle layer is not observed
+    assert value(page, "batchserve_moe_expert_load_imbalance_sum") == pytest.approx(1.0 + 2.5)
+    assert value(page, "batchserve_moe_max_expert_load_imbalance") == 2.5
+    assert value(page, "batchserve_moe_routed_tokens_total") == 32
+    assert not [line for line in text.splitlines() if "moe" in line and "expert=" in line]
 
 
 class CaptureRequestLog(logging.Handler):

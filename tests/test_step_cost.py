@@ -16,7 +16,7 @@ from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_targe
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
 from shared.messages import SamplingParams, StopParams, WorkerInfo
-from shared.step_features import attention_pairs
+from shared.step_features import attention_pairs, experts_read
 
 TRUE = (0.004, 0.0015, 0.0002)  # seconds: per step, per token, per 1000 attention pairs
 
@@ -32,7 +32,7 @@ def probe(weights=TRUE) -> list[tuple[int, float, float]]:
 
 def test_probe_fit_recovers_the_costs_and_sizes_prefill_to_the_target():
     model = StepCostModel(probe())
-    assert model.weights == pytest.approx(TRUE, rel=1e-6)
+    assert model.weights == pytest.approx((*TRUE, 0.0), rel=1e-6)
     decode_rows, decode_pairs = 16, 16 * 300.0
     n = model.max_prefill_tokens(0.3, decode_rows, decode_pairs, 0, 2048)
     within = lambda k: seconds(decode_rows + k, decode_pairs + attention_pairs([0], [k])) <= 0.3
@@ -58,6 +58,31 @@ def test_weights_stay_non_negative_and_a_probe_without_spread_is_refused():
     assert min(StepCostModel(noisy).weights) >= 0
     with pytest.raises(ValueError):
         StepCostModel([(16, 100.0, 0.01), (16, 200.0, 0.02)])
+
+
+MOE = (8, 2)  # experts, top k
+MOE_TRUE = (0.004, 0.0004, 0.0002, 0.003)  # ... and per expert read per layer
+
+
+def moe_seconds(tokens: int, pairs: float) -> float:
+    return seconds(tokens, pairs, MOE_TRUE[:3]) + MOE_TRUE[3] * experts_read(tokens, *MOE)
+
+
+def test_an_moe_models_steps_are_predicted_from_the_experts_they_read():
+    """A decode step of 1 token reads 2 of 8 experts, one of 16 nearly all: the cost bends, which a fit
+    in tokens alone cannot follow; with the expert term the probe's fit predicts every batch size."""
+    shapes = [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 4, [1] * 4), ([256] * 16, [1] * 16)]
+    costs = [(sum(e), attention_pairs(p, e), moe_seconds(sum(e), attention_pairs(p, e))) for p, e in shapes]
+    moe, linear = StepCostModel(costs, MOE), StepCostModel(costs)
+    assert moe.weights == pytest.approx(MOE_TRUE, rel=1e-6)
+    for rows in (1, 2, 4, 8, 32, 64):
+        pairs = rows * 300.0
+        assert moe.predict(rows, pairs) == pytest.approx(moe_seconds(rows, pairs), rel=1e-6)
+    assert max(abs(linear.predict(r, r * 300.0) / moe_seconds(r, r * 300.0) - 1) for r in (1, 2, 4, 8)) > 0.2
+    # a draft token pays when it raises tokens per second: its added cost (experts newly read included)
+    for rows in (1, 16):
+        added = moe_seconds(rows + 1, (rows + 1) * 300.0) - moe_seconds(rows, rows * 300.0)
+        assert moe.min_acceptance(rows, rows * 300.0) == pytest.approx(added * rows / moe_seconds(rows, rows * 300.0))
 
 
 def test_the_scheduler_prefills_no_more_than_it_is_given():

@@ -18,8 +18,13 @@ counters   prompt_tokens_total, generation_tokens_total, request_success_total{f
            spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
            spec_decode_num_accepted_tokens_total (speculative decoding, vLLM's names: decode rows with a
            draft, their draft tokens, the accepted ones),
+           moe_routed_tokens_total (mixture of experts: token-to-expert assignments, over all MoE layers),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
+mixture of experts: moe_expert_load_imbalance (histogram: per MoE layer and report interval, about a second,
+           the busiest expert's tokens over the mean expert's; 1 is perfect balance, num_experts / top_k the
+           worst), moe_max_expert_load_imbalance (gauge: the most imbalanced layer of the last interval) -
+           one series each, not one per expert per layer
 
 For routers and autoscalers (the Gateway API Inference Extension's model server protocol: queued and
 running requests, KV-cache utilization), the three gauges also under the names its endpoint picker
@@ -29,6 +34,7 @@ reads by default, vLLM's: `vllm:num_requests_waiting`, `vllm:num_requests_runnin
 
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -38,6 +44,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_IMBALANCE_BUCKETS = (1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 
 # Our gauge -> its alias under the name the Inference Extension's endpoint picker reads by default.
@@ -88,6 +95,14 @@ class ApiMetrics:
         self.cache_referenced = Gauge("batchserve_prefix_cache_referenced_pages",
                                       "Prefix-cache pages used by running requests (the rest can be evicted)",
                                       registry=r)
+        self.moe_routed = Counter("batchserve_moe_routed_tokens", "Token-to-expert assignments in MoE layers",
+                                  registry=r)
+        self.moe_imbalance = Histogram("batchserve_moe_expert_load_imbalance",
+                                       "Per MoE layer and interval: the busiest expert's tokens / the mean's",
+                                       buckets=_IMBALANCE_BUCKETS, registry=r)
+        self.moe_max_imbalance = Gauge("batchserve_moe_max_expert_load_imbalance",
+                                       "The most imbalanced MoE layer of the last interval (busiest / mean)",
+                                       registry=r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -137,10 +152,24 @@ class ApiMetrics:
             self._spec_totals[0] += stats.spec_drafts
             self._spec_totals[1] += stats.spec_accepted_tokens
             self.spec_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
+        if stats.expert_load is not None:
+            self._observe_expert_load(stats.expert_load)
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
+
+    def _observe_expert_load(self, load: np.ndarray) -> None:
+        """load [layers, experts]: tokens routed to each expert since the last stats message."""
+        routed = load.sum(axis=1)
+        layers = routed > 0
+        if not layers.any():
+            return
+        self.moe_routed.inc(float(routed.sum()))
+        imbalance = load[layers].max(axis=1) / (routed[layers] / load.shape[1])
+        for value in imbalance:
+            self.moe_imbalance.observe(float(value))
+        self.moe_max_imbalance.set(float(imbalance.max()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

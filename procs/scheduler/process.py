@@ -120,13 +120,14 @@ class SchedulerLoop:
                 self.overlap = overlap_schedule(self.config, message)
                 if self.step_target_s is not None or self.config.speculative != "off" and len(
                         {tokens for tokens, _, _ in message.step_costs}) >= 2:
-                    self.executor.cost = StepCostModel(message.step_costs)
+                    self.executor.cost = StepCostModel(message.step_costs, (message.moe_experts, message.moe_top_k))
                 if self.step_target_s is not None:
                     assert self.executor.cost is not None
-                    w0, w1, w2 = self.executor.cost.weights
+                    w0, w1, w2, w3 = self.executor.cost.weights
                     log.info("step-time bound", extra={"fields": {
                         "max_step_ms": round(self.step_target_s * 1000, 1), "ms_per_step": round(w0 * 1000, 2),
-                        "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4)}})
+                        "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4),
+                        "ms_per_expert_read": round(w3 * 1000, 4)}})
                 log.info("worker ready", extra={"fields": {
                     "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
                     "max_context": message.max_context, "policy": self.config.policy,
@@ -257,7 +258,9 @@ class SchedulerLoop:
                                         steps_target_out_of_reach=self._steps_out_of_reach,
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio,
                                         spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
-                                        spec_accepted_tokens=self._spec_counts[2], **self._cache_stats()))
+                                        spec_accepted_tokens=self._spec_counts[2],
+                                        expert_load=self.executor.expert_load, **self._cache_stats()))
+        self.executor.expert_load = None
         self._spec_counts = [0, 0, 0]
         self._batch_sizes = []
         self._preemptions = 0

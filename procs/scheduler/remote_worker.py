@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.executor import ExecutorError
 from procs.scheduler.step_cost import StepCostModel
@@ -35,6 +37,7 @@ class RemoteWorker:
         self.rt = rt
         self.step_timeout_s = step_timeout_s
         self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
+        self.expert_load: np.ndarray | None = None  # routed tokens per MoE layer and expert, until taken
         self._sent: dict[int, float] = {}  # step -> when it was sent
         self._last_result = 0.0  # when the previous result came back: a queued step starts then
 
@@ -56,6 +59,9 @@ class RemoteWorker:
                 if result.step != batch.step:
                     raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
                 self._last_result = now = time.monotonic()
+                if result.expert_load is not None:
+                    load = np.array(result.expert_load)  # a copy: the result's arrays are shared memory
+                    self.expert_load = load if self.expert_load is None else self.expert_load + load
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
                     # A draft model's proposing is its own cost, apart from the model's step.

@@ -4,12 +4,15 @@ sized to a time target (`--max-step-ms`) instead of a fixed token budget.
 A step's wall time (as the scheduler waits for it: the worker's forward and sampling, and the
 sockets) is modelled as
 
-    seconds = w0 + w1 * tokens + w2 * attention_pairs / 1000
+    seconds = w0 + w1 * tokens + w2 * attention_pairs / 1000 + w3 * experts_read
 
 `tokens` drive the linear layers and the LM head; `attention_pairs` (`shared.step_features`) drive
-attention. The weights come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted
-by least squares from the last measured steps, so the model follows the machine (a shared CPU, graph
-replay on a GPU). Sarathi-Serve picks its token budget from profiles for the same reason.
+attention; `experts_read` (a mixture-of-experts model's, 0 for a dense one) the expert weights a step
+reads, which grow with its tokens until every expert is read: a decode step of one token reads top_k
+experts, a step of many all of them, so an MoE step's cost is not linear in its tokens. The weights
+come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted by least squares
+from the last measured steps, so the model follows the machine (a shared CPU, graph replay on a GPU).
+Sarathi-Serve picks its token budget from profiles for the same reason.
 
 A least-squares fit predicts a step's mean time, and a bound is about the slow steps: each step with
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
@@ -22,12 +25,13 @@ Prefill never gets less than a share of a step, at least what keeps up with the 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from shared.step_features import attention_pairs
+from shared.step_features import attention_pairs, experts_read
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits
@@ -91,9 +95,10 @@ class PrefillDemand:
 
 
 class StepCostModel:
-    def __init__(self, probe: Sequence[tuple[int, float, float]]) -> None:
+    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0)) -> None:
         """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
-        different token counts)."""
+        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense."""
+        self.experts = experts
         self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
@@ -105,8 +110,8 @@ class StepCostModel:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
 
     def predict(self, tokens: float, pairs: float) -> float:
-        w0, w1, w2 = self.weights
-        return w0 + w1 * tokens + w2 * pairs / 1000
+        w0, w1, w2, w3 = self.weights
+        return w0 + w1 * tokens + w2 * pairs / 1000 + w3 * experts_read(tokens, *self.experts)
 
     def prefill_s(self, tokens: float, pairs: float) -> float:
         """What these tokens add to a step, beyond its fixed cost."""
@@ -160,9 +165,9 @@ class StepCostModel:
         in a batch big enough to be compute-bound."""
         if decode_rows <= 0:
             return 0.0
-        _, w1, w2 = self.weights
-        per_token = w1 + w2 * decode_pairs / decode_rows / 1000 + self.draft_token_s
-        return per_token * decode_rows / max(self.predict(decode_rows, decode_pairs), 1e-9)
+        step_s = self.predict(decode_rows, decode_pairs)
+        added_s = self.predict(decode_rows + 1, decode_pairs * (1 + 1 / decode_rows)) - step_s  # an average row's
+        return (added_s + self.draft_token_s) * decode_rows / max(step_s, 1e-9)
 
     def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,
                            limit: int) -> int:
@@ -181,23 +186,25 @@ class StepCostModel:
                 high = mid - 1
         return low
 
-    @staticmethod
-    def _fit(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    def _fit(self, rows: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
         """Least squares with non-negative weights (a cost never shrinks as work grows) and a positive
-        per-token cost: the best fit over the subsets of {base, attention} kept beside tokens (an
-        exact non-negative least squares for three weights). None when no subset fits."""
+        per-token cost: the best fit over the subsets of {base, attention, experts} kept beside tokens (an
+        exact non-negative least squares for these few weights). None when no subset fits."""
         data = np.asarray(rows, dtype=np.float64)
         if data.shape[0] < 2 or np.ptp(data[:, 0]) == 0:
             return None
-        columns = np.column_stack([np.ones(data.shape[0]), data[:, 0], data[:, 1] / 1000])
+        experts = [experts_read(t, *self.experts) for t in data[:, 0]]
+        columns = np.column_stack([np.ones(data.shape[0]), data[:, 0], data[:, 1] / 1000, experts])
+        optional = [0, 2, 3] if self.experts[0] else [0, 2]
         best: tuple[float, np.ndarray] | None = None
-        for kept in ([0, 1, 2], [1, 2], [0, 1], [1]):
+        for kept in (sorted([1, *chosen]) for size in range(len(optional), -1, -1)
+                     for chosen in itertools.combinations(optional, size)):
             solution, *_ = np.linalg.lstsq(columns[:, kept], data[:, 2], rcond=None)
             if solution.min() < 0 or solution[kept.index(1)] <= 0:
                 continue
-            weights = np.zeros(3)
+            weights = np.zeros(4)
             weights[kept] = solution
             residual = float(np.square(columns @ weights - data[:, 2]).sum())
             if best is None or residual < best[0]:
                 best = (residual, weights)
-        return None if best is None else (float(best[1][0]), float(best[1][1]), float(best[1][2]))
+        return None if best is None else tuple(float(w) for w in best[1])  # type: ignore[return-value]
