@@ -29,6 +29,7 @@ from kernels.panel_linear import PanelWeight
 from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker import model_runner
 from procs.worker.models import layers
+from procs.worker.models.moe import SparseMoeBlock
 from procs.worker.model_runner import GREEDY, ModelRunner
 from shared.config import DEFAULT_MODEL, QUANTIZATIONS
 from kernels.sampling import sample_batch
@@ -186,15 +187,17 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     attention, model = runner.attention, runner.model
-    saved = (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear)
+    saved = (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear, SparseMoeBlock.__call__)
     attention.forward = timers.wrap(f"attention (KV write + attend, {attention.name} backend)", attention.forward)
     model.lm_head_logits = timers.wrap("LM head", model.lm_head_logits)
     model_runner.sample_batch = timers.wrap("sampling", model_runner.sample_batch)
     layers.linear = timers.wrap("linear layers (qkv, o, gate_up, down)", layers.linear)
+    SparseMoeBlock.__call__ = timers.wrap("mixture of experts (router, top-k, experts)", SparseMoeBlock.__call__)
     try:
         yield
     finally:
-        attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear = saved
+        (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear,
+         SparseMoeBlock.__call__) = saved
 
 
 def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:

@@ -12,8 +12,8 @@
 # Developer sequence (the device `run` tool), normally ONE run:
 #   here:   tests/gpu/stage.sh                       # prints the total; keep it under ~55 MiB
 #   run:    command "bash tests/gpu/check.sh", carry [".gpu_stage"], timeout_s 560
-#   files:  $OUT/check.log (everything below), check_gpu.json, serve.log, bench_c1.json, bench_c32.json,
-#           check_gpu_tp.json (with >= 2 GPUs)
+#   files:  $OUT/check.log (everything below), check_gpu.json, check_gpu_moe.json, serve.log, bench_c1.json,
+#           bench_c32.json, check_gpu_tp.json (with >= 2 GPUs)
 # Fallback with the FULL flashinfer wheel (if the slim tree turns out to miss something), two runs,
 # the second started at once after the first returns (the box keeps its files ~30 s):
 #   here:   tests/gpu/stage.sh --no-flashinfer; tests/gpu/stage.sh --flashinfer-part 1; tests/gpu/stage.sh --flashinfer-part 2
@@ -38,14 +38,18 @@
 #      `auto` is with a CUDA worker), then `batchserve bench` at
 #      concurrency 1 and 32 (request counts from step 4's decode rates, ~10-15 s each);
 #   6. pytest tests/gpu/test_cuda_decode.py;
+#   4b. a mixture of experts: the same random model as a Qwen3-MoE (tests/gpu/random_model.py --moe: 8
+#      experts of 768, top 2), check_gpu.py on it: the MoE layers' grouped experts (torch._grouped_mm over
+#      tokens sorted by expert, bf16) under graph capture, eager and on the torch backend, and their decode
+#      tokens/s at batch 1/8/32/64;
 #   7. tensor parallelism, with >= 2 GPUs: a random model of the default model's shape but 8/4 heads
 #      (its 9 query and 3 KV heads do not split over 2 ranks), check_gpu.py --tp-only --tp 2: TP=2
 #      (cuda:0 and cuda:1, NCCL) greedy tokens against TP=1 (ties as in step 4), decode tokens/s of
 #      both; with one GPU it prints "TP=2 check: SKIPPED: ..." and records SKIP.
 #
 # Without CUDA (or with --dry-run) it runs what the CPU can: a 2-layer random model of the same shape
-# (built-in config, no stage needed, nothing downloaded), check_gpu.py --device cpu with small sizes,
-# then the TP=2 check on the CPU (2 ranks, gloo; a 2-layer 8/4-heads model), then stops with
+# (built-in config, no stage needed, nothing downloaded), check_gpu.py --device cpu with small sizes, the
+# same for its mixture-of-experts twin, then the TP=2 check on the CPU (2 ranks, gloo; a 2-layer 8/4-heads model), then stops with
 # "no CUDA: stopping before the CUDA-only steps" and exit 0 (CI runs this, about a minute).
 #
 # Usage: tests/gpu/check.sh [--dry-run] [--store-part] [--budget SECONDS] [-- check_gpu.py options]
@@ -147,6 +151,12 @@ if [ $DRY = 1 ]; then
         --requests 5 --graph-max-bs 2 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 --warmup-steps 1 \
         --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --kv-capacity --tolerate-ties \
         --json "$WORK/check_gpu.json" "${CHECK_ARGS[@]}"
+    run_step "moe model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py "$WORK/model-moe" --layers 2 --moe \
+        --dtype bfloat16 --device cpu \
+        && run_step "check_gpu.py moe (cpu)" 120 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-moe" \
+            --device cpu --requests 5 --graph-max-bs 2 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 \
+            --warmup-steps 1 --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --tolerate-ties \
+            --json "$WORK/check_gpu_moe.json"
     tp_config "$WORK/tp_config.json" && run_step "tp model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py \
         "$WORK/model-tp" --config "$WORK/tp_config.json" --layers 2 --dtype bfloat16 --device cpu \
         && run_step "check_gpu.py tp2 (cpu)" 180 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-tp" \
@@ -264,6 +274,14 @@ rm -f "$JSON"
 run_step "check_gpu.py" "$(cap 150 90)" "$PYTHON" tests/gpu/check_gpu.py --model "$MODEL" --requests 12 \
     --graph-max-bs 8 --tolerate-ties --kv-capacity --json "$JSON" "${CHECK_ARGS[@]}"
 [ -n "${OUT:-}" ] && [ -f "$JSON" ] && cp "$JSON" "$OUT/"
+
+# -- 4b. a mixture of experts ---------------------------------------------------------------------------
+MOE_JSON=$WORK/check_gpu_moe.json
+rm -f "$MOE_JSON"
+run_step "moe model" "$(cap 90 200)" "$PYTHON" tests/gpu/random_model.py "$WORK/model-moe" "${model_args[@]}" --moe \
+    && run_step "check_gpu.py moe" "$(cap 120 150)" "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-moe" \
+        --requests 12 --graph-max-bs 8 --tolerate-ties --json "$MOE_JSON"
+[ -n "${OUT:-}" ] && [ -f "$MOE_JSON" ] && cp "$MOE_JSON" "$OUT/"
 
 # -- 5. serving run --------------------------------------------------------------------------------------
 SERVER_PID=""

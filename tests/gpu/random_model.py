@@ -8,8 +8,12 @@ model's config.json, staged by tests/gpu/stage.sh) or, without it, from the copy
 shrinks it (the CPU dry run). `--tokenizer-dir` copies tokenizer and generation files beside the
 weights (never config.json or weights); without them the check uses random prompts.
 
+`--moe` makes it a mixture of experts of the same shape: Qwen3-MoE's architecture (q/k norms per head),
+8 experts of intermediate 768, top 2, renormalised (the default model's MLP of 1536 is two of them), its
+routers scaled up so that bf16 rounding rarely flips a top-k choice.
+
 Usage: python tests/gpu/random_model.py OUT_DIR [--config config.json] [--tokenizer-dir DIR]
-           [--layers N] [--dtype bfloat16] [--device cuda] [--seed 0]
+           [--layers N] [--moe] [--dtype bfloat16] [--device cuda] [--seed 0]
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ SMOLLM2_135M = {
 # Copied from --tokenizer-dir: everything but these (config and weights come from here).
 SKIP_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SKIP_NAMES = {"config.json", "model.safetensors.index.json"}
+MOE_FIELDS = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 768, "norm_topk_prob": True}
+ROUTER_SCALE = 10.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, help="a config.json (default: SmolLM2-135M's shape, built in)")
     parser.add_argument("--tokenizer-dir", type=Path, help="copy tokenizer/generation files from here")
     parser.add_argument("--layers", type=int, default=0, help="num_hidden_layers (0: the config's)")
+    parser.add_argument("--moe", action="store_true", help="a mixture of experts of the same shape (Qwen3-MoE)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     parser.add_argument("--device", default="cpu", help="where the random init runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -56,11 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         fields.pop(key, None)
     if args.layers:
         fields["num_hidden_layers"] = args.layers
+    if args.moe:
+        fields.update(MOE_FIELDS)
     model_type = fields.pop("model_type", "llama")
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config)
+    if args.moe:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.mul_(ROUTER_SCALE)
     model = model.to(getattr(torch, args.dtype)).eval()
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
