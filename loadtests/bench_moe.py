@@ -14,6 +14,7 @@ steps as the scheduler fits it, predicts steps of either model it has not seen.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,17 @@ def build(out_dir: Path, moe: bool, layers: int, experts: int, top_k: int, exper
     return out_dir
 
 
+BATCHED_MM_LIMIT = 6 * 2**30  # bytes of gathered expert weights batched_mm may take (the machine has 24 GiB)
+
+
+def batched_mm_bytes(model_dir: Path, tokens: int) -> int:
+    """What transformers' batched_mm experts gather for a step of `tokens`: each (token, choice) pair's
+    expert weights (gate | up and down), fp32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    per_pair = 3 * config["hidden_size"] * config["intermediate_size"] * 4
+    return tokens * config["num_experts_per_tok"] * per_pair
+
+
 def fastest_transformers(model_dir: Path, prompts: list[list[int]], steps: int, repeats: int,
                          implementations: tuple[str, ...]) -> tuple[str, tuple[float, float, list[list[int]]]]:
     """(implementation, its best run) over transformers' experts implementations, each loaded in turn."""
@@ -56,6 +68,11 @@ def fastest_transformers(model_dir: Path, prompts: list[list[int]], steps: int, 
 
     best: tuple[str, tuple[float, float, list[list[int]]]] | None = None
     for name in implementations:
+        gathered = batched_mm_bytes(model_dir, len(prompts) * len(prompts[0]))
+        if name == "batched_mm" and gathered > BATCHED_MM_LIMIT:
+            print(f"  (transformers' batched_mm skipped at {len(prompts)} x {len(prompts[0])} prompt tokens: it "
+                  f"gathers the chosen experts' weights per token, {gathered / 2**30:.0f} GiB here)")
+            continue
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation=name)
         model.eval()
         run_transformers(model, prompts[:1], 2)  # warm-up
@@ -98,14 +115,14 @@ def prefill_table(runners: dict[str, ModelRunner], moe_dir: Path, prompts_for, a
 
 
 def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
-    """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen."""
-    print("\nstep-cost model: |predicted / measured - 1| on unseen steps (probe + 64 live steps fitted, as the "
-          "scheduler fits them)")
-    print(f"  {'model':>6} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
+    """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen;
+    for the MoE model also fitted without its experts-read term (tokens and attention alone)."""
+    print("\nstep-cost model: |predicted / measured - 1| on unseen steps, mean (probe + 64 live steps fitted, "
+          "as the scheduler fits them)")
+    print(f"  {'model':>24} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
     rng = np.random.default_rng(1)
     for name, runner in runners.items():
         moe = runner.config.moe
-        cost = StepCostModel(runner.probe_step_costs(), (moe.num_experts, moe.top_k) if moe else (0, 0))
 
         def measured(decodes: int, chunk: int) -> tuple[int, float, float]:
             prefix, extend = [128] * decodes + ([0] if chunk else []), [1] * decodes + ([chunk] if chunk else [])
@@ -113,14 +130,21 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
             seconds = min(runner._timed(batch) for _ in range(2))
             return batch.num_tokens, attention_pairs(prefix, extend), seconds
 
-        for _ in range(64):  # live steps: a serving mix of decode batches and prefill chunks
-            cost.observe(*measured(int(rng.integers(1, 33)), int(rng.choice([0, 0, 32, 128]))))
+        probe = runner.probe_step_costs()
+        live = [measured(int(rng.integers(1, 33)), int(rng.choice([0, 0, 32, 128]))) for _ in range(64)]
         unseen = {"decode": [measured(b, 0) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
                   "mixed": [measured(b, c) for b in (2, 9, 24) for c in (16, 64, 200)]}
-        errors = {k: [abs(cost.predict(t, p) / s - 1) for t, p, s in v] for k, v in unseen.items()}
-        mean = lambda xs: 100 * float(np.mean(xs))
-        print(f"  {name:>6} {mean(errors['decode']):>11.1f}% {mean(errors['mixed']):>7.1f}% "
-              f"{mean(errors['decode'] + errors['mixed']):>7.1f}%", flush=True)
+        fits = {name: (moe.num_experts, moe.top_k) if moe else (0, 0)}
+        if moe:
+            fits["moe, no experts term"] = (0, 0)
+        for label, experts in fits.items():
+            cost = StepCostModel(probe, experts)
+            for step in live:
+                cost.observe(*step)
+            errors = {k: [abs(cost.predict(t, p) / s - 1) for t, p, s in v] for k, v in unseen.items()}
+            mean = lambda xs: 100 * float(np.mean(xs))
+            print(f"  {label:>24} {mean(errors['decode']):>11.1f}% {mean(errors['mixed']):>7.1f}% "
+                  f"{mean(errors['decode'] + errors['mixed']):>7.1f}%", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="transformers' experts_implementation choices to measure")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-step-cost", action="store_true")
+    parser.add_argument("--only-step-cost", action="store_true", help="measure only the step-cost model's error")
     args = parser.parse_args(argv)
     args.implementations = tuple(args.implementations.split(","))
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -159,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts_for = lambda b, n: rng.integers(100, 49152, size=(b, n)).tolist()
         for runner in runners.values():
             run_engine(runner, prompts_for(2, 16), 2)  # warm-up
-        decode_table(runners, dirs["moe"], prompts_for, args)
-        if not args.no_prefill:
+        if not args.only_step_cost:
+            decode_table(runners, dirs["moe"], prompts_for, args)
+        if not args.no_prefill and not args.only_step_cost:
             prefill_table(runners, dirs["moe"], prompts_for, args)
         if not args.no_step_cost:
             step_cost_table(runners, prompts_for, args)

@@ -219,17 +219,19 @@ def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
     experts_total, hidden, inter, top_k, rows = 8, 48, 24, 2, 37
     gate_up, down, (gate_up_bias, down_bias) = _random_experts(count, hidden, inter, bias, generator)
     router = torch.randn(experts_total, hidden, generator=generator)
+    router_bias = torch.randn(experts_total, generator=generator) if bias else None  # gpt-oss's router has one
     x = torch.randn(rows, hidden, generator=generator)
     packed = pack_experts(gate_up, down, gate_up_bias, down_bias, first=first, quantization=quantization)
     load = torch.zeros(experts_total, dtype=torch.int64)
-    block = NativeMoeBlock(pack_panels(router), None, packed, None, top_k=top_k, renormalize=True, load=load)
+    block = NativeMoeBlock(pack_panels(router), router_bias, packed, None, top_k=top_k, renormalize=True,
+                           load=load)
     got = block(x)
     if quantization == "int8":  # the reference on the weights the panels stand for
         gate_up = torch.stack([packed.gate_up.expert(e).unpacked() for e in range(count)])
         down = torch.stack([packed.down.expert(e).unpacked() for e in range(count)])
     plain = pack_experts(gate_up, down, gate_up_bias, down_bias, first=first, quantization="none")
     plain = type(plain)(gate_up, down, gate_up_bias, down_bias, first=first, count=count, intermediate=inter)
-    weights, ids = route(x @ router.T, top_k, renormalize=True)
+    weights, ids = route(torch.nn.functional.linear(x, router, router_bias), top_k, renormalize=True)
     expected = experts_forward(x, ids, weights, plain)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     reference_load = torch.zeros(experts_total, dtype=torch.int64)

@@ -268,9 +268,11 @@ class ModelRunner:
         n = len(extend_lens)
         positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).astype(np.int32)
         empty = np.zeros(0, dtype=np.int32)
+        # tokens spread over the vocabulary: a mixture of experts routes them apart, as real prompts are
+        ids = ((np.arange(positions.shape[0], dtype=np.int64) * 7919 + 11) % self.vocab_size).astype(np.int32)
         return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
                             sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
-                            input_ids=np.ones(positions.shape[0], dtype=np.int32), positions=positions,
+                            input_ids=ids, positions=positions,
                             kv_locs=positions % self.page_size, page_table_slots=empty, page_table_cols=empty,
                             page_table_pages=empty)
 

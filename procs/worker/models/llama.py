@@ -134,7 +134,7 @@ class LlamaModel:
         # a norm per head is the same on every rank; over the projection, each rank takes its heads' share
         norm_rows = lambda rows: rows if cfg.qk_norm == "projection" else None
         if sparse:
-            block: Mlp = take_moe_block(take, layer, self.EXPERT_NAMES, cfg.moe, tp)
+            block: Mlp = take_moe_block(take, layer, self.EXPERT_NAMES, cfg.moe, cfg.hidden_size, tp)
         else:
             block = GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
                                          cfg.mlp_bias),

@@ -145,11 +145,9 @@ class SparseMoeBlock:
         return self.tp.all_reduce(out)
 
 
-def take_moe_block(take: WeightTaker, layer: str, names: ExpertNames, config: MoEConfig,
+def take_moe_block(take: WeightTaker, layer: str, names: ExpertNames, config: MoEConfig, hidden: int,
                    tp: TensorParallel) -> SparseMoeBlock:
     """Layer `layer`'s block (prefix `model.layers.{i}.`), this rank's share of it."""
-    hidden = take.shape(f"{layer}{FUSED_BLOCK}gate.weight" if take.has(f"{layer}{FUSED_BLOCK}gate.weight")
-                        else f"{layer}{names.block}gate.weight")[1]
     experts, inter = expert_shard(config, tp)
     if take.has(f"{layer}{FUSED_BLOCK}experts.gate_up_proj"):
         block = FUSED_BLOCK
