@@ -117,19 +117,17 @@ def test_eos_and_sizes_from_config(tiny_model_dir):
     assert runner.kv_cache.page_table.shape == (4, 8)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
-    """Beyond argmax: the logits themselves agree (fp32) for a packed batch of prompts."""
+def assert_last_token_logits_close(model_dir, runner: ModelRunner) -> list[list[int]]:
+    """The runner's logits of a packed batch of prompts' last tokens within 1e-4 of transformers' (fp32);
+    the prompts."""
     from transformers import AutoModelForCausalLM
 
     from model_batches import _Request, _plan
 
-    model_dir = tiny_model_dir(**MODELS[model])
     prompts = _prompts(320, seed=2)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts])
-    runner = ModelRunner(model_dir, device="cpu", page_size=4, kv_capacity_tokens=512, max_running_requests=8)
     requests = [_Request(p, 0, slot=i) for i, p in enumerate(prompts)]
     batch = _plan(0, [(r, r.prompt, True) for r in requests], runner.page_size,
                   list(range(runner.kv_cache.num_pages - 1, 0, -1)))
@@ -137,6 +135,15 @@ def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
     with torch.inference_mode():
         logits = runner.forward_logits(batch)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    return prompts
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
+    """Beyond argmax: the logits themselves agree (fp32) for a packed batch of prompts."""
+    model_dir = tiny_model_dir(**MODELS[model])
+    assert_last_token_logits_close(model_dir, ModelRunner(model_dir, device="cpu", page_size=4,
+                                                          kv_capacity_tokens=512, max_running_requests=8))
 
 
 def test_mistral_window_as_long_as_the_context_matches_transformers(tiny_model_dir):

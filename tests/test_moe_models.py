@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_batches import _plan, _Request, generate_greedy
+from model_batches import generate_greedy
 from procs.worker.model_runner import ModelRunner
 from shared.model import ModelLoadError
-from test_model_equivalence import SCHEDULES, _prompts, transformers_greedy
+from test_model_equivalence import SCHEDULES, _prompts, assert_last_token_logits_close, transformers_greedy
 
 NEW_TOKENS = 24
 MODELS = {
@@ -91,21 +91,9 @@ def test_torch_only_path_matches_transformers(references, model, monkeypatch):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
-    from transformers import AutoModelForCausalLM
-
     model_dir = tiny_model_dir(**MODELS[model])
-    prompts = _prompts(320, seed=2)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        expected = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts])
     runner = _runner(model_dir)
-    requests = [_Request(p, 0, slot=i) for i, p in enumerate(prompts)]
-    batch = _plan(0, [(r, r.prompt, True) for r in requests], runner.page_size,
-                  list(range(runner.kv_cache.num_pages - 1, 0, -1)))
-    runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
-    with torch.inference_mode():
-        logits = runner.forward_logits(batch)
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    prompts = assert_last_token_logits_close(model_dir, runner)
     # every token went to top_k experts of every sparse layer
     blocks = [layer.mlp for layer in runner.model.layers if hasattr(layer.mlp, "load")]
     assert blocks and all(int(b.load.sum()) == sum(map(len, prompts)) * 2 for b in blocks)

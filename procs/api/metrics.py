@@ -53,6 +53,30 @@ PROTOCOL_ALIASES = {"batchserve_num_requests_waiting": "vllm:num_requests_waitin
                     "batchserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc"}
 
 
+class ExpertLoadMetrics:
+    """A mixture of experts' load: one histogram and one gauge of imbalance, whatever its layers and experts."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.routed = Counter("batchserve_moe_routed_tokens", "Token-to-expert assignments in MoE layers", registry=r)
+        self.imbalance = Histogram("batchserve_moe_expert_load_imbalance",
+                                   "Per MoE layer and interval: the busiest expert's tokens / the mean's",
+                                   buckets=_IMBALANCE_BUCKETS, registry=r)
+        self.max_imbalance = Gauge("batchserve_moe_max_expert_load_imbalance",
+                                   "The most imbalanced MoE layer of the last interval (busiest / mean)", registry=r)
+
+    def observe(self, load: np.ndarray) -> None:
+        """load [layers, experts]: tokens routed to each expert since the last stats message."""
+        routed = load.sum(axis=1)
+        layers = routed > 0
+        if not layers.any():
+            return
+        self.routed.inc(float(routed.sum()))
+        imbalance = load[layers].max(axis=1) / (routed[layers] / load.shape[1])
+        for value in imbalance:
+            self.imbalance.observe(float(value))
+        self.max_imbalance.set(float(imbalance.max()))
+
+
 class ApiMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -95,14 +119,7 @@ class ApiMetrics:
         self.cache_referenced = Gauge("batchserve_prefix_cache_referenced_pages",
                                       "Prefix-cache pages used by running requests (the rest can be evicted)",
                                       registry=r)
-        self.moe_routed = Counter("batchserve_moe_routed_tokens", "Token-to-expert assignments in MoE layers",
-                                  registry=r)
-        self.moe_imbalance = Histogram("batchserve_moe_expert_load_imbalance",
-                                       "Per MoE layer and interval: the busiest expert's tokens / the mean's",
-                                       buckets=_IMBALANCE_BUCKETS, registry=r)
-        self.moe_max_imbalance = Gauge("batchserve_moe_max_expert_load_imbalance",
-                                       "The most imbalanced MoE layer of the last interval (busiest / mean)",
-                                       registry=r)
+        self.moe = ExpertLoadMetrics(r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -153,23 +170,11 @@ class ApiMetrics:
             self._spec_totals[1] += stats.spec_accepted_tokens
             self.spec_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
         if stats.expert_load is not None:
-            self._observe_expert_load(stats.expert_load)
+            self.moe.observe(stats.expert_load)
         for size in stats.batch_sizes:
             self.batch_size.observe(size)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
-
-    def _observe_expert_load(self, load: np.ndarray) -> None:
-        """load [layers, experts]: tokens routed to each expert since the last stats message."""
-        routed = load.sum(axis=1)
-        layers = routed > 0
-        if not layers.any():
-            return
-        self.moe_routed.inc(float(routed.sum()))
-        imbalance = load[layers].max(axis=1) / (routed[layers] / load.shape[1])
-        for value in imbalance:
-            self.moe_imbalance.observe(float(value))
-        self.moe_max_imbalance.set(float(imbalance.max()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

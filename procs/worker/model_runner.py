@@ -141,17 +141,23 @@ class ModelRunner:
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
         self._expert_load_sent = time.monotonic()
-        # Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
-        # where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path.
-        # Without graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode
-        # runs unpadded there unless pad_decode asks for it.
+        self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
+
+    def _graph_runner(self, disable_cuda_graph: bool, cuda_graph_max_bs: int,
+                      pad_decode: bool | None) -> DecodeGraphRunner | None:
+        """Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
+        where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path. Without
+        graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode runs unpadded
+        there unless pad_decode asks for it."""
         if cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
         padded = DecodeGraphRunner.can_capture(self.attention) if pad_decode is None else pad_decode
         padded = bool(self.tp.min_int(int(padded)))  # padding changes the collectives' shapes: all ranks or none
-        self.graph_runner: DecodeGraphRunner | None = None if disable_cuda_graph or not padded else DecodeGraphRunner(
-            self.model, self.attention, self.kv_cache,
-            max_batch_size=min(cuda_graph_max_bs or max_running_requests, max_running_requests))
+        if disable_cuda_graph or not padded:
+            return None
+        most = self.max_running_requests
+        return DecodeGraphRunner(self.model, self.attention, self.kv_cache,
+                                 max_batch_size=min(cuda_graph_max_bs or most, most))
 
     def _agreed_backend(self, name: str) -> str:
         """`name` resolved ("auto": by what this machine has), the same on every rank: each runs the same

@@ -217,7 +217,8 @@ class LlamaModel:
                       for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
             self._decode_layers = (attention, DecodeLayers(
                 layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                intermediate=cfg.intermediate_size, page_size=cache.page_size, eps=cfg.rms_norm_eps,
+                intermediate=0 if self.intermediate is None else cfg.intermediate_size,  # 0: every layer MoE
+                page_size=cache.page_size, eps=cfg.rms_norm_eps,
                 scale=attention.scale, whole_qk_norm=cfg.qk_norm == "projection", clip_qkv=cfg.clip_qkv or 0.0))
         return self._decode_layers[1]
 
