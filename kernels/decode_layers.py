@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import native
-from kernels.moe import NativeMoeBlock, ProjectionStruct
+from kernels.moe import NativeMoeBlock, ProjectionStruct, projection
 from kernels.panel_linear import PanelWeight
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -65,13 +65,11 @@ def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
 
 def _projection(weight: PanelWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int,
                 name: str) -> ProjectionStruct:
-    if weight is None:
-        return ProjectionStruct(None, None, None)
-    if weight.packed.shape[1] != in_features or weight.out_features != out_features:
+    if weight is not None and (weight.packed.shape[1] != in_features or weight.out_features != out_features):
         raise ValueError(f"{name}: panels for [{weight.out_features}, {weight.packed.shape[1]}], "
                          f"expected [{out_features}, {in_features}]")
-    scale = weight.scale.data_ptr() if weight.scale is not None else None
-    return ProjectionStruct(weight.packed.data_ptr(), scale, _fp32_vector(bias, out_features, f"{name} bias"))
+    _fp32_vector(bias, out_features, f"{name} bias")
+    return projection(weight, bias)
 
 
 def _moe_block(t: LayerTensors, hidden: int, i: int) -> int | None:

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_batches import generate_greedy
+from native_marks import requires_native_kernels
 from procs.worker.model_runner import ModelRunner
 from shared.model import ModelLoadError
 from test_model_equivalence import SCHEDULES, _prompts, assert_last_token_logits_close, transformers_greedy
@@ -193,16 +194,14 @@ def _random_experts(count: int, hidden: int, inter: int, bias: bool, generator: 
     return gate_up, down, biases
 
 
+@requires_native_kernels
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("first,count", [(0, 8), (2, 3)])
 def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
-    from kernels import native
-    from kernels.moe import NativeMoeBlock, count_load, experts_forward, pack_experts, route
+    from kernels.moe import Experts, NativeMoeBlock, count_load, experts_forward, pack_experts, route
     from kernels.panel_linear import pack_panels
 
-    if not native.available():
-        pytest.skip("needs the C kernels")
     generator = torch.Generator().manual_seed(3)
     experts_total, hidden, inter, top_k, rows = 8, 48, 24, 2, 37
     gate_up, down, (gate_up_bias, down_bias) = _random_experts(count, hidden, inter, bias, generator)
@@ -217,8 +216,7 @@ def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
     if quantization == "int8":  # the reference on the weights the panels stand for
         gate_up = torch.stack([packed.gate_up.expert(e).unpacked() for e in range(count)])
         down = torch.stack([packed.down.expert(e).unpacked() for e in range(count)])
-    plain = pack_experts(gate_up, down, gate_up_bias, down_bias, first=first, quantization="none")
-    plain = type(plain)(gate_up, down, gate_up_bias, down_bias, first=first, count=count, intermediate=inter)
+    plain = Experts(gate_up, down, gate_up_bias, down_bias, first=first, count=count, intermediate=inter)
     weights, ids = route(torch.nn.functional.linear(x, router, router_bias), top_k, renormalize=True)
     expected = experts_forward(x, ids, weights, plain)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -21,12 +21,6 @@ static inline void norm_row(const float *restrict x, const float *restrict weigh
     for (d = 0; d < dim; d++) out[d] = weight[d] * (x[d] * inv_rms);
 }
 
-/* out [rows, dim] = RMSNorm of each (possibly strided) row of x. */
-void rms_norm(const float *restrict x, int64_t rows, int64_t x_stride, const float *restrict weight, int64_t dim,
-              float eps, float *restrict out) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, weight, dim, eps, out + r * dim);
-}
 
 /* The residual stream's step: x += residual (in place, rows of x contiguous [rows, dim]), then
  * out = RMSNorm(x). One pass instead of an add and a norm. */
@@ -50,4 +44,10 @@ void rms_norm_groups(const float *restrict x, int64_t rows, int64_t x_stride, in
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++)
             norm_row(x + r * x_stride + g * dim, weight, dim, eps, out + r * out_stride + g * dim);
+}
+
+/* out [rows, dim] = RMSNorm of each (possibly strided) row of x. */
+void rms_norm(const float *restrict x, int64_t rows, int64_t x_stride, const float *restrict weight, int64_t dim,
+              float eps, float *restrict out) {
+    rms_norm_groups(x, rows, x_stride, 1, dim, weight, eps, out, dim);
 }
