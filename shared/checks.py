@@ -1,6 +1,6 @@
 """Request checks made in more than one place, written once: the api and `batchserve generate` check
-sampling parameters with `check_sampling`; the tokenizer settles `max_tokens` with
-`settle_max_tokens` (the api calls it too, with what it knows before tokenizing, to refuse early).
+sampling parameters with `check_sampling`. (`max_tokens` is settled in one place, the tokenizer:
+`procs.tokenizer.prompts.settle_max_tokens`.)
 
 Also every limit on what a request may ask for, as named constants (stop sequences, grammar sizes
 and repetition bounds: `shared.grammar` checks those), and the bound on a prompt's length in
@@ -21,7 +21,6 @@ MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
 PRIORITY_RANGE = (-2**31, 2**31 - 1)  # a 32-bit integer, as vLLM's (lower first)
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat: the context left
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
@@ -44,29 +43,6 @@ def check_priority(priority: int) -> None:
     low, high = PRIORITY_RANGE
     if not low <= priority <= high:
         raise Refusal(f"priority must be a 32-bit integer, in [-2**31, 2**31 - 1] (got {priority})", "priority")
-
-
-def settle_max_tokens(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,
-                      prompt_param: str = "prompt") -> int:
-    """The request's max_tokens: the client's (`given`, from field `param`) if it fits the context
-    beside a `prompt_len`-token prompt, else a `Refusal`; not given: 16 for a completion, the
-    context left for a chat, either lowered to what the prompt leaves."""
-    if prompt_len >= max_context:
-        raise Refusal(f"This model's maximum context length is {max_context} tokens; the prompt has "
-                         f"{prompt_len} tokens, which leaves no room for a completion.", prompt_param)
-    room = max_context - prompt_len
-    if given is None:
-        return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    if given < 1:
-        raise Refusal(f"{param} must be at least 1 (got {given})", param)
-    if given > room:
-        if prompt_len == 0:  # the api's early check of a text prompt: its length is not known yet
-            raise Refusal(f"{param} ({given}) exceeds this model's maximum context length of "
-                             f"{max_context} tokens", param)
-        raise Refusal(f"This model's maximum context length is {max_context} tokens. However, you requested "
-                         f"{prompt_len + given} tokens ({prompt_len} in the prompt, {given} in the completion). "
-                         f"Please reduce the prompt or {param}.", param)
-    return given
 
 
 # ---- limits on what a request may ask for (the README's "Limits" table lists these)
@@ -189,7 +165,7 @@ def model_token_chars(model_dir: Path) -> int | None:
 def max_prompt_chars(max_context: int, token_chars: int | None) -> int | None:
     """The longest prompt text, in characters, that can still fit the context: a longer one has at
     least `max_context` tokens (none of which covers more than `token_chars` characters), so
-    `settle_max_tokens` would refuse it. None: no such bound is known."""
+    the tokenizer's `settle_max_tokens` would refuse it. None: no such bound is known."""
     return None if token_chars is None else max(max_context - 1, 0) * token_chars
 
 

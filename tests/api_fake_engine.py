@@ -7,7 +7,8 @@ import re
 from typing import AsyncIterator, Callable
 
 from procs.api.engine_client import PromptTokens
-from shared.checks import check_prompt_size, settle_max_tokens
+from procs.tokenizer.prompts import settle_max_tokens
+from shared.checks import check_prompt_size
 from shared.errors import Refusal
 from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, TokenLogprob, TopLogprob, Usage
 
@@ -29,7 +30,8 @@ class FakeEngine:
     `tokenize` answers a prompt's words (ids 1000 + position, as the prompt logprobs), `<s>` (id 1)
     first when special tokens are added; `detokenize` writes id t as "<t>" and refuses ids of
     `vocab_size` and up. Both record their calls in `tokenize_calls` / `detokenize_calls`. A prompt
-    longer than `max_prompt_chars` is refused by `generate` and `tokenize`, as the real client does.
+    longer than `max_prompt_chars` is refused by `generate` and `tokenize`, as the real client does;
+    `generate` settles max_tokens as the tokenizer does (its default, or its refusal).
     """
 
     def __init__(self, tokens: list[str] | None = None, *, delay: float = 0.0, first_delay: float = 0.0,
@@ -71,8 +73,13 @@ class FakeEngine:
         self.log.append(f"submit {request.rid}")
         self.received.set()
         try:
+            prompt_tokens = self._prompt_tokens(request)
             try:
                 check_prompt_size(request, self.max_prompt_chars, self.max_context)
+                max_tokens = settle_max_tokens(prompt_tokens, request.stop.max_tokens, request.max_tokens_param,
+                                               self.max_context, chat=request.messages is not None,
+                                               prompt_param="messages" if request.messages is not None else "prompt",
+                                               min_tokens=request.logits.min_tokens)
             except Refusal as exc:
                 yield RequestRejected(rid=request.rid, status=exc.status, message=exc.message, param=exc.param)
                 return
@@ -84,11 +91,8 @@ class FakeEngine:
                 status, message, param = self.reject
                 yield RequestRejected(rid=request.rid, status=status, message=message, param=param)
                 return
-            prompt_tokens = self._prompt_tokens(request)
             tokens = self.tokens if self.tokens_of is None else self.tokens_of(request)
-            # the tokenizer's default when the client gave none (16, or the context left for chat)
-            n = min(len(tokens), settle_max_tokens(prompt_tokens, request.stop.max_tokens, request.max_tokens_param,
-                                                   self.max_context, chat=request.messages is not None))
+            n = min(len(tokens), max_tokens)
             reason = "length" if n < len(tokens) else "stop"
             fail_after = self.fail_after if request.rid.endswith(self.fail_suffix) else None
             for i in range(n):

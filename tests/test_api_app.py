@@ -251,11 +251,6 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt[1]"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 129}, "max_tokens"),
-    ({"prompt": [1] * 100, "max_tokens": 29}, "max_tokens"),
-    ({"prompt": [1] * 128}, "prompt"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
@@ -288,8 +283,6 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user"}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"text": "a"}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
@@ -316,6 +309,37 @@ def _check_bad(path: str, cases):
                     assert err["param"] == param, (body, err)
                     assert err["message"]
         assert engine.requests == []  # nothing invalid reached the engine
+    run(go())
+
+
+# max_tokens against the context is settled by the tokenizer (the fake engine does it as the tokenizer
+# does): its refusal still reaches the client as a 400 naming the field, streamed or not.
+REFUSED_BY_THE_TOKENIZER = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "max_tokens", "max_tokens must be at least 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 128}, "max_tokens", "you requested 129 tokens"),
+    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 29}, "max_tokens", "(100 in the prompt, 29 in"),
+    ("/v1/completions", {"prompt": [1] * 128}, "prompt", "the prompt has 128 tokens"),
+    ("/v1/completions", {"prompt": [[1], [1] * 128]}, "prompt[1]", "the prompt has 128 tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "max_completion_tokens must be at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000},
+     "max_tokens", "Please reduce the prompt or max_tokens"),
+]
+
+
+def test_max_tokens_refused_by_the_tokenizer_is_a_400_naming_the_field():
+    async def go():
+        engine = FakeEngine()
+        async with api(engine) as client:
+            for path, body, param, message in REFUSED_BY_THE_TOKENIZER:
+                for stream in (False, True):
+                    resp = await client.post(path, json={**body, "stream": stream})
+                    assert resp.status == 400 and resp.content_type == "application/json", (body, await resp.text())
+                    err = (await resp.json())["error"]
+                    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, None), err
+                    assert message in err["message"], err
+        assert engine.requests  # the engine (its tokenizer) answered
     run(go())
 
 

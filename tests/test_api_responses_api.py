@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from api_fake_engine import FakeEngine
 from e2e_server import start_server
 from procs.api.app import HANDLERS_KEY, create_app
-from procs.api.responses_api import ResponseStore
+from procs.api.responses_store import ResponseStore
 from shared.config import ServerConfig
 from shared.messages import ChatMessage, ToolCall, ToolFunction
 
@@ -489,7 +489,10 @@ def test_bad_inputs_are_400_naming_the_field():
     wrong = [(fields, status, param, message) for (fields, expected), (status, param, message) in zip(BAD, answers)
              if (status, param) != (400, expected)]
     assert wrong == []
-    assert requests == []
+    # The api refuses all but max_output_tokens (its range, the context) and min_tokens against it, which
+    # the tokenizer settles (the fake engine as the tokenizer does): those reach the engine, refused there.
+    assert sorted(r.stop.max_tokens for r in requests) == [0, 2, 100_000], requests
+    assert {r.max_tokens_param for r in requests} == {"max_output_tokens"}
     messages = dict(zip([p for _, p in BAD], [m for _, _, m in answers]))
     assert "max_completion_tokens" not in messages["max_output_tokens"]  # chat's names never show
     assert "function" not in messages["tools[0].name"].split("tools[0].name")[0]

@@ -258,8 +258,7 @@ class ApiHandlers:
                         validate: Callable[..., ValidatedRequest],
                         shapes_cls: type[ResponseShapes]) -> web.StreamResponse:
         def prepare(body: bytes, rid: str) -> tuple[ValidatedRequest, ResponseShapes]:
-            validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name,
-                                 max_context=self.engine.max_context)
+            validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name)
             shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
                                 tool_names=validated.tool_names, reasoning=self.reasoning and endpoint == "chat")
             return validated, shapes

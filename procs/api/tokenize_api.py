@@ -92,11 +92,11 @@ class _TokenizeRoutes:
         engine = self.engine
         if query.prompt is not None:
             validated = validate_completion(CompletionRequest(model=query.model, prompt=query.prompt), rid=rid,
-                                            model_name=engine.model_name, max_context=engine.max_context)
+                                            model_name=engine.model_name)
         else:
             chat = ChatCompletionRequest(model=query.model, messages=query.messages or [], tools=query.tools,
                                          chat_template_kwargs=query.chat_template_kwargs)
-            validated = validate_chat(chat, rid=rid, model_name=engine.model_name, max_context=engine.max_context)
+            validated = validate_chat(chat, rid=rid, model_name=engine.model_name)
         return validated.requests[0]
 
 

@@ -4,10 +4,10 @@ Every refusal is a `Refusal(message, param)` (HTTP 400) naming the field, so not
 the engine. Defaults (as vLLM's):
 - sampling: temperature 1.0, top_p 1.0, top_k -1 (off), min_p 0.0, no seed.
 - max_tokens: sent only when the client gave it (with the field it came from: `max_tokens` or
-  `max_completion_tokens`); the tokenizer, which knows the prompt's length, applies the default
-  (completions: 16, the OpenAI legacy default; chat: the context left after the prompt) and the
-  context check (`shared.checks.settle_max_tokens`). The api makes the same check early with what
-  it knows without tokenizing (a token-id prompt's length; 0 for text).
+  `max_completion_tokens`); the tokenizer, which knows the prompt's length, settles it alone: the
+  default (completions: 16, the OpenAI legacy default; chat: the context left after the prompt), the
+  range and the context check (`procs.tokenizer.prompts.settle_max_tokens`). Its refusal reaches the
+  client as the same 400 naming the field, before any SSE starts (`app.py` waits for it).
 - logits: no penalties, biases or logprobs (`PLAIN_LOGITS`). logit_bias token ids are checked
   against the vocabulary by the tokenizer process, which knows it.
 A completion may carry a batch of prompts: one `GenerateRequest` each, `n` choices each (the app
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
-from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop, settle_max_tokens
+from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop
 from shared.errors import Refusal
 from shared.grammar import check_constraint_source, check_json_schema
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
@@ -74,7 +74,7 @@ class ValidatedRequest:
     tool_names: frozenset[str] = frozenset()
 
 
-def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
+def validate_completion(req: CompletionRequest, *, rid: str, model_name: str) -> ValidatedRequest:
     _check_common(req, model_name)
     n = _choices_per_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -84,16 +84,14 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
     echo = bool(req.echo)
     drop_generated = echo and req.max_tokens == 0
     sampling = _sampling(req)
-    prompts = []
     max_tokens = 1 if drop_generated else req.max_tokens
-    for param, prompt, prompt_ids in _prompts(req.prompt):
-        # The tokenizer's check, early: a text prompt counts 0 tokens until it is tokenized.
-        settle_max_tokens(len(prompt_ids) if prompt_ids is not None else 0, max_tokens, "max_tokens",
-                          max_context, chat=False, prompt_param=param)
-        prompts.append((prompt, prompt_ids))
+    prompts = [(prompt, prompt_ids) for _, prompt, prompt_ids in _prompts(req.prompt)]
     # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
-    logits = _logits(req, req.max_tokens, "max_tokens", logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    logits = _logits(req, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    if drop_generated and logits.min_tokens:
+        raise Refusal(f"min_tokens ({logits.min_tokens}) must be 0 with echo and max_tokens 0 (nothing is "
+                      f"generated)", "min_tokens")
     constraint = constraint_of(req)
     requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
                                 stop=_stop(req, max_tokens), arrival_time=time.time(),
@@ -104,7 +102,7 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str, ma
                             echo=echo, drop_generated=drop_generated)
 
 
-def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_context: int) -> ValidatedRequest:
+def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> ValidatedRequest:
     _check_common(req, model_name)
     n = _choices_per_prompt(req)
     if req.top_logprobs is not None:
@@ -131,9 +129,7 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str, max_
     given, param = req.max_completion_tokens, "max_completion_tokens"
     if given is None:
         given, param = req.max_tokens, "max_tokens"
-    settle_max_tokens(0, given, param, max_context, chat=True)  # the tokenizer's check, early
-    logits = _logits(req, given, param, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                     prompt_logprobs=None)
+    logits = _logits(req, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
     generate = GenerateRequest(
         rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, given),
         max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
@@ -310,9 +306,9 @@ def _token_prompt(ids: list[int], param: str) -> list[int]:
     return list(ids)
 
 
-def _logits(req: CommonRequestFields, max_tokens: int | None, max_tokens_param: str, *, logprobs: int | None,
-            prompt_logprobs: int | None) -> LogitsParams:
-    """Penalties, logit_bias and min_tokens as vLLM checks them; `max_tokens` is the client's, if given."""
+def _logits(req: CommonRequestFields, *, logprobs: int | None, prompt_logprobs: int | None) -> LogitsParams:
+    """Penalties, logit_bias and min_tokens as vLLM checks them (min_tokens against max_tokens: the
+    tokenizer, which settles max_tokens)."""
     presence = _penalty(req.presence_penalty, "presence_penalty")
     frequency = _penalty(req.frequency_penalty, "frequency_penalty")
     repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
@@ -321,9 +317,6 @@ def _logits(req: CommonRequestFields, max_tokens: int | None, max_tokens_param: 
     min_tokens = 0 if req.min_tokens is None else req.min_tokens
     if min_tokens < 0:
         raise Refusal(f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise Refusal(f"min_tokens ({min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
-                      "min_tokens")
     return LogitsParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
                         min_tokens=min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs)

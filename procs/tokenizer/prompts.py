@@ -4,6 +4,10 @@ Used by the tokenizer process; the offline engine can use the same class so that
 identically. `/tokenize` and `/detokenize` are answered here too (`inspect_ids`, `token_strs`,
 `detokenize`), with the very ids generation would use.
 
+`max_tokens` is settled here and only here (`settle_max_tokens`): this is the first process that knows
+the prompt's length. Every token id a request names is checked against the vocabulary here too
+(`_check_vocab`).
+
 A text too long for the context is refused without tokenizing all of it (`_encode`): at once when
 its length in characters proves it (`shared.checks.max_prompt_chars`), else after tokenizing
 leading pieces whose tokens already reach the context. A piece ends between two words (a letter,
@@ -18,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import llguidance
 import msgspec
@@ -27,7 +31,7 @@ import numpy as np
 from procs.tokenizer.grammars import GrammarCompiler
 from procs.tokenizer.tools import offered_tools, template_inputs
 from shared.chat_format import THINK_CLOSE, ChatFormat
-from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars, settle_max_tokens
+from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.messages import GenerateRequest, TokenizedRequest
@@ -41,6 +45,30 @@ PIECE_CHARS_PER_TOKEN = 8
 PIECE_BOUNDARY_SLACK = 2  # tokens a piece's count gives up for its start (see the module's text)
 _WORD_GAP = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # letter, space, letter: a cut goes before the space
 CHAT_TEMPLATE_RESERVED = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message")
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat: the context left
+
+
+def settle_max_tokens(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,
+                      prompt_param: str = "prompt", min_tokens: int = 0) -> int:
+    """The request's max_tokens: the client's (`given`, from field `param`) if it fits the context
+    beside a `prompt_len`-token prompt, else a `Refusal`; not given: 16 for a completion, the
+    context left for a chat, either lowered to what the prompt leaves. `min_tokens` may not exceed the
+    client's max_tokens (as vLLM checks it; a default only cuts the output short)."""
+    if prompt_len >= max_context:
+        raise Refusal(f"This model's maximum context length is {max_context} tokens; the prompt has "
+                      f"{prompt_len} tokens, which leaves no room for a completion.", prompt_param)
+    room = max_context - prompt_len
+    if given is None:
+        return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    if given < 1:
+        raise Refusal(f"{param} must be at least 1 (got {given})", param)
+    if given > room:
+        raise Refusal(f"This model's maximum context length is {max_context} tokens. However, you requested "
+                      f"{prompt_len + given} tokens ({prompt_len} in the prompt, {given} in the completion). "
+                      f"Please reduce the prompt or {param}.", param)
+    if min_tokens > given:
+        raise Refusal(f"min_tokens ({min_tokens}) must not exceed {param} ({given})", "min_tokens")
+    return given
 
 
 class PromptTokenizer:
@@ -111,9 +139,7 @@ class PromptTokenizer:
             return self._encode(text, bool(add_special_tokens), "messages"), "messages"
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise Refusal(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+            self._check_vocab(ids, "prompt")
             return ids, "prompt"
         if request.prompt is None or request.prompt == "":
             raise Refusal("prompt must not be empty", "prompt")
@@ -155,9 +181,7 @@ class PromptTokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         """`/detokenize`: the text of `ids` (special tokens kept), or a `Refusal` naming `tokens`."""
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise Refusal(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "tokens")
+        self._check_vocab(ids, "tokens")
         return self.tokenizer.decode(ids)
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
@@ -167,16 +191,11 @@ class PromptTokenizer:
         if n == 0:
             raise Refusal(f"{field} must not be empty", field)
         max_tokens = settle_max_tokens(n, request.stop.max_tokens, request.max_tokens_param, self.max_context,
-                                       chat=request.messages is not None, prompt_param=field)
+                                       chat=request.messages is not None, prompt_param=field,
+                                       min_tokens=request.logits.min_tokens)
         stop = msgspec.structs.replace(request.stop, max_tokens=max_tokens)
-        bad = [t for t in stop.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise Refusal(f"stop token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                          "stop_token_ids")
-        bad = [t for t in request.logits.logit_bias if not 0 <= t < self.vocab_size]
-        if bad:
-            raise Refusal(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                          "logit_bias")
+        self._check_vocab(stop.stop_token_ids, "stop_token_ids", "stop token id")
+        self._check_vocab(request.logits.logit_bias, "logit_bias", "logit_bias token id")
         logits = request.logits
         grammar = self._grammar(request)
         if grammar is not None:
@@ -185,6 +204,12 @@ class PromptTokenizer:
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
                                 logits=logits, priority=request.priority, speculative=request.speculative)
+
+    def _check_vocab(self, ids: Iterable[int], param: str, what: str = "token id") -> None:
+        """Refuse, naming `param`, the first of `ids` outside the vocabulary [0, vocab_size)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise Refusal(f"{what} {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
     def _thinking_end(self, prompt_ids: list[int]) -> int | None:
         """A thinking model's `</think>` token, when the answer will start by thinking: the grammar
