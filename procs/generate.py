@@ -3,6 +3,10 @@
     batchserve generate --prompt "Hello" --prompt "Hi there" --max-tokens 32 --json
     batchserve generate --chat --prompts-file prompts.jsonl --temperature 0 --policy prefill-first
     batchserve generate --tp 2 --prompt "Hello"      # the model split over 2 worker ranks (processes)
+    batchserve generate --speculative ngram --temperature 0 --prompt "Hello"
+
+The engine flags are `serve`'s own (`shared.config.ENGINE_FIELDS`: every setting but the api's, the
+replicas' and the processes'). With speculative decoding, stderr says how many proposed tokens were accepted.
 
 With `--json`, one line per prompt, in order:
 `{"prompt": ..., "token_ids": [...], "text": ..., "finish_reason": "stop"|"length"}`.
@@ -14,18 +18,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from procs.cli import CliError
 from shared.checks import check_sampling as check_sampling_params
-from shared.config import add_config_arguments, config_from_args
+from shared.config import ENGINE_FIELDS, add_config_arguments, config_from_args
 from shared.errors import Refusal
 
-ENGINE_FIELDS = ("model", "dtype", "quantization", "device", "max_context", "page_size", "kv_capacity_tokens", "kv_memory_gb",
-                 "kv_memory_fraction",
-                 "policy", "max_running_requests", "prefill_budget", "kv_reserve_ratio", "disable_prefix_cache",
-                 "attention_backend", "step_timeout_s",
-                 # tensor parallelism: this machine's ranks are started by the engine (procs/engine.py)
-                 "tensor_parallel_size", "nnodes", "dist_init_addr", "dist_timeout_s")
+if TYPE_CHECKING:
+    from procs.engine import OfflineEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", action="append", type=int, default=[], help="a stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
-    add_config_arguments(parser, only=ENGINE_FIELDS)
+    # Every engine setting `serve` takes, from the one list (shared.config.ENGINE_FIELDS).
+    add_config_arguments(parser.add_argument_group("engine (as `batchserve serve` takes them)"), only=ENGINE_FIELDS)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -77,6 +79,14 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise CliError(exc.message.replace("_", "-")) from None
 
 
+def _say_speculation(engine: OfflineEngine) -> None:
+    """With speculative decoding, one stderr line of what it did (stdout stays the completions)."""
+    method = engine.config.speculative
+    if method != "off":
+        print(f"batchserve generate: speculative {method}: {engine.accepted_tokens} of {engine.draft_tokens} "
+              f"proposed tokens accepted", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     from procs.engine import OfflineEngine, RankFailure, request
 
@@ -95,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         with OfflineEngine(config) as engine:  # closing stops the other tensor-parallel ranks
             completions = engine.generate(requests)
+            _say_speculation(engine)
     except Refusal as exc:
         raise CliError(f"{exc.param or 'prompt'}: {exc.message}") from None
     except RankFailure as exc:

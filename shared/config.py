@@ -200,6 +200,24 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         return cls.from_json(Path(path).read_bytes())
 
 
+# The settings of the server around the engine: the HTTP api, the replicas and their router, the five
+# processes (sockets, logs, drain), and overlap scheduling (the scheduler process pipelining steps to the
+# worker process; the offline engine runs one step at a time in one process). Every other field is an
+# engine setting, which `batchserve generate` takes as `serve` does: a new field is one unless named here.
+SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
+    "host", "port", "served_model_name", "api_key", "api_key_file", "header_timeout_s", "body_timeout_s",
+    "max_connections",
+    "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
+    "runtime_dir", "log_format", "drain_timeout_s",
+    "overlap_schedule",
+})
+_unknown = SERVER_ONLY_FIELDS - set(ServerConfig.__struct_fields__)
+if _unknown:  # a renamed field would silently become an engine flag
+    raise TypeError(f"SERVER_ONLY_FIELDS names no ServerConfig field: {sorted(_unknown)}")
+ENGINE_FIELDS: tuple[str, ...] = tuple(name for name in ServerConfig.__struct_fields__
+                                       if name not in SERVER_ONLY_FIELDS)
+
+
 def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
     """Most requests in the server at once, running + waiting (more are refused with 503), as the api
     counts them (choices) and the scheduler (its queue); None when `max_waiting` is 0: no limit."""

@@ -4,13 +4,16 @@ answers bad input with a one-line error."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import sys
 
 import pytest
 
 from procs.cli import main as cli_main
 from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
+from shared.config import SERVER_ONLY_FIELDS, ServerConfig, config_from_args
 from shared.errors import Refusal
 from test_model_equivalence import transformers_greedy_text
 
@@ -118,3 +121,50 @@ def test_generate_cli_unknown_model(capsys):
     assert cli_main(["generate", "--model", "/nonexistent/model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "/nonexistent/model" in err and "Traceback" not in err
+
+
+def _config_flags(module) -> dict[str, tuple[str, ...]]:
+    """The `ServerConfig` flags a subcommand's parser takes: field -> its option strings."""
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    fields = set(ServerConfig.__struct_fields__)
+    return {a.dest: tuple(a.option_strings) for a in parser._actions if a.dest in fields}
+
+
+def test_generate_takes_every_engine_flag_serve_takes():
+    from procs import generate, serve
+
+    serve_flags, generate_flags = _config_flags(serve), _config_flags(generate)
+    engine_of_serve = {name: flags for name, flags in serve_flags.items() if name not in SERVER_ONLY_FIELDS}
+    assert generate_flags == engine_of_serve
+    assert set(serve_flags) == set(ServerConfig.__struct_fields__)  # serve: every setting
+    for flag in ("--speculative", "--num-speculative-tokens", "--ngram-min", "--ngram-max", "--draft-model", "--tp"):
+        assert any(flag in flags for flags in generate_flags.values()), flag
+
+
+def test_generate_cli_speculative_ngram_gives_the_greedy_tokens(model_dir, reference, capsys):
+    """Prompt lookup verified by the model keeps greedy output unchanged; the stderr line shows that the
+    flags reached the engine: drafts were proposed (single-token matches: some are found)."""
+    args = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-tokens", str(NEW_TOKENS),
+            "--ignore-eos", "--json", "--page-size", "4", "--kv-capacity-tokens", "512",
+            "--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "2"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    assert cli_main(args) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["token_ids"] for line in lines] == reference
+    said = re.search(r"speculative ngram: (\d+) of (\d+) proposed tokens accepted", captured.err)
+    assert said is not None, captured.err
+    accepted, proposed = map(int, said.groups())
+    assert proposed > 0 and 0 <= accepted <= proposed
+
+
+def test_generate_cli_speculative_flags_reach_the_engine_config(monkeypatch):
+    from procs.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["batchserve", "generate"])  # build_parser adds argv[1]'s arguments
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative", "ngram",
+                                      "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "2"])
+    config = config_from_args(args, env={})
+    assert (config.speculative, config.num_speculative_tokens, config.ngram_min, config.ngram_max) == ("ngram", 3, 1, 2)
