@@ -22,7 +22,10 @@ environment alone), smg's control-plane key and the one it presents to the repli
 
 SIGINT/SIGTERM: the api (every replica's, and the router) is stopped first (it answers 503 to new
 requests and lets running ones finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
-If any process dies on its own, the others are stopped and `serve` exits 1 naming it.
+Before every process is ready, a signal stops them all at once (exit 0). A child that took the same
+signal (Ctrl-C or `kill` reaching every process) and ended as a stop does (`STOP_EXIT_STATUSES`) is part
+of that stop, not a failure. If any process dies on its own, the others are stopped and `serve` exits 1
+naming it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ from shared.shm import remove_segments_of
 
 BACKEND_STOP_TIMEOUT_S = 10.0
 EXIT_POLL_S = 0.02  # how often the stop looks for exited children
+# How a child ends when it takes the stop signal itself (Ctrl-C reaching the whole tree, `kill` of every
+# process): 0 (its own stop), 130 (KeyboardInterrupt before its handlers), or killed by the signal.
+STOP_EXIT_STATUSES = frozenset({0, 130, -signal.SIGINT, -signal.SIGTERM})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +149,7 @@ class Supervisor:
         # the router's internal key, for the router and the replicas' apis (procs/router.py)
         self.internal_key = new_internal_key() if config.router != "none" else None
         self.signals = 0
+        self.signal_name = ""  # the first stop signal's name (SIGINT, SIGTERM)
         self.stop_seconds: dict[str, float] = {}  # each stopped child's seconds from SIGTERM to its exit
         self.config_path = runtime_dir / "config.json"
         self.failed_replicas: set[int] = set()  # stopped after one of their processes died
@@ -150,6 +157,7 @@ class Supervisor:
     # -- signals ------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals += 1
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     # -- start --------------------------------------------------------------------------------
     def _spawn(self, launch: Launch) -> Child:
@@ -194,8 +202,13 @@ class Supervisor:
                 child.ready = True
 
     def _dead_children(self) -> list[Child]:
+        """Children that exited on their own: not those stopped by us, nor, once we were asked to stop,
+        those that took the same stop themselves."""
         return [child for child in self.children.values()
-                if child.popen.poll() is not None and not child.expected_exit]
+                if child.popen.poll() is not None and not child.expected_exit and not self._took_the_stop(child)]
+
+    def _took_the_stop(self, child: Child) -> bool:
+        return self.signals > 0 and child.popen.returncode in STOP_EXIT_STATUSES
 
     # -- run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -218,13 +231,13 @@ class Supervisor:
             if self._group_stopped():
                 _say("global rank 0 stopped the worker group; this machine's worker ranks exited")
                 return 0
+            if self.signals and not announced:  # before the dead: a child may have taken the signal too
+                _say(f"{self.signal_name}: stopping before every process was ready")
+                return 0
             if self._dead_children() and not (announced and self._stop_failed_replicas()):
                 self._report_dead("; stopping the others")
                 return 1
             if self.signals:
-                if not announced:
-                    _say("stopping before every process was ready")
-                    return 0
                 return self._drain()
             everyone_ready = all(c.ready for c in self.children.values())
             if everyone_ready and self.config.router != "none" and ROUTER.key not in self.children:
@@ -339,6 +352,8 @@ class Supervisor:
             _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
                 f"{name} {seconds:.2f}{_exit_note(every[name].popen.returncode)}"
                 for name, seconds in self.stop_seconds.items()))
+        elif self.signals:  # nothing left to stop: each process took the signal itself
+            _say(f"stopped; every process had stopped on {self.signal_name} itself")
 
     def _stop(self, children: list[Child]) -> None:
         """SIGTERM `children` that still run, all at once, the router and apis first; wait for them, then
