@@ -29,14 +29,6 @@ class PanelWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return native.panel_linear(x, self.packed, self.scale, bias, self.out_features, panels_checked=True)
 
-    def unpacked(self) -> torch.Tensor:
-        """The fp32 [out, in] weight these panels stand for (int8 ones dequantized; the reference in tests)."""
-        panels, in_features, width = self.packed.shape
-        weight = self.packed.permute(0, 2, 1).reshape(panels * width, in_features).float()
-        if self.scale is not None:
-            weight = weight * self.scale[:, None]
-        return weight[:self.out_features]
-
 
 def pack_panels(weight: torch.Tensor, quantization: str = "none") -> PanelWeight:
     """Pack an fp32 CPU weight [out, in] into panels; `quantization="int8"` rounds it per output channel first."""

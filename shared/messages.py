@@ -158,17 +158,6 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     def num_sampled(self) -> int:
         return sum(self.sample_lens)
 
-    @property
-    def is_decode_only(self) -> bool:
-        """Every row is a decode row: it continues a cached prefix and samples every token it feeds."""
-        return all(p > 0 and e == s for p, e, s in zip(self.prefix_lens, self.extend_lens, self.sample_lens))
-
-    @property
-    def decode_width(self) -> int | None:
-        """The k shared by every row of a decode-only batch, else None."""
-        widths = set(self.extend_lens)
-        return widths.pop() if len(widths) == 1 and self.is_decode_only else None
-
 
 class StepResult(msgspec.Struct, kw_only=True):
     """What the worker returns for a `ForwardBatch`: one token per sampled position, in batch order

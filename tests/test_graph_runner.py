@@ -207,7 +207,7 @@ def test_rows_wider_than_one_token_run_eagerly(padded_runner, widths):
     assert logits.shape == (sum(widths), padded_runner.vocab_size)
     torch.testing.assert_close(logits, eager_logits(padded_runner, batch))
     one_each = wide_batch(requests, [1, 1, 1])
-    assert graph_runner.handles(one_each) and one_each.decode_width == 1
+    assert graph_runner.handles(one_each) and one_each.extend_lens == one_each.sample_lens == [1, 1, 1]
     with torch.inference_mode():
         padded_runner.forward_logits(one_each)
     assert sum(graph_runner.steps_per_size.values()) == before + 1

@@ -39,6 +39,12 @@ def reference_adjust(logits: torch.Tensor, params: LogitsParams, prompt: list[in
     return x.float()
 
 
+def one_each(slots: np.ndarray, counts: np.ndarray) -> SampleRows:
+    """One position per row: nothing proposed, so the fed tokens are never read."""
+    n = slots.shape[0]
+    return SampleRows.build(slots, counts, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+
 CASES = [
     LogitsParams(frequency_penalty=0.7),
     LogitsParams(presence_penalty=-0.5),
@@ -61,22 +67,22 @@ def test_adjusted_rows_equal_the_reference_token_by_token(params):
     for _ in range(6):
         raw = torch.randn(2, VOCAB) * 3
         logits = raw.clone()
-        state.adjust_(logits, SampleRows.single(np.array([1, 3]), np.array([0, len(output)])))
+        state.adjust_(logits, one_each(np.array([1, 3]), np.array([0, len(output)])))
         torch.testing.assert_close(logits[0], raw[0], rtol=0, atol=0)
         torch.testing.assert_close(logits[1], reference_adjust(raw[1], params, prompt, output, banned))
         token = int(rng.choice([5, 6, 7, int(rng.integers(0, VOCAB))]))  # repeats, so counts grow
-        state.record(SampleRows.single(np.array([1, 3]), np.array([0, len(output)])), torch.tensor([4, token]))
+        state.record(one_each(np.array([1, 3]), np.array([0, len(output)])), torch.tensor([4, token]))
         output.append(token)
 
 
 def test_a_new_request_in_the_slot_starts_clean():
     state = SlotLogitsState(2, VOCAB, torch.device("cpu"))
     state.start(SlotStart(slot=0, logits=LogitsParams(frequency_penalty=1.0, logit_bias={4: -100.0}), output_ids=[3]))
-    state.record(SampleRows.single(np.array([0]), np.array([1])), torch.tensor([3]))
+    state.record(one_each(np.array([0]), np.array([1])), torch.tensor([3]))
     state.start(SlotStart(slot=0, logits=LogitsParams(presence_penalty=0.5)))
     raw = torch.randn(1, VOCAB)
     logits = raw.clone()
-    state.adjust_(logits, SampleRows.single(np.array([0]), np.array([0])))
+    state.adjust_(logits, one_each(np.array([0]), np.array([0])))
     torch.testing.assert_close(logits, raw)  # nothing generated yet: no count, no old bias
 
 
@@ -105,17 +111,17 @@ def test_each_position_of_a_row_sees_the_proposed_tokens_before_it_as_generated(
         logits = raw.clone()
         wide.adjust_(logits, rows)
         expected = raw.clone()
-        single.adjust_(expected[:2], SampleRows.single(np.array([1, 3]), np.array([1, len(output)])))
+        single.adjust_(expected[:2], one_each(np.array([1, 3]), np.array([1, len(output)])))
         for j, token in enumerate(proposed, start=1):
-            single.record(SampleRows.single(np.array([3]), np.array([len(output) + j - 1])), torch.tensor([token]))
-            single.adjust_(expected[1 + j:2 + j], SampleRows.single(np.array([3]), np.array([len(output) + j])))
+            single.record(one_each(np.array([3]), np.array([len(output) + j - 1])), torch.tensor([token]))
+            single.adjust_(expected[1 + j:2 + j], one_each(np.array([3]), np.array([len(output) + j])))
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         for j in range(3):
             torch.testing.assert_close(logits[1 + j], reference_adjust(raw[1 + j], params, prompt,
                                                                        output + proposed[:j], banned))
         sampled = [*proposed, last]  # the proposals were the model's choices (teacher forcing)
         wide.record(rows, torch.tensor([4, *sampled]))
-        single.record(SampleRows.single(np.array([1, 3]), np.array([1, len(output) + 2])), torch.tensor([4, last]))
+        single.record(one_each(np.array([1, 3]), np.array([1, len(output) + 2])), torch.tensor([4, last]))
         for a, b in zip(_tables_of(wide, 3) + _tables_of(wide, 1), _tables_of(single, 3) + _tables_of(single, 1)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         output += sampled

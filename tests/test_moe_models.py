@@ -23,6 +23,7 @@ from native_marks import requires_native_kernels
 from procs.worker.model_runner import ModelRunner
 from shared.model import ModelLoadError
 from test_model_equivalence import SCHEDULES, _prompts, assert_last_token_logits_close, transformers_greedy
+from test_panel_linear import unpacked
 
 NEW_TOKENS = 24
 MODELS = {
@@ -214,8 +215,8 @@ def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
                            load=load)
     got = block(x)
     if quantization == "int8":  # the reference on the weights the panels stand for
-        gate_up = torch.stack([packed.gate_up.expert(e).unpacked() for e in range(count)])
-        down = torch.stack([packed.down.expert(e).unpacked() for e in range(count)])
+        gate_up = torch.stack([unpacked(packed.gate_up.expert(e)) for e in range(count)])
+        down = torch.stack([unpacked(packed.down.expert(e)) for e in range(count)])
     plain = Experts(gate_up, down, gate_up_bias, down_bias, first=first, count=count, intermediate=inter)
     weights, ids = route(torch.nn.functional.linear(x, router, router_bias), top_k, renormalize=True)
     expected = experts_forward(x, ids, weights, plain)

@@ -105,7 +105,7 @@ def allowed(grammars: SlotGrammars, rows: SampleRows) -> torch.Tensor:
 
 
 def single_row(slot: int) -> SampleRows:
-    return SampleRows.single(np.array([slot]), np.array([0]))
+    return SampleRows.build(np.array([slot]), np.array([0]), np.array([1]), np.array([0]))
 
 
 def test_each_position_of_a_row_is_masked_after_the_proposed_tokens_before_it(spec):

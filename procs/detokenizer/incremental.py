@@ -28,7 +28,6 @@ _TRIM_THRESHOLD = 64
 class DetokenizerOutput:
     text: str  # new text, safe to send
     stopped: bool = False  # a stop string matched: `text` ends just before it; nothing follows
-    stop_string: str | None = None  # the stop string that matched
 
 
 Decode = Callable[[list[int]], str]
@@ -111,10 +110,6 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stop.matched is not None
 
-    @property
-    def stop_string(self) -> str | None:
-        return self._stop.matched
-
     def add(self, token_ids: Sequence[int]) -> DetokenizerOutput:
         """Append generated tokens; return the new text that is safe to send."""
         if self._finished:
@@ -169,4 +164,4 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
 
     def _output(self, text: str) -> DetokenizerOutput:
-        return DetokenizerOutput(text=text, stopped=self.stopped, stop_string=self._stop.matched)
+        return DetokenizerOutput(text=text, stopped=self.stopped)

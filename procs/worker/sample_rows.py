@@ -61,12 +61,6 @@ class SampleRows:
         return cls(slots=np.repeat(slots, lens), counts=np.repeat(counts, lens) + offsets, offsets=offsets,
                    fed=np.asarray(fed, dtype=np.int64), firsts=np.cumsum(lens) - lens, lens=lens)
 
-    @classmethod
-    def single(cls, slots: np.ndarray, counts: np.ndarray) -> "SampleRows":
-        """One position per row (nothing proposed, so `fed` is never read)."""
-        n = slots.shape[0]
-        return cls.build(slots, counts, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
-
     @property
     def width(self) -> int:
         """The most positions of one row (1: nothing proposed)."""
@@ -75,10 +69,6 @@ class SampleRows:
     def proposed(self, first: int, length: int) -> list[int]:
         """The proposed tokens of the row whose positions are first .. first + length - 1."""
         return self.fed[first + 1:first + length].tolist()
-
-    def last_positions(self) -> np.ndarray:
-        """Each row's last position (the token the slot feeds next)."""
-        return self.firsts + self.lens - 1
 
     def accepted(self, token_ids: np.ndarray) -> np.ndarray:
         """[rows] how many of each row's positions are kept (1 .. lens): its first, then each next one
