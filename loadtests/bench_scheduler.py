@@ -75,7 +75,7 @@ def run(name: str, policy: str, page_size: int, period: int, steps: int) -> None
     executor = TimedFakeExecutor(period if period else 10**12)
     # Fill all 256 slots (the first steps prefill) before timing.
     for _ in range(100):
-        if len(sched.decode_manager.running_reqs) == RUNNING:
+        if len(sched.decode_manager.running) == RUNNING:
             break
         sched.step(executor)
         refill()

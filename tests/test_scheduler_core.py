@@ -58,7 +58,7 @@ def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
 
     out = sched.step(rec)  # decode: feeds the sampled token back at position 5, same page
     b = rec.batches[-1]
-    assert b.is_decode_only and (b.prefix_lens, b.extend_lens, b.sample_counts) == ([5], [1], [1])
+    assert (b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == ([5], [1], [1], [1])  # a decode row
     assert b.input_ids.tolist() == [FIRST_TOKEN] and b.positions.tolist() == [5] and b.kv_locs.tolist() == [9]
     assert b.page_table_pages.shape == (0,)
     assert out.decode == ["A"] and out.new_tokens == [("A", FIRST_TOKEN + 1)]

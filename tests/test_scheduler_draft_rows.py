@@ -47,7 +47,6 @@ def test_a_two_token_draft_runs_a_row_of_width_three() -> None:
     assert b.input_ids.tolist() == [100, 50, 51] and b.positions.tolist() == [5, 6, 7]
     assert b.kv_locs.tolist() == [page * 4 + 1, page * 4 + 2, page * 4 + 3]
     assert b.page_table_slots.shape[0] == 0  # positions 5-7 fit in the page it holds
-    assert b.is_decode_only and b.decode_width == 3
     assert out.decode == ["A"] and out.new_tokens == [("A", 101), ("A", 102), ("A", 103)]
     assert (sched.table.kv_len[slot], sched.table.generated[slot], sched.table.last_token[slot]) == (8, 4, 103)
     assert not sched.decode_manager.drafting and sched.table.requests[slot].draft.shape[0] == 0  # used up

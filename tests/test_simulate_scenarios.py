@@ -65,10 +65,13 @@ def test_simulate_reproduces_the_expected_trace(path: Path, policy: str, capsys:
     got = [json.loads(line) for line in lines]
     expected = json.loads(path.read_text())["expected"][policy]
     assert _normalise(got) == _normalise(expected)
-    for line in lines:  # exactly the documented keys, in order; `preempted` and `drafts` only where they happen
+    # Exactly the documented keys, in order; `preempted` and `drafts` only where they happen, `cap` and `ms`
+    # on every step of a scenario with the step-time bound.
+    bound = ["cap", "ms"] if json.loads(path.read_text())["config"].get("max_step_ms") else []
+    for line in lines:
         keys = list(json.loads(line))
         base = ["step", "prefill", "decode", "finished", "cancelled"]
-        assert keys in (base, base + ["preempted"], base + ["drafts"], base + ["preempted", "drafts"])
+        assert keys in [base + extra + bound for extra in ([], ["preempted"], ["drafts"], ["preempted", "drafts"])]
 
 
 @pytest.mark.parametrize(("path", "policy"), CASES, ids=[f"{p.stem}-{pol}" for p, pol in CASES])

@@ -209,7 +209,9 @@ def test_a_step_with_drafts_must_complete_before_the_next_launch() -> None:
     sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=job.max_tokens))
     while True:
         launched = sched.launch()
-        if launched.batch is not None and max(launched.batch.extend_lens) > 1 and launched.batch.is_decode_only:
+        b = launched.batch
+        # a decode-only step with a draft: every row continues its prefix and samples each token it feeds
+        if b is not None and max(b.extend_lens) > 1 and b.extend_lens == b.sample_lens and min(b.prefix_lens) > 0:
             break
         sched.complete(launched, model.execute(launched.batch))
     with pytest.raises(RuntimeError, match="overlap"):

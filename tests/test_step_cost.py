@@ -92,7 +92,7 @@ def test_the_scheduler_prefills_no_more_than_it_is_given():
     executor = ScriptedExecutor(lambda slot: 10)
     chunks, prefixes = [], []
     while sched.has_unfinished():
-        prefixes.append(sched.prefill_prefix())
+        prefixes.append(sched.planner.prefill_prefix())
         out = sched.step(executor, prefill_tokens=24)
         chunks += [n for _, n in out.prefill]
     assert chunks == [24, 24, 24, 24, 4]
@@ -212,7 +212,7 @@ def test_a_draft_must_win_more_tokens_than_it_costs():
 def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
     """Each request in the server an equal share of the step: 20 waiting beside 4 decoding get 20/24
     of it; a lone waiting request among many decoding still gets the least share."""
-    from procs.scheduler.step_cost import prefill_share
+    from procs.scheduler.step_time_cap import prefill_share
 
     assert prefill_share(0.5, 20, 4, 0.9) == pytest.approx(20 / 24)
     assert prefill_share(0.5, 1, 23, 0.9) == 0.5
@@ -226,7 +226,7 @@ def test_prefill_keeps_up_with_the_prompts_arriving():
     needs (times the headroom; what the prefix cache holds of them aside); prefill's share of a step is
     at least that, so a bound never admits slower than requests arrive. Arrivals older than the window
     no longer count, and are forgotten as new ones come, asked or not."""
-    from procs.scheduler.step_cost import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
+    from procs.scheduler.step_time_cap import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
 
     model = StepCostModel(probe())
     demand = PrefillDemand()

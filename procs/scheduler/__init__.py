@@ -6,7 +6,8 @@ command; `procs.scheduler.process` the scheduler process's loop.
 """
 
 from procs.scheduler.config import POLICIES, Policy, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.core import LaunchedStep, Scheduler, StepOutput
+from procs.scheduler.core import Scheduler
+from procs.scheduler.step_output import LaunchedStep, StepOutput
 from procs.scheduler.executor import Executor, ExecutorError, ScriptedExecutor
 from procs.scheduler.kv_allocator import KVAllocatorError
 

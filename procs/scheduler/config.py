@@ -19,14 +19,11 @@ from shared.config import (
     ServerConfig,
     Speculative,
 )
+from procs.scheduler.step_time_cap import MAX_PREFILL_SHARE
 from shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
 NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
-# A step sized to the time bound still prefills this much, however long its decodes alone take, so
-# that waiting requests always progress.
-MIN_PREFILL_TOKENS = 32
-MAX_PREFILL_SHARE = 0.9  # a share of 1 would let a step grow without end
 
 
 class SchedulerConfigError(ValueError):
@@ -71,6 +68,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
+    # The step-time bound (SCHEDULING.md 6.5): a step with prefill sized to take about this long, given
+    # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: prefill's least share.
+    max_step_s: float = 0.0
+    min_prefill_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -80,6 +81,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
             if getattr(self, name) < 0:
                 raise SchedulerConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         check_reserve_ratio(self.kv_reserve_ratio)
+        if not 0 <= self.max_step_s < math.inf:  # NaN fails too
+            raise SchedulerConfigError(f"max_step_s must be >= 0 (0: no bound), got {self.max_step_s}")
+        if not 0 <= self.min_prefill_share <= MAX_PREFILL_SHARE:
+            raise SchedulerConfigError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], "
+                                       f"got {self.min_prefill_share}")
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -118,7 +124,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> SchedulerConfig:
-    """The server's settings, sized by what the worker reported (KV capacity, page size, context)."""
+    """The server's settings, sized by what the worker reported (KV capacity, page size, context, the
+    device's step-time target)."""
     return SchedulerConfig(
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
@@ -126,6 +133,7 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         prefix_cache=not config.disable_prefix_cache, scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
+        max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
     )
 
 
@@ -159,7 +167,5 @@ def check_config(config: ServerConfig) -> None:
                          f"(got speculative {config.speculative!r}, draft_model {config.draft_model!r})")
     if config.speculative == "draft" and config.tensor_parallel_size > 1:
         raise ValueError("speculative draft runs with tensor_parallel_size 1 only (the draft model is not sharded)")
-    if not 0 <= config.min_prefill_share <= MAX_PREFILL_SHARE:
-        raise ValueError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], got {config.min_prefill_share}")
     scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
                                                     eos_token_ids=[], max_context=0, page_size=config.page_size))

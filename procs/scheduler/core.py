@@ -33,22 +33,23 @@ chooses the batch. This module runs the step and applies what came back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple, Protocol
 
-import msgspec
 import numpy as np
 
 from procs.scheduler.batch import StepPlan, build_forward_batch
 from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.deltas import token_deltas
-from procs.scheduler.draft_placeholders import DraftPlaceholders
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
-from procs.scheduler.ngram import NgramProposer, pause_after
-from procs.scheduler.request import Request
+from procs.scheduler.managers import DecodeManager, PrefillManager
+from procs.scheduler.request import Request, Status
 from procs.scheduler.request_table import RequestTable
+from procs.scheduler.step_cost import LinearStepCost
+from procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
+from procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
+from procs.scheduler.step_results import kept_tokens, settle_wide_rows
 from shared.checks import check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
@@ -61,80 +62,9 @@ from shared.messages import (
     StepResult,
     StopParams,
     TokenDelta,
-    TokenLogprobs,
 )
 
 _INT32_MAX = 2**31 - 1
-
-
-class StepOutput(msgspec.Struct, kw_only=True):
-    """What one step did. `cancelled`: requests aborted since the previous step (already freed)."""
-
-    step: int
-    prefill: list[tuple[str, int]] = []  # (rid, prompt tokens processed), batch order
-    decode: list[str] = []  # admission order
-    finished: list[str] = []
-    cancelled: list[str] = []
-    new_tokens: list[tuple[str, int]] = []  # (rid, token id), batch order; stop tokens included
-    finish_reasons: dict[str, str] = {}  # rid -> "stop" | "length"
-    batch_size: int = 0  # requests in the executed batch; 0: idle step
-    preempted: list[str] = []  # back in the waiting queue (for a higher-priority head, then step 3b), in order
-    logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> its new tokens' logprobs (requests that asked)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # rid -> prompt tokens 1.., with its first token
-    # rid -> the record of each request this output finishes or cancels (forgotten by the scheduler;
-    # its final `TokenDelta` still reads it)
-    ended: dict[str, Request] = {}
-    # Speculative decoding: (rid, draft tokens, those verification accepted) of each row that carried a
-    # draft, batch order (rows of requests that ended while the step ran left out).
-    drafted: list[tuple[str, int, int]] = []
-
-    @property
-    def draft_tokens(self) -> int:
-        return sum(n for _, n, _ in self.drafted)
-
-    @property
-    def accepted_tokens(self) -> int:
-        return sum(a for _, _, a in self.drafted)
-
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-
-
-class LaunchedStep(NamedTuple):
-    """A step between `Scheduler.launch` and `Scheduler.complete`: its plan and batch (None: nothing
-    to run), what it did so far, and for each sampling row in batch order the slot, request, index of
-    its first token in the request's output, tokens it samples, and the admission that launched it."""
-
-    plan: StepPlan
-    batch: ForwardBatch | None
-    out: StepOutput
-    sample_slots: np.ndarray = _NO_ROWS
-    sample_rids: list[str] = []
-    token_index: np.ndarray = _NO_ROWS
-    sample_lens: np.ndarray = _NO_ROWS
-    admit_seq: np.ndarray = _NO_ROWS
-    completing: list[Request] = []
-
-
-class _KeptTokens(NamedTuple):
-    """A completed step's tokens that count (batch order): slot, index in the request's output, id and
-    rid of each, whether it is a stop token, whether it ends its request, and where each stands in
-    `StepResult.next_token_ids` (None: every token counts)."""
-
-    slots: np.ndarray
-    index: np.ndarray
-    token_ids: np.ndarray
-    rids: list[str]
-    stopped: np.ndarray
-    ends: np.ndarray
-    positions: np.ndarray | None
-
-
-class Proposer(Protocol):
-    """Proposes drafts: at most `limit` tokens to follow request `rid`'s `history` (its prompt and output
-    so far); none is a fine answer. `NgramProposer`, `DraftPlaceholders`, or `simulate`'s scripted one."""
-
-    def propose(self, history: np.ndarray, limit: int, rid: str) -> np.ndarray: ...
 
 
 class Scheduler:
@@ -146,9 +76,11 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, *, eos_token_ids: Collection[int] = (),
-                 proposer: Proposer | None = None) -> None:
-        """`proposer`: where drafts come from (default: prompt lookup when `config.speculative` is
-        "ngram", the worker's draft model's placeholders when "draft", else none)."""
+                 proposer: Proposer | None = None, cost: LinearStepCost | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`proposer`: where drafts come from (default: `step_planning.default_proposer`). `cost`: the
+        step-cost model of the step-time bound (`config.max_step_s`) and of the drafts' break-even
+        share; `clock`: the bound's and the queue times' (seconds)."""
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -163,25 +95,37 @@ class Scheduler:
         self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority,
                                              fair=config.fair_prefill)
         self.decode_manager = DecodeManager()
-        self._planner = POLICY_PLANNERS[config.policy]
-        if proposer is None and config.speculative == "ngram":
-            proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
-        elif proposer is None and config.speculative == "draft":
-            proposer = DraftPlaceholders(config.num_speculative_tokens)
-        self.proposer = proposer
-        # The share of a draft's tokens that must be accepted for it to pay (set by the server from its
-        # step-cost model before each launch): a request whose draft got no more backs off; 1 or more:
-        # no draft pays, none is proposed. 0: every draft with a token accepted pays (simulate, tests).
-        self.min_acceptance = 0.0
-        self._live: dict[str, Request] = {}  # waiting + admitted, by rid
+        self.planner = StepPlanner(config, self.table, self.kv, self.prefill_manager, self.decode_manager,
+                                   proposer if proposer is not None else default_proposer(config), cost, clock)
+        self.clock = clock
+        # The one table of requests by rid, from arrival until they end (the managers and the request
+        # table hold the same `Request`s by position or slot); `Request.status` says where each is.
+        self.requests: dict[str, Request] = {}
         self._step = 0
         self._cancelled: list[Request] = []  # aborted since the last launched step
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
         self._drafts_in_flight = False  # a launched step has draft rows (it must complete before the next launch)
-        self._proposed = False  # propose_drafts ran for the next launch
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.planner.proposer
+
+    @property
+    def min_acceptance(self) -> float:
+        """The share of a draft's tokens that must be accepted for it to pay (`StepPlanner`)."""
+        return self.planner.min_acceptance
+
+    @min_acceptance.setter
+    def min_acceptance(self, share: float) -> None:
+        self.planner.min_acceptance = share
+
+    @property
+    def steps_out_of_reach(self) -> int:
+        """Steps with prefill work whose decodes alone were predicted over the step-time target."""
+        return self.planner.cap.steps_out_of_reach if self.planner.cap is not None else 0
 
     # ------------------------------------------------------------------ public state
     @property
@@ -191,11 +135,11 @@ class Scheduler:
     @property
     def num_prefilling(self) -> int:
         """Requests waiting, or admitted with prompt tokens left."""
-        return len(self.prefill_manager.pending_list) + len(self.prefill_manager.chunking)
+        return self.planner.num_prefilling
 
     @property
     def num_decoding(self) -> int:
-        return len(self.decode_manager)
+        return self.planner.num_decoding
 
     @property
     def num_running(self) -> int:
@@ -232,29 +176,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """True while requests wait or run, or aborts are still to be reported by a `step()`."""
-        return bool(self._live) or bool(self._cancelled)
+        return bool(self.requests) or bool(self._cancelled)
 
     def decode_load(self) -> tuple[int, float]:
-        """(decode tokens, their attention pairs next step): what a step carries besides prefill. A row of
-        width k after p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
-        view = self.decode_manager.batch_view()
-        w = view.widths
-        return view.tokens, float((self.table.kv_len[view.slots] * w).sum() + (w * (w + 1) // 2).sum())
-
-    def has_prefill_work(self) -> bool:
-        """Requests wait, or an admitted prompt has chunks left: a step would carry prefill."""
-        return bool(self.prefill_manager.pending_list) or bool(self.prefill_manager.chunking)
-
-    def prefill_prefix(self) -> int:
-        """Tokens of its prompt the next prefill chunk follows (the attention it pays for): the first
-        mid-chunk request's; 0 for a new admission (its cached prefix is looked up only as it is admitted)."""
-        chunking = self.prefill_manager.chunking
-        return chunking[0].prefilled if chunking else 0
+        """(decode tokens, their attention pairs next step): `StepPlanner.decode_load`."""
+        return self.planner.decode_load()
 
     def cached_prefix_tokens(self, rid: str) -> int:
         """Of waiting request `rid`'s prompt, the tokens the prefix cache holds now (its admission would
         not compute them, should they still be there)."""
-        return len(self.kv.lookup(self._live[rid])) * self.page_size
+        return len(self.kv.lookup(self.requests[rid])) * self.page_size
 
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]
@@ -266,7 +197,7 @@ class Scheduler:
                     speculative: bool = True) -> None:
         """Queue a request (at the tail of the waiting queue; by `priority` under the priority policy),
         or raise `Refusal`. `speculative` False: never give it a draft."""
-        if rid in self._live:
+        if rid in self.requests:
             raise Refusal("a request with this id is already queued or running")
         if priority and not self.by_priority:
             raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
@@ -281,14 +212,17 @@ class Scheduler:
             raise Refusal(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
                           f"in the KV cache of {self.kv_capacity_tokens} tokens", "max_tokens")
         capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
-        if capacity is not None and len(self._live) >= capacity:
+        if capacity is not None and len(self.requests) >= capacity:
             raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
                           f"{self.config.max_waiting} waiting requests)", status=503)
         request = Request(rid, prompt, sampling, stop, logits, priority=priority, arrival=self._arrivals,
                           speculative=speculative)
+        request.arrived_s = self.clock()
         self._arrivals += 1
-        self._live[rid] = request
+        self.requests[rid] = request
         self.prefill_manager.enqueue(request)
+        if self.planner.cap is not None:
+            self.planner.cap.arrived(request.prompt_len, self.cached_prefix_tokens(rid))
 
     def abort(self, rid: str) -> bool:
         """Cancel `rid`, freeing its slot and KV pages now; reported in the next `StepOutput.cancelled`.
@@ -297,17 +231,13 @@ class Scheduler:
         when that step ends (True is returned at once; if the request finishes in that very step, the
         step reports it finished and no cancellation follows).
         """
-        request = self._live.get(rid)
+        request = self.requests.get(rid)
         if request is None:
             return False
         if self._in_step:
             self._deferred_aborts.append(rid)
             return True
-        if request.slot < 0:
-            self.prefill_manager.pending_list.remove(request)
-            del self._live[rid]
-        else:
-            self._release([request])
+        self._end([request], Status.CANCELLED)
         self._cancelled.append(request)
         return True
 
@@ -318,8 +248,8 @@ class Scheduler:
         Only while no step is in flight (its last token is back, and the verification of the row decides
         where the next row starts); and at most its token limit less two tokens, so that the row stays
         below the limit (a rejection never has to put the request back in the decode set)."""
-        request = self._live.get(rid)
-        if request is None or rid not in self.decode_manager:
+        request = self.requests.get(rid)
+        if request is None or request.slot not in self.decode_manager:
             raise ValueError(f"request {rid!r} is not decoding")
         tokens = np.asarray(draft)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (
@@ -327,7 +257,7 @@ class Scheduler:
             raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
         if self._launched:
             raise ValueError(f"request {rid!r}: its last token is not back yet (a step is in flight)")
-        room = self._draft_room(request.slot)
+        room = self.planner.draft_room(request.slot)
         if tokens.shape[0] > room:
             raise ValueError(f"request {rid!r}: a draft of {tokens.shape[0]} tokens passes its token limit "
                              f"(room for {room})")
@@ -335,7 +265,7 @@ class Scheduler:
 
     def token_deltas(self, out: StepOutput) -> list[TokenDelta]:
         """`out` as one `TokenDelta` per request, for the detokenizer (see `procs.scheduler.deltas`)."""
-        return token_deltas(out, self._live)
+        return token_deltas(out, self.requests)
 
     # ------------------------------------------------------------------ one iteration
     def step(self, executor: Executor, prefill_tokens: int | None = None) -> StepOutput:
@@ -378,75 +308,41 @@ class Scheduler:
         self._step += 1
         if self.by_priority and self.config.policy != "fixed":
             self._preempt_for_head(out, drain)
-        if not self._proposed:
-            self.propose_drafts()
-        self._proposed = False
-        plan = self._plan(prefill_tokens)
-        slots, tokens = plan.slots_and_tokens()
-        growth = self.kv.growth(slots, tokens)
-        victims = self.kv.preemption_victims(slots, growth, self.by_priority)
-        if victims and self.decode_manager.drafting:  # a draft never costs a preemption: drop them first
-            self.decode_manager.clear_drafts()
-            plan = plan.without_drafts()
-            slots, tokens = plan.slots_and_tokens()
-            growth = self.kv.growth(slots, tokens)
-            victims = self.kv.preemption_victims(slots, growth, self.by_priority)
-        if victims and self._launched:
-            if drain is None:
-                raise RuntimeError("preempting while steps are in flight needs a drain")
-            drain()
-            plan = plan.without([s for s, rid in zip(plan.decode_slots.tolist(), plan.decode_rids)
-                                 if rid not in self._live])  # finished by the drained steps
-            slots, tokens = plan.slots_and_tokens()
-            growth = self.kv.growth(slots, tokens)
-            victims = self.kv.preemption_victims(slots, growth, self.by_priority)
-        if victims:
-            plan = plan.without(victims)
-            out.preempted += self._preempt(victims)
-            slots, tokens = plan.slots_and_tokens()
-            growth = self.kv.growth(slots, tokens)
+        if not self._launched:  # a draft follows the last token: it must be back
+            self.planner.propose_drafts()
+        out.prefill_cap = self.planner.prompt_cap(prefill_tokens)
+        planned = self._fit_pages(self.planner.plan(out.prefill_cap), out, drain)
+        plan = planned.plan
+        self._take_first_admissions(out)
         if plan.is_empty:
             return LaunchedStep(plan, None, out)
-        updates = self.kv.allocate(slots, growth)
+        out.predicted_s = self.planner.predicted_s(planned)
+        updates = self.kv.allocate(planned.slots, planned.growth)
         batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
         return self._advance(plan, batch, out)
 
-    # ------------------------------------------------------------------ planning
     def propose_drafts(self) -> None:
-        """Speculative decoding: a draft for each decoding request that may have one, is not backing
-        off, and has room (`_draft_room`), when nothing is in flight (every last token is back). The
-        next `launch` plans with them; it calls this itself unless the caller did first (the server
-        does, to size the step-time bound with the drafts' tokens)."""
-        self._proposed = True
-        table, proposer = self.table, self.proposer
-        if proposer is None or self._launched or self.min_acceptance >= 1.0:
-            return
-        for request in self.decode_manager.running_reqs.values():
-            if not request.speculative or request.draft.shape[0]:
-                continue
-            if request.spec_pause:
-                request.spec_pause -= 1
-                continue
-            slot = request.slot
-            room = self._draft_room(slot)
-            if room < 1:
-                continue
-            generated = int(table.generated[slot])
-            draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room,
-                                     request.rid)
-            if draft.shape[0]:
-                self.decode_manager.set_draft(request, draft)
+        """Drafts for the next `launch` to plan with (it proposes them itself when nothing is in flight)."""
+        if not self._launched:
+            self.planner.propose_drafts()
 
-    def _draft_room(self, slot: int) -> int:
-        """The most draft tokens the slot's next row may carry: its row of 1 + draft stays one token below
-        its token limit (SCHEDULING.md 6.4)."""
-        return int(self.table.token_limit[slot] - self.table.generated[slot]) - 2
-
-    def _plan(self, prefill_tokens: int | None) -> StepPlan:
-        budget = self.config.prefill_budget
-        cap = budget if prefill_tokens is None else prefill_tokens
-        return self._planner(self.prefill_manager, self.decode_manager, budget, cap)
+    # ------------------------------------------------------------------ preemption
+    def _fit_pages(self, planned: PlannedStep, out: StepOutput, drain: Callable[[], None] | None) -> PlannedStep:
+        """Step 3b: preempt what the planned step's pages need (after completing the steps in flight, whose
+        tokens a victim's recompute needs and which may free room); the plan without the victims."""
+        if planned.victims and self._launched:
+            if drain is None:
+                raise RuntimeError("preempting while steps are in flight needs a drain")
+            drain()
+            plan = planned.plan
+            planned = self.planner.replan(plan.without([s for s, rid in zip(plan.decode_slots.tolist(), plan.decode_rids)
+                                                        if rid not in self.requests]))  # finished by the drained steps
+        if planned.victims:
+            plan = planned.plan.without(planned.victims)  # before the victims give back their slots
+            out.preempted += self._preempt(planned.victims)
+            planned = self.planner.replan(plan)
+        return planned
 
     def _preempt_for_head(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
         """SCHEDULING.md section 8, before the policy plans: the head of the waiting queue preempts
@@ -461,15 +357,22 @@ class Scheduler:
             out.preempted = self._preempt(victims)
 
     def _preempt(self, slots: list[int]) -> list[str]:
-        """Step 3b: free the requests' slots and KV; they wait again to recompute what they had."""
+        """Free the requests' slots and KV; they wait again to recompute what they had."""
         table = self.table
         requests: list[Request] = [table.requests[s] for s in slots]  # type: ignore[misc]  # admitted: not None
         generated = [table.output_ids[s, :table.generated[s]].copy() for s in slots]
-        self._release(requests, forget=False)
+        self._free(requests)
         for request, tokens in zip(requests, generated):
             request.recompute_with(tokens)
             self.prefill_manager.requeue(request)
         return [r.rid for r in requests]
+
+    def _take_first_admissions(self, out: StepOutput) -> None:
+        admitted = self.prefill_manager.first_admissions
+        if admitted:
+            now = self.clock()
+            out.queue_times = [now - r.arrived_s for r in admitted]
+            admitted.clear()
 
     def _advance(self, plan: StepPlan, batch: ForwardBatch, out: StepOutput) -> LaunchedStep:
         """Advance what a launched batch decides, before its tokens are known (see `launch`)."""
@@ -503,10 +406,11 @@ class Scheduler:
         at_limit = table.generated[sample_slots] >= table.token_limit[sample_slots]
         nd = ds.shape[0]
         for i in np.flatnonzero(at_limit[:nd]).tolist():
-            self.decode_manager.remove(sample_rids[i])
+            self.decode_manager.remove(int(ds[i]))
         if completing:
             self.prefill_manager.chunking = [r for r in self.prefill_manager.chunking if r.prefilled < r.prompt_len]
             for request, limited in zip(completing, at_limit[nd:].tolist()):
+                request.move_to(Status.RUNNING)
                 if not limited:
                     self.decode_manager.add(request)
         out.prefill = [(r.rid, n) for r, n in plan.prefill]
@@ -538,15 +442,30 @@ class Scheduler:
                     (accepted >= 1) & (accepted <= launched.sample_lens)).all():
                 raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
                                     f"rows' sample lens {launched.sample_lens.tolist()}")
-        kept = self._kept_tokens(launched, token_ids, accepted)
+        kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
         if launched.sample_lens.shape[0] and int(launched.sample_lens.max()) > 1:
-            self._settle_wide_rows(launched, kept, out)
+            settle_wide_rows(table, self.kv, launched, kept, out, self.min_acceptance)
         slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
         table.last_token[slots[latest]] = token_ids[latest]
-
         out.new_tokens = list(zip(rids, token_ids.tolist()))
+        requests = self.requests
+        for rid in rids:
+            requests[rid].reported += 1
+        self._record_logprobs(launched, result, kept)
+        done = np.flatnonzero(kept.ends).tolist()
+        if done:
+            out.finished = [rids[i] for i in done]
+            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] else "length" for i in done}
+            finished = [requests[rid] for rid in out.finished]
+            out.ended.update(zip(out.finished, finished))
+            self._end(finished, Status.FINISHED)
+        return out
+
+    def _record_logprobs(self, launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
+        """The kept tokens' logprobs, and the prompt logprobs of the prompts this step completed."""
+        out, rids = launched.out, kept.rids
         if result.logprobs:
             where = None if kept.positions is None else dict(zip(kept.positions.tolist(), range(len(rids))))
             for at, lp in zip(result.logprob_rows, result.logprobs):
@@ -556,108 +475,29 @@ class Scheduler:
         prefilling = {r.slot: r for r, _ in launched.plan.prefill}
         for slot, entries in result.prompt_logprobs:
             request = prefilling[slot]
-            if self._live.get(request.rid) is request and request.slot == slot:
+            if self.requests.get(request.rid) is request and request.slot == slot:
                 request.prompt_logprobs.extend(entries)
         out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
-                               if r.wants_prompt_logprobs and self._live.get(r.rid) is r}
-        done = np.flatnonzero(kept.ends).tolist()
-        if done:
-            out.finished = [rids[i] for i in done]
-            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] else "length" for i in done}
-            finished = [self._live[rid] for rid in out.finished]
-            out.ended.update(zip(out.finished, finished))
-            self._release(finished)
-        return out
+                               if r.wants_prompt_logprobs and self.requests.get(r.rid) is r}
 
-    def _settle_wide_rows(self, launched: LaunchedStep, kept: _KeptTokens, out: StepOutput) -> None:
-        """Rows of several positions came back: each live row keeps the tokens that count (those
-        verification accepted, up to the one that ends its request) and rolls back the rest (KV
-        positions, generated count, the pages past its KV), so that a release caches exactly the
-        tokens it has; count the drafts and update each request's back-off."""
-        table = self.table
-        slots, lens = launched.sample_slots, launched.sample_lens
-        if kept.positions is None:
-            counted = lens
-        else:
-            rows = np.repeat(np.arange(lens.shape[0]), lens)
-            counted = np.bincount(rows[kept.positions], minlength=lens.shape[0])
-        live = table.admit_seq[slots] == launched.admit_seq
-        for i in np.flatnonzero(live & (lens > 1)).tolist():
-            request = table.requests[int(slots[i])]
-            assert request is not None
-            proposed, accepted = int(lens[i] - 1), int(counted[i] - 1)
-            out.drafted.append((request.rid, proposed, accepted))
-            request.draft_tokens += proposed
-            request.accepted_tokens += accepted
-            paid = accepted > self.min_acceptance * proposed
-            request.spec_misses = 0 if paid else request.spec_misses + 1
-            request.spec_pause = pause_after(request.spec_misses)
-        short = np.flatnonzero(live & (counted < lens))
-        if short.shape[0]:
-            rejected, rslots = lens[short] - counted[short], slots[short]
-            table.kv_len[rslots] -= rejected
-            table.generated[rslots] -= rejected
-            self.kv.truncate(rslots)
-
-    def _kept_tokens(self, launched: LaunchedStep, token_ids: np.ndarray,
-                     accepted: np.ndarray | None = None) -> _KeptTokens:
-        """The sampled tokens that count, each with its slot and index in its request's output: not those
-        of rows whose request ended while the step ran, nor a row's tokens past what verification
-        `accepted`, nor those after the one that ends it."""
-        table = self.table
-        slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
-        num_sampled = token_ids.shape[0]
-        if num_sampled == slots.shape[0]:  # a token per row
-            row, offset = None, None
-            live = table.admit_seq[slots] == launched.admit_seq  # still the admission that launched the row
-        else:
-            lens = launched.sample_lens
-            row = np.repeat(np.arange(slots.shape[0]), lens)
-            row_starts = np.cumsum(lens) - lens
-            offset = np.arange(num_sampled, dtype=np.int64) - row_starts[row]
-            slots, index = slots[row], index[row] + offset
-            live = table.admit_seq[slots] == launched.admit_seq[row]
-            if accepted is not None:
-                live &= offset < accepted[row]
-        stopped = self._stopped(slots, token_ids, live)
-        ends = (stopped | (index + 1 >= table.token_limit[slots])) & live
-        keep = live
-        if row is not None and ends.any():
-            first_end = np.minimum.reduceat(np.where(ends, offset, num_sampled), row_starts)
-            keep = live & (offset <= first_end[row])
-        positions = None
-        if not keep.all():
-            positions = np.flatnonzero(keep)
-            slots, index, token_ids, stopped, ends = (a[positions] for a in (slots, index, token_ids, stopped, ends))
-        if row is not None:
-            rids = [rids[i] for i in (row if positions is None else row[positions]).tolist()]
-        elif positions is not None:
-            rids = [rids[i] for i in positions.tolist()]
-        return _KeptTokens(slots, index, token_ids, rids, stopped, ends, positions)
-
-    def _stopped(self, slots: np.ndarray, token_ids: np.ndarray, live: np.ndarray) -> np.ndarray:
-        """Which tokens are a stop token of their request (EOS unless ignore_eos, or a stop_token_id)."""
-        table = self.table
-        if self.eos_token_ids.shape[0] == 1:
-            stopped = (token_ids == self.eos_token_ids[0]) & table.check_eos[slots]
-        elif self.eos_token_ids.shape[0]:
-            stopped = np.isin(token_ids, self.eos_token_ids) & table.check_eos[slots]
-        else:
-            stopped = np.zeros(slots.shape[0], dtype=bool)
-        for i in np.flatnonzero(table.has_stop_ids[slots] & live).tolist():
-            if int(token_ids[i]) in table.requests[int(slots[i])].stop.stop_token_ids:  # type: ignore[union-attr]
-                stopped[i] = True
-        return stopped
-
-    def _release(self, requests: list[Request], *, forget: bool = True) -> None:
-        """Give back the slots and every KV page of admitted requests (and forget them: they ended)."""
+    # ------------------------------------------------------------------ the lifecycle's exits
+    def _end(self, requests: list[Request], status: Status) -> None:
+        """FINISHED or CANCELLED: the requests leave wherever they are (an admitted one gives back its slot
+        and every KV page) and the scheduler forgets them."""
+        self._free([r for r in requests if r.status.holds_slot])
         for request in requests:
-            if request.prefilled < request.prompt_len:
+            if not request.status.holds_slot and not request.status.ended:
+                self.prefill_manager.pending_list.remove(request)  # waiting: no slot, no KV
+            request.move_to(status)
+            del self.requests[request.rid]
+
+    def _free(self, requests: list[Request]) -> None:
+        """Admitted requests leave the mid-chunk list or the decode set and give back their slot and pages."""
+        for request in requests:
+            if request.status is Status.PREFILLING:
                 self.prefill_manager.chunking.remove(request)
-            elif request.rid in self.decode_manager:  # not when its token limit is reached (see _advance)
-                self.decode_manager.remove(request.rid)
-            if forget:
-                del self._live[request.rid]
+            elif request.slot in self.decode_manager:  # not once its token limit's step is launched (_advance)
+                self.decode_manager.remove(request.slot)
         self.kv.release(requests)
         for request in requests:
             request.slot = -1

@@ -1,20 +1,18 @@
 """`token_deltas`: what one step did, as one `TokenDelta` per request for the detokenizer.
 
-A delta reads the request's one record (`Request`): the live ones from the scheduler's rid map, the
-ones the step finished or cancelled from `StepOutput.ended` (the scheduler has forgotten them, their
-final delta has not been sent yet). A request's first delta carries its stop strings and prompt tail.
+A delta reads the request's one record (`Request`), never changing it: the live ones from the
+scheduler's request table, the ones the step finished or cancelled from `StepOutput.ended` (the
+scheduler has forgotten them, their final delta has not been sent yet). A request's first delta
+carries its stop strings and prompt tail; `Request.reported` already counts the step's tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from procs.scheduler.request import Request
+from procs.scheduler.step_output import StepOutput
 from shared.messages import TokenDelta
-
-if TYPE_CHECKING:
-    from procs.scheduler.core import StepOutput
-    from procs.scheduler.request import Request
 
 
 def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelta]:
@@ -43,8 +41,7 @@ def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelt
 def _delta(request: Request | None, rid: str, ids: list[int], finish_reason: str | None) -> TokenDelta:
     if request is None:
         return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason)
-    first = request.reported == 0  # only a request's last delta can come without tokens
-    request.reported += len(ids)
+    first = request.reported == len(ids)  # nothing reported before these (only a last delta has none)
     # Its cached prefix is reported from its first token on (the step that prefilled past it).
     cached = request.cached_tokens if request.reported else 0
     return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=request.num_prompt_tokens,

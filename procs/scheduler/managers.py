@@ -1,5 +1,5 @@
 """The chapter's two request pools and what each plans: `PrefillManager.pending_list` (waiting
-queue, prefill chunks and admissions within a budget) and `DecodeManager.running_reqs` (the decode set);
+queue, prefill chunks and admissions within a budget) and `DecodeManager.running` (the decode set, by slot);
 and `POLICY_PLANNERS`, the registry of policies that choose a step's batch from the two."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from procs.scheduler.batch import DecodeView, StepPlan
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.prefix_cache import CachedPage
-from procs.scheduler.request import NO_DRAFT, Request
+from procs.scheduler.request import NO_DRAFT, Request, Status
 from procs.scheduler.request_table import RequestTable
 from shared.config import POLICIES
 
@@ -37,6 +37,7 @@ class PrefillManager:
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
+        self.first_admissions: list[Request] = []  # admitted for the first time, since the caller last took them
 
     def enqueue(self, request: Request) -> None:
         """A new arrival: at the tail, or with `by_priority` behind every request of its priority or a
@@ -109,12 +110,14 @@ class PrefillManager:
     def _admit(self, request: Request, cached: list[CachedPage]) -> None:
         seq = self._admissions
         self._admissions += 1
+        request.move_to(Status.PREFILLING)
         request.slot = self._table.acquire(request, seq)
         request.starting = True
         self._kv.attach(request, cached)  # starts past its cached prefix
         if request.first_admitted < 0:
             request.first_admitted = seq
             request.cached_tokens = request.prefilled
+            self.first_admissions.append(request)
         self.chunking.append(request)
 
     def victims_for_head(self) -> list[int]:
@@ -153,37 +156,39 @@ class PrefillManager:
 
 
 class DecodeManager:
-    """`running_reqs`: admitted requests with the whole prompt prefilled, in admission order.
+    """`running`: the admitted requests with the whole prompt prefilled, by slot, in admission order
+    (an index into the scheduler's one request table; a request leaves it once the step that reaches
+    its token limit is launched).
 
     The decode batch view (slots as a numpy array, ids, sampling params, row widths) is cached and
     rebuilt only when membership changes, so a steady decode step does no per-request Python work to
-    plan. `drafting`: the running requests with a draft (their rows are wider than one token).
+    plan. `drafting`: the running requests with a draft (their rows are wider than one token), by slot.
     """
 
     def __init__(self) -> None:
-        self.running_reqs: dict[str, Request] = {}
-        self.drafting: dict[str, Request] = {}
+        self.running: dict[int, Request] = {}
+        self.drafting: dict[int, Request] = {}
         self._view: DecodeView | None = None
-        self._rows: dict[str, int] = {}  # rid -> its row in the view, built when a draft needs it
+        self._rows: dict[int, int] = {}  # slot -> its row in the view, built when a draft needs it
 
     def __len__(self) -> int:
-        return len(self.running_reqs)
+        return len(self.running)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self.running_reqs
+    def __contains__(self, slot: int) -> bool:
+        return slot in self.running
 
     def add(self, request: Request) -> None:
-        self.running_reqs[request.rid] = request
+        self.running[request.slot] = request
         self._view = None
 
-    def remove(self, rid: str) -> None:
-        del self.running_reqs[rid]
-        self.drafting.pop(rid, None)
+    def remove(self, slot: int) -> None:
+        del self.running[slot]
+        self.drafting.pop(slot, None)
         self._view = None
 
     def set_draft(self, request: Request, draft: np.ndarray) -> None:
         request.draft = draft
-        self.drafting[request.rid] = request
+        self.drafting[request.slot] = request
 
     def clear_drafts(self) -> None:
         """Every draft is gone: into a launched step's rows, or dropped (they would cost a preemption)."""
@@ -197,19 +202,19 @@ class DecodeManager:
         The lists are replaced, never mutated, on membership change: callers may keep them.
         """
         if self._view is None:
-            reqs = self.running_reqs.values()
-            n = len(self.running_reqs)
-            self._view = DecodeView(np.fromiter((r.slot for r in reqs), dtype=np.int64, count=n),
+            reqs = self.running.values()
+            n = len(self.running)
+            self._view = DecodeView(np.fromiter(self.running, dtype=np.int64, count=n),
                                     [r.rid for r in reqs], [r.sampling for r in reqs],
                                     np.ones(n, dtype=np.int64), n)
             self._rows = {}
         if not self.drafting:
             return self._view
         if not self._rows:
-            self._rows = {rid: i for i, rid in enumerate(self._view.rids)}
+            self._rows = {slot: i for i, slot in enumerate(self.running)}
         widths = self._view.widths.copy()
-        for rid, request in self.drafting.items():
-            widths[self._rows[rid]] += request.draft.shape[0]
+        for slot, request in self.drafting.items():
+            widths[self._rows[slot]] += request.draft.shape[0]
         return self._view._replace(widths=widths, tokens=int(widths.sum()))
 
 

@@ -13,20 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Iterable
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.scheduler.config import (
-    MAX_PREFILL_SHARE,
-    MIN_PREFILL_TOKENS,
-    check_config,
-    overlap_schedule,
-    scheduler_config_from_server,
-    step_target_s,
-)
-from procs.scheduler.core import LaunchedStep, Scheduler, StepOutput
+from procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
+from procs.scheduler.core import Scheduler
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
-from procs.scheduler.step_cost import PrefillDemand, StepCostModel, prefill_share
+from procs.scheduler.step_cost import StepCostModel
+from procs.scheduler.step_output import LaunchedStep, StepOutput
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
@@ -47,34 +40,6 @@ STATS_BUSY_INTERVAL_S = 0.1
 STATS_IDLE_INTERVAL_S = 1.0
 
 
-class QueueTimes:
-    """How long each request waited in the queue: from its arrival here to its first admission (a
-    preempted request's second wait is not counted, as vLLM's request_queue_time). Kept around the core,
-    which keeps no clock."""
-
-    def __init__(self) -> None:
-        self._since: dict[str, float] = {}
-        self.waited: list[float] = []  # since the last `take`
-
-    def arrived(self, rid: str) -> None:
-        self._since[rid] = time.monotonic()
-
-    def gone(self, rid: str) -> None:
-        """Aborted while it waited (or later: then it is not here any more)."""
-        self._since.pop(rid, None)
-
-    def admitted(self, rids: Iterable[str]) -> None:
-        now = time.monotonic()
-        for rid in rids:
-            since = self._since.pop(rid, None)
-            if since is not None:
-                self.waited.append(now - since)
-
-    def take(self) -> list[float]:
-        waited, self.waited = self.waited, []
-        return waited
-
-
 class SchedulerLoop:
     def __init__(self, config: ServerConfig, rt: ProcessRuntime) -> None:
         self.config = config
@@ -89,16 +54,13 @@ class SchedulerLoop:
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
         self._batch_sizes: list[int] = []
-        self.queue_times = QueueTimes()
+        self._queue_times: list[float] = []  # of the requests first admitted since the last stats message
         self._preemptions = 0
-        self._steps_out_of_reach = 0  # steps whose decodes alone were predicted over the target
-        self._said_out_of_reach = False
+        self._out_of_reach_reported = 0  # `Scheduler.steps_out_of_reach` at the last stats message
         self._spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted ones, since the last stats message
         self._cache_counts = (0, 0, 0)
         self._last_stats = 0.0
         self._was_busy = False
-        self.step_target_s: float | None = None  # set with the step-cost model, from the worker's info
-        self.demand = PrefillDemand()  # the prompts arriving, which the bound's prefill share keeps up with
         self.overlap = False  # overlap scheduling, decided from the worker's device
 
     def _open_sockets(self, config: ServerConfig, rt: ProcessRuntime) -> None:
@@ -114,24 +76,7 @@ class SchedulerLoop:
         while not self.rt.stopping.is_set():
             message = self.inbox.recv(POLL_INTERVAL_S)
             if isinstance(message, WorkerInfo):
-                self.scheduler = Scheduler(scheduler_config_from_server(self.config, message),
-                                           eos_token_ids=message.eos_token_ids)
-                self.step_target_s = step_target_s(self.config, message)
-                self.overlap = overlap_schedule(self.config, message)
-                if self.step_target_s is not None or self.config.speculative != "off" and len(
-                        {tokens for tokens, _, _ in message.step_costs}) >= 2:
-                    self.executor.cost = StepCostModel(message.step_costs, (message.moe_experts, message.moe_top_k))
-                if self.step_target_s is not None:
-                    assert self.executor.cost is not None
-                    w0, w1, w2, w3 = self.executor.cost.weights
-                    log.info("step-time bound", extra={"fields": {
-                        "max_step_ms": round(self.step_target_s * 1000, 1), "ms_per_step": round(w0 * 1000, 2),
-                        "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4),
-                        "ms_per_expert_read": round(w3 * 1000, 4)}})
-                log.info("worker ready", extra={"fields": {
-                    "kv_capacity_tokens": message.kv_capacity_tokens, "page_size": message.page_size,
-                    "max_context": message.max_context, "policy": self.config.policy,
-                    "overlap_schedule": self.overlap}})
+                self._start_scheduler(message)
                 for early in self._early:
                     self.handle(early)
                 self._early.clear()
@@ -140,6 +85,26 @@ class SchedulerLoop:
                 self._early.append(message)
         return False
 
+    def _start_scheduler(self, info: WorkerInfo) -> None:
+        """The scheduler sized by the worker's report, with the step-cost model its probe gives (for the
+        step-time bound, and for speculative decoding's break-even share)."""
+        config = scheduler_config_from_server(self.config, info)
+        self.overlap = overlap_schedule(self.config, info)
+        if config.max_step_s or self.config.speculative != "off" and len(
+                {tokens for tokens, _, _ in info.step_costs}) >= 2:
+            self.executor.cost = StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k))
+        self.scheduler = Scheduler(config, eos_token_ids=info.eos_token_ids, cost=self.executor.cost)
+        if config.max_step_s:
+            assert self.executor.cost is not None
+            w0, w1, w2, w3 = self.executor.cost.weights
+            log.info("step-time bound", extra={"fields": {
+                "max_step_ms": round(config.max_step_s * 1000, 1), "ms_per_step": round(w0 * 1000, 2),
+                "ms_per_token": round(w1 * 1000, 4), "ms_per_1k_attention_pairs": round(w2 * 1000, 4),
+                "ms_per_expert_read": round(w3 * 1000, 4)}})
+        log.info("worker ready", extra={"fields": {
+            "kv_capacity_tokens": info.kv_capacity_tokens, "page_size": info.page_size,
+            "max_context": info.max_context, "policy": self.config.policy, "overlap_schedule": self.overlap}})
+
     def handle(self, message: SchedulerInbox) -> None:
         assert self.scheduler is not None
         if isinstance(message, TokenizedRequest):
@@ -147,15 +112,11 @@ class SchedulerLoop:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
                                            message.logits, priority=message.priority,
                                            speculative=message.speculative)
-                self.demand.arrived(len(message.prompt_ids), self.scheduler.cached_prefix_tokens(message.rid),
-                                    time.monotonic())
-                self.queue_times.arrived(message.rid)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
-            self.queue_times.gone(message.rid)
         # A repeated WorkerInfo (the worker re-announces itself while idle) needs nothing.
 
     def run(self) -> None:
@@ -172,11 +133,7 @@ class SchedulerLoop:
                     self.handle(message)
             launched_batch = False
             if sched.has_unfinished():
-                if sched.proposer is not None and self.executor.cost is not None:
-                    sched.min_acceptance = self.executor.cost.min_acceptance(*sched.decode_load())
-                sched.propose_drafts()  # before the bound sizes the step: it counts the drafts' tokens
-                launched = sched.launch(self._prefill_tokens(), drain=self._complete_in_flight)
-                self.queue_times.admitted(rid for rid, _ in launched.out.prefill)
+                launched = sched.launch(drain=self._complete_in_flight)  # sized by the step-time bound, if on
                 if launched.batch is not None:
                     self.executor.submit(launched.batch)
                     self.in_flight.append(launched)
@@ -212,35 +169,10 @@ class SchedulerLoop:
                 "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
+        self._queue_times += out.queue_times
         if out.drafted:
             self._spec_counts = [a + b for a, b in zip(self._spec_counts, (len(out.drafted), out.draft_tokens,
                                                                            out.accepted_tokens))]
-
-    def _prefill_tokens(self) -> int | None:
-        """Prompt tokens this step may carry within the step-time target, or the share of the step that
-        prefill always gets (SCHEDULING.md 6.5); None: no bound (none set, or out of reach)."""
-        cost, target, sched = self.executor.cost, self.step_target_s, self.scheduler
-        if cost is None or target is None:
-            return None
-        assert sched is not None
-        decode_rows, decode_pairs = sched.decode_load()
-        share = prefill_share(self.config.min_prefill_share, sched.num_prefilling, sched.num_decoding,
-                              MAX_PREFILL_SHARE, self.demand.share(cost, time.monotonic()))
-        step_s = cost.prefill_step_s(target, decode_rows, decode_pairs, share)
-        if step_s is None:  # out of reach: run as the unbounded scheduler does
-            if sched.has_prefill_work():
-                self._steps_out_of_reach += 1
-                if not self._said_out_of_reach:
-                    self._said_out_of_reach = True
-                    log.warning("the step-time target is out of reach: the decodes alone take longer, so steps "
-                                "are not bounded while they do", extra={"fields": {
-                                    "max_step_ms": round(target * 1000, 1),
-                                    "decode_ms": round(cost.predict(decode_rows, decode_pairs) * 1000, 1),
-                                    "decode_rows": decode_rows}})
-            return None
-        fits = cost.max_prefill_tokens(step_s, decode_rows, decode_pairs, sched.prefill_prefix(),
-                                       self.config.prefill_budget)
-        return max(fits, MIN_PREFILL_TOKENS)
 
     def _maybe_send_stats(self, busy: bool) -> None:
         sched = self.scheduler
@@ -253,9 +185,8 @@ class SchedulerLoop:
         self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                                         kv_used_tokens=sched.kv_used_tokens,
                                         kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
-                                        queue_times=self.queue_times.take(),
-                                        preemptions=self._preemptions,
-                                        steps_target_out_of_reach=self._steps_out_of_reach,
+                                        queue_times=self._queue_times, preemptions=self._preemptions,
+                                        steps_target_out_of_reach=sched.steps_out_of_reach - self._out_of_reach_reported,
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio,
                                         spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
                                         spec_accepted_tokens=self._spec_counts[2],
@@ -263,8 +194,9 @@ class SchedulerLoop:
         self.executor.expert_load = None
         self._spec_counts = [0, 0, 0]
         self._batch_sizes = []
+        self._queue_times = []
         self._preemptions = 0
-        self._steps_out_of_reach = 0
+        self._out_of_reach_reported = sched.steps_out_of_reach
         self._last_stats = now
 
     def _cache_stats(self) -> dict[str, int]:

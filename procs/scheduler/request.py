@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 import numpy as np
 
@@ -21,13 +23,48 @@ NO_DRAFT = np.zeros(0, dtype=np.int32)
 NO_DRAFT.flags.writeable = False
 
 
+class Status(enum.Enum):
+    """Where a request is in its life (SCHEDULING.md section 1b); the status says which of the
+    scheduler's containers holds it: the waiting queue (WAITING, PREEMPTED), the mid-chunk list
+    (PREFILLING), the decode set (RUNNING, until the step that reaches its token limit is launched),
+    none once it has ended (FINISHED, CANCELLED)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+    @property
+    def holds_slot(self) -> bool:
+        return self is Status.PREFILLING or self is Status.RUNNING
+
+    @property
+    def ended(self) -> bool:
+        return self is Status.FINISHED or self is Status.CANCELLED
+
+
+# SCHEDULING.md section 1b: the only moves a request makes.
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.WAITING: frozenset({Status.PREFILLING, Status.CANCELLED}),
+    Status.PREFILLING: frozenset({Status.RUNNING, Status.PREEMPTED, Status.CANCELLED}),
+    Status.RUNNING: frozenset({Status.FINISHED, Status.PREEMPTED, Status.CANCELLED}),
+    Status.PREEMPTED: frozenset({Status.PREFILLING, Status.CANCELLED}),
+    Status.FINISHED: frozenset(),
+    Status.CANCELLED: frozenset(),
+}
+
+
 class Request:
     """`prompt` is what a (re-)admission prefills: the client's prompt, followed after a preemption by
     the tokens generated before it (SCHEDULING.md's recompute). `num_prompt_tokens` stays the client's.
 
     `draft`: tokens proposed to follow its last token (`Scheduler.set_draft`); its next decode row feeds
     them after the last token, one sampled position each, and uses them up.
-    `reported`: tokens sent downstream in `TokenDelta`s so far (0: its first delta is still to come).
+    `status`: where it is in its life (`Status`), changed only by `move_to`.
+    `reported`: tokens sent downstream in `TokenDelta`s so far, counted as its step completes (0: its
+    first delta is still to come).
     `priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue under
     the priority scheduling policy (SCHEDULING.md section 8).
     `speculative`: the server may propose drafts for it (speculative decoding, unless it opted out);
@@ -35,7 +72,7 @@ class Request:
     skips for them (`procs.scheduler.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
     far and the accepted ones (its usage reports them)."""
 
-    __slots__ = ("rid", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
+    __slots__ = ("rid", "status", "arrived_s", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
                  "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival",
                  "speculative", "spec_misses", "spec_pause",
                  "draft_tokens", "accepted_tokens")
@@ -44,6 +81,8 @@ class Request:
                  logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0,
                  speculative: bool = True) -> None:
         self.rid = rid
+        self.status = Status.WAITING
+        self.arrived_s = 0.0  # the scheduler's clock at its arrival (its queue time is measured from it)
         self.prompt = prompt  # int32 [prompt_len]
         self.num_prompt_tokens = int(prompt.shape[0])
         self.sampling = sampling
@@ -65,6 +104,12 @@ class Request:
         self.spec_pause = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+
+    def move_to(self, status: Status) -> None:
+        """The one place a request changes status; a move SCHEDULING.md 1b does not allow is a bug."""
+        if status not in TRANSITIONS[self.status]:
+            raise AssertionError(f"request {self.rid!r}: no move from {self.status.value} to {status.value}")
+        self.status = status
 
     @property
     def queue_key(self) -> tuple[int, int]:
@@ -102,6 +147,7 @@ class Request:
 
     def recompute_with(self, generated: np.ndarray) -> None:
         """Preempted: every token generated so far joins the prompt, prefilled again from the start."""
+        self.move_to(Status.PREEMPTED)
         self.prompt = np.concatenate([self.client_prompt, generated.astype(np.int32)])
         self.prefilled = 0
         self.slot = -1
@@ -125,4 +171,4 @@ class Request:
                          min_tokens_banned=banned if logits.min_tokens else [])
 
     def __repr__(self) -> str:
-        return f"Request({self.rid!r}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"
+        return f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"

@@ -6,6 +6,10 @@ everything else (queues, slots, KV pages, budget, policy) is the production `Sch
 each step, of which the request's next `accepted` entry is accepted (all of it past the list's end):
 `ScriptedDrafts` proposes the tokens the scripted model will sample, up to that many. Output is
 the step trace of SCHEDULING.md as JSON lines, or a table like the chapter's Figures 3 and 8.
+
+With `max_step_ms` and a scripted `step_cost` in the config, the step-time bound of SCHEDULING.md 6.5
+runs on that cost model (exact: its margin is 1), and the clock is the scripted time of the steps
+so far; each step's line then shows its prompt-token cap and its predicted milliseconds.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import numpy as np
 
 from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.core import Scheduler, StepOutput
+from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor, scripted_token
+from procs.scheduler.step_cost import LinearStepCost
+from procs.scheduler.step_output import StepOutput
 from shared.errors import Refusal
 from shared.messages import SamplingParams, StopParams
 
@@ -31,6 +37,19 @@ FIRST_TOKEN_ID = 100  # the scripted model's k-th token is FIRST_TOKEN_ID + k (S
 NEVER_SAMPLED = 1  # a draft token the scripted model never samples (below FIRST_TOKEN_ID, not EOS)
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class ScenarioStepCost(msgspec.Struct, forbid_unknown_fields=True):
+    """A scripted step-cost model: a step takes ms_per_step + ms_per_token * tokens + ms_per_1k_pairs *
+    attention pairs / 1000 (`LinearStepCost`)."""
+
+    ms_per_step: NonNegativeFloat
+    ms_per_token: Annotated[float, msgspec.Meta(gt=0)]
+    ms_per_1k_pairs: NonNegativeFloat = 0.0
+
+    def model(self) -> LinearStepCost:
+        return LinearStepCost((self.ms_per_step / 1000, self.ms_per_token / 1000, self.ms_per_1k_pairs / 1000, 0.0))
 
 
 class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -45,6 +64,9 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     scheduling_policy: str = "fcfs"  # the waiting queue's order: fcfs | priority (SCHEDULING.md section 8)
     fair_prefill: bool = False  # a long prompt leaves half of a step to those behind it (SCHEDULING.md section 9)
     num_speculative_tokens: NonNegativeInt = 0  # k > 0: scripted drafts of k tokens (SCHEDULING.md 6.4)
+    max_step_ms: NonNegativeFloat = 0.0  # > 0: the step-time bound on `step_cost` (SCHEDULING.md 6.5)
+    step_cost: ScenarioStepCost | None = None
+    min_prefill_share: NonNegativeFloat = 0.5
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,6 +110,8 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ScenarioError(f"not valid JSON: {exc}") from None
+    if (scenario.config.max_step_ms > 0) != (scenario.config.step_cost is not None):
+        raise ScenarioError("max_step_ms and step_cost come together (the bound needs a cost model) - at `$.config`")
     ids: set[str] = set()
     arrival: dict[str, int] = {}
     for i, request in enumerate(scenario.requests):
@@ -120,7 +144,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
                                prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
                                scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
-                               fair_prefill=c.fair_prefill)  # drafts: the scenario's scripted ones (run_scenario)
+                               fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
+                               max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -153,10 +178,22 @@ class ScriptedDrafts:
         return np.asarray(tokens + [NEVER_SAMPLED] * (n - accepted), dtype=np.int32)
 
 
+class ScriptedClock:
+    """`simulate`'s clock: the seconds the scripted step-cost model gives the steps run so far."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def scenario_scheduler(scenario: Scenario, config: SchedulerConfig) -> Scheduler:
-    """A fresh scheduler for `scenario`: EOS id `EOS_TOKEN_ID`, and the scenario's scripted drafts."""
-    k = scenario.config.num_speculative_tokens
-    return Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,), proposer=ScriptedDrafts(scenario, k) if k else None)
+    """A fresh scheduler for `scenario`: EOS id `EOS_TOKEN_ID`, the scenario's scripted drafts, and its
+    scripted step-cost model and clock."""
+    k, cost = scenario.config.num_speculative_tokens, scenario.config.step_cost
+    return Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,), proposer=ScriptedDrafts(scenario, k) if k else None,
+                     cost=cost.model() if cost is not None else None, clock=ScriptedClock())
 
 
 def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
@@ -197,7 +234,10 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         # Cancellations not yet reported keep has_unfinished() true: the last ones get a step line.
         if not scheduler.has_unfinished() and next_arrival == len(arrivals):
             return trace
-        trace.append(scheduler.step(executor))
+        out = scheduler.step(executor)
+        if out.predicted_s is not None and isinstance(scheduler.clock, ScriptedClock):
+            scheduler.clock.now += out.predicted_s
+        trace.append(out)
         step += 1
 
 
@@ -209,6 +249,9 @@ def trace_record(out: StepOutput) -> dict[str, Any]:
         record["preempted"] = list(out.preempted)
     if out.drafted:
         record["drafts"] = [[rid, n, accepted] for rid, n, accepted in out.drafted]
+    if out.prefill_cap is not None or out.predicted_s is not None:  # the step-time bound (6.5)
+        record["cap"] = out.prefill_cap
+        record["ms"] = None if out.predicted_s is None else round(out.predicted_s * 1000, 6)
     return record
 
 

@@ -18,9 +18,9 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-Prefill never gets less than a share of a step, at least what keeps up with the prompts arriving
-(`PrefillDemand`), and once the decodes alone take the target a step is not bounded at all
-(`prefill_step_s`), so a machine too slow for the target admits as fast as it can.
+Once the decodes alone take the target a step is not bounded at all (`prefill_step_s`), so a machine
+too slow for the target admits as fast as it can. How the target becomes a step's prompt-token cap
+(the prefill share, the demand term) is `procs.scheduler.step_time_cap`.
 """
 
 from __future__ import annotations
@@ -45,69 +45,16 @@ MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model ove
 DRAFT_COST_WEIGHT = 0.1  # the latest step's share of a draft model's moving per-token cost
 
 
-DEMAND_WINDOW_S = 10.0  # arrivals whose prompts make up the prefill demand
-DEMAND_HEADROOM = 1.5  # prefill's share of a step covers the demand this many times over
+class LinearStepCost:
+    """The model with fixed weights (w0, w1, w2, w3): what every step-time decision reads. `simulate`
+    scripts one; `StepCostModel` fits its weights to measured steps. `margin`: how much longer than
+    predicted the slow steps with prefill run (1 here: a scripted cost is exact)."""
 
-
-def prefill_share(min_share: float, prefilling: int, decoding: int, most: float, demand: float = 0.0) -> float:
-    """The least share of a step's time that prefill gets: each request in the server an equal share
-    (the decoding ones' is their row), so the requests that wait for or are in prefill get theirs
-    together; at least `demand` (`PrefillDemand.share`: what keeps up with the prompts arriving);
-    never below `min_share`, nor above `most` (a share of 1 would let a step grow without end)."""
-    share = prefilling / (prefilling + decoding) if prefilling else 0.0
-    return min(max(min_share, share, demand), most)
-
-
-class PrefillDemand:
-    """The prompts that arrived in the last `DEMAND_WINDOW_S` seconds, as the share of the machine's
-    time their prefill takes (what the prefix cache already holds of them aside). A bound that gives
-    prefill less than that share of every step admits slower than requests arrive: the waiting queue
-    grows until fewer requests decode (so each step's decodes shrink and prefill's share grows), at a
-    cost in throughput and time to first token."""
-
-    def __init__(self, window_s: float = DEMAND_WINDOW_S) -> None:
-        self.window_s = window_s
-        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, tokens to compute, attention pairs)
-        self._tokens = 0  # the window's sums
-        self._pairs = 0.0
-
-    def arrived(self, prompt_tokens: int, cached_tokens: int, now: float) -> None:
-        """A prompt of `prompt_tokens`, the first `cached_tokens` of which the prefix cache holds."""
-        tokens, pairs = prompt_tokens - cached_tokens, attention_pairs([cached_tokens], [prompt_tokens - cached_tokens])
-        self._arrivals.append((now, tokens, pairs))
-        self._tokens += tokens
-        self._pairs += pairs
-        self._forget(now)
-
-    def share(self, cost: "StepCostModel", now: float) -> float:
-        """`DEMAND_HEADROOM` times the seconds of prefill that the window's prompts need (as `cost`
-        predicts them, beyond a step's fixed cost) per second of the window."""
-        self._forget(now)
-        if not self._arrivals:
-            return 0.0
-        return DEMAND_HEADROOM * cost.prefill_s(self._tokens, self._pairs) / self.window_s
-
-    def _forget(self, now: float) -> None:
-        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
-            _, tokens, pairs = self._arrivals.popleft()
-            self._tokens -= tokens
-            self._pairs -= pairs
-
-
-class StepCostModel:
-    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0)) -> None:
-        """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
-        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense."""
+    def __init__(self, weights: tuple[float, float, float, float], experts: tuple[int, int] = (0, 0)) -> None:
+        self.weights = weights
         self.experts = experts
-        self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
-        self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
-        self._since_fit = 0
-        self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
         self.margin = 1.0
-        self.draft_token_s = 0.0  # a draft model's seconds to propose one token (`observe_drafts`)
-        self.weights = self._fit(self._probe)
-        if self.weights is None:
-            raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
+        self.draft_token_s = 0.0  # a draft model's seconds to propose one token (`StepCostModel.observe_drafts`)
 
     def predict(self, tokens: float, pairs: float) -> float:
         w0, w1, w2, w3 = self.weights
@@ -116,28 +63,6 @@ class StepCostModel:
     def prefill_s(self, tokens: float, pairs: float) -> float:
         """What these tokens add to a step, beyond its fixed cost."""
         return self.predict(tokens, pairs) - self.weights[0]
-
-    def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
-        """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
-        if with_prefill:
-            self._overruns.append(seconds / max(self.predict(tokens, pairs), 1e-9))
-            if len(self._overruns) >= MIN_MARGIN_STEPS:
-                quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
-                self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
-        self._steps.append((float(tokens), pairs, seconds))
-        self._since_fit += 1
-        if self._since_fit >= REFIT_EVERY:
-            self._since_fit = 0
-            # Live steps alone once they span enough token counts to pin the per-token cost (a probe
-            # taken while the machine was busy, say beside other starting servers, would otherwise
-            # keep skewing it); before that, the probe fills the gap (steady decode steps alone leave
-            # the per-token cost undetermined).
-            live = list(self._steps)
-            spread = max(t for t, _, _ in live) - min(t for t, _, _ in live)
-            fitted = self._fit(live) if spread >= MIN_LIVE_SPREAD else None
-            fitted = fitted or self._fit(self._probe + live)
-            if fitted is not None:
-                self.weights = fitted
 
     def prefill_step_s(self, target_s: float, decode_rows: int, decode_pairs: float,
                        min_share: float) -> float | None:
@@ -150,12 +75,6 @@ class StepCostModel:
         if decode_s >= planned_s:
             return None
         return max(planned_s, decode_s / (1 - min_share))
-
-    def observe_drafts(self, seconds: float, draft_tokens: int) -> None:
-        """A draft model proposed `draft_tokens` tokens in `seconds` (a moving average per token)."""
-        if draft_tokens > 0:
-            per_token = seconds / draft_tokens
-            self.draft_token_s += DRAFT_COST_WEIGHT * (per_token - self.draft_token_s)
 
     def min_acceptance(self, decode_rows: int, decode_pairs: float) -> float:
         """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to
@@ -185,6 +104,51 @@ class StepCostModel:
             else:
                 high = mid - 1
         return low
+
+
+class StepCostModel(LinearStepCost):
+    """The weights fitted to the worker's startup probe, then refitted from the steps measured since."""
+
+    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0)) -> None:
+        """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
+        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense."""
+        self.experts = experts
+        self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
+        weights = self._fit(self._probe)
+        if weights is None:
+            raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
+        super().__init__(weights, experts)
+
+    def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
+        """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
+        if with_prefill:
+            self._overruns.append(seconds / max(self.predict(tokens, pairs), 1e-9))
+            if len(self._overruns) >= MIN_MARGIN_STEPS:
+                quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
+                self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
+        self._steps.append((float(tokens), pairs, seconds))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            # Live steps alone once they span enough token counts to pin the per-token cost (a probe
+            # taken while the machine was busy, say beside other starting servers, would otherwise
+            # keep skewing it); before that, the probe fills the gap (steady decode steps alone leave
+            # the per-token cost undetermined).
+            live = list(self._steps)
+            spread = max(t for t, _, _ in live) - min(t for t, _, _ in live)
+            fitted = self._fit(live) if spread >= MIN_LIVE_SPREAD else None
+            fitted = fitted or self._fit(self._probe + live)
+            if fitted is not None:
+                self.weights = fitted
+
+    def observe_drafts(self, seconds: float, draft_tokens: int) -> None:
+        """A draft model proposed `draft_tokens` tokens in `seconds` (a moving average per token)."""
+        if draft_tokens > 0:
+            per_token = seconds / draft_tokens
+            self.draft_token_s += DRAFT_COST_WEIGHT * (per_token - self.draft_token_s)
 
     def _fit(self, rows: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
         """Least squares with non-negative weights (a cost never shrinks as work grows) and a positive

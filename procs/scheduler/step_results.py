@@ -1,0 +1,94 @@
+"""Reading a completed step's tokens: which count (`kept_tokens`: not those of rows whose request ended
+while the step ran, nor a row's tokens past what verification accepted or past the one that ends its
+request), which are stop tokens, and settling the rows wider than one token (`settle_wide_rows`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from procs.scheduler.kv_manager import KVManager
+from procs.scheduler.ngram import pause_after
+from procs.scheduler.request_table import RequestTable
+from procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
+
+
+def settle_wide_rows(table: RequestTable, kv: KVManager, launched: LaunchedStep, kept: KeptTokens, out: StepOutput,
+                     min_acceptance: float) -> None:
+    """Rows of several positions came back: each live row keeps the tokens that count (those
+    verification accepted, up to the one that ends its request) and rolls back the rest (KV
+    positions, generated count, the pages past its KV), so that a release caches exactly the
+    tokens it has; count the drafts and update each request's back-off."""
+    slots, lens = launched.sample_slots, launched.sample_lens
+    if kept.positions is None:
+        counted = lens
+    else:
+        rows = np.repeat(np.arange(lens.shape[0]), lens)
+        counted = np.bincount(rows[kept.positions], minlength=lens.shape[0])
+    live = table.admit_seq[slots] == launched.admit_seq
+    for i in np.flatnonzero(live & (lens > 1)).tolist():
+        request = table.requests[int(slots[i])]
+        assert request is not None
+        proposed, accepted = int(lens[i] - 1), int(counted[i] - 1)
+        out.drafted.append((request.rid, proposed, accepted))
+        request.draft_tokens += proposed
+        request.accepted_tokens += accepted
+        paid = accepted > min_acceptance * proposed
+        request.spec_misses = 0 if paid else request.spec_misses + 1
+        request.spec_pause = pause_after(request.spec_misses)
+    short = np.flatnonzero(live & (counted < lens))
+    if short.shape[0]:
+        rejected, rslots = lens[short] - counted[short], slots[short]
+        table.kv_len[rslots] -= rejected
+        table.generated[rslots] -= rejected
+        kv.truncate(rslots)
+
+
+def kept_tokens(table: RequestTable, eos_token_ids: np.ndarray, launched: LaunchedStep, token_ids: np.ndarray,
+                accepted: np.ndarray | None = None) -> KeptTokens:
+    """The sampled tokens that count, each with its slot and index in its request's output: not those
+    of rows whose request ended while the step ran, nor a row's tokens past what verification
+    `accepted`, nor those after the one that ends it."""
+    slots, rids, index = launched.sample_slots, launched.sample_rids, launched.token_index
+    num_sampled = token_ids.shape[0]
+    if num_sampled == slots.shape[0]:  # a token per row
+        row, offset = None, None
+        live = table.admit_seq[slots] == launched.admit_seq  # still the admission that launched the row
+    else:
+        lens = launched.sample_lens
+        row = np.repeat(np.arange(slots.shape[0]), lens)
+        row_starts = np.cumsum(lens) - lens
+        offset = np.arange(num_sampled, dtype=np.int64) - row_starts[row]
+        slots, index = slots[row], index[row] + offset
+        live = table.admit_seq[slots] == launched.admit_seq[row]
+        if accepted is not None:
+            live &= offset < accepted[row]
+    stopped = stop_tokens(table, eos_token_ids, slots, token_ids, live)
+    ends = (stopped | (index + 1 >= table.token_limit[slots])) & live
+    keep = live
+    if row is not None and ends.any():
+        first_end = np.minimum.reduceat(np.where(ends, offset, num_sampled), row_starts)
+        keep = live & (offset <= first_end[row])
+    positions = None
+    if not keep.all():
+        positions = np.flatnonzero(keep)
+        slots, index, token_ids, stopped, ends = (a[positions] for a in (slots, index, token_ids, stopped, ends))
+    if row is not None:
+        rids = [rids[i] for i in (row if positions is None else row[positions]).tolist()]
+    elif positions is not None:
+        rids = [rids[i] for i in positions.tolist()]
+    return KeptTokens(slots, index, token_ids, rids, stopped, ends, positions)
+
+
+def stop_tokens(table: RequestTable, eos_token_ids: np.ndarray, slots: np.ndarray, token_ids: np.ndarray,
+                live: np.ndarray) -> np.ndarray:
+    """Which tokens are a stop token of their request (EOS unless ignore_eos, or a stop_token_id)."""
+    if eos_token_ids.shape[0] == 1:
+        stopped = (token_ids == eos_token_ids[0]) & table.check_eos[slots]
+    elif eos_token_ids.shape[0]:
+        stopped = np.isin(token_ids, eos_token_ids) & table.check_eos[slots]
+    else:
+        stopped = np.zeros(slots.shape[0], dtype=bool)
+    for i in np.flatnonzero(table.has_stop_ids[slots] & live).tolist():
+        if int(token_ids[i]) in table.requests[int(slots[i])].stop.stop_token_ids:  # type: ignore[union-attr]
+            stopped[i] = True
+    return stopped
