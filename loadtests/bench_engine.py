@@ -33,7 +33,7 @@ from procs.worker.models.moe import SparseMoeBlock
 from procs.worker.model_runner import GREEDY, ModelRunner
 from shared.config import DEFAULT_MODEL, QUANTIZATIONS
 from kernels.sampling import sample_batch
-from shared.messages import ForwardBatch, LogitsParams, SlotStart, StepResult
+from shared.messages import ForwardBatch, LogitsParams, RequestParams, SlotStart, StepResult
 from shared.model import resolve_model
 
 
@@ -78,8 +78,9 @@ class StaticPlan:
 
     def prefill(self, logits: LogitsParams | None = None) -> ForwardBatch:
         batch = self._batch(self.prompts, [0] * len(self.prompts), with_pages=True)
-        batch.slot_starts = [SlotStart(slot=i, logits=logits or LogitsParams(), prompt_ids=p,
-                                       min_tokens_banned=[0]) for i, p in enumerate(self.prompts)]
+        params = RequestParams(logits=logits or LogitsParams())
+        batch.slot_starts = [SlotStart(slot=i, params=params, prompt_ids=p, min_tokens_banned=[0])
+                             for i, p in enumerate(self.prompts)]
         return batch
 
     def decode(self, last: list[int]) -> ForwardBatch:

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from procs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams  # noqa: E402
+from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 RUNNING = 256
 WAITING = 1000
@@ -63,7 +63,7 @@ def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, Call
 
     def refill() -> None:
         while sched.num_waiting < WAITING:
-            sched.add_request(f"r{counter[0]}", prompt, SamplingParams(), StopParams(max_tokens=max_tokens))
+            sched.add_request(f"r{counter[0]}", prompt, RequestParams(stop=StopParams(max_tokens=max_tokens)))
             counter[0] += 1
 
     refill()

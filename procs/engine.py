@@ -34,7 +34,7 @@ from procs.scheduler.core import Scheduler
 from procs.scheduler.config import check_config, scheduler_config_from_server
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
-from shared.messages import GenerateRequest, TokenizedRequest, TokenLogprobs
+from shared.messages import GenerateRequest, RequestParams, TokenizedRequest, TokenLogprobs
 from shared.parallel import RankLayout, with_init_addr
 
 if TYPE_CHECKING:
@@ -295,15 +295,13 @@ class OfflineEngine:
             for request in tokenized:
                 ids = [int(t) for t in request.prompt_ids]
                 try:
-                    self.scheduler.add_request(request.rid, request.prompt_ids, request.sampling, request.stop,
-                                               request.logits, priority=request.priority,
-                                               speculative=request.speculative)
+                    self.scheduler.add_request(request.rid, request.prompt_ids, request.params)
                 except BaseException:  # a refusal (Refusal names the field): this call runs none of them
                     for rid in live:
                         self.scheduler.abort(rid)
                     raise
                 live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids=ids, stop=request.stop.stop))
+                    self.tokenizer, prompt_ids=ids, stop=request.params.stop))
             done = [live[r.rid].completion for r in tokenized]
             self._run(live)
         return done
@@ -346,9 +344,9 @@ class OfflineEngine:
 
 
 def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-            sampling: dict[str, Any] | None = None, stop: dict[str, Any] | None = None,
-            logits: dict[str, Any] | None = None, **fields: Any) -> GenerateRequest:
-    """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any other of its
-    fields (constraint, tools, tool_choice, ...) as plain values too."""
-    return msgspec.convert({"rid": rid, "prompt": prompt, "messages": messages, "sampling": sampling or {},
-                            "stop": stop or {}, "logits": logits or {}, **fields}, GenerateRequest, strict=False)
+            **fields: Any) -> GenerateRequest:
+    """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any field of its
+    `RequestParams` (sampling, stop, logits, constraint, priority, ...) or of its own (tools, ...)."""
+    params = {name: fields.pop(name) for name in list(fields) if name in RequestParams.__struct_fields__}
+    return msgspec.convert({"rid": rid, "prompt": prompt, "messages": messages, "params": params, **fields},
+                           GenerateRequest, strict=False)

@@ -95,12 +95,16 @@ class StopParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()  # stop strings: matched by the detokenizer
 
 
+NO_STOP = StopParams()
+
+
 class SlotStart(msgspec.Struct, kw_only=True):
     """A request starts in a worker slot (admitted, or re-admitted after a preemption): the slot's
-    logits state is reset to this. Ids are sent only when its `logits` need them."""
+    state is reset to its `params` (the logits state from `params.logits`). Ids are sent only when
+    its logits need them."""
 
     slot: int
-    logits: LogitsParams = PLAIN_LOGITS
+    params: RequestParams = msgspec.field(default_factory=lambda: DEFAULT_PARAMS)
     prompt_ids: list[int] = []  # for the repetition penalty and prompt logprobs
     output_ids: list[int] = []  # generated before a preemption: the penalties count them
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
@@ -223,6 +227,22 @@ class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
     param: str = "response_format"  # the request field it came from
 
 
+class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one request asks of the engine besides its prompt, as one struct that travels whole:
+    the api builds it, the tokenizer settles it (`stop.max_tokens`, the grammar compiled from
+    `constraint` into `logits.grammar`), the scheduler keeps it on the request, the worker gets it with
+    the slot (`SlotStart`) and the detokenizer its `stop` with the first delta. A new per-request field
+    is a field here (or in the struct of its kind) and the code that reads it; nothing copies fields."""
+
+    sampling: SamplingParams = SamplingParams()
+    stop: StopParams = StopParams()
+    logits: LogitsParams = PLAIN_LOGITS
+    constraint: OutputConstraint | None = None  # structured output, before the tokenizer compiles it
+    priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
+    speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
+
+
+DEFAULT_PARAMS = RequestParams()
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -240,14 +260,9 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     tool_choice: str = "auto"
     forced_tool: str | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (enable_thinking, ...)
-    constraint: OutputConstraint | None = None  # structured output
-    sampling: SamplingParams = SamplingParams()
-    logits: LogitsParams = PLAIN_LOGITS
-    stop: StopParams = StopParams()
+    params: RequestParams = DEFAULT_PARAMS
     arrival_time: float = 0.0  # time.time() at the api
-    priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
-    speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
-    # The field `stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
+    # The field `params.stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
     # tokenizer's refusal names the one the client sent.
     max_tokens_param: str = "max_tokens"
 
@@ -297,12 +312,8 @@ class TokenizedRequest(msgspec.Struct, tag=True, kw_only=True):
 
     rid: str
     prompt_ids: np.ndarray  # [prompt_len] int32
-    sampling: SamplingParams
-    stop: StopParams
+    params: RequestParams  # settled: stop.max_tokens is an int, a constraint compiled into logits.grammar
     arrival_time: float = 0.0
-    logits: LogitsParams = PLAIN_LOGITS
-    priority: int = 0
-    speculative: bool = True  # False: the request opted out of speculative decoding
 
 
 class RequestRejected(msgspec.Struct, tag=True, kw_only=True):
@@ -332,7 +343,7 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     draft_tokens: int = 0
     accepted_tokens: int = 0
     # Set on a request's first delta only, for the detokenizer's per-request state:
-    stop: tuple[str, ...] = ()  # stop strings (StopParams.stop)
+    stop: StopParams | None = None  # its stop strings (`stop.stop`)
     prompt_tail: list[int] = []  # the prompt's last few ids: context for decoding the first tokens
     logprobs: list[TokenLogprobs] = []  # one per token of token_ids, when the request asked for logprobs
     # First delta only, when the request asked for prompt logprobs: every prompt id, and the

@@ -76,10 +76,10 @@ class FakeEngine:
             prompt_tokens = self._prompt_tokens(request)
             try:
                 check_prompt_size(request, self.max_prompt_chars, self.max_context)
-                max_tokens = settle_max_tokens(prompt_tokens, request.stop.max_tokens, request.max_tokens_param,
+                max_tokens = settle_max_tokens(prompt_tokens, request.params.stop.max_tokens, request.max_tokens_param,
                                                self.max_context, chat=request.messages is not None,
                                                prompt_param="messages" if request.messages is not None else "prompt",
-                                               min_tokens=request.logits.min_tokens)
+                                               min_tokens=request.params.logits.min_tokens)
             except Refusal as exc:
                 yield RequestRejected(rid=request.rid, status=exc.status, message=exc.message, param=exc.param)
                 return
@@ -108,13 +108,14 @@ class FakeEngine:
                     finish_reason=reason if last else None,
                     usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
                     if last else None,
-                    logprobs=[] if request.logits.logprobs is None else [
-                        self.token_logprob(tokens[i], i, request.logits.logprobs)],
+                    logprobs=[] if request.params.logits.logprobs is None else [
+                        self.token_logprob(tokens[i], i, request.params.logits.logprobs)],
                 )
-                if i == 0 and request.logits.prompt_logprobs is not None:
+                if i == 0 and request.params.logits.prompt_logprobs is not None:
                     words = self.prompt_words(request)
                     delta.prompt_text = "".join(word for word, _ in words)
-                    delta.prompt_logprobs = [self.prompt_logprob(word, token_id, p, request.logits.prompt_logprobs)
+                    k = request.params.logits.prompt_logprobs
+                    delta.prompt_logprobs = [self.prompt_logprob(word, token_id, p, k)
                                              for p, (word, token_id) in enumerate(words)]
                 yield delta
         finally:

@@ -132,13 +132,14 @@ def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: in
     core in one process, no sockets)."""
     from procs.engine import OfflineEngine
     from shared.config import ServerConfig
-    from shared.messages import GenerateRequest, SamplingParams, StopParams
+    from shared.messages import GenerateRequest, RequestParams, SamplingParams, StopParams
 
     engine = OfflineEngine(ServerConfig(model=str(model), **config))
     outputs = []
     for i, prompt in enumerate(prompts):
-        req = GenerateRequest(rid=f"ref-{i}", prompt_token_ids=list(prompt), sampling=SamplingParams(temperature=0.0),
-                              stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        params = RequestParams(sampling=SamplingParams(temperature=0.0),
+                               stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        req = GenerateRequest(rid=f"ref-{i}", prompt_token_ids=list(prompt), params=params)
         outputs.append(engine.generate([req])[0].token_ids)
     return outputs
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from procs.scheduler import Scheduler, SchedulerConfig, StepOutput
-from shared.messages import FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import FUTURE_TOKEN, ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 EOS = 2
 FIRST_TOKEN = 100  # the k-th sampled token (0-based) of every request is FIRST_TOKEN + k, unless EOS
@@ -305,7 +305,7 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
     for step in range(max_steps):
         for j in jobs:
             if j.arrival_step == step:
-                sched.add_request(j.rid, j.prompt(), SamplingParams(), j.stop_params())
+                sched.add_request(j.rid, j.prompt(), RequestParams(stop=j.stop_params()))
                 waiting.append(j.rid)
         cancelled_now: list[str] = []
         for j in jobs:

@@ -56,8 +56,8 @@ def test_completion_whole_answer_shape_and_defaults():
                                  "prompt_tokens_details": {"cached_tokens": 0}}
         (req,) = engine.requests
         assert req.rid == body["id"] and req.prompt == "Say hello to me" and req.prompt_token_ids is None
-        assert req.sampling == SamplingParams()  # temperature 1, top_p 1, top_k -1, min_p 0, no seed
-        assert req.stop == StopParams() and req.stop.max_tokens is None  # the tokenizer applies the default
+        assert req.params.sampling == SamplingParams()  # temperature 1, top_p 1, top_k -1, min_p 0, no seed
+        assert req.params.stop == StopParams() and req.params.stop.max_tokens is None  # the tokenizer's default
         assert req.arrival_time > 0
         assert engine.aborts == []  # a normal finish never aborts
     run(go())
@@ -76,11 +76,11 @@ def test_completion_token_id_prompt_and_all_parameters():
             body2 = await resp2.json()
         first, second = engine.requests
         assert first.prompt_token_ids == [1, 2, 3, 4, 5, 6, 7, 8] and first.prompt is None
-        assert first.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7)
+        assert first.params.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7)
         # default max_tokens: left to the tokenizer
-        assert first.stop == StopParams(ignore_eos=True, stop_token_ids=(2, 3), stop=("\n",))
-        assert first.stop.max_tokens is None
-        assert second.stop.max_tokens == 2 and second.stop.stop == ("a", "b")
+        assert first.params.stop == StopParams(ignore_eos=True, stop_token_ids=(2, 3), stop=("\n",))
+        assert first.params.stop.max_tokens is None
+        assert second.params.stop.max_tokens == 2 and second.params.stop.stop == ("a", "b")
         assert body2["choices"][0]["text"] == "Hello," and body2["choices"][0]["finish_reason"] == "length"
         assert body2["usage"]["completion_tokens"] == 2
     run(go())
@@ -107,8 +107,8 @@ def test_chat_whole_answer_shape_and_defaults():
         assert [(m.role, m.content) for m in first.messages] == [("system", "Be brief."), ("user", "hi\nthere")]
         assert first.prompt is None and first.prompt_token_ids is None
         # chat default: left to the tokenizer (the context the prompt leaves)
-        assert first.stop.max_tokens is None
-        assert (second.stop.max_tokens, second.max_tokens_param) == (3, "max_completion_tokens")  # it wins
+        assert first.params.stop.max_tokens is None
+        assert (second.params.stop.max_tokens, second.max_tokens_param) == (3, "max_completion_tokens")  # it wins
     run(go())
 
 
@@ -125,8 +125,9 @@ def test_explicit_nulls_mean_defaults():
                 "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None, "top_logprobs": None,
                 **nulls})).status == 200
         for req in engine.requests:
-            assert req.sampling == SamplingParams() and not req.stop.ignore_eos and req.stop.stop == ()
-            assert req.logits == PLAIN_LOGITS and req.priority == 0
+            params = req.params
+            assert params.sampling == SamplingParams() and params.stop == StopParams(max_tokens=params.stop.max_tokens)
+            assert req.params.logits == PLAIN_LOGITS and req.params.priority == 0
     run(go())
 
 
@@ -137,7 +138,7 @@ def test_priority_reaches_the_engine_for_every_choice():
             assert (await client.post("/v1/completions", json={"prompt": "x", "priority": -5, "n": 2})).status == 200
             assert (await client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "x"}], "priority": 7})).status == 200
-        assert [req.priority for req in engine.requests] == [-5, -5, 7]
+        assert [req.params.priority for req in engine.requests] == [-5, -5, 7]
     run(go())
 
 
@@ -152,7 +153,7 @@ def test_a_request_opts_out_of_speculative_decoding():
             assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
             resp = await client.post("/v1/completions", json={"prompt": "x", "speculative": "no"})
             assert resp.status == 400 and "speculative" in (await resp.json())["error"]["message"]
-        assert [req.speculative for req in engine.requests] == [False, False, False, True]
+        assert [req.params.speculative for req in engine.requests] == [False, False, False, True]
     run(go())
 
 

@@ -23,7 +23,7 @@ from shared.checks import (MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS
 from shared.config import DEFAULT_MODEL
 from shared.errors import Refusal
 from shared.grammar import check_json_schema, check_lark, check_regex
-from shared.messages import ChatMessage, GenerateRequest, StopParams
+from shared.messages import ChatMessage, GenerateRequest, RequestParams, StopParams
 
 NESTED = "((a{1,1000}){1,1000}){1,1000}"
 
@@ -64,7 +64,7 @@ def accepted(body: dict, path: str = "/v1/chat/completions", engine: FakeEngine 
 def test_stop_count_and_length_limits():
     assert "at most 32" in refused(chat(stop=[f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1)]), "stop")
     engine = accepted(chat(stop=[f"s{i}" for i in range(MAX_STOP_SEQUENCES)]))
-    assert len(engine.requests[0].stop.stop) == MAX_STOP_SEQUENCES
+    assert len(engine.requests[0].params.stop.stop) == MAX_STOP_SEQUENCES
     assert "512 characters" in refused(chat(stop="x" * (MAX_STOP_CHARS + 1)), "stop")
     accepted(chat(stop=["x" * MAX_STOP_CHARS]))
     refused({"prompt": "hi", "stop": ["ok", "y" * 100_000]}, "stop", "/v1/completions")
@@ -83,7 +83,7 @@ def test_regex_repetition_bounds_are_refused_naming_the_field():
     refused(chat(guided_regex="a" * (MAX_REGEX_CHARS + 1)), "guided_regex")
     refused(chat(guided_regex="(" * 3000 + "a" + ")" * 3000), "guided_regex")  # nesting depth
     engine = accepted(chat(guided_regex="(a{1,40}){1,50}"))  # a product of 2000 is allowed
-    assert engine.requests[0].constraint.spec == "(a{1,40}){1,50}"
+    assert engine.requests[0].params.constraint.spec == "(a{1,40}){1,50}"
     accepted(chat(guided_regex=r"[a-z]{1,100}@[a-z]{1,100}\.com"))  # side by side, not nested
     accepted(chat(guided_regex=r"\p{L}{1,20}(?<tail>x)"))  # llguidance's (Rust's) syntax is read too
 
@@ -209,7 +209,7 @@ def test_a_10_mb_prompt_is_refused_after_tokenizing_a_piece(default_tokenizer, m
     assert info.value.param == "messages" and 0 < sum(encoded) <= 3 * 8 * 8192
     encoded.clear()
     fits = prose(words, random.Random(1), 20_000)  # about 6000 tokens
-    ids = prompts.tokenize(GenerateRequest(rid="r", prompt=fits, stop=StopParams(max_tokens=1)))
+    ids = prompts.tokenize(GenerateRequest(rid="r", prompt=fits, params=RequestParams(stop=StopParams(max_tokens=1))))
     assert list(ids.prompt_ids) == encode(fits) and encoded == [len(fits)]
 
 

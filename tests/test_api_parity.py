@@ -1,5 +1,5 @@
 """OpenAI/vLLM parity of the api, through the `openai` package against the fake engine: penalties,
-logit_bias and min_tokens reaching `GenerateRequest.logits`, n choices (fan-out, seeds, prefill once,
+logit_bias and min_tokens reaching `GenerateRequest.params.logits`, n choices (fan-out, seeds, prefill once,
 usage, aborts), logprobs shapes, echo, and a batch of prompts as lm-evaluation-harness sends them."""
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine():
         return engine.requests
 
     completion, chat, no_max_tokens = run(go())
-    assert completion.logits == LogitsParams(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
-                                             min_tokens=3, logit_bias={5: -100.0, 7: 2.5})
-    assert chat.logits == LogitsParams(presence_penalty=-2.0, frequency_penalty=2.0, min_tokens=4,
+    assert completion.params.logits == LogitsParams(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                                    min_tokens=3, logit_bias={5: -100.0, 7: 2.5})
+    assert chat.params.logits == LogitsParams(presence_penalty=-2.0, frequency_penalty=2.0, min_tokens=4,
                                        logit_bias={0: 100.0, 2147483647: -100.0})
-    assert no_max_tokens.logits.min_tokens == 40  # no max_tokens given: nothing to compare with
+    assert no_max_tokens.params.logits.min_tokens == 40  # no max_tokens given: nothing to compare with
 
 
 def test_logprob_requests_reach_the_engine():
@@ -137,7 +137,7 @@ def test_logprob_requests_reach_the_engine():
             await client.completions.create(model="fake-model", prompt="x", logprobs=0)
             await client.completions.create(model="fake-model", prompt="x", echo=True)
             await client.completions.create(model="fake-model", prompt="x", echo=True, logprobs=3)
-        return [(r.logits.logprobs, r.logits.prompt_logprobs) for r in engine.requests]
+        return [(r.params.logits.logprobs, r.params.logits.prompt_logprobs) for r in engine.requests]
 
     assert run(go()) == [(20, None), (0, None), (None, None), (5, None), (0, None), (None, 0), (3, 3)]
 
@@ -169,7 +169,7 @@ def test_n_choices_whole(endpoint):
     # the prompt counted once, the completions of every choice
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (2, 8, 10)
     assert [r.rid for r in engine.requests] == [f"{out.id}-{j}" for j in range(3)]
-    assert [r.sampling.seed for r in engine.requests] == [expected_seed(7, j) for j in range(3)]
+    assert [r.params.sampling.seed for r in engine.requests] == [expected_seed(7, j) for j in range(3)]
     # the prompt is prefilled once: choices 1 and 2 go in only after choice 0's first event
     first_event = engine.log.index(f"event {out.id}-0")
     assert engine.log.index(f"submit {out.id}-1") > first_event
@@ -188,12 +188,14 @@ def test_choice_seeds_are_distinct_and_n1_is_unchanged():
         return engine.requests, unseeded.id
 
     requests, unseeded_id = run(go())
-    seeds_7 = [r.sampling.seed for r in requests[:4]]
-    seeds_8 = [r.sampling.seed for r in requests[4:8]]
+    seeds_7 = [r.params.sampling.seed for r in requests[:4]]
+    seeds_8 = [r.params.sampling.seed for r in requests[4:8]]
     assert seeds_7[0] == 7 and seeds_8[0] == 8 and not set(seeds_7) & set(seeds_8)
     assert all(0 <= s < 2**63 for s in seeds_7 + seeds_8)
-    assert requests[8].sampling.seed == 7 and "-" not in requests[8].rid[len("cmpl-"):]  # n=1: rid and seed as given
-    assert [(r.rid, r.sampling.seed) for r in requests[9:]] == [(f"{unseeded_id}-0", None), (f"{unseeded_id}-1", None)]
+    # n=1: rid and seed as given
+    assert requests[8].params.sampling.seed == 7 and "-" not in requests[8].rid[len("cmpl-"):]
+    assert [(r.rid, r.params.sampling.seed) for r in requests[9:]] == [(f"{unseeded_id}-0", None),
+                                                                        (f"{unseeded_id}-1", None)]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -492,7 +494,7 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(stream):
 
     body, engine = run(go())
     (request,) = engine.requests
-    assert request.stop.max_tokens == 1 and request.logits.prompt_logprobs == 1
+    assert request.params.stop.max_tokens == 1 and request.params.logits.prompt_logprobs == 1
     prompt_only = {key: value[:2] for key, value in ECHO_LOGPROBS.items()}
     if stream:
         *chunks, usage_chunk, done = body
@@ -516,7 +518,7 @@ def test_echo_with_n_choices_asks_the_prompt_logprobs_once():
         return out, engine
 
     out, engine = run(go())
-    assert [r.logits.prompt_logprobs for r in engine.requests] == [1, None]  # choice 1 repeats choice 0's
+    assert [r.params.logits.prompt_logprobs for r in engine.requests] == [1, None]  # choice 1 repeats choice 0's
     assert [c.text for c in out.choices] == ["Say helloa", "Say hellob"]
     assert out.choices[1].logprobs.tokens == ["Say", " hello", "b"]
     assert out.choices[1].logprobs.token_logprobs == [None, -1.0, -0.25]
@@ -539,7 +541,7 @@ def test_lm_eval_loglikelihood_request_and_parsing():
     out, engine = run(go())
     assert [r.rid for r in engine.requests] == [f"{out['id']}-0", f"{out['id']}-1"]
     assert [r.prompt_token_ids for r in engine.requests] == [[1, 2, 3], [4, 5]]
-    assert all(r.sampling.seed == 1234 and r.logits.prompt_logprobs == 1 for r in engine.requests)
+    assert all(r.params.sampling.seed == 1234 and r.params.logits.prompt_logprobs == 1 for r in engine.requests)
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert [c["text"] for c in choices] == ["<1><2><3>Hello", "<4><5>Hello"]
     results = []
@@ -564,7 +566,7 @@ def test_a_batch_of_text_prompts_with_n_choices():
     assert [(c.index, c.text) for c in out.choices] == [(0, "AB"), (1, "AB"), (2, "CD EF"), (3, "CD EF")]
     assert [r.rid for r in engine.requests][:1] == [f"{out.id}-0"]
     by_rid = {r.rid: r for r in engine.requests}
-    assert [by_rid[f"{out.id}-{i}"].sampling.seed for i in range(4)] == [3, expected_seed(3, 1), 3,
+    assert [by_rid[f"{out.id}-{i}"].params.sampling.seed for i in range(4)] == [3, expected_seed(3, 1), 3,
                                                                           expected_seed(3, 1)]
     for leader, follower in ((0, 1), (2, 3)):  # each prompt prefilled once
         assert engine.log.index(f"submit {out.id}-{follower}") > engine.log.index(f"event {out.id}-{leader}")

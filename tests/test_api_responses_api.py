@@ -80,8 +80,8 @@ def test_text_input_and_instructions_become_a_chat_and_the_response_echoes_the_r
     out, (request,) = run(go())
     assert request.messages == [ChatMessage(role="system", content="Be brief."),
                                 ChatMessage(role="user", content="hi there")]
-    assert (request.stop.max_tokens, request.max_tokens_param) == (10, "max_output_tokens")
-    assert (request.sampling.temperature, request.sampling.top_p) == (0.5, 0.9)
+    assert (request.params.stop.max_tokens, request.max_tokens_param) == (10, "max_output_tokens")
+    assert (request.params.sampling.temperature, request.params.sampling.top_p) == (0.5, 0.9)
     assert out.id.startswith("resp_") and out.object == "response" and out.status == "completed"
     assert out.output_text == "Hello, world!"
     (message,) = out.output
@@ -154,11 +154,11 @@ def test_tool_choice_text_format_and_extras_reach_the_engine():
     assert (required.tool_choice, required.forced_tool) == ("required", None)
     assert (named.tool_choice, named.forced_tool) == ("required", "get_time")
     assert none.tool_choice == "none"
-    assert (json_schema.constraint.kind, json_schema.constraint.param) == ("json_schema", "text.format")
-    assert json.loads(json_schema.constraint.spec) == schema
-    assert (json_object.constraint.kind, json_object.constraint.param) == ("json_object", "text.format")
-    assert plain.constraint is None
-    assert (plain.sampling.seed, plain.sampling.top_k, plain.stop.stop) == (7, 5, ("w9",))
+    assert (json_schema.params.constraint.kind, json_schema.params.constraint.param) == ("json_schema", "text.format")
+    assert json.loads(json_schema.params.constraint.spec) == schema
+    assert (json_object.params.constraint.kind, json_object.params.constraint.param) == ("json_object", "text.format")
+    assert plain.params.constraint is None
+    assert (plain.params.sampling.seed, plain.params.sampling.top_k, plain.params.stop.stop) == (7, 5, ("w9",))
     assert plain.chat_template_kwargs == {"a": 1, "reasoning_effort": "low"}  # as vLLM passes the effort
 
 
@@ -491,7 +491,7 @@ def test_bad_inputs_are_400_naming_the_field():
     assert wrong == []
     # The api refuses all but max_output_tokens (its range, the context) and min_tokens against it, which
     # the tokenizer settles (the fake engine as the tokenizer does): those reach the engine, refused there.
-    assert sorted(r.stop.max_tokens for r in requests) == [0, 2, 100_000], requests
+    assert sorted(r.params.stop.max_tokens for r in requests) == [0, 2, 100_000], requests
     assert {r.max_tokens_param for r in requests} == {"max_output_tokens"}
     messages = dict(zip([p for _, p in BAD], [m for _, _, m in answers]))
     assert "max_completion_tokens" not in messages["max_output_tokens"]  # chat's names never show

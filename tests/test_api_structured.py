@@ -92,7 +92,7 @@ def test_response_format_and_guided_fields_reach_the_engine():
             await client.completions.create(model="fake-model", prompt="x", extra_body={"guided_choice": ["a"]})
             await client.completions.create(model="fake-model", prompt=["x", "y"], extra_body={"guided_regex": "b"})
             await chat(model="fake-model", messages=CHAT)
-        return [r.constraint for r in engine.requests]
+        return [r.params.constraint for r in engine.requests]
 
     schema_text = json.dumps(schema)
     assert run(go()) == [
@@ -130,8 +130,8 @@ def test_parse_with_a_pydantic_model_sends_its_schema_as_the_constraint():
     out, (body,), engine = run(go())
     (request,) = engine.requests
     assert body["response_format"]["type"] == "json_schema"
-    assert request.constraint.kind == "json_schema" and request.constraint.param == "response_format"
-    assert json.loads(request.constraint.spec) == body["response_format"]["json_schema"]["schema"]
+    assert request.params.constraint.kind == "json_schema" and request.params.constraint.param == "response_format"
+    assert json.loads(request.params.constraint.spec) == body["response_format"]["json_schema"]["schema"]
     assert out.choices[0].message.parsed == City(name="Paris", population=2102650)
 
 
@@ -262,8 +262,8 @@ def test_tools_and_tool_choice_reach_the_engine():
     assert (required.tools, required.tool_choice, required.forced_tool) == (functions, "required", None)
     assert (named.tools, named.tool_choice, named.forced_tool) == (functions, "required", "get_time")
     assert (plain.tools, plain.tool_choice, plain.chat_template_kwargs) == ([], "none", {"enable_thinking": False})
-    assert auto.chat_template_kwargs == {} and auto.constraint is None
-    assert auto_json.tool_choice == "auto" and auto_json.constraint.kind == "json_object"
+    assert auto.chat_template_kwargs == {} and auto.params.constraint is None
+    assert auto_json.tool_choice == "auto" and auto_json.params.constraint.kind == "json_object"
 
 
 def test_messages_with_tool_calls_and_tool_results_reach_the_engine():

@@ -12,7 +12,7 @@ import torch
 from kernels import native
 from kernels.decode_layers import DecodeLayers
 from procs.scheduler import Scheduler, SchedulerConfig
-from shared.messages import SamplingParams, StopParams
+from shared.messages import RequestParams, SamplingParams, StopParams
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
 
@@ -46,7 +46,8 @@ def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str,
     sched = Scheduler(SchedulerConfig(max_running_requests=3, prefill_budget=64, page_size=runner.page_size,
                                       kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
     for rid, prompt in PROMPTS.items():  # three at once: "d" joins when the first one leaves
-        sched.add_request(rid, prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=LIMITS[rid], ignore_eos=True))
+        sched.add_request(rid, prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
+                                                     stop=StopParams(max_tokens=LIMITS[rid], ignore_eos=True)))
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeLayers, "run", counting_run)

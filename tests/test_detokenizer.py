@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.detokenizer.stop_strings import StopStringMatcher
+from shared.messages import RequestParams, StopParams
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -249,7 +250,7 @@ def test_numpy_ids_are_accepted() -> None:
 
 def _run(text: str, stop: list[str], per_token: bool = True) -> tuple[list[str], str, IncrementalDetokenizer]:
     ids = _one_token_per_char(text)
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=stop)
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=tuple(stop)))
     chunks = [[i] for i in ids] if per_token else [ids]
     pieces = _stream(detok, chunks)
     return pieces, detok.finish(), detok
@@ -261,7 +262,7 @@ def test_stop_string_spanning_token_boundaries() -> None:
     assert detok.stopped
     assert tail == ""
     # Nothing after the match is ever emitted, whatever comes next.
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("STOP",)))
     assert detok.add(BYTE_BPE.encode("The fox ST").ids).text == "The fox "
     out = detok.add(BYTE_BPE.encode("OP and more").ids)
     assert out.text == "" and out.stopped
@@ -272,7 +273,7 @@ def test_stop_string_spanning_token_boundaries() -> None:
 
 def test_stop_output_reports_the_match_on_the_step_that_found_it() -> None:
     ids = _one_token_per_char("ab<end>cd")
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["<end>"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("<end>",)))
     outs = [detok.add([i]) for i in ids]
     first_stop = next(k for k, o in enumerate(outs) if o.stopped)
     assert first_stop == 6  # the ">" token completes "<end>"
@@ -290,22 +291,22 @@ def test_multiple_stop_strings_earliest_wins() -> None:
 
 def test_stop_string_at_the_very_first_token() -> None:
     ids = BYTE_BPE.encode("Hello world").ids
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["Hel"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("Hel",)))
     out = detok.add(ids[:1])
     assert out.text == "" and out.stopped
     assert detok.add(ids[1:]).text == "" and detok.finish() == ""
 
 
 def test_held_back_text_is_released_when_the_match_fails() -> None:
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("STOP",)))
     texts = [detok.add([i]).text for i in _one_token_per_char("xSTO")]
     assert texts == ["x", "", "", ""]
     assert detok.add(_one_token_per_char("P")).stopped
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("STOP",)))
     texts = [detok.add([i]).text for i in _one_token_per_char("xSTOX")]
     assert texts == ["x", "", "", "", "STOX"]
     # A partial prefix at the end of generation comes out of finish().
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["STOP"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("STOP",)))
     assert "".join(detok.add([i]).text for i in _one_token_per_char("aST")) == "a"
     assert detok.finish() == "ST" and not detok.stopped
 
@@ -313,7 +314,7 @@ def test_held_back_text_is_released_when_the_match_fails() -> None:
 def test_stop_string_of_multibyte_characters() -> None:
     text = "前文中文後"
     ids = _byte_tokens(text)
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=["中文"])
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("中文",)))
     pieces = [detok.add([i]).text for i in ids]
     assert "".join(pieces) == "前文" and detok.stopped
     assert all("\ufffd" not in p for p in pieces)
@@ -340,7 +341,7 @@ def test_stop_strings_property(text: str, stops: list[str], cuts: list[int]) -> 
             matched = max(ending_here, key=len)
             expected = text[: end - len(matched)]
             break
-    detok = IncrementalDetokenizer(BYTE_BPE, stop=stops)
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=tuple(stops)))
     emitted = ""
     for chunk in _chunked(ids, cuts):
         out = detok.add(chunk)
@@ -417,13 +418,13 @@ def _delta_scheduler():
 
 def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
     from procs.scheduler.core import StepOutput
-    from shared.messages import LogitsParams, SamplingParams, StopParams, TokenLogprobs
+    from shared.messages import LogitsParams, SamplingParams, TokenLogprobs
 
     sched = _delta_scheduler()
     prompt = np.array([5, 6, 7], dtype=np.int32)
-    sched.add_request("a", prompt, SamplingParams(), StopParams(max_tokens=4),
-                      LogitsParams(logprobs=1, prompt_logprobs=0))
-    sched.add_request("b", prompt, SamplingParams(), StopParams(max_tokens=4))
+    sched.add_request("a", prompt, RequestParams(stop=StopParams(max_tokens=4),
+                                                 logits=LogitsParams(logprobs=1, prompt_logprobs=0)))
+    sched.add_request("b", prompt, RequestParams(stop=StopParams(max_tokens=4)))
     lp = TokenLogprobs(9, -0.1, [9], [-0.1])
     plp = [TokenLogprobs(6, -3.0, [], []), TokenLogprobs(7, -2.0, [], [])]
     first = sched.token_deltas(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], logprobs={"a": [lp]},
@@ -436,7 +437,7 @@ def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
 
 
 def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> None:
-    from shared.messages import ForwardBatch, LogitsParams, SamplingParams, StepResult, StopParams, TokenLogprobs
+    from shared.messages import ForwardBatch, LogitsParams, SamplingParams, StepResult, TokenLogprobs
 
     plp = [TokenLogprobs(6, -3.0, [4], [-1.0])]
 
@@ -446,8 +447,8 @@ def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> N
                               prompt_logprobs=[(batch.slots[0], plp)])
 
     sched = _delta_scheduler()
-    sched.add_request("a", np.array([5, 6], dtype=np.int32), SamplingParams(), StopParams(max_tokens=1),
-                      LogitsParams(prompt_logprobs=1))
+    sched.add_request("a", np.array([5, 6], dtype=np.int32), RequestParams(stop=StopParams(max_tokens=1),
+                                                                           logits=LogitsParams(prompt_logprobs=1)))
     out = sched.step(Worker())
     assert out.finished == ["a"] and not sched.has_unfinished()
     (only,) = sched.token_deltas(out)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
+from shared.messages import StopParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = "Bonjour! 你好，世界。こんにちは 🤖🚀 emoji, naïve Ørsted, 한국어 done."
@@ -58,7 +59,7 @@ def test_streams_multilingual_text_token_by_token(tok) -> None:
 
 def test_stop_string_inside_multilingual_text(tok) -> None:
     ids = tok.encode(TEXT, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, stop=["世界", "Ørsted"])
+    detok = IncrementalDetokenizer(tok, stop=StopParams(stop=("世界", "Ørsted")))
     outs = [detok.add([i]) for i in ids]
     assert "".join(o.text for o in outs) + detok.finish() == "Bonjour! 你好，"
     assert detok.stopped  # at "世界": "Ørsted" comes later in TEXT

@@ -20,8 +20,19 @@ from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
-from shared.messages import (PROMPT_TAIL_TOKENS, AbortRequest, ChatMessage, ForwardBatch, GenerateRequest, SamplingParams,
-                             StopParams, TokenDelta, TokenizedRequest, WorkerInfo)
+from shared.messages import (
+    PROMPT_TAIL_TOKENS,
+    AbortRequest,
+    ChatMessage,
+    ForwardBatch,
+    GenerateRequest,
+    RequestParams,
+    SamplingParams,
+    StopParams,
+    TokenDelta,
+    TokenizedRequest,
+    WorkerInfo,
+)
 from shared.readiness import notify, notify_ready
 from shared.shm import SharedRing
 
@@ -33,7 +44,7 @@ def test_typed_sockets_carry_a_union_in_order_with_prompt_ids_in_shared_memory(t
     try:
         sender = Sender(ctx, ep.scheduler, writer=ring)  # connects before the receiver binds: queued
         prompt = np.arange(1000, dtype=np.int32)
-        sender.send(TokenizedRequest(rid="a", prompt_ids=prompt, sampling=SamplingParams(), stop=StopParams()))
+        sender.send(TokenizedRequest(rid="a", prompt_ids=prompt, params=RequestParams()))
         sender.send(AbortRequest(rid="a"))
         sender.send(WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[2], max_context=32, page_size=16))
         receiver: Receiver[SchedulerInbox] = Receiver(ctx, ep.scheduler, SchedulerInbox)
@@ -94,18 +105,19 @@ class WordTokenizer:
 
 
 def request(max_tokens: int | None = None, stop: StopParams = StopParams(), **kw) -> GenerateRequest:
-    return GenerateRequest(rid="r", stop=msgspec.structs.replace(stop, max_tokens=max_tokens), **kw)
+    stop = msgspec.structs.replace(stop, max_tokens=max_tokens)
+    return GenerateRequest(rid="r", **kw, params=RequestParams(stop=stop))
 
 
 def test_prompt_checks_name_the_field():
     tok = PromptTokenizer(WordTokenizer(), max_context=10)
     ok = tok.tokenize(request(prompt="w1 w2", max_tokens=8))
-    assert ok.prompt_ids.tolist() == [1, 2] and ok.prompt_ids.dtype == np.int32 and ok.stop.max_tokens == 8
+    assert ok.prompt_ids.tolist() == [1, 2] and ok.prompt_ids.dtype == np.int32 and ok.params.stop.max_tokens == 8
     chat = tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")], max_tokens=2))
     assert chat.prompt_ids.tolist() == [3, 99]
     # not given: a prompt gets 16 lowered to the room left, a chat all the room left
-    assert tok.tokenize(request(prompt="w1 w2 w3")).stop.max_tokens == 7
-    assert tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")])).stop.max_tokens == 8
+    assert tok.tokenize(request(prompt="w1 w2 w3")).params.stop.max_tokens == 7
+    assert tok.tokenize(request(messages=[ChatMessage(role="user", content="w3")])).params.stop.max_tokens == 8
     cases = [
         (request(prompt=""), "prompt"),
         (request(prompt_token_ids=[]), "prompt"),
@@ -134,9 +146,10 @@ def _delta_scheduler() -> Scheduler:
 def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
     sched = _delta_scheduler()
     executor = ScriptedExecutor(lambda slot: 10)  # tokens 100, 101, ...
-    sched.add_request("a", np.arange(20, dtype=np.int32), SamplingParams(), StopParams(max_tokens=2, stop=("x",)))
+    stop = StopParams(max_tokens=2, stop=("x",))
+    sched.add_request("a", np.arange(20, dtype=np.int32), RequestParams(stop=stop))
     first = sched.token_deltas(sched.step(executor))
-    assert first == [TokenDelta(rid="a", token_ids=[100], prompt_tokens=20, completion_tokens=1, stop=("x",),
+    assert first == [TokenDelta(rid="a", token_ids=[100], prompt_tokens=20, completion_tokens=1, stop=stop,
                                 prompt_tail=list(range(20 - PROMPT_TAIL_TOKENS, 20)))]
     last = sched.token_deltas(sched.step(executor))
     assert last == [TokenDelta(rid="a", token_ids=[101], finish_reason="length", prompt_tokens=20,
@@ -150,17 +163,18 @@ def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
 def test_an_aborted_request_closes_with_its_counts_and_its_first_delta_may_be_the_abort():
     sched = _delta_scheduler()
     executor = ScriptedExecutor(lambda slot: 10)
-    sched.add_request("a", np.arange(3, 9, dtype=np.int32), SamplingParams(), StopParams(max_tokens=8, stop=("x",)))
-    sched.add_request("w", np.arange(3, 6, dtype=np.int32), SamplingParams(), StopParams(max_tokens=8, stop=("y",)))
+    sched.add_request("a", np.arange(3, 9, dtype=np.int32), RequestParams(stop=StopParams(max_tokens=8, stop=("x",))))
+    sched.add_request("w", np.arange(3, 6, dtype=np.int32), RequestParams(stop=StopParams(max_tokens=8, stop=("y",))))
     sched.token_deltas(sched.step(executor))
     sched.token_deltas(sched.step(executor))  # a and w have 2 tokens each
     assert sched.abort("a")
-    sched.add_request("q", [3], SamplingParams(), StopParams(max_tokens=8, stop=("z",)))
+    q_stop = StopParams(max_tokens=8, stop=("z",))
+    sched.add_request("q", [3], RequestParams(stop=q_stop))
     assert sched.abort("q")  # before any token: its only delta is the first
     deltas = sched.token_deltas(sched.step(executor))
     assert deltas[-2:] == [
         TokenDelta(rid="a", token_ids=[], finish_reason="abort", prompt_tokens=6, completion_tokens=2),
-        TokenDelta(rid="q", token_ids=[], finish_reason="abort", prompt_tokens=1, stop=("z",), prompt_tail=[3])]
+        TokenDelta(rid="q", token_ids=[], finish_reason="abort", prompt_tokens=1, stop=q_stop, prompt_tail=[3])]
 
 
 def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_model_dir):
@@ -168,8 +182,8 @@ def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_mod
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama", with_tokenizer=True))
     d = Detokenizers(tok)
-    out, abort = d.handle(TokenDelta(rid="a", token_ids=[5], prompt_tokens=3, completion_tokens=1, stop=("w7",),
-                                     prompt_tail=[3, 4]))
+    out, abort = d.handle(TokenDelta(rid="a", token_ids=[5], prompt_tokens=3, completion_tokens=1,
+                                     stop=StopParams(stop=("w7",)), prompt_tail=[3, 4]))
     assert out.finish_reason is None and not abort
     out, abort = d.handle(TokenDelta(rid="a", token_ids=[6, 7, 8], prompt_tokens=3, completion_tokens=4))
     assert abort and out.finish_reason == "stop" and "w7" not in out.text and "w6" in out.text
@@ -179,7 +193,7 @@ def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_mod
     assert d.handle(TokenDelta(rid="a", token_ids=[], finish_reason="abort")) == (None, False)
     assert d.active == {} and d.stopped == set()
     # a request that ends by length gets its held-back text and usage
-    d.handle(TokenDelta(rid="b", token_ids=[5], prompt_tokens=1, completion_tokens=1, stop=("w55",)))
+    d.handle(TokenDelta(rid="b", token_ids=[5], prompt_tokens=1, completion_tokens=1, stop=StopParams(stop=("w55",))))
     out, abort = d.handle(TokenDelta(rid="b", token_ids=[], finish_reason="length", prompt_tokens=1,
                                      completion_tokens=1))
     assert out.finish_reason == "length" and not abort and out.usage.total_tokens == 2

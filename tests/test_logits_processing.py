@@ -18,7 +18,7 @@ from procs.engine import OfflineEngine, request
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.sample_rows import SampleRows
 from shared.config import ServerConfig
-from shared.messages import LogitsParams, SlotStart
+from shared.messages import LogitsParams, RequestParams, SlotStart
 
 VOCAB = 50
 
@@ -61,7 +61,8 @@ def test_adjusted_rows_equal_the_reference_token_by_token(params):
     torch.manual_seed(1)
     state = SlotLogitsState(4, VOCAB, torch.device("cpu"))
     prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
-    state.start(SlotStart(slot=3, logits=params, prompt_ids=prompt, output_ids=output, min_tokens_banned=banned))
+    state.start(SlotStart(slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output,
+                          min_tokens_banned=banned))
     state.start(SlotStart(slot=1))
     rng = np.random.default_rng(1)
     for _ in range(6):
@@ -77,9 +78,10 @@ def test_adjusted_rows_equal_the_reference_token_by_token(params):
 
 def test_a_new_request_in_the_slot_starts_clean():
     state = SlotLogitsState(2, VOCAB, torch.device("cpu"))
-    state.start(SlotStart(slot=0, logits=LogitsParams(frequency_penalty=1.0, logit_bias={4: -100.0}), output_ids=[3]))
+    biased = LogitsParams(frequency_penalty=1.0, logit_bias={4: -100.0})
+    state.start(SlotStart(slot=0, output_ids=[3], params=RequestParams(logits=biased)))
     state.record(one_each(np.array([0]), np.array([1])), torch.tensor([3]))
-    state.start(SlotStart(slot=0, logits=LogitsParams(presence_penalty=0.5)))
+    state.start(SlotStart(slot=0, params=RequestParams(logits=LogitsParams(presence_penalty=0.5))))
     raw = torch.randn(1, VOCAB)
     logits = raw.clone()
     state.adjust_(logits, one_each(np.array([0]), np.array([0])))
@@ -97,11 +99,12 @@ def test_each_position_of_a_row_sees_the_proposed_tokens_before_it_as_generated(
     d1 .. dj were generated (same bits), and recording its 3 tokens leaves the state 3 steps leave."""
     torch.manual_seed(2)
     prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
-    start = SlotStart(slot=3, logits=params, prompt_ids=prompt, output_ids=output, min_tokens_banned=banned)
+    start = SlotStart(slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output,
+                      min_tokens_banned=banned)
     wide, single = SlotLogitsState(4, VOCAB, torch.device("cpu")), SlotLogitsState(4, VOCAB, torch.device("cpu"))
     for state in (wide, single):
         state.start(start)
-        state.start(SlotStart(slot=1, logits=LogitsParams(frequency_penalty=0.3), output_ids=[4]))
+        state.start(SlotStart(slot=1, output_ids=[4], params=RequestParams(logits=LogitsParams(frequency_penalty=0.3))))
     t0, proposed, last = 6, [5, 5], 9  # d1 == d2: the count of one token grows twice within the row
     for _ in range(2):
         raw = torch.randn(4, VOCAB) * 3

@@ -12,7 +12,15 @@ from procs.scheduler import Scheduler, SchedulerConfig
 from procs.worker.kv_cache import GIB, kv_bytes_per_token, num_pages_for
 from procs.worker import model_runner
 from procs.worker.model_runner import ModelRunner
-from shared.messages import FUTURE_TOKEN, PLAIN_LOGITS, LogitsParams, SamplingParams, SlotStart, StopParams
+from shared.messages import (
+    FUTURE_TOKEN,
+    PLAIN_LOGITS,
+    LogitsParams,
+    RequestParams,
+    SamplingParams,
+    SlotStart,
+    StopParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +169,8 @@ def test_a_decode_row_of_three_tokens_returns_what_three_single_steps_do(fresh, 
     exactly those steps' tokens, position j as the step at sample count + j, and writes their KV."""
     free = list(range(fresh.kv_cache.num_pages - 1, 0, -1))
     single, wide = _Request(PROMPT, 0, slot=0), _Request(PROMPT, 0, slot=1)
-    starts = [] if logits is None else [SlotStart(slot=r.slot, logits=logits, prompt_ids=PROMPT,
-                                                  min_tokens_banned=[2]) for r in (single, wide)]
+    starts = [] if logits is None else [SlotStart(slot=r.slot, prompt_ids=PROMPT, min_tokens_banned=[2],
+                                                  params=RequestParams(logits=logits)) for r in (single, wide)]
     _run(fresh, [(single, PROMPT, 1), (wide, PROMPT, 1)], free, step=0, sampling=sampling, starts=starts)
     logprobs = [_run(fresh, [(single, single.output[-1:], 1)], free, sampling=sampling).logprobs for _ in range(3)]
     result = _run(fresh, [(wide, single.output[:3], 3)], free, sampling=sampling)
@@ -222,7 +230,8 @@ def _serve(runner, requests, max_tokens, drafts=None):
                       eos_token_ids=(2,))
     outputs: dict[str, list[int]] = {}
     for i, (prompt, sampling, logits) in enumerate(requests):
-        sched.add_request(f"r{i}", prompt, sampling, StopParams(max_tokens=max_tokens, ignore_eos=True), logits)
+        stop = StopParams(max_tokens=max_tokens, ignore_eos=True)
+        sched.add_request(f"r{i}", prompt, RequestParams(sampling=sampling, stop=stop, logits=logits))
         outputs[f"r{i}"] = []
     steps = 0
     while sched.has_unfinished():

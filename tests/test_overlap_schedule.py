@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, LaunchedStep, Scheduler, SchedulerConfig, StepOutput
 from scheduler_harness import EOS, FIRST_TOKEN, Job, KVContentExecutor, audit_references, draw_jobs, pages
-from shared.messages import FUTURE_TOKEN, SamplingParams, StepResult
+from shared.messages import FUTURE_TOKEN, RequestParams, SamplingParams, StepResult
 
 
 class OverlappedDriver:
@@ -71,8 +71,8 @@ def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 50
     for turn in range(max_turns):
         for job in jobs:
             if job.arrival_step == turn:
-                sched.add_request(job.rid, job.prompt(), SamplingParams(), job.stop_params(),
-                                  priority=(priorities or {}).get(job.rid, 0))
+                sched.add_request(job.rid, job.prompt(), RequestParams(stop=job.stop_params(),
+                                                                       priority=(priorities or {}).get(job.rid, 0)))
             if job.cancel_before_step == turn and job.arrival_step <= turn and sched.abort(job.rid):
                 cancelled.add(job.rid)
         if turn > max(j.arrival_step for j in jobs) and not sched.has_unfinished() and not driver.in_flight:
@@ -145,7 +145,7 @@ def test_priority_preemptions_drain_the_pipeline_and_lose_nothing(workload, data
 
 def test_a_decode_launched_before_its_token_is_back_is_fed_the_future_token() -> None:
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64))
-    sched.add_request("A", [5, 6, 7], SamplingParams(), Job("A", 0, 3, 9).stop_params())
+    sched.add_request("A", [5, 6, 7], RequestParams(stop=Job("A", 0, 3, 9).stop_params()))
     first = sched.launch()  # the prompt; samples A's first token
     second = sched.launch()  # A's first decode, planned before that token is known
     assert first.batch.input_ids.tolist() == [5, 6, 7]
@@ -160,7 +160,7 @@ def test_a_decode_launched_before_its_token_is_back_is_fed_the_future_token() ->
 def test_a_request_that_stops_while_its_next_step_runs_is_released_at_once_and_its_extra_row_dropped() -> None:
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64),
                       eos_token_ids=(EOS,))
-    sched.add_request("A", [5, 6, 7], SamplingParams(), Job("A", 0, 3, 9).stop_params())
+    sched.add_request("A", [5, 6, 7], RequestParams(stop=Job("A", 0, 3, 9).stop_params()))
     first, second = sched.launch(), sched.launch()
     out = sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([EOS], np.int32)))
     assert out.finished == ["A"] and out.finish_reasons == {"A": "stop"}
@@ -171,7 +171,7 @@ def test_a_request_that_stops_while_its_next_step_runs_is_released_at_once_and_i
 
 def test_a_request_at_its_token_limit_is_not_launched_again() -> None:
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64))
-    sched.add_request("A", [5, 6, 7], SamplingParams(), Job("A", 0, 3, 9, max_tokens=2).stop_params())
+    sched.add_request("A", [5, 6, 7], RequestParams(stop=Job("A", 0, 3, 9, max_tokens=2).stop_params()))
     first, second = sched.launch(), sched.launch()  # its 1st and 2nd (last) token
     assert sched.launch().batch is None  # nothing left to launch until the last token is back
     sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([FIRST_TOKEN], np.int32)))
@@ -192,7 +192,8 @@ def test_launch_refuses_to_preempt_with_steps_in_flight_and_no_drain() -> None:
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=32, kv_capacity_tokens=24,
                                       page_size=4, kv_reserve_ratio=0.01), eos_token_ids=(EOS,))
     for rid in "AB":
-        sched.add_request(rid, list(range(3, 11)), SamplingParams(), Job(rid, 0, 8, 12, ignore_eos=True).stop_params())
+        stop = Job(rid, 0, 8, 12, ignore_eos=True).stop_params()
+        sched.add_request(rid, list(range(3, 11)), RequestParams(stop=stop))
     with pytest.raises(RuntimeError, match="drain"):
         for _ in range(20):
             sched.launch()
@@ -213,8 +214,8 @@ def test_the_model_gives_the_same_greedy_tokens_launched_ahead_as_step_by_step(t
         sched = Scheduler(SchedulerConfig(max_running_requests=4, prefill_budget=24, page_size=runner.page_size,
                                           kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
         for rid, prompt in prompts.items():
-            sched.add_request(rid, prompt, SamplingParams(temperature=0.0), Job(rid, 0, 1, 99, max_tokens=limits[rid],
-                                                                                 ignore_eos=True).stop_params())
+            stop = Job(rid, 0, 1, 99, max_tokens=limits[rid], ignore_eos=True).stop_params()
+            sched.add_request(rid, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop))
         outs: list[StepOutput] = []
         if overlap:
             driver = OverlappedDriver(sched, lambda batch, owners: runner.execute(batch))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
 from procs.scheduler.prefix_cache import PrefixCache
 from scheduler_harness import EOS, KVContentExecutor, audit_references
-from shared.messages import SamplingParams, StopParams
+from shared.messages import RequestParams, SamplingParams, StopParams
 
 
 # ------------------------------------------------------------------ the tree on its own
@@ -71,7 +71,7 @@ def run(config: SchedulerConfig, jobs: list[Job], max_steps: int = 4000) -> tupl
     for step in range(max_steps):
         for job in jobs:
             if job.arrival == step:
-                sched.add_request(job.rid, job.prompt, SamplingParams(), StopParams(max_tokens=job.outputs))
+                sched.add_request(job.rid, job.prompt, RequestParams(stop=StopParams(max_tokens=job.outputs)))
             if job.cancel_before == step and job.arrival <= step and sched.abort(job.rid):
                 ended.add(job.rid)
         if len(ended) == len(jobs) and step > max(j.arrival for j in jobs) and not sched.has_unfinished():
@@ -133,10 +133,10 @@ def test_a_whole_prompt_in_the_cache_still_computes_its_last_token():
     prompt = list(range(10, 18))  # exactly 2 pages
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {"A": prompt, "B": prompt}, {"A": 2, "B": 2})
-    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=2))
+    sched.add_request("A", prompt, RequestParams(stop=StopParams(max_tokens=2)))
     while sched.has_unfinished():
         sched.step(ex)
-    sched.add_request("B", prompt, SamplingParams(), StopParams(max_tokens=2))
+    sched.add_request("B", prompt, RequestParams(stop=StopParams(max_tokens=2)))
     out = sched.step(ex)
     assert out.prefill == [("B", 4)]  # page 0 cached; page 1 holds the last token, computed again
     assert [(d.rid, d.cached_tokens) for d in sched.token_deltas(out)] == [("B", 4)]
@@ -148,7 +148,7 @@ def test_an_abort_mid_prefill_caches_only_completed_pages():
     sched = Scheduler(config, eos_token_ids=(EOS,))
     prompt = list(range(10, 30))  # 20 tokens, chunks of 6
     ex = KVContentExecutor(sched, {"A": prompt}, {"A": 5})
-    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=5))
+    sched.add_request("A", prompt, RequestParams(stop=StopParams(max_tokens=5)))
     sched.step(ex)
     sched.step(ex)  # 12 prefilled: pages 0-2 complete
     assert sched.abort("A")
@@ -228,7 +228,7 @@ def test_with_a_draft_model_a_released_request_leaves_its_last_kv_token_out(spec
     prompt = list(range(10, 16))  # 6 tokens; 3 outputs leave KV for 8 positions: 2 full pages
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {"A": prompt}, {"A": 3})
-    sched.add_request("A", prompt, SamplingParams(), StopParams(max_tokens=3))
+    sched.add_request("A", prompt, RequestParams(stop=StopParams(max_tokens=3)))
     while sched.has_unfinished():
         sched.step(ex)
     assert ex.sampled["A"] == [ex.token("A", k) for k in range(3)]

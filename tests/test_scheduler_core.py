@@ -8,7 +8,7 @@ import pytest
 from procs.scheduler import ExecutorError, Scheduler, SchedulerConfig, SchedulerConfigError, ScriptedExecutor
 from scheduler_harness import EOS, FIRST_TOKEN, Job, run_and_check
 from shared.errors import Refusal
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -36,7 +36,8 @@ def make(policy: str = "prefill-first", *, slots: int = 4, budget: int = 64, cap
 
 def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
     sched = make(budget=3, page_size=4, capacity=32)
-    sched.add_request("A", [10, 11, 12, 13, 14], SamplingParams(temperature=0.5, seed=7), StopParams(max_tokens=3))
+    sched.add_request("A", [10, 11, 12, 13, 14], RequestParams(sampling=SamplingParams(temperature=0.5, seed=7),
+                                                               stop=StopParams(max_tokens=3)))
     rec = Recorder()
 
     out = sched.step(rec)  # first chunk: 3 tokens into page 1, samples nothing
@@ -71,10 +72,10 @@ def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
 
 def test_mixed_batch_puts_decodes_first_and_reports_batch_order() -> None:
     sched = make("mixed", slots=2, budget=8)
-    sched.add_request("A", [5, 6], GREEDY, StopParams(max_tokens=4))
+    sched.add_request("A", [5, 6], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=4)))
     rec = Recorder()
     sched.step(rec)
-    sched.add_request("B", [7, 8, 9], GREEDY, StopParams(max_tokens=4))
+    sched.add_request("B", [7, 8, 9], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=4)))
     out = sched.step(rec)
     b = rec.batches[-1]
     assert b.slots == [0, 1] and b.extend_lens == [1, 3] and b.sample_lens == [1, 1]
@@ -92,7 +93,7 @@ def test_mixed_batch_puts_decodes_first_and_reports_batch_order() -> None:
 ])
 def test_stop_conditions(stop: StopParams, tokens: list[list[int]], n: int, reason: str) -> None:
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, stop)
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=stop))
     rec = Recorder(tokens)
     outs = []
     while sched.has_unfinished():
@@ -106,7 +107,7 @@ def test_stop_conditions(stop: StopParams, tokens: list[list[int]], n: int, reas
 def test_context_limit_finishes_with_length() -> None:
     # (a request longer than the context never gets here: the tokenizer settles max_tokens)
     sched = make(max_context=6)
-    sched.add_request("A", [3, 4, 5, 6], GREEDY, StopParams(max_tokens=2))
+    sched.add_request("A", [3, 4, 5, 6], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=2)))
     rec = Recorder()
     outs = [sched.step(rec), sched.step(rec)]
     assert outs[-1].finish_reasons == {"A": "length"}
@@ -124,28 +125,29 @@ def test_context_limit_finishes_with_length() -> None:
 def test_requests_that_could_never_run_are_rejected(prompt: list, stop: StopParams, message: str) -> None:
     sched = make()
     with pytest.raises(Refusal) as info:
-        sched.add_request("X", prompt, GREEDY, stop)
+        sched.add_request("X", prompt, RequestParams(sampling=GREEDY, stop=stop))
     assert message in str(info.value) and isinstance(info.value, ValueError)
     assert not sched.has_unfinished() and sched.num_waiting == 0
 
 
 def test_duplicate_ids_are_rejected_until_the_first_one_ends() -> None:
     sched = make()
-    sched.add_request("A", [3], GREEDY, StopParams(max_tokens=1))
+    sched.add_request("A", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1)))
     with pytest.raises(Refusal, match="already queued or running"):
-        sched.add_request("A", [3], GREEDY, StopParams(max_tokens=1))
+        sched.add_request("A", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1)))
     assert sched.step(Recorder()).finished == ["A"]
-    sched.add_request("A", np.array([3, 4], dtype=np.int64), GREEDY, StopParams(max_tokens=1))
+    sched.add_request("A", np.array([3, 4], dtype=np.int64), RequestParams(sampling=GREEDY,
+                                                                           stop=StopParams(max_tokens=1)))
 
 
 def test_a_full_server_answers_503_counting_running_and_waiting() -> None:
     sched = make(slots=2, max_waiting=2)
     for rid in ("A", "B", "C"):
-        sched.add_request(rid, [3], GREEDY, StopParams(max_tokens=16))
+        sched.add_request(rid, [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=16)))
     sched.step(Recorder())  # A and B run, C waits
-    sched.add_request("D", [3], GREEDY, StopParams(max_tokens=16))
+    sched.add_request("D", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=16)))
     with pytest.raises(Refusal, match="server is full") as info:
-        sched.add_request("E", [3], GREEDY, StopParams(max_tokens=16))
+        sched.add_request("E", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=16)))
     assert info.value.status == 503
     assert sched.num_running == 2 and sched.num_waiting == 2
 
@@ -153,7 +155,7 @@ def test_a_full_server_answers_503_counting_running_and_waiting() -> None:
 def test_abort_waiting_mid_chunk_and_running_frees_everything_at_once() -> None:
     sched = make(slots=2, budget=4, capacity=64)
     for rid, n in (("R", 2), ("M", 6), ("W", 3)):
-        sched.add_request(rid, list(range(3, 3 + n)), GREEDY, StopParams(max_tokens=8))
+        sched.add_request(rid, list(range(3, 3 + n)), RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=8)))
     rec = Recorder()
     out = sched.step(rec)  # R whole, M's first 2 tokens; W waits (no slot)
     assert out.prefill == [("R", 2), ("M", 2)] and sched.num_waiting == 1
@@ -177,7 +179,7 @@ def test_abort_waiting_mid_chunk_and_running_frees_everything_at_once() -> None:
 
 def test_abort_of_a_finished_request_is_ignored() -> None:
     sched = make()
-    sched.add_request("A", [3], GREEDY, StopParams(max_tokens=1))
+    sched.add_request("A", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1)))
     sched.step(Recorder())
     assert not sched.abort("A")
     assert sched.step(Recorder()).cancelled == []
@@ -185,8 +187,8 @@ def test_abort_of_a_finished_request_is_ignored() -> None:
 
 def test_abort_from_inside_the_executor_is_applied_after_the_step() -> None:
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=5))
-    sched.add_request("B", [3, 4], GREEDY, StopParams(max_tokens=5))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=5)))
+    sched.add_request("B", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=5)))
 
     class Aborting(Recorder):
         def execute(self, batch: ForwardBatch) -> StepResult:
@@ -201,7 +203,7 @@ def test_abort_from_inside_the_executor_is_applied_after_the_step() -> None:
 
 def test_executor_returning_the_wrong_number_of_tokens_is_an_error() -> None:
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=5))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=5)))
     with pytest.raises(ExecutorError, match="expected 1 token ids"):
         sched.step(Recorder([[1, 2]]))
 
@@ -211,13 +213,13 @@ def test_idle_steps_count_and_do_not_call_the_executor() -> None:
     rec = Recorder()
     assert [sched.step(rec).step for _ in range(3)] == [0, 1, 2]
     assert rec.batches == []
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=1))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1)))
     assert sched.step(rec).step == 3 and rec.batches[0].step == 3
 
 
 def test_without_eos_ids_only_max_tokens_and_stop_ids_end_a_request() -> None:
     sched = make(eos=())
-    sched.add_request("A", [3], GREEDY, StopParams(max_tokens=3))
+    sched.add_request("A", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=3)))
     rec = Recorder([[EOS], [EOS], [EOS]])
     outs = [sched.step(rec) for _ in range(3)]
     assert outs[-1].finish_reasons == {"A": "length"}
@@ -225,7 +227,7 @@ def test_without_eos_ids_only_max_tokens_and_stop_ids_end_a_request() -> None:
 
 def test_scripted_executor_emits_eos_as_the_nth_token() -> None:
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     ex = ScriptedExecutor(lambda slot: 3, eos_token_id=EOS)
     tokens = []
     while sched.has_unfinished():

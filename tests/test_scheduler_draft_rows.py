@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from procs.scheduler import Scheduler, SchedulerConfig
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,7 +35,7 @@ def make(policy: str = "prefill-first", budget: int = 64) -> Scheduler:
 
 def test_a_two_token_draft_runs_a_row_of_width_three() -> None:
     sched = make()
-    sched.add_request("A", [3, 4, 5, 6, 7], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4, 5, 6, 7], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     ex = Scripted([100], [101, 102, 103], [104])
     sched.step(ex)  # the prompt: 5 positions on pages 0-1 of the slot, the first token
     slot = 0
@@ -60,8 +60,8 @@ def test_a_two_token_draft_runs_a_row_of_width_three() -> None:
 
 def test_a_stop_token_in_the_middle_of_a_row_ends_the_request_and_drops_the_rest() -> None:
     sched = make()
-    sched.add_request("A", [3, 4, 5], GREEDY, StopParams(max_tokens=10))
-    sched.add_request("B", [8, 9], GREEDY, StopParams(max_tokens=10, stop_token_ids=(77,)))
+    sched.add_request("A", [3, 4, 5], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
+    sched.add_request("B", [8, 9], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10, stop_token_ids=(77,))))
     ex = Scripted([100, 200], [101, EOS, 103, 201, 77, 203])
     sched.token_deltas(sched.step(ex))
     sched.set_draft("A", [60, 61])
@@ -81,7 +81,7 @@ def test_a_row_stays_below_the_token_limit() -> None:
     """A draft leaves its row a token below the limit: were the row rejected in part, its request
     would still be decoding (SCHEDULING.md 6.4)."""
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=4))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=4)))
     ex = Scripted([100], [101, 102], [103])
     sched.step(ex)
     with pytest.raises(ValueError, match="passes its token limit"):
@@ -95,10 +95,10 @@ def test_a_row_stays_below_the_token_limit() -> None:
 
 def test_mixed_counts_a_row_of_width_k_as_k_tokens_of_the_budget() -> None:
     sched = make("mixed", budget=8)
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     ex = Scripted([100], [101, 102, 103])
     sched.step(ex)
-    sched.add_request("B", list(range(10, 30)), GREEDY, StopParams(max_tokens=4))
+    sched.add_request("B", list(range(10, 30)), RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=4)))
     sched.set_draft("A", [5, 6])
     out = sched.step(ex)
     assert out.decode == ["A"] and out.prefill == [("B", 5)]  # 8 - 3
@@ -107,7 +107,7 @@ def test_mixed_counts_a_row_of_width_k_as_k_tokens_of_the_budget() -> None:
 
 def test_a_draft_waits_for_its_last_token_under_overlap() -> None:
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     ex = Scripted([100], [101], [102, 103, 104])
     sched.step(ex)
     launched = sched.launch()  # A's next token in flight
@@ -127,8 +127,8 @@ def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_i
     from shared.messages import TokenLogprobs
 
     sched = make()
-    sched.add_request("A", [3, 4], GREEDY, StopParams(max_tokens=10))
-    sched.add_request("B", [5, 6], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
+    sched.add_request("B", [5, 6], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     ex = Scripted([100, 200])
     sched.step(ex)
     sched.set_draft("A", [7, 8])
@@ -148,7 +148,7 @@ def test_a_row_that_ends_early_caches_only_the_tokens_its_request_kept() -> None
     config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=1,
                              prefix_cache=True)
     sched = Scheduler(config, eos_token_ids=(EOS,))
-    sched.add_request("A", [3, 4, 5, 6], GREEDY, StopParams(max_tokens=10))
+    sched.add_request("A", [3, 4, 5, 6], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     sched.step(Scripted([100]))
     sched.set_draft("A", [101, 102, 103])
 
@@ -170,8 +170,8 @@ def test_drafts_are_dropped_before_they_would_cost_a_preemption() -> None:
     config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=16, page_size=4,
                              kv_reserve_ratio=0.05)
     sched = Scheduler(config, eos_token_ids=(EOS,))
-    sched.add_request("A", [3, 4, 5, 6, 7, 8, 9], GREEDY, StopParams(max_tokens=8))
-    sched.add_request("B", [13, 14, 15, 16, 17, 18, 19], GREEDY, StopParams(max_tokens=8))
+    sched.add_request("A", [3, 4, 5, 6, 7, 8, 9], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=8)))
+    sched.add_request("B", [13, 14, 15, 16, 17, 18, 19], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=8)))
     ex = Scripted([100, 200], [101, 201])
     sched.step(ex)  # both prompts on 2 pages each: the pool's 4 pages are all held
     sched.set_draft("A", [101, 102, 103])  # its row would need a fifth page
@@ -184,7 +184,7 @@ def test_proposed_drafts_count_in_the_decode_load_the_step_time_bound_sizes_with
     config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=256, page_size=4,
                              speculative="ngram", ngram_min=1)
     sched = Scheduler(config, eos_token_ids=(EOS,))
-    sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], GREEDY, StopParams(max_tokens=20))
+    sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=20)))
     sched.step(Scripted([6]))
     assert sched.decode_load()[0] == 1
     sched.propose_drafts()  # the server proposes first, then sizes the step with them

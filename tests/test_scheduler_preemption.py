@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerConfigError
 from procs.scheduler.simulate import Scenario, run_scenario, scheduler_config_from_scenario, trace_record
 from scheduler_harness import EOS, FIRST_TOKEN, Job, draw_jobs, pages, run_and_check
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 from spec_reference import reference_trace
 
 # The reference counts token positions: the scenarios with page size 1 (all but paged_admission); it
@@ -111,8 +111,8 @@ def test_a_preempted_request_recomputes_its_tokens_and_continues_its_count() -> 
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=12,
                                       kv_reserve_ratio=0.1, policy="prefill-first"), eos_token_ids=(EOS,))
     seeded = SamplingParams(temperature=0.7, seed=11)
-    sched.add_request("A", [3, 4], seeded, StopParams(max_tokens=6))
-    sched.add_request("B", [5, 6, 7], seeded, StopParams(max_tokens=6))
+    sched.add_request("A", [3, 4], RequestParams(sampling=seeded, stop=StopParams(max_tokens=6)))
+    sched.add_request("B", [5, 6, 7], RequestParams(sampling=seeded, stop=StopParams(max_tokens=6)))
     batches: list[ForwardBatch] = []
 
     class Counting:
@@ -140,7 +140,7 @@ def test_aborting_a_preempted_request_while_it_waits_frees_nothing_twice() -> No
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=10,
                                       kv_reserve_ratio=0.01), eos_token_ids=(EOS,))
     for rid in "AB":
-        sched.add_request(rid, [3, 4], SamplingParams(), StopParams(max_tokens=8, ignore_eos=True))
+        sched.add_request(rid, [3, 4], RequestParams(stop=StopParams(max_tokens=8, ignore_eos=True)))
     ex = _Echo()
     while not sched.step(ex).preempted:
         pass
@@ -155,13 +155,13 @@ def test_preempted_requests_wait_ahead_of_new_ones_in_first_admission_order() ->
     sched = Scheduler(SchedulerConfig(max_running_requests=3, prefill_budget=30, kv_capacity_tokens=16,
                                       kv_reserve_ratio=0.01, policy="mixed"), eos_token_ids=(EOS,))
     for rid in "ABC":
-        sched.add_request(rid, [3, 4], SamplingParams(), StopParams(max_tokens=12, ignore_eos=True))
+        sched.add_request(rid, [3, 4], RequestParams(stop=StopParams(max_tokens=12, ignore_eos=True)))
     ex = _Echo()
     preempted: list[str] = []
     while len(preempted) < 2:
         preempted += sched.step(ex).preempted
     assert preempted == ["C", "B"]
-    sched.add_request("D", [3], SamplingParams(), StopParams(max_tokens=2))
+    sched.add_request("D", [3], RequestParams(stop=StopParams(max_tokens=2)))
     assert [r.rid for r in sched.prefill_manager.pending_list] == ["B", "C", "D"]
 
 

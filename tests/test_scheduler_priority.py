@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
 from shared.errors import Refusal
-from shared.messages import SamplingParams, StopParams
+from shared.messages import RequestParams, SamplingParams, StopParams
 from spec_reference import reference_trace
 from test_scheduler_preemption import scenarios, simulate
 
@@ -60,12 +60,12 @@ def test_priority_needs_the_priority_policy_and_a_32_bit_value() -> None:
     config = SchedulerConfig(max_running_requests=2, prefill_budget=8, kv_capacity_tokens=64)
     stop = StopParams(max_tokens=4)
     with pytest.raises(Refusal, match="--scheduling-policy priority") as fcfs:
-        Scheduler(config).add_request("a", [5, 6], SamplingParams(), stop, priority=1)
+        Scheduler(config).add_request("a", [5, 6], RequestParams(stop=stop, priority=1))
     assert fcfs.value.param == "priority" and fcfs.value.status == 400
-    Scheduler(config).add_request("a", [5, 6], SamplingParams(), stop, priority=0)
+    Scheduler(config).add_request("a", [5, 6], RequestParams(stop=stop, priority=0))
     prio = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=8, kv_capacity_tokens=64,
                                      scheduling_policy="priority"))
     with pytest.raises(Refusal, match="32-bit") as big:
-        prio.add_request("a", [5, 6], SamplingParams(), stop, priority=2**31)
+        prio.add_request("a", [5, 6], RequestParams(stop=stop, priority=2**31))
     assert big.value.param == "priority"
-    prio.add_request("a", [5, 6], SamplingParams(), stop, priority=-(2**31))
+    prio.add_request("a", [5, 6], RequestParams(stop=stop, priority=-(2**31)))

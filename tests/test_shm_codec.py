@@ -12,10 +12,11 @@ from shared.codec import Decoder, Encoder
 from shared.messages import (
     AbortRequest,
     ForwardBatch,
+    RequestParams,
     SamplingParams,
     StepResult,
-    TokenizedRequest,
     StopParams,
+    TokenizedRequest,
 )
 from shared.shm import DoubleBuffer, SharedRing, ShmReader, remove_segments_of, segment_name
 
@@ -90,8 +91,7 @@ def test_oversized_arrays_fall_back_to_inline():
 
 
 def request(rid: str, n: int) -> TokenizedRequest:
-    return TokenizedRequest(rid=rid, prompt_ids=np.arange(n, dtype=np.int32) + len(rid),
-                            sampling=SamplingParams(), stop=StopParams())
+    return TokenizedRequest(rid=rid, prompt_ids=np.arange(n, dtype=np.int32) + len(rid), params=RequestParams())
 
 
 def test_ring_copies_out_and_frees_space_only_when_read():

@@ -18,7 +18,7 @@ from procs.scheduler.config import SchedulerConfigError, check_config
 from procs.worker.sample_rows import SampleRows
 from scheduler_harness import audit_references
 from shared.config import ServerConfig
-from shared.messages import ForwardBatch, SamplingParams, StepResult, StopParams
+from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 EOS = 2
 WRONG = 1  # what the model says after a fed token that was not the request's own
@@ -113,9 +113,9 @@ def run(config: SchedulerConfig, jobs: list[Job], max_steps: int = 3000) -> tupl
     for step in range(max_steps):
         for job in jobs:
             if job.arrival == step:
-                sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0),
-                                  StopParams(max_tokens=job.max_tokens, ignore_eos=job.ignore_eos),
-                                  speculative=job.speculative)
+                stop = StopParams(max_tokens=job.max_tokens, ignore_eos=job.ignore_eos)
+                params = RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop, speculative=job.speculative)
+                sched.add_request(job.rid, job.prompt, params)
         if step > max(j.arrival for j in jobs) and not sched.has_unfinished():
             return sched, model, outputs
         outputs.append(sched.step(model))
@@ -189,7 +189,8 @@ def test_a_rejection_frees_the_pages_past_the_kept_tokens() -> None:
     job = Job(0, 8, 20, 99, 3)  # a detour every third token: drafts are cut short
     sched = Scheduler(config("prefill-first", "ngram", page_size=1), eos_token_ids=(EOS,))
     model = CopyModel(sched, {job.rid: job})
-    sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=job.max_tokens))
+    sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
+                                                         stop=StopParams(max_tokens=job.max_tokens)))
     rejected = 0
     while sched.has_unfinished():
         out = sched.step(model)
@@ -206,7 +207,8 @@ def test_a_step_with_drafts_must_complete_before_the_next_launch() -> None:
     sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
     job = Job(0, 6, 20, 99, 50)
     model = CopyModel(sched, {job.rid: job})
-    sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=job.max_tokens))
+    sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
+                                                         stop=StopParams(max_tokens=job.max_tokens)))
     while True:
         launched = sched.launch()
         b = launched.batch
@@ -248,7 +250,8 @@ def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay(
         sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
         sched.min_acceptance = min_acceptance
         model = CopyModel(sched, {job.rid: job})
-        sched.add_request(job.rid, job.prompt, SamplingParams(temperature=0.0), StopParams(max_tokens=job.max_tokens))
+        sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
+                                                             stop=StopParams(max_tokens=job.max_tokens)))
         outputs = []
         while sched.has_unfinished():
             outputs.append(sched.step(model))

@@ -15,7 +15,7 @@ from procs.scheduler.executor import ScriptedExecutor
 from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
 from procs.scheduler.step_cost import StepCostModel
 from shared.config import ServerConfig
-from shared.messages import SamplingParams, StopParams, WorkerInfo
+from shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
 from shared.step_features import attention_pairs, experts_read
 
 TRUE = (0.004, 0.0015, 0.0002)  # seconds: per step, per token, per 1000 attention pairs
@@ -88,7 +88,8 @@ def test_an_moe_models_steps_are_predicted_from_the_experts_they_read():
 def test_the_scheduler_prefills_no_more_than_it_is_given():
     config = SchedulerConfig(max_running_requests=4, prefill_budget=64, kv_capacity_tokens=1024, policy="mixed")
     sched = Scheduler(config)
-    sched.add_request("long", np.arange(3, 103), SamplingParams(temperature=0), StopParams(max_tokens=2))
+    sched.add_request("long", np.arange(3, 103), RequestParams(sampling=SamplingParams(temperature=0),
+                                                               stop=StopParams(max_tokens=2)))
     executor = ScriptedExecutor(lambda slot: 10)
     chunks, prefixes = [], []
     while sched.has_unfinished():

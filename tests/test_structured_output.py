@@ -170,8 +170,8 @@ def test_a_bad_grammar_is_a_400_naming_its_field(eng, kind, spec, param):
 
 
 def test_grammars_are_compiled_once_per_text(eng):
-    first = eng.tokenize(constrained("a", "json_schema", json.dumps(SCHEMA))).logits.grammar
-    again = eng.tokenize(constrained("b", "json_schema", json.dumps(SCHEMA))).logits.grammar
+    first = eng.tokenize(constrained("a", "json_schema", json.dumps(SCHEMA))).params.logits.grammar
+    again = eng.tokenize(constrained("b", "json_schema", json.dumps(SCHEMA))).params.logits.grammar
     assert first is not None and again is first
 
 
@@ -180,7 +180,7 @@ def test_structured_output_needs_a_tokenizer_llguidance_reads(tiny_model_dir):
     with pytest.raises(Refusal) as info:
         words.tokenize(request("x", prompt="w1", constraint={"kind": "json_object"}))
     assert info.value.param == "response_format" and "tokenizer" in info.value.message
-    assert words.tokenize(request("y", prompt="w1")).logits.grammar is None  # the rest still works
+    assert words.tokenize(request("y", prompt="w1")).params.logits.grammar is None  # the rest still works
 
 
 # ------------------------------------------------------------------------------------- end to end
@@ -248,7 +248,7 @@ def test_required_tool_choice_forces_one_valid_call_in_the_prompted_format(eng):
     # "none" hides the tools: the prompt is the plain chat's
     plain = eng.tokenize(request("p", messages=msgs)).prompt_ids.tolist()
     hidden = eng.tokenize(request("h", messages=msgs, tools=tools, tool_choice="none"))
-    assert hidden.prompt_ids.tolist() == plain and hidden.logits.grammar is None
+    assert hidden.prompt_ids.tolist() == plain and hidden.params.logits.grammar is None
 
 
 def test_a_thinking_model_thinks_freely_then_answers_in_the_grammar(tiny_model_dir):

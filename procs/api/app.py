@@ -115,12 +115,14 @@ def choice_requests(rid: str, prompts: list[GenerateRequest], n: int) -> list[Ge
     out = []
     for p, request in enumerate(prompts):
         for j in range(n):
-            seed = request.sampling.seed
-            sampling = request.sampling if seed is None else msgspec.structs.replace(request.sampling,
-                                                                                     seed=choice_seed(seed, j))
+            params = request.params
+            seed = params.sampling.seed
+            sampling = params.sampling if seed is None else msgspec.structs.replace(params.sampling,
+                                                                                    seed=choice_seed(seed, j))
             # echo: only choice 0 asks for the prompt's logprobs; the others repeat them (ChoiceOutput)
-            logits = request.logits if j == 0 else msgspec.structs.replace(request.logits, prompt_logprobs=None)
-            out.append(msgspec.structs.replace(request, rid=f"{rid}-{p * n + j}", sampling=sampling, logits=logits))
+            logits = params.logits if j == 0 else msgspec.structs.replace(params.logits, prompt_logprobs=None)
+            params = msgspec.structs.replace(params, sampling=sampling, logits=logits)
+            out.append(msgspec.structs.replace(request, rid=f"{rid}-{p * n + j}", params=params))
     return out
 
 

@@ -45,10 +45,11 @@ class ResponsesEndpoint:
         except Refusal as exc:
             raise renamed(exc, translation.origins) from None
         (generate,) = validated.requests
-        constraint = generate.constraint
-        if constraint is not None:
-            constraint = msgspec.structs.replace(constraint, param="text.format")
-        generate = msgspec.structs.replace(generate, max_tokens_param="max_output_tokens", constraint=constraint)
+        params = generate.params
+        if params.constraint is not None:
+            params = msgspec.structs.replace(params, constraint=msgspec.structs.replace(params.constraint,
+                                                                                          param="text.format"))
+        generate = msgspec.structs.replace(generate, max_tokens_param="max_output_tokens", params=params)
         validated = dataclasses.replace(validated, requests=[generate])
         store = req.store is not False
         echo = response_echo(req, store)

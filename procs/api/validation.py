@@ -39,7 +39,7 @@ from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_st
 from shared.errors import Refusal
 from shared.grammar import check_constraint_source, check_json_schema
 from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
-                             SamplingParams, StopParams, ToolCall, ToolFunction)
+                             RequestParams, SamplingParams, StopParams, ToolCall, ToolFunction)
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_N = 128  # choices per prompt (vLLM has no cap; the api's in-flight cap bounds n x prompts too)
@@ -92,11 +92,9 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str) ->
     if drop_generated and logits.min_tokens:
         raise Refusal(f"min_tokens ({logits.min_tokens}) must be 0 with echo and max_tokens 0 (nothing is "
                       f"generated)", "min_tokens")
-    constraint = constraint_of(req)
-    requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, sampling=sampling, logits=logits,
-                                stop=_stop(req, max_tokens), arrival_time=time.time(),
-                                constraint=constraint, priority=req.priority or 0,
-                                speculative=req.speculative is not False)
+    params = _params(req, sampling, logits, _stop(req, max_tokens), constraint_of(req))
+    requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, params=params,
+                                arrival_time=time.time())
                 for prompt, prompt_ids in prompts]
     return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
                             echo=echo, drop_generated=drop_generated)
@@ -131,14 +129,19 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> V
         given, param = req.max_tokens, "max_tokens"
     logits = _logits(req, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
     generate = GenerateRequest(
-        rid=rid, messages=messages, sampling=_sampling(req), logits=logits, stop=_stop(req, given),
+        rid=rid, messages=messages, params=_params(req, _sampling(req), logits, _stop(req, given), constraint),
         max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
-        forced_tool=forced_tool, chat_template_kwargs=template_kwargs, constraint=constraint,
-        priority=req.priority or 0, speculative=req.speculative is not False,
+        forced_tool=forced_tool, chat_template_kwargs=template_kwargs,
     )
     tool_names = frozenset(t.name for t in tools) if tool_choice != "none" else frozenset()
     return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs),
                             tool_names=tool_names)
+
+
+def _params(req: CommonRequestFields, sampling: SamplingParams, logits: LogitsParams, stop: StopParams,
+            constraint: OutputConstraint | None) -> RequestParams:
+    return RequestParams(sampling=sampling, stop=stop, logits=logits, constraint=constraint,
+                         priority=req.priority or 0, speculative=req.speculative is not False)
 
 
 def check_model(model: str | None, model_name: str) -> None:

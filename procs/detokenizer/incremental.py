@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tokenizers
 
 from procs.detokenizer.stop_strings import StopStringMatcher
-from shared.messages import PROMPT_TAIL_TOKENS
+from shared.messages import NO_STOP, PROMPT_TAIL_TOKENS, StopParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Drop consumed ids from the front of the buffer once this many have piled up (amortised O(1)).
@@ -87,12 +87,13 @@ class IncrementalDetokenizer:
         tokenizer: object,
         *,
         prompt_ids: Sequence[int] = (),
-        stop: Sequence[str] = (),
+        stop: StopParams = NO_STOP,
         skip_special_tokens: bool = True,
     ) -> None:
+        """`stop`: the request's (`StopParams.stop`: its stop strings)."""
         self._decode = make_decode(tokenizer, skip_special_tokens=skip_special_tokens)
         self._skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._stop = StopStringMatcher(stop)
+        self._stop = StopStringMatcher(stop.stop)
         # `_ids[_prefix_offset:_read_offset]` were decoded and emitted (or are prompt context);
         # `_emitted_len` is how many characters of `decode(_ids[_prefix_offset:])` are emitted.
         context = [int(t) for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_TAIL_TOKENS) :]]

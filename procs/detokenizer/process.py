@@ -15,7 +15,7 @@ from procs.detokenizer.logprobs import LogprobTexts
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
-from shared.messages import AbortRequest, TextDelta, TokenDelta, Usage
+from shared.messages import NO_STOP, AbortRequest, TextDelta, TokenDelta, Usage
 from shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.detokenizer")
@@ -39,7 +39,8 @@ class Detokenizers:
             return None, False
         detok = self.active.get(rid)
         if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=delta.stop)
+            stop = delta.stop or NO_STOP  # None: a delta of a request it never saw (an abort)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=stop)
             self.active[rid] = detok
         text = detok.add(delta.token_ids).text
         finish = delta.finish_reason

@@ -120,7 +120,7 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
         prefix_lens += starts
         extend_lens += lens
         sample_lens += [int(a + n == r.prompt_len) for r, a, n in zip(reqs, starts, lens)]
-        sampling += [r.sampling for r in reqs]
+        sampling += [r.params.sampling for r in reqs]
         sample_counts += table.generated[pslots].tolist()  # > 0 when recomputing after a preemption
         for request in reqs:
             if request.starting:

@@ -53,16 +53,7 @@ from procs.scheduler.step_results import kept_tokens, settle_wide_rows
 from shared.checks import check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
-from shared.messages import (
-    FUTURE_TOKEN,
-    PLAIN_LOGITS,
-    ForwardBatch,
-    LogitsParams,
-    SamplingParams,
-    StepResult,
-    StopParams,
-    TokenDelta,
-)
+from shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
 
 _INT32_MAX = 2**31 - 1
 
@@ -192,20 +183,20 @@ class Scheduler:
         return None if request is None else request.rid
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                    stop: StopParams, logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0,
-                    speculative: bool = True) -> None:
-        """Queue a request (at the tail of the waiting queue; by `priority` under the priority policy),
-        or raise `Refusal`. `speculative` False: never give it a draft."""
+    def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray,
+                    params: RequestParams = DEFAULT_PARAMS) -> None:
+        """Queue a request (at the tail of the waiting queue; by `params.priority` under the priority
+        policy), or raise `Refusal`. `params.speculative` False: never give it a draft."""
         if rid in self.requests:
             raise Refusal("a request with this id is already queued or running")
+        priority = params.priority
         if priority and not self.by_priority:
             raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
                           f"first come, first served)", "priority")
         check_priority(priority)
         prompt = self._validate_prompt(prompt_ids)
         # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
-        max_tokens = stop.max_tokens
+        max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
         if self.kv.pages_for(total) > self.num_kv_pages:
@@ -215,8 +206,7 @@ class Scheduler:
         if capacity is not None and len(self.requests) >= capacity:
             raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
                           f"{self.config.max_waiting} waiting requests)", status=503)
-        request = Request(rid, prompt, sampling, stop, logits, priority=priority, arrival=self._arrivals,
-                          speculative=speculative)
+        request = Request(rid, prompt, params, arrival=self._arrivals)
         request.arrived_s = self.clock()
         self._arrivals += 1
         self.requests[rid] = request

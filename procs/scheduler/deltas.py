@@ -47,4 +47,4 @@ def _delta(request: Request | None, rid: str, ids: list[int], finish_reason: str
     return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=request.num_prompt_tokens,
                       completion_tokens=request.reported, cached_tokens=cached,
                       draft_tokens=request.draft_tokens, accepted_tokens=request.accepted_tokens,
-                      stop=request.stop.stop if first else (), prompt_tail=request.prompt_tail if first else [])
+                      stop=request.params.stop if first else None, prompt_tail=request.prompt_tail if first else [])

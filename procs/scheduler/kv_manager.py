@@ -167,7 +167,7 @@ class KVManager:
         planned[slots] = growth
         def rank(slot: int) -> tuple[int, int]:
             request = t.requests[slot]
-            return (request.priority if by_priority and request is not None else 0), int(t.admit_seq[slot])
+            return (request.params.priority if by_priority and request is not None else 0), int(t.admit_seq[slot])
 
         order = sorted(np.flatnonzero(t.admit_seq >= 0).tolist(), key=rank)  # the next victim last
         victims: list[int] = []

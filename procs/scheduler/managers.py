@@ -131,8 +131,8 @@ class PrefillManager:
         short = kv.reservation(head, kv.lookup(head)) + kv.reserved_pages() - kv.num_pages
         if short <= 0 and table.has_free_slot:
             return []
-        lower = sorted((r for r in table.requests if r is not None and r.priority > head.priority),
-                       key=lambda r: (r.priority, int(table.admit_seq[r.slot])), reverse=True)
+        lower = sorted((r for r in table.requests if r is not None and r.params.priority > head.params.priority),
+                       key=lambda r: (r.params.priority, int(table.admit_seq[r.slot])), reverse=True)
         victims: list[int] = []
         for request in lower:
             victims.append(request.slot)
@@ -205,7 +205,7 @@ class DecodeManager:
             reqs = self.running.values()
             n = len(self.running)
             self._view = DecodeView(np.fromiter(self.running, dtype=np.int64, count=n),
-                                    [r.rid for r in reqs], [r.sampling for r in reqs],
+                                    [r.rid for r in reqs], [r.params.sampling for r in reqs],
                                     np.ones(n, dtype=np.int64), n)
             self._rows = {}
         if not self.drafting:

@@ -109,9 +109,7 @@ class SchedulerLoop:
         assert self.scheduler is not None
         if isinstance(message, TokenizedRequest):
             try:
-                self.scheduler.add_request(message.rid, message.prompt_ids, message.sampling, message.stop,
-                                           message.logits, priority=message.priority,
-                                           speculative=message.speculative)
+                self.scheduler.add_request(message.rid, message.prompt_ids, message.params)
             except Refusal as exc:
                 self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
                                                  param=exc.param))

@@ -9,15 +9,7 @@ import msgspec
 import numpy as np
 
 from procs.scheduler.prefix_cache import CachedPage
-from shared.messages import (
-    PLAIN_LOGITS,
-    PROMPT_TAIL_TOKENS,
-    LogitsParams,
-    SamplingParams,
-    SlotStart,
-    StopParams,
-    TokenLogprobs,
-)
+from shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
 
 NO_DRAFT = np.zeros(0, dtype=np.int32)
 NO_DRAFT.flags.writeable = False
@@ -65,29 +57,25 @@ class Request:
     `status`: where it is in its life (`Status`), changed only by `move_to`.
     `reported`: tokens sent downstream in `TokenDelta`s so far, counted as its step completes (0: its
     first delta is still to come).
-    `priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue under
-    the priority scheduling policy (SCHEDULING.md section 8).
-    `speculative`: the server may propose drafts for it (speculative decoding, unless it opted out);
+    `params`: what it asked for (`RequestParams`: sampling, stop, logits, priority, speculation), whole.
+    `params.priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue
+    under the priority scheduling policy (SCHEDULING.md section 8).
     `spec_misses` / `spec_pause`: its proposals in a row with nothing accepted, and the steps it still
     skips for them (`procs.scheduler.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
     far and the accepted ones (its usage reports them)."""
 
-    __slots__ = ("rid", "status", "arrived_s", "prompt", "num_prompt_tokens", "sampling", "stop", "logits", "slot", "prefilled",
-                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported", "priority", "arrival",
-                 "speculative", "spec_misses", "spec_pause",
-                 "draft_tokens", "accepted_tokens")
+    __slots__ = ("rid", "params", "status", "arrived_s", "prompt", "num_prompt_tokens", "slot", "prefilled",
+                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported",
+                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens")
 
-    def __init__(self, rid: str, prompt: np.ndarray, sampling: SamplingParams, stop: StopParams,
-                 logits: LogitsParams = PLAIN_LOGITS, *, priority: int = 0, arrival: int = 0,
-                 speculative: bool = True) -> None:
+    def __init__(self, rid: str, prompt: np.ndarray, params: RequestParams = DEFAULT_PARAMS, *,
+                 arrival: int = 0) -> None:
         self.rid = rid
         self.status = Status.WAITING
         self.arrived_s = 0.0  # the scheduler's clock at its arrival (its queue time is measured from it)
         self.prompt = prompt  # int32 [prompt_len]
         self.num_prompt_tokens = int(prompt.shape[0])
-        self.sampling = sampling
-        self.stop = stop
-        self.logits = logits
+        self.params = params
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
         self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
@@ -97,9 +85,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []  # gathered chunk by chunk until its first token
         self.draft = NO_DRAFT
         self.reported = 0
-        self.priority = priority
         self.arrival = arrival
-        self.speculative = speculative
         self.spec_misses = 0
         self.spec_pause = 0
         self.draft_tokens = 0
@@ -114,7 +100,7 @@ class Request:
     @property
     def queue_key(self) -> tuple[int, int]:
         """Its place in the waiting queue under the priority policy: priority, then arrival."""
-        return self.priority, self.arrival
+        return self.params.priority, self.arrival
 
     @property
     def prompt_len(self) -> int:
@@ -124,7 +110,7 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Its token limit (settled by the tokenizer before the request reaches the scheduler)."""
-        return self.stop.max_tokens  # type: ignore[return-value]
+        return self.params.stop.max_tokens  # type: ignore[return-value]
 
     @property
     def client_prompt(self) -> np.ndarray:
@@ -138,7 +124,7 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked for and not yet delivered (they go out with the first token)."""
-        return self.logits.prompt_logprobs is not None and self.num_generated_before == 0
+        return self.params.logits.prompt_logprobs is not None and self.num_generated_before == 0
 
     @property
     def num_generated_before(self) -> int:
@@ -155,17 +141,20 @@ class Request:
         self.draft = NO_DRAFT  # it followed the last token, which is a prompt token now
 
     def slot_start(self, eos_token_ids: tuple[int, ...]) -> SlotStart:
-        """What the worker's slot needs to know of this request's logits, sent once per admission."""
-        logits = self.logits
+        """What the worker's slot needs to know of this request (its params, and the ids its logits need),
+        sent once per admission."""
+        params = self.params
+        logits = params.logits
         if logits.is_plain:
-            return SlotStart(slot=self.slot)
+            return SlotStart(slot=self.slot, params=params)
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
+            params = msgspec.structs.replace(params, logits=logits)
         needs_prompt = logits.repetition_penalty != 1.0 or logits.prompt_logprobs is not None
         n = self.num_prompt_tokens
         # The min_tokens ban: EOS (unless ignore_eos) and stop_token_ids.
-        banned = [*(() if self.stop.ignore_eos else eos_token_ids), *self.stop.stop_token_ids]
-        return SlotStart(slot=self.slot, logits=logits,
+        banned = [*(() if params.stop.ignore_eos else eos_token_ids), *params.stop.stop_token_ids]
+        return SlotStart(slot=self.slot, params=params,
                          prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
                          output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
                          min_tokens_banned=banned if logits.min_tokens else [])

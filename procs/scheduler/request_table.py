@@ -58,18 +58,15 @@ class RequestTable:
         self.generated[slot] = generated_before
         self.token_limit[slot] = request.max_tokens
         self.last_token[slot] = 0
-        self.check_eos[slot] = not request.stop.ignore_eos
-        self.has_stop_ids[slot] = bool(request.stop.stop_token_ids)
+        stop = request.params.stop
+        self.check_eos[slot] = not stop.ignore_eos
+        self.has_stop_ids[slot] = bool(stop.stop_token_ids)
         self.num_pages[slot] = 0
         self.shared_pages[slot] = 0
         if request.max_tokens > self.output_ids.shape[1]:
             self.output_ids = _widen(self.output_ids, max(request.max_tokens, 2 * self.output_ids.shape[1]))
         self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens:]
         return slot
-
-    def most_recent_slot(self) -> int:
-        """The slot of the most recently admitted request (a re-admission counts from its re-admission)."""
-        return int(self.admit_seq.argmax())
 
     def release(self, slots: np.ndarray) -> np.ndarray:
         """Empty the rows; returns the pages they held (for the allocator)."""

@@ -30,7 +30,7 @@ from procs.scheduler.executor import ScriptedExecutor, scripted_token
 from procs.scheduler.step_cost import LinearStepCost
 from procs.scheduler.step_output import StepOutput
 from shared.errors import Refusal
-from shared.messages import SamplingParams, StopParams
+from shared.messages import RequestParams, SamplingParams, StopParams
 
 EOS_TOKEN_ID = 2
 FIRST_TOKEN_ID = 100  # the scripted model's k-th token is FIRST_TOKEN_ID + k (ScriptedExecutor)
@@ -224,7 +224,8 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             prompt = scenario_prompt(scenario.requests.index(r), r)
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
-                scheduler.add_request(r.id, prompt, SamplingParams(temperature=0.0), stop, priority=r.priority)
+                scheduler.add_request(r.id, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop,
+                                                                  priority=r.priority))
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None

@@ -118,7 +118,7 @@ class StepPlanner:
             return
         table = self.table
         for request in self.decode.running.values():
-            if not request.speculative or request.draft.shape[0]:
+            if not request.params.speculative or request.draft.shape[0]:
                 continue
             if request.spec_pause:
                 request.spec_pause -= 1

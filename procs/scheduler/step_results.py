@@ -89,6 +89,6 @@ def stop_tokens(table: RequestTable, eos_token_ids: np.ndarray, slots: np.ndarra
     else:
         stopped = np.zeros(slots.shape[0], dtype=bool)
     for i in np.flatnonzero(table.has_stop_ids[slots] & live).tolist():
-        if int(token_ids[i]) in table.requests[int(slots[i])].stop.stop_token_ids:  # type: ignore[union-attr]
+        if int(token_ids[i]) in table.requests[int(slots[i])].params.stop.stop_token_ids:  # type: ignore[union-attr]
             stopped[i] = True
     return stopped

@@ -190,20 +190,21 @@ class PromptTokenizer:
         n = len(ids)
         if n == 0:
             raise Refusal(f"{field} must not be empty", field)
-        max_tokens = settle_max_tokens(n, request.stop.max_tokens, request.max_tokens_param, self.max_context,
+        params = request.params
+        max_tokens = settle_max_tokens(n, params.stop.max_tokens, request.max_tokens_param, self.max_context,
                                        chat=request.messages is not None, prompt_param=field,
-                                       min_tokens=request.logits.min_tokens)
-        stop = msgspec.structs.replace(request.stop, max_tokens=max_tokens)
+                                       min_tokens=params.logits.min_tokens)
+        stop = msgspec.structs.replace(params.stop, max_tokens=max_tokens)
         self._check_vocab(stop.stop_token_ids, "stop_token_ids", "stop token id")
-        self._check_vocab(request.logits.logit_bias, "logit_bias", "logit_bias token id")
-        logits = request.logits
+        self._check_vocab(params.logits.logit_bias, "logit_bias", "logit_bias token id")
+        logits = params.logits
         grammar = self._grammar(request)
         if grammar is not None:
             logits = msgspec.structs.replace(logits, grammar=grammar,
                                              grammar_after=self._thinking_end(ids) if request.messages else None)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
-                                sampling=request.sampling, stop=stop, arrival_time=request.arrival_time,
-                                logits=logits, priority=request.priority, speculative=request.speculative)
+                                params=msgspec.structs.replace(params, stop=stop, logits=logits),
+                                arrival_time=request.arrival_time)
 
     def _check_vocab(self, ids: Iterable[int], param: str, what: str = "token id") -> None:
         """Refuse, naming `param`, the first of `ids` outside the vocabulary [0, vocab_size)."""
@@ -231,14 +232,15 @@ class PromptTokenizer:
         """The compiled grammar the output must match: a forced tool call, or the constraint."""
         tools = offered_tools(request)
         forced = bool(tools) and (request.tool_choice == "required" or request.forced_tool is not None)
-        if not forced and request.constraint is None:
+        constraint = request.params.constraint
+        if not forced and constraint is None:
             return None
         try:
             grammars = self.grammars
         except Refusal as exc:  # no grammar engine for this tokenizer: name the field that asked
-            exc.param = "tool_choice" if forced else request.constraint.param  # type: ignore[union-attr]
+            exc.param = "tool_choice" if forced else constraint.param  # type: ignore[union-attr]
             raise
         if forced:
             return grammars.for_tool_call(tools, request.forced_tool, self.chat_format.tool_call_style)
-        return grammars.for_constraint(request.constraint)  # type: ignore[arg-type]
+        return grammars.for_constraint(constraint)  # type: ignore[arg-type]
 

@@ -41,7 +41,7 @@ class SlotLogitsState:
     # -- a request starts in a slot ----------------------------------------------------------------
 
     def start(self, start: SlotStart) -> None:
-        s, params = start.slot, start.logits
+        s, params = start.slot, start.params.logits
         self.params[s] = params
         self.adjusting[s] = params.adjusts_logits
         self.counting[s] = params.penalizes
