@@ -93,6 +93,7 @@ class StopParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: matched by the detokenizer
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that matched, not before it
 
 
 NO_STOP = StopParams()

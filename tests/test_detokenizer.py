@@ -256,6 +256,12 @@ def _run(text: str, stop: list[str], per_token: bool = True) -> tuple[list[str],
     return pieces, detok.finish(), detok
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_match() -> None:
+    detok = IncrementalDetokenizer(BYTE_BPE, stop=StopParams(stop=("STOP", "fox S"), include_stop_str_in_output=True))
+    pieces = [detok.add(BYTE_BPE.encode(part).ids).text for part in ("The fo", "x ST", "OP here")]
+    assert "".join(pieces) + detok.finish() == "The fox S" and detok.stopped  # "fox S" completes first
+
+
 def test_stop_string_spanning_token_boundaries() -> None:
     pieces, tail, detok = _run("The fox STOP here", ["STOP"])
     assert "".join(pieces) + tail == "The fox "

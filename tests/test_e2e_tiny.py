@@ -149,6 +149,9 @@ def test_stop_string_finishes_with_stop_and_stops_generation(server, model, refe
     assert stop_word not in choice["text"]
     text, finish, _ = stream(f"{server.url}/v1/completions", body)
     assert finish == "stop" and words_to_ids(text) == expected[:cut]
+    # vLLM's include_stop_str_in_output: the text ends with the stop string
+    kept = http(f"{server.url}/v1/completions", {**body, "include_stop_str_in_output": True})[1]["choices"][0]
+    assert kept["finish_reason"] == "stop" and words_to_ids(kept["text"]) == expected[:cut + 1]
     assert wait_until(lambda: metric(server.url, "batchserve_num_requests_running") == 0)
 
 

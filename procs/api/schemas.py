@@ -80,6 +80,7 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string ends the text
     min_tokens: int | None = None  # vLLM's
     priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
     speculative: bool | None = None  # false: no speculative decoding for this request (--speculative)

@@ -359,7 +359,8 @@ def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     stop_ids = tuple(req.stop_token_ids or ())
     check_stop(stop, stop_ids)
-    return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop)
+    return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop,
+                      include_stop_str_in_output=bool(req.include_stop_str_in_output))
 
 
 def _include_usage(req: CommonRequestFields) -> bool:

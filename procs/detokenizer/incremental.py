@@ -27,7 +27,7 @@ _TRIM_THRESHOLD = 64
 @dataclass(frozen=True, slots=True)
 class DetokenizerOutput:
     text: str  # new text, safe to send
-    stopped: bool = False  # a stop string matched: `text` ends just before it; nothing follows
+    stopped: bool = False  # a stop string matched: `text` ends before it (or with it, if asked); nothing follows
 
 
 Decode = Callable[[list[int]], str]
@@ -77,9 +77,9 @@ class IncrementalDetokenizer:
     `add(ids)` returns the new text that is safe to send; `finish()` returns what was held back
     (a partial stop-string prefix, an incomplete UTF-8 tail) once generation has ended. The
     concatenation of everything returned equals `decode(all generated ids)` up to the first stop
-    string, which is never included. (One exception, shared with vLLM: a byte-fallback tokenizer
-    whose output ends in invalid UTF-8 decodes the whole final byte run as U+FFFDs, including
-    characters already sent; valid UTF-8 output always matches.)
+    string (included only with `include_stop_str_in_output`). (One exception, shared with vLLM: a
+    byte-fallback tokenizer whose output ends in invalid UTF-8 decodes the whole final byte run as
+    U+FFFDs, including characters already sent; valid UTF-8 output always matches.)
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class IncrementalDetokenizer:
         """`stop`: the request's (`StopParams.stop`: its stop strings)."""
         self._decode = make_decode(tokenizer, skip_special_tokens=skip_special_tokens)
         self._skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._stop = StopStringMatcher(stop.stop)
+        self._stop = StopStringMatcher(stop.stop, include_match=stop.include_stop_str_in_output)
         # `_ids[_prefix_offset:_read_offset]` were decoded and emitted (or are prompt context);
         # `_emitted_len` is how many characters of `decode(_ids[_prefix_offset:])` are emitted.
         context = [int(t) for t in prompt_ids[max(0, len(prompt_ids) - PROMPT_TAIL_TOKENS) :]]

@@ -1,7 +1,7 @@
 """Stop-string matching on streamed text.
 
 Text that could still be the start of a stop string is held back; once a stop string appears, only
-the text before it is released and nothing after it ever is.
+the text before it (with `include_match`, up to its end) is released and nothing after it ever is.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ class StopStringMatcher:
     `held + new` finds every match.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), *, include_match: bool = False) -> None:
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))  # no empties
+        self._include_match = include_match
         self._held = ""
         self.matched: str | None = None
 
@@ -41,7 +42,7 @@ class StopStringMatcher:
         if matched is not None:
             self.matched = matched
             self._held = ""
-            return buffer[:match_at]
+            return buffer[:match_at + len(matched) if self._include_match else match_at]
         keep = self._longest_partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
