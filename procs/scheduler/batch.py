@@ -73,67 +73,69 @@ class StepPlan(NamedTuple):
             widths, int(widths.sum())))
 
 
+class _Rows(NamedTuple):
+    """Some of a step's rows, packed: their tokens' ids, positions and KV locations, and per row what
+    `ForwardBatch` lists."""
+
+    ids: np.ndarray
+    pos: np.ndarray
+    locs: np.ndarray
+    slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample_lens: list[int]
+    sampling: list[SamplingParams]
+    sample_counts: list[int]
+
+
 def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, table: RequestTable,
                         page_size: int, eos_token_ids: tuple[int, ...]) -> ForwardBatch:
     """Pack decodes first, then prefill chunks, into the worker's arrays (pages already allocated).
     A decode row feeds its last token, then its draft (`FUTURE_TOKEN` stands only first)."""
-    P = page_size
-    ds = plan.decode_slots
-    ids_parts: list[np.ndarray] = []
-    pos_parts: list[np.ndarray] = []
-    loc_parts: list[np.ndarray] = []
-    slots: list[int] = []
-    prefix_lens: list[int] = []
-    extend_lens: list[int] = []
-    sample_lens: list[int] = []
-    sampling: list[SamplingParams] = []
-    sample_counts: list[int] = []
+    parts = []
+    if plan.decode_slots.shape[0]:
+        parts.append(_decode_rows(plan, table, page_size))
     slot_starts: list[SlotStart] = []
-
-    nd = ds.shape[0]
-    if nd:
-        kv_len = table.kv_len[ds]
-        ids, pos, rows = _decode_tokens(plan, table, kv_len)
-        ids_parts.append(ids)
-        pos_parts.append(pos)
-        loc_parts.append(table.page_table[rows, pos // P].astype(np.int64) * P + pos % P)
-        slots = ds.tolist()
-        prefix_lens = kv_len.tolist()
-        extend_lens = plan.decode_widths.tolist()
-        sample_lens = list(extend_lens)
-        sampling = list(plan.decode_sampling)
-        sample_counts = table.generated[ds].tolist()
-
     if plan.prefill:
-        # All chunks at once: a fixed number of numpy calls however many requests prefill.
-        reqs = [r for r, _ in plan.prefill]
-        lens = [n for _, n in plan.prefill]
-        starts = [r.prefilled for r in reqs]
-        pslots = plan.prefill_slots
-        n_arr = np.asarray(lens, dtype=np.int64)
-        p0 = np.asarray(starts, dtype=np.int64)
-        pos = np.arange(int(n_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_arr) - n_arr - p0, n_arr)
-        ids_parts.append(np.concatenate([r.prompt[a:a + n] for r, a, n in zip(reqs, starts, lens)]))
-        pos_parts.append(pos)
-        loc_parts.append(table.page_table[np.repeat(pslots, n_arr), pos // P].astype(np.int64) * P + pos % P)
-        slots += pslots.tolist()
-        prefix_lens += starts
-        extend_lens += lens
-        sample_lens += [int(a + n == r.prompt_len) for r, a, n in zip(reqs, starts, lens)]
-        sampling += [r.params.sampling for r in reqs]
-        sample_counts += table.generated[pslots].tolist()  # > 0 when recomputing after a preemption
-        for request in reqs:
+        parts.append(_prefill_rows(plan, table, page_size))
+        for request, _ in plan.prefill:
             if request.starting:
                 slot_starts.append(request.slot_start(eos_token_ids))
                 request.starting = False
-
+    lists = {field: getattr(parts[0], field) if len(parts) == 1 else getattr(parts[0], field) + getattr(parts[1], field)
+             for field in _Rows._fields[3:]}
     return ForwardBatch(
-        step=step, slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens, sample_lens=sample_lens,
-        sampling=sampling, sample_counts=sample_counts,
-        input_ids=_concat_i32(ids_parts), positions=_concat_i32(pos_parts), kv_locs=_concat_i32(loc_parts),
+        step=step, **lists, input_ids=_concat_i32([p.ids for p in parts]),
+        positions=_concat_i32([p.pos for p in parts]), kv_locs=_concat_i32([p.locs for p in parts]),
         page_table_slots=_concat_i32([updates.slots]), page_table_cols=_concat_i32([updates.cols]),
         page_table_pages=_concat_i32([updates.pages]), slot_starts=slot_starts,
     )
+
+
+def _decode_rows(plan: StepPlan, table: RequestTable, page_size: int) -> _Rows:
+    ds = plan.decode_slots
+    kv_len = table.kv_len[ds]
+    ids, pos, rows = _decode_tokens(plan, table, kv_len)
+    locs = table.page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    widths = plan.decode_widths.tolist()
+    return _Rows(ids, pos, locs, ds.tolist(), kv_len.tolist(), widths, widths, list(plan.decode_sampling),
+                 table.generated[ds].tolist())
+
+
+def _prefill_rows(plan: StepPlan, table: RequestTable, page_size: int) -> _Rows:
+    """All chunks at once: a fixed number of numpy calls however many requests prefill."""
+    reqs = [r for r, _ in plan.prefill]
+    lens = [n for _, n in plan.prefill]
+    starts = [r.prefilled for r in reqs]
+    pslots = plan.prefill_slots
+    n_arr = np.asarray(lens, dtype=np.int64)
+    pos = np.arange(int(n_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_arr) - n_arr - np.asarray(starts), n_arr)
+    ids = np.concatenate([r.prompt[a:a + n] for r, a, n in zip(reqs, starts, lens)])
+    locs = table.page_table[np.repeat(pslots, n_arr), pos // page_size].astype(np.int64) * page_size + pos % page_size
+    return _Rows(ids, pos, locs, pslots.tolist(), starts, lens,
+                 [int(a + n == r.prompt_len) for r, a, n in zip(reqs, starts, lens)],
+                 [r.params.sampling for r in reqs],
+                 table.generated[pslots].tolist())  # > 0 when recomputing after a preemption
 
 
 def _decode_tokens(plan: StepPlan, table: RequestTable,

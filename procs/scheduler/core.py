@@ -44,19 +44,16 @@ from procs.scheduler.deltas import token_deltas
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import DecodeManager, PrefillManager
-from procs.scheduler.request import Request, Status
+from procs.scheduler.request import Request, Status, prompt_array
 from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_cost import LinearStepCost
-from procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
+from procs.scheduler.step_output import LaunchedStep, StepOutput
 from procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
-from procs.scheduler.step_results import kept_tokens, settle_wide_rows
-from shared.checks import check_priority
+from procs.scheduler.step_results import kept_tokens, record_logprobs, settle_rows
+from shared.checks import MAX_TOKEN_ID, check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
 from shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
-
-_INT32_MAX = 2**31 - 1
-
 
 class Scheduler:
     """Waiting queue, running set, request table and KV pages; plans and applies one step at a time.
@@ -97,7 +94,9 @@ class Scheduler:
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._launched = 0  # launched steps not completed yet
-        self._drafts_in_flight = False  # a launched step has draft rows (it must complete before the next launch)
+        # A launched step has a row wider than one token: its verification decides where the request's
+        # next row starts, so it must complete before the next launch.
+        self._wide_rows_in_flight = False
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
 
     @property
@@ -194,7 +193,7 @@ class Scheduler:
             raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
                           f"first come, first served)", "priority")
         check_priority(priority)
-        prompt = self._validate_prompt(prompt_ids)
+        prompt = prompt_array(prompt_ids)
         # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
@@ -243,7 +242,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} is not decoding")
         tokens = np.asarray(draft)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (
-                tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > _INT32_MAX)):
+                tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID)):
             raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
         if self._launched:
             raise ValueError(f"request {rid!r}: its last token is not back yet (a step is in flight)")
@@ -287,9 +286,9 @@ class Scheduler:
         dropped when it comes back. Preemption needs every token known (a victim's tokens become its
         prompt): if this step must preempt while steps run, `drain` is called first to complete them.
         """
-        if self._drafts_in_flight:
-            raise RuntimeError("a step with draft rows is in flight: complete it before launching another "
-                               "(speculative decoding needs overlap scheduling off)")
+        if self._wide_rows_in_flight:
+            raise RuntimeError("a step with rows wider than one token is in flight: complete it before launching "
+                               "another (speculative decoding needs overlap scheduling off)")
         out = StepOutput(step=self._step)
         if self._cancelled:
             out.cancelled = [r.rid for r in self._cancelled]
@@ -372,7 +371,7 @@ class Scheduler:
             table.kv_len[ds] += widths
             if self.decode_manager.drafting:
                 self.decode_manager.clear_drafts()  # packed into this batch's rows
-                self._drafts_in_flight = True
+                self._wide_rows_in_flight = True
         completing: list[Request] = []
         if plan.prefill:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
@@ -418,7 +417,7 @@ class Scheduler:
         batch, out = launched.batch, launched.out
         assert batch is not None, "an empty step has nothing to complete"
         self._launched -= 1
-        self._drafts_in_flight = False
+        self._wide_rows_in_flight = False
         table = self.table
         token_ids = np.asarray(result.next_token_ids)
         if result.step != batch.step or token_ids.shape != (batch.num_sampled,):
@@ -433,8 +432,7 @@ class Scheduler:
                 raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
                                     f"rows' sample lens {launched.sample_lens.tolist()}")
         kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
-        if launched.sample_lens.shape[0] and int(launched.sample_lens.max()) > 1:
-            settle_wide_rows(table, self.kv, launched, kept, out, self.min_acceptance)
+        settle_rows(table, self.kv, launched, kept, out, self.min_acceptance)
         slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
@@ -443,7 +441,7 @@ class Scheduler:
         requests = self.requests
         for rid in rids:
             requests[rid].reported += 1
-        self._record_logprobs(launched, result, kept)
+        record_logprobs(self.requests, launched, result, kept)
         done = np.flatnonzero(kept.ends).tolist()
         if done:
             out.finished = [rids[i] for i in done]
@@ -452,23 +450,6 @@ class Scheduler:
             out.ended.update(zip(out.finished, finished))
             self._end(finished, Status.FINISHED)
         return out
-
-    def _record_logprobs(self, launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
-        """The kept tokens' logprobs, and the prompt logprobs of the prompts this step completed."""
-        out, rids = launched.out, kept.rids
-        if result.logprobs:
-            where = None if kept.positions is None else dict(zip(kept.positions.tolist(), range(len(rids))))
-            for at, lp in zip(result.logprob_rows, result.logprobs):
-                i = at if where is None else where.get(at)
-                if i is not None:
-                    out.logprobs.setdefault(rids[i], []).append(lp)
-        prefilling = {r.slot: r for r, _ in launched.plan.prefill}
-        for slot, entries in result.prompt_logprobs:
-            request = prefilling[slot]
-            if self.requests.get(request.rid) is request and request.slot == slot:
-                request.prompt_logprobs.extend(entries)
-        out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
-                               if r.wants_prompt_logprobs and self.requests.get(r.rid) is r}
 
     # ------------------------------------------------------------------ the lifecycle's exits
     def _end(self, requests: list[Request], status: Status) -> None:
@@ -491,19 +472,3 @@ class Scheduler:
         self.kv.release(requests)
         for request in requests:
             request.slot = -1
-
-    @staticmethod
-    def _validate_prompt(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        try:
-            prompt = np.asarray(prompt_ids)
-        except (TypeError, ValueError) as exc:
-            raise Refusal(f"prompt token ids are not a sequence of integers ({exc})", "prompt") from None
-        if prompt.ndim != 1:
-            raise Refusal(f"prompt token ids must be one-dimensional, got shape {prompt.shape}", "prompt")
-        if prompt.shape[0] == 0:
-            raise Refusal("the prompt is empty", "prompt")
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise Refusal(f"prompt token ids must be integers, got {prompt.dtype}", "prompt")
-        if int(prompt.min()) < 0 or int(prompt.max()) > _INT32_MAX:
-            raise Refusal("prompt token ids must be in [0, 2**31)", "prompt")
-        return prompt.astype(np.int32, copy=True)

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
 from procs.scheduler.prefix_cache import CachedPage
+from shared.checks import MAX_TOKEN_ID
+from shared.errors import Refusal
 from shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
 
 NO_DRAFT = np.zeros(0, dtype=np.int32)
@@ -161,3 +164,20 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"
+
+
+def prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A prompt as the scheduler keeps it (a fresh int32 array), or a `Refusal` naming `prompt`."""
+    try:
+        prompt = np.asarray(prompt_ids)
+    except (TypeError, ValueError) as exc:
+        raise Refusal(f"prompt token ids are not a sequence of integers ({exc})", "prompt") from None
+    if prompt.ndim != 1:
+        raise Refusal(f"prompt token ids must be one-dimensional, got shape {prompt.shape}", "prompt")
+    if prompt.shape[0] == 0:
+        raise Refusal("the prompt is empty", "prompt")
+    if not np.issubdtype(prompt.dtype, np.integer):
+        raise Refusal(f"prompt token ids must be integers, got {prompt.dtype}", "prompt")
+    if int(prompt.min()) < 0 or int(prompt.max()) > MAX_TOKEN_ID:
+        raise Refusal("prompt token ids must be in [0, 2**31)", "prompt")
+    return prompt.astype(np.int32, copy=True)

@@ -1,24 +1,32 @@
 """Reading a completed step's tokens: which count (`kept_tokens`: not those of rows whose request ended
 while the step ran, nor a row's tokens past what verification accepted or past the one that ends its
-request), which are stop tokens, and settling the rows wider than one token (`settle_wide_rows`)."""
+request), which are stop tokens, settling each row to what it kept (`settle_rows`), and the
+logprobs that came with them (`record_logprobs`)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.ngram import pause_after
+from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
+from shared.messages import StepResult
 
 
-def settle_wide_rows(table: RequestTable, kv: KVManager, launched: LaunchedStep, kept: KeptTokens, out: StepOutput,
-                     min_acceptance: float) -> None:
-    """Rows of several positions came back: each live row keeps the tokens that count (those
-    verification accepted, up to the one that ends its request) and rolls back the rest (KV
-    positions, generated count, the pages past its KV), so that a release caches exactly the
-    tokens it has; count the drafts and update each request's back-off."""
+def settle_rows(table: RequestTable, kv: KVManager, launched: LaunchedStep, kept: KeptTokens, out: StepOutput,
+                min_acceptance: float) -> None:
+    """Each live row keeps the tokens that count (those verification accepted, up to the one that ends
+    its request) and rolls back the rest (KV positions, generated count, the pages past its KV), so
+    that a release caches exactly the tokens it has; a row that carried a draft counts it and updates
+    its request's back-off. A row one token wide keeps its token: nothing to do, so a step of such rows
+    returns at once."""
     slots, lens = launched.sample_slots, launched.sample_lens
+    if not lens.shape[0] or int(lens.max()) == 1:
+        return
     if kept.positions is None:
         counted = lens
     else:
@@ -92,3 +100,22 @@ def stop_tokens(table: RequestTable, eos_token_ids: np.ndarray, slots: np.ndarra
         if int(token_ids[i]) in table.requests[int(slots[i])].params.stop.stop_token_ids:  # type: ignore[union-attr]
             stopped[i] = True
     return stopped
+
+
+def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
+    """Into `launched.out`: the kept tokens' logprobs, and the prompt logprobs of the prompts this step
+    completed (of the requests still `live`, by rid, in the admission that launched them)."""
+    out, rids = launched.out, kept.rids
+    if result.logprobs:
+        where = None if kept.positions is None else dict(zip(kept.positions.tolist(), range(len(rids))))
+        for at, lp in zip(result.logprob_rows, result.logprobs):
+            i = at if where is None else where.get(at)
+            if i is not None:
+                out.logprobs.setdefault(rids[i], []).append(lp)
+    prefilling = {r.slot: r for r, _ in launched.plan.prefill}
+    for slot, entries in result.prompt_logprobs:
+        request = prefilling[slot]
+        if live.get(request.rid) is request and request.slot == slot:
+            request.prompt_logprobs.extend(entries)
+    out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
+                           if r.wants_prompt_logprobs and live.get(r.rid) is r}
