@@ -80,7 +80,11 @@ class StopRequested(BaseException):
 
 
 class ProcessRuntime:
-    """One process's shared plumbing: zmq context, endpoints, SIGTERM/SIGINT -> `stopping`."""
+    """One process's shared plumbing: zmq context, endpoints, SIGTERM/SIGINT -> `stopping`.
+
+    A process runs inside `with ProcessRuntime(name, config) as rt:`, which handles the stop signals and
+    beats the heartbeat from the start, and closes it all (sockets, heartbeat, `notify_stopping`) at the end.
+    """
 
     def __init__(self, name: str, config: ServerConfig) -> None:
         self.name = name
@@ -97,6 +101,14 @@ class ProcessRuntime:
         self._heartbeat: threading.Thread | None = None
         self._watchdog = watchdog_enabled()
         self._last_watchdog = 0.0
+
+    def __enter__(self) -> ProcessRuntime:
+        self.install_signal_handlers()
+        self.start_heartbeat()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT ask the main loop to finish (it looks at `stopping` between steps);

@@ -437,6 +437,7 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     # A mixture-of-experts model's experts and experts per token (0 and 0: dense), for the step-cost model.
     moe_experts: int = 0
     moe_top_k: int = 0
+    pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 
 # The five processes, in start order (`serve` and the systemd units): the slowest (model loading)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import subprocess
+import sys
+import time
 import uuid
 
 import msgspec
@@ -255,9 +258,15 @@ def test_api_keys_from_flags_and_environment():
     assert config_from_args(parser.parse_args([]), env={}).api_key == []
 
 
-def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
-    import time
+def _one_token_batch(step: int) -> ForwardBatch:
+    return ForwardBatch(step=step, slots=[0], prefix_lens=[0], extend_lens=[1], sample_lens=[1],
+                        sampling=[SamplingParams()], sample_counts=[0],
+                        **{name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0, dtype=np.int32)
+                           for name in ("input_ids", "positions", "kv_locs", "page_table_slots", "page_table_cols",
+                                        "page_table_pages")})
 
+
+def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
     from procs.runtime import ProcessRuntime
     from procs.scheduler.remote_worker import RemoteWorker, WorkerStalled
     from shared.messages import StepResult
@@ -267,15 +276,35 @@ def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
         results: Receiver = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
         to_worker: Sender = Sender(rt.ctx, rt.endpoints.worker)  # nobody listens: the step never comes back
         worker = RemoteWorker(to_worker, results, rt, step_timeout_s=0.3)
-        batch = ForwardBatch(step=7, slots=[0], prefix_lens=[0], extend_lens=[1], sample_lens=[1],
-                             sampling=[SamplingParams()], sample_counts=[0],
-                             **{name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0,
-                                               dtype=np.int32)
-                                for name in ("input_ids", "positions", "kv_locs", "page_table_slots",
-                                             "page_table_cols", "page_table_pages")})
         start = time.monotonic()
         with pytest.raises(WorkerStalled, match="no result for step 7"):
-            worker.execute(batch)
+            worker.execute(_one_token_batch(7))
         assert 0.3 <= time.monotonic() - start < 2
+    finally:
+        rt.ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_dead_worker_ends_the_wait_at_once(tmp_path, stopping):
+    """A killed worker's step never comes back: the wait ends as soon as its process is gone, not after
+    the step timeout (running) or the stop's grace for the step in flight (stopping)."""
+    from procs.runtime import ProcessRuntime
+    from procs.scheduler.remote_worker import WORKER_STOP_GRACE_S, RemoteWorker, WorkerGone, WorkerStalled
+    from shared.messages import StepResult
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rt = ProcessRuntime("scheduler", ServerConfig(runtime_dir=str(tmp_path)))
+    try:
+        if stopping:
+            rt.stopping.set()
+        results: Receiver = Receiver(rt.ctx, rt.endpoints.steps, StepResult)
+        to_worker: Sender = Sender(rt.ctx, rt.endpoints.worker)
+        worker = RemoteWorker(to_worker, results, rt, step_timeout_s=60)
+        worker.worker_pid = dead.pid
+        start = time.monotonic()
+        with pytest.raises(WorkerGone if stopping else WorkerStalled, match=f"pid {dead.pid}"):
+            worker.execute(_one_token_batch(7))
+        assert time.monotonic() - start < WORKER_STOP_GRACE_S / 2
     finally:
         rt.ctx.destroy(linger=0)

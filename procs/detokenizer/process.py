@@ -68,13 +68,10 @@ class Detokenizers:
 
 
 def run(config: ServerConfig) -> int:
-    rt = ProcessRuntime("detokenizer", config)
-    rt.install_signal_handlers()
-    rt.start_heartbeat()
-    inbox: Receiver[DetokenizerInbox] = Receiver(rt.ctx, rt.endpoints.detokenizer, TokenDelta)
-    to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
-    to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
-    try:
+    with ProcessRuntime("detokenizer", config) as rt:
+        inbox: Receiver[DetokenizerInbox] = Receiver(rt.ctx, rt.endpoints.detokenizer, TokenDelta)
+        to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
+        to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
         detokenizers = Detokenizers(ModelSpec.from_config(config).load_tokenizer())
         rt.ready()
         while not rt.stopping.is_set():
@@ -87,5 +84,3 @@ def run(config: ServerConfig) -> int:
             if text_delta is not None:
                 to_api.send(text_delta)
         return 0
-    finally:
-        rt.close()

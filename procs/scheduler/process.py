@@ -41,15 +41,12 @@ STATS_IDLE_INTERVAL_S = 1.0
 
 
 class SchedulerLoop:
-    def __init__(self, config: ServerConfig, rt: ProcessRuntime) -> None:
+    def __init__(self, config: ServerConfig, rt: ProcessRuntime, step_buffer: DoubleBuffer) -> None:
+        """`step_buffer`: the shared memory the steps' arrays travel in (its owner closes it)."""
         self.config = config
         self.rt = rt
-        self.step_buffer = DoubleBuffer("steps")
-        try:
-            self._open_sockets(config, rt)
-        except BaseException:  # a failed or stopped start leaves no shared-memory segment behind
-            self.step_buffer.close()
-            raise
+        self.step_buffer = step_buffer
+        self._open_sockets(config, rt)
         self.scheduler: Scheduler | None = None
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
         self._early: list[TokenizedRequest | AbortRequest] = []
@@ -90,6 +87,7 @@ class SchedulerLoop:
         step-time bound, and for speculative decoding's break-even share)."""
         config = scheduler_config_from_server(self.config, info)
         self.overlap = overlap_schedule(self.config, info)
+        self.executor.worker_pid = info.pid
         if config.max_step_s or self.config.speculative != "off" and len(
                 {tokens for tokens, _, _ in info.step_costs}) >= 2:
             self.executor.cost = StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k))
@@ -211,27 +209,23 @@ class SchedulerLoop:
 
 def run(config: ServerConfig) -> int:
     check_config(config)
-    rt = ProcessRuntime("scheduler", config)
-    rt.install_signal_handlers()
-    rt.start_heartbeat()
-    loop: SchedulerLoop | None = None
+    step_buffer = DoubleBuffer("steps")
     try:
-        loop = SchedulerLoop(config, rt)  # inside the try: a stop while it opens still closes its buffer
-        if not loop.wait_for_worker():
+        with ProcessRuntime("scheduler", config) as rt:  # closed before the buffer: no send reads it after
+            loop = SchedulerLoop(config, rt, step_buffer)
+            if not loop.wait_for_worker():
+                return 0
+            rt.ready()
+            try:
+                loop.run()
+            except WorkerGone as exc:
+                log.warning("%s; stopping", exc)
+            except WorkerStalled as exc:
+                # Every request in flight is lost with the step: the api fails them and answers 503; the
+                # supervisor (serve, or systemd's watchdog on the worker) restarts the stack.
+                log.error("%s; stopping", exc)
+                loop.to_api.send(BackendFailure(process="worker", reason=str(exc)))
+                return 1
             return 0
-        rt.ready()
-        try:
-            loop.run()
-        except WorkerGone as exc:
-            log.warning("%s; stopping", exc)
-        except WorkerStalled as exc:
-            # Every request in flight is lost with the step: the api fails them and answers 503; the
-            # supervisor (serve, or systemd's watchdog on the worker) restarts the stack.
-            log.error("%s; stopping", exc)
-            loop.to_api.send(BackendFailure(process="worker", reason=str(exc)))
-            return 1
-        return 0
     finally:
-        rt.close()
-        if loop is not None:
-            loop.step_buffer.close()
+        step_buffer.close()

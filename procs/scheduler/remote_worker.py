@@ -10,6 +10,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.executor import ExecutorError
 from procs.scheduler.step_cost import StepCostModel
 from shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
+from shared.liveness import pid_gone
 from shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
 from shared.step_features import attention_pairs
 
@@ -21,14 +22,16 @@ class WorkerGone(RuntimeError):
 
 
 class WorkerStalled(RuntimeError):
-    """No result for a step within the step timeout: the worker is hung, dead or far too slow."""
+    """No result for a step: the worker process exited, or none came within the step timeout (the
+    worker is hung or far too slow)."""
 
 
 class RemoteWorker:
     """The scheduler's executor: ForwardBatches out, their StepResults back in order. With overlap
     scheduling two steps are in flight (the worker runs one while the next waits in its socket).
 
-    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`."""
+    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`, and ends at
+    once when the worker process (`worker_pid`, from its `WorkerInfo`) is gone."""
 
     def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime,
                  step_timeout_s: float) -> None:
@@ -36,6 +39,7 @@ class RemoteWorker:
         self.results = results
         self.rt = rt
         self.step_timeout_s = step_timeout_s
+        self.worker_pid = 0  # 0: not known (no liveness check)
         self.cost: StepCostModel | None = None  # fed every step's time once the worker's probe arrives
         self.expert_load: np.ndarray | None = None  # routed tokens per MoE layer and expert, until taken
         self._sent: dict[int, float] = {}  # step -> when it was sent
@@ -72,6 +76,9 @@ class RemoteWorker:
                         self.cost.observe_drafts(result.draft_s, int((batch.input_ids == DRAFT_TOKEN).sum()))
                 return result
             now = time.monotonic()
+            if self.worker_pid and pid_gone(self.worker_pid):
+                gone = WorkerGone if self.rt.stopping.is_set() else WorkerStalled
+                raise gone(f"the worker process (pid {self.worker_pid}) exited with step {batch.step} in flight")
             if now - started > self.step_timeout_s:
                 raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
                                     f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")

@@ -22,36 +22,38 @@ log = logging.getLogger("batchserve.tokenizer")
 
 
 def run(config: ServerConfig) -> int:
-    rt = ProcessRuntime("tokenizer", config)
-    rt.install_signal_handlers()
-    rt.start_heartbeat()
     ring = SharedRing("prompts")
-    inbox: Receiver[TokenizerInbox] = Receiver(rt.ctx, rt.endpoints.tokenizer, TokenizerInbox)
-    to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler, writer=ring)
-    to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
     try:
-        prompts = PromptTokenizer.load(config)
-        rt.ready()
-        while not rt.stopping.is_set():
-            message = inbox.recv(POLL_INTERVAL_S)
-            if isinstance(message, (GenerateRequest, TokenizeQuery, DetokenizeQuery)):
-                try:
-                    if isinstance(message, GenerateRequest):
-                        to_scheduler.send(prompts.tokenize(message))
-                    else:
-                        to_api.send(_answer(prompts, message))
-                except Refusal as exc:
-                    to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
-                                                param=exc.param))
-                except Exception as exc:  # one odd request must not take the process down
-                    log.exception("tokenizing %s failed", message.rid)
-                    to_api.send(RequestRejected(rid=message.rid, status=500, message=f"tokenizer error: {exc}"))
-            elif isinstance(message, AbortRequest):
-                to_scheduler.send(message)
-        return 0
+        with ProcessRuntime("tokenizer", config) as rt:  # closed before the ring: no send reads it after
+            inbox: Receiver[TokenizerInbox] = Receiver(rt.ctx, rt.endpoints.tokenizer, TokenizerInbox)
+            to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler, writer=ring)
+            to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
+            prompts = PromptTokenizer.load(config)
+            rt.ready()
+            while not rt.stopping.is_set():
+                message = inbox.recv(POLL_INTERVAL_S)
+                if isinstance(message, (GenerateRequest, TokenizeQuery, DetokenizeQuery)):
+                    _handle(message, prompts, to_scheduler, to_api)
+                elif isinstance(message, AbortRequest):
+                    to_scheduler.send(message)
+            return 0
     finally:
-        rt.close()
         ring.close()
+
+
+def _handle(message: GenerateRequest | TokenizeQuery | DetokenizeQuery, prompts: PromptTokenizer,
+            to_scheduler: Sender[SchedulerInbox], to_api: Sender[ApiInbox]) -> None:
+    """A request to the scheduler, a query answered to the api, or its refusal to the api."""
+    try:
+        if isinstance(message, GenerateRequest):
+            to_scheduler.send(prompts.tokenize(message))
+        else:
+            to_api.send(_answer(prompts, message))
+    except Refusal as exc:
+        to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message, param=exc.param))
+    except Exception as exc:  # one odd request must not take the process down
+        log.exception("tokenizing %s failed", message.rid)
+        to_api.send(RequestRejected(rid=message.rid, status=500, message=f"tokenizer error: {exc}"))
 
 
 def _answer(prompts: PromptTokenizer, query: TokenizeQuery | DetokenizeQuery) -> TokenizeAnswer | DetokenizeAnswer:

@@ -15,14 +15,21 @@ follower alone, which ends the group: rank 0's next collective fails and it exit
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from shared.config import ServerConfig
 from shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
-from shared.messages import ForwardBatch
+from shared.messages import ForwardBatch, WorkerInfo
 from shared.parallel import RankLayout, worker_rank_name
 from shared.shm import DoubleBuffer
+
+if TYPE_CHECKING:  # torch is imported only once the process runs
+    from procs.worker.model_runner import ModelRunner
 
 log = logging.getLogger("batchserve.worker")
 ANNOUNCE_INTERVAL_S = 2.0
@@ -45,20 +52,17 @@ def run(config: ServerConfig, local_rank: int = 0) -> int:
 def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
     from procs.worker.model_runner import ModelRunner
 
-    rt = ProcessRuntime(worker_rank_name(rank), config)
-    rt.install_signal_handlers()
-    rt.start_heartbeat()
-    stop_deadline: float | None = None
+    with ProcessRuntime(worker_rank_name(rank), config) as rt:
+        stop_deadline: float | None = None
 
-    def keep_following() -> bool:
-        nonlocal stop_deadline
-        rt.alive()
-        if rt.stopping.is_set():
-            stop_deadline = stop_deadline or time.monotonic() + FOLLOWER_STOP_GRACE_S
-            return time.monotonic() < stop_deadline
-        return True
+        def keep_following() -> bool:
+            nonlocal stop_deadline
+            rt.alive()
+            if rt.stopping.is_set():
+                stop_deadline = stop_deadline or time.monotonic() + FOLLOWER_STOP_GRACE_S
+                return time.monotonic() < stop_deadline
+            return True
 
-    try:
         runner = ModelRunner.from_config(config, local_rank)
         log.info("model loaded", extra={"fields": {"rank": rank, "device": str(runner.device)}})
         rt.ready()
@@ -68,53 +72,56 @@ def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
         finally:
             runner.close()
         return 0
-    finally:
-        rt.close()
 
 
 def _lead(config: ServerConfig) -> int:
     from procs.worker.kv_cache import GIB
     from procs.worker.model_runner import ModelRunner
 
-    rt = ProcessRuntime("worker", config)
-    rt.install_signal_handlers()
-    rt.start_heartbeat()
     result_buffer = DoubleBuffer("results", half_bytes=1 << 16)
-    inbox: Receiver[WorkerInbox] = Receiver(rt.ctx, rt.endpoints.worker, ForwardBatch)
-    to_steps: Sender[StepsInbox] = Sender(rt.ctx, rt.endpoints.steps, writer=result_buffer)
-    to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
-    runner = None
     try:
-        started = time.monotonic()
-        runner = ModelRunner.from_config(config)
-        runner.grammars.prepare()  # at start, rather than a stalled step at the first grammar
-        # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
-        info = runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs())
-        log.info("model loaded", extra={"fields": {
-            "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
-            "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size,
-            "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
-            # requests that can each hold a whole context at once (more run when they are shorter)
-            "full_context_requests": info.kv_capacity_tokens // info.max_context,
-            "kv_gib": round(runner.kv_cache.memory_bytes / GIB, 2),
-            "seconds": round(time.monotonic() - started, 2)}})
-        to_scheduler.send(info)
-        announced = time.monotonic()
-        rt.ready()
-        while not rt.stopping.is_set():
-            rt.alive()
-            batch = inbox.recv(POLL_INTERVAL_S)
-            if batch is None:
-                runner.rank_steps.tick()
-                if time.monotonic() - announced > ANNOUNCE_INTERVAL_S:
-                    to_scheduler.send(info)
-                    announced = time.monotonic()
-                continue
-            to_steps.send(runner.execute(batch))
-            announced = time.monotonic()
-        return 0
+        with ProcessRuntime("worker", config) as rt:  # closed before the buffer: no send reads it after
+            inbox: Receiver[WorkerInbox] = Receiver(rt.ctx, rt.endpoints.worker, ForwardBatch)
+            to_steps: Sender[StepsInbox] = Sender(rt.ctx, rt.endpoints.steps, writer=result_buffer)
+            to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
+            started = time.monotonic()
+            runner = ModelRunner.from_config(config)
+            try:
+                runner.grammars.prepare()  # at start, rather than a stalled step at the first grammar
+                # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
+                info = msgspec.structs.replace(
+                    runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs()), pid=os.getpid())
+                log.info("model loaded", extra={"fields": {
+                    "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
+                    "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size,
+                    "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
+                    # requests that can each hold a whole context at once (more run when they are shorter)
+                    "full_context_requests": info.kv_capacity_tokens // info.max_context,
+                    "kv_gib": round(runner.kv_cache.memory_bytes / GIB, 2),
+                    "seconds": round(time.monotonic() - started, 2)}})
+                to_scheduler.send(info)
+                rt.ready()
+                _serve_steps(rt, runner, info, inbox, to_steps, to_scheduler)
+            finally:
+                runner.close()
+            return 0
     finally:
-        if runner is not None:
-            runner.close()
-        rt.close()
         result_buffer.close()
+
+
+def _serve_steps(rt: ProcessRuntime, runner: ModelRunner, info: WorkerInfo, inbox: Receiver[WorkerInbox],
+                 to_steps: Sender[StepsInbox], to_scheduler: Sender[SchedulerInbox]) -> None:
+    """Execute each step the scheduler sends until asked to stop; while idle, tick the other ranks and
+    announce `info` again now and then (a restarted scheduler learns it so)."""
+    announced = time.monotonic()
+    while not rt.stopping.is_set():
+        rt.alive()
+        batch = inbox.recv(POLL_INTERVAL_S)
+        if batch is None:
+            runner.rank_steps.tick()
+            if time.monotonic() - announced > ANNOUNCE_INTERVAL_S:
+                to_scheduler.send(info)
+                announced = time.monotonic()
+            continue
+        to_steps.send(runner.execute(batch))
+        announced = time.monotonic()
