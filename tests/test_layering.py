@@ -6,6 +6,7 @@
   rest of `procs/` it may use only the process support modules, which import no process package.
 - No cycle among the imports that run (all but those under `if TYPE_CHECKING:`, which only type
   checkers follow).
+- No module of these floors over 500 lines, no function over 60.
 """
 
 from __future__ import annotations
@@ -154,3 +155,22 @@ def test_no_import_cycle():
         if node not in state:
             visit(node)
     assert [" -> ".join(c) for c in cycles] == []
+
+
+# The team's size limits (the brief's habits): small pieces that can be read whole.
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_over_500_lines_and_no_function_over_60():
+    too_long = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name} (line {node.lineno}): {lines} lines")
+    assert too_long == []
