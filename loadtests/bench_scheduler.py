@@ -118,14 +118,36 @@ def reference_loop(steps: int) -> None:
           f"median {statistics.median(times) * 1e6:7.1f} us")
 
 
+WORKLOADS = {"decode": ("prefill-first", 1, 0), "churn": ("mixed", 1, 50), "paged": ("mixed", 16, 50)}
+
+
+def steps_only(workload: str, steps: int) -> None:
+    """The workload's warm-up and `steps` steps, untimed: for an instruction count
+    (loadtests/scheduler_instructions.sh), where the clock's noise does not reach."""
+    policy, page_size, period = WORKLOADS[workload]
+    sched, refill = build(policy, page_size, max_tokens=steps + 1000 if period == 0 else 900)
+    executor = TimedFakeExecutor(period if period else 10**12)
+    for _ in range(100):
+        if len(sched.decode_manager.running) == RUNNING:
+            break
+        sched.step(executor)
+        refill()
+    for _ in range(steps):
+        sched.step(executor)
+        refill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps-only", choices=WORKLOADS, help="run this workload's steps untimed, print nothing")
     args = parser.parse_args()
+    if args.steps_only:
+        steps_only(args.steps_only, args.steps)
+        return 0
     print(f"{RUNNING} running, {WAITING} waiting, {args.steps} timed steps each (target: well under 1000 us)")
-    run("decode", "prefill-first", 1, 0, args.steps)
-    run("churn", "mixed", 1, 50, args.steps)
-    run("paged", "mixed", 16, 50, args.steps)
+    for name, (policy, page_size, period) in WORKLOADS.items():
+        run(name, policy, page_size, period, args.steps)
     reference_loop(args.steps)
     return 0
 

@@ -92,23 +92,23 @@ def build_forward_batch(step: int, plan: StepPlan, updates: PageTableUpdates, ta
                         page_size: int, eos_token_ids: tuple[int, ...]) -> ForwardBatch:
     """Pack decodes first, then prefill chunks, into the worker's arrays (pages already allocated).
     A decode row feeds its last token, then its draft (`FUTURE_TOKEN` stands only first)."""
-    parts = []
-    if plan.decode_slots.shape[0]:
-        parts.append(_decode_rows(plan, table, page_size))
+    rows = _decode_rows(plan, table, page_size) if plan.decode_slots.shape[0] else None
     slot_starts: list[SlotStart] = []
     if plan.prefill:
-        parts.append(_prefill_rows(plan, table, page_size))
+        prefill = _prefill_rows(plan, table, page_size)
+        rows = prefill if rows is None else _Rows(*(np.concatenate([a, b]) if isinstance(a, np.ndarray) else a + b
+                                                    for a, b in zip(rows, prefill)))
         for request, _ in plan.prefill:
             if request.starting:
                 slot_starts.append(request.slot_start(eos_token_ids))
                 request.starting = False
-    lists = {field: getattr(parts[0], field) if len(parts) == 1 else getattr(parts[0], field) + getattr(parts[1], field)
-             for field in _Rows._fields[3:]}
+    assert rows is not None, "an empty plan is not packed"
     return ForwardBatch(
-        step=step, **lists, input_ids=_concat_i32([p.ids for p in parts]),
-        positions=_concat_i32([p.pos for p in parts]), kv_locs=_concat_i32([p.locs for p in parts]),
-        page_table_slots=_concat_i32([updates.slots]), page_table_cols=_concat_i32([updates.cols]),
-        page_table_pages=_concat_i32([updates.pages]), slot_starts=slot_starts,
+        step=step, slots=rows.slots, prefix_lens=rows.prefix_lens, extend_lens=rows.extend_lens,
+        sample_lens=rows.sample_lens, sampling=rows.sampling, sample_counts=rows.sample_counts,
+        input_ids=_int32(rows.ids), positions=_int32(rows.pos), kv_locs=_int32(rows.locs),
+        page_table_slots=_int32(updates.slots), page_table_cols=_int32(updates.cols),
+        page_table_pages=_int32(updates.pages), slot_starts=slot_starts,
     )
 
 
@@ -155,9 +155,5 @@ def _decode_tokens(plan: StepPlan, table: RequestTable,
     return ids, pos, np.repeat(ds, widths)
 
 
-def _concat_i32(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return _EMPTY_I32
-    if len(parts) == 1:
-        return parts[0].astype(np.int32, copy=False)
-    return np.concatenate(parts).astype(np.int32, copy=False)
+def _int32(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.int32, copy=False)

@@ -254,7 +254,7 @@ class Scheduler:
 
     def token_deltas(self, out: StepOutput) -> list[TokenDelta]:
         """`out` as one `TokenDelta` per request, for the detokenizer (see `procs.scheduler.deltas`)."""
-        return token_deltas(out, self.requests)
+        return token_deltas(out, self.requests, self.table)
 
     # ------------------------------------------------------------------ one iteration
     def step(self, executor: Executor, prefill_tokens: int | None = None) -> StepOutput:
@@ -297,15 +297,18 @@ class Scheduler:
         self._step += 1
         if self.by_priority and self.config.policy != "fixed":
             self._preempt_for_head(out, drain)
-        if not self._launched:  # a draft follows the last token: it must be back
-            self.planner.propose_drafts()
-        out.prefill_cap = self.planner.prompt_cap(prefill_tokens)
-        planned = self._fit_pages(self.planner.plan(out.prefill_cap), out, drain)
+        planner = self.planner
+        if not self._launched and planner.proposer is not None:  # a draft follows the last token: it must be back
+            planner.propose_drafts()
+        out.prefill_cap = prefill_tokens if planner.cap is None else planner.prompt_cap(prefill_tokens)
+        planned = self._fit_pages(planner.plan(out.prefill_cap), out, drain)
         plan = planned.plan
-        self._take_first_admissions(out)
+        if self.prefill_manager.first_admissions:
+            self._take_first_admissions(out)
         if plan.is_empty:
             return LaunchedStep(plan, None, out)
-        out.predicted_s = self.planner.predicted_s(planned)
+        if planner.cap is not None:
+            out.predicted_s = planner.predicted_s(planned)
         updates = self.kv.allocate(planned.slots, planned.growth)
         batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
@@ -431,17 +434,21 @@ class Scheduler:
                     (accepted >= 1) & (accepted <= launched.sample_lens)).all():
                 raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
                                     f"rows' sample lens {launched.sample_lens.tolist()}")
+        one_per_row = token_ids.shape[0] == launched.sample_slots.shape[0]  # no slot has two tokens
         kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
-        settle_rows(table, self.kv, launched, kept, out, self.min_acceptance)
+        if not one_per_row:  # a row of one token keeps it: nothing to settle
+            settle_rows(table, self.kv, launched, kept, out, self.planner.min_acceptance)
         slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
         table.last_token[slots[latest]] = token_ids[latest]
         out.new_tokens = list(zip(rids, token_ids.tolist()))
+        if one_per_row:
+            table.reported[slots] = index + 1
+        else:  # a row's tokens are in order: its last one's count
+            np.maximum.at(table.reported, slots, index + 1)
         requests = self.requests
-        for rid in rids:
-            requests[rid].reported += 1
-        record_logprobs(self.requests, launched, result, kept)
+        record_logprobs(requests, launched, result, kept)
         done = np.flatnonzero(kept.ends).tolist()
         if done:
             out.finished = [rids[i] for i in done]

@@ -3,7 +3,8 @@
 A delta reads the request's one record (`Request`), never changing it: the live ones from the
 scheduler's request table, the ones the step finished or cancelled from `StepOutput.ended` (the
 scheduler has forgotten them, their final delta has not been sent yet). A request's first delta
-carries its stop strings and prompt tail; `Request.reported` already counts the step's tokens.
+carries its stop strings and prompt tail; its reported count (`Request.reported_now`) already counts
+the step's tokens.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from procs.scheduler.request import Request
+from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_output import StepOutput
 from shared.messages import TokenDelta
 
 
-def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelta]:
+def token_deltas(out: StepOutput, live: Mapping[str, Request], table: RequestTable) -> list[TokenDelta]:
     """The deltas of `out`: new tokens (batch order), then ends without new tokens, then cancellations.
-    A cancelled rid the scheduler never knew still gets a closing delta."""
+    A cancelled rid the scheduler never knew still gets a closing delta. `table`: the admitted requests'
+    counts."""
     tokens: dict[str, list[int]] = {}
     for rid, token in out.new_tokens:
         tokens.setdefault(rid, []).append(int(token))
     deltas = []
     for rid, ids in tokens.items():
         request = out.ended.get(rid) or live.get(rid)
-        delta = _delta(request, rid, ids, out.finish_reasons.get(rid))
+        delta = _delta(request, table, rid, ids, out.finish_reasons.get(rid))
         delta.logprobs = out.logprobs.get(rid, [])
         if rid in out.prompt_logprobs and request is not None:
             delta.prompt_ids = request.client_prompt.tolist()
@@ -32,19 +35,21 @@ def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelt
         deltas.append(delta)
     for rid in out.finished:
         if rid not in tokens:
-            deltas.append(_delta(out.ended.get(rid), rid, [], out.finish_reasons.get(rid, "stop")))
+            deltas.append(_delta(out.ended.get(rid), table, rid, [], out.finish_reasons.get(rid, "stop")))
     for rid in out.cancelled:
-        deltas.append(_delta(out.ended.get(rid), rid, [], "abort"))
+        deltas.append(_delta(out.ended.get(rid), table, rid, [], "abort"))
     return deltas
 
 
-def _delta(request: Request | None, rid: str, ids: list[int], finish_reason: str | None) -> TokenDelta:
+def _delta(request: Request | None, table: RequestTable, rid: str, ids: list[int],
+           finish_reason: str | None) -> TokenDelta:
     if request is None:
         return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason)
-    first = request.reported == len(ids)  # nothing reported before these (only a last delta has none)
+    reported = request.reported_now(table)
+    first = reported == len(ids)  # nothing reported before these (only a last delta has none)
     # Its cached prefix is reported from its first token on (the step that prefilled past it).
-    cached = request.cached_tokens if request.reported else 0
+    cached = request.cached_tokens if reported else 0
     return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=request.num_prompt_tokens,
-                      completion_tokens=request.reported, cached_tokens=cached,
+                      completion_tokens=reported, cached_tokens=cached,
                       draft_tokens=request.draft_tokens, accepted_tokens=request.accepted_tokens,
                       stop=request.params.stop if first else None, prompt_tail=request.prompt_tail if first else [])

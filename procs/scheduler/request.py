@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from procs.scheduler.prefix_cache import CachedPage
+from procs.scheduler.request_table import RequestTable
 from shared.checks import MAX_TOKEN_ID
 from shared.errors import Refusal
 from shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
@@ -30,6 +31,10 @@ class Status(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
     CANCELLED = "cancelled"
+
+    # Members are singletons: hash them by identity (in C) rather than by Enum's hash of the name (in
+    # Python), which every move of every request paid twice.
+    __hash__ = object.__hash__
 
     @property
     def holds_slot(self) -> bool:
@@ -58,8 +63,9 @@ class Request:
     `draft`: tokens proposed to follow its last token (`Scheduler.set_draft`); its next decode row feeds
     them after the last token, one sampled position each, and uses them up.
     `status`: where it is in its life (`Status`), changed only by `move_to`.
-    `reported`: tokens sent downstream in `TokenDelta`s so far, counted as its step completes (0: its
-    first delta is still to come).
+    `reported`: tokens sent downstream in `TokenDelta`s so far, counted as its steps complete (0: its
+    first delta is still to come); while it holds a slot the request table's `reported` column counts
+    them (`Request.reported_now` reads either).
     `params`: what it asked for (`RequestParams`: sampling, stop, logits, priority, speculation), whole.
     `params.priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue
     under the priority scheduling policy (SCHEDULING.md section 8).
@@ -99,6 +105,10 @@ class Request:
         if status not in TRANSITIONS[self.status]:
             raise AssertionError(f"request {self.rid!r}: no move from {self.status.value} to {status.value}")
         self.status = status
+
+    def reported_now(self, table: RequestTable) -> int:
+        """`reported`, from `table`'s row while the request holds one."""
+        return int(table.reported[self.slot]) if self.slot >= 0 else self.reported
 
     @property
     def queue_key(self) -> tuple[int, int]:

@@ -30,6 +30,7 @@ class RequestTable:
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)  # tokens to prefill (recompute included)
         self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions holding KV: prefilled + fed back
         self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled, launched steps in flight and preemptions included
+        self.reported = np.zeros(num_slots, dtype=np.int64)  # tokens appended by completed steps (Request.reported)
         self.token_limit = np.zeros(num_slots, dtype=np.int64)  # Request.max_tokens
         self.last_token = np.zeros(num_slots, dtype=np.int32)  # next decode input
         self.check_eos = np.zeros(num_slots, dtype=bool)  # not ignore_eos
@@ -56,6 +57,7 @@ class RequestTable:
         self.prompt_len[slot] = request.prompt_len
         self.kv_len[slot] = 0
         self.generated[slot] = generated_before
+        self.reported[slot] = request.reported
         self.token_limit[slot] = request.max_tokens
         self.last_token[slot] = 0
         stop = request.params.stop
@@ -69,7 +71,8 @@ class RequestTable:
         return slot
 
     def release(self, slots: np.ndarray) -> np.ndarray:
-        """Empty the rows; returns the pages they held (for the allocator)."""
+        """Empty the rows (their requests keep their reported count); returns the pages they held (for the
+        allocator)."""
         counts = self.num_pages[slots]
         width = int(counts.max()) if slots.shape[0] else 0
         pages = self.page_table[slots, :width][np.arange(width) < counts[:, None]]
@@ -77,6 +80,7 @@ class RequestTable:
         self.shared_pages[slots] = 0
         self.admit_seq[slots] = -1
         for slot in slots.tolist():
+            self.requests[slot].reported = int(self.reported[slot])  # type: ignore[union-attr]
             self.requests[slot] = None
             self._free_slots.append(slot)
         return pages
