@@ -424,7 +424,7 @@ def _delta_scheduler():
 
 def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
     from procs.scheduler.core import StepOutput
-    from shared.messages import LogitsParams, SamplingParams, TokenLogprobs
+    from shared.messages import LogitsParams, TokenLogprobs
 
     sched = _delta_scheduler()
     prompt = np.array([5, 6, 7], dtype=np.int32)
@@ -433,17 +433,17 @@ def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
     sched.add_request("b", prompt, RequestParams(stop=StopParams(max_tokens=4)))
     lp = TokenLogprobs(9, -0.1, [9], [-0.1])
     plp = [TokenLogprobs(6, -3.0, [], []), TokenLogprobs(7, -2.0, [], [])]
-    first = sched.token_deltas(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], logprobs={"a": [lp]},
-                                          prompt_logprobs={"a": plp}))
+    first = sched.token_deltas(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], token_counts=[1, 1],
+                                          logprobs={"a": [lp]}, prompt_logprobs={"a": plp}))
     a, b = first
     assert (a.logprobs, a.prompt_ids, a.prompt_logprobs) == ([lp], [5, 6, 7], plp)
     assert (b.logprobs, b.prompt_ids, b.prompt_logprobs) == ([], [], [])
-    (second,) = sched.token_deltas(StepOutput(step=1, new_tokens=[("a", 8)], logprobs={"a": [lp]}))
+    (second,) = sched.token_deltas(StepOutput(step=1, new_tokens=[("a", 8)], token_counts=[2], logprobs={"a": [lp]}))
     assert second.logprobs == [lp] and second.prompt_ids == []
 
 
 def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> None:
-    from shared.messages import ForwardBatch, LogitsParams, SamplingParams, StepResult, TokenLogprobs
+    from shared.messages import ForwardBatch, LogitsParams, StepResult, TokenLogprobs
 
     plp = [TokenLogprobs(6, -3.0, [4], [-1.0])]
 

@@ -169,6 +169,23 @@ def test_a_request_that_stops_while_its_next_step_runs_is_released_at_once_and_i
     assert late.new_tokens == [] and late.finished == [] and not sched.has_unfinished()
 
 
+def test_a_request_aborted_while_its_prompt_logprobs_are_computed_is_dropped_with_them() -> None:
+    """Overlap scheduling: the client goes while its last chunk runs; the step's prompt logprobs come back
+    for a slot the request no longer holds, and are dropped (they used to be looked up by its slot now)."""
+    from shared.messages import LogitsParams, StopParams, TokenLogprobs
+
+    sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64))
+    sched.add_request("a", list(range(3, 11)), RequestParams(stop=StopParams(max_tokens=4),
+                                                             logits=LogitsParams(prompt_logprobs=0)))
+    first = sched.launch()
+    assert sched.abort("a")
+    entry = TokenLogprobs(token_id=3, logprob=0.0, top_ids=[], top_logprobs=[])
+    out = sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([5], np.int32),
+                                           prompt_logprobs=[(first.batch.slots[0], [entry] * 7)]))
+    assert out.new_tokens == [] and out.prompt_logprobs == {}
+    assert sched.launch().out.cancelled == ["a"] and not sched.has_unfinished()
+
+
 def test_a_request_at_its_token_limit_is_not_launched_again() -> None:
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64))
     sched.add_request("A", [5, 6, 7], RequestParams(stop=Job("A", 0, 3, 9, max_tokens=2).stop_params()))

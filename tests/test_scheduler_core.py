@@ -198,7 +198,11 @@ def test_abort_from_inside_the_executor_is_applied_after_the_step() -> None:
     out = sched.step(Aborting())
     assert out.new_tokens == [("A", FIRST_TOKEN), ("B", FIRST_TOKEN)] and out.cancelled == []
     assert sched.num_running == 1 and sched.kv_used_tokens == 2
-    assert sched.step(Recorder()).cancelled == ["B"]
+    a, b = sched.token_deltas(out)  # B's token still goes out as its first delta, counted
+    assert (b.rid, b.completion_tokens, b.prompt_tokens, b.stop) == ("B", 1, 2, StopParams(max_tokens=5))
+    last = sched.step(Recorder())
+    assert last.cancelled == ["B"]
+    assert [(d.rid, d.finish_reason, d.completion_tokens) for d in sched.token_deltas(last)][-1] == ("B", "abort", 1)
 
 
 def test_executor_returning_the_wrong_number_of_tokens_is_an_error() -> None:

@@ -187,7 +187,8 @@ def test_proposed_drafts_count_in_the_decode_load_the_step_time_bound_sizes_with
     sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=20)))
     sched.step(Scripted([6]))
     assert sched.decode_load()[0] == 1
-    sched.propose_drafts()  # the server proposes first, then sizes the step with them
+    sched.planner.propose_drafts()  # what launch does first, before it sizes the step
     assert sched.decode_load()[0] == 1 + 4  # "7 8 5 6" occurred before, followed by 7 8 5 6
+    sched.decode_manager.clear_drafts()
     launched = sched.launch()
-    assert launched.batch.extend_lens == [5]  # launch took the drafts as proposed, and proposed no more
+    assert launched.batch.extend_lens == [5]  # launch proposed the same draft and packed it

@@ -248,7 +248,7 @@ def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay(
     def drafts(min_acceptance: float) -> tuple[int, list[StepOutput]]:
         job = Job(0, 30, 60, 99, 4)  # a detour every fourth token: a 4-token draft gets 2 of 4 at best
         sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
-        sched.min_acceptance = min_acceptance
+        sched.planner.min_acceptance = min_acceptance
         model = CopyModel(sched, {job.rid: job})
         sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
                                                              stop=StopParams(max_tokens=job.max_tokens)))

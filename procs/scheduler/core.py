@@ -100,19 +100,6 @@ class Scheduler:
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
 
     @property
-    def proposer(self) -> Proposer | None:
-        return self.planner.proposer
-
-    @property
-    def min_acceptance(self) -> float:
-        """The share of a draft's tokens that must be accepted for it to pay (`StepPlanner`)."""
-        return self.planner.min_acceptance
-
-    @min_acceptance.setter
-    def min_acceptance(self, share: float) -> None:
-        self.planner.min_acceptance = share
-
-    @property
     def steps_out_of_reach(self) -> int:
         """Steps with prefill work whose decodes alone were predicted over the step-time target."""
         return self.planner.cap.steps_out_of_reach if self.planner.cap is not None else 0
@@ -254,7 +241,7 @@ class Scheduler:
 
     def token_deltas(self, out: StepOutput) -> list[TokenDelta]:
         """`out` as one `TokenDelta` per request, for the detokenizer (see `procs.scheduler.deltas`)."""
-        return token_deltas(out, self.requests, self.table)
+        return token_deltas(out, self.requests)
 
     # ------------------------------------------------------------------ one iteration
     def step(self, executor: Executor, prefill_tokens: int | None = None) -> StepOutput:
@@ -263,14 +250,18 @@ class Scheduler:
         `prefill_tokens`: at most this many prompt tokens this step, below `prefill_budget` (the
         server's step-time bound; None: the budget alone, as in SCHEDULING.md). Idle steps still count."""
         self._in_step = True
+        out = None
         try:
             launched = self.launch(prefill_tokens)
+            out = launched.out
             if launched.batch is not None:
                 self.complete(launched, executor.execute(launched.batch))
         finally:
             self._in_step = False
             deferred, self._deferred_aborts = self._deferred_aborts, []
             for rid in deferred:
+                if out is not None and rid in self.requests:  # this step's delta of it reads it, once forgotten
+                    out.ended.setdefault(rid, self.requests[rid])
                 self.abort(rid)
         return launched.out
 
@@ -313,11 +304,6 @@ class Scheduler:
         batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
         return self._advance(plan, batch, out)
-
-    def propose_drafts(self) -> None:
-        """Drafts for the next `launch` to plan with (it proposes them itself when nothing is in flight)."""
-        if not self._launched:
-            self.planner.propose_drafts()
 
     # ------------------------------------------------------------------ preemption
     def _fit_pages(self, planned: PlannedStep, out: StepOutput, drain: Callable[[], None] | None) -> PlannedStep:
@@ -443,6 +429,7 @@ class Scheduler:
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
         table.last_token[slots[latest]] = token_ids[latest]
         out.new_tokens = list(zip(rids, token_ids.tolist()))
+        out.token_counts = (index + 1).tolist()
         if one_per_row:
             table.reported[slots] = index + 1
         else:  # a row's tokens are in order: its last one's count

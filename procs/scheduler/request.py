@@ -10,7 +10,6 @@ import msgspec
 import numpy as np
 
 from procs.scheduler.prefix_cache import CachedPage
-from procs.scheduler.request_table import RequestTable
 from shared.checks import MAX_TOKEN_ID
 from shared.errors import Refusal
 from shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
@@ -65,7 +64,7 @@ class Request:
     `status`: where it is in its life (`Status`), changed only by `move_to`.
     `reported`: tokens sent downstream in `TokenDelta`s so far, counted as its steps complete (0: its
     first delta is still to come); while it holds a slot the request table's `reported` column counts
-    them (`Request.reported_now` reads either).
+    them, and its release copies the count here.
     `params`: what it asked for (`RequestParams`: sampling, stop, logits, priority, speculation), whole.
     `params.priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue
     under the priority scheduling policy (SCHEDULING.md section 8).
@@ -105,10 +104,6 @@ class Request:
         if status not in TRANSITIONS[self.status]:
             raise AssertionError(f"request {self.rid!r}: no move from {self.status.value} to {status.value}")
         self.status = status
-
-    def reported_now(self, table: RequestTable) -> int:
-        """`reported`, from `table`'s row while the request holds one."""
-        return int(table.reported[self.slot]) if self.slot >= 0 else self.reported
 
     @property
     def queue_key(self) -> tuple[int, int]:

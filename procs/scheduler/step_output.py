@@ -22,6 +22,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
     finished: list[str] = []
     cancelled: list[str] = []
     new_tokens: list[tuple[str, int]] = []  # (rid, token id), batch order; stop tokens included
+    token_counts: list[int] = []  # for each of new_tokens: its request's tokens so far, that one included
     finish_reasons: dict[str, str] = {}  # rid -> "stop" | "length"
     batch_size: int = 0  # requests in the executed batch; 0: idle step
     preempted: list[str] = []  # back in the waiting queue (for a higher-priority head, then step 3b), in order

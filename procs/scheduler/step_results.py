@@ -112,10 +112,11 @@ def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result:
             i = at if where is None else where.get(at)
             if i is not None:
                 out.logprobs.setdefault(rids[i], []).append(lp)
-    prefilling = {r.slot: r for r, _ in launched.plan.prefill}
+    # By the slot each chunk ran in (a request aborted or preempted since has given it back).
+    prefilling = dict(zip(launched.plan.prefill_slots.tolist(), (r for r, _ in launched.plan.prefill)))
     for slot, entries in result.prompt_logprobs:
-        request = prefilling[slot]
-        if live.get(request.rid) is request and request.slot == slot:
+        request = prefilling.get(slot)
+        if request is not None and live.get(request.rid) is request and request.slot == slot:
             request.prompt_logprobs.extend(entries)
     out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
                            if r.wants_prompt_logprobs and live.get(r.rid) is r}
