@@ -238,7 +238,7 @@ class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     stop: StopParams = StopParams()
     logits: LogitsParams = PLAIN_LOGITS
-    constraint: OutputConstraint | None = None  # structured output, before the tokenizer compiles it
+    constraint: OutputConstraint | None = None  # structured output; the tokenizer compiles it (then None)
     priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
     speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
 

@@ -74,10 +74,13 @@ def test_text_input_and_instructions_become_a_chat_and_the_response_echoes_the_r
         async with api(engine) as client:
             out = await client.responses.create(model="fake-model", input="hi there", instructions="Be brief.",
                                                 max_output_tokens=10, temperature=0.5, top_p=0.9,
-                                                metadata={"team": "a"}, user="u1")
+                                                metadata={"team": "a"}, user="u1",
+                                                extra_body={"stop": ["x"], "include_stop_str_in_output": True})
         return out, engine.requests
 
     out, (request,) = run(go())
+    # vLLM's sampling extras reach the engine by name, as chat takes them
+    assert (request.params.stop.stop, request.params.stop.include_stop_str_in_output) == (("x",), True)
     assert request.messages == [ChatMessage(role="system", content="Be brief."),
                                 ChatMessage(role="user", content="hi there")]
     assert (request.params.stop.max_tokens, request.max_tokens_param) == (10, "max_output_tokens")

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from procs.api.schemas import (ChatCompletionRequest, ChatMessageIn, FunctionCallIn, FunctionIn, NamedFunction,
-                               NamedToolChoice, TextContentPart, ToolCallIn, ToolIn)
+                               NamedToolChoice, SamplingExtras, TextContentPart, ToolCallIn, ToolIn)
 from shared.errors import Refusal
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
@@ -94,7 +94,9 @@ class ReasoningConfig(msgspec.Struct, kw_only=True):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(SamplingExtras, kw_only=True):
+    """OpenAI's request, and vLLM's sampling extras as chat takes them (`SamplingExtras`)."""
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -125,20 +127,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     prompt: object | None = None
     n: int | None = None
     max_tokens: int | None = None
-    # vLLM's extras, as chat has them
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    priority: int | None = None
-    speculative: bool | None = None
     chat_template_kwargs: dict[str, object] | None = None
 
 
@@ -199,11 +187,8 @@ def to_chat(req: ResponsesRequest, previous: list[ChatMessageIn]) -> ChatTransla
             template_kwargs.setdefault("reasoning_effort", req.reasoning.effort)
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, stream=req.stream,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, priority=req.priority,
-        speculative=req.speculative,
+        temperature=req.temperature, top_p=req.top_p,
+        **{name: getattr(req, name) for name in SamplingExtras.__struct_fields__},
         response_format=_response_format(text_format), tools=_tools(req.tools or []),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         logprobs=logprobs or None, top_logprobs=req.top_logprobs if logprobs else None,

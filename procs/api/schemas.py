@@ -73,10 +73,11 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
     function: NamedFunction
 
 
-class CommonRequestFields(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    # how much, and when to stop
-    max_tokens: int | None = None
+class SamplingExtras(msgspec.Struct, kw_only=True):
+    """The sampling and stopping fields every generating endpoint takes beyond OpenAI's core (chat and
+    completions have most as OpenAI's, the Responses API as vLLM's extras): the Responses API passes
+    them to chat by name, so a new one is a field here and its use in `validation`."""
+
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -84,22 +85,25 @@ class CommonRequestFields(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None  # vLLM's
     priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
     speculative: bool | None = None  # false: no speculative decoding for this request (--speculative)
-    # sampling
-    temperature: float | None = None
-    top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
+
+
+class CommonRequestFields(SamplingExtras, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     # choices and streaming
     n: int | None = None
     best_of: int | None = None  # only null, 1 or n
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # the logits
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
     # Structured output: at most one of these (validation.constraint_of).
     response_format: dict[str, object] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     guided_json: object | None = None  # vLLM's: a JSON schema, as an object or as JSON text

@@ -203,7 +203,8 @@ class PromptTokenizer:
             logits = msgspec.structs.replace(logits, grammar=grammar,
                                              grammar_after=self._thinking_end(ids) if request.messages else None)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
-                                params=msgspec.structs.replace(params, stop=stop, logits=logits),
+                                # the constraint, compiled into logits.grammar, travels no further
+                                params=msgspec.structs.replace(params, stop=stop, logits=logits, constraint=None),
                                 arrival_time=request.arrival_time)
 
     def _check_vocab(self, ids: Iterable[int], param: str, what: str = "token id") -> None:
