@@ -32,6 +32,7 @@ import msgspec
 from procs.detokenizer.incremental import IncrementalDetokenizer
 from procs.scheduler.core import Scheduler
 from procs.scheduler.config import check_config, scheduler_config_from_server
+from procs.scheduler.step_cost import cost_model_for
 from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.messages import GenerateRequest, RequestParams, TokenizedRequest, TokenLogprobs
@@ -196,14 +197,25 @@ class OfflineEngine:
             self.spec = self.runner.spec
             self.tokenizer: Any = self.spec.load_tokenizer()
             self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
-            self.scheduler = Scheduler(scheduler_config_from_server(config, self.runner.worker_info()),
-                                       eos_token_ids=self.runner.eos_token_ids)
+            self.scheduler = self._scheduler(config)
         except BaseException:
             self.close()
             raise
         self.preemptions = 0  # requests preempted for KV (and recomputed) so far
         self.draft_tokens = 0  # speculative decoding so far: tokens proposed, and those accepted
         self.accepted_tokens = 0
+
+    def _scheduler(self, config: ServerConfig) -> Scheduler:
+        """The server's scheduler but for the server's client-facing limits: offline every prompt is in at
+        once and only throughput counts, so no step-time bound and no waiting limit. With speculative
+        decoding, the worker's probe gives the step-cost model that says which drafts pay, as in `serve`
+        (without the server's refits on live steps)."""
+        speculative = config.speculative != "off"
+        info = self.runner.worker_info(self.runner.probe_step_costs() if speculative else None)
+        sched_config = msgspec.structs.replace(scheduler_config_from_server(config, info), max_step_s=0.0,
+                                               max_waiting=0)
+        return Scheduler(sched_config, eos_token_ids=self.runner.eos_token_ids,
+                         cost=cost_model_for(sched_config, info))
 
     def __enter__(self) -> OfflineEngine:
         return self

@@ -201,15 +201,17 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 
 
 # The settings of the server around the engine: the HTTP api, the replicas and their router, the five
-# processes (sockets, logs, drain), and overlap scheduling (the scheduler process pipelining steps to the
-# worker process; the offline engine runs one step at a time in one process). Every other field is an
-# engine setting, which `batchserve generate` takes as `serve` does: a new field is one unless named here.
+# processes (sockets, logs, drain), overlap scheduling (the scheduler process pipelining steps to the
+# worker process; the offline engine runs one step at a time in one process), and what shapes a server's
+# clients' experience, the step-time bound and the waiting limit (offline every prompt is in at once and
+# only throughput counts). Every other field is an engine setting, which `batchserve generate` takes as
+# `serve` does: a new field is one unless named here.
 SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
     "host", "port", "served_model_name", "api_key", "api_key_file", "header_timeout_s", "body_timeout_s",
     "max_connections",
     "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
     "runtime_dir", "log_format", "drain_timeout_s",
-    "overlap_schedule",
+    "overlap_schedule", "max_step_ms", "min_prefill_share", "max_waiting",
 })
 _unknown = SERVER_ONLY_FIELDS - set(ServerConfig.__struct_fields__)
 if _unknown:  # a renamed field would silently become an engine flag

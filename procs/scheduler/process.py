@@ -18,7 +18,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
 from procs.scheduler.core import Scheduler
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
-from procs.scheduler.step_cost import StepCostModel
+from procs.scheduler.step_cost import cost_model_for
 from procs.scheduler.step_output import LaunchedStep, StepOutput
 from shared.config import ServerConfig
 from shared.errors import Refusal
@@ -88,9 +88,7 @@ class SchedulerLoop:
         config = scheduler_config_from_server(self.config, info)
         self.overlap = overlap_schedule(self.config, info)
         self.executor.worker_pid = info.pid
-        if config.max_step_s or self.config.speculative != "off" and len(
-                {tokens for tokens, _, _ in info.step_costs}) >= 2:
-            self.executor.cost = StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k))
+        self.executor.cost = cost_model_for(config, info)
         self.scheduler = Scheduler(config, eos_token_ids=info.eos_token_ids, cost=self.executor.cost)
         if config.max_step_s:
             assert self.executor.cost is not None

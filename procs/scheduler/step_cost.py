@@ -28,10 +28,15 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shared.messages import WorkerInfo
 from shared.step_features import attention_pairs, experts_read
+
+if TYPE_CHECKING:
+    from procs.scheduler.config import SchedulerConfig
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits
@@ -172,3 +177,12 @@ class StepCostModel(LinearStepCost):
             if best is None or residual < best[0]:
                 best = (residual, weights)
         return None if best is None else tuple(float(w) for w in best[1])  # type: ignore[return-value]
+
+
+def cost_model_for(config: SchedulerConfig, info: WorkerInfo) -> StepCostModel | None:
+    """The step-cost model a scheduler sized by the worker's `info` plans with: for the step-time bound,
+    or for speculative decoding's break-even share; None when neither needs one (or the worker sent no
+    probe of at least two step sizes)."""
+    if not (config.max_step_s or config.speculative != "off") or len({t for t, _, _ in info.step_costs}) < 2:
+        return None
+    return StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k))
