@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from procs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
+from shared.messages import ForwardBatch, RequestParams, StepResult, StopParams
 
 RUNNING = 256
 WAITING = 1000

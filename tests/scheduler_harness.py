@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from procs.scheduler import Scheduler, SchedulerConfig, StepOutput
-from shared.messages import FUTURE_TOKEN, ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
+from shared.messages import FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, StopParams
 
 EOS = 2
 FIRST_TOKEN = 100  # the k-th sampled token (0-based) of every request is FIRST_TOKEN + k, unless EOS

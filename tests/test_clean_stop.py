@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
 from procs.scheduler.prefix_cache import PrefixCache
 from scheduler_harness import EOS, KVContentExecutor, audit_references
-from shared.messages import RequestParams, SamplingParams, StopParams
+from shared.messages import RequestParams, StopParams
 
 
 # ------------------------------------------------------------------ the tree on its own

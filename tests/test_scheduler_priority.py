@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
 from shared.errors import Refusal
-from shared.messages import RequestParams, SamplingParams, StopParams
+from shared.messages import RequestParams, StopParams
 from spec_reference import reference_trace
 from test_scheduler_preemption import scenarios, simulate
 

@@ -15,7 +15,6 @@ from shared.messages import (
     RequestParams,
     SamplingParams,
     StepResult,
-    StopParams,
     TokenizedRequest,
 )
 from shared.shm import DoubleBuffer, SharedRing, ShmReader, remove_segments_of, segment_name

@@ -8,7 +8,7 @@ occurrence. The target model verifies the proposal in one step (`SampleRows.acce
 guess costs a wider row, never a different output.
 
 A request whose proposals do not pay backs off: after a proposal with too few tokens accepted (no
-more than `Scheduler.min_acceptance` of them, a share the server's step-cost model sets: what a
+more than `StepPlanner.min_acceptance` of them, a share the server's step-cost model sets: what a
 token costs beside the step's tokens per second, small beside one request and near 1 in a big
 batch) it skips 1, 2, 4 .. up to `MAX_PAUSE` steps before it tries again, so that text with no
 repeats (where every row would only be wider) runs as plain decoding; one proposal that pays ends

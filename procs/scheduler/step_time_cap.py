@@ -72,7 +72,7 @@ class PrefillDemand:
 
 
 class StepLoad(Protocol):
-    """What the cap reads of the scheduler's state (`Scheduler` is one)."""
+    """What the cap reads of the scheduler's state (`StepPlanner` is one)."""
 
     @property
     def num_prefilling(self) -> int: ...
