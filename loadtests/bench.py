@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtests.metrics import DEFAULT_SLOS, Slo
 from loadtests.report import RunRecord, format_ratios, format_table, format_turns, write_json
 from loadtests.runner import LoadPoint
 from loadtests.server_process import DEFAULT_SERVE_COMMAND
@@ -27,6 +26,7 @@ from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuild
 from procs.cli import CliError
 from shared.config import DEFAULT_MODEL, POLICIES, ServerConfig
 from shared.model import resolve_model
+from shared.slo import DEFAULT_SLOS, Slo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            + DEFAULT_SLOS["cuda"].label() + "); adds good %% and goodput (req/s) to every table")
     load.add_argument("--concurrency", help="comma list, e.g. 1,8,32: requests kept in flight (default 8)")
     load.add_argument("--request-rate", help="comma list of requests/s (Poisson arrivals), inf allowed")
+    load.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+                      help="with --concurrency: stream k starts k * SECONDS after the first (clients arriving "
+                           "one by one)")
 
     comp = parser.add_argument_group("comparison")
     comp.add_argument("--compare", action="store_true",
@@ -98,9 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true")
 
 
-def parse_points(concurrency: str | None, request_rate: str | None) -> list[LoadPoint]:
+def parse_points(concurrency: str | None, request_rate: str | None, stagger_s: float = 0.0) -> list[LoadPoint]:
     if concurrency and request_rate:
         raise CliError("give --concurrency or --request-rate, not both")
+    if stagger_s < 0 or (stagger_s and request_rate):
+        raise CliError("--stagger takes seconds >= 0 and goes with --concurrency")
     if request_rate:
         try:
             rates = [float(v) for v in request_rate.split(",")]
@@ -115,7 +120,7 @@ def parse_points(concurrency: str | None, request_rate: str | None) -> list[Load
         raise CliError(f"--concurrency: expected integers separated by commas, got {concurrency!r}") from None
     if any(c < 1 for c in levels):
         raise CliError(f"--concurrency: every level must be >= 1, got {concurrency!r}")
-    return [LoadPoint(concurrency=c) for c in levels]
+    return [LoadPoint(concurrency=c, stagger_s=stagger_s) for c in levels]
 
 
 def parse_num_prompts(text: str, num_points: int) -> list[int]:
@@ -185,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:
         raise CliError(f"--warmup must be >= 0, got {args.warmup}")
-    points = parse_points(args.concurrency, args.request_rate)
+    points = parse_points(args.concurrency, args.request_rate, args.stagger)
     counts = parse_num_prompts(args.num_prompts, len(points))
     num_prompts = sum(counts) * args.rounds  # each point and round its own prompts (Plan.specs_for)
     policies = [p for p in args.policies.split(",") if p] if args.compare else []

@@ -13,14 +13,13 @@ Failed requests count only in `failed`; they contribute no latencies and no toke
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from loadtests.client import RequestResult
+from shared.slo import Slo
 
 PERCENTILES = (50, 90, 99)
 
@@ -44,55 +43,11 @@ class Distribution:
         return cls(len(ms), float(ms.mean()), p50, p90, p99)
 
 
-@dataclass(frozen=True)
-class Slo:
-    """The objectives a request must meet to count as good, in ms; None: not checked."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    @classmethod
-    def parse(cls, items: Sequence[str]) -> Slo:
-        """`["ttft:2000", "tpot:100"]` (vLLM's spelling; also `e2el:MS`), or one device's preset
-        (`DEFAULT_SLOS`: `cpu`, `cuda`). ValueError naming the bad item."""
-        if len(items) == 1 and items[0] in DEFAULT_SLOS:
-            return DEFAULT_SLOS[items[0]]
-        limits: dict[str, float] = {}
-        for item in items:
-            name, sep, value = item.partition(":")
-            field = f"{name}_ms"
-            if not sep or field not in cls.__dataclass_fields__ or field in limits:
-                raise ValueError(f"goodput objective {item!r}: expected ttft:MS, tpot:MS or e2el:MS, each once, "
-                                 f"or one of {', '.join(DEFAULT_SLOS)}")
-            try:
-                limits[field] = float(value)
-            except ValueError:
-                raise ValueError(f"goodput objective {item!r}: {value!r} is not a number of ms") from None
-            if not (math.isfinite(limits[field]) and limits[field] > 0):  # nan would silently meet nothing
-                raise ValueError(f"goodput objective {item!r}: the limit must be a finite number of ms > 0")
-        if not limits:
-            raise ValueError("goodput needs at least one objective")
-        return cls(**limits)
-
-    def met_by(self, result: RequestResult) -> bool:
-        if not result.success:
-            return False
-        per_token = tpot(result)
-        checks = ((self.ttft_ms, ttft(result)), (self.tpot_ms, 0.0 if per_token is None else per_token),
-                  (self.e2el_ms, e2e_latency(result)))
-        return all(limit is None or seconds * 1000.0 <= limit for limit, seconds in checks)
-
-    def label(self) -> str:
-        return " ".join(f"{name}:{limit:g}" for name, limit in
-                        (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if limit is not None)
+def met_slo(slo: Slo, result: RequestResult) -> bool:
+    """The request completed and met every objective of `slo`."""
+    return result.success and all(slo.met(ttft(result), tpot(result), e2e_latency(result)).values())
 
 
-# Per device, objectives for an interactive chat with a small model: the first token within a short
-# wait and a stream that keeps moving (CPU: 4 tokens/s per stream, what 2 cores give 16-32 streams of the
-# default model at the 300 ms step target; the objectives issue 30's runs were judged by; CUDA:
-# DistServe's chatbot-like objectives). Pick your own for other workloads.
-DEFAULT_SLOS = {"cpu": Slo(ttft_ms=5000.0, tpot_ms=250.0), "cuda": Slo(ttft_ms=500.0, tpot_ms=50.0)}
 
 
 @dataclass(frozen=True)
@@ -160,7 +115,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | No
     e2es = [e2e_latency(r) for r in ok]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
-    good = sum(slo.met_by(r) for r in ok) if slo is not None else 0
+    good = sum(met_slo(slo, r) for r in ok) if slo is not None else 0
     return BenchMetrics(
         completed=len(ok),
         failed=len(results) - len(ok),

@@ -26,6 +26,9 @@ class LoadPoint:
 
     concurrency: int | None = None
     request_rate: float | None = None  # requests/s, inf allowed; Poisson arrivals
+    # With `concurrency`: stream k sends its first request k * stagger_s seconds after stream 0's (clients
+    # arriving one by one, so that prompts land beside the decodes of those before them).
+    stagger_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.request_rate is None):
@@ -34,6 +37,8 @@ class LoadPoint:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError(f"request rate must be > 0, got {self.request_rate}")
+        if self.stagger_s < 0 or (self.stagger_s and self.concurrency is None):
+            raise ValueError(f"a stagger (>= 0 s) goes with a concurrency, got {self.stagger_s}")
 
     @property
     def axis(self) -> str:
@@ -45,7 +50,7 @@ class LoadPoint:
 
     def label(self) -> str:
         if self.concurrency is not None:
-            return f"concurrency {self.concurrency}"
+            return f"concurrency {self.concurrency}" + (f" +{self.stagger_s:g}s" if self.stagger_s else "")
         return f"rate {self.request_rate:g}/s"
 
 
@@ -81,13 +86,15 @@ class Progress:
 
 
 async def run_concurrency(send: Sender, specs: Sequence[RequestSpec], concurrency: int,
-                          progress: Progress | None = None) -> list[RequestResult]:
-    """Keep `concurrency` requests in flight: a new one is sent as soon as one finishes."""
+                          progress: Progress | None = None, stagger_s: float = 0.0) -> list[RequestResult]:
+    """Keep `concurrency` requests in flight: a new one is sent as soon as one finishes (stream k
+    starts `k * stagger_s` seconds late)."""
     results: list[RequestResult | None] = [None] * len(specs)
     next_index = 0
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
         nonlocal next_index
+        await asyncio.sleep(k * stagger_s)
         while next_index < len(specs):
             i = next_index
             next_index += 1
@@ -95,7 +102,7 @@ async def run_concurrency(send: Sender, specs: Sequence[RequestSpec], concurrenc
             if progress:
                 progress.update()
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(specs)))))
+    await asyncio.gather(*(worker(k) for k in range(min(concurrency, len(specs)))))
     return [r for r in results if r is not None]
 
 
@@ -160,7 +167,7 @@ async def measure(send: Sender, specs: Sequence[RequestSpec], point: LoadPoint, 
                                  "not at a request rate")
             results = await run_conversations(send, specs, point.concurrency, progress)
         elif point.concurrency is not None:
-            results = await run_concurrency(send, specs, point.concurrency, progress)
+            results = await run_concurrency(send, specs, point.concurrency, progress, point.stagger_s)
         else:
             results = await run_rate(send, specs, point.request_rate, seed, progress)  # type: ignore[arg-type]
     finally:

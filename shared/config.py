@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import msgspec
 
+from shared.slo import Slo
+
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
 Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -37,6 +39,7 @@ RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "prefix_has
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 # their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
 NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
+MIN_PREFILL_SHARE = 0.25  # the step-time bound's prefill floor (SCHEDULING.md 6.5, measured there)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -82,19 +85,23 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         best for chats without max_tokens (README, Performance).""")] = 0.05
     disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
         across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
-    min_prefill_share: Annotated[float, _doc("""Least share of a step's time that prefill gets while requests
-        wait (0-0.9; more when more wait: their share of the requests in the server): a step may then run
-        past max_step_ms, up to the decodes' time / (1 - share), so that the bound never stalls admission;
-        once the decodes alone take max_step_ms (a slow or busy machine) steps are not bounded at all
-        (procs/scheduler/SCHEDULING.md 6.5).""")] = 0.5
+    min_prefill_share: Annotated[float, _doc("""Least prefill a step carries while requests wait, as a share
+        (0-1) of the prompt tokens a step of max_step_ms could prefill with no decodes (never below 32
+        tokens): admission never stops, and a step runs past max_step_ms by at most that much; once the
+        decodes alone take max_step_ms (a slow or busy machine) a step carries that floor times how far past
+        they run (procs/scheduler/SCHEDULING.md 6.5).""")] = MIN_PREFILL_SHARE
     fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
         section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True
     max_step_ms: Annotated[float, _doc("""Longest a step carrying prefill should take, in ms, which bounds
         everyone's inter-token latency (a step-cost model sizes each step's prefill to it; prefill_budget
-        stays the cap); 0 (default) = the device's suggested target, CPU 300, CUDA 100; -1 = no time bound.
-        A lower target trades throughput and time to first token for a steadier stream (README,
-        Performance).""")] = 0.0
+        stays the cap); 0 (default) = slo's tpot objective if set, else the device's suggested target, CPU
+        300, CUDA 100; -1 = no time bound. A lower target trades throughput and time to first token for a
+        steadier stream (README, Performance).""")] = 0.0
+    slo: Annotated[list[str], _doc("""Service-level objectives the server plans for, spelt as `bench --goodput`
+        takes them: ttft:MS tpot:MS (e2el:MS too), or a device's preset, cpu or cuda. The step-time target
+        is the tpot objective unless max_step_ms is set; /metrics counts the requests that meet each
+        objective (batchserve_slo_*). Empty = none.""")] = []
     overlap_schedule: Annotated[OverlapSchedule, _doc("""on: the scheduler plans and sends step N+1 while the
         worker runs step N (overlap scheduling, as SGLang), so the worker never waits for the scheduler; a
         request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
@@ -188,6 +195,15 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     drain_timeout_s: Annotated[float, _doc("""Seconds a stopping process waits for in-flight requests; keep
         below the systemd units' TimeoutStopSec= (45 s).""")] = 30.0
 
+    def __post_init__(self) -> None:
+        if self.slo:
+            Slo.parse(self.slo)  # a bad objective is refused at start, named
+
+    @property
+    def objectives(self) -> Slo | None:
+        """`slo` parsed (None: no objectives)."""
+        return Slo.parse(self.slo) if self.slo else None
+
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 
@@ -261,8 +277,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
             parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         elif isinstance(default, list):
-            parser.add_argument(*flags, dest=field.name, action="append", default=None,
-                                help=f"repeatable {help_text}, comma-separated")
+            parser.add_argument(*flags, dest=field.name, action="extend", nargs="+", default=None,
+                                help=f"one or more values, repeatable: {help_text}, comma-separated")
         else:
             parser.add_argument(*flags, dest=field.name, type=type(default), default=None, help=help_text)
 

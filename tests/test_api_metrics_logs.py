@@ -224,3 +224,28 @@ def test_setup_logging_writes_one_line_per_record_to_stderr(capfd):
         for handler in list(root.handlers):
             if type(handler).__name__ == "_BatchserveHandler":
                 root.removeHandler(handler)
+
+
+def test_slo_attainment_counts_the_requests_meeting_each_objective():
+    """With --slo the api judges every finished request by its own clock: here each token takes 30 ms
+    (TPOT 30 ms) after a first token at about 30 ms, so a 20 ms tpot objective fails and a 10 s ttft
+    objective holds; the streamed and the whole answer count alike."""
+    async def go():
+        engine = FakeEngine(["a", "b", "c", "d"], delay=0.03)
+        config = ServerConfig(slo=["ttft:10000", "tpot:20"])
+        async with TestClient(TestServer(create_app(engine, config))) as client:
+            for stream in (False, True):
+                resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": stream})
+                await resp.read()
+            return samples(await (await client.get("/metrics")).text())
+
+    page = run(go())
+    assert value(page, "batchserve_slo_requests_total") == 2
+    assert value(page, "batchserve_slo_met_requests_total", objective="ttft") == 2
+    assert (page.get(("batchserve_slo_met_requests_total", (("objective", "tpot"),)), 0.0),
+            page.get(("batchserve_slo_met_requests_total", (("objective", "all"),)), 0.0)) == (0.0, 0.0)
+    assert value(page, "batchserve_slo_attainment_ratio", objective="ttft") == 1.0
+    assert value(page, "batchserve_slo_attainment_ratio", objective="tpot") == 0.0
+    assert value(page, "batchserve_slo_attainment_ratio", objective="all") == 0.0
+    with pytest.raises(ValueError, match="objective 'tpot:fast'"):
+        ServerConfig(slo=["tpot:fast"])

@@ -100,6 +100,21 @@ def test_concurrency_limit_is_respected(fake_server):
     assert peak == 2
 
 
+def test_staggered_streams_start_one_by_one(fake_server):
+    specs = [RequestSpec("a b", 2, 200)] * 3  # one each: a request (1 s) outlasts the stagger
+
+    async def go():
+        async with make_session(10) as session:
+            send = functools.partial(send_request, session, fake_server.base_url, "chat", "fake")
+            return await measure(send, specs, LoadPoint(concurrency=3, stagger_s=0.3), seed=0, show_progress=False)
+
+    _, results = asyncio.run(go())
+    firsts = sorted(r.send_time for r in results)
+    assert firsts[1] - firsts[0] >= 0.25 and firsts[2] - firsts[1] >= 0.25  # 0.3 s apart, give or take the loop
+    with pytest.raises(ValueError, match="stagger"):
+        LoadPoint(request_rate=1.0, stagger_s=0.5)
+
+
 def write_tiny_word_model(out: Path) -> Path:
     """A random-weight Llama whose WordLevel tokenizer knows the bench word list."""
     import torch

@@ -207,7 +207,7 @@ class ApiHandlers:
         self.engine = engine
         self.config = config
         self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics(config.objectives)
         # A request in flight is running or waiting in the scheduler, so this caps the waiting queue.
         self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0

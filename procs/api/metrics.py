@@ -21,6 +21,9 @@ counters   prompt_tokens_total, generation_tokens_total, request_success_total{f
            moe_routed_tokens_total (mixture of experts: token-to-expert assignments, over all MoE layers),
            prefix_cache_hit_tokens_total, prefix_cache_queried_tokens_total, prefix_cache_evicted_pages_total
 prefix cache gauges: prefix_cache_pages (cached, shared or evictable), prefix_cache_referenced_pages
+service-level objectives (with --slo; objective = ttft, tpot, e2el or all): slo_requests_total (finished
+           requests judged), slo_met_requests_total{objective}, slo_attainment_ratio{objective} (met / judged
+           since the start); times as the api sees them (arrival to first token, then per later token)
 mixture of experts: moe_expert_load_imbalance (histogram: per MoE layer and report interval, about a second,
            the busiest expert's tokens over the mean expert's; 1 is perfect balance, num_experts / top_k the
            worst), moe_max_expert_load_imbalance (gauge: the most imbalanced layer of the last interval) -
@@ -39,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shared.messages import SchedulerStats
+from shared.slo import Slo
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -77,12 +81,40 @@ class ExpertLoadMetrics:
         self.max_imbalance.set(float(imbalance.max()))
 
 
+class SloMetrics:
+    """With `--slo`: of the requests that finished, how many met each objective (`objective` ttft, tpot,
+    e2el, and all of them together: "all"), and that as a fraction since the start."""
+
+    def __init__(self, slo: Slo, r: CollectorRegistry) -> None:
+        self.slo = slo
+        self.judged = Counter("batchserve_slo_requests", "Finished requests judged against the SLO", registry=r)
+        self.met = Counter("batchserve_slo_met_requests", "Finished requests that met the objective",
+                           ["objective"], registry=r)
+        self.attainment = Gauge("batchserve_slo_attainment_ratio",
+                                "Share of the finished requests since the start that met the objective",
+                                ["objective"], registry=r)
+        self._counts = dict.fromkeys([*slo.limits(), "all"], 0)
+        self._total = 0
+
+    def observe(self, ttft_s: float, tpot_s: float | None, e2el_s: float) -> None:
+        met = self.slo.met(ttft_s, tpot_s, e2el_s)
+        met["all"] = all(met.values())
+        self.judged.inc()
+        self._total += 1
+        for objective, ok in met.items():
+            self._counts[objective] += ok
+            if ok:
+                self.met.labels(objective=objective).inc()
+            self.attainment.labels(objective=objective).set(self._counts[objective] / self._total)
+
+
 class ApiMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, slo: Slo | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.slo = SloMetrics(slo, r) if slo is not None else None
         self.running = Gauge("batchserve_num_requests_running", "Requests in the scheduler's running set", registry=r)
         self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)

@@ -26,6 +26,7 @@ class RequestTracker:
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.timed_tokens = 0  # of those, the ones timed (choice 0's)
         self.completion_tokens = 0  # tokens delivered so far
         self.ended = False  # finished, gone or refused: recorded once
 
@@ -37,6 +38,7 @@ class RequestTracker:
         self.completion_tokens += len(delta.token_ids)
         if not timed:
             return
+        self.timed_tokens += len(delta.token_ids)
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -57,6 +59,11 @@ class RequestTracker:
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
         self.metrics.success.labels(finish_reason=finish_reason).inc()
+        if self.metrics.slo is not None and self.first_token_at is not None:
+            # TPOT as vLLM's benchmark has it: the time after the first token, per later token
+            later = self.timed_tokens - 1
+            tpot = (self.last_token_at - self.first_token_at) / later if later > 0 else None  # type: ignore[operator]
+            self.metrics.slo.observe(self.first_token_at - self.arrival, tpot, latency)
         self._log(200, finish_reason, usage.prompt_tokens, usage.completion_tokens, latency)
 
     def client_gone(self) -> None:

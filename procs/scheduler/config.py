@@ -10,6 +10,7 @@ import msgspec
 from shared.config import (
     NGRAM_MAX,
     NGRAM_MIN,
+    MIN_PREFILL_SHARE,
     NUM_SPECULATIVE_TOKENS,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -19,7 +20,6 @@ from shared.config import (
     ServerConfig,
     Speculative,
 )
-from procs.scheduler.step_time_cap import MAX_PREFILL_SHARE
 from shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
@@ -69,9 +69,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
     # The step-time bound (SCHEDULING.md 6.5): a step with prefill sized to take about this long, given
-    # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: prefill's least share.
+    # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: the floor of a step's
+    # prefill, as a share of what a step of max_step_s could prefill alone.
     max_step_s: float = 0.0
-    min_prefill_share: float = 0.5
+    min_prefill_share: float = MIN_PREFILL_SHARE
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -83,9 +84,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         check_reserve_ratio(self.kv_reserve_ratio)
         if not 0 <= self.max_step_s < math.inf:  # NaN fails too
             raise SchedulerConfigError(f"max_step_s must be >= 0 (0: no bound), got {self.max_step_s}")
-        if not 0 <= self.min_prefill_share <= MAX_PREFILL_SHARE:
-            raise SchedulerConfigError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], "
-                                       f"got {self.min_prefill_share}")
+        if not 0 <= self.min_prefill_share <= 1:
+            raise SchedulerConfigError(f"min_prefill_share must be in [0, 1], got {self.min_prefill_share}")
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -138,10 +138,14 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
 
 
 def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
-    """The step-time target in seconds, or None: no bound (-1), or no probe to model steps with."""
+    """The step-time target in seconds: max_step_ms, else the SLO's tpot objective (a step is every
+    running stream's inter-token gap), else the device's default; None: no bound (-1), or no probe to
+    model steps with."""
     if config.max_step_ms == NO_STEP_BOUND or len({tokens for tokens, _, _ in info.step_costs}) < 2:
         return None
-    ms = config.max_step_ms or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
+    objectives = config.objectives
+    ms = (config.max_step_ms or (objectives.tpot_ms if objectives is not None else None)
+          or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"]))
     return ms / 1000
 
 
