@@ -14,7 +14,6 @@ from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor
 from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
 from procs.scheduler.step_cost import StepCostModel
-from procs.scheduler.step_time_cap import MIN_PREFILL_TOKENS, StepTimeCap
 from shared.config import ServerConfig
 from shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
 from shared.step_features import attention_pairs, experts_read
@@ -109,6 +108,9 @@ def test_the_bound_is_on_by_default_with_a_suggested_target_per_device():
     cuda = WorkerInfo(**{**{f: getattr(info, f) for f in info.__struct_fields__}, "device_type": "cuda"})
     assert step_target_s(ServerConfig(max_step_ms=0), cuda) == DEFAULT_MAX_STEP_MS["cuda"] / 1000
     assert step_target_s(ServerConfig(max_step_ms=150), info) == 0.15
+    assert step_target_s(ServerConfig(slo=["ttft:4000", "tpot:120"]), info) == 0.12  # the SLO's tpot, unless
+    assert step_target_s(ServerConfig(slo=["tpot:120"], max_step_ms=150), info) == 0.15  # a target is set
+    assert step_target_s(ServerConfig(slo=["ttft:4000"]), info) == DEFAULT_MAX_STEP_MS["cpu"] / 1000
     assert step_target_s(ServerConfig(max_step_ms=-1), info) is None
     for bad in (-2.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="max_step_ms"):
@@ -153,10 +155,10 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     rng = np.random.default_rng(2)
     target, decode_rows, decode_pairs = 0.3, 16, 16 * 300.0
     within = []
-    cap = StepTimeCap(model, target, 0.0, 2048)  # no floor: what fits alone
-    load = Load(decode_rows, decode_pairs)
     for _ in range(400):
-        n = cap.prompt_tokens(load)
+        step_s = model.prefill_step_s(target, decode_rows, decode_pairs, 0.5)
+        assert step_s is not None
+        n = model.max_prefill_tokens(step_s, decode_rows, decode_pairs, 0, 2048)
         tokens, pairs = decode_rows + n, decode_pairs + attention_pairs([0], [n])
         actual = seconds(tokens, pairs) * 1.3 * float(rng.lognormal(0.0, 0.1))
         model.observe(tokens, pairs, actual, with_prefill=True)
@@ -166,63 +168,27 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     assert 1.05 < model.margin < 1.3  # the noise's 90th percentile: the refits took the 1.3x
 
 
-class Load:
-    """A `StepLoad` of given decodes, with prompt tokens waiting (a chunk from the prompt's start)."""
-
-    def __init__(self, rows: int, pairs: float, waiting: bool = True) -> None:
-        self.rows, self.pairs, self.waiting = rows, pairs, waiting
-
-    def decode_load(self) -> tuple[int, float]:
-        return self.rows, self.pairs
-
-    def has_prefill_work(self) -> bool:
-        return self.waiting
-
-    def prefill_prefix(self) -> int:
-        return 0
-
-
-def test_a_step_carries_what_fits_beside_its_decodes_and_never_less_than_the_floor():
-    """SCHEDULING.md 6.5: the prompt tokens that fit within the target beside the decodes; while the
-    decodes leave less room than the floor (a share of what a step of the target prefills alone), the floor."""
+def test_prefill_keeps_its_share_of_a_step_and_an_unreachable_target_bounds_nothing():
+    """SCHEDULING.md 6.5: on a machine too slow for the target the bound must not stall admission."""
     model = StepCostModel(probe())
-    cap = StepTimeCap(model, 0.3, 0.25, 4096)
-    alone = model.max_prefill_tokens(0.3, 0, 0.0, 0, 4096)
-    floor = int(0.25 * alone)
-    assert cap.floor_tokens(0.3) == floor > MIN_PREFILL_TOKENS
-    prefill_s = lambda rows, pairs, k: seconds(rows + k, pairs + attention_pairs([0], [k]))
-    few = cap.prompt_tokens(Load(4, 4 * 300.0))
-    assert prefill_s(4, 1200.0, few) <= 0.3 < prefill_s(4, 1200.0, few + 1) and few > floor  # the target, filled
-    rows = 180  # decodes that leave room for less than the floor (and less than its own floor)
-    assert seconds(rows, rows * 300.0) < 0.3 and model.max_prefill_tokens(0.3, rows, rows * 300.0, 0, 4096) < floor
-    assert cap.prompt_tokens(Load(rows, rows * 300.0)) == floor
-    assert cap.steps_out_of_reach == 0
-    tiny = StepTimeCap(model, 0.3, 0.0, 4096)  # no share: the floor's own floor still moves the queue
-    assert tiny.prompt_tokens(Load(rows, rows * 300.0)) == MIN_PREFILL_TOKENS
-
-
-def test_an_unreachable_target_stretches_the_step_in_proportion(caplog):
-    """The decodes alone past the target: the floor, times how far past it they run; said once, counted
-    for every step that had prefill waiting."""
-    model = StepCostModel(probe())
-    cap = StepTimeCap(model, 0.1, 0.25, 4096)
-    floor = cap.floor_tokens(0.1)
     rows, pairs = 64, 64 * 4000.0  # decodes alone: 0.1 s of tokens + 0.05 s of attention
     decode_s = seconds(rows, pairs)
     assert decode_s > 0.1
-    with caplog.at_level("WARNING", logger="batchserve.scheduler"):
-        for _ in range(3):
-            assert cap.prompt_tokens(Load(rows, pairs)) == math.ceil(floor * decode_s / 0.1)
-        cap.prompt_tokens(Load(rows, pairs, waiting=False))
-    assert cap.steps_out_of_reach == 3
-    assert [r.getMessage() for r in caplog.records].count(
-        "the step-time target is out of reach: the decodes alone take longer, so steps stretch in proportion "
-        "while they do") == 1
-    assert StepTimeCap(model, 0.1, 0.25, 40).prompt_tokens(Load(rows, pairs)) == 40  # never past the budget
+    assert model.prefill_step_s(0.1, rows, pairs, 0.5) is None  # out of reach: no bound
+    assert model.prefill_step_s(0.1, rows, pairs, 0.0) is None
+    # Within reach: the target, unless its room for prefill is below the share.
+    assert model.prefill_step_s(0.3, 4, 4 * 300.0, 0.5) == pytest.approx(0.3)
+    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.5)
+    assert step_s == pytest.approx(2 * decode_s)
+    n = model.max_prefill_tokens(step_s, rows, pairs, 0, 4096)
+    prefill_s = lambda k: seconds(rows + k, pairs + attention_pairs([0], [k])) - decode_s
+    assert prefill_s(n) <= decode_s < prefill_s(n + 1)  # as long as the decodes, at a share of one half
+    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.0)  # no share: the bound alone
+    assert step_s == pytest.approx(decode_s * 1.5)
 
 
 def test_the_prefill_share_is_checked():
-    for bad in (-0.1, 1.01, math.nan):
+    for bad in (-0.1, 0.95, 1.0, math.nan):
         with pytest.raises(ValueError, match="min_prefill_share"):
             check_config(ServerConfig(min_prefill_share=bad))
     check_config(ServerConfig(min_prefill_share=0.0))
@@ -245,6 +211,42 @@ def test_a_draft_must_win_more_tokens_than_it_costs():
         assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
     assert model.min_acceptance(1, 300.0) < 0.5 < model.min_acceptance(64, 64 * 300.0)
     assert model.min_acceptance(0, 0.0) == 0.0
+
+
+def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
+    """Each request in the server an equal share of the step: 20 waiting beside 4 decoding get 20/24
+    of it; a lone waiting request among many decoding still gets the least share."""
+    from procs.scheduler.step_time_cap import prefill_share
+
+    assert prefill_share(0.5, 20, 4, 0.9) == pytest.approx(20 / 24)
+    assert prefill_share(0.5, 1, 23, 0.9) == 0.5
+    assert prefill_share(0.5, 30, 1, 0.9) == 0.9  # at most the cap
+    assert prefill_share(0.5, 0, 8, 0.9) == 0.5
+    assert prefill_share(0.0, 3, 9, 0.9) == pytest.approx(0.25)
+
+
+def test_prefill_keeps_up_with_the_prompts_arriving():
+    """`PrefillDemand`: the prompts of the last 10 s, as the share of the machine's time their prefill
+    needs (times the headroom; what the prefix cache holds of them aside); prefill's share of a step is
+    at least that, so a bound never admits slower than requests arrive. Arrivals older than the window
+    no longer count, and are forgotten as new ones come, asked or not."""
+    from procs.scheduler.step_time_cap import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
+
+    model = StepCostModel(probe())
+    demand = PrefillDemand()
+    assert demand.share(model, 0.0) == 0.0
+    for i in range(8):  # 8 prompts of 300 tokens in 4 s, the first 100 of each in the prefix cache
+        demand.arrived(300, 100, now=i * 0.5)
+    need = 8 * (seconds(200, attention_pairs([100], [200])) - TRUE[0])  # seconds of prefill, fixed cost aside
+    share = demand.share(model, 4.0)
+    assert share == pytest.approx(DEMAND_HEADROOM * need / DEMAND_WINDOW_S, rel=1e-6)
+    assert prefill_share(0.5, 1, 31, 0.9, share) == max(0.5, share)
+    assert prefill_share(0.5, 1, 31, 0.9, 2.0) == 0.9  # demand past the machine: at most the cap
+    assert demand.share(model, 3.5 + DEMAND_WINDOW_S) == pytest.approx(share / 8)  # only the last one left
+    assert demand.share(model, 100.0) == 0.0
+    for i in range(1000):  # the bound off: nobody asks for the share, and the window still forgets
+        demand.arrived(10, 0, now=200.0 + i)
+    assert len(demand._arrivals) <= DEMAND_WINDOW_S + 1
 
 
 def test_a_draft_models_cost_raises_the_break_even():

@@ -8,8 +8,8 @@ each step, of which the request's next `accepted` entry is accepted (all of it p
 the step trace of SCHEDULING.md as JSON lines, or a table like the chapter's Figures 3 and 8.
 
 With `max_step_ms` and a scripted `step_cost` in the config, the step-time bound of SCHEDULING.md 6.5
-runs on that cost model (exact: its margin is 1); each step's line then shows its prompt-token cap and
-its predicted milliseconds.
+runs on that cost model (exact: its margin is 1), and the clock is the scripted time of the steps
+so far; each step's line then shows its prompt-token cap and its predicted milliseconds.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import numpy as np
 
 from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
-from shared.config import MIN_PREFILL_SHARE
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor, scripted_token
 from procs.scheduler.step_cost import LinearStepCost
@@ -67,7 +66,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_speculative_tokens: NonNegativeInt = 0  # k > 0: scripted drafts of k tokens (SCHEDULING.md 6.4)
     max_step_ms: NonNegativeFloat = 0.0  # > 0: the step-time bound on `step_cost` (SCHEDULING.md 6.5)
     step_cost: ScenarioStepCost | None = None
-    min_prefill_share: NonNegativeFloat = MIN_PREFILL_SHARE
+    min_prefill_share: NonNegativeFloat = 0.5
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,12 +178,22 @@ class ScriptedDrafts:
         return np.asarray(tokens + [NEVER_SAMPLED] * (n - accepted), dtype=np.int32)
 
 
+class ScriptedClock:
+    """`simulate`'s clock: the seconds the scripted step-cost model gives the steps run so far."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def scenario_scheduler(scenario: Scenario, config: SchedulerConfig) -> Scheduler:
     """A fresh scheduler for `scenario`: EOS id `EOS_TOKEN_ID`, the scenario's scripted drafts, and its
-    scripted step-cost model."""
+    scripted step-cost model and clock."""
     k, cost = scenario.config.num_speculative_tokens, scenario.config.step_cost
     return Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,), proposer=ScriptedDrafts(scenario, k) if k else None,
-                     cost=cost.model() if cost is not None else None)
+                     cost=cost.model() if cost is not None else None, clock=ScriptedClock())
 
 
 def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
@@ -215,8 +224,8 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             prompt = scenario_prompt(scenario.requests.index(r), r)
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
-                params = RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop, priority=r.priority)
-                scheduler.add_request(r.id, prompt, params)
+                scheduler.add_request(r.id, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop,
+                                                                  priority=r.priority))
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None
@@ -226,7 +235,10 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         # Cancellations not yet reported keep has_unfinished() true: the last ones get a step line.
         if not scheduler.has_unfinished() and next_arrival == len(arrivals):
             return trace
-        trace.append(scheduler.step(executor))
+        out = scheduler.step(executor)
+        if out.predicted_s is not None and isinstance(scheduler.clock, ScriptedClock):
+            scheduler.clock.now += out.predicted_s
+        trace.append(out)
         step += 1
 
 

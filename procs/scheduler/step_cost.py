@@ -18,13 +18,16 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-How the target becomes a step's prompt-token cap (what fits beside the decodes, the floor, the
-stretch when the decodes alone take the target) is `procs.scheduler.step_time_cap`.
+Once the decodes alone take the target a step is not bounded at all (`prefill_step_s`), so a machine
+too slow for the target admits as fast as it can. How the target becomes a step's prompt-token cap
+(the prefill share, the demand term) is `procs.scheduler.step_time_cap`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -47,6 +50,8 @@ MARGIN_QUANTILE = 0.9  # the share of them the margin would have kept within the
 MIN_MARGIN_STEPS = 8  # fewer: no margin yet
 MARGIN_RANGE = (0.5, 3.0)  # a margin below 1 lets steps grow when the model overestimates
 DRAFT_COST_WEIGHT = 0.1  # the latest step's share of a draft model's moving per-token cost
+REPORT_EVERY_S = 60.0  # the refitted model in the log at most this often
+log = logging.getLogger("batchserve.scheduler")
 
 
 class LinearStepCost:
@@ -67,6 +72,18 @@ class LinearStepCost:
     def prefill_s(self, tokens: float, pairs: float) -> float:
         """What these tokens add to a step, beyond its fixed cost."""
         return self.predict(tokens, pairs) - self.weights[0]
+
+    def prefill_step_s(self, target_s: float, decode_rows: int, decode_pairs: float,
+                       min_share: float) -> float | None:
+        """How long (as predicted) a step beside these decodes may take: `target_s` less the margin,
+        unless that leaves prefill less than `min_share` of the step; then as long as gives prefill that
+        share (decodes' time / (1 - min_share)). None: the target is out of reach (the decodes alone take
+        it), so the bound protects nothing and the step is not bounded (SCHEDULING.md 6.5)."""
+        planned_s = target_s / self.margin
+        decode_s = self.predict(decode_rows, decode_pairs)
+        if decode_s >= planned_s:
+            return None
+        return max(planned_s, decode_s / (1 - min_share))
 
     def min_acceptance(self, decode_rows: int, decode_pairs: float) -> float:
         """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to
@@ -109,6 +126,7 @@ class StepCostModel(LinearStepCost):
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
+        self._reported_at = time.monotonic()
         weights = self._fit(self._probe)
         if weights is None:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
@@ -135,6 +153,19 @@ class StepCostModel(LinearStepCost):
             fitted = fitted or self._fit(self._probe + live)
             if fitted is not None:
                 self.weights = fitted
+            self._report()
+
+    def _report(self) -> None:
+        """The model as refitted, in the log at most every `REPORT_EVERY_S` (what a bound plans with)."""
+        now = time.monotonic()
+        if now - self._reported_at < REPORT_EVERY_S:
+            return
+        self._reported_at = now
+        w0, w1, w2, w3 = self.weights
+        log.info("step-cost model", extra={"fields": {
+            "ms_per_step": round(w0 * 1000, 2), "ms_per_token": round(w1 * 1000, 4),
+            "ms_per_1k_attention_pairs": round(w2 * 1000, 4), "ms_per_expert_read": round(w3 * 1000, 4),
+            "margin": round(self.margin, 3)}})
 
     def observe_drafts(self, seconds: float, draft_tokens: int) -> None:
         """A draft model proposed `draft_tokens` tokens in `seconds` (a moving average per token)."""
