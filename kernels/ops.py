@@ -9,8 +9,6 @@ sums its squares and the C SiLU exponentiates in their own way, a few ulp apart.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kernels import native
@@ -54,36 +52,6 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, kind: str = "default", factor: float = 1.0,
-                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_max_position_embeddings: int = 8192) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float32) for the rope types default, linear and llama3."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / factor
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope type {kind!r}")
-    old_context_len = original_max_position_embeddings
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
-def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, head_dim] (float32), indexed by position at run time."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :].float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

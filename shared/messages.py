@@ -106,6 +106,7 @@ class SlotStart(msgspec.Struct, kw_only=True):
 
     slot: int
     params: RequestParams = msgspec.field(default_factory=lambda: DEFAULT_PARAMS)
+    prompt_len: int = 0  # as prefilled (grown by a preemption's recompute): a rope switching factors follows it
     prompt_ids: list[int] = []  # for the repetition penalty and prompt logprobs
     output_ids: list[int] = []  # generated before a preemption: the penalties count them
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
@@ -437,6 +438,7 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     # A mixture-of-experts model's experts and experts per token (0 and 0: dense), for the step-cost model.
     moe_experts: int = 0
     moe_top_k: int = 0
+    rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

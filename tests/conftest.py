@@ -58,14 +58,15 @@ ROUTER_SCALE = 10.0  # MoE routers' weights scaled up: clear winners, so fp32 ro
 
 def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
                      fused_experts: bool = False, **overrides: Any) -> Path:
-    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM or
+    """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM /
+    Phi3ForCausalLM or
     mixture of experts (`MOE_ARCHS`: 8 experts, top 2) (fp32) into out_dir. `fused_experts`: the experts
     in transformers 5's fused tensors (`save_original_format=False`) rather than one tensor per expert."""
     import torch
     import transformers
 
     classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
-               "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
+               "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "phi3": "Phi3"}
     config_cls = getattr(transformers, classes[arch] + "Config")
     model_cls = getattr(transformers, classes[arch] + "ForCausalLM")
     fields: dict[str, Any] = dict(

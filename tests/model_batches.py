@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.messages import ForwardBatch, SamplingParams
+from shared.messages import ForwardBatch, SamplingParams, SlotStart
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -90,8 +90,9 @@ def _plan(step: int, rows, page_size: int, free_pages: list[int]) -> ForwardBatc
             positions.append(pos)
             kv_locs.append(r.pages[col] * page_size + pos % page_size)
     i32 = lambda xs: np.asarray(xs, dtype=np.int32)
+    starts = [SlotStart(slot=r.slot, prompt_len=len(r.prompt)) for r, _, _ in rows if r.fed == 0]
     return ForwardBatch(
-        step=step,
+        step=step, slot_starts=starts,
         slots=[r.slot for r, _, _ in rows],
         prefix_lens=[r.fed for r, _, _ in rows],
         extend_lens=[len(t) for _, t, _ in rows],

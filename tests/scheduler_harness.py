@@ -208,12 +208,13 @@ def audit_references(sched: Scheduler) -> None:
     admitted = [sched.table.requests[s] for s in range(sched.table.num_slots) if sched.table.requests[s]]
     counts: dict[int, int] = {}
     for request in admitted:
-        parent = cache.root
+        parent = cache.root(sched.kv.cache_namespace(request))
         for node in request.cache_path:
             assert node.parent is parent, "a request's cache path is not a path from the root"
             counts[id(node)] = counts.get(id(node), 0) + 1
             parent = node
-    stack, referenced, tree_pages = list(cache.root.children.values()), 0, []
+    stack = [node for root in cache.roots.values() for node in root.children.values()]
+    referenced, tree_pages = 0, []
     while stack:
         node = stack.pop()
         assert node.refs == counts.get(id(node), 0), f"page {node.page}: refs {node.refs}"

@@ -33,7 +33,7 @@ def test_match_insert_reference_and_lru_eviction_of_leaves():
     tokens = _ids(1, 2, 3, 4, 5, 6, 7)
     assert cache.match(tokens, 3) == []
     keys = cache.page_keys(tokens, 0, 3)
-    a, new_a = cache.insert(cache.root, keys[0], page=10)
+    a, new_a = cache.insert(cache.root(), keys[0], page=10)
     b, new_b = cache.insert(a, keys[1], page=11)
     c, _ = cache.insert(b, keys[2], page=12)
     assert new_a and new_b and cache.num_pages == 3

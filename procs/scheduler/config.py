@@ -72,6 +72,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: prefill's least share.
     max_step_s: float = 0.0
     min_prefill_share: float = 0.5
+    # The prompt length past which the model's rope uses other factors (longrope's original context;
+    # 0: one set): the prefix cache keeps requests of the two regimes apart (`KVManager.cache_namespace`).
+    rope_switch_length: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -134,6 +137,7 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
+        rope_switch_length=info.rope_switch_length,
     )
 
 

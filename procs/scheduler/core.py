@@ -288,6 +288,8 @@ class Scheduler:
         self._step += 1
         if self.by_priority and self.config.policy != "fixed":
             self._preempt_for_head(out, drain)
+        if self.config.rope_switch_length:
+            self._recompute_at_rope_switch(out, drain)
         planner = self.planner
         if not self._launched and planner.proposer is not None:  # a draft follows the last token: it must be back
             planner.propose_drafts()
@@ -333,6 +335,23 @@ class Scheduler:
             victims = self.prefill_manager.victims_for_head()
         if victims:
             out.preempted = self._preempt(victims)
+
+    def _recompute_at_rope_switch(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
+        """A rope that switches factors with the length (longrope), transformers' rule: a sequence that
+        grows past the switch has every key recomputed with the long factors (Phi-3's `generate` drops
+        its cache there). A decoding request about to compute the switch position is recomputed at
+        once, through the preemption path (counted with the preemptions)."""
+        switch, table = self.config.rope_switch_length, self.table
+        crossing = lambda: [slot for slot, request in self.decode_manager.running.items()
+                            if request.prompt_len <= switch <= table.kv_len[slot]]
+        slots = crossing()
+        if slots and self._launched:
+            if drain is None:
+                raise RuntimeError("recomputing while steps are in flight needs a drain")
+            drain()  # their tokens must be known
+            slots = crossing()
+        if slots:
+            out.preempted += self._preempt(slots)
 
     def _preempt(self, slots: list[int]) -> list[str]:
         """Free the requests' slots and KV; they wait again to recompute what they had."""

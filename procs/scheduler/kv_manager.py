@@ -53,6 +53,7 @@ class KVManager:
         self.allocator = PageAllocator(self.num_pages)
         self.table = table
         self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
+        self.rope_switch_length = config.rope_switch_length
         # Tokens at the end of a request's KV that a draft model may not hold yet: the last draft token
         # of a row accepted whole is fed to the draft only with the request's next row
         # (procs/worker/draft_model.py), so a request released after such a row leaves its page out of
@@ -75,7 +76,16 @@ class KVManager:
         """The cached pages its prompt starts with (at least its last prompt token is left to compute)."""
         if self.cache is None or request.wants_prompt_logprobs:  # cached positions would have no logits
             return []
-        return self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size)
+        return self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size,
+                                self.cache_namespace(request))
+
+    def cache_namespace(self, request: Request) -> bytes:
+        """The prefix cache's namespace of `request`: requests share cached KV only within one. The one
+        place a request's KV-shaping fields join the cache key: the rope regime (a prompt longer than
+        `rope_switch_length` computes every key with the long factors, `kernels.rope`)."""
+        if self.rope_switch_length and request.prompt_len > self.rope_switch_length:
+            return b"rope:long"
+        return b""
 
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:
         """Pages admitting a waiting request adds to the reserved total: its own (the prompt past the
@@ -133,7 +143,7 @@ class KVManager:
         if pages <= first:
             return
         t, slot = self.table, request.slot
-        parent = path[-1] if path else cache.root
+        parent = path[-1] if path else cache.root(self.cache_namespace(request))
         row = t.page_table[slot]
         for col, key in enumerate(cache.page_keys(tokens, first, pages), first):
             node, created = cache.insert(parent, key, int(row[col]))

@@ -7,6 +7,9 @@ its own. Requests reference the nodes of the prefix they use (`refs`); a referen
 ancestors are never evicted. Referenced nodes always form paths from the root (a request references
 every node on its path), so every unreferenced node can be evicted, leaves first, least recently
 used first.
+
+A namespace keeps apart requests whose KV differs for the same tokens (a rope regime, later an
+adapter): each namespace has its own root (`root`), and a prefix matches only within its own.
 """
 
 from __future__ import annotations
@@ -35,12 +38,19 @@ class CachedPage:
 class PrefixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = CachedPage(b"", -1, None)
+        self.roots: dict[bytes, CachedPage] = {}  # by namespace
         self.num_pages = 0  # pages the tree holds
         self.num_referenced = 0  # of those, pages some request references
         self._clock = 0
         self._evictable: list[tuple[int, int, CachedPage]] = []  # (last_used, tiebreak, node) of unreferenced leaves
         self._pushes = 0
+
+    def root(self, namespace: bytes = b"") -> CachedPage:
+        """The root of `namespace`'s tree (made on first use; a root holds no page)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = CachedPage(namespace, -1, None)
+        return root
 
     @property
     def num_evictable(self) -> int:
@@ -54,9 +64,9 @@ class PrefixCache:
         return [data[i:i + step] for i in range(0, len(data), step)]
 
     # ---------------------------------------------------------------- lookups
-    def match(self, tokens: np.ndarray, max_pages: int) -> list[CachedPage]:
-        """The nodes of the longest cached prefix of `tokens`, at most `max_pages` pages."""
-        node, path = self.root, []
+    def match(self, tokens: np.ndarray, max_pages: int, namespace: bytes = b"") -> list[CachedPage]:
+        """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages."""
+        node, path = self.root(namespace), []
         for key in self.page_keys(tokens, 0, min(max_pages, len(tokens) // self.page_size)):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
@@ -110,7 +120,7 @@ class PrefixCache:
             node.parent = None
             self.num_pages -= 1
             freed.append(node.page)
-            if parent is not self.root and parent.refs == 0 and not parent.children:
+            if parent.page >= 0 and parent.refs == 0 and not parent.children:  # not a root
                 self._push(parent)
         return np.asarray(freed, dtype=np.int32)
 
@@ -120,7 +130,7 @@ class PrefixCache:
 
     def pages(self) -> list[int]:
         """Every cached page id (for audits)."""
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [node for root in self.roots.values() for node in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node.page)

@@ -140,6 +140,7 @@ class ModelRunner:
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
+        self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
 
@@ -247,7 +248,7 @@ class ModelRunner:
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
-                          moe_top_k=moe.top_k if moe else 0)
+                          moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length)
 
     def probe_step_costs(self, prefill_tokens: tuple[int, ...] = (32, 256),
                          decode_batches: tuple[int, ...] | None = None) -> list[tuple[int, float, float]]:
@@ -424,7 +425,19 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
         """One step's page-table updates and forward pass, as every rank runs it."""
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
-        return self.forward_logits(batch, extra_rows)
+        return self.forward_logits(self._rope_rows(batch), extra_rows)
+
+    def _rope_rows(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with its positions as rows of the model's rope tables: the positions themselves,
+        unless the rope switches factors with the length (then the slots' prompt lengths decide too,
+        `kernels.rope`)."""
+        for start in batch.slot_starts:
+            self.prompt_lens[start.slot] = start.prompt_len
+        rope = self.model.rope
+        if not rope.switch_length:
+            return batch
+        prompt_lens = np.repeat(self.prompt_lens[np.asarray(batch.slots, dtype=np.int64)], batch.extend_lens)
+        return msgspec.structs.replace(batch, positions=rope.rows(batch.positions, prompt_lens))
 
     def forward_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
         """Run the batch's forward pass (page table already applied): float32 logits of the sampled

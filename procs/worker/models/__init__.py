@@ -11,6 +11,7 @@ from procs.worker.models.llama import LlamaModel
 from procs.worker.models.mistral import MistralModel
 from procs.worker.models.mixtral import MixtralModel
 from procs.worker.models.olmoe import OlmoeModel
+from procs.worker.models.phi3 import Phi3Model
 from procs.worker.models.qwen2 import Qwen2Model
 from procs.worker.models.qwen3 import Qwen3Model
 from procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
@@ -25,6 +26,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
     "OlmoeForCausalLM": OlmoeModel,
+    "Phi3ForCausalLM": Phi3Model,
 }
 
 

@@ -17,41 +17,15 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.rope import RotaryTables
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
+from shared.rope import RopeConfig
 
 Config = TypeVar("Config", bound="ModelConfig")
 # A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads from the file only the part
 # indexed (`weight[a:b]`, `weight[:, a:b]`, `weight[:]`).
 Weight = Any
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any], where: str) -> RopeConfig:
-        # transformers 5 writes `rope_parameters` (theta inside); older configs write rope_theta + rope_scaling
-        params = dict(raw.get("rope_parameters") or {})
-        params.update(raw.get("rope_scaling") or {})
-        theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
-        kind = params.get("rope_type") or params.get("type") or "default"
-        if kind == "default":
-            return cls(theta=theta)
-        if kind == "linear":
-            return cls(theta=theta, kind=kind, factor=float(params["factor"]))
-        if kind == "llama3":
-            return cls(theta=theta, kind=kind, factor=float(params["factor"]),
-                       low_freq_factor=float(params["low_freq_factor"]),
-                       high_freq_factor=float(params["high_freq_factor"]),
-                       original_max_position_embeddings=int(params["original_max_position_embeddings"]))
-        raise ModelLoadError(f"unsupported rope scaling type {kind!r} in {where} (supported: default, linear, llama3)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +55,10 @@ class ModelConfig:
                                  f"fp32; on the CPU, --quantization int8 quantizes them at load)")
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        try:
+            rope = RopeConfig.from_hf(raw, config_path(spec))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
         return cls(
             vocab_size=spec.vocab_size,
             hidden_size=hidden,
@@ -91,7 +69,7 @@ class ModelConfig:
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope=RopeConfig.from_hf(raw, config_path(spec)),
+            rope=rope,
             **fields,
         )
 
@@ -148,6 +126,7 @@ class CausalLM(Protocol):
 
     config: ModelConfig
     heads: RankHeads  # what this rank computes of the attention (all of it with one rank)
+    rope: RotaryTables  # `forward`'s positions are rows of these (`RotaryTables.rows`)
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> ModelConfig:
@@ -166,8 +145,9 @@ class CausalLM(Protocol):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Run the packed tokens (their K/V written, attention computed, through `attention`'s plan);
-        float32 logits [len(logits_rows), vocab] of the chosen token rows, None without rows."""
+        """Run the packed tokens (their K/V written, attention computed, through `attention`'s plan) at
+        `positions` (each token's row of `rope`: its position, unless the rope switches factors); float32
+        logits [len(logits_rows), vocab] of the chosen token rows, None without rows."""
         ...
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from kernels import native
 from kernels.attention import AttentionBackend
 from kernels.decode_layers import DecodeLayers, LayerTensors
-from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups, rope_cos_sin_cache, rope_inv_freq
+from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
+from kernels.rope import RotaryTables
 from kernels.panel_linear import PanelWeight
 from procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
 from procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
@@ -112,17 +113,12 @@ class LlamaModel:
         self.lm_head = ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
-        rope = config.rope
-        inv_freq = rope_inv_freq(config.head_dim, rope.theta, rope.kind, rope.factor, rope.low_freq_factor,
-                                 rope.high_freq_factor, rope.original_max_position_embeddings)
-        cos, sin = rope_cos_sin_cache(inv_freq, max_positions)
-        self.rope_cos = cos.to(device=device, dtype=dtype)
-        self.rope_sin = sin.to(device=device, dtype=dtype)
+        self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
         # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
-        # layers): same kernels, same tokens, no Python between them.
+        # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
         self.fuse_decode_layers = native.available() and tp.world_size == 1 and all(
-            _in_c(layer) for layer in self.layers)
+            _in_c(layer) for layer in self.layers) and self.rope.rotary_dim == config.head_dim
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
@@ -154,8 +150,8 @@ class LlamaModel:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        cos = self.rope_cos[positions]
-        sin = self.rope_sin[positions]
+        cos = self.rope.cos[positions]
+        sin = self.rope.sin[positions]
         hidden = self.embed(input_ids)
         # The residual stream: each sublayer's output is added to `residual` by the norm that follows
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
@@ -167,7 +163,7 @@ class LlamaModel:
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
         for index, layer in enumerate(self.layers):
             qk, v = self._qk_v(layer.qkv(h), layer)
-            qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one call
+            qk = self._rotate(qk, cos, sin)
             q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
             attended = attention.forward(q, k, v, index)
             out = layer.o(attended.reshape(num_tokens, self.q_size))
@@ -178,6 +174,13 @@ class LlamaModel:
         if logits_rows is None:
             return None
         return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k heads rotated in one call: every dim, or the first `rotary_dim` (partial rotary)."""
+        rotary = self.rope.rotary_dim
+        if rotary == qk.shape[-1]:
+            return apply_rotary(qk, cos, sin)
+        return torch.cat((apply_rotary(qk[..., :rotary], cos, sin), qk[..., rotary:]), dim=-1)
 
     def _qk_v(self, qkv: torch.Tensor, layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """q | k heads [tokens, H + KVH, D] normed and clipped as the config says (not yet rotated), and v

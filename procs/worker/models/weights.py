@@ -76,3 +76,37 @@ class WeightTaker:
         """The projection's input `cols`, and its whole bias with `bias`; `reduce`: summed over the ranks."""
         return RowParallelLinear(self(projection + ".weight", cols=cols),
                                  self(projection + ".bias") if bias else None, self.quantization, tp, reduce=reduce)
+
+
+class FusedPart:
+    """Rows `start:stop` of a checkpoint tensor that fuses several projections (Phi-3's qkv_proj and
+    gate_up_proj), read as a tensor of its own: indexing reads only the part asked for."""
+
+    def __init__(self, weight: Weight, start: int, stop: int):
+        self.weight, self.start, self.stop = weight, start, stop
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else list(self.weight.get_shape())
+        return [self.stop - self.start, *shape[1:]]
+
+    def __getitem__(self, index: Index) -> torch.Tensor:
+        rows, *rest = index if isinstance(index, tuple) else (index,)
+        first, last, step = rows.indices(self.stop - self.start)
+        if step != 1:
+            raise ValueError("a fused part reads contiguous rows")
+        return self.weight[(slice(self.start + first, self.start + last), *rest)]
+
+
+def split_fused(weights: dict[str, Weight], fused: str, parts: list[tuple[str, int]]) -> None:
+    """Replace every tensor named `*<fused>` by its consecutive row blocks `*<part>` of `rows` rows each."""
+    for name in [n for n in weights if n.endswith(fused)]:
+        weight, prefix, start = weights.pop(name), name[:-len(fused)], 0
+        shape = FusedPart(weight, 0, 0).get_shape()[1:]
+        total = sum(rows for _, rows in parts)
+        rows_there = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.get_shape()[0]
+        if rows_there != total:
+            raise ModelLoadError(f"checkpoint tensor {name} has {rows_there} rows, expected {total} "
+                                 f"({' + '.join(f'{part} {rows}' for part, rows in parts)}) of width {shape}")
+        for part, rows in parts:
+            weights[prefix + part] = FusedPart(weight, start, start + rows)
+            start += rows
