@@ -24,7 +24,7 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [*((name, ProjectionStruct) for name in ("qkv", "o", "gate_up", "down")),
                 ("moe", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("post_norm", _ptr), ("next_norm", _ptr),
-                ("k_pool", _ptr), ("v_pool", _ptr)]
+                ("k_pool", _ptr), ("v_pool", _ptr), ("window", _i64)]
 
 
 class _DecodeShape(ctypes.Structure):
@@ -53,6 +53,7 @@ class LayerTensors:
     next_norm: torch.Tensor
     k_pool: torch.Tensor
     v_pool: torch.Tensor
+    window: int = 0  # a sliding-window layer's window (attends to its last `window` tokens); 0: all
 
 
 def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
@@ -107,7 +108,7 @@ class DecodeLayers:
                 _moe_block(t, hidden, i), _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
                 _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
                 _fp32_vector(t.post_norm, hidden, "post_norm"), _fp32_vector(t.next_norm, hidden, "next_norm"),
-                t.k_pool.data_ptr(), t.v_pool.data_ptr())
+                t.k_pool.data_ptr(), t.v_pool.data_ptr(), t.window)
         self._shape = _DecodeShape(hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, int(whole_qk_norm),
                                    eps, scale, clip_qkv)
         self._widths = (q_size + 2 * kv_size, q_size + kv_size, q_size + kv_size, q_size, hidden, 2 * intermediate,

@@ -1,6 +1,6 @@
 """The torch attention backend, and the cpu backend (its decode in C), against a naive per-request
 reference: mixed prefill chunks (fresh and with a cached prefix) and decodes in one step, pages
-scattered, padded rows on the dummy page."""
+scattered, padded rows on the dummy page; in a full layer and in a sliding-window layer."""
 
 from __future__ import annotations
 
@@ -14,14 +14,18 @@ from native_marks import requires_native_kernels
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _naive(q, keys, values, prefix):
-    """q [n, H, D] at positions prefix.., keys/values [prefix + n, KVH, D]: causal softmax attention."""
+def _naive(q, keys, values, prefix, window=0):
+    """q [n, H, D] at positions prefix.., keys/values [prefix + n, KVH, D]: causal softmax attention (over
+    the last `window` positions only, as transformers masks a sliding window)."""
     group = HEADS // KV_HEADS
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * DIM ** -0.5
     n, total = q.shape[0], keys.shape[0]
-    allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
+    query = (prefix + torch.arange(n))[:, None]
+    allowed = torch.arange(total)[None, :] <= query
+    if window:
+        allowed &= torch.arange(total)[None, :] > query - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
@@ -39,11 +43,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("backend_name", ["torch", pytest.param("cpu", marks=requires_native_kernels)])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_step_matches_naive_attention(page_size, backend_name, layout):
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "window-5"])
+def test_a_step_matches_naive_attention(page_size, backend_name, layout, window):
     torch.manual_seed(0)
     cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
                     max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5, windows=(0, window))
     rows = LAYOUTS[layout]
     padded_slot = 7
     free_pages = torch.randperm(199).add(1).tolist()
@@ -75,7 +80,7 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout):
     for slot, prefix, extend in rows:
         if slot in history:
             keys, values = history[slot]
-            expected = _naive(q[start:start + extend], keys, values, prefix)
+            expected = _naive(q[start:start + extend], keys, values, prefix, window)
             torch.testing.assert_close(out[start:start + extend], expected, atol=1e-5, rtol=1e-5)
         start += extend
     assert torch.isfinite(out).all()

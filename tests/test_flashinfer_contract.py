@@ -410,7 +410,8 @@ class FakeFlashInfer:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> torch.Tensor:
     """What flashinfer computes from a plan: each request's queries against its pages' first kv_len tokens,
-    causal masks aligned to the end of the KV (flashinfer's convention), float32 softmax."""
+    causal masks aligned to the end of the KV (flashinfer's convention), a query at i seeing keys from
+    i - window_left on (window_left >= 0), float32 softmax."""
     out = torch.empty_like(q)
     group = plan.num_qo_heads // plan.num_kv_heads
     for (pages, kv_len), start, end in zip(plan.page_lists(), plan.qo_indptr, plan.qo_indptr[1:]):
@@ -419,10 +420,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         values = v_cache[index].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * plan.sm_scale
-        if plan.causal:
-            q_len = end - start
-            visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+        query, keys = torch.arange(kv_len - (end - start), kv_len)[:, None], torch.arange(kv_len)[None, :]
+        visible = keys <= query if plan.causal else torch.ones(len(query), kv_len, dtype=torch.bool)
+        window_left = plan.arguments["window_left"]
+        if window_left is not None and window_left >= 0:
+            visible &= keys >= query - window_left
+        scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
     return out
 
@@ -506,16 +509,16 @@ def install_fake_flashinfer(monkeypatch, cache: KVCache) -> FakeFlashInfer:
     return fake
 
 
-def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads: int = 2):
+def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads: int = 2, windows=()):
     """The real flashinfer backend, created as the worker creates it, over the fake module and device."""
     fake = install_fake_flashinfer(monkeypatch, cache)
-    return create_backend("flashinfer", cache, num_heads, num_kv_heads, HEAD_DIM, SCALE), fake
+    return create_backend("flashinfer", cache, num_heads, num_kv_heads, HEAD_DIM, SCALE, windows), fake
 
 
-def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4) -> Backends:
+def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=()) -> Backends:
     flashinfer_cache, torch_cache = make_cache(dtype), make_cache(dtype)
-    backend, fake = flashinfer_backend(monkeypatch, flashinfer_cache, num_heads)
-    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE)
+    backend, fake = flashinfer_backend(monkeypatch, flashinfer_cache, num_heads, windows=windows)
+    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows)
     return Backends(backend, fake, flashinfer_cache, reference, torch_cache, num_heads)
 
 
@@ -537,17 +540,19 @@ def run_step(backends: Backends, requests: Sequence[Request], num_padding: int =
 
 def torch_page_lists(backend, metadata: AttentionMetadata, page_size: int) -> list[tuple[list[int], int]]:
     """Per request, in batch order: (pages, kv_len) the torch backend reads after plan(). Decode rows (and
-    short rows after a cached prefix) read `_decode.pages` / `_decode.lens`; a longer chunk after a cached prefix reads its gathered pages up to its mask
-    width; a fresh prompt attends to its own new K/V, i.e. the tokens written at its kv_locs."""
+    short rows after a cached prefix) read `decode.pages` / `decode.lens` of its plan; a longer chunk after a
+    cached prefix reads its gathered pages up to its mask width; a fresh prompt attends to its own new K/V,
+    i.e. the tokens written at its kv_locs."""
     decode_rows = 0
-    prefills = iter(backend._prefills)
+    step = backend._plans[0]
+    prefills = iter(step.prefills)
     lists = []
     for prefix_len, extend_len in zip(metadata.prefix_lens, metadata.extend_lens):
         if extend_len == 1 or prefix_len and extend_len <= MAX_DECODE_ROW_TOKENS:
             # a short row after a cached prefix is one decode row per token; its last reads the whole KV
             decode_rows += extend_len
-            row = backend._decode.pages[decode_rows - 1].tolist()
-            kv_len = int(backend._decode.lens[decode_rows - 1])
+            row = step.decode.pages[decode_rows - 1].tolist()
+            kv_len = int(step.decode.lens[decode_rows - 1])
         else:
             chunk = next(prefills)
             if chunk.pages is None:
@@ -643,6 +648,26 @@ def test_wider_gqa_group_matches_the_torch_backend(monkeypatch):
     for name in ("decode", "mixed"):
         run_step(backends, BATCHES[name])
         assert_outputs_match(backends)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_sliding_window_layers_match_the_torch_backend(monkeypatch, batch, graph):
+    """A layer with a window of 3 (decode rows and chunks longer than it) beside a full one: one wrapper
+    per window, planned with window_left = 2 and -1; each layer runs its own; the torch backend agrees."""
+    if graph and batch != "decode":
+        pytest.skip("graphs capture decode steps")
+    backends = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0))
+    if graph:
+        backends.flashinfer.init_cuda_graphs([len(BATCHES[batch])])
+    run_step(backends, BATCHES[batch], graph=graph)
+    planned = [w for w in backends.fake.wrappers if w.plans]
+    assert sorted(w.planned.arguments["window_left"] for w in planned) == [-1, 2]
+    assert all(len(w.runs) == 1 for w in planned)  # one layer each
+    assert_outputs_match(backends)
+    full = make_backends(monkeypatch, torch.bfloat16)  # the window does change the sliding layer's output
+    run_step(full, BATCHES[batch], graph=False)
+    assert not torch.allclose(full.outputs[0][1], backends.outputs[0][1])
 
 
 GRAPH_SIZES = [1, 2, 4, 8]

@@ -85,14 +85,12 @@ def test_config_fields_per_architecture(tiny_model_dir):
     assert (spec.architecture, spec.eos_token_ids, spec.max_position_embeddings) == ("LlamaForCausalLM", (2,), 512)
 
 
-def test_mistral_sliding_window_must_cover_the_context(tiny_model_dir):
-    """Attention spans the whole context: a window shorter than it is refused, one as long is full attention."""
+def test_mistral_window_slides_every_layer_unless_it_spans_the_context(tiny_model_dir):
+    """A window shorter than the served context slides every layer; one as long is full attention, as is null."""
     windowed = tiny_model_dir("mistral", sliding_window=64)
-    refusal = "sliding_window 64 .* shorter than the context length 512.*--max-context 64"
-    with pytest.raises(ModelLoadError, match=refusal):
-        _config(windowed)
-    assert _config(windowed, max_context=64).num_layers == 2
-    assert _config(tiny_model_dir("mistral", sliding_window=None)).num_layers == 2
+    assert _config(windowed).windows == (64, 64)
+    assert _config(windowed, max_context=64).windows == ()
+    assert _config(tiny_model_dir("mistral", sliding_window=None)).windows == ()
 
 
 def test_unsupported_hidden_act(tmp_path, tiny_model_dir):

@@ -3,7 +3,7 @@ from `BACKENDS`, the one list of them (or by "auto", see `resolve_backend_name`)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -61,11 +61,12 @@ def resolve_backend_name(name: str, device_type: str, dtype: "torch.dtype | None
 
 
 def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int,
-                   scale: float) -> AttentionBackend:
+                   scale: float, windows: Sequence[int] = ()) -> AttentionBackend:
+    """The backend `name` (or auto's pick); `windows`: each layer's sliding window, 0 for none (all 0 if empty)."""
     name = resolve_backend_name(name, kv_cache.device.type, kv_cache.dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale)
+    return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "CudaGraphAttentionBackend", "create_backend",

@@ -31,7 +31,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         native.check_locs(metadata.kv_locs, self.kv_cache.num_pages * self.kv_cache.page_size)
 
     def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        decode = self._decode
+        decode = self._plans[self.windows[0]].decode  # the layers' windows are the fused call's
         if decode is None or decode.rows is not None:  # no decode rows, or prefill rows beside them
             return None
         return self._kv_locs, decode.pages, decode.lens
@@ -39,11 +39,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
         native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], self._kv_locs, k, v, locs_checked=True)
 
-    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor) -> DecodeGroup:
+    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,
+                     window: int) -> DecodeGroup:
         native.check_pages(pages, lens, self.kv_cache.num_pages, self.kv_cache.page_size)
-        return DecodeGroup(rows, pages, lens, mask=None)
+        return DecodeGroup(rows, pages, lens, mask=None, window=window)
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        decode: DecodeGroup) -> torch.Tensor:
         return native.paged_decode_attention(q, k_pool, v_pool, decode.pages, decode.lens, self.scale,
-                                             pages_checked=True)
+                                             window=decode.window, pages_checked=True)

@@ -9,7 +9,9 @@ wrapper, once for all layers:
   `qo_indptr` and a causal mask (flashinfer aligns a request's queries with the end of its KV, which
   is exactly a chunk after its cached prefix).
 Every layer writes its new K/V at `kv_locs` with a plain `index_copy_` into the pool, then runs the
-planned wrapper.
+planned wrapper. A model with sliding-window layers has one wrapper per distinct window (0: none),
+planned with `window_left` = W - 1 (flashinfer's query at i sees keys i - window_left .. i), and each
+layer runs its window's.
 
 CUDA graphs: `init_cuda_graphs` builds one decode wrapper per captured batch size with
 `use_cuda_graph=True` over shared fixed-size indptr / indices / last_page_len buffers, and
@@ -95,8 +97,9 @@ def page_lists(metadata: AttentionMetadata, page_table: torch.Tensor, page_size:
 class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 windows: Sequence[int] = ()):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows)
         if kv_cache.device.type != "cuda":
             raise ValueError(f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
                              "use --attention-backend torch")
@@ -108,11 +111,13 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         # zeros: flashinfer 0.7.4's decode wrapper documents its workspace "must be initialized to 0 for its first use"
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
-        self._prefill_wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode_wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=self._tensor_cores)
-        self._graph_wrappers: dict[int, Any] = {}
-        self._wrapper: Any = None  # the wrapper planned for this step
+        distinct = sorted(set(self.windows))
+        self._prefill_wrappers = {w: self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+                                  for w in distinct}
+        self._decode_wrappers = {w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self._tensor_cores) for w in distinct}
+        self._graph_wrappers: dict[int, dict[int, Any]] = {}  # batch size -> window -> wrapper
+        self._wrappers: dict[int, Any] = {}  # window -> the wrapper planned for this step
         self._kv_locs: torch.Tensor | None = None
 
     # -- per step ---------------------------------------------------------------------------------
@@ -120,25 +125,27 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     def _shape_args(self) -> tuple[int, int, int, int]:
         return self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size
 
-    def _plan_decode(self, wrapper: Any, metadata: AttentionMetadata) -> None:
+    def _plan_decode(self, wrappers: dict[int, Any], metadata: AttentionMetadata) -> None:
         pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
-        wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                     pos_encoding_mode="NONE", sm_scale=self.scale,
-                     q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
-        self._wrapper = wrapper
+        for window, wrapper in wrappers.items():
+            wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
+                         pos_encoding_mode="NONE", window_left=window - 1 if window else -1, sm_scale=self.scale,
+                         q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+        self._wrappers = wrappers
         self._kv_locs = metadata.kv_locs
 
     def plan(self, metadata: AttentionMetadata) -> None:
         if all(length == 1 for length in metadata.extend_lens):
-            self._plan_decode(self._decode_wrapper, metadata)
+            self._plan_decode(self._decode_wrappers, metadata)
             return
         pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
         qo_indptr = torch.zeros(len(metadata.extend_lens) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(metadata.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
-        self._prefill_wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                                   causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-                                   q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
-        self._wrapper = self._prefill_wrapper
+        for window, wrapper in self._prefill_wrappers.items():
+            wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
+                         causal=True, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
+                         sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+        self._wrappers = self._prefill_wrappers
         self._kv_locs = metadata.kv_locs
 
     # -- CUDA graphs --------------------------------------------------------------------------------
@@ -151,28 +158,28 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
         self._graph_wrappers = {
-            size: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            size: {window: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
                 paged_kv_indptr_buffer=self._graph_indptr[:size + 1],
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=self._graph_last_page_len[:size],
-            )
+            ) for window in sorted(set(self.windows))}
             for size in batch_sizes
         }
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         size = len(metadata.slots)
-        wrapper = self._graph_wrappers.get(size)
-        if wrapper is None:
+        wrappers = self._graph_wrappers.get(size)
+        if wrappers is None:
             raise ValueError(f"no CUDA-graph decode buffers for batch size {size} "
                              f"(initialised: {sorted(self._graph_wrappers)})")
         if any(length != 1 for length in metadata.extend_lens):
             raise ValueError("plan_cuda_graph takes decode-only batches")
-        self._plan_decode(wrapper, metadata)
+        self._plan_decode(wrappers, metadata)
 
     # -- per layer --------------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
         self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
-        return self._wrapper.run(q.contiguous(), (self.kv_cache.k[layer], self.kv_cache.v[layer]))
+        return self._wrappers[self.windows[layer]].run(q.contiguous(), (self.kv_cache.k[layer], self.kv_cache.v[layer]))

@@ -10,7 +10,9 @@ Per step, `plan()` turns the batch into index tensors once:
 - prefill chunks run one request at a time through `F.scaled_dot_product_attention` (a varlen kernel
   does not exist on CPU): a fresh prompt attends causally to its own k/v directly, a later chunk
   attends to its cached prefix plus the causal part of the chunk, gathered through the page table.
-Every layer then writes its new k/v into the pool at `kv_locs` and attends.
+Every layer then writes its new k/v into the pool at `kv_locs` and attends. A sliding-window layer
+attends through masks that also drop the keys W or more positions back: `plan()` makes one `StepPlan`
+per distinct window of the model's layers (the pages gathered once for all).
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ class DecodeGroup:
     pages: torch.Tensor  # [b, max_pages] int64 pages of each row (dummy page 0 past its length)
     lens: torch.Tensor  # [b] int64 tokens each row attends to (its cached prefix and itself)
     mask: torch.Tensor | None  # [b, 1, 1, max_pages * page_size] additive: 0 = may attend, -inf = masked
+    window: int = 0  # a sliding window: each row attends to its last `window` tokens only
+
+
+@dataclass
+class StepPlan:
+    """How the layers of one window (0: none) attend this step."""
+
+    decode: DecodeGroup | None
+    prefills: list[_PrefillChunk]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -50,15 +61,14 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._kv_locs: torch.Tensor | None = None
-        self._decode: DecodeGroup | None = None
-        self._prefills: list[_PrefillChunk] = []
+        self._plans: dict[int, StepPlan] = {}  # by window
 
     # -- per step ---------------------------------------------------------------------------------
 
     def plan(self, metadata: AttentionMetadata) -> None:
         device = self.kv_cache.device
         self._kv_locs = metadata.kv_locs
-        self._prefills = []
+        chunks: list[tuple[int, int, int, torch.Tensor | None]] = []  # (start, length, prefix, pages)
         decode_rows: list[int] = []
         decode_slots: list[int] = []
         decode_lens: list[int] = []
@@ -68,16 +78,12 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_rows.extend(range(start, start + length))
                 decode_slots.extend([slot] * length)
                 decode_lens.extend(range(prefix + 1, prefix + length + 1))
-            elif prefix == 0:
-                self._prefills.append(_PrefillChunk(start, length, None, None))
-            else:
-                total = prefix + length
-                pages = self._pages(torch.tensor([slot], device=device), torch.tensor([total], device=device), total)
-                query_pos = torch.arange(prefix, total, device=device)
-                mask = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
-                self._prefills.append(_PrefillChunk(start, length, pages[0], mask))
+            else:  # a fresh prompt attends to its own k/v, a later chunk to its pages too
+                total = torch.tensor([prefix + length], device=device)
+                pages = self._pages(torch.tensor([slot], device=device), total, prefix + length)[0] if prefix else None
+                chunks.append((start, length, prefix, pages))
             start += length
-        self._decode = None
+        decode = None
         if decode_rows:
             all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed
             rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
@@ -85,13 +91,32 @@ class TorchAttentionBackend(AttentionBackend):
             pages = self._pages(torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
             if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
                 pages[-metadata.num_padding:] = 0
-            self._decode = self._plan_decode(rows, pages, lens)
+            decode = (rows, pages, lens)
+        self._plans = {window: StepPlan(None if decode is None else self._plan_decode(*decode, window),
+                                        [self._prefill_chunk(*chunk, window) for chunk in chunks])
+                       for window in set(self.windows)}
 
-    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor) -> DecodeGroup:
-        valid = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=pages.device)[None, :] < lens[:, None]
+    def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
+                       window: int) -> _PrefillChunk:
+        if pages is None and not window:
+            return _PrefillChunk(start, length, None, None)  # SDPA's causal mask
+        device = self.kv_cache.device
+        query = torch.arange(prefix, prefix + length, device=device)[:, None]
+        keys = torch.arange(prefix + length, device=device)[None, :]
+        mask = keys <= query
+        if window:
+            mask &= keys > query - window
+        return _PrefillChunk(start, length, pages, mask)
+
+    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,
+                     window: int) -> DecodeGroup:
+        positions = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=pages.device)[None, :]
+        valid = positions < lens[:, None]
+        if window:
+            valid &= positions >= lens[:, None] - window
         # an additive float mask: SDPA's CPU kernel runs it a little faster than a boolean one
         mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=pages.device).masked_fill_(~valid, float("-inf"))
-        return DecodeGroup(rows, pages, lens, mask[:, None, None, :])
+        return DecodeGroup(rows, pages, lens, mask[:, None, None, :], window)
 
     def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
         """Pages [len(slots), ceil(max_len / page_size)] holding each slot's first `lens` tokens.
@@ -116,13 +141,14 @@ class TorchAttentionBackend(AttentionBackend):
         self._write_kv(k, v, layer)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
         v_pool = self.kv_cache.v[layer]
-        decode = self._decode
+        plan = self._plans[self.windows[layer]]
+        decode = plan.decode
         if decode is not None and decode.rows is None:
             return self._attend_decode(q, k_pool, v_pool, decode)
         out = torch.empty_like(q)
         if decode is not None:
             out[decode.rows] = self._attend_decode(q[decode.rows], k_pool, v_pool, decode)
-        for chunk in self._prefills:
+        for chunk in plan.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             if chunk.pages is None:
                 keys, values = k[rows], v[rows]

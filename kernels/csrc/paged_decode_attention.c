@@ -14,6 +14,7 @@
  * Layouts (all contiguous except q's rows): q [batch, heads, head_dim] with row stride q_row_stride,
  * k_pool/v_pool [num_pages, page_size, kv_heads, head_dim], pages [batch, max_pages] int64,
  * lens [batch] int64 (1 <= lens[row] <= max_pages * page_size), out [batch, heads, head_dim].
+ * window > 0: a row attends to its last `window` tokens only (a sliding-window layer); 0: to all.
  */
 #include <math.h>
 #include <stdint.h>
@@ -140,7 +141,8 @@ static void attend_group(const float *q, const float *k_pool, const float *v_poo
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
 int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
                            const int64_t *pages, int64_t max_pages, const int64_t *lens, float *out, int64_t batch,
-                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale) {
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
+                           int64_t window) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     const int64_t stride = max_pages * page_size; /* longest context */
     int failed = 0;
@@ -157,10 +159,14 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * kv_heads; item++) { /* (row, kv head): a lone row uses both threads */
             if (scores == NULL || tokens == NULL) continue;
-            const int64_t row = item / kv_heads, kv_head = item % kv_heads, len = lens[row];
+            const int64_t row = item / kv_heads, kv_head = item % kv_heads;
+            const int64_t first = window > 0 && lens[row] > window ? lens[row] - window : 0, len = lens[row] - first;
             if (row != tokens_row) {
                 const int64_t *row_pages = pages + row * max_pages;
-                for (int64_t t = 0; t < len; t++) tokens[t] = row_pages[t / page_size] * page_size + t % page_size;
+                for (int64_t t = 0; t < len; t++) {
+                    const int64_t position = first + t;
+                    tokens[t] = row_pages[position / page_size] * page_size + position % page_size;
+                }
                 tokens_row = row;
             }
             const int64_t first_head = kv_head * group;

@@ -42,6 +42,7 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     rope: RopeConfig
+    windows: tuple[int, ...] = ()  # each layer's sliding window, 0: the whole context (empty: no layer slides)
 
     @classmethod
     def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:
@@ -59,6 +60,8 @@ class ModelConfig:
             rope = RopeConfig.from_hf(raw, config_path(spec))
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
+        if "windows" not in fields:  # an architecture's own reading, else `layer_types`
+            fields["windows"] = sliding_windows(raw, spec)
         return cls(
             vocab_size=spec.vocab_size,
             hidden_size=hidden,
@@ -72,6 +75,35 @@ class ModelConfig:
             rope=rope,
             **fields,
         )
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types`
+
+
+def sliding_windows(raw: dict[str, Any], spec: ModelSpec, *, every_layer: bool = False,
+                    default: int | None = None) -> tuple[int, ...]:
+    """Each layer's attention window (0: the whole context) as transformers reads config.json: the layers
+    `layer_types` calls sliding slide, or, with `every_layer` (Mistral, Mixtral, Phi-3, Qwen3-MoE), all
+    of them; the window is `sliding_window` (`default` when the key is absent), none when it is null or 0
+    or `use_sliding_window` is false (Qwen's switch). A window that spans the served context masks
+    nothing and counts as none. Empty: no layer slides."""
+    layers, window = int(raw["num_hidden_layers"]), raw.get("sliding_window", default)
+    if not window or raw.get("use_sliding_window") is False:
+        return ()
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != layers or set(layer_types) - {SLIDING, FULL}:
+            raise ModelLoadError(f"layer_types in {config_path(spec)}: {layers} of {SLIDING!r} or {FULL!r} expected")
+        windows = tuple(int(window) if kind == SLIDING else 0 for kind in layer_types)
+    elif every_layer:
+        windows = (int(window),) * layers
+    elif raw.get("use_sliding_window"):
+        raise ModelLoadError(f"use_sliding_window without layer_types in {config_path(spec)}: which layers slide "
+                             f"is not said (transformers 5 writes layer_types)")
+    else:
+        return ()
+    windows = tuple(w if w < spec.context_length else 0 for w in windows)
+    return windows if any(windows) else ()
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,8 @@ class LlamaModel:
         if self._decode_layers is None or self._decode_layers[0] is not attention:
             cfg, cache = self.config, attention.kv_cache
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-            layers = [_layer_tensors(layer, next_norm, cache.k[i], cache.v[i])
+            windows = cfg.windows or (0,) * cfg.num_layers
+            layers = [_layer_tensors(layer, next_norm, cache.k[i], cache.v[i], windows[i])
                       for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
             self._decode_layers = (attention, DecodeLayers(
                 layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -239,13 +240,13 @@ class LlamaModel:
 
 
 def _layer_tensors(layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor) -> LayerTensors:
+                   v_pool: torch.Tensor, window: int) -> LayerTensors:
     """What the fused decode call reads of a layer (`_in_c` said it can)."""
     mlp = layer.mlp
     moe = mlp.native if isinstance(mlp, SparseMoeBlock) else None
     dense = (None, None, None, None) if moe else (mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
     return LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, *dense, moe, layer.q_norm,
-                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool)
+                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool, window)
 
 
 def _in_c(layer: LayerWeights) -> bool:

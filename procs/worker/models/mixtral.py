@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from procs.worker.models.base import config_path, with_defaults
+from procs.worker.models.base import config_path, sliding_windows, with_defaults
 from procs.worker.models.llama import LlamaConfig, LlamaModel
-from procs.worker.models.mistral import refuse_narrow_window
 from procs.worker.models.moe import MIXTRAL_EXPERTS, MoEConfig, num_experts
 from shared.model import ModelSpec
 
@@ -24,9 +23,8 @@ class MixtralModel(LlamaModel):
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
         raw = with_defaults(raw, CONFIG_DEFAULTS)
-        refuse_narrow_window(raw["sliding_window"], spec)
         moe = MoEConfig.from_hf(raw, config_path(spec), num_layers=int(raw["num_hidden_layers"]),
                                 num_experts=num_experts(raw, 8),
                                 top_k=int(raw["num_experts_per_tok"]), intermediate_size=int(raw["intermediate_size"]),
                                 norm_topk_prob=True)
-        return LlamaConfig.from_hf(raw, spec, moe=moe)
+        return LlamaConfig.from_hf(raw, spec, moe=moe, windows=sliding_windows(raw, spec, every_layer=True))

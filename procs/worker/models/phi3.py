@@ -1,8 +1,8 @@
 """`Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini): the Llama decoder from checkpoints that fuse q|k|v into
 `qkv_proj` and gate|up into `gate_up_proj` (split at load into the Llama names, each part read on its
 own), with rope that may be longrope and rotate only part of each head (`partial_rotary_factor`, Phi-4-mini's
-0.75); both are the rope's (`shared.rope`, `kernels.rope`). Phi-3-mini-4k's `sliding_window` 2047 is
-narrower than its context and refused, as Mistral's is (`refuse_narrow_window`)."""
+0.75); both are the rope's (`shared.rope`, `kernels.rope`). Every layer slides when `sliding_window` is
+set (Phi-3-mini-4k's 2047)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
-from procs.worker.models.base import Weight
+from procs.worker.models.base import Weight, sliding_windows
 from procs.worker.models.llama import LlamaConfig, LlamaModel
-from procs.worker.models.mistral import refuse_narrow_window
 from procs.worker.models.weights import split_fused
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelSpec
@@ -21,8 +20,7 @@ from shared.model import ModelSpec
 class Phi3Model(LlamaModel):
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
-        refuse_narrow_window(raw.get("sliding_window"), spec)
-        return LlamaConfig.from_hf(raw, spec)
+        return LlamaConfig.from_hf(raw, spec, windows=sliding_windows(raw, spec, every_layer=True))
 
     @classmethod
     def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,

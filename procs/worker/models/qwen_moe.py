@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from procs.worker.models.base import config_path, with_defaults
+from procs.worker.models.base import config_path, sliding_windows, with_defaults
 from procs.worker.models.llama import LlamaConfig, LlamaModel
-from procs.worker.models.mistral import refuse_narrow_window
 from procs.worker.models.moe import MoEConfig, num_experts
 from shared.model import ModelLoadError, ModelSpec
 
@@ -26,8 +25,6 @@ QWEN3_MOE_DEFAULTS: dict[str, Any] = {
 
 
 def _moe(raw: dict[str, Any], spec: ModelSpec, experts: int, shared: int = 0) -> MoEConfig:
-    if raw["use_sliding_window"] or "sliding_attention" in (raw.get("layer_types") or []):
-        refuse_narrow_window(raw["sliding_window"], spec)
     return MoEConfig.from_hf(raw, config_path(spec), num_layers=int(raw["num_hidden_layers"]),
                              num_experts=experts, top_k=int(raw["num_experts_per_tok"]),
                              intermediate_size=int(raw["moe_intermediate_size"]),
@@ -54,4 +51,5 @@ class Qwen3MoeModel(LlamaModel):
         raw = with_defaults(raw, QWEN3_MOE_DEFAULTS)
         bias = bool(raw["attention_bias"])
         return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, qk_norm="head",
-                                   moe=_moe(raw, spec, num_experts(raw, 128)))
+                                   moe=_moe(raw, spec, num_experts(raw, 128)),
+                                   windows=sliding_windows(raw, spec, every_layer=True))  # no layer_types here

@@ -1,0 +1,166 @@
+"""Sliding-window attention on tiny random models built from transformers configs, windows of 8-12 tokens
+and prompts and outputs that cross them: every layer sliding (Mistral, Mixtral, Phi-3, Qwen3-MoE) and
+sliding layers beside full ones (`layer_types`: Qwen2, Qwen2-MoE). Greedy tokens equal transformers'
+`generate` at batch 1 however the batch is cut (chunks shorter than the window), with and without the C
+kernels; every position's logits (what prompt logprobs are made of) within 1e-4 of transformers' over
+chunked prompts; through the scheduler with prefix-cache hits, preemption and n-gram speculative rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from model_batches import _plan, _Request, generate_greedy
+from procs.engine import OfflineEngine, request
+from procs.worker.loader import load_model_config
+from procs.worker.model_runner import ModelRunner
+from shared.config import ServerConfig
+from shared.model import ModelLoadError, ModelSpec
+from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+NEW_TOKENS = 20
+PROMPT_LENS = (30, 5, 13, 9, 21)
+MODELS = {
+    "mistral": (dict(arch="mistral", sliding_window=8), (8, 8)),
+    "mixtral": (dict(arch="mixtral", sliding_window=10), (10, 10)),
+    "phi3": (dict(arch="phi3", sliding_window=9), (9, 9)),
+    "qwen3_moe": (dict(arch="qwen3_moe", use_sliding_window=True, sliding_window=12, norm_topk_prob=True),
+                  (12, 12)),
+    "qwen2-layer-types": (dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                          (0, 8)),
+    "qwen2_moe-layer-types": (dict(arch="qwen2_moe", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+                              (8, 0)),
+}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            model_dir = tiny_model_dir(**MODELS[name][0])
+            cache[name] = (model_dir, transformers_greedy(model_dir, _prompts(), NEW_TOKENS))
+        return cache[name]
+
+    return get
+
+
+def _runner(model_dir) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
+                       max_running_requests=8)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_windows_are_read_as_transformers_reads_them(tiny_model_dir, model):
+    overrides, windows = MODELS[model]
+    assert load_model_config(ModelSpec.resolve(tiny_model_dir(**overrides))).windows == windows
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_matches_transformers(references, model, schedule):
+    model_dir, expected = references(model)
+    runner = _runner(model_dir)
+    assert runner.attention.windows == MODELS[model][1]
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+
+
+@pytest.mark.parametrize("model", ["mistral", "qwen2-layer-types"])
+def test_torch_only_path_matches_transformers(references, model, monkeypatch):
+    model_dir, expected = references(model)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        runner = _runner(model_dir)
+        assert runner.attention.name == "torch" and not runner.model.fuse_decode_layers
+        got = generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"])
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+    assert got == expected
+
+
+@pytest.mark.parametrize("model", ["mistral", "qwen2-layer-types"])
+def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
+    """A 30-token prompt in chunks of 5: every position's logits (prompt logprobs' input) are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(**MODELS[model][0])
+    prompt = _prompts()[0]
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0]
+    runner = _runner(model_dir)
+    r = _Request(prompt, 0, slot=0)
+    free_pages = list(range(runner.kv_cache.num_pages - 1, 0, -1))
+    got = []
+    with torch.inference_mode():
+        for start in range(0, len(prompt), 5):
+            chunk = prompt[start:start + 5]
+            batch = _plan(start // 5, [(r, chunk, False)], runner.page_size, free_pages)
+            r.fed += len(chunk)
+            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
+                                                     batch.page_table_pages)
+            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(chunk))))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ through the scheduler
+
+def _words(n: int, first: int) -> str:
+    return " ".join(f"w{first + i}" for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["mistral"][0])
+    prompts = [_words(24, 10), _words(24, 10) + " w200 w201", _words(3, 40), _words(17, 100), _words(12, 10)]
+    return model_dir, prompts, transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
+
+
+def _generate(engine: OfflineEngine, prompts: list[str]) -> list[list[int]]:
+    return [c.token_ids for c in engine.generate([
+        request(f"r{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True})
+        for i, p in enumerate(prompts)])]
+
+
+@pytest.mark.parametrize("fields", [
+    dict(prefill_budget=6, policy="mixed"),  # chunks shorter than the window
+    dict(kv_capacity_tokens=96, kv_reserve_ratio=0.05, prefill_budget=16),  # preemption and recompute
+    dict(speculative="ngram", num_speculative_tokens=3),  # decode rows several tokens wide
+], ids=["chunked", "preempted", "ngram"])
+def test_scheduled_requests_match_transformers(served, fields):
+    model_dir, prompts, expected = served
+    config = ServerConfig(model=str(model_dir), page_size=4, max_running_requests=5,
+                          **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **fields})
+    engine = OfflineEngine(config)
+    first = _generate(engine, prompts[:1])  # its pages are cached: the second prompt starts on them
+    assert first + _generate(engine, prompts[1:]) == expected
+    assert engine.scheduler.kv.hit_tokens >= 24 - 4
+    if "kv_reserve_ratio" in fields:
+        assert engine.preemptions > 0
+
+
+def test_windows_without_layers_are_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "qwen2"
+    shutil.copytree(tiny_model_dir("qwen2"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8)
+    config.pop("layer_types")
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="use_sliding_window without layer_types"):
+        load_model_config(ModelSpec.resolve(model_dir))
+    (model_dir / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention", "local"]}))
+    with pytest.raises(ModelLoadError, match="layer_types in .*: 2 of 'sliding_attention' or 'full_attention'"):
+        load_model_config(ModelSpec.resolve(model_dir))
