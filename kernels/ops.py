@@ -109,3 +109,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]).mul_(gate_up[..., half:])
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation, transformers' `gelu_pytorch_tanh`) * up: Gemma's GeGLU."""
+    half = gate_up.shape[-1] // 2
+    return torch.nn.functional.gelu(gate_up[..., :half], approximate="tanh").mul_(gate_up[..., half:])
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}  # act(gate) * up, by name

@@ -213,11 +213,23 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 DEFAULT_POSITIONS = 2048  # a config.json without (or with a null) max_position_embeddings
 
 
+# Multimodal checkpoints served as their text model: config.json's `text_config` is the decoder's config
+# (the worker's class skips the other towers' tensors); image inputs are refused by the api.
+TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
+
 def read_model_json(model_dir: Path) -> dict[str, Any]:
+    """config.json, or for a multimodal architecture served as text, its `text_config` under the
+    checkpoint's architecture name (and the top level's `tie_word_embeddings`, which transformers ties by)."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json")
-    return json.loads(config_path.read_text())
+    raw = json.loads(config_path.read_text())
+    architectures = raw.get("architectures") or []
+    if architectures and architectures[0] in TEXT_CONFIG_ARCHITECTURES and isinstance(raw.get("text_config"), dict):
+        tied = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+        return {**raw["text_config"], "architectures": architectures, **tied}
+    return raw
 
 
 def model_positions(raw: dict[str, Any]) -> int:

@@ -36,10 +36,14 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()  # longrope
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], where: str) -> RopeConfig:
-        """The rope of config.json `raw`; ValueError naming `where` for a type or field we cannot run."""
+    def from_hf(cls, raw: dict[str, Any], where: str, layer_type: str = "full_attention") -> RopeConfig:
+        """The rope of config.json `raw` (of `layer_type`'s layers where the parameters are per layer type,
+        transformers 5's Gemma 3); ValueError naming `where` for a type or field we cannot run."""
         params = dict(raw.get("rope_parameters") or {})
-        params.update(raw.get("rope_scaling") or {})
+        if isinstance(params.get(layer_type), dict):
+            params = dict(params[layer_type])
+        else:
+            params.update(raw.get("rope_scaling") or {})
         kind = params.get("rope_type") or params.get("type") or "default"
         if kind not in ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {kind!r} in {where} (supported: {', '.join(ROPE_TYPES)})")
@@ -47,7 +51,7 @@ class RopeConfig:
         original = int(raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
                         or positions)
         fields: dict[str, Any] = dict(
-            theta=float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0), kind=kind,
+            theta=float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0), kind=kind,
             partial_rotary_factor=float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0),
             original_max_position_embeddings=original, max_position_embeddings=positions)
         try:

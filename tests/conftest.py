@@ -59,15 +59,17 @@ ROUTER_SCALE = 10.0  # MoE routers' weights scaled up: clear winners, so fp32 ro
 def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_tokenizer: bool | str = False,
                      fused_experts: bool = False, **overrides: Any) -> Path:
     """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM /
-    Phi3ForCausalLM or
+    Phi3ForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM, a Gemma3ForConditionalGeneration ("gemma3_mm":
+    a one-layer vision tower beside the text model the overrides configure) or a
     mixture of experts (`MOE_ARCHS`: 8 experts, top 2) (fp32) into out_dir. `fused_experts`: the experts
     in transformers 5's fused tensors (`save_original_format=False`) rather than one tensor per expert."""
     import torch
     import transformers
 
     classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
-               "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "phi3": "Phi3"}
-    config_cls = getattr(transformers, classes[arch] + "Config")
+               "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "phi3": "Phi3",
+               "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma3_mm": "Gemma3"}
+    config_cls = getattr(transformers, classes[arch] + ("TextConfig" if arch in ("gemma3", "gemma3_mm") else "Config"))
     model_cls = getattr(transformers, classes[arch] + "ForCausalLM")
     fields: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -83,7 +85,13 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
                            qwen3_moe=dict(moe_intermediate_size=32)).get(arch, {}))
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**fields)).to(torch.float32).eval()
+    config = config_cls(**fields)
+    if arch == "gemma3_mm":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        config = transformers.Gemma3Config(text_config=config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+        model_cls = transformers.Gemma3ForConditionalGeneration
+    model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
         for name, param in model.named_parameters():
             if name.endswith(".bias"):

@@ -14,13 +14,15 @@ from native_marks import requires_native_kernels
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _naive(q, keys, values, prefix, window=0):
+def _naive(q, keys, values, prefix, window=0, softcap=0.0):
     """q [n, H, D] at positions prefix.., keys/values [prefix + n, KVH, D]: causal softmax attention (over
-    the last `window` positions only, as transformers masks a sliding window)."""
+    the last `window` positions only, as transformers masks a sliding window; scores soft-capped)."""
     group = HEADS // KV_HEADS
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * DIM ** -0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     n, total = q.shape[0], keys.shape[0]
     query = (prefix + torch.arange(n))[:, None]
     allowed = torch.arange(total)[None, :] <= query
@@ -43,12 +45,13 @@ LAYOUTS = {
 @pytest.mark.parametrize("backend_name", ["torch", pytest.param("cpu", marks=requires_native_kernels)])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("window", [0, 5], ids=["full", "window-5"])
-def test_a_step_matches_naive_attention(page_size, backend_name, layout, window):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 0.7)], ids=["full", "window-5", "softcap"])
+def test_a_step_matches_naive_attention(page_size, backend_name, layout, window, softcap):
     torch.manual_seed(0)
     cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
                     max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5, windows=(0, window))
+    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5, windows=(0, window),
+                             softcap=softcap)
     rows = LAYOUTS[layout]
     padded_slot = 7
     free_pages = torch.randperm(199).add(1).tolist()
@@ -80,7 +83,7 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window)
     for slot, prefix, extend in rows:
         if slot in history:
             keys, values = history[slot]
-            expected = _naive(q[start:start + extend], keys, values, prefix, window)
+            expected = _naive(q[start:start + extend], keys, values, prefix, window, softcap)
             torch.testing.assert_close(out[start:start + extend], expected, atol=1e-5, rtol=1e-5)
         start += extend
     assert torch.isfinite(out).all()

@@ -411,7 +411,7 @@ class FakeFlashInfer:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> torch.Tensor:
     """What flashinfer computes from a plan: each request's queries against its pages' first kv_len tokens,
     causal masks aligned to the end of the KV (flashinfer's convention), a query at i seeing keys from
-    i - window_left on (window_left >= 0), float32 softmax."""
+    i - window_left on (window_left >= 0), scores soft-capped with `logits_soft_cap`, float32 softmax."""
     out = torch.empty_like(q)
     group = plan.num_qo_heads // plan.num_kv_heads
     for (pages, kv_len), start, end in zip(plan.page_lists(), plan.qo_indptr, plan.qo_indptr[1:]):
@@ -420,6 +420,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         values = v_cache[index].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].float()
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * plan.sm_scale
+        cap = plan.arguments["logits_soft_cap"]
+        if cap:  # flashinfer: cap * tanh(scaled score / cap)
+            scores = torch.tanh(scores / cap) * cap
         query, keys = torch.arange(kv_len - (end - start), kv_len)[:, None], torch.arange(kv_len)[None, :]
         visible = keys <= query if plan.causal else torch.ones(len(query), kv_len, dtype=torch.bool)
         window_left = plan.arguments["window_left"]
@@ -515,10 +518,11 @@ def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads
     return create_backend("flashinfer", cache, num_heads, num_kv_heads, HEAD_DIM, SCALE, windows), fake
 
 
-def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=()) -> Backends:
+def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(), softcap: float = 0.0) -> Backends:
     flashinfer_cache, torch_cache = make_cache(dtype), make_cache(dtype)
-    backend, fake = flashinfer_backend(monkeypatch, flashinfer_cache, num_heads, windows=windows)
-    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows)
+    fake = install_fake_flashinfer(monkeypatch, flashinfer_cache)
+    backend = create_backend("flashinfer", flashinfer_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
+    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
     return Backends(backend, fake, flashinfer_cache, reference, torch_cache, num_heads)
 
 
@@ -668,6 +672,15 @@ def test_sliding_window_layers_match_the_torch_backend(monkeypatch, batch, graph
     full = make_backends(monkeypatch, torch.bfloat16)  # the window does change the sliding layer's output
     run_step(full, BATCHES[batch], graph=False)
     assert not torch.allclose(full.outputs[0][1], backends.outputs[0][1])
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_soft_capped_scores_match_the_torch_backend(monkeypatch, batch):
+    """Gemma 2's attention soft-capping: planned as logits_soft_cap, the torch backend's eager arithmetic."""
+    backends = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0), softcap=0.5)
+    run_step(backends, BATCHES[batch])
+    assert {w.planned.arguments["logits_soft_cap"] for w in backends.fake.wrappers if w.plans} == {0.5}
+    assert_outputs_match(backends)
 
 
 GRAPH_SIZES = [1, 2, 4, 8]

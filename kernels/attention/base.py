@@ -38,18 +38,20 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged pool and attends over the cached context: every
     position before a query and itself, or in a sliding-window layer (`windows[layer]` = W > 0) the
-    last W of them, as transformers masks (key position > query position - W)."""
+    last W of them, as transformers masks (key position > query position - W). `softcap` > 0: scores
+    (scaled) are soft-capped to softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
 
     name: str = ""
 
     def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = ()):
+                 windows: Sequence[int] = (), softcap: float = 0.0):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         layers = len(kv_cache.k)
         self.windows = tuple(int(w) for w in windows) or (0,) * layers  # per layer; 0: the whole context
         if len(self.windows) != layers or min(self.windows) < 0:
             raise ValueError(f"windows {self.windows}: one per layer ({layers}), each >= 0")
+        self.softcap = float(softcap)
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

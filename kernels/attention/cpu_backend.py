@@ -47,4 +47,4 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        decode: DecodeGroup) -> torch.Tensor:
         return native.paged_decode_attention(q, k_pool, v_pool, decode.pages, decode.lens, self.scale,
-                                             window=decode.window, pages_checked=True)
+                                             window=decode.window, softcap=self.softcap, pages_checked=True)

@@ -98,8 +98,8 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     name = "flashinfer"
 
     def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = ()):
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows)
+                 windows: Sequence[int] = (), softcap: float = 0.0):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap)
         if kv_cache.device.type != "cuda":
             raise ValueError(f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
                              "use --attention-backend torch")
@@ -129,7 +129,8 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
         for window, wrapper in wrappers.items():
             wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                         pos_encoding_mode="NONE", window_left=window - 1 if window else -1, sm_scale=self.scale,
+                         pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
+                         logits_soft_cap=self.softcap or None, sm_scale=self.scale,
                          q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
         self._wrappers = wrappers
         self._kv_locs = metadata.kv_locs
@@ -144,6 +145,7 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         for window, wrapper in self._prefill_wrappers.items():
             wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
                          causal=True, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
+                         logits_soft_cap=self.softcap or None,
                          sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
         self._wrappers = self._prefill_wrappers
         self._kv_locs = metadata.kv_locs

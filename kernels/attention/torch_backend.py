@@ -156,10 +156,8 @@ class TorchAttentionBackend(AttentionBackend):
                 total = chunk.mask.shape[1]
                 keys = self._gather(k_pool, chunk.pages)[:total]
                 values = self._gather(v_pool, chunk.pages)[:total]
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True,
-            )
+            attended = self._sdpa(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                  values.transpose(0, 1)[None], chunk.mask)
             out[rows] = attended[0].transpose(0, 1)
         return out
 
@@ -175,5 +173,21 @@ class TorchAttentionBackend(AttentionBackend):
         # positions under the same mask: GQA without repeating every key and value per query head.
         b, heads, head_dim = q.shape
         grouped = q.view(b, self.num_kv_heads, heads // self.num_kv_heads, head_dim)
-        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=decode.mask, scale=self.scale)
-        return attended.reshape(b, heads, head_dim)
+        return self._sdpa(grouped, keys, values, decode.mask).reshape(b, heads, head_dim)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA over [B, heads, L, D] (keys' heads may be fewer: grouped); `mask` boolean (True = may attend)
+        or additive, None = causal. Soft-capped scores have no SDPA kernel: transformers' eager arithmetic."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=True)
+        group = q.shape[1] // keys.shape[1]
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(q.shape[-2], keys.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)

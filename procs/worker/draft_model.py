@@ -67,7 +67,7 @@ class DraftModel:
         self.kv_cache = kv_cache
         heads, cfg = model.heads, model.config
         self.attention = create_backend(attention_backend, kv_cache, heads.num_heads, heads.num_kv_heads,
-                                        cfg.head_dim, cfg.head_dim ** -0.5, cfg.windows)
+                                        cfg.head_dim, cfg.attention_scale, cfg.windows, cfg.attn_softcap)
         self._pending: dict[int, _Pending] = {}
         self.proposing_s = 0.0  # the last `propose`'s time for its draft tokens (StepResult.draft_s)
 

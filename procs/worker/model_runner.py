@@ -133,7 +133,8 @@ class ModelRunner:
         )
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
-                                        heads.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, cfg.windows)
+                                        heads.num_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.windows,
+                                        cfg.attn_softcap)
         self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
                                                                                        attention_backend)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,

@@ -7,6 +7,7 @@ its model file and its line here.
 from __future__ import annotations
 
 from procs.worker.models.base import CausalLM
+from procs.worker.models.gemma import Gemma2Model, Gemma3Model, Gemma3TextOfMultimodal
 from procs.worker.models.llama import LlamaModel
 from procs.worker.models.mistral import MistralModel
 from procs.worker.models.mixtral import MixtralModel
@@ -27,6 +28,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
     "OlmoeForCausalLM": OlmoeModel,
     "Phi3ForCausalLM": Phi3Model,
+    "Gemma2ForCausalLM": Gemma2Model,
+    "Gemma3ForCausalLM": Gemma3Model,
+    "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
 }
 
 

@@ -43,6 +43,12 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope: RopeConfig
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0: the whole context (empty: no layer slides)
+    attn_scale: float | None = None  # scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # attention scores soft-capped at this (Gemma 2); 0: not
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
     @classmethod
     def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.ops import LinearWeight, linear, pack_linear_weight, silu_and_mul
+from kernels.ops import GATED_ACTIVATIONS, LinearWeight, linear, pack_linear_weight
 from procs.worker.parallel import TensorParallel
 
 
@@ -64,14 +64,17 @@ class RowParallelLinear(_Linear):
 
 
 class GatedMLP:
-    """down(SiLU(gate) * up): a dense layer's MLP, or a mixture of experts' shared expert."""
+    """down(act(gate) * up), act SiLU or GELU-tanh (`GATED_ACTIVATIONS`): a dense layer's MLP, or a mixture
+    of experts' shared expert."""
 
-    def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear):
+    def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear, act: str = "silu"):
         self.gate_up = gate_up
         self.down = down
+        self.act = act
+        self._act_and_mul = GATED_ACTIVATIONS[act]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(h)))
+        return self.down(self._act_and_mul(self.gate_up(h)))
 
 
 class VocabParallelEmbedding:

@@ -28,13 +28,16 @@ from procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, Sparse
 from procs.worker.models.weights import WeightTaker
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
+from shared.rope import RopeConfig
 
 QK_NORMS = ("none", "head", "projection")  # per head of head_dim (Qwen3), or over the whole q / k projection (OLMoE)
 
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
-    """Which projections carry a bias, how q and k are normed and clipped, and the mixture of experts."""
+    """Which projections carry a bias, how q and k are normed and clipped, the mixture of experts, and
+    Gemma's switches: GELU, (1 + w) norms, a norm on each sublayer's output, scaled embeddings, capped
+    logits and the sliding layers' own rope."""
 
     qkv_bias: bool = False
     o_bias: bool = False
@@ -42,11 +45,17 @@ class LlamaConfig(ModelConfig):
     qk_norm: str = "none"  # one of QK_NORMS
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (after the norms)
     moe: MoEConfig | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation, one of kernels.ops.GATED_ACTIVATIONS
+    norm_offset: float = 0.0  # every RMSNorm weight is offset + w (Gemma: 1 + w)
+    sandwich_norms: bool = False  # each sublayer's output normed before the residual add (Gemma 2 / 3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    final_softcap: float = 0.0  # logits soft-capped at this (Gemma 2); 0: not
+    local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
-        """The common fields and an architecture's `switches`; the MLP is SiLU-gated in every one."""
-        if raw.get("hidden_act", "silu") != "silu":
+        """The common fields and an architecture's `switches`; SiLU-gated MLPs unless a switch says."""
+        if "hidden_act" not in switches and raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {raw['hidden_act']!r} in {config_path(spec)}")
         return super().from_hf(raw, spec, **switches)
 
@@ -61,8 +70,10 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: Any  # RowParallelLinear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP's input norm (Gemma's pre_feedforward_layernorm)
     mlp: Mlp
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms: attention's output (Gemma's post_attention_layernorm)
+    mlp_out_norm: torch.Tensor | None = None  # and the MLP's (post_feedforward_layernorm)
 
 
 class LlamaModel:
@@ -104,7 +115,7 @@ class LlamaModel:
         self.intermediate = None if len(sparse) == config.num_layers else \
             tp.split(config.intermediate_size, "intermediate_size")
         self.layers = [self._layer(take, i, i in sparse) for i in range(config.num_layers)]
-        self.final_norm = take("model.norm.weight")
+        self.final_norm = self._norm(take, "model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             lm_head = self.embed.weight
@@ -114,11 +125,15 @@ class LlamaModel:
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
         self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
+        self.local_rope = None if config.local_rope is None else RotaryTables(
+            config.local_rope, config.head_dim, max_positions, device=device, dtype=dtype)
         # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
-        self.fuse_decode_layers = native.available() and tp.world_size == 1 and all(
-            _in_c(layer) for layer in self.layers) and self.rope.rotary_dim == config.head_dim
+        plain = (config.hidden_act == "silu" and not config.sandwich_norms and not config.attn_softcap
+                 and config.local_rope is None and self.rope.rotary_dim == config.head_dim)
+        self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
+            _in_c(layer) for layer in self.layers)
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
@@ -134,25 +149,38 @@ class LlamaModel:
         else:
             block = GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
                                          cfg.mlp_bias),
-                             take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, tp))
+                             take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, tp), cfg.hidden_act)
+        norm = lambda name, rows=None: self._norm(take, layer + name, rows)
+        sandwich = cfg.sandwich_norms
         return LayerWeights(
-            input_norm=take(f"{layer}input_layernorm.weight"),
+            input_norm=norm("input_layernorm.weight"),
             qkv=take.column([(attn + "q_proj", q), (attn + "k_proj", kv), (attn + "v_proj", kv)], cfg.qkv_bias),
-            q_norm=take(attn + "q_norm.weight", rows=norm_rows(q)) if cfg.qk_norm != "none" else None,
-            k_norm=take(attn + "k_norm.weight", rows=norm_rows(kv)) if cfg.qk_norm != "none" else None,
+            q_norm=norm("self_attn.q_norm.weight", norm_rows(q)) if cfg.qk_norm != "none" else None,
+            k_norm=norm("self_attn.k_norm.weight", norm_rows(kv)) if cfg.qk_norm != "none" else None,
             o=take.row(attn + "o_proj", q, cfg.o_bias, tp),
-            post_norm=take(f"{layer}post_attention_layernorm.weight"),
+            post_norm=norm("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
             mlp=block,
+            attn_out_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+            mlp_out_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
         )
+
+    def _norm(self, take: WeightTaker, name: str, rows: slice | None = None) -> torch.Tensor:
+        """An RMSNorm weight, offset as the config says (Gemma's 1 + w, added once here in fp32)."""
+        offset = self.config.norm_offset
+        if not offset:
+            return take(name, rows=rows)
+        return (take(name, rows=rows, dtype=torch.float32) + offset).to(take.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
-        eps = self.config.rms_norm_eps
-        num_tokens = input_ids.shape[0]
+        cfg = self.config
+        eps = cfg.rms_norm_eps
         cos = self.rope.cos[positions]
         sin = self.rope.sin[positions]
         hidden = self.embed(input_ids)
+        if cfg.embed_scale:
+            hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5, dtype=hidden.dtype)
         # The residual stream: each sublayer's output is added to `residual` by the norm that follows
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
@@ -161,19 +189,31 @@ class LlamaModel:
         if paged is not None:
             h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
+        local = None if self.local_rope is None else (self.local_rope.cos[positions], self.local_rope.sin[positions])
+        windows = cfg.windows or (0,) * cfg.num_layers
         for index, layer in enumerate(self.layers):
-            qk, v = self._qk_v(layer.qkv(h), layer)
-            qk = self._rotate(qk, cos, sin)
-            q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
-            attended = attention.forward(q, k, v, index)
-            out = layer.o(attended.reshape(num_tokens, self.q_size))
+            rotation = local if local is not None and windows[index] else (cos, sin)
+            out = self._attention(layer, index, h, *rotation, attention)
+            if layer.attn_out_norm is not None:
+                out = rms_norm(out, layer.attn_out_norm, eps)
             h, residual = add_rms_norm(out, residual, layer.post_norm, eps)
             out = layer.mlp(h)
+            if layer.mlp_out_norm is not None:
+                out = rms_norm(out, layer.mlp_out_norm, eps)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             h, residual = add_rms_norm(out, residual, next_norm, eps)
         if logits_rows is None:
             return None
         return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
+
+    def _attention(self, layer: LayerWeights, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attention: AttentionBackend) -> torch.Tensor:
+        """The attention sublayer's output (before the residual add)."""
+        qk, v = self._qk_v(layer.qkv(h), layer)
+        qk = self._rotate(qk, cos, sin)
+        q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
+        attended = attention.forward(q, k, v, index)
+        return layer.o(attended.reshape(h.shape[0], self.q_size))
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k heads rotated in one call: every dim, or the first `rotary_dim` (partial rotary)."""
@@ -227,7 +267,9 @@ class LlamaModel:
         return self._decode_layers[1]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def take_expert_load(self) -> np.ndarray | None:
         blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]

@@ -1,0 +1,137 @@
+"""Gemma 2 and Gemma 3 (Gemma3ForCausalLM, and Gemma3ForConditionalGeneration as its text model) on tiny random models built from transformers configs: sliding layers (a
+window of 8) beside global ones, prompts and outputs that cross the window, attention and final soft-caps
+small enough to bite (Gemma 2), q/k norms and the sliding layers' own rope base (Gemma 3). Greedy tokens
+equal transformers' `generate` at batch 1 however the batch is cut, with and without the C kernels; every
+position's logits within 1e-4 over chunked prompts; through the scheduler with cache hits and preemption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from model_batches import _plan, _Request, generate_greedy
+from procs.engine import OfflineEngine, request
+from procs.worker.loader import load_model_config
+from procs.worker.model_runner import ModelRunner
+from shared.config import ServerConfig
+from shared.model import ModelLoadError, ModelSpec
+from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+NEW_TOKENS = 20
+PROMPT_LENS = (25, 4, 13, 9)
+TINY = dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+MODELS = {
+    "gemma2": dict(arch="gemma2", attn_logit_softcapping=1.0, final_logit_softcapping=2.0, **TINY),
+    "gemma2-default-caps": dict(arch="gemma2", query_pre_attn_scalar=16, **TINY),
+    "gemma3": dict(arch="gemma3", **TINY),
+    "gemma3-rope-scaling": dict(arch="gemma3", rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **TINY),
+    # Gemma 3 4B+'s checkpoint: served as its text model, the vision tower's tensors skipped
+    "gemma3-multimodal": dict(arch="gemma3_mm", **TINY),
+}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            model_dir = tiny_model_dir(**MODELS[name])
+            cache[name] = (model_dir, transformers_greedy(model_dir, _prompts(), NEW_TOKENS))
+        return cache[name]
+
+    return get
+
+
+def _runner(model_dir) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
+                       max_running_requests=8)
+
+
+def test_configs_are_read_as_transformers_reads_them(tiny_model_dir):
+    gemma2 = load_model_config(ModelSpec.resolve(tiny_model_dir(**MODELS["gemma2"])))
+    assert (gemma2.windows, gemma2.attn_softcap, gemma2.final_softcap) == ((8, 0), 1.0, 2.0)
+    assert gemma2.attention_scale == 256 ** -0.5 and gemma2.norm_offset == 1.0 and gemma2.local_rope is None
+    gemma3 = load_model_config(ModelSpec.resolve(tiny_model_dir(**MODELS["gemma3-rope-scaling"])))
+    assert (gemma3.attn_softcap, gemma3.final_softcap, gemma3.qk_norm) == (0.0, 0.0, "head")
+    assert (gemma3.rope.kind, gemma3.rope.factor, gemma3.rope.theta) == ("linear", 4.0, 100000.0)
+    assert (gemma3.local_rope.kind, gemma3.local_rope.theta) == ("default", 1000.0)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_greedy_matches_transformers(references, model, schedule):
+    model_dir, expected = references(model)
+    assert generate_greedy(_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+
+
+@pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
+def test_torch_only_path_matches_transformers(references, model, monkeypatch):
+    model_dir, expected = references(model)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        got = generate_greedy(_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"])
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+    assert got == expected
+
+
+@pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
+def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(**MODELS[model])
+    prompt = _prompts()[0]
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0]
+    runner = _runner(model_dir)
+    r, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
+    with torch.inference_mode():
+        for start in range(0, len(prompt), 5):
+            chunk = prompt[start:start + 5]
+            batch = _plan(start // 5, [(r, chunk, False)], runner.page_size, free_pages)
+            r.fed += len(chunk)
+            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
+                                                     batch.page_table_pages)
+            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(chunk))))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_scheduled_requests_match_transformers(tiny_model_dir):
+    """Chunks shorter than the window, a cached prefix, preemption and recompute."""
+    model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["gemma2"])
+    words = lambda n, first: " ".join(f"w{first + i}" for i in range(n))
+    prompts = [words(20, 10), words(20, 10) + " w200", words(3, 40), words(14, 100)]
+    expected = transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=4, prefill_budget=6,
+                                        kv_capacity_tokens=80, kv_reserve_ratio=0.05))
+    generate = lambda ps, first: [c.token_ids for c in engine.generate([
+        request(f"r{first + i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS,
+                                                                                "ignore_eos": True})
+        for i, p in enumerate(ps)])]
+    assert generate(prompts[:1], 0) + generate(prompts[1:], 1) == expected
+    assert engine.scheduler.kv.hit_tokens >= 16 and engine.preemptions > 0
+
+
+def test_other_activations_are_refused(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "gemma2"
+    shutil.copytree(tiny_model_dir(**MODELS["gemma2"]), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_activation": "relu"}))
+    with pytest.raises(ModelLoadError, match="unsupported hidden_activation 'relu'"):
+        load_model_config(ModelSpec.resolve(model_dir))
