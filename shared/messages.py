@@ -401,6 +401,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     num_waiting: int
     kv_used_tokens: int
     kv_total_tokens: int
+    kv_request_pages_max: int = 0  # the most KV pages one decoding request holds now
     batch_sizes: list[int] = []  # requests per step since the previous stats message
     # seconds each request admitted since then waited in the queue (arrival here to its first admission)
     queue_times: list[float] = []
@@ -439,6 +440,7 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     moe_experts: int = 0
     moe_top_k: int = 0
     rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
+    sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

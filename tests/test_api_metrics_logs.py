@@ -45,11 +45,12 @@ def test_gauges_routers_read_with_their_protocol_names_and_the_queue_time():
         async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
             before = samples(await (await client.get("/metrics")).text())
             engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=1024,
-                                             kv_total_tokens=4096, queue_times=[0.5, 2.0]))
+                                             kv_total_tokens=4096, kv_request_pages_max=17, queue_times=[0.5, 2.0]))
             after = samples(await (await client.get("/metrics")).text())
         return before, after
 
     before, after = run(go())
+    assert value(after, "batchserve_kv_request_pages_max") == 17
     assert value(before, "batchserve_request_queue_time_seconds_count") == 0
     assert value(after, "batchserve_request_queue_time_seconds_count") == 2
     assert value(after, "batchserve_request_queue_time_seconds_sum") == 2.5

@@ -3,7 +3,9 @@ and prompts and outputs that cross them: every layer sliding (Mistral, Mixtral, 
 sliding layers beside full ones (`layer_types`: Qwen2, Qwen2-MoE). Greedy tokens equal transformers'
 `generate` at batch 1 however the batch is cut (chunks shorter than the window), with and without the C
 kernels; every position's logits (what prompt logprobs are made of) within 1e-4 of transformers' over
-chunked prompts; through the scheduler with prefix-cache hits, preemption and n-gram speculative rows."""
+chunked prompts; through the scheduler, whose all-sliding requests give back the pages behind their
+window as they go (SCHEDULING.md 5), with preemption and n-gram speculative rows, and a mixed model's
+prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -119,9 +121,15 @@ def _words(n: int, first: int) -> str:
     return " ".join(f"w{first + i}" for i in range(n))
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["mistral"][0])
+SERVED = {  # all layers sliding; sliding beside full (the word tokenizer needs a non-Qwen model type)
+    "mistral": MODELS["mistral"][0],
+    "gemma2-mixed": dict(arch="gemma2", head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(SERVED))
+def served(tiny_model_dir, request):
+    model_dir = tiny_model_dir(with_tokenizer=True, **SERVED[request.param])
     prompts = [_words(24, 10), _words(24, 10) + " w200 w201", _words(3, 40), _words(17, 100), _words(12, 10)]
     return model_dir, prompts, transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
 
@@ -134,7 +142,7 @@ def _generate(engine: OfflineEngine, prompts: list[str]) -> list[list[int]]:
 
 @pytest.mark.parametrize("fields", [
     dict(prefill_budget=6, policy="mixed"),  # chunks shorter than the window
-    dict(kv_capacity_tokens=96, kv_reserve_ratio=0.05, prefill_budget=16),  # preemption and recompute
+    dict(kv_capacity_tokens=48, kv_reserve_ratio=0.05, prefill_budget=16),  # preemption and recompute
     dict(speculative="ngram", num_speculative_tokens=3),  # decode rows several tokens wide
 ], ids=["chunked", "preempted", "ngram"])
 def test_scheduled_requests_match_transformers(served, fields):
@@ -142,11 +150,18 @@ def test_scheduled_requests_match_transformers(served, fields):
     config = ServerConfig(model=str(model_dir), page_size=4, max_running_requests=5,
                           **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **fields})
     engine = OfflineEngine(config)
-    first = _generate(engine, prompts[:1])  # its pages are cached: the second prompt starts on them
+    kv = engine.scheduler.kv
+    dropped = []
+    drop = kv.drop_out_of_window
+    kv.drop_out_of_window = lambda: dropped.append(drop()) or dropped[-1]
+    first = _generate(engine, prompts[:1])  # a mixed model caches its pages: the second prompt starts on them
     assert first + _generate(engine, prompts[1:]) == expected
-    assert engine.scheduler.kv.hit_tokens >= 24 - 4
-    if "kv_reserve_ratio" in fields:
-        assert engine.preemptions > 0
+    if kv.window:  # every layer slides: pages behind the window go back, and no prefix is cached
+        assert kv.cache is None and sum(dropped) > 0
+    else:
+        assert kv.hit_tokens >= 24 - 4 and sum(dropped) == 0
+    if "kv_reserve_ratio" in fields and not kv.window:  # a window's pages fit here (test_scheduler_sliding_window
+        assert engine.preemptions > 0                     # preempts windowed requests)
 
 
 def test_windows_without_layers_are_refused(tiny_model_dir, tmp_path):

@@ -108,6 +108,28 @@ class SloMetrics:
             self.attainment.labels(objective=objective).set(self._counts[objective] / self._total)
 
 
+class PrefixCacheMetrics:
+    """The prefix cache's counters and size, from the scheduler's stats."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.hits = Counter("batchserve_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in the prefix cache",
+                            registry=r)
+        self.queries = Counter("batchserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                               registry=r)
+        self.evictions = Counter("batchserve_prefix_cache_evicted_pages", "Prefix-cache pages evicted to make room",
+                                 registry=r)
+        self.pages = Gauge("batchserve_prefix_cache_pages", "KV pages in the prefix cache", registry=r)
+        self.referenced = Gauge("batchserve_prefix_cache_referenced_pages",
+                                "Prefix-cache pages used by running requests (the rest can be evicted)", registry=r)
+
+    def observe(self, stats: SchedulerStats) -> None:
+        self.hits.inc(stats.cache_hit_tokens)
+        self.queries.inc(stats.cache_queried_tokens)
+        self.evictions.inc(stats.cache_evicted_pages)
+        self.pages.set(stats.cache_pages)
+        self.referenced.set(stats.cache_referenced_pages)
+
+
 class ApiMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -141,16 +163,10 @@ class ApiMetrics:
                                             "Tokens a decode row with a draft gave on average since the start "
                                             "(1 + accepted draft tokens / drafts)", registry=r)
         self._spec_totals = [0, 0]  # drafts, accepted tokens: the mean acceptance length's terms
-        self.cache_hits = Counter("batchserve_prefix_cache_hit_tokens",
-                                  "Prompt tokens whose KV was found in the prefix cache", registry=r)
-        self.cache_queries = Counter("batchserve_prefix_cache_queried_tokens",
-                                     "Prompt tokens looked up in the prefix cache", registry=r)
-        self.cache_evictions = Counter("batchserve_prefix_cache_evicted_pages",
-                                       "Prefix-cache pages evicted to make room", registry=r)
-        self.cache_pages = Gauge("batchserve_prefix_cache_pages", "KV pages in the prefix cache", registry=r)
-        self.cache_referenced = Gauge("batchserve_prefix_cache_referenced_pages",
-                                      "Prefix-cache pages used by running requests (the rest can be evicted)",
-                                      registry=r)
+        self.prefix_cache = PrefixCacheMetrics(r)
+        self.request_pages = Gauge("batchserve_kv_request_pages_max",
+                                   "Most KV pages one decoding request holds (with a sliding window: at most the "
+                                   "window and a page)", registry=r)
         self.moe = ExpertLoadMetrics(r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
@@ -183,13 +199,10 @@ class ApiMetrics:
         self._set(self.waiting, stats.num_waiting)
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
+        self.request_pages.set(stats.kv_request_pages_max)
         self._set(self.kv_usage, stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
         self.reserve_ratio.set(stats.kv_reserve_ratio)
-        self.cache_hits.inc(stats.cache_hit_tokens)
-        self.cache_queries.inc(stats.cache_queried_tokens)
-        self.cache_evictions.inc(stats.cache_evicted_pages)
-        self.cache_pages.set(stats.cache_pages)
-        self.cache_referenced.set(stats.cache_referenced_pages)
+        self.prefix_cache.observe(stats)
         if stats.preemptions:
             self.preemptions.inc(stats.preemptions)
         if stats.steps_target_out_of_reach:

@@ -75,6 +75,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # The prompt length past which the model's rope uses other factors (longrope's original context;
     # 0: one set): the prefix cache keeps requests of the two regimes apart (`KVManager.cache_namespace`).
     rope_switch_length: int = 0
+    # Every layer attends to its last `sliding_window` positions (0: not so): a request's pages wholly
+    # before them go back to the pool, and reservations count at most a window and a page (SCHEDULING.md 5).
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
@@ -133,11 +136,12 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
-        prefix_cache=not config.disable_prefix_cache, scheduling_policy=config.scheduling_policy,
+        prefix_cache=not config.disable_prefix_cache and not info.sliding_window,  # SCHEDULING.md 5
+        scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
-        rope_switch_length=info.rope_switch_length,
+        rope_switch_length=info.rope_switch_length, sliding_window=info.sliding_window,
     )
 
 

@@ -146,9 +146,11 @@ class Scheduler:
 
     @property
     def max_pages_per_request(self) -> int:
-        """Page-table width the worker needs (columns per request slot)."""
+        """Page-table width the worker needs (columns per request slot): the context's pages, at most the
+        pool's, unless a sliding window gives pages back (then a request spans more pages than it holds)."""
         if self.config.max_context:
-            return min(self.num_kv_pages, -(-self.config.max_context // self.page_size))
+            columns = -(-self.config.max_context // self.page_size)
+            return columns if self.config.sliding_window else min(self.num_kv_pages, columns)
         return self.num_kv_pages
 
     def has_unfinished(self) -> bool:
@@ -185,7 +187,8 @@ class Scheduler:
         max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
-        if self.kv.pages_for(total) > self.num_kv_pages:
+        if (self.kv.pages_for(self.kv.windowed(total, prompt.shape[0])) > self.num_kv_pages
+                or self.kv.pages_for(total) > self.max_pages_per_request):
             raise Refusal(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
                           f"in the KV cache of {self.kv_capacity_tokens} tokens", "max_tokens")
         capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
@@ -290,6 +293,7 @@ class Scheduler:
             self._preempt_for_head(out, drain)
         if self.config.rope_switch_length:
             self._recompute_at_rope_switch(out, drain)
+        self.kv.drop_out_of_window()
         planner = self.planner
         if not self._launched and planner.proposer is not None:  # a draft follows the last token: it must be back
             planner.propose_drafts()
@@ -462,6 +466,8 @@ class Scheduler:
             finished = [requests[rid] for rid in out.finished]
             out.ended.update(zip(out.finished, finished))
             self._end(finished, Status.FINISHED)
+        if not self._launched:  # nothing in flight reads the pages behind a window: give them back now
+            self.kv.drop_out_of_window()
         return out
 
     # ------------------------------------------------------------------ the lifecycle's exits

@@ -54,6 +54,8 @@ class KVManager:
         self.table = table
         self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
         self.rope_switch_length = config.rope_switch_length
+        self.window = config.sliding_window
+        self.prefill_budget = config.prefill_budget
         # Tokens at the end of a request's KV that a draft model may not hold yet: the last draft token
         # of a row accepted whole is fed to the draft only with the request's next row
         # (procs/worker/draft_model.py), so a request released after such a row leaves its page out of
@@ -90,8 +92,8 @@ class KVManager:
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:
         """Pages admitting a waiting request adds to the reserved total: its own (the prompt past the
         cached prefix, and the estimated future), plus the cached pages nobody referenced yet."""
-        own = int(self.pages_for(request.prompt_len + self.future_estimate(
-            request.max_tokens - request.num_generated_before))) - len(cached)
+        tokens = request.prompt_len + self.future_estimate(request.max_tokens - request.num_generated_before)
+        own = int(self.pages_for(self.windowed(tokens, request.prompt_len))) - len(cached)
         return own + sum(1 for node in cached if node.refs == 0)
 
     def reserved_pages(self) -> int:
@@ -106,7 +108,45 @@ class KVManager:
         t = self.table
         tokens = np.maximum(t.kv_len[slots], t.prompt_len[slots]) + self.future_estimate(
             t.token_limit[slots] - t.generated[slots])
+        tokens = self.windowed(tokens, np.maximum(t.prompt_len[slots] - t.kv_len[slots], 0))
         return int(np.sum(self.pages_for(tokens))) - int(np.sum(t.shared_pages[slots]))
+
+    def windowed(self, tokens: int | np.ndarray, to_prefill: int | np.ndarray) -> int | np.ndarray:
+        """`tokens` of KV to hold, as a sliding window W bounds them: at most a window and a page, and while
+        prompt is left to prefill, the next chunk (at most the prefill budget) too. Without a window, `tokens`."""
+        if not self.window:
+            return tokens
+        return np.minimum(tokens, self.window + self.page_size + np.minimum(to_prefill, self.prefill_budget))
+
+    def max_decoding_pages(self) -> int:
+        """The most pages one decoding request holds now (its own, dropped ones left out)."""
+        t = self.table
+        decoding = (t.admit_seq >= 0) & (t.kv_len >= t.prompt_len)
+        held = t.num_pages[decoding] - t.dropped_pages[decoding]
+        return int(held.max()) if held.shape[0] else 0
+
+    def drop_out_of_window(self) -> int:
+        """With a sliding window W: every admitted request's pages wholly before its last W positions
+        (less one, for a step still in flight) go back to the pool, their page-table entries to page 0
+        (sent with the next batch). Returns the pages given back."""
+        if not self.window:
+            return 0
+        t, size = self.table, self.page_size
+        slots = np.flatnonzero(t.admit_seq >= 0)
+        dead = np.maximum(t.kv_len[slots] - self.window, 0) // size
+        count = dead - t.dropped_pages[slots]
+        rows = np.flatnonzero(count > 0)
+        if not rows.shape[0]:
+            return 0
+        slots, first, count = slots[rows], t.dropped_pages[slots[rows]], count[rows]
+        total = int(count.sum())
+        rows_of = np.repeat(slots, count)
+        cols = np.repeat(first, count) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        self.allocator.free(t.page_table[rows_of, cols])
+        t.page_table[rows_of, cols] = 0
+        t.dropped_pages[slots] += count
+        self._attached.append(PageTableUpdates(rows_of, cols, np.zeros(total, dtype=np.int32)))
+        return total
 
     def attach(self, request: Request, cached: list[CachedPage]) -> None:
         """An admitted request starts on `cached`: they become its first pages, already computed."""
@@ -189,7 +229,7 @@ class KVManager:
             # Its own pages and planned growth, and the cache pages only it uses (they become evictable).
             request = t.requests[slot]
             sole = self.cache.sole_references(request.cache_path) if self.cache is not None and request else 0
-            excess -= int(t.num_pages[slot] - t.shared_pages[slot] + planned[slot]) + sole
+            excess -= int(t.num_pages[slot] - t.dropped_pages[slot] - t.shared_pages[slot] + planned[slot]) + sole
         return victims
 
     def allocate(self, slots: np.ndarray, growth: np.ndarray) -> PageTableUpdates:
@@ -235,6 +275,9 @@ class KVManager:
         it first (prompt and generated tokens; a partial last page stays out), and only the pages the
         cache did not take go back to the allocator."""
         slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
+        # updates not sent yet for these rows are void: the next request in a slot writes its own
+        self._attached = [PageTableUpdates(*(a[keep] for a in u)) for u in self._attached
+                          if (keep := ~np.isin(u.slots, slots)).any()]
         cache = self.cache
         if cache is None:
             self.allocator.free(self.table.release(slots))

@@ -178,7 +178,8 @@ class SchedulerLoop:
             return
         self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
                                         kv_used_tokens=sched.kv_used_tokens,
-                                        kv_total_tokens=sched.kv_capacity_tokens, batch_sizes=self._batch_sizes,
+                                        kv_total_tokens=sched.kv_capacity_tokens,
+                                        kv_request_pages_max=sched.kv.max_decoding_pages(), batch_sizes=self._batch_sizes,
                                         queue_times=self._queue_times, preemptions=self._preemptions,
                                         steps_target_out_of_reach=sched.steps_out_of_reach - self._out_of_reach_reported,
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio,

@@ -37,6 +37,8 @@ class RequestTable:
         self.has_stop_ids = np.zeros(num_slots, dtype=bool)  # stop_token_ids given: check its tokens against them
         self.num_pages = np.zeros(num_slots, dtype=np.int64)  # pages held (row prefix of page_table)
         self.shared_pages = np.zeros(num_slots, dtype=np.int64)  # of those, prefix-cache pages (not its own)
+        # of those, the leading columns whose pages went back out of a sliding window (page 0 there now)
+        self.dropped_pages = np.zeros(num_slots, dtype=np.int64)
         self.page_table = np.zeros((num_slots, min(_INITIAL_COLUMNS, max_columns)), dtype=np.int32)
         # Generated ids, kept so that a preempted request can be recomputed from them.
         self.output_ids = np.zeros((num_slots, _INITIAL_COLUMNS), dtype=np.int32)
@@ -65,6 +67,7 @@ class RequestTable:
         self.has_stop_ids[slot] = bool(stop.stop_token_ids)
         self.num_pages[slot] = 0
         self.shared_pages[slot] = 0
+        self.dropped_pages[slot] = 0
         if request.max_tokens > self.output_ids.shape[1]:
             self.output_ids = _widen(self.output_ids, max(request.max_tokens, 2 * self.output_ids.shape[1]))
         self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens:]
@@ -72,12 +75,14 @@ class RequestTable:
 
     def release(self, slots: np.ndarray) -> np.ndarray:
         """Empty the rows (their requests keep their reported count); returns the pages they held (for the
-        allocator)."""
+        allocator; not the dropped ones, given back already)."""
         counts = self.num_pages[slots]
         width = int(counts.max()) if slots.shape[0] else 0
-        pages = self.page_table[slots, :width][np.arange(width) < counts[:, None]]
+        columns = np.arange(width)
+        pages = self.page_table[slots, :width][(columns < counts[:, None]) & (columns >= self.dropped_pages[slots, None])]
         self.num_pages[slots] = 0
         self.shared_pages[slots] = 0
+        self.dropped_pages[slots] = 0
         self.admit_seq[slots] = -1
         for slot in slots.tolist():
             self.requests[slot].reported = int(self.reported[slot])  # type: ignore[union-attr]

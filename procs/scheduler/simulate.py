@@ -67,6 +67,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_step_ms: NonNegativeFloat = 0.0  # > 0: the step-time bound on `step_cost` (SCHEDULING.md 6.5)
     step_cost: ScenarioStepCost | None = None
     min_prefill_share: NonNegativeFloat = 0.5
+    sliding_window: NonNegativeInt = 0  # every layer's window: pages before it go back (SCHEDULING.md 5)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -145,7 +146,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
                                scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
                                fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
-                               max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share)
+                               max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
+                               sliding_window=c.sliding_window)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 

@@ -249,7 +249,13 @@ class ModelRunner:
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
-                          moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length)
+                          moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
+                          sliding_window=self._shared_window())
+
+    def _shared_window(self) -> int:
+        """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
+        windows = set(self.config.windows)
+        return windows.pop() if len(windows) == 1 and self.draft is None else 0
 
     def probe_step_costs(self, prefill_tokens: tuple[int, ...] = (32, 256),
                          decode_batches: tuple[int, ...] | None = None) -> list[tuple[int, float, float]]:

@@ -1,0 +1,100 @@
+"""What a sliding window buys in KV: the same random Mistral-shaped model with `sliding_window` 256 and with
+null, context 4096, a pool of 8192 tokens, 16 conversations of 2,000 prompt tokens arriving together and
+128 output tokens each, served by the real scheduler and worker in one process (the engine's loop, with
+every step's state read from the scheduler's request table). Printed side by side, one run: the most
+requests running at once, the most KV pages one decoding request held (the rule: at most the window and a
+page), time to first token, throughput and goodput (the cpu objectives of `shared.slo`).
+
+    .venv/bin/python -m loadtests.bench_sliding_window [--streams 16] [--prompt 2000] [--output 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import msgspec
+
+from procs.scheduler import Scheduler
+from procs.scheduler.config import scheduler_config_from_server
+from procs.worker.model_runner import ModelRunner
+from shared.config import ServerConfig
+from shared.messages import RequestParams, StopParams
+from shared.slo import DEFAULT_SLOS
+
+SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+
+
+def build(out_dir: Path, window: int | None) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(sliding_window=window, **SHAPE)).save_pretrained(out_dir)
+    return out_dir
+
+
+def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: int) -> dict[str, float]:
+    config = ServerConfig(model=str(model_dir), kv_capacity_tokens=8192, max_context=4096, device="cpu",
+                          max_running_requests=streams, prefill_budget=2048, page_size=page_size)
+    runner = ModelRunner.from_config(config)  # as the offline engine runs it: no step-time bound
+    sched = Scheduler(msgspec.structs.replace(scheduler_config_from_server(config, runner.worker_info()),
+                                              max_step_s=0.0), eos_token_ids=runner.eos_token_ids)
+    rng = np.random.default_rng(0)
+    started = time.perf_counter()
+    for i in range(streams):
+        sched.add_request(f"c{i}", rng.integers(3, SHAPE["vocab_size"], prompt).tolist(),
+                          RequestParams(stop=StopParams(max_tokens=output, ignore_eos=True)))
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    most_running = most_pages = preemptions = 0
+    while sched.has_unfinished():
+        out = sched.step(runner)
+        preemptions += len(out.preempted)
+        now = time.perf_counter() - started
+        for rid, _ in out.new_tokens:
+            first.setdefault(rid, now)
+        for rid in out.finished:
+            done[rid] = now
+        most_running = max(most_running, sched.num_running)
+        most_pages = max(most_pages, sched.kv.max_decoding_pages())
+    elapsed = time.perf_counter() - started
+    slo = DEFAULT_SLOS["cpu"]
+    good = sum(all(slo.met(first[r], (done[r] - first[r]) / (output - 1), done[r]).values()) for r in done)
+    runner.close()
+    return {"window": sched.config.sliding_window, "most_running": most_running, "most_pages": most_pages,
+            "ttft_p50_s": float(np.median(list(first.values()))), "elapsed_s": elapsed,
+            "req_per_s": len(done) / elapsed, "out_tok_per_s": len(done) * output / elapsed,
+            "good": good, "goodput": good / elapsed, "preemptions": preemptions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=2000)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [serve(build(Path(tmp) / name, window), args.streams, args.prompt, args.output, args.page_size)
+                for name, window in (("window256", 256), ("full", None))]
+    print(f"{args.streams} streams x {args.prompt} prompt + {args.output} output tokens, pool 8192 tokens, "
+          f"page {args.page_size}; goodput objectives: {DEFAULT_SLOS['cpu'].label()}")
+    keys = list(rows[0])
+    print("  ".join(f"{k:>13}" for k in keys))
+    for row in rows:
+        print("  ".join(f"{row[k]:>13.3f}" if isinstance(row[k], float) else f"{row[k]:>13}" for k in keys))
+    print(f"requests at once, window vs full: {rows[0]['most_running'] / rows[1]['most_running']:.2f}x; "
+          f"most pages per decoding request with the window: {rows[0]['most_pages']} "
+          f"(window + 1 page = {-(-256 // args.page_size) + 1})")
+
+
+if __name__ == "__main__":
+    main()
