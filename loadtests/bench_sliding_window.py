@@ -3,7 +3,9 @@ null, context 4096, a pool of 8192 tokens, 16 conversations of 2,000 prompt toke
 128 output tokens each, served by the real scheduler and worker in one process (the engine's loop, with
 every step's state read from the scheduler's request table). Printed side by side, one run: the most
 requests running at once, the most KV pages one decoding request held (the rule: at most the window and a
-page), time to first token, throughput and goodput (the cpu objectives of `shared.slo`).
+page), time to first token, throughput and goodput (the cpu objectives of `shared.slo`), and how well the
+step-cost model fitted to the worker's startup probe (as `serve` fits it, windows counted in its attention
+pairs) predicts the steps it then times: the median of |predicted / measured - 1| over decode-only steps.
 
     .venv/bin/python -m loadtests.bench_sliding_window [--streams 16] [--prompt 2000] [--output 128]
 """
@@ -22,6 +24,7 @@ import msgspec
 
 from procs.scheduler import Scheduler
 from procs.scheduler.config import scheduler_config_from_server
+from procs.scheduler.step_cost import StepCostModel
 from procs.worker.model_runner import ModelRunner
 from shared.config import ServerConfig
 from shared.messages import RequestParams, StopParams
@@ -44,6 +47,20 @@ def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: in
     config = ServerConfig(model=str(model_dir), kv_capacity_tokens=8192, max_context=4096, device="cpu",
                           max_running_requests=streams, prefill_budget=2048, page_size=page_size)
     runner = ModelRunner.from_config(config)  # as the offline engine runs it: no step-time bound
+    info = runner.worker_info(runner.probe_step_costs())
+    cost = StepCostModel(info.step_costs, windows=info.layer_windows)
+    errors: list[float] = []
+    execute = runner.execute
+
+    def timed(batch):  # each decode-only step's measured time against the model's prediction
+        began = time.perf_counter()
+        result = execute(batch)
+        if batch.num_tokens == batch.num_requests:
+            predicted = cost.predict(batch.num_tokens, cost.pairs(batch.prefix_lens, batch.extend_lens))
+            errors.append(abs(predicted / (time.perf_counter() - began) - 1))
+        return result
+
+    runner.execute = timed
     sched = Scheduler(msgspec.structs.replace(scheduler_config_from_server(config, runner.worker_info()),
                                               max_step_s=0.0), eos_token_ids=runner.eos_token_ids)
     rng = np.random.default_rng(0)
@@ -71,7 +88,8 @@ def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: in
     return {"window": sched.config.sliding_window, "most_running": most_running, "most_pages": most_pages,
             "ttft_p50_s": float(np.median(list(first.values()))), "elapsed_s": elapsed,
             "req_per_s": len(done) / elapsed, "out_tok_per_s": len(done) * output / elapsed,
-            "good": good, "goodput": good / elapsed, "preemptions": preemptions}
+            "good": good, "goodput": good / elapsed, "preemptions": preemptions,
+            "cost_error_p50": float(np.median(errors))}
 
 
 def main() -> None:

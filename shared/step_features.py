@@ -3,13 +3,32 @@ probe) and where they are planned (the scheduler's step-cost model)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 
-def attention_pairs(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
-    """Query-key pairs attention computes: a request feeding n tokens after p cached ones pairs its
-    i-th new token with p + i keys, n * (p + (n + 1) / 2) in all (a decode row: its whole context)."""
-    return float(sum(n * (p + (n + 1) / 2) for p, n in zip(prefix_lens, extend_lens)))
+
+def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,
+                    windows: Sequence[int] = ()) -> float:
+    """Query-key pairs attention computes, per layer on average: a request feeding n tokens after p cached
+    ones pairs its i-th new token (i = 1..n) with p + i keys, n * (p + (n + 1) / 2) in all (a decode row:
+    its whole context); in a layer with a sliding window W, with min(p + i, W) keys. `windows`: each
+    layer's (0: none; empty: no layer slides)."""
+    p = np.asarray(prefix_lens, dtype=np.float64)
+    n = np.asarray(extend_lens, dtype=np.float64)
+    full = float((n * (p + (n + 1) / 2)).sum())
+    if not any(windows):
+        return full
+    total = 0.0
+    for window, layers in Counter(windows).items():
+        if not window:
+            total += layers * full
+            continue
+        first, last = p + 1, p + n  # the keys of the first and the last new token, unwindowed
+        inside = np.clip(np.minimum(last, window) - first + 1, 0, None)  # tokens with fewer keys than the window
+        total += layers * float((inside * (first + np.minimum(last, window)) / 2 + (n - inside) * window).sum())
+    return total / len(windows)
 
 
 def experts_read(tokens: float, num_experts: int, top_k: int) -> float:

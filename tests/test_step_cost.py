@@ -263,3 +263,22 @@ def test_a_draft_models_cost_raises_the_break_even():
     assert model.min_acceptance(rows, pairs) == pytest.approx(plain + 0.004 / per_row, rel=1e-3)
     model.observe_drafts(1.0, 0)  # no draft tokens: nothing to learn
     assert model.draft_token_s == pytest.approx(0.004, rel=1e-3)
+
+
+def test_attention_pairs_count_each_layers_window():
+    """A layer with a window of W pairs a token with at most W keys; the model's pairs are the layers' mean."""
+    import random
+
+    def brute(prefix_lens, extend_lens, windows):
+        return sum(min(p + i, w) if w else p + i for w in windows for p, n in zip(prefix_lens, extend_lens)
+                   for i in range(1, n + 1)) / len(windows)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        prefix_lens, extend_lens = [rng.randint(0, 40) for _ in range(3)], [rng.randint(1, 20) for _ in range(3)]
+        windows = [rng.choice([0, 1, 5, 16, 50]) for _ in range(rng.randint(1, 4))]
+        assert attention_pairs(prefix_lens, extend_lens, windows) == pytest.approx(brute(prefix_lens, extend_lens,
+                                                                                         windows))
+    assert attention_pairs([1000], [1], [256]) == 256 and attention_pairs([1000], [1], [256, 0]) == (256 + 1001) / 2
+    model = StepCostModel([(8, 100.0, 0.01), (64, 900.0, 0.05), (256, 40000.0, 0.2)], windows=(8, 0))
+    assert model.pairs([100], [2]) == attention_pairs([100], [2], (8, 0))

@@ -12,7 +12,6 @@ from procs.scheduler.step_cost import StepCostModel
 from shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
 from shared.liveness import pid_gone
 from shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
-from shared.step_features import attention_pairs
 
 WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
 
@@ -69,7 +68,7 @@ class RemoteWorker:
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
                     # A draft model's proposing is its own cost, apart from the model's step.
-                    self.cost.observe(batch.num_tokens, attention_pairs(batch.prefix_lens, batch.extend_lens),
+                    self.cost.observe(batch.num_tokens, self.cost.pairs(batch.prefix_lens, batch.extend_lens),
                                       now - started - result.draft_s,
                                       with_prefill=batch.num_tokens > batch.num_sampled)
                     if result.draft_s:

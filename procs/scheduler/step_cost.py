@@ -59,11 +59,17 @@ class LinearStepCost:
     scripts one; `StepCostModel` fits its weights to measured steps. `margin`: how much longer than
     predicted the slow steps with prefill run (1 here: a scripted cost is exact)."""
 
-    def __init__(self, weights: tuple[float, float, float, float], experts: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, weights: tuple[float, float, float, float], experts: tuple[int, int] = (0, 0),
+                 windows: Sequence[int] = ()) -> None:
         self.weights = weights
         self.experts = experts
+        self.windows = tuple(windows)  # each layer's sliding window (`attention_pairs`)
         self.margin = 1.0
         self.draft_token_s = 0.0  # a draft model's seconds to propose one token (`StepCostModel.observe_drafts`)
+
+    def pairs(self, prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray) -> float:
+        """The attention pairs of rows feeding `extend_lens` tokens after `prefix_lens`, this model's windows counted."""
+        return attention_pairs(prefix_lens, extend_lens, self.windows)
 
     def predict(self, tokens: float, pairs: float) -> float:
         w0, w1, w2, w3 = self.weights
@@ -102,7 +108,7 @@ class LinearStepCost:
         """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
         `step_s`, for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
         def fits(n: int) -> bool:
-            return self.predict(decode_rows + n, decode_pairs + attention_pairs([prefix], [n])) <= step_s
+            return self.predict(decode_rows + n, decode_pairs + self.pairs([prefix], [n])) <= step_s
         if not fits(1):
             return 0
         low, high = 1, limit  # fits(low); find the largest n that fits (time grows with n)
@@ -118,10 +124,13 @@ class LinearStepCost:
 class StepCostModel(LinearStepCost):
     """The weights fitted to the worker's startup probe, then refitted from the steps measured since."""
 
-    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0),
+                 windows: Sequence[int] = ()) -> None:
         """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
-        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense."""
+        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense;
+        `windows`: each layer's sliding window (the probe's pairs count them too)."""
         self.experts = experts
+        self.windows = tuple(windows)
         self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
@@ -130,7 +139,7 @@ class StepCostModel(LinearStepCost):
         weights = self._fit(self._probe)
         if weights is None:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
-        super().__init__(weights, experts)
+        super().__init__(weights, experts, windows)
 
     def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
         """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
@@ -203,4 +212,4 @@ def cost_model_for(config: SchedulerConfig, info: WorkerInfo) -> StepCostModel |
     probe of at least two step sizes)."""
     if not (config.max_step_s or config.speculative != "off") or len({t for t, _, _ in info.step_costs}) < 2:
         return None
-    return StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k))
+    return StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k), info.layer_windows)

@@ -23,6 +23,7 @@ from procs.scheduler.ngram import NgramProposer
 from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_cost import LinearStepCost
 from procs.scheduler.step_time_cap import StepTimeCap
+from shared.step_features import attention_pairs
 
 
 class Proposer(Protocol):
@@ -82,8 +83,8 @@ class StepPlanner:
         """(decode tokens, their attention pairs next step): what a step carries besides prefill. A row of
         width k after p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
         view = self.decode.batch_view()
-        w = view.widths
-        return view.tokens, float((self.table.kv_len[view.slots] * w).sum() + (w * (w + 1) // 2).sum())
+        return view.tokens, attention_pairs(self.table.kv_len[view.slots], view.widths,
+                                            self.cost.windows if self.cost is not None else ())
 
     @property
     def num_prefilling(self) -> int:
@@ -163,4 +164,4 @@ class StepPlanner:
         if self.cap is None:
             return None
         n, p = planned.tokens, self.table.kv_len[planned.slots]
-        return self.cap.cost.predict(int(n.sum()), float((n * (p + (n + 1) / 2)).sum()))  # `attention_pairs`
+        return self.cap.cost.predict(int(n.sum()), self.cap.cost.pairs(p, n))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from procs.scheduler.step_cost import LinearStepCost
@@ -42,15 +42,17 @@ class PrefillDemand:
     grows until fewer requests decode (so each step's decodes shrink and prefill's share grows), at a
     cost in throughput and time to first token."""
 
-    def __init__(self, window_s: float = DEMAND_WINDOW_S) -> None:
+    def __init__(self, window_s: float = DEMAND_WINDOW_S, layer_windows: Sequence[int] = ()) -> None:
         self.window_s = window_s
+        self.layer_windows = tuple(layer_windows)  # each layer's sliding window (`attention_pairs`)
         self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, tokens to compute, attention pairs)
         self._tokens = 0  # the window's sums
         self._pairs = 0.0
 
     def arrived(self, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         """A prompt of `prompt_tokens`, the first `cached_tokens` of which the prefix cache holds."""
-        tokens, pairs = prompt_tokens - cached_tokens, attention_pairs([cached_tokens], [prompt_tokens - cached_tokens])
+        tokens = prompt_tokens - cached_tokens
+        pairs = attention_pairs([cached_tokens], [tokens], self.layer_windows)
         self._arrivals.append((now, tokens, pairs))
         self._tokens += tokens
         self._pairs += pairs
@@ -95,7 +97,7 @@ class StepTimeCap:
         self.min_share = min_share
         self.budget = budget
         self.clock = clock
-        self.demand = PrefillDemand()  # the prompts arriving, which the prefill share keeps up with
+        self.demand = PrefillDemand(layer_windows=cost.windows)  # the prompts arriving, which the prefill share keeps up with
         self.steps_out_of_reach = 0  # steps with prefill work whose decodes alone were predicted over the target
         self._said_out_of_reach = False
 

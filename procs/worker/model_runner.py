@@ -250,7 +250,7 @@ class ModelRunner:
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
                           moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
-                          sliding_window=self._shared_window())
+                          sliding_window=self._shared_window(), layer_windows=list(self.config.windows))
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
@@ -275,7 +275,7 @@ class ModelRunner:
         for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
             batch = self._probe_batch(prefix_lens, extend_lens)
             seconds = min(self._timed(batch) for _ in range(2))  # the faster run: less disturbed
-            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens), seconds))
+            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens, self.config.windows), seconds))
         return costs[1:]
 
     def _probe_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
