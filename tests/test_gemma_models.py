@@ -1,26 +1,25 @@
-"""Gemma 2 and Gemma 3 (Gemma3ForCausalLM, and Gemma3ForConditionalGeneration as its text model) on tiny random models built from transformers configs: sliding layers (a
-window of 8) beside global ones, prompts and outputs that cross the window, attention and final soft-caps
-small enough to bite (Gemma 2), q/k norms and the sliding layers' own rope base (Gemma 3). Greedy tokens
-equal transformers' `generate` at batch 1 however the batch is cut, with and without the C kernels; every
-position's logits within 1e-4 over chunked prompts; through the scheduler with cache hits and preemption."""
+"""Gemma 2 and Gemma 3 (Gemma3ForCausalLM, and Gemma3ForConditionalGeneration as its text model) on tiny
+random models built from transformers configs: sliding layers (a window of 8) beside global ones, prompts
+and outputs that cross the window, attention and final soft-caps small enough to bite (Gemma 2), q/k norms
+and the sliding layers' own rope base (Gemma 3). Greedy tokens equal transformers' `generate` at batch 1
+however the batch is cut, with and without the C kernels; every position's logits within 1e-4 over chunked
+prompts; through the scheduler with cache hits and preemption."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
-from kernels import native
-from model_batches import _plan, _Request, generate_greedy
+from model_batches import generate_greedy
+from model_references import assert_chunked_logits_close, greedy_references, small_runner, torch_only
 from procs.engine import OfflineEngine, request
 from procs.worker.loader import load_model_config
-from procs.worker.model_runner import ModelRunner
 from shared.config import ServerConfig
 from shared.model import ModelLoadError, ModelSpec
-from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+from test_model_equivalence import SCHEDULES, transformers_greedy_text
 
 NEW_TOKENS = 20
 PROMPT_LENS = (25, 4, 13, 9)
@@ -44,20 +43,7 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            model_dir = tiny_model_dir(**MODELS[name])
-            cache[name] = (model_dir, transformers_greedy(model_dir, _prompts(), NEW_TOKENS))
-        return cache[name]
-
-    return get
-
-
-def _runner(model_dir) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8)
+    return greedy_references(tiny_model_dir, MODELS, lambda _: _prompts(), NEW_TOKENS)
 
 
 def test_configs_are_read_as_transformers_reads_them(tiny_model_dir):
@@ -74,42 +60,19 @@ def test_configs_are_read_as_transformers_reads_them(tiny_model_dir):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_matches_transformers(references, model, schedule):
     model_dir, expected = references(model)
-    assert generate_greedy(_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+    assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
 def test_torch_only_path_matches_transformers(references, model, monkeypatch):
     model_dir, expected = references(model)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library.cache_clear()
-    try:
-        got = generate_greedy(_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"])
-    finally:
-        monkeypatch.delenv(native.DISABLE_ENV)
-        native.library.cache_clear()
-    assert got == expected
+    with torch_only(monkeypatch):
+        assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
 def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tiny_model_dir(**MODELS[model])
-    prompt = _prompts()[0]
-    with torch.inference_mode():
-        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0]
-    runner = _runner(model_dir)
-    r, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
-    with torch.inference_mode():
-        for start in range(0, len(prompt), 5):
-            chunk = prompt[start:start + 5]
-            batch = _plan(start // 5, [(r, chunk, False)], runner.page_size, free_pages)
-            r.fed += len(chunk)
-            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
-                                                     batch.page_table_pages)
-            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(chunk))))
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_close(tiny_model_dir(**MODELS[model]), _prompts()[0])
 
 
 def test_scheduled_requests_match_transformers(tiny_model_dir):

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import native
 from kernels.rope import RotaryTables, attention_factor, inv_freq
 from model_batches import generate_greedy
 from procs.engine import OfflineEngine, request
-from procs.worker.model_runner import ModelRunner
 from shared.model import ModelLoadError
 from shared.rope import RopeConfig
-from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+from model_references import greedy_references, small_runner, torch_only
+from test_model_equivalence import SCHEDULES, transformers_greedy_text
 
 ORIGINAL = 32  # the original context every model here extends
 NEW_TOKENS = 24
@@ -66,20 +65,7 @@ def _prompts(model: str = "") -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            model_dir = tiny_model_dir(**MODELS[name])
-            cache[name] = (model_dir, transformers_greedy(model_dir, _prompts(name), NEW_TOKENS))
-        return cache[name]
-
-    return get
-
-
-def _runner(model_dir) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8)
+    return greedy_references(tiny_model_dir, MODELS, _prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -109,32 +95,26 @@ def test_frequencies_and_attention_factor_are_transformers(tiny_model_dir, model
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_matches_transformers(references, model, schedule):
     model_dir, expected = references(model)
-    assert generate_greedy(_runner(model_dir), _prompts(model), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+    assert generate_greedy(small_runner(model_dir), _prompts(model), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
 @pytest.mark.parametrize("model", ["phi3-longrope", "phi3-longrope-partial", "llama-yarn"])
 def test_torch_only_path_matches_transformers(references, model, monkeypatch):
     model_dir, expected = references(model)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library.cache_clear()
-    try:
-        got = generate_greedy(_runner(model_dir), _prompts(model), NEW_TOKENS, **SCHEDULES["mixed"])
-    finally:
-        monkeypatch.delenv(native.DISABLE_ENV)
-        native.library.cache_clear()
-    assert got == expected
+    with torch_only(monkeypatch):
+        assert generate_greedy(small_runner(model_dir), _prompts(model), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
 def test_longrope_regime_follows_the_prompt_and_the_position(tiny_model_dir):
     """The long factors for every token of a prompt longer than the original context and for any token
     past it; the short ones otherwise, whatever chunk the token comes in."""
-    runner = _runner(tiny_model_dir(**MODELS["phi3-longrope"]))
+    runner = small_runner(tiny_model_dir(**MODELS["phi3-longrope"]))
     tables: RotaryTables = runner.model.rope
     positions = np.asarray([0, 31, 32, 0, 31, 32], dtype=np.int32)
     prompt_lens = np.asarray([32, 32, 32, 33, 33, 33])
     assert tables.rows(positions, prompt_lens).tolist() == [0, 31, 128 + 32, 128, 128 + 31, 128 + 32]
     assert runner.worker_info().rope_switch_length == ORIGINAL
-    assert _runner(tiny_model_dir(**MODELS["llama-yarn"])).worker_info().rope_switch_length == 0
+    assert small_runner(tiny_model_dir(**MODELS["llama-yarn"])).worker_info().rope_switch_length == 0
 
 
 # ------------------------------------------------------------------ through the scheduler
@@ -227,4 +207,4 @@ def test_phi3_checkpoint_problems_are_refused(tiny_model_dir, tmp_path):
     tensors["model.layers.0.self_attn.qkv_proj.weight"] = tensors["model.layers.0.self_attn.qkv_proj.weight"][:-16]
     save_file(tensors, weights_file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model.layers.0.self_attn.qkv_proj.weight has 112 rows, expected 128"):
-        _runner(model_dir)
+        small_runner(model_dir)

@@ -9,18 +9,16 @@ prefix-cache hits."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from kernels import native
-from model_batches import _plan, _Request, generate_greedy
+from model_batches import generate_greedy
+from model_references import assert_chunked_logits_close, greedy_references, small_runner, torch_only
 from procs.engine import OfflineEngine, request
 from procs.worker.loader import load_model_config
-from procs.worker.model_runner import ModelRunner
 from shared.config import ServerConfig
 from shared.model import ModelLoadError, ModelSpec
-from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+from test_model_equivalence import SCHEDULES, transformers_greedy_text
 
 NEW_TOKENS = 20
 PROMPT_LENS = (30, 5, 13, 9, 21)
@@ -44,20 +42,8 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            model_dir = tiny_model_dir(**MODELS[name][0])
-            cache[name] = (model_dir, transformers_greedy(model_dir, _prompts(), NEW_TOKENS))
-        return cache[name]
-
-    return get
-
-
-def _runner(model_dir) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8)
+    return greedy_references(tiny_model_dir, {name: overrides for name, (overrides, _) in MODELS.items()},
+                             lambda _: _prompts(), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -70,7 +56,7 @@ def test_windows_are_read_as_transformers_reads_them(tiny_model_dir, model):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_greedy_matches_transformers(references, model, schedule):
     model_dir, expected = references(model)
-    runner = _runner(model_dir)
+    runner = small_runner(model_dir)
     assert runner.attention.windows == MODELS[model][1]
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
@@ -78,41 +64,16 @@ def test_greedy_matches_transformers(references, model, schedule):
 @pytest.mark.parametrize("model", ["mistral", "qwen2-layer-types"])
 def test_torch_only_path_matches_transformers(references, model, monkeypatch):
     model_dir, expected = references(model)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.library.cache_clear()
-    try:
-        runner = _runner(model_dir)
+    with torch_only(monkeypatch):
+        runner = small_runner(model_dir)
         assert runner.attention.name == "torch" and not runner.model.fuse_decode_layers
-        got = generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"])
-    finally:
-        monkeypatch.delenv(native.DISABLE_ENV)
-        native.library.cache_clear()
-    assert got == expected
+        assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
 @pytest.mark.parametrize("model", ["mistral", "qwen2-layer-types"])
 def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
     """A 30-token prompt in chunks of 5: every position's logits (prompt logprobs' input) are transformers'."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tiny_model_dir(**MODELS[model][0])
-    prompt = _prompts()[0]
-    with torch.inference_mode():
-        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
-            torch.tensor([prompt])).logits[0]
-    runner = _runner(model_dir)
-    r = _Request(prompt, 0, slot=0)
-    free_pages = list(range(runner.kv_cache.num_pages - 1, 0, -1))
-    got = []
-    with torch.inference_mode():
-        for start in range(0, len(prompt), 5):
-            chunk = prompt[start:start + 5]
-            batch = _plan(start // 5, [(r, chunk, False)], runner.page_size, free_pages)
-            r.fed += len(chunk)
-            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
-                                                     batch.page_table_pages)
-            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(chunk))))
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+    assert_chunked_logits_close(tiny_model_dir(**MODELS[model][0]), _prompts()[0])
 
 
 # ------------------------------------------------------------------ through the scheduler
@@ -123,7 +84,8 @@ def _words(n: int, first: int) -> str:
 
 SERVED = {  # all layers sliding; sliding beside full (the word tokenizer needs a non-Qwen model type)
     "mistral": MODELS["mistral"][0],
-    "gemma2-mixed": dict(arch="gemma2", head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "gemma2-mixed": dict(arch="gemma2", head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
 }
 
 

@@ -1,0 +1,68 @@
+"""What the architecture tests share: a runner on a tiny model, transformers' greedy tokens cached per
+model, the torch-only path (the C kernels switched off), and every position's logits over a chunked
+prompt (what prompt logprobs are made of)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import native
+from model_batches import _plan, _Request
+from procs.worker.model_runner import ModelRunner
+from test_model_equivalence import transformers_greedy
+
+
+def small_runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
+                       max_running_requests=8)
+
+
+def greedy_references(tiny_model_dir: Callable[..., Path], models: dict[str, dict],
+                      prompts: Callable[[str], list[list[int]]], new_tokens: int) -> Callable[[str], tuple]:
+    """name -> (model folder, transformers' greedy tokens for `prompts(name)`), each built once."""
+    cache: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[Path, list[list[int]]]:
+        if name not in cache:
+            model_dir = tiny_model_dir(**models[name])
+            cache[name] = (model_dir, transformers_greedy(model_dir, prompts(name), new_tokens))
+        return cache[name]
+
+    return get
+
+
+@contextmanager
+def torch_only(monkeypatch) -> Iterator[None]:
+    """The C kernels off (torch's ops and attention backend) for what runs inside."""
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.library.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv(native.DISABLE_ENV)
+        native.library.cache_clear()
+
+
+def assert_chunked_logits_close(model_dir: Path, prompt: list[int], chunk: int = 5) -> None:
+    """Every position's logits of `prompt` fed in chunks within 1e-4 of transformers' one pass (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
+            torch.tensor([prompt])).logits[0]
+    runner = small_runner(model_dir)
+    request, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
+    with torch.inference_mode():
+        for start in range(0, len(prompt), chunk):
+            tokens = prompt[start:start + chunk]
+            batch = _plan(start // chunk, [(request, tokens, False)], runner.page_size, free_pages)
+            request.fed += len(tokens)
+            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
+                                                     batch.page_table_pages)
+            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(tokens))))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
