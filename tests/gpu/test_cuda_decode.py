@@ -79,7 +79,9 @@ def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False) -
     ([0, 2, 3], [33, 50, 16], [1, 1, 1]),  # decode only
     ([0, 2, 3], [33, 50, 16], [3, 3, 3]),  # decode rows of 3 tokens
 ])
-def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens):
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (8, 0.0), (8, 30.0)], ids=["full", "window-8", "softcap"])
+def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens, window, softcap):
+    """Also a sliding window shorter than every context (window_left) and Gemma 2's soft-capped scores."""
     cache = random_cache()
     metadata = AttentionMetadata(slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                  kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens))
@@ -88,8 +90,10 @@ def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens):
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     scale = HEAD_DIM ** -0.5
-    expected = attend(create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, scale), metadata, q, k, v)
-    got = attend(create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, scale), metadata, q, k, v)
+    expected = attend(create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
+                      metadata, q, k, v)
+    got = attend(create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
+                 metadata, q, k, v)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
