@@ -68,6 +68,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     step_cost: ScenarioStepCost | None = None
     min_prefill_share: NonNegativeFloat = 0.5
     sliding_window: NonNegativeInt = 0  # every layer's window: pages before it go back (SCHEDULING.md 5)
+    rope_switch_length: NonNegativeInt = 0  # longrope's original context: a request growing past it is recomputed
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -147,7 +148,7 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
                                fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
-                               sliding_window=c.sliding_window)
+                               sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
