@@ -19,7 +19,8 @@ from procs.engine import OfflineEngine, request
 from procs.worker.loader import load_model_config
 from shared.config import ServerConfig
 from shared.model import ModelLoadError, ModelSpec
-from test_model_equivalence import SCHEDULES, transformers_greedy_text
+from procs.worker.model_runner import ModelRunner
+from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
 
 NEW_TOKENS = 20
 PROMPT_LENS = (25, 4, 13, 9)
@@ -98,3 +99,16 @@ def test_other_activations_are_refused(tiny_model_dir, tmp_path):
     (model_dir / "config.json").write_text(json.dumps({**config, "hidden_activation": "relu"}))
     with pytest.raises(ModelLoadError, match="unsupported hidden_activation 'relu'"):
         load_model_config(ModelSpec.resolve(model_dir))
+
+
+def test_a_window_as_long_as_the_context_keeps_the_local_rope(tiny_model_dir):
+    """Served at a context no longer than its window, Gemma 3's sliding layers mask nothing, yet rotate
+    with their own rope base still (transformers' tokens)."""
+    overrides = {**MODELS["gemma3-rope-scaling"], "sliding_window": 64}
+    model_dir = tiny_model_dir(**overrides)
+    prompts = _prompts()
+    expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
+                         max_running_requests=8, max_context=64)
+    assert runner.config.windows == () and runner.config.local_rope_layers == (0,)
+    assert generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES["mixed"]) == expected

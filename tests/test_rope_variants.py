@@ -208,3 +208,21 @@ def test_phi3_checkpoint_problems_are_refused(tiny_model_dir, tmp_path):
     save_file(tensors, weights_file, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model.layers.0.self_attn.qkv_proj.weight has 112 rows, expected 128"):
         small_runner(model_dir)
+
+
+def test_draft_rows_end_before_the_switch():
+    """A short request's speculative row stops at the last position before the switch (the request is
+    recomputed there); a long one's is not held back."""
+    from procs.scheduler import Scheduler, SchedulerConfig
+    from shared.messages import RequestParams, StopParams
+    from test_scheduler_sliding_window import WindowExecutor
+
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=32, kv_capacity_tokens=128, rope_switch_length=8,
+                             speculative="ngram")
+    sched = Scheduler(config, eos_token_ids=(2,))
+    prompts = {"short": list(range(3, 9)), "long": list(range(20, 30))}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, RequestParams(stop=StopParams(max_tokens=20, ignore_eos=True)))
+    sched.step(WindowExecutor(sched, prompts, 10 ** 9))  # both prompts in: KV 6 and 10
+    room = {rid: sched.planner.draft_room(sched.requests[rid].slot) for rid in prompts}
+    assert room == {"short": 8 - 1 - 6, "long": 20 - 1 - 2}

@@ -103,9 +103,24 @@ def test_a_window_runs_more_requests_at_once():
 def test_windowed_requests_are_preempted_and_recomputed():
     """Short prompts, long outputs, a 5 % estimate: the running requests outgrow the pool before their
     windows cap them, the newest is preempted and recomputed (its window's KV checked again)."""
-    config = SchedulerConfig(max_running_requests=4, prefill_budget=16, kv_capacity_tokens=24, page_size=2,
+    config = SchedulerConfig(max_running_requests=4, prefill_budget=8, kv_capacity_tokens=24, page_size=2,
                              kv_reserve_ratio=0.05, sliding_window=8, max_context=64)
     _, preempted = run(config, [(0, 2, 30)] * 6)
     assert preempted > 0
 
 
+
+
+def test_a_request_a_recompute_could_not_fit_is_refused_on_arrival():
+    """With a window, a recompute's prompt holds the generated tokens: at arrival the worst case over any
+    recompute must fit the pool, or the request would wait forever (and the queue behind it)."""
+    import pytest
+
+    from shared.errors import Refusal
+
+    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=32, page_size=4,
+                             sliding_window=8, max_context=128)
+    sched = Scheduler(config, eos_token_ids=(EOS,))
+    with pytest.raises(Refusal, match="can never fit"):
+        sched.add_request("long", [5] * 4, RequestParams(stop=StopParams(max_tokens=100)))
+    sched.add_request("short", [5] * 4, RequestParams(stop=StopParams(max_tokens=8)))  # 12 tokens: fits

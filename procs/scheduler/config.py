@@ -80,6 +80,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
+        if self.prefix_cache and self.sliding_window:
+            raise SchedulerConfigError("prefix_cache and sliding_window exclude each other: a cached prefix needs "
+                                       "every page, which the window gives back (SCHEDULING.md 5)")
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -187,7 +187,8 @@ class Scheduler:
         max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
-        if (self.kv.pages_for(self.kv.windowed(total, prompt.shape[0])) > self.num_kv_pages
+        # with a window, the worst over any recompute too (its prompt then holds the generated tokens)
+        if (self.kv.pages_for(self.kv.windowed(total, total)) > self.num_kv_pages
                 or self.kv.pages_for(total) > self.max_pages_per_request):
             raise Refusal(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
                           f"in the KV cache of {self.kv_capacity_tokens} tokens", "max_tokens")

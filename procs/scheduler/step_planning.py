@@ -136,8 +136,13 @@ class StepPlanner:
 
     def draft_room(self, slot: int) -> int:
         """The most draft tokens the slot's next row may carry: its row of 1 + draft stays one token below
-        its token limit (SCHEDULING.md 6.4)."""
-        return int(self.table.token_limit[slot] - self.table.generated[slot]) - 2
+        its token limit (SCHEDULING.md 6.4), and a short request's row ends before a rope's switch (the
+        request is recomputed there, SCHEDULING.md 5)."""
+        t, switch = self.table, self.config.rope_switch_length
+        room = int(t.token_limit[slot] - t.generated[slot]) - 2
+        if switch and t.prompt_len[slot] <= switch:
+            room = min(room, switch - 1 - int(t.kv_len[slot]))
+        return room
 
     def prompt_cap(self, prefill_tokens: int | None) -> int | None:
         """This step's prompt-token cap: the caller's, else the step-time cap's (None: the budget alone)."""

@@ -60,6 +60,7 @@ class Gemma3Model(LlamaModel):
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
         raw = with_defaults(raw, GEMMA3_DEFAULTS)
         layers, pattern = int(raw["num_hidden_layers"]), int(raw["sliding_window_pattern"])
+        layer_types = raw.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
         where = config_path(spec)
         try:
             if isinstance((raw.get("rope_parameters") or {}).get(SLIDING), dict):  # transformers 5
@@ -68,8 +69,10 @@ class Gemma3Model(LlamaModel):
                 local = RopeConfig(theta=float(raw.get("rope_local_base_freq") or 10000.0))
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        return _gemma(raw, spec, [SLIDING if (i + 1) % pattern else FULL for i in range(layers)],
-                      qk_norm="head", local_rope=local)
+        # the sliding layers' rope by their kind: a window spanning the served context masks nothing but
+        # leaves the layer's rope its own
+        return _gemma(raw, spec, layer_types, qk_norm="head", local_rope=local,
+                      local_rope_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING))
 
 
 # checkpoint prefixes of Gemma3ForConditionalGeneration: the language model's, renamed to the decoder's,

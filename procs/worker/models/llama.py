@@ -51,6 +51,7 @@ class LlamaConfig(ModelConfig):
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     final_softcap: float = 0.0  # logits soft-capped at this (Gemma 2); 0: not
     local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
+    local_rope_layers: tuple[int, ...] = ()  # the layers it rotates (sliding ones, whatever their window's span)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
@@ -190,9 +191,8 @@ class LlamaModel:
             h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
         local = None if self.local_rope is None else (self.local_rope.cos[positions], self.local_rope.sin[positions])
-        windows = cfg.windows or (0,) * cfg.num_layers
         for index, layer in enumerate(self.layers):
-            rotation = local if local is not None and windows[index] else (cos, sin)
+            rotation = local if local is not None and index in cfg.local_rope_layers else (cos, sin)
             out = self._attention(layer, index, h, *rotation, attention)
             if layer.attn_out_norm is not None:
                 out = rms_norm(out, layer.attn_out_norm, eps)
