@@ -141,7 +141,7 @@ class KVManager:
         slots, first, count = slots[rows], t.dropped_pages[slots[rows]], count[rows]
         total = int(count.sum())
         rows_of = np.repeat(slots, count)
-        cols = np.repeat(first, count) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        cols = _column_runs(first, count)
         self.allocator.free(t.page_table[rows_of, cols])
         t.page_table[rows_of, cols] = 0
         t.dropped_pages[slots] += count
@@ -243,7 +243,7 @@ class KVManager:
         else:
             total = int(growth.sum())
             new_slots = np.repeat(slots, growth)
-            new_cols = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(growth) - growth - have, growth)
+            new_cols = _column_runs(have, growth)
         attached, self._attached = self._attached, []
         if not total:
             return _joined(attached) if attached else NO_UPDATES
@@ -266,7 +266,7 @@ class KVManager:
         if not rows.shape[0]:
             return
         slots, keep, extra = slots[rows], keep[rows], extra[rows]
-        cols = np.repeat(keep, extra) + np.arange(int(extra.sum()), dtype=np.int64) - np.repeat(np.cumsum(extra) - extra, extra)
+        cols = _column_runs(keep, extra)
         self.allocator.free(t.page_table[np.repeat(slots, extra), cols])
         t.num_pages[slots] = keep
 
@@ -295,6 +295,12 @@ class KVManager:
         for request in requests:
             cache.dereference(request.cache_path)
             request.cache_path = []
+
+
+def _column_runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Page-table columns starts[i] .. starts[i] + counts[i] - 1 of every row i, concatenated."""
+    total = int(counts.sum())
+    return np.repeat(starts, counts) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _joined(parts: list[PageTableUpdates]) -> PageTableUpdates:
