@@ -26,10 +26,32 @@ from kernels import native
 from kernels.ops import silu_and_mul_torch
 from kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
 
-# A gated MLP's activation of its fused gate | up output [rows, 2 * I] -> [rows, I] (pluggable: gpt-oss
-# clamps its SwiGLU). The C kernel runs "silu".
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation of gate | up [rows, 2 * I]: (up + 1) * gate * sigmoid(alpha * gate), the gate
+    clamped above at `limit` and up to [-limit, limit] first (transformers' GptOssExperts arithmetic)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+# A gated MLP's activation of its fused gate | up output [rows, 2 * I] -> [rows, I]: SiLU-and-mul by name
+# (what the C kernel runs), or a `ClampedSwiGLU`.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": silu_and_mul_torch}
+ExpertActivation = str | ClampedSwiGLU
 ExpertWeight = torch.Tensor | StackedPanels
+
+
+def activation_fn(activation: ExpertActivation) -> Callable[[torch.Tensor], torch.Tensor]:
+    return ACTIVATIONS[activation] if isinstance(activation, str) else activation
 
 
 @dataclass(frozen=True)
@@ -45,7 +67,7 @@ class Experts:
     first: int
     count: int
     intermediate: int  # this rank's share of each expert's intermediate size
-    activation: str = "silu"
+    activation: ExpertActivation = "silu"
 
     @property
     def panels(self) -> bool:
@@ -53,11 +75,15 @@ class Experts:
 
 
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_bias: torch.Tensor | None, *, first: int, quantization: str, activation: str = "silu") -> Experts:
+                 down_bias: torch.Tensor | None, *, first: int, quantization: str,
+                 activation: ExpertActivation = "silu") -> Experts:
     """Experts from stacked weights, packed as `kernels.ops.pack_linear_weight` packs a dense layer: C panels
-    on the CPU at fp32 (int8 with `quantization="int8"`), plain tensors elsewhere."""
-    if activation not in ACTIVATIONS:
+    on the CPU at fp32 (int8 with `quantization="int8"`), plain tensors elsewhere. The C kernel runs SiLU
+    experts only: others are plain tensors, and int8 is refused for them."""
+    if isinstance(activation, str) and activation not in ACTIVATIONS:
         raise ValueError(f"unknown expert activation {activation!r}")
+    if quantization == "int8" and activation != "silu":
+        raise ValueError(f"int8 experts run in the C kernel, whose experts are SiLU-gated, not {activation}")
     on_cpu_fp32 = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
     panels = quantization == "int8" or (on_cpu_fp32 and native.available() and activation == "silu")
     pack = (lambda w: pack_stacked_panels(w, quantization)) if panels else (lambda w: w.contiguous())
@@ -115,7 +141,7 @@ def _grouped_experts(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts
     h = torch._grouped_mm(rows, experts.gate_up.transpose(-2, -1), offs=offsets)
     if experts.gate_up_bias is not None:
         h = h + experts.gate_up_bias[owner]
-    y = torch._grouped_mm(ACTIVATIONS[experts.activation](h), experts.down.transpose(-2, -1), offs=offsets)
+    y = torch._grouped_mm(activation_fn(experts.activation)(h), experts.down.transpose(-2, -1), offs=offsets)
     return y if experts.down_bias is None else y + experts.down_bias[owner]
 
 
@@ -127,7 +153,7 @@ def _expert_loop(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts) ->
         if n:
             bias = lambda b: None if b is None else b[e]
             h = torch.nn.functional.linear(rows[start:start + n], experts.gate_up[e], bias(experts.gate_up_bias))
-            y[start:start + n] = torch.nn.functional.linear(ACTIVATIONS[experts.activation](h), experts.down[e],
+            y[start:start + n] = torch.nn.functional.linear(activation_fn(experts.activation)(h), experts.down[e],
                                                             bias(experts.down_bias))
         start += n
     return y

@@ -42,7 +42,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # exported function -> (restype, argtypes)
 SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                              _i64, _i64, _f32, _i64, _f32]),
+                                              _i64, _i64, _f32, _i64, _f32, _ptr]),
     "argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
     "add_rms_norm": (None, [_ptr, _ptr, _i64, _i64, _ptr, _f32, _ptr]),
@@ -358,14 +358,15 @@ def check_pages(pages: torch.Tensor, lens: torch.Tensor, num_pages: int, page_si
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
                            lens: torch.Tensor, scale: float, *, window: int = 0, softcap: float = 0.0,
-                           pages_checked: bool = False) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, pages_checked: bool = False) -> torch.Tensor:
     """Attention of one query token per row over its cached tokens, read through its page list.
 
     q [b, heads, head_dim] (rows may be strided, heads and dims contiguous), k_pool/v_pool
     [num_pages, page_size, kv_heads, head_dim], pages [b, max_pages] int64, lens [b] int64 with
     1 <= lens <= max_pages * page_size; all fp32 on the CPU. Returns [b, heads, head_dim]. `window` > 0:
     each row attends to its last `window` tokens only (a sliding-window layer); `softcap` > 0: scores are
-    soft-capped before the softmax.
+    soft-capped before the softmax; `sinks` [heads] fp32: each head's sink logit joins its softmax's
+    denominator (gpt-oss).
     `pages_checked`: the caller ran `check_pages` on these pages and lens already (once per step
     rather than once per layer), so only their scan for out-of-range values is skipped.
     """
@@ -381,6 +382,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
     _check(window >= 0, "window must be >= 0")
+    _check(sinks is None or (sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_cpu
+                             and sinks.is_contiguous()), f"sinks must be contiguous fp32 [{heads}] on the CPU")
     if pages_checked:
         _check_page_layout(pages, lens, page_size)
     else:
@@ -393,7 +396,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
     status = lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                                         pages.data_ptr(), max_pages, lens.data_ptr(), out.data_ptr(), batch, heads,
-                                        kv_heads, head_dim, page_size, scale, window, softcap)
+                                        kv_heads, head_dim, page_size, scale, window, softcap,
+                                        None if sinks is None else sinks.data_ptr())
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory")
     return out

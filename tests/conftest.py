@@ -52,7 +52,7 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, *, thinkin
     tokenizer.save_pretrained(out_dir)
 
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 ROUTER_SCALE = 10.0  # MoE routers' weights scaled up: clear winners, so fp32 rounding never flips a top-k
 
 
@@ -61,14 +61,14 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
     """Save a random-weight LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM /
     Phi3ForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM, a Gemma3ForConditionalGeneration ("gemma3_mm":
     a one-layer vision tower beside the text model the overrides configure) or a
-    mixture of experts (`MOE_ARCHS`: 8 experts, top 2) (fp32) into out_dir. `fused_experts`: the experts
+    mixture of experts (`MOE_ARCHS`, GptOssForCausalLM among them: 8 experts, top 2) (fp32) into out_dir. `fused_experts`: the experts
     in transformers 5's fused tensors (`save_original_format=False`) rather than one tensor per expert."""
     import torch
     import transformers
 
     classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
                "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "phi3": "Phi3",
-               "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma3_mm": "Gemma3"}
+               "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma3_mm": "Gemma3", "gpt_oss": "GptOss"}
     config_cls = getattr(transformers, classes[arch] + ("TextConfig" if arch in ("gemma3", "gemma3_mm") else "Config"))
     model_cls = getattr(transformers, classes[arch] + "ForCausalLM")
     fields: dict[str, Any] = dict(
@@ -79,8 +79,10 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
     if arch in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = 16
     if arch in MOE_ARCHS:
-        fields.update(num_experts_per_tok=2, **{"num_local_experts" if arch == "mixtral" else "num_experts": 8})
+        experts_key = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
+        fields.update(num_experts_per_tok=2, **{experts_key: 8})
         fields.update(dict(mixtral=dict(intermediate_size=48), olmoe=dict(intermediate_size=48),
+                           gpt_oss=dict(intermediate_size=32, head_dim=16),
                            qwen2_moe=dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
                            qwen3_moe=dict(moe_intermediate_size=32)).get(arch, {}))
     fields.update(overrides)
@@ -98,8 +100,10 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
                 param.normal_(0.0, 0.2)
             elif "norm" in name:
                 param.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.mul_(ROUTER_SCALE)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the weight
+                param.normal_(0.0, 1.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, save_original_format=not fused_experts)
     if with_tokenizer in ("bytes", "thinking"):

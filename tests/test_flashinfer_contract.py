@@ -288,7 +288,8 @@ class FakeWrapper:
         plan = self.planned
         require(plan is not None, "run() before plan()")
         require(call["args"] == (), "no custom-kernel *args for the default attention")
-        require(call["out"] is None and not call["return_lse"], "the fake computes a plain output only")
+        require(call["out"] is None and call["lse"] is None, "the fake allocates its outputs itself")
+        require(call["sinks"] is None, "sinks are taken by flashinfer's trtllm-gen kernels only")
         q, kv = call["q"], call["paged_kv_cache"]
         require(isinstance(kv, tuple) and len(kv) == 2, "paged_kv_cache is passed as a (k_cache, v_cache) tuple")
         k_cache, v_cache = kv
@@ -303,9 +304,9 @@ class FakeWrapper:
         require(tuple(q.shape) == expected_q, f"q must be {expected_q}, got {tuple(q.shape)}")
         pages = plan.page_lists()
         require(all(0 <= p < k_cache.shape[0] for request, _ in pages for p in request), "page index outside the pool")
-        out = paged_attention(q, k_cache, v_cache, plan)
+        out, lse = paged_attention(q, k_cache, v_cache, plan)
         self.runs.append(Run(q, k_cache, v_cache, out))
-        return out
+        return (out, lse) if call["return_lse"] else out
 
 
 class FakeDecodeWrapper(FakeWrapper):
@@ -408,11 +409,14 @@ class FakeFlashInfer:
         return [w for w in self.wrappers if w.kind == kind and getattr(w, "use_cuda_graph", False) == graph]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """What flashinfer computes from a plan: each request's queries against its pages' first kv_len tokens,
     causal masks aligned to the end of the KV (flashinfer's convention), a query at i seeing keys from
-    i - window_left on (window_left >= 0), scores soft-capped with `logits_soft_cap`, float32 softmax."""
+    i - window_left on (window_left >= 0), scores soft-capped with `logits_soft_cap`, float32 softmax; and
+    the scores' log-sum-exp [T, H] in base 2 (what `return_lse` returns: the kernels' exp2 arithmetic)."""
     out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
     group = plan.num_qo_heads // plan.num_kv_heads
     for (pages, kv_len), start, end in zip(plan.page_lists(), plan.qo_indptr, plan.qo_indptr[1:]):
         index = torch.tensor(pages, dtype=torch.int64)
@@ -430,7 +434,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             visible &= keys >= query - window_left
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(q.dtype)
-    return out
+        lse[start:end] = (torch.logsumexp(scores, dim=-1) / math.log(2.0)).T
+    return out, lse
 
 
 # -- batches ---------------------------------------------------------------------------------------------
@@ -527,8 +532,9 @@ def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(
 
 
 def run_step(backends: Backends, requests: Sequence[Request], num_padding: int = 0, graph: bool = False,
-             seed: int = 1) -> AttentionMetadata:
-    """Plan both backends for the batch and run every layer; outputs go to `backends.outputs`."""
+             seed: int = 1, sinks: torch.Tensor | None = None) -> AttentionMetadata:
+    """Plan both backends for the batch and run every layer (with `sinks` [layers, heads], attention sinks);
+    outputs go to `backends.outputs`."""
     flashinfer_metadata = metadata_for(backends.flashinfer_cache, requests, num_padding)
     torch_metadata = metadata_for(backends.torch_cache, requests, num_padding)
     (backends.flashinfer.plan_cuda_graph if graph else backends.flashinfer.plan)(flashinfer_metadata)
@@ -537,8 +543,9 @@ def run_step(backends: Backends, requests: Sequence[Request], num_padding: int =
     dtype = backends.flashinfer_cache.dtype
     for layer, (q, k, v) in enumerate(layer_inputs(flashinfer_metadata.num_tokens, backends.num_heads,
                                                    backends.num_kv_heads, dtype, seed)):
-        backends.outputs.append((backends.flashinfer.forward(q, k, v, layer),
-                                 backends.torch_backend.forward(q, k, v, layer)))
+        sink = None if sinks is None else sinks[layer]
+        backends.outputs.append((backends.flashinfer.forward(q, k, v, layer, sink),
+                                 backends.torch_backend.forward(q, k, v, layer, sink)))
     return torch_metadata
 
 
@@ -679,6 +686,22 @@ def test_soft_capped_scores_match_the_torch_backend(monkeypatch, batch):
     run_step(backends, BATCHES[batch])
     assert {w.planned.arguments["logits_soft_cap"] for w in backends.fake.wrappers if w.plans} == {0.5}
     assert_outputs_match(backends)
+
+
+@pytest.mark.parametrize("batch, graph", [(name, False) for name in BATCHES] + [("decode", True)])
+def test_attention_sinks_match_the_torch_backend(monkeypatch, batch, graph):
+    """gpt-oss's sinks: the wrappers run with return_lse and the output is rescaled by the keys' share
+    beside each head's sink; the torch backend joins the sink to its softmax. Sinks large enough to take
+    most of the weight, so a dropped or misplaced one shows."""
+    backends = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0))
+    if graph:
+        backends.flashinfer.init_cuda_graphs([len(BATCHES[batch])])
+    sinks = torch.tensor([[2.0, -1.0, 0.5, 3.0], [0.0, 4.0, -2.0, 1.0]])
+    run_step(backends, BATCHES[batch], graph=graph, sinks=sinks)
+    assert_outputs_match(backends)
+    plain = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0))
+    run_step(plain, BATCHES[batch])
+    assert not torch.allclose(plain.outputs[1][1], backends.outputs[1][1])
 
 
 GRAPH_SIZES = [1, 2, 4, 8]

@@ -15,15 +15,21 @@ from native_marks import requires_native_kernels
 pytestmark = requires_native_kernels
 
 
-def _reference(q, k_pool, v_pool, pages, lens, scale):
+def _reference(q, k_pool, v_pool, pages, lens, scale, sinks=None, window=0):
+    """With `sinks` [heads]: each head's sink logit joins its softmax (a last column, dropped after); with
+    `window`, a row attends to its last `window` tokens."""
     page_size = k_pool.shape[1]
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[2]
     for row, length in enumerate(lens.tolist()):
-        tokens = [int(pages[row, t // page_size]) * page_size + t % page_size for t in range(length)]
+        first = max(0, length - window) if window else 0
+        tokens = [int(pages[row, t // page_size]) * page_size + t % page_size for t in range(first, length)]
         keys = k_pool.flatten(0, 1)[tokens].repeat_interleave(group, dim=1)  # [len, heads, dim]
         values = v_pool.flatten(0, 1)[tokens].repeat_interleave(group, dim=1)
-        probs = (torch.einsum("hd,thd->ht", q[row].double(), keys.double()) * scale).softmax(-1)
+        scores = torch.einsum("hd,thd->ht", q[row].double(), keys.double()) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double()[:, None]), dim=1)
+        probs = scores.softmax(-1)[:, :len(tokens)]
         out[row] = torch.einsum("ht,thd->hd", probs, values.double()).float()
     return out
 
@@ -55,6 +61,23 @@ def test_paged_decode_attention_matches_softmax_reference(heads, kv_heads, head_
     scale = head_dim ** -0.5
     out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, scale)
     torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens_t, scale), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
+def test_attention_sinks_join_each_heads_softmax(heads, kv_heads, head_dim):
+    """gpt-oss's sinks, per query head (specialised and generic paths), in a window too: the keys' weights
+    are what a softmax over them and the sink gives them."""
+    lens = [1, 9, 40, 3]
+    q, k_pool, v_pool, pages, lens_t = _case(heads, kv_heads, head_dim, 4, lens, seed=3)
+    sinks = torch.linspace(-2.0, 4.0, heads)
+    out = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.3, sinks=sinks)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, pages, lens_t, 0.3, sinks), atol=2e-6, rtol=2e-5)
+    assert not torch.allclose(out, native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.3))
+    windowed = native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.3, window=5, sinks=sinks)
+    torch.testing.assert_close(windowed, _reference(q, k_pool, v_pool, pages, lens_t, 0.3, sinks, window=5),
+                               atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="sinks must be"):
+        native.paged_decode_attention(q, k_pool, v_pool, pages, lens_t, 0.3, sinks=sinks[:-1])
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])

@@ -39,7 +39,9 @@ class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged pool and attends over the cached context: every
     position before a query and itself, or in a sliding-window layer (`windows[layer]` = W > 0) the
     last W of them, as transformers masks (key position > query position - W). `softcap` > 0: scores
-    (scaled) are soft-capped to softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    (scaled) are soft-capped to softcap * tanh(score / softcap) before the softmax (Gemma 2). A layer
+    with attention sinks (gpt-oss) passes `forward` its `sinks` [H] fp32: per query head a logit that
+    joins the softmax's denominator and attends to nothing, so a head may attend to little."""
 
     name: str = ""
 
@@ -63,7 +65,8 @@ class AttentionBackend(ABC):
         """Prepare per-step index tensors (called once per step, after the page table is updated)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H, D]; stores k/v at the planned kv_locs."""
 
     def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -44,7 +44,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         native.check_pages(pages, lens, self.kv_cache.num_pages, self.kv_cache.page_size)
         return DecodeGroup(rows, pages, lens, mask=None, window=window)
 
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       decode: DecodeGroup) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,
+                       sinks: torch.Tensor | None) -> torch.Tensor:
         return native.paged_decode_attention(q, k_pool, v_pool, decode.pages, decode.lens, self.scale,
-                                             window=decode.window, softcap=self.softcap, pages_checked=True)
+                                             window=decode.window, softcap=self.softcap, sinks=sinks,
+                                             pages_checked=True)

@@ -11,7 +11,9 @@ wrapper, once for all layers:
 Every layer writes its new K/V at `kv_locs` with a plain `index_copy_` into the pool, then runs the
 planned wrapper. A model with sliding-window layers has one wrapper per distinct window (0: none),
 planned with `window_left` = W - 1 (flashinfer's query at i sees keys i - window_left .. i), and each
-layer runs its window's.
+layer runs its window's. A layer with attention sinks (gpt-oss) runs with `return_lse` and rescales the
+output by the keys' share beside the sink (`with_sinks`): flashinfer's own `sinks` argument is taken by
+its trtllm-gen kernels only.
 
 CUDA graphs: `init_cuda_graphs` builds one decode wrapper per captured batch size with
 `use_cuda_graph=True` over shared fixed-size indptr / indices / last_page_len buffers, and
@@ -24,6 +26,7 @@ where flashinfer (or CUDA) is missing is a clear error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Sequence
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+LN2 = math.log(2.0)
 
 
 class FlashInferUnavailable(ImportError, ValueError):
@@ -181,7 +185,20 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
         self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
-        return self._wrappers[self.windows[layer]].run(q.contiguous(), (self.kv_cache.k[layer], self.kv_cache.v[layer]))
+        wrapper, pools = self._wrappers[self.windows[layer]], (self.kv_cache.k[layer], self.kv_cache.v[layer])
+        if sinks is None:
+            return wrapper.run(q.contiguous(), pools)
+        out, lse = wrapper.run(q.contiguous(), pools, return_lse=True)
+        return with_sinks(out, lse, sinks)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output `out` [T, H, D] as if each head's sink logit had joined its softmax: the keys' share
+    of the total, sum(exp(s)) / (sum(exp(s)) + exp(sink)), is sigmoid(lse - sink) with `lse` [T, H] the
+    scores' log-sum-exp (flashinfer's in base 2). Any kernel that returns the lse takes sinks this way."""
+    share = torch.sigmoid(lse.float() * LN2 - sinks.float())
+    return (out.float() * share[..., None]).to(out.dtype)

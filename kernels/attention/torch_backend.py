@@ -137,17 +137,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._write_kv(k, v, layer)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
         v_pool = self.kv_cache.v[layer]
         plan = self._plans[self.windows[layer]]
         decode = plan.decode
         if decode is not None and decode.rows is None:
-            return self._attend_decode(q, k_pool, v_pool, decode)
+            return self._attend_decode(q, k_pool, v_pool, decode, sinks)
         out = torch.empty_like(q)
         if decode is not None:
-            out[decode.rows] = self._attend_decode(q[decode.rows], k_pool, v_pool, decode)
+            out[decode.rows] = self._attend_decode(q[decode.rows], k_pool, v_pool, decode, sinks)
         for chunk in plan.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             if chunk.pages is None:
@@ -156,8 +157,9 @@ class TorchAttentionBackend(AttentionBackend):
                 total = chunk.mask.shape[1]
                 keys = self._gather(k_pool, chunk.pages)[:total]
                 values = self._gather(v_pool, chunk.pages)[:total]
+            sink = None if sinks is None else sinks[:, None, None]  # [heads, 1, 1]
             attended = self._sdpa(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                  values.transpose(0, 1)[None], chunk.mask)
+                                  values.transpose(0, 1)[None], chunk.mask, sink)
             out[rows] = attended[0].transpose(0, 1)
         return out
 
@@ -165,29 +167,36 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
         self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
 
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       decode: DecodeGroup) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,
+                       sinks: torch.Tensor | None) -> torch.Tensor:
         keys = self._gather(k_pool, decode.pages).transpose(1, 2)  # [b, kv_heads, max_len, head_dim]
         values = self._gather(v_pool, decode.pages).transpose(1, 2)
         # One query token per row, so the query heads sharing a kv head can stand in for query
         # positions under the same mask: GQA without repeating every key and value per query head.
         b, heads, head_dim = q.shape
         grouped = q.view(b, self.num_kv_heads, heads // self.num_kv_heads, head_dim)
-        return self._sdpa(grouped, keys, values, decode.mask).reshape(b, heads, head_dim)
+        sink = None if sinks is None else sinks.view(self.num_kv_heads, -1, 1)  # a query head's: by (kv head, group)
+        return self._sdpa(grouped, keys, values, decode.mask, sink).reshape(b, heads, head_dim)
 
-    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              sink: torch.Tensor | None = None) -> torch.Tensor:
         """SDPA over [B, heads, L, D] (keys' heads may be fewer: grouped); `mask` boolean (True = may attend)
-        or additive, None = causal. Soft-capped scores have no SDPA kernel: transformers' eager arithmetic."""
-        if not self.softcap:
+        or additive, None = causal; `sink` [heads, L or 1, 1]: a logit per query joining the softmax. Soft-capped
+        scores and sinks have no SDPA kernel: transformers' eager arithmetic."""
+        if not self.softcap and sink is None:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=True)
         group = q.shape[1] // keys.shape[1]
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is None:
             mask = torch.ones(q.shape[-2], keys.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+        if sink is None:
+            return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+        sinks = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sinks), dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), values)

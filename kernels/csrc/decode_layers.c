@@ -19,7 +19,7 @@ void write_kv(float *k_pool, float *v_pool, int64_t token_floats, const int64_t 
 int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
                            const int64_t *pages, int64_t max_pages, const int64_t *lens, float *out, int64_t batch,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           int64_t window, float softcap);
+                           int64_t window, float softcap, const float *sinks);
 void silu_and_mul(const float *gate_up, int64_t rows, int64_t stride, int64_t half, float *out);
 
 /* One layer's weights and KV pool (layouts as kernels/panel_linear.py and kernels/kv_cache.py). */
@@ -89,7 +89,7 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
         write_kv(layer->k_pool, layer->v_pool, kv_size, locs, rows, rot + q_size, rot_width, qkv + rot_width,
                  qkv_width);
         if (paged_decode_attention(rot, rot_width, layer->k_pool, layer->v_pool, pages, s->max_pages, lens, attn, rows,
-                                   s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale, layer->window, 0.0f) != 0)
+                                   s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale, layer->window, 0.0f, NULL) != 0)
             return -1;
         project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp);
         /* tmp += residual, h = norm(tmp); tmp is the residual stream from here (as `x` in ops.add_rms_norm) */

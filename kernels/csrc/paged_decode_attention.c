@@ -16,6 +16,8 @@
  * lens [batch] int64 (1 <= lens[row] <= max_pages * page_size), out [batch, heads, head_dim].
  * window > 0: a row attends to its last `window` tokens only (a sliding-window layer); 0: to all.
  * softcap > 0: scaled scores become softcap * tanh(score / softcap) before the softmax (Gemma 2).
+ * sinks [heads] or NULL: per query head a logit that joins the softmax's denominator and attends to nothing
+ * (gpt-oss's learned attention sinks).
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,11 +36,12 @@ static inline __attribute__((always_inline)) void prefetch_floats(const float *p
     for (int line = 0; line < floats * (int)sizeof(float); line += 64) __builtin_prefetch((const char *)p + line);
 }
 
-/* In place: scores[0:len] become softmax probabilities (soft-capped first when softcap > 0). */
-static void softmax(float *scores, int64_t len, float softcap) {
+/* In place: scores[0:len] become softmax probabilities (soft-capped first when softcap > 0), over the
+ * scores and a `sink` logit (-INFINITY: none) whose share of the total is dropped. */
+static void softmax(float *scores, int64_t len, float softcap, float sink) {
     if (softcap > 0.0f)
         for (int64_t t = 0; t < len; t++) scores[t] = tanhf(scores[t] / softcap) * softcap;
-    float max = -INFINITY, total = 0.0f;
+    float max = sink, total = 0.0f;
     for (int64_t t = 0; t < len; t++) max = scores[t] > max ? scores[t] : max;
     int64_t t = 0;
     vec8 totals = splat8(0.0f);
@@ -47,7 +50,7 @@ static void softmax(float *scores, int64_t len, float softcap) {
         store8(scores + t, e);
         totals += e;
     }
-    total = sum8(totals);
+    total = sum8(totals) + (sink > -INFINITY ? expf(sink - max) : 0.0f);
     for (; t < len; t++) {
         scores[t] = expf(scores[t] - max);
         total += scores[t];
@@ -59,7 +62,7 @@ static void softmax(float *scores, int64_t len, float softcap) {
 /* One row, one kv head, any group size and head_dim: the plain loops. */
 static void attend_group_generic(const float *q, const float *k_pool, const float *v_pool, const int64_t *tokens,
                                  int64_t len, int64_t group, int64_t head_dim, int64_t token_stride, float scale,
-                                 float softcap, float *scores, int64_t stride, float *out) {
+                                 float softcap, const float *sinks, float *scores, int64_t stride, float *out) {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_pool + tokens[t] * token_stride;
         for (int64_t g = 0; g < group; g++) {
@@ -68,7 +71,7 @@ static void attend_group_generic(const float *q, const float *k_pool, const floa
             scores[g * stride + t] = s * scale;
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * stride, len, softcap);
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * stride, len, softcap, sinks ? sinks[g] : -INFINITY);
     memset(out, 0, sizeof(float) * group * head_dim);
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_pool + tokens[t] * token_stride;
@@ -84,7 +87,8 @@ static void attend_group_generic(const float *q, const float *k_pool, const floa
  * accumulate a block of CHUNKS vectors per head over all tokens in registers. */
 static inline __attribute__((always_inline)) void attend_group_fixed(
     const float *q, const float *k_pool, const float *v_pool, const int64_t *tokens, int64_t len, const int GROUP,
-    const int DIM, int64_t token_stride, float scale, float softcap, float *scores, int64_t stride, float *out) {
+    const int DIM, int64_t token_stride, float scale, float softcap, const float *sinks, float *scores, int64_t stride,
+    float *out) {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_pool + tokens[t] * token_stride;
         if (t + PREFETCH_TOKENS < len) prefetch_floats(k_pool + tokens[t + PREFETCH_TOKENS] * token_stride, DIM);
@@ -97,7 +101,7 @@ static inline __attribute__((always_inline)) void attend_group_fixed(
             scores[g * stride + t] = sum8(even + odd) * scale;
         }
     }
-    for (int g = 0; g < GROUP; g++) softmax(scores + g * stride, len, softcap);
+    for (int g = 0; g < GROUP; g++) softmax(scores + g * stride, len, softcap, sinks ? sinks[g] : -INFINITY);
     enum { REGISTERS = 12 };
     const int CHUNKS = GROUP * 4 <= REGISTERS ? 4 : GROUP * 2 <= REGISTERS ? 2 : 1;
     for (int d0 = 0; d0 < DIM; d0 += 8 * CHUNKS) {
@@ -121,12 +125,12 @@ static inline __attribute__((always_inline)) void attend_group_fixed(
 
 #define FIXED_CASE(G, D)                                                                                        \
     case G:                                                                                                     \
-        attend_group_fixed(q, k_pool, v_pool, tokens, len, G, D, token_stride, scale, softcap, scores, stride, out); \
+        attend_group_fixed(q, k_pool, v_pool, tokens, len, G, D, token_stride, scale, softcap, sinks, scores, stride, out); \
         return
 
 static void attend_group(const float *q, const float *k_pool, const float *v_pool, const int64_t *tokens,
                          int64_t len, int64_t group, int64_t head_dim, int64_t token_stride, float scale,
-                         float softcap, float *scores, int64_t stride, float *out) {
+                         float softcap, const float *sinks, float *scores, int64_t stride, float *out) {
     if (head_dim == 64) {
         switch (group) {
             FIXED_CASE(1, 64); FIXED_CASE(2, 64); FIXED_CASE(3, 64); FIXED_CASE(4, 64);
@@ -138,15 +142,15 @@ static void attend_group(const float *q, const float *k_pool, const float *v_poo
             FIXED_CASE(5, 128); FIXED_CASE(6, 128); FIXED_CASE(7, 128); FIXED_CASE(8, 128);
         }
     }
-    attend_group_generic(q, k_pool, v_pool, tokens, len, group, head_dim, token_stride, scale, softcap, scores, stride,
-                         out);
+    attend_group_generic(q, k_pool, v_pool, tokens, len, group, head_dim, token_stride, scale, softcap, sinks, scores,
+                         stride, out);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
 int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
                            const int64_t *pages, int64_t max_pages, const int64_t *lens, float *out, int64_t batch,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           int64_t window, float softcap) {
+                           int64_t window, float softcap, const float *sinks) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     const int64_t stride = max_pages * page_size; /* longest context */
     int failed = 0;
@@ -176,7 +180,7 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
             const int64_t first_head = kv_head * group;
             attend_group(q + row * q_row_stride + first_head * head_dim, k_pool + kv_head * head_dim,
                          v_pool + kv_head * head_dim, tokens, len, group, head_dim, token_stride, scale, softcap,
-                         scores, stride, out + (row * heads + first_head) * head_dim);
+                         sinks ? sinks + first_head : NULL, scores, stride, out + (row * heads + first_head) * head_dim);
         }
         free(scores);
         free(tokens);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from procs.worker.models.base import CausalLM
 from procs.worker.models.gemma import Gemma2Model, Gemma3Model, Gemma3TextOfMultimodal
+from procs.worker.models.gpt_oss import GptOssModel
 from procs.worker.models.llama import LlamaModel
 from procs.worker.models.mistral import MistralModel
 from procs.worker.models.mixtral import MixtralModel
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2Model,
     "Gemma3ForCausalLM": Gemma3Model,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
+    "GptOssForCausalLM": GptOssModel,
 }
 
 

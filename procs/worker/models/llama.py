@@ -52,6 +52,7 @@ class LlamaConfig(ModelConfig):
     final_softcap: float = 0.0  # logits soft-capped at this (Gemma 2); 0: not
     local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
     local_rope_layers: tuple[int, ...] = ()  # the layers it rotates (sliding ones, whatever their window's span)
+    attn_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss: self_attn.sinks)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
@@ -75,6 +76,7 @@ class LayerWeights:
     mlp: Mlp
     attn_out_norm: torch.Tensor | None = None  # sandwich norms: attention's output (Gemma's post_attention_layernorm)
     mlp_out_norm: torch.Tensor | None = None  # and the MLP's (post_feedforward_layernorm)
+    sinks: torch.Tensor | None = None  # [this rank's heads] fp32 attention sink logits (gpt-oss)
 
 
 class LlamaModel:
@@ -132,7 +134,7 @@ class LlamaModel:
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
         plain = (config.hidden_act == "silu" and not config.sandwich_norms and not config.attn_softcap
-                 and config.local_rope is None and self.rope.rotary_dim == config.head_dim)
+                 and not config.attn_sinks and config.local_rope is None and self.rope.rotary_dim == config.head_dim)
         self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
             _in_c(layer) for layer in self.layers)
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
@@ -146,7 +148,7 @@ class LlamaModel:
         # a norm per head is the same on every rank; over the projection, each rank takes its heads' share
         norm_rows = lambda rows: rows if cfg.qk_norm == "projection" else None
         if sparse:
-            block: Mlp = take_moe_block(take, layer, self.EXPERT_NAMES, cfg.moe, cfg.hidden_size, tp)
+            block: Mlp = self._moe_block(take, layer)
         else:
             block = GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
                                          cfg.mlp_bias),
@@ -163,7 +165,12 @@ class LlamaModel:
             mlp=block,
             attn_out_norm=norm("post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
+            sinks=take(attn + "sinks", rows=heads.q, dtype=torch.float32) if cfg.attn_sinks else None,
         )
+
+    def _moe_block(self, take: WeightTaker, layer: str) -> SparseMoeBlock:
+        """Layer `layer`'s (prefix `model.layers.{i}.`) mixture of experts, this rank's share of it."""
+        return take_moe_block(take, layer, self.EXPERT_NAMES, self.config.moe, self.config.hidden_size, self.tp)
 
     def _norm(self, take: WeightTaker, name: str, rows: slice | None = None) -> torch.Tensor:
         """An RMSNorm weight, offset as the config says (Gemma's 1 + w, added once here in fp32)."""
@@ -212,7 +219,7 @@ class LlamaModel:
         qk, v = self._qk_v(layer.qkv(h), layer)
         qk = self._rotate(qk, cos, sin)
         q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
-        attended = attention.forward(q, k, v, index)
+        attended = attention.forward(q, k, v, index, layer.sinks)
         return layer.o(attended.reshape(h.shape[0], self.q_size))
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kernels.moe import (Experts, NativeMoeBlock, SharedExpert, count_load, experts_forward, grouped_mm_runs,
-                         pack_experts, route)
+from kernels.moe import (ExpertActivation, Experts, NativeMoeBlock, SharedExpert, count_load, experts_forward,
+                         grouped_mm_runs, pack_experts, route)
 from kernels.ops import linear, pack_linear_weight
 from kernels.panel_linear import PanelWeight
 from procs.worker.models.layers import GatedMLP
@@ -64,6 +64,7 @@ class MoEConfig:
     sparse_layers: tuple[int, ...]  # the layers with this block; the others have the dense MLP
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     router_bias: bool = False
+    activation: ExpertActivation = "silu"  # the experts' (gpt-oss: a ClampedSwiGLU)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str, *, num_layers: int, num_experts: int, top_k: int,
