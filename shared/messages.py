@@ -84,7 +84,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class StopParams(msgspec.Struct, frozen=True, kw_only=True):
-    """When a request stops generating (checked by the scheduler, except `stop` strings).
+    """When a request stops generating (checked by the scheduler, except `stop` strings), and how the
+    detokenizer writes its text (`stop` strings, `skip_special_tokens`).
 
     `max_tokens` is None in a `GenerateRequest` whose client gave none: the tokenizer settles it (the
     default, and the context check) and every later stage reads an int."""
@@ -94,6 +95,7 @@ class StopParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: matched by the detokenizer
     include_stop_str_in_output: bool = False  # the text ends with the stop string that matched, not before it
+    skip_special_tokens: bool = True  # special tokens left out of the text (kept in a harmony chat's, to parse)
 
 
 NO_STOP = StopParams()

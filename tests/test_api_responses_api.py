@@ -24,6 +24,7 @@ from api_fake_engine import FakeEngine
 from e2e_server import start_server
 from procs.api.app import HANDLERS_KEY, create_app
 from procs.api.responses_store import ResponseStore
+from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
 from shared.messages import ChatMessage, ToolCall, ToolFunction
 
@@ -38,7 +39,7 @@ def run(coro, timeout: float = 30):
 
 
 @asynccontextmanager
-async def api(engine: FakeEngine, *, reasoning: bool = False):
+async def api(engine: FakeEngine, *, reasoning: ReasoningFormat = ""):
     app = create_app(engine, ServerConfig(), reasoning=reasoning)
     async with TestServer(app) as server:
         async with openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client:
@@ -211,7 +212,7 @@ def test_a_thinking_model_answers_with_a_reasoning_item():
     text = "<think>Paris is in France.</think>\n\nParis."
 
     async def go():
-        async with api(FakeEngine(pieces(text, 4)), reasoning=True) as client:
+        async with api(FakeEngine(pieces(text, 4)), reasoning="think") as client:
             whole = await client.responses.create(model="fake-model", input="capital?")
             events = await events_of(client, input="capital?")
         return whole, events

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from api_fake_engine import FakeEngine
 from procs.api.app import create_app
 from procs.api.chat_output import ChatOutputStream, parse_whole
+from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
 from shared.messages import ChatMessage, OutputConstraint, ToolCall, ToolFunction
 from test_api_app import sse_events
@@ -38,7 +39,7 @@ def run(coro, timeout: float = 20):
 
 
 @asynccontextmanager
-async def openai_api(engine: FakeEngine, *, reasoning: bool = False, sent: list | None = None):
+async def openai_api(engine: FakeEngine, *, reasoning: ReasoningFormat = "", sent: list | None = None):
     """The app and an openai client; `sent` collects the JSON bodies the client posts."""
     @web.middleware
     async def record(request: web.Request, handler):
@@ -54,7 +55,7 @@ async def openai_api(engine: FakeEngine, *, reasoning: bool = False, sent: list 
 
 
 @asynccontextmanager
-async def raw_api(engine: FakeEngine, *, reasoning: bool = False):
+async def raw_api(engine: FakeEngine, *, reasoning: ReasoningFormat = ""):
     async with TestClient(TestServer(create_app(engine, ServerConfig(), reasoning=reasoning))) as client:
         yield client
 
@@ -534,7 +535,7 @@ def test_reasoning_whole_and_streamed(case):
         results = []
         for stream in (False, True):
             engine = fake_for(text, finish, 2)
-            async with openai_api(engine, reasoning=True) as client:
+            async with openai_api(engine, reasoning="think") as client:
                 out = await client.chat.completions.create(model="fake-model", messages=CHAT, stream=stream,
                                                            max_tokens=len(pieces(text, 2)))
                 results.append([c async for c in out] if stream else out)
@@ -553,7 +554,7 @@ def test_reasoning_then_a_tool_call():
     text = "<think>I need the weather.</think>\n\n" + hermes(*WEATHER_CALL)
 
     async def go():
-        async with openai_api(FakeEngine(pieces(text)), reasoning=True) as client:
+        async with openai_api(FakeEngine(pieces(text)), reasoning="think") as client:
             whole = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS)
             stream = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS, stream=True)
             return whole, [c async for c in stream]
@@ -588,7 +589,7 @@ def test_reasoning_does_not_touch_completions():
     text = "<think>hmm</think>Paris."
 
     async def go():
-        async with openai_api(FakeEngine(pieces(text)), reasoning=True) as client:
+        async with openai_api(FakeEngine(pieces(text)), reasoning="think") as client:
             return await client.completions.create(model="fake-model", prompt="x", max_tokens=50)
 
     assert run(go()).choices[0].text == text
@@ -610,8 +611,23 @@ PARSER_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("reasoning", [False, True])
-@pytest.mark.parametrize("text", PARSER_TEXTS)
+ANALYSIS = "<|channel|>analysis<|message|>The user wants Paris' weather.<|end|>"
+HARMONY_TEXTS = [
+    ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
+    ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Paris"}<|call|>',
+    ANALYSIS + '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}',  # <|call|> a stop
+    "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_time<|message|>{"tz": "CET"}<|call|>',
+    ANALYSIS + "<|start|>assistant<|channel|>final<|message|>a <| b <|en",  # cut off by the length
+    ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.unknown<|message|>{"x": 1}<|call|>',
+    ANALYSIS + "<|start|>assist",  # a header cut off
+    "no harmony at all",
+]
+
+
+@pytest.mark.parametrize("text, reasoning", [(t, r) for t in PARSER_TEXTS for r in ("", "think")]
+                         + [(t, "harmony") for t in HARMONY_TEXTS])
 def test_every_split_of_a_stream_gives_the_whole_answer(text, reasoning):
     names = frozenset({"get_weather", "get_time"})
     whole, whole_finish = parse_whole(text, "stop", tool_names=names, reasoning=reasoning)

@@ -147,3 +147,15 @@ def test_other_quantizations_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="--quantization int8"):
         ModelRunner(tiny_model_dir(**TINY), device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=256,
                     max_running_requests=2, quantization="int8")
+
+
+def test_config_defaults_are_transformers():
+    """A config.json without a key means what transformers' GptOssConfig makes of it."""
+    from transformers import GptOssConfig
+
+    from procs.worker.models.gpt_oss import DEFAULT_ROPE, GPT_OSS_DEFAULTS
+
+    fields = {f: getattr(GptOssConfig, f, None) for f in GPT_OSS_DEFAULTS if f != "rope_theta"}
+    assert fields == {f: v for f, v in GPT_OSS_DEFAULTS.items() if f != "rope_theta"}
+    assert GPT_OSS_DEFAULTS["rope_theta"] == GptOssConfig.default_theta
+    assert {**DEFAULT_ROPE, "rope_theta": GptOssConfig.default_theta} == GptOssConfig().rope_parameters

@@ -53,6 +53,7 @@ from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_b
 from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
+from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig, request_cap
 from shared.errors import Refusal
 from shared.messages import GenerateRequest, RequestRejected, TextDelta
@@ -203,7 +204,7 @@ class _Fanout:
 
 
 class ApiHandlers:
-    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> None:
         self.engine = engine
         self.config = config
         self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
@@ -262,7 +263,7 @@ class ApiHandlers:
         def prepare(body: bytes, rid: str) -> tuple[ValidatedRequest, ResponseShapes]:
             validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name)
             shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
-                                tool_names=validated.tool_names, reasoning=self.reasoning and endpoint == "chat")
+                                tool_names=validated.tool_names, reasoning=self.reasoning if endpoint == "chat" else "")
             return validated, shapes
 
         return await self._run(request, endpoint, id_prefix, prepare)
@@ -450,7 +451,7 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
 HANDLERS_KEY: web.AppKey[ApiHandlers] = web.AppKey("batchserve_api_handlers", ApiHandlers)
 
 
-def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> web.Application:
+def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> web.Application:
     """The api's aiohttp application around `engine` (see `engine_client.py` for the contract).
     `reasoning`: the model thinks in <think> blocks (`ChatFormat.reasoning`), which chat answers then
     report as `reasoning_content`."""

@@ -5,7 +5,10 @@ The engine only ever sends text. Whole answers are parsed once (`parse_whole`); 
 through a `ChatOutputStream` per choice, which holds back what may still turn out to be markup (a
 partial `<think>`, `</think>` or `<tool_call>`) and emits OpenAI deltas.
 
-Reasoning (when the model's chat template thinks, `ChatFormat.reasoning`): a text that starts
+A harmony answer (gpt-oss: `ChatFormat.reasoning` "harmony") is channel messages, which
+`procs.api.harmony_output` reads whole (reasoning, content and calls alike); what follows is the rest.
+
+Reasoning (when the model's chat template thinks, `ChatFormat.reasoning` "think"): a text that starts
 (after whitespace) with `<think>` has everything up to `</think>` as reasoning (all of it, if the
 block never closes). Whole answers also take a `</think>` without an opening tag (templates that
 open the block in the prompt, as DeepSeek-R1's) as the end of the reasoning. Streamed, an output
@@ -35,28 +38,14 @@ answers agree.
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass
 from typing import Any
 
-from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, THINK_CLOSE, THINK_OPEN
+from procs.api.harmony_output import HarmonyStream, parse_harmony
+from procs.api.tool_call import ParsedCall, new_call_id
+from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, THINK_CLOSE, THINK_OPEN, ReasoningFormat
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1+: starts a tool call
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Qwen write "arguments", Llama 3 "parameters"
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)  # 24 hex digits
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text of the arguments object
-    id: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def call_of(text: str, names: frozenset[str]) -> ParsedCall | None:
@@ -133,17 +122,20 @@ def final_finish_reason(engine_reason: str | None, called: bool) -> str | None:
 
 
 def parse_whole(text: str, engine_reason: str | None, *, tool_names: frozenset[str],
-                reasoning: bool) -> tuple[dict[str, Any], str | None]:
+                reasoning: ReasoningFormat) -> tuple[dict[str, Any], str | None]:
     """(the answer's `message`, its finish_reason)."""
+    if reasoning == "harmony":
+        message, called = parse_harmony(text, tool_names)
+        return message, final_finish_reason(engine_reason, called)
     reasoning_content = None
-    if reasoning:
+    if reasoning == "think":
         reasoning_content, text = split_reasoning(text)
     content: str | None = text
     calls: list[ParsedCall] = []
     if tool_names:
         content, calls = parse_tool_calls(text, tool_names)
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning:
+    if reasoning == "think":
         message["reasoning_content"] = reasoning_content
     if calls:
         message["tool_calls"] = [call.as_dict() for call in calls]
@@ -292,9 +284,10 @@ class ToolCallStream:
 class ChatOutputStream:
     """One streamed choice: text in, OpenAI deltas out (reasoning first, then tool calls in the content)."""
 
-    def __init__(self, *, tool_names: frozenset[str], reasoning: bool) -> None:
-        self.reasoning = ReasoningStream() if reasoning else None
-        self.tools = ToolCallStream(tool_names) if tool_names else None
+    def __init__(self, *, tool_names: frozenset[str], reasoning: ReasoningFormat) -> None:
+        self.harmony = HarmonyStream(tool_names) if reasoning == "harmony" else None  # channels say it all
+        self.reasoning = ReasoningStream() if reasoning == "think" else None
+        self.tools = ToolCallStream(tool_names) if tool_names and self.harmony is None else None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         return self._route(text, final=False)
@@ -302,9 +295,12 @@ class ChatOutputStream:
     def finish(self, engine_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The held-back rest, and the choice's finish_reason."""
         deltas = self._route("", final=True)
-        return deltas, final_finish_reason(engine_reason, bool(self.tools and self.tools.calls))
+        calls = self.harmony.calls if self.harmony is not None else self.tools.calls if self.tools else 0
+        return deltas, final_finish_reason(engine_reason, bool(calls))
 
     def _route(self, text: str, final: bool) -> list[dict[str, Any]]:
+        if self.harmony is not None:
+            return _merged(self.harmony.feed(text, final))
         pieces = self.reasoning.feed(text, final) if self.reasoning else [("content", text)]
         out: list[dict[str, Any]] = []
         for kind, piece in pieces:

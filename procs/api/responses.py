@@ -27,6 +27,7 @@ import msgspec
 
 from procs.api.chat_output import ChatOutputStream, parse_whole
 from procs.api.errors import error_body
+from shared.chat_format import ReasoningFormat
 from shared.messages import TextDelta, TokenLogprob, Usage
 
 _encoder = msgspec.json.Encoder()
@@ -153,7 +154,7 @@ class ResponseShapes(ABC):
     chunk_object: str
 
     def __init__(self, rid: str, model: str, include_usage: bool = False, logprobs: bool = False, *,
-                 tool_names: frozenset[str] = frozenset(), reasoning: bool = False) -> None:
+                 tool_names: frozenset[str] = frozenset(), reasoning: ReasoningFormat = "") -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())

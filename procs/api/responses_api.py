@@ -19,13 +19,14 @@ from procs.api.responses_shapes import ResponsesShapes
 from procs.api.responses_store import ResponseStore, StoredResponse, history_message
 from procs.api.schemas import ChatMessageIn, decode_body
 from procs.api.validation import ValidatedRequest, validate_chat
+from shared.chat_format import ReasoningFormat
 from shared.errors import Refusal
 
 
 class ResponsesEndpoint:
     """`/v1/responses` of one app: translation, validation and the store."""
 
-    def __init__(self, engine: EngineClient, *, reasoning: bool = False, store: ResponseStore | None = None) -> None:
+    def __init__(self, engine: EngineClient, *, reasoning: ReasoningFormat = "", store: ResponseStore | None = None) -> None:
         self.engine = engine
         self.reasoning = reasoning
         self.store = ResponseStore() if store is None else store

@@ -22,6 +22,7 @@ import msgspec
 
 from procs.api.chat_output import ChatOutputStream, ReasoningStream, parse_whole
 from procs.api.responses import MIN_LOGPROB, ChoiceOutput, Piece, ResponseShapes
+from shared.chat_format import ReasoningFormat
 from shared.messages import TokenLogprob, Usage
 
 
@@ -91,7 +92,7 @@ class ResponsesShapes(ResponseShapes):
     chunk_object = "response"
 
     def __init__(self, rid: str, model: str, *, echo: dict[str, Any], logprobs: bool, tool_names: frozenset[str],
-                 reasoning: bool, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 reasoning: ReasoningFormat, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
         super().__init__(rid, model, logprobs=logprobs, tool_names=tool_names, reasoning=reasoning)
         self.echo = echo
         self.keep = keep
@@ -101,7 +102,7 @@ class ResponsesShapes(ResponseShapes):
         self.done_items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed: {"kind", "id", "text", "logprobs"}
         self.output_stream = ChatOutputStream(tool_names=tool_names, reasoning=reasoning) if self.parses else None
-        self.reasoning_tokens = _ReasoningTokens() if reasoning else None
+        self.reasoning_tokens = _ReasoningTokens() if reasoning == "think" else None
         self.unsent: list[TokenLogprob] = []  # tokens whose text is held back: their logprobs go with the next text
 
     def engine_param(self, param: str | None) -> str | None:

@@ -11,7 +11,7 @@ here as far as msgspec can; `validation.py` checks the rest (schemas are objects
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -82,6 +82,7 @@ class SamplingExtras(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string ends the text
+    skip_special_tokens: bool | None = None  # vLLM's: false keeps special tokens in the text
     min_tokens: int | None = None  # vLLM's
     priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
     speculative: bool | None = None  # false: no speculative decoding for this request (--speculative)
@@ -130,6 +131,8 @@ class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, object] | None = None  # vLLM's: extra chat template variables
+    # OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort` (gpt-oss's system message)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # OpenAI's deprecated function calling: refused unless neutral (validation.UNSUPPORTED).
     functions: list[object] | None = None
     function_call: object | None = None

@@ -16,12 +16,13 @@ from aiohttp import web
 from procs.api.app import create_app
 from procs.api.connections import CappedSite, raise_open_file_limit
 from procs.api.engine_client import EngineClient
+from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
 
 logger = logging.getLogger("batchserve.api")
 
 
-async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: bool = False) -> web.AppRunner:
+async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> web.AppRunner:
     """Start the app on the running loop; `await runner.cleanup()` stops it (waiting up to
     `config.drain_timeout_s` for open requests). `reasoning`: as `create_app`'s."""
     max_connections = raise_open_file_limit(config.max_connections)

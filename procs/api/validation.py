@@ -123,6 +123,8 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> V
             if forced_tool is None or tool.name == forced_tool:
                 check_json_schema(tool.parameters, f"tools[{i}].function.parameters")
     template_kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
 
     given, param = req.max_completion_tokens, "max_completion_tokens"
     if given is None:
@@ -360,7 +362,8 @@ def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop_ids = tuple(req.stop_token_ids or ())
     check_stop(stop, stop_ids)
     return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop,
-                      include_stop_str_in_output=bool(req.include_stop_str_in_output))
+                      include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                      skip_special_tokens=req.skip_special_tokens is not False)
 
 
 def _include_usage(req: CommonRequestFields) -> bool:

@@ -40,7 +40,8 @@ class Detokenizers:
         detok = self.active.get(rid)
         if detok is None:
             stop = delta.stop or NO_STOP  # None: a delta of a request it never saw (an abort)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=stop)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=stop,
+                                           skip_special_tokens=stop.skip_special_tokens)
             self.active[rid] = detok
         text = detok.add(delta.token_ids).text
         finish = delta.finish_reason

@@ -30,11 +30,11 @@ import numpy as np
 
 from procs.tokenizer.grammars import GrammarCompiler
 from procs.tokenizer.tools import offered_tools, template_inputs
-from shared.chat_format import THINK_CLOSE, ChatFormat
+from shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
 from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
 from shared.config import ServerConfig
 from shared.errors import Refusal
-from shared.messages import GenerateRequest, TokenizedRequest
+from shared.messages import GenerateRequest, StopParams, TokenizedRequest
 from shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.tokenizer")
@@ -195,6 +195,8 @@ class PromptTokenizer:
                                        chat=request.messages is not None, prompt_param=field,
                                        min_tokens=params.logits.min_tokens)
         stop = msgspec.structs.replace(params.stop, max_tokens=max_tokens)
+        if request.messages is not None and self.chat_format.harmony:
+            stop = self._harmony_stop(stop)
         self._check_vocab(stop.stop_token_ids, "stop_token_ids", "stop token id")
         self._check_vocab(params.logits.logit_bias, "logit_bias", "logit_bias token id")
         logits = params.logits
@@ -206,6 +208,14 @@ class PromptTokenizer:
                                 # the constraint, compiled into logits.grammar, travels no further
                                 params=msgspec.structs.replace(params, stop=stop, logits=logits, constraint=None),
                                 arrival_time=request.arrival_time)
+
+    def _harmony_stop(self, stop: StopParams) -> StopParams:
+        """A harmony chat's text keeps its special tokens (the api reads the channels from them) and ends at
+        `<|return|>` or `<|call|>` (the checkpoint's generation config lists them too; here they hold whatever
+        it says)."""
+        vocab = self.tokenizer.get_vocab()
+        ends = tuple(vocab[t] for t in HARMONY_STOPS if t in vocab and vocab[t] not in stop.stop_token_ids)
+        return msgspec.structs.replace(stop, skip_special_tokens=False, stop_token_ids=stop.stop_token_ids + ends)
 
     def _check_vocab(self, ids: Iterable[int], param: str, what: str = "token id") -> None:
         """Refuse, naming `param`, the first of `ids` outside the vocabulary [0, vocab_size)."""
@@ -224,7 +234,7 @@ class PromptTokenizer:
 
     @cached_property
     def _think_close_id(self) -> int | None:
-        if not self.chat_format.reasoning:
+        if self.chat_format.reasoning != "think":
             return None
         ids = self.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None
@@ -236,6 +246,10 @@ class PromptTokenizer:
         constraint = request.params.constraint
         if not forced and constraint is None:
             return None
+        if self.chat_format.harmony and request.messages is not None:  # a grammar would have to allow the headers
+            raise Refusal("structured output and forced tool calls are not supported for models that answer in "
+                          "the harmony format (gpt-oss); call tools with tool_choice 'auto'",
+                          "tool_choice" if forced else constraint.param)  # type: ignore[union-attr]
         try:
             grammars = self.grammars
         except Refusal as exc:  # no grammar engine for this tokenizer: name the field that asked

@@ -68,9 +68,9 @@ def kv_locs_for(cache: KVCache, slots, prefix_lens, extend_lens, num_padding: in
     return torch.tensor(locs, dtype=torch.int64, device=DEVICE)
 
 
-def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False) -> torch.Tensor:
+def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False, sinks=None) -> torch.Tensor:
     (backend.plan_cuda_graph if graph else backend.plan)(metadata)
-    return backend.forward(q, k, v, 0)
+    return backend.forward(q, k, v, 0, sinks)
 
 
 @needs_flashinfer
@@ -79,9 +79,11 @@ def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False) -
     ([0, 2, 3], [33, 50, 16], [1, 1, 1]),  # decode only
     ([0, 2, 3], [33, 50, 16], [3, 3, 3]),  # decode rows of 3 tokens
 ])
-@pytest.mark.parametrize("window, softcap", [(0, 0.0), (8, 0.0), (8, 30.0)], ids=["full", "window-8", "softcap"])
-def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens, window, softcap):
-    """Also a sliding window shorter than every context (window_left) and Gemma 2's soft-capped scores."""
+@pytest.mark.parametrize("window, softcap, sinks", [(0, 0.0, False), (8, 0.0, False), (8, 30.0, False), (8, 0.0, True)],
+                         ids=["full", "window-8", "softcap", "sinks"])
+def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens, window, softcap, sinks):
+    """Also a sliding window shorter than every context (window_left), Gemma 2's soft-capped scores and
+    gpt-oss's attention sinks (flashinfer's return_lse and the keys' share beside the sink)."""
     cache = random_cache()
     metadata = AttentionMetadata(slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                  kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens))
@@ -90,10 +92,11 @@ def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens, window, softc
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     scale = HEAD_DIM ** -0.5
+    sink = torch.linspace(-1.0, 3.0, HEADS, device=DEVICE) if sinks else None
     expected = attend(create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
-                      metadata, q, k, v)
+                      metadata, q, k, v, sinks=sink)
     got = attend(create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
-                 metadata, q, k, v)
+                 metadata, q, k, v, sinks=sink)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
