@@ -6,9 +6,20 @@ gathers read there, so it is never handed to a request and `kv_capacity_tokens` 
 The page table `[max_running_requests, max_pages_per_request]` (int32) maps a request slot's
 page-table column to its page; the scheduler decides, the worker applies the updates each step.
 How many pages the worker's pool gets is the worker's choice (`procs/worker/kv_cache.py`).
+
+Ring layers (`ring_layers`, with `ring_pages` > 0): sliding-window layers of a model that mixes them with
+global ones keep only what their window reads. Each slot owns `ring_pages` pages of their own pool
+(`1 + slot * ring_pages` on; page 0 the dummy page again) and a request's page-table column c lies in
+ring page c mod ring_pages: a fixed `ring_table` the scheduler never touches. A step writes a request's
+new tokens of its last `ring_pages` columns there (`ring_locs`; earlier ones of a long fresh prompt go to
+the dummy page: nothing reads them through the ring), so the ring holds every position a window of W
+reads as long as ring_pages >= ceil((W + the step's tokens) / page_size) + 1; columns further back alias
+newer pages, which the window's mask hides. The scheduler's pages hold the global layers' KV alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,21 +27,56 @@ import torch
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-                 max_running_requests: int, max_pages_per_request: int, dtype: torch.dtype, device: torch.device):
+                 max_running_requests: int, max_pages_per_request: int, dtype: torch.dtype, device: torch.device,
+                 ring_layers: Sequence[int] = (), ring_pages: int = 0, ring_window: int = 0):
         if num_pages < 2:
             raise ValueError("the KV pool needs at least one page besides the dummy page 0")
+        if bool(ring_layers) != (ring_pages > 0):
+            raise ValueError(f"ring layers {tuple(ring_layers)} need ring_pages > 0 and the other way round")
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = device
         self.dtype = dtype
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.ring_layers = tuple(sorted(set(ring_layers)))
+        self.ring_pages = ring_pages
+        self.ring_window = ring_window  # the ring layers' longest window
+        pool = lambda layer: 1 + max_running_requests * ring_pages if layer in self.ring_layers else num_pages
         # zeros, not empty: attention gathers whole pages and masks the unwritten tail of a request's
         # last page, and a masked 0 * NaN from uninitialised memory would still poison the row.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k_flat = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.k]
-        self.v_flat = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.v]
+        zeros = lambda layer: torch.zeros((pool(layer), page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.k = [zeros(layer) for layer in range(num_layers)]
+        self.v = [zeros(layer) for layer in range(num_layers)]
+        self.k_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
+        self.v_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
         self.page_table = torch.zeros((max_running_requests, max_pages_per_request), dtype=torch.int32, device=device)
+        self.ring_table = None if not ring_pages else (
+            1 + torch.arange(max_running_requests, device=device)[:, None] * ring_pages
+            + torch.arange(max_pages_per_request, device=device)[None, :] % ring_pages).to(torch.int32)
+
+    def pool_pages(self, layer: int) -> int:
+        """Pages of layer `layer`'s pool (the dummy page 0 included)."""
+        return int(self.k[layer].shape[0])
+
+    def ring_locs(self, slots: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                  num_padding: int = 0) -> np.ndarray:
+        """Where each new token of a step goes in the ring layers' pool (int64, on the host): its slot's
+        ring page of its column, for the tokens of its request's last `ring_pages` columns; the dummy page for
+        earlier ones and for padded rows (which come last, one token each)."""
+        size, ring, real = self.page_size, self.ring_pages, len(slots) - num_padding
+        extend = np.asarray(extend_lens[:real], dtype=np.int64)
+        prefix = np.asarray(prefix_lens[:real], dtype=np.int64)
+        # after a cached prefix, the columns of the window before the step and of the step must all fit
+        spans = (prefix + extend - 1) // size - np.maximum(prefix - self.ring_window + 1, 0) // size + 1
+        if np.any((prefix > 0) & (spans > ring)):
+            raise ValueError(f"a step of {int(extend[spans > ring].max())} tokens after a cached prefix overflows "
+                             f"the sliding layers' rings of {ring} pages (window {self.ring_window}): rings are "
+                             f"sized for the longest step a request takes")
+        firsts = np.cumsum(extend) - extend
+        positions = np.repeat(prefix, extend) + np.arange(int(extend.sum())) - np.repeat(firsts, extend)
+        columns, last_columns = positions // size, np.repeat((prefix + extend - 1) // size, extend)
+        locs = (1 + np.repeat(np.asarray(slots[:real], dtype=np.int64), extend) * ring + columns % ring) * size
+        locs = np.where(columns > last_columns - ring, locs + positions % size, positions % size)
+        return np.concatenate([locs, np.zeros(num_padding, dtype=np.int64)])
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -157,7 +157,8 @@ class OfflineEngine:
     def __init__(self, config: ServerConfig) -> None:
         import torch
 
-        from procs.worker.model_runner import ModelRunner, resolve_device
+        from procs.worker.devices import resolve_device
+        from procs.worker.model_runner import ModelRunner
         from procs.worker.parallel import TensorParallelError, check_local_devices, rank_device
 
         check_config(config)  # unworkable settings: one line now, not after loading the model

@@ -84,6 +84,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         best for chats without max_tokens (README, Performance).""")] = 0.05
     disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
         across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
+    full_sliding_kv: Annotated[bool, _doc("""true: a model that mixes sliding-window and global layers (Gemma 2 / 3,
+        gpt-oss) keeps every position's KV in its sliding layers too, and the prefix cache serves it; false:
+        its sliding layers keep only a window-sized ring per running request (a fraction of the memory at long
+        contexts: more requests at once), and its prefix cache is off.""")] = False
     min_prefill_share: Annotated[float, _doc("""Least share of a step's time that prefill gets while requests
         wait (0-0.9; more when more wait: their share of the requests in the server): a step may then run
         past max_step_ms, up to the decodes' time / (1 - share), so that the bound never stalls admission;

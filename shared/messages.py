@@ -444,6 +444,7 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
     sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
     layer_windows: list[int] = []  # each layer's window (0: none; empty: no layer slides), for the step-cost model
+    sliding_rings: bool = False  # sliding layers keep window-sized rings (`kernels.kv_cache`): no prefix cache
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

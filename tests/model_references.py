@@ -17,9 +17,34 @@ from procs.worker.model_runner import ModelRunner
 from test_model_equivalence import transformers_greedy
 
 
-def small_runner(model_dir: Path) -> ModelRunner:
+RING_STEP_TOKENS = 8  # the longest step after a prefix in model_batches' schedules: rings of 5 pages at a window of 8
+
+
+def small_runner(model_dir: Path, rings: bool = False) -> ModelRunner:
+    """A runner with pages of 4 tokens; `rings`: the sliding layers of a model that mixes them with global ones
+    keep their KV in rings sized for steps of `RING_STEP_TOKENS` (which prompts and outputs wrap)."""
     return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8)
+                       max_running_requests=8, ring_step_tokens=RING_STEP_TOKENS if rings else 0)
+
+
+def run_scheduled(model_dir: Path, prompts: list[str], new_tokens: int, *, full_sliding_kv: bool):
+    """(tokens of each prompt, the engine) through the scheduler: chunks of 6 (shorter than a window of 8),
+    a cache hit (the first prompt runs alone, the second extends it) and preemptions (a pool of 80 tokens)."""
+    from procs.engine import OfflineEngine, request
+    from shared.config import ServerConfig
+
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=4, prefill_budget=6,
+                                        kv_capacity_tokens=80, kv_reserve_ratio=0.05, full_sliding_kv=full_sliding_kv))
+    generate = lambda ps, first: [c.token_ids for c in engine.generate([
+        request(f"r{first + i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": new_tokens,
+                                                                                "ignore_eos": True})
+        for i, p in enumerate(ps)])]
+    return generate(prompts[:1], 0) + generate(prompts[1:], 1), engine
+
+
+def scheduled_prompts() -> list[str]:
+    words = lambda n, first: " ".join(f"w{first + i}" for i in range(n))
+    return [words(20, 10), words(20, 10) + " w200", words(3, 40), words(14, 100)]
 
 
 def greedy_references(tiny_model_dir: Callable[..., Path], models: dict[str, dict],

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -458,12 +459,14 @@ BATCHES = {
 }
 
 
-def make_cache(dtype: torch.dtype, seed: int = 0) -> KVCache:
+def make_cache(dtype: torch.dtype, seed: int = 0, ring_pages: int = 0) -> KVCache:
     """A CPU pool full of random K/V (the cached prefixes, and stale data elsewhere) and a page table
-    giving each slot its own shuffled pages; the same seed gives the same cache."""
+    giving each slot its own shuffled pages; the same seed gives the same cache. `ring_pages`: layer 0
+    (the sliding one) keeps its KV in rings of that many pages."""
     cache = KVCache(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=HEAD_DIM, page_size=PAGE_SIZE,
                     num_pages=NUM_PAGES, max_running_requests=MAX_RUNNING,
-                    max_pages_per_request=MAX_PAGES_PER_REQUEST, dtype=dtype, device=torch.device("cpu"))
+                    max_pages_per_request=MAX_PAGES_PER_REQUEST, dtype=dtype, device=torch.device("cpu"),
+                    ring_layers=(0,) if ring_pages else (), ring_pages=ring_pages)
     generator = torch.Generator().manual_seed(seed)
     for pool in (*cache.k, *cache.v):
         pool.copy_(torch.randn(pool.shape, generator=generator))
@@ -523,8 +526,9 @@ def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads
     return create_backend("flashinfer", cache, num_heads, num_kv_heads, HEAD_DIM, SCALE, windows), fake
 
 
-def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(), softcap: float = 0.0) -> Backends:
-    flashinfer_cache, torch_cache = make_cache(dtype), make_cache(dtype)
+def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(), softcap: float = 0.0,
+                  ring_pages: int = 0) -> Backends:
+    flashinfer_cache, torch_cache = make_cache(dtype, ring_pages=ring_pages), make_cache(dtype, ring_pages=ring_pages)
     fake = install_fake_flashinfer(monkeypatch, flashinfer_cache)
     backend = create_backend("flashinfer", flashinfer_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
     reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
@@ -702,6 +706,26 @@ def test_attention_sinks_match_the_torch_backend(monkeypatch, batch, graph):
     plain = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0))
     run_step(plain, BATCHES[batch])
     assert not torch.allclose(plain.outputs[1][1], backends.outputs[1][1])
+
+
+@pytest.mark.parametrize("batch, graph", [(name, False) for name in BATCHES] + [("decode", True)])
+def test_ring_layers_match_the_torch_backend(monkeypatch, batch, graph):
+    """A sliding layer whose KV lies in rings of 3 pages (a window of 3 and steps of up to 5 tokens after a
+    cached prefix fit): its page lists are the ring table's, its new K/V go to the ring locations (in a
+    graph, through the backend's static buffer), as the torch backend writes and reads them."""
+    backends = make_backends(monkeypatch, torch.bfloat16, windows=(3, 0), ring_pages=4)
+    if graph:
+        backends.flashinfer.init_cuda_graphs([len(BATCHES[batch])])
+    metadata = run_step(backends, BATCHES[batch], graph=graph)
+    assert_outputs_match(backends)
+    ring, table = backends.flashinfer_cache.ring_table.tolist(), backends.flashinfer_cache.page_table.tolist()
+    planned = {w.planned.arguments["window_left"]: w.planned for w in backends.fake.wrappers if w.plans}
+    for window_left, rows in ((2, ring), (-1, table)):
+        for request, (pages, kv_len) in zip(BATCHES[batch], planned[window_left].page_lists()):
+            assert pages == rows[request.slot][:len(pages)] and kv_len == request.prefix_len + request.extend_len
+    ring_locs = backends.flashinfer_cache.ring_locs(metadata.slots, metadata.prefix_lens, metadata.extend_lens)
+    assert ring_locs.max() < backends.flashinfer_cache.pool_pages(0) * PAGE_SIZE
+    assert not np.array_equal(ring_locs, metadata.kv_locs.numpy())
 
 
 GRAPH_SIZES = [1, 2, 4, 8]

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from model_batches import generate_greedy
-from model_references import assert_chunked_logits_close, greedy_references, small_runner, torch_only
-from procs.engine import OfflineEngine, request
+from model_references import (assert_chunked_logits_close, greedy_references, run_scheduled, scheduled_prompts,
+                              small_runner, torch_only)
 from procs.worker.loader import load_model_config
-from shared.config import ServerConfig
 from shared.model import ModelLoadError, ModelSpec
 from procs.worker.model_runner import ModelRunner
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
@@ -64,11 +63,23 @@ def test_greedy_matches_transformers(references, model, schedule):
     assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
-def test_torch_only_path_matches_transformers(references, model, monkeypatch):
+def test_sliding_layers_in_rings_match_transformers(references, model, schedule):
+    """The sliding layers' KV in rings of 5 pages (20 tokens), which 45-token requests wrap twice."""
+    model_dir, expected = references(model)
+    runner = small_runner(model_dir, rings=True)
+    assert runner.kv_cache.ring_layers == (0,) and runner.kv_cache.pool_pages(0) == 1 + 8 * 5
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+
+
+@pytest.mark.parametrize("rings", [False, True])
+@pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
+def test_torch_only_path_matches_transformers(references, model, rings, monkeypatch):
     model_dir, expected = references(model)
     with torch_only(monkeypatch):
-        assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
+        runner = small_runner(model_dir, rings=rings)
+        assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
@@ -76,20 +87,19 @@ def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
     assert_chunked_logits_close(tiny_model_dir(**MODELS[model]), _prompts()[0])
 
 
-def test_scheduled_requests_match_transformers(tiny_model_dir):
-    """Chunks shorter than the window, a cached prefix, preemption and recompute."""
+@pytest.mark.parametrize("full_sliding_kv", [True, False])
+def test_scheduled_requests_match_transformers(tiny_model_dir, full_sliding_kv):
+    """Chunks shorter than the window, a cached prefix (with every layer's KV kept; rings keep no prefix
+    cache), preemption and recompute."""
     model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["gemma2"])
-    words = lambda n, first: " ".join(f"w{first + i}" for i in range(n))
-    prompts = [words(20, 10), words(20, 10) + " w200", words(3, 40), words(14, 100)]
-    expected = transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=4, prefill_budget=6,
-                                        kv_capacity_tokens=80, kv_reserve_ratio=0.05))
-    generate = lambda ps, first: [c.token_ids for c in engine.generate([
-        request(f"r{first + i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS,
-                                                                                "ignore_eos": True})
-        for i, p in enumerate(ps)])]
-    assert generate(prompts[:1], 0) + generate(prompts[1:], 1) == expected
-    assert engine.scheduler.kv.hit_tokens >= 16 and engine.preemptions > 0
+    expected = transformers_greedy_text(model_dir, scheduled_prompts(), NEW_TOKENS)
+    got, engine = run_scheduled(model_dir, scheduled_prompts(), NEW_TOKENS, full_sliding_kv=full_sliding_kv)
+    assert got == expected and engine.preemptions > 0
+    assert engine.runner.kv_cache.ring_layers == (() if full_sliding_kv else (0,))
+    if full_sliding_kv:
+        assert engine.scheduler.kv.hit_tokens >= 16
+    else:
+        assert engine.scheduler.kv.cache is None  # a cached prefix would lack the rings' KV
 
 
 def test_other_activations_are_refused(tiny_model_dir, tmp_path):

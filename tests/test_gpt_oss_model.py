@@ -18,12 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from kernels.moe import ClampedSwiGLU
 from model_batches import generate_greedy
-from model_references import assert_chunked_logits_close, small_runner, torch_only
-from procs.engine import OfflineEngine, request
+from model_references import assert_chunked_logits_close, run_scheduled, scheduled_prompts, small_runner, torch_only
 from procs.worker.loader import load_model_config
 from procs.worker.model_runner import ModelRunner
 from procs.worker.models import mxfp4
-from shared.config import ServerConfig
 from shared.model import ModelLoadError, ModelSpec
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
 
@@ -55,36 +53,35 @@ def test_config_is_read_as_transformers_reads_it(tiny_model_dir):
     assert moe.activation == ClampedSwiGLU(alpha=1.702, limit=1.0)
 
 
+@pytest.mark.parametrize("rings", [False, True])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_greedy_matches_transformers(reference, schedule):
+def test_greedy_matches_transformers(reference, schedule, rings):
+    """Every layer's KV kept, or the sliding layer's in rings of 20 tokens that the requests wrap."""
     model_dir, expected = reference
-    assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+    runner = small_runner(model_dir, rings=rings)
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
-def test_torch_only_path_matches_transformers(reference, monkeypatch):
+@pytest.mark.parametrize("rings", [False, True])
+def test_torch_only_path_matches_transformers(reference, monkeypatch, rings):
     model_dir, expected = reference
     with torch_only(monkeypatch):
-        assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
+        runner = small_runner(model_dir, rings=rings)
+        assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
 def test_every_position_logits_close_over_chunks(tiny_model_dir):
     assert_chunked_logits_close(tiny_model_dir(**TINY), _prompts()[0])
 
 
-def test_scheduled_requests_match_transformers(tiny_model_dir):
-    """Chunks shorter than the window, a cached prefix, preemption and recompute."""
+@pytest.mark.parametrize("full_sliding_kv", [True, False])
+def test_scheduled_requests_match_transformers(tiny_model_dir, full_sliding_kv):
+    """Chunks shorter than the window, a cached prefix (every layer's KV kept), preemption and recompute."""
     model_dir = tiny_model_dir(with_tokenizer=True, **TINY)
-    words = lambda n, first: " ".join(f"w{first + i}" for i in range(n))
-    prompts = [words(20, 10), words(20, 10) + " w200", words(3, 40), words(14, 100)]
-    expected = transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=4, prefill_budget=6,
-                                        kv_capacity_tokens=80, kv_reserve_ratio=0.05))
-    generate = lambda ps, first: [c.token_ids for c in engine.generate([
-        request(f"r{first + i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS,
-                                                                                "ignore_eos": True})
-        for i, p in enumerate(ps)])]
-    assert generate(prompts[:1], 0) + generate(prompts[1:], 1) == expected
-    assert engine.scheduler.kv.hit_tokens >= 16 and engine.preemptions > 0
+    expected = transformers_greedy_text(model_dir, scheduled_prompts(), NEW_TOKENS)
+    got, engine = run_scheduled(model_dir, scheduled_prompts(), NEW_TOKENS, full_sliding_kv=full_sliding_kv)
+    assert got == expected and engine.preemptions > 0
+    assert engine.scheduler.kv.hit_tokens >= 16 if full_sliding_kv else engine.runner.kv_cache.ring_layers == (0,)
 
 
 def _random_mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -245,7 +245,8 @@ def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size, fus
         patched = (DecodeLayers, "run", spy)
     else:
         forward = runner.attention.forward
-        patched = (runner.attention, "forward", lambda q, k, v, layer: outputs.append(forward(q, k, v, layer)) or outputs[-1])
+        spy_forward = lambda q, k, v, layer, sinks=None: outputs.append(forward(q, k, v, layer, sinks)) or outputs[-1]
+        patched = (runner.attention, "forward", spy_forward)
     before = [t.clone() for t in (*cache.k_flat, *cache.v_flat)]
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         patch.setattr(*patched)

@@ -19,7 +19,7 @@ from kernels.panel_linear import PanelWeight, pack_panels
 from kernels.ops import linear, pack_linear_weight
 from native_marks import requires_native_kernels
 from procs.cli import main as cli_main
-from procs.worker.model_runner import check_quantization
+from procs.worker.devices import check_quantization
 
 pytestmark = requires_native_kernels
 

@@ -4,8 +4,8 @@ sliding layers beside full ones (`layer_types`: Qwen2, Qwen2-MoE). Greedy tokens
 `generate` at batch 1 however the batch is cut (chunks shorter than the window), with and without the C
 kernels; every position's logits (what prompt logprobs are made of) within 1e-4 of transformers' over
 chunked prompts; through the scheduler, whose all-sliding requests give back the pages behind their
-window as they go (SCHEDULING.md 5), with preemption and n-gram speculative rows, and a mixed model's
-prefix-cache hits."""
+window as they go (SCHEDULING.md 5), with preemption and n-gram speculative rows; a mixed model's sliding
+layers in rings (the default), or keeping every position with the prefix cache's hits."""
 
 from __future__ import annotations
 
@@ -61,6 +61,17 @@ def test_greedy_matches_transformers(references, model, schedule):
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("model", ["qwen2-layer-types", "qwen2_moe-layer-types"])
+def test_sliding_layers_in_rings_match_transformers(references, model, schedule):
+    """A mixed model's sliding layer in rings of 20 tokens, which the 50-token requests wrap; the C kernels'
+    fused decode call (one page table for every layer) steps aside."""
+    model_dir, expected = references(model)
+    runner = small_runner(model_dir, rings=True)
+    assert runner.kv_cache.ring_layers == (MODELS[model][1].index(8),)
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
+
+
 @pytest.mark.parametrize("model", ["mistral", "qwen2-layer-types"])
 def test_torch_only_path_matches_transformers(references, model, monkeypatch):
     model_dir, expected = references(model)
@@ -82,18 +93,20 @@ def _words(n: int, first: int) -> str:
     return " ".join(f"w{first + i}" for i in range(n))
 
 
-SERVED = {  # all layers sliding; sliding beside full (the word tokenizer needs a non-Qwen model type)
-    "mistral": MODELS["mistral"][0],
-    "gemma2-mixed": dict(arch="gemma2", head_dim=16, sliding_window=8,
-                         layer_types=["sliding_attention", "full_attention"]),
+GEMMA2_MIXED = dict(arch="gemma2", head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+SERVED = {  # all layers sliding; sliding beside full (the word tokenizer needs a non-Qwen model type), in rings
+    "mistral": (MODELS["mistral"][0], {}),     # or keeping every position
+    "gemma2-rings": (GEMMA2_MIXED, {}),
+    "gemma2-full": (GEMMA2_MIXED, {"full_sliding_kv": True}),
 }
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
 def served(tiny_model_dir, request):
-    model_dir = tiny_model_dir(with_tokenizer=True, **SERVED[request.param])
+    overrides, settings = SERVED[request.param]
+    model_dir = tiny_model_dir(with_tokenizer=True, **overrides)
     prompts = [_words(24, 10), _words(24, 10) + " w200 w201", _words(3, 40), _words(17, 100), _words(12, 10)]
-    return model_dir, prompts, transformers_greedy_text(model_dir, prompts, NEW_TOKENS)
+    return model_dir, prompts, transformers_greedy_text(model_dir, prompts, NEW_TOKENS), settings
 
 
 def _generate(engine: OfflineEngine, prompts: list[str]) -> list[list[int]]:
@@ -108,9 +121,9 @@ def _generate(engine: OfflineEngine, prompts: list[str]) -> list[list[int]]:
     dict(speculative="ngram", num_speculative_tokens=3),  # decode rows several tokens wide
 ], ids=["chunked", "preempted", "ngram"])
 def test_scheduled_requests_match_transformers(served, fields):
-    model_dir, prompts, expected = served
+    model_dir, prompts, expected, settings = served
     config = ServerConfig(model=str(model_dir), page_size=4, max_running_requests=5,
-                          **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **fields})
+                          **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **settings, **fields})
     engine = OfflineEngine(config)
     kv = engine.scheduler.kv
     dropped = []
@@ -120,6 +133,8 @@ def test_scheduled_requests_match_transformers(served, fields):
     assert first + _generate(engine, prompts[1:]) == expected
     if kv.window:  # every layer slides: pages behind the window go back, and no prefix is cached
         assert kv.cache is None and sum(dropped) > 0
+    elif engine.runner.kv_cache.ring_layers:  # the sliding layers in rings: no prefix cache either
+        assert kv.cache is None and sum(dropped) == 0 and "full_sliding_kv" not in settings
     else:
         assert kv.hit_tokens >= 24 - 4 and sum(dropped) == 0
     if "kv_reserve_ratio" in fields and not kv.window:  # a window's pages fit here (test_scheduler_sliding_window

@@ -41,7 +41,9 @@ class AttentionBackend(ABC):
     last W of them, as transformers masks (key position > query position - W). `softcap` > 0: scores
     (scaled) are soft-capped to softcap * tanh(score / softcap) before the softmax (Gemma 2). A layer
     with attention sinks (gpt-oss) passes `forward` its `sinks` [H] fp32: per query head a logit that
-    joins the softmax's denominator and attends to nothing, so a head may attend to little."""
+    joins the softmax's denominator and attends to nothing, so a head may attend to little. Sliding
+    layers may keep their KV in rings (`kernels.kv_cache`), through their own page table and write
+    locations (`in_ring`)."""
 
     name: str = ""
 
@@ -54,6 +56,8 @@ class AttentionBackend(ABC):
         if len(self.windows) != layers or min(self.windows) < 0:
             raise ValueError(f"windows {self.windows}: one per layer ({layers}), each >= 0")
         self.softcap = float(softcap)
+        if kv_cache.ring_layers and set(kv_cache.ring_layers) != {i for i, w in enumerate(self.windows) if w}:
+            raise ValueError(f"ring layers {kv_cache.ring_layers} must be the sliding ones (windows {self.windows})")
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -68,6 +72,11 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H, D]; stores k/v at the planned kv_locs."""
+
+    def in_ring(self, window: int) -> bool:
+        """Whether the layers of `window` keep their KV in the cache's rings (`kernels.kv_cache`): their page
+        table is `ring_table`, their new tokens go to `ring_locs`."""
+        return bool(window) and self.kv_cache.ring_pages > 0
 
     def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(kv_locs, pages [T, max_pages], lens [T]), int64 and checked, when the planned step is decode

@@ -28,20 +28,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         super().plan(metadata)
-        native.check_locs(metadata.kv_locs, self.kv_cache.num_pages * self.kv_cache.page_size)
+        for window, plan in self._plans.items():
+            native.check_locs(plan.kv_locs, self._pool_pages(window) * self.kv_cache.page_size)
+
+    def _pool_pages(self, window: int) -> int:
+        """Pages of the pool the layers of `window` keep their KV in (their ring's, or the scheduler's)."""
+        return self.kv_cache.pool_pages(self.windows.index(window))
 
     def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        decode = self._plans[self.windows[0]].decode  # the layers' windows are the fused call's
-        if decode is None or decode.rows is not None:  # no decode rows, or prefill rows beside them
+        plan = self._plans[self.windows[0]]  # the layers' windows are the fused call's
+        decode = plan.decode
+        if decode is None or decode.rows is not None or self.kv_cache.ring_layers:  # prefill rows, or two tables
             return None
-        return self._kv_locs, decode.pages, decode.lens
+        return plan.kv_locs, decode.pages, decode.lens
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-        native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], self._kv_locs, k, v, locs_checked=True)
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor) -> None:
+        native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], kv_locs, k, v, locs_checked=True)
 
     def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,
                      window: int) -> DecodeGroup:
-        native.check_pages(pages, lens, self.kv_cache.num_pages, self.kv_cache.page_size)
+        native.check_pages(pages, lens, self._pool_pages(window), self.kv_cache.page_size)
         return DecodeGroup(rows, pages, lens, mask=None, window=window)
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,

@@ -11,7 +11,9 @@ wrapper, once for all layers:
 Every layer writes its new K/V at `kv_locs` with a plain `index_copy_` into the pool, then runs the
 planned wrapper. A model with sliding-window layers has one wrapper per distinct window (0: none),
 planned with `window_left` = W - 1 (flashinfer's query at i sees keys i - window_left .. i), and each
-layer runs its window's. A layer with attention sinks (gpt-oss) runs with `return_lse` and rescales the
+layer runs its window's. Sliding layers that keep their KV in rings (`kernels.kv_cache`) read page lists
+made from the ring table and write at the ring locations (in CUDA graphs: their own static buffers). A
+layer with attention sinks (gpt-oss) runs with `return_lse` and rescales the
 output by the keys' share beside the sink (`with_sinks`): flashinfer's own `sinks` argument is taken by
 its trtllm-gen kernels only.
 
@@ -121,57 +123,80 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         self._decode_wrappers = {w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self._tensor_cores) for w in distinct}
         self._graph_wrappers: dict[int, dict[int, Any]] = {}  # batch size -> window -> wrapper
+        self._graph_ring_locs: torch.Tensor | None = None  # a graph's ring write locations (static)
         self._wrappers: dict[int, Any] = {}  # window -> the wrapper planned for this step
-        self._kv_locs: torch.Tensor | None = None
+        self._kv_locs: dict[bool, torch.Tensor] = {}  # in a ring or not -> where the step's new K/V go
 
     # -- per step ---------------------------------------------------------------------------------
 
     def _shape_args(self) -> tuple[int, int, int, int]:
         return self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size
 
-    def _plan_decode(self, wrappers: dict[int, Any], metadata: AttentionMetadata) -> None:
-        pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
+    def _step_pages(self, metadata: AttentionMetadata,
+                    ring_locs: torch.Tensor | None = None) -> dict[bool, PageLists]:
+        """The page lists of the step by each table its layers read (the scheduler's, the rings'), and
+        where their new K/V go (the ring locations into `ring_locs` where given: a graph's static buffer)."""
+        pages, self._kv_locs = {}, {}
+        for ring in {self.in_ring(window) for window in self.windows}:
+            table = self.kv_cache.ring_table if ring else self.kv_cache.page_table
+            pages[ring] = page_lists(metadata, table, self.kv_cache.page_size)
+            locs = metadata.kv_locs
+            if ring:
+                host = self.kv_cache.ring_locs(metadata.slots, metadata.prefix_lens, metadata.extend_lens,
+                                               metadata.num_padding)
+                locs = torch.from_numpy(host).to(self.kv_cache.page_table.device, non_blocking=True)
+                locs = locs if ring_locs is None else ring_locs[:locs.shape[0]].copy_(locs)
+            self._kv_locs[ring] = locs
+        return pages
+
+    def _plan_decode(self, wrappers: dict[int, Any], metadata: AttentionMetadata,
+                     ring_locs: torch.Tensor | None = None) -> None:
+        step_pages = self._step_pages(metadata, ring_locs)
         for window, wrapper in wrappers.items():
+            pages = step_pages[self.in_ring(window)]
             wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
                          pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
                          logits_soft_cap=self.softcap or None, sm_scale=self.scale,
                          q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
         self._wrappers = wrappers
-        self._kv_locs = metadata.kv_locs
 
     def plan(self, metadata: AttentionMetadata) -> None:
         if all(length == 1 for length in metadata.extend_lens):
             self._plan_decode(self._decode_wrappers, metadata)
             return
-        pages = page_lists(metadata, self.kv_cache.page_table, self.kv_cache.page_size)
+        step_pages = self._step_pages(metadata)
         qo_indptr = torch.zeros(len(metadata.extend_lens) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(metadata.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
         for window, wrapper in self._prefill_wrappers.items():
+            pages = step_pages[self.in_ring(window)]
             wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
                          causal=True, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
                          logits_soft_cap=self.softcap or None,
                          sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
         self._wrappers = self._prefill_wrappers
-        self._kv_locs = metadata.kv_locs
 
     # -- CUDA graphs --------------------------------------------------------------------------------
 
     def init_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
         max_bs = max(batch_sizes)
         device = self.kv_cache.device
-        # Shared by every size's wrapper: one graph runs at a time and its plan rewrites them first.
-        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self._graph_indices = torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device)
-        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self._graph_wrappers = {
-            size: {window: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
-                paged_kv_indptr_buffer=self._graph_indptr[:size + 1],
-                paged_kv_indices_buffer=self._graph_indices,
-                paged_kv_last_page_len_buffer=self._graph_last_page_len[:size],
-            ) for window in sorted(set(self.windows))}
-            for size in batch_sizes
-        }
+        # Shared by every size's wrapper of one table (the scheduler's, the rings'): one graph runs at a
+        # time and its plan rewrites them first.
+        buffers = {ring: (torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+                          torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device),
+                          torch.ones(max_bs, dtype=torch.int32, device=device))
+                   for ring in {self.in_ring(window) for window in self.windows}}
+        if True in buffers:
+            self._graph_ring_locs = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self._graph_wrappers = {size: {window: self._graph_wrapper(size, *buffers[self.in_ring(window)])
+                                       for window in sorted(set(self.windows))} for size in batch_sizes}
+
+    def _graph_wrapper(self, size: int, indptr: torch.Tensor, indices: torch.Tensor,
+                       last_page_len: torch.Tensor) -> Any:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+            paged_kv_indptr_buffer=indptr[:size + 1], paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len[:size])
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         size = len(metadata.slots)
@@ -181,14 +206,16 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
                              f"(initialised: {sorted(self._graph_wrappers)})")
         if any(length != 1 for length in metadata.extend_lens):
             raise ValueError("plan_cuda_graph takes decode-only batches")
-        self._plan_decode(wrappers, metadata)
+        self._plan_decode(wrappers, metadata, self._graph_ring_locs)
 
     # -- per layer --------------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
-        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+        window = self.windows[layer]
+        kv_locs = self._kv_locs[self.in_ring(window)]
+        self.kv_cache.k_flat[layer].index_copy_(0, kv_locs, k)
+        self.kv_cache.v_flat[layer].index_copy_(0, kv_locs, v)
         wrapper, pools = self._wrappers[self.windows[layer]], (self.kv_cache.k[layer], self.kv_cache.v[layer])
         if sinks is None:
             return wrapper.run(q.contiguous(), pools)

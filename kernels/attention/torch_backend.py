@@ -49,10 +49,11 @@ class DecodeGroup:
 
 @dataclass
 class StepPlan:
-    """How the layers of one window (0: none) attend this step."""
+    """How the layers of one window (0: none) attend this step, and where their new K/V go."""
 
     decode: DecodeGroup | None
     prefills: list[_PrefillChunk]
+    kv_locs: torch.Tensor
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -60,15 +61,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._kv_locs: torch.Tensor | None = None
         self._plans: dict[int, StepPlan] = {}  # by window
 
     # -- per step ---------------------------------------------------------------------------------
 
     def plan(self, metadata: AttentionMetadata) -> None:
         device = self.kv_cache.device
-        self._kv_locs = metadata.kv_locs
-        chunks: list[tuple[int, int, int, torch.Tensor | None]] = []  # (start, length, prefix, pages)
+        chunks: list[tuple[int, int, int, int]] = []  # (start, length, prefix, slot)
         decode_rows: list[int] = []
         decode_slots: list[int] = []
         decode_lens: list[int] = []
@@ -79,22 +78,38 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_slots.extend([slot] * length)
                 decode_lens.extend(range(prefix + 1, prefix + length + 1))
             else:  # a fresh prompt attends to its own k/v, a later chunk to its pages too
-                total = torch.tensor([prefix + length], device=device)
-                pages = self._pages(torch.tensor([slot], device=device), total, prefix + length)[0] if prefix else None
-                chunks.append((start, length, prefix, pages))
+                chunks.append((start, length, prefix, slot))
             start += length
         decode = None
         if decode_rows:
             all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed
             rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
             lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            pages = self._pages(torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
-            if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
-                pages[-metadata.num_padding:] = 0
-            decode = (rows, pages, lens)
-        self._plans = {window: StepPlan(None if decode is None else self._plan_decode(*decode, window),
-                                        [self._prefill_chunk(*chunk, window) for chunk in chunks])
-                       for window in set(self.windows)}
+            decode = (rows, torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
+        plans = {}
+        for ring in {self.in_ring(window) for window in self.windows}:  # the pages each table gives, once
+            table = self.kv_cache.ring_table if ring else self.kv_cache.page_table
+            kv_locs = torch.from_numpy(self.kv_cache.ring_locs(
+                metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding)).to(device) \
+                if ring else metadata.kv_locs
+            chunk_pages = [None if not prefix else self._pages(torch.tensor([slot], device=device),
+                                                               torch.tensor([prefix + length], device=device),
+                                                               prefix + length, table)[0]
+                           for _, length, prefix, slot in chunks]
+            decode_pages = None
+            if decode is not None:
+                rows, slots, lens, longest = decode
+                decode_pages = self._pages(slots, lens, longest, table)
+                if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
+                    decode_pages[-metadata.num_padding:] = 0
+            plans[ring] = (kv_locs, chunk_pages, decode_pages)
+        self._plans = {}
+        for window in set(self.windows):
+            kv_locs, chunk_pages, decode_pages = plans[self.in_ring(window)]
+            self._plans[window] = StepPlan(
+                None if decode is None else self._plan_decode(decode[0], decode_pages, decode[2], window),
+                [self._prefill_chunk(start, length, prefix, pages, window)
+                 for (start, length, prefix, _), pages in zip(chunks, chunk_pages)], kv_locs)
 
     def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
                        window: int) -> _PrefillChunk:
@@ -118,15 +133,15 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=pages.device).masked_fill_(~valid, float("-inf"))
         return DecodeGroup(rows, pages, lens, mask[:, None, None, :], window)
 
-    def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Pages [len(slots), ceil(max_len / page_size)] holding each slot's first `lens` tokens.
+    def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int, table: torch.Tensor) -> torch.Tensor:
+        """Pages [len(slots), ceil(max_len / page_size)] holding each slot's first `lens` tokens, by `table`.
 
         Gathering whole pages is far cheaper on CPU than gathering token rows; columns past a
         request's own pages point at the dummy page so stale page-table entries are never read.
         """
         page_size = self.kv_cache.page_size
         num_cols = -(-max_len // page_size)
-        pages = self.kv_cache.page_table[slots, :num_cols].to(torch.int64)
+        pages = table[slots, :num_cols].to(torch.int64)
         cols = torch.arange(num_cols, device=pages.device)[None, :]
         return torch.where(cols * page_size < lens[:, None], pages, 0)
 
@@ -139,10 +154,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self._write_kv(k, v, layer)
+        plan = self._plans[self.windows[layer]]
+        self._write_kv(k, v, layer, plan.kv_locs)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
         v_pool = self.kv_cache.v[layer]
-        plan = self._plans[self.windows[layer]]
         decode = plan.decode
         if decode is not None and decode.rows is None:
             return self._attend_decode(q, k_pool, v_pool, decode, sinks)
@@ -163,9 +178,9 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = attended[0].transpose(0, 1)
         return out
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-        self.kv_cache.k_flat[layer].index_copy_(0, self._kv_locs, k)
-        self.kv_cache.v_flat[layer].index_copy_(0, self._kv_locs, v)
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor) -> None:
+        self.kv_cache.k_flat[layer].index_copy_(0, kv_locs, k)
+        self.kv_cache.v_flat[layer].index_copy_(0, kv_locs, v)
 
     def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,
                        sinks: torch.Tensor | None) -> torch.Tensor:

@@ -139,7 +139,8 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
-        prefix_cache=not config.disable_prefix_cache and not info.sliding_window,  # SCHEDULING.md 5
+        # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep
+        prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings,
         scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,

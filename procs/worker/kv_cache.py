@@ -6,6 +6,7 @@ default).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -51,3 +52,19 @@ def num_pages_for(page_size: int, *, capacity_tokens: int = 0, memory_gb: float 
     if usable < 1:
         raise ValueError(f"KV budget too small: {memory_gb} GiB holds no page of {page_size} tokens")
     return usable + 1
+
+
+def ring_layers(windows: Sequence[int], step_tokens: int) -> tuple[int, ...]:
+    """The layers that keep their KV in rings (`kernels.kv_cache`): the sliding ones of a model that mixes
+    sliding and global layers (or windows of several widths), when a request's steps take at most
+    `step_tokens` tokens after its first (0: no rings, every layer keeps the whole context). A model whose
+    every layer slides by one window gives back its pages behind the window in the scheduler instead."""
+    if not step_tokens or len(set(windows)) <= 1:
+        return ()
+    return tuple(layer for layer, window in enumerate(windows) if window)
+
+
+def ring_pages_for(window: int, step_tokens: int, page_size: int) -> int:
+    """Pages of one slot's ring: the columns a window of `window` before a step of `step_tokens` tokens and
+    the step itself span, at most."""
+    return (window + step_tokens - 2) // page_size + 2

@@ -17,20 +17,21 @@ import numpy as np
 import torch
 
 from kernels.attention import BACKENDS, create_backend, resolve_backend_name
-from kernels import native
 from kernels.kv_cache import KVCache
 from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
+from procs.worker.devices import check_quantization, resolve_device, resolve_dtype
 from procs.worker.draft_model import DraftDistributions, DraftModel
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
 from procs.worker.graph_runner import DecodeGraphRunner
-from procs.worker.kv_cache import kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
+from procs.worker.kv_cache import (GIB, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for, ring_layers,
+                                   ring_pages_for)
 from procs.worker.loader import load_model
 from procs.worker.models.base import CausalLM, ModelConfig, eager_forward
 from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
-from shared.config import QUANTIZATIONS, ServerConfig
+from shared.config import ServerConfig
 from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.parallel import RankLayout
@@ -42,39 +43,6 @@ GREEDY = SamplingParams(temperature=0.0)
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
 EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but CUDA is not available")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (the CPU has no fast bf16 matmul), bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not native.available()):
-        raise ValueError(f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
-                         f"{device.type}, {dtype}, C kernels {'built' if native.available() else 'unavailable'})")
-
-
 class ModelRunner:
     """Executes `ForwardBatch`es on one model replica.
 
@@ -93,7 +61,7 @@ class ModelRunner:
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
                  quantization: str = "none", tp: TensorParallel | None = None, draft_model: str = "",
-                 draft_quantization: str = "none"):
+                 draft_quantization: str = "none", ring_step_tokens: int = 0):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -113,24 +81,12 @@ class ModelRunner:
                                           tp=self.tp)
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
-        bytes_per_token = kv_bytes_per_token(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, self.dtype)
         # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
         draft = None if draft_spec is None else load_model(draft_spec, dtype=self.dtype, device=self.device,
                                                            quantization=draft_quantization)
-        if draft is not None:
-            bytes_per_token += kv_bytes_per_token(draft.config.num_layers, draft.heads.num_kv_heads,
-                                                  draft.config.head_dim, self.dtype)
-        # Each rank sizes its pool from its own memory; all take the smallest, which the scheduler plans with.
-        num_pages = self.tp.min_int(num_pages_for(
-            page_size, capacity_tokens=kv_capacity_tokens,
-            memory_gb=0.0 if kv_capacity_tokens > 0 else kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
-            bytes_per_token=bytes_per_token,
-        ))
-        self.kv_cache = KVCache(
-            num_layers=cfg.num_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-            num_pages=num_pages, max_running_requests=max_running_requests,
-            max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
-        )
+        budget_gb = lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction)
+        self.kv_cache = self._kv_cache(page_size, kv_capacity_tokens, budget_gb, max_running_requests, draft,
+                                       ring_step_tokens)
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
                                         heads.num_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.windows,
@@ -144,6 +100,33 @@ class ModelRunner:
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
+
+    def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
+                  draft: CausalLM | None, ring_step_tokens: int) -> KVCache:
+        """The KV pool: rings for the sliding layers where they apply (steps of at most `ring_step_tokens`
+        after a request's first, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`),
+        and pages for the other layers (and the draft's) for `capacity_tokens`, or as many as the memory
+        budget left after the rings holds. Each rank sizes its pool from its own memory; all take the
+        smallest, which the scheduler plans with."""
+        cfg, heads = self.config, self.model.heads
+        rings = ring_layers(cfg.windows, ring_step_tokens if draft is None else 0)
+        window = max((cfg.windows[layer] for layer in rings), default=0)
+        ring_pages = ring_pages_for(window, ring_step_tokens, page_size) if rings else 0
+        layer_bytes = kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype)
+        bytes_per_token = layer_bytes * (cfg.num_layers - len(rings)) or layer_bytes
+        if draft is not None:
+            bytes_per_token += kv_bytes_per_token(draft.config.num_layers, draft.heads.num_kv_heads,
+                                                  draft.config.head_dim, self.dtype)
+        ring_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
+        budget = 0.0 if capacity_tokens > 0 else budget_gb() - ring_gb
+        if capacity_tokens <= 0 and budget <= 0:
+            raise ValueError(f"the sliding layers' rings take {ring_gb:.2f} GiB of KV memory, the whole budget")
+        num_pages = self.tp.min_int(num_pages_for(page_size, capacity_tokens=capacity_tokens, memory_gb=budget,
+                                                  bytes_per_token=bytes_per_token))
+        return KVCache(num_layers=cfg.num_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim,
+                       page_size=page_size, num_pages=num_pages, max_running_requests=max_running,
+                       max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
+                       ring_layers=rings, ring_pages=ring_pages, ring_window=window)
 
     def _graph_runner(self, disable_cuda_graph: bool, cuda_graph_max_bs: int,
                       pad_decode: bool | None) -> DecodeGraphRunner | None:
@@ -190,7 +173,9 @@ class ModelRunner:
                          attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
                          cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization, tp=tp,
                          draft_model=config.draft_model if config.speculative == "draft" else "",
-                         draft_quantization=config.draft_quantization)
+                         draft_quantization=config.draft_quantization,
+                         ring_step_tokens=0 if config.full_sliding_kv else max(
+                             config.prefill_budget, config.num_speculative_tokens + 1))
         except BaseException:
             tp.close()
             raise
@@ -250,7 +235,8 @@ class ModelRunner:
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
                           moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
-                          sliding_window=self._shared_window(), layer_windows=list(self.config.windows))
+                          sliding_window=self._shared_window(), layer_windows=list(self.config.windows),
+                          sliding_rings=bool(self.kv_cache.ring_layers))
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
