@@ -11,10 +11,14 @@ Ring layers (`ring_layers`, with `ring_pages` > 0): sliding-window layers of a m
 global ones keep only what their window reads. Each slot owns `ring_pages` pages of their own pool
 (`1 + slot * ring_pages` on; page 0 the dummy page again) and a request's page-table column c lies in
 ring page c mod ring_pages: a fixed `ring_table` the scheduler never touches. A step writes a request's
-new tokens of its last `ring_pages` columns there (`ring_locs`; earlier ones of a long fresh prompt go to
-the dummy page: nothing reads them through the ring), so the ring holds every position a window of W
-reads as long as ring_pages >= ceil((W + the step's tokens) / page_size) + 1; columns further back alias
-newer pages, which the window's mask hides. The scheduler's pages hold the global layers' KV alone.
+new tokens of its last `ring_pages` columns there (`ring_locs`; earlier ones of a long chunk go to the
+dummy page), so the ring holds every position a window of W reads of a row of R tokens that attends
+through it as long as ring_pages >= (W + R - 2) // page_size + 2 (`check_ring_rows`); columns further back
+alias newer pages, which the window's mask hides. The backend says which rows attend through it
+(`AttentionBackend.ring_row_tokens`): flashinfer's every row (a ring holds a whole step), the torch
+backends' decode rows (a longer chunk reads the window before it from the ring and its own k/v beside it,
+and is written after: a ring holds the window and a decode row). The scheduler's pages hold the global
+layers' KV alone.
 """
 
 from __future__ import annotations
@@ -65,18 +69,22 @@ class KVCache:
         size, ring, real = self.page_size, self.ring_pages, len(slots) - num_padding
         extend = np.asarray(extend_lens[:real], dtype=np.int64)
         prefix = np.asarray(prefix_lens[:real], dtype=np.int64)
-        # after a cached prefix, the columns of the window before the step and of the step must all fit
-        spans = (prefix + extend - 1) // size - np.maximum(prefix - self.ring_window + 1, 0) // size + 1
-        if np.any((prefix > 0) & (spans > ring)):
-            raise ValueError(f"a step of {int(extend[spans > ring].max())} tokens after a cached prefix overflows "
-                             f"the sliding layers' rings of {ring} pages (window {self.ring_window}): rings are "
-                             f"sized for the longest step a request takes")
         firsts = np.cumsum(extend) - extend
         positions = np.repeat(prefix, extend) + np.arange(int(extend.sum())) - np.repeat(firsts, extend)
         columns, last_columns = positions // size, np.repeat((prefix + extend - 1) // size, extend)
         locs = (1 + np.repeat(np.asarray(slots[:real], dtype=np.int64), extend) * ring + columns % ring) * size
         locs = np.where(columns > last_columns - ring, locs + positions % size, positions % size)
         return np.concatenate([locs, np.zeros(num_padding, dtype=np.int64)])
+
+    def check_ring_rows(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
+        """ValueError unless every row after a cached prefix that attends through the rings fits them: the
+        columns of the window before its tokens and of its tokens (the rings are sized for the longest)."""
+        size, ring = self.page_size, self.ring_pages
+        prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
+        spans = (prefix + extend - 1) // size - np.maximum(prefix - self.ring_window + 1, 0) // size + 1
+        if np.any((prefix > 0) & (spans > ring)):
+            raise ValueError(f"a step of {int(extend[(prefix > 0) & (spans > ring)].max())} tokens after a cached "
+                             f"prefix overflows the sliding layers' rings of {ring} pages (window {self.ring_window})")
 
     @property
     def kv_capacity_tokens(self) -> int:

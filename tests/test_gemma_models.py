@@ -73,6 +73,19 @@ def test_sliding_layers_in_rings_match_transformers(references, model, schedule)
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES[schedule]) == expected
 
 
+@pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
+def test_chunks_longer_than_a_ring_match_transformers(tiny_model_dir, model, monkeypatch):
+    """Chunks of 18 after a prefix, longer than a ring holds beside the window: they read the window before
+    them from the ring and their own k/v beside it, written to the ring after (C kernels and torch alike)."""
+    model_dir = tiny_model_dir(**MODELS[model])
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (47, 30, 19)]
+    expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
+    assert generate_greedy(small_runner(model_dir, rings=True), prompts, NEW_TOKENS, chunk=18, arrival_gap=2) == expected
+    with torch_only(monkeypatch):
+        assert generate_greedy(small_runner(model_dir, rings=True), prompts, NEW_TOKENS, chunk=18) == expected
+
+
 @pytest.mark.parametrize("rings", [False, True])
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
 def test_torch_only_path_matches_transformers(references, model, rings, monkeypatch):

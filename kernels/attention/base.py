@@ -46,6 +46,9 @@ class AttentionBackend(ABC):
     locations (`in_ring`)."""
 
     name: str = ""
+    # The widest row after a cached prefix that attends through a ring's pages (None: any row, so rings hold
+    # a whole step); a longer one reads the window before it from the ring and its own k/v beside it.
+    ring_row_tokens: int | None = None
 
     def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  windows: Sequence[int] = (), softcap: float = 0.0):

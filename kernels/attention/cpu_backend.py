@@ -42,7 +42,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return None
         return plan.kv_locs, decode.pages, decode.lens
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor) -> None:
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> None:
+        if rows is not None:
+            k, v, kv_locs = k[rows], v[rows], kv_locs[rows]
         native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], kv_locs, k, v, locs_checked=True)
 
     def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,

@@ -142,6 +142,7 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
             pages[ring] = page_lists(metadata, table, self.kv_cache.page_size)
             locs = metadata.kv_locs
             if ring:
+                self.kv_cache.check_ring_rows(metadata.prefix_lens, metadata.extend_lens)
                 host = self.kv_cache.ring_locs(metadata.slots, metadata.prefix_lens, metadata.extend_lens,
                                                metadata.num_padding)
                 locs = torch.from_numpy(host).to(self.kv_cache.page_table.device, non_blocking=True)

@@ -35,7 +35,11 @@ class _PrefillChunk:
     start: int  # first row in the packed arrays
     length: int
     pages: torch.Tensor | None  # [pages] holding the prefix + chunk; None: attend to the chunk's own k/v
-    mask: torch.Tensor | None  # [length, prefix + length] bool, True = may attend
+    mask: torch.Tensor | None  # [length, keys] bool, True = may attend
+    # In a ring: the pages hold the window before the chunk, its `pool_keys` tokens from `offset` on, and the
+    # chunk's own k/v follow them (written to the ring only after: it may not hold the window and the chunk)
+    pool_keys: int = 0
+    offset: int = 0
 
 
 @dataclass
@@ -54,10 +58,13 @@ class StepPlan:
     decode: DecodeGroup | None
     prefills: list[_PrefillChunk]
     kv_locs: torch.Tensor
+    write_first: torch.Tensor | None = None  # the rows written before attending (None: all of them)
+    write_after: torch.Tensor | None = None  # the rows written after (ring chunks after a prefix; None: none)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    ring_row_tokens = MAX_DECODE_ROW_TOKENS
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -95,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
             chunk_pages = [None if not prefix else self._pages(torch.tensor([slot], device=device),
                                                                torch.tensor([prefix + length], device=device),
                                                                prefix + length, table)[0]
-                           for _, length, prefix, slot in chunks]
+                           for _, length, prefix, slot in chunks] if not ring else []
             decode_pages = None
             if decode is not None:
                 rows, slots, lens, longest = decode
@@ -106,18 +113,45 @@ class TorchAttentionBackend(AttentionBackend):
         self._plans = {}
         for window in set(self.windows):
             kv_locs, chunk_pages, decode_pages = plans[self.in_ring(window)]
-            self._plans[window] = StepPlan(
-                None if decode is None else self._plan_decode(decode[0], decode_pages, decode[2], window),
-                [self._prefill_chunk(start, length, prefix, pages, window)
-                 for (start, length, prefix, _), pages in zip(chunks, chunk_pages)], kv_locs)
+            decode_group = None if decode is None else self._plan_decode(decode[0], decode_pages, decode[2], window)
+            if self.in_ring(window):
+                self._plans[window] = self._ring_plan(decode_group, chunks, kv_locs, window, metadata.num_tokens)
+                continue
+            self._plans[window] = StepPlan(decode_group, [self._prefill_chunk(start, length, prefix, pages, window)
+                                                          for (start, length, prefix, _), pages in
+                                                          zip(chunks, chunk_pages)], kv_locs)
+
+    def _ring_plan(self, decode: DecodeGroup | None, chunks: list[tuple[int, int, int, int]], kv_locs: torch.Tensor,
+                   window: int, num_tokens: int) -> StepPlan:
+        """A ring's layers: a chunk after a prefix attends to the window before it, from the ring's pages, and
+        to its own k/v, which are written after (a ring holds the window and a decode row, not a chunk)."""
+        device, size, table = self.kv_cache.device, self.kv_cache.page_size, self.kv_cache.ring_table
+        prefills, after = [], []
+        for start, length, prefix, slot in chunks:
+            if not prefix:
+                prefills.append(self._prefill_chunk(start, length, 0, None, window))
+                continue
+            first = max(prefix - window + 1, 0)
+            pages = table[slot, first // size:(prefix - 1) // size + 1].to(torch.int64)
+            chunk = self._prefill_chunk(start, length, prefix, pages, window, first_key=first)
+            chunk.pool_keys, chunk.offset = prefix - first, first % size
+            prefills.append(chunk)
+            after.append(torch.arange(start, start + length, device=device))
+        if not after:
+            return StepPlan(decode, prefills, kv_locs)
+        write_after = torch.cat(after)
+        keep = torch.ones(num_tokens, dtype=torch.bool, device=device)
+        keep[write_after] = False
+        return StepPlan(decode, prefills, kv_locs, keep.nonzero().flatten(), write_after)
 
     def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
-                       window: int) -> _PrefillChunk:
+                       window: int, first_key: int = 0) -> _PrefillChunk:
+        """A chunk's rows attending to the positions from `first_key` to its own: causally, in a window."""
         if pages is None and not window:
             return _PrefillChunk(start, length, None, None)  # SDPA's causal mask
         device = self.kv_cache.device
         query = torch.arange(prefix, prefix + length, device=device)[:, None]
-        keys = torch.arange(prefix + length, device=device)[None, :]
+        keys = torch.arange(first_key, prefix + length, device=device)[None, :]
         mask = keys <= query
         if window:
             mask &= keys > query - window
@@ -155,7 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         plan = self._plans[self.windows[layer]]
-        self._write_kv(k, v, layer, plan.kv_locs)
+        self._write_kv(k, v, layer, plan.kv_locs, plan.write_first)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
         v_pool = self.kv_cache.v[layer]
         decode = plan.decode
@@ -168,6 +202,10 @@ class TorchAttentionBackend(AttentionBackend):
             rows = slice(chunk.start, chunk.start + chunk.length)
             if chunk.pages is None:
                 keys, values = k[rows], v[rows]
+            elif chunk.pool_keys:
+                pooled = slice(chunk.offset, chunk.offset + chunk.pool_keys)
+                keys = torch.cat((self._gather(k_pool, chunk.pages)[pooled], k[rows]))
+                values = torch.cat((self._gather(v_pool, chunk.pages)[pooled], v[rows]))
             else:
                 total = chunk.mask.shape[1]
                 keys = self._gather(k_pool, chunk.pages)[:total]
@@ -176,9 +214,15 @@ class TorchAttentionBackend(AttentionBackend):
             attended = self._sdpa(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                   values.transpose(0, 1)[None], chunk.mask, sink)
             out[rows] = attended[0].transpose(0, 1)
+        if plan.write_after is not None:
+            self._write_kv(k, v, layer, plan.kv_locs, plan.write_after)
         return out
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor) -> None:
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> None:
+        """The new K/V of `rows` (None: all) into the pool at their `kv_locs`."""
+        if rows is not None:
+            k, v, kv_locs = k[rows], v[rows], kv_locs[rows]
         self.kv_cache.k_flat[layer].index_copy_(0, kv_locs, k)
         self.kv_cache.v_flat[layer].index_copy_(0, kv_locs, v)
 

@@ -85,12 +85,13 @@ class ModelRunner:
         draft = None if draft_spec is None else load_model(draft_spec, dtype=self.dtype, device=self.device,
                                                            quantization=draft_quantization)
         budget_gb = lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction)
+        backend = self._agreed_backend(attention_backend)
+        ring_rows = BACKENDS[backend]().ring_row_tokens if backend in BACKENDS else None
         self.kv_cache = self._kv_cache(page_size, kv_capacity_tokens, budget_gb, max_running_requests, draft,
-                                       ring_step_tokens)
+                                       min(ring_step_tokens, ring_rows or ring_step_tokens))
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
-        self.attention = create_backend(self._agreed_backend(attention_backend), self.kv_cache, heads.num_heads,
-                                        heads.num_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.windows,
-                                        cfg.attn_softcap)
+        self.attention = create_backend(backend, self.kv_cache, heads.num_heads, heads.num_kv_heads, cfg.head_dim,
+                                        cfg.attention_scale, cfg.windows, cfg.attn_softcap)
         self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
                                                                                        attention_backend)
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
@@ -103,8 +104,8 @@ class ModelRunner:
 
     def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
                   draft: CausalLM | None, ring_step_tokens: int) -> KVCache:
-        """The KV pool: rings for the sliding layers where they apply (steps of at most `ring_step_tokens`
-        after a request's first, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`),
+        """The KV pool: rings for the sliding layers where they apply (rows of at most `ring_step_tokens` read
+        through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`),
         and pages for the other layers (and the draft's) for `capacity_tokens`, or as many as the memory
         budget left after the rings holds. Each rank sizes its pool from its own memory; all take the
         smallest, which the scheduler plans with."""
