@@ -113,6 +113,8 @@ class ModelRunner:
         rings = ring_layers(cfg.windows, ring_step_tokens if draft is None else 0)
         window = max((cfg.windows[layer] for layer in rings), default=0)
         ring_pages = ring_pages_for(window, ring_step_tokens, page_size) if rings else 0
+        if ring_pages * page_size >= self._max_context:  # a ring would hold the whole context: no gain
+            rings, window, ring_pages = (), 0, 0
         layer_bytes = kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype)
         bytes_per_token = layer_bytes * (cfg.num_layers - len(rings)) or layer_bytes
         if draft is not None:
