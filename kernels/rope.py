@@ -8,6 +8,14 @@ there and recomputes the sequence; the scheduler recomputes such a request too,
 `Scheduler._recompute_at_rope_switch`). `RotaryTables.rows` maps (position, the request's prompt length
 as prefilled) to a table row, long when either passes the switch: a prompt longer than the original
 context is long from its first chunk.
+
+Dynamic NTK stretches the base with the sequence's length L past `max_position_embeddings` (it serves
+`factor` times that). transformers recomputes the frequencies in each forward for its longest sequence
+and keeps the keys already cached, so at batch 1 a key has the frequencies of the length its sequence had
+when it was computed: a prompt's keys those of the whole prompt (one forward), each later token's those of
+its position + 1. `rows` gives every token that length, L = max(prompt length, position + 1), whatever the
+chunks: a later token's row is in a second table of (p, p + 1) rows; a long prompt's other tokens' cos and
+sin are computed for the step (their frequencies follow the prompt's length) and `lookup` puts them in.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ def inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tenso
     dim = rope.rotary_dim(head_dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     base = 1.0 / (rope.theta ** exponents)
-    if rope.kind == "default":
+    if rope.kind in ("default", "dynamic"):  # dynamic: the base frequencies up to the model's positions
         return base
     if rope.kind == "linear":
         return base / rope.factor
@@ -92,6 +100,16 @@ def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
     return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+def dynamic_inv_freq(rope: RopeConfig, head_dim: int, lengths: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK's inverse frequencies [len(lengths), rotary_dim / 2] (float32) for sequences of `lengths`
+    (int64), in transformers' arithmetic: the base ones up to `max_position_embeddings`."""
+    dim, original = rope.rotary_dim(head_dim), rope.max_position_embeddings
+    lengths = torch.maximum(lengths, torch.tensor(original, dtype=lengths.dtype))
+    base = rope.theta * ((rope.factor * lengths / original) - (rope.factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
 def cos_sin(inv: torch.Tensor, max_positions: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, 2 * len(inv)] (float32, rotate-half layout), times `scale`."""
     positions = torch.arange(max_positions, dtype=torch.float32)
@@ -105,20 +123,61 @@ class RotaryTables:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, *, device: torch.device,
                  dtype: torch.dtype):
+        self.rope, self.head_dim = rope, head_dim
         self.rotary_dim = rope.rotary_dim(head_dim)
         self.max_positions = max_positions
         self.switch_length = rope.switch_length
+        self.dynamic_length = rope.dynamic_length
         scale = attention_factor(rope)
         tables = [cos_sin(inv_freq(rope, head_dim), max_positions, scale)]
         if self.switch_length:
             tables.append(cos_sin(inv_freq(rope, head_dim, long=True), max_positions, scale))
+        if self.dynamic_length:  # rows (p, p + 1)
+            positions = torch.arange(max_positions)
+            freqs = positions[:, None].float() * dynamic_inv_freq(rope, head_dim, positions + 1)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            tables.append((emb.cos(), emb.sin()))
         self.cos = torch.cat([cos for cos, _ in tables]).to(device=device, dtype=dtype)
         self.sin = torch.cat([sin for _, sin in tables]).to(device=device, dtype=dtype)
+        self._step_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (tokens, cos, sin)
+
+    def lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, rotary_dim] of the step's `rows` (as `rows` made them), with the rows it
+        computed for the step put in."""
+        cos, sin = self.cos[rows], self.sin[rows]
+        if self._step_rows is not None:
+            tokens, step_cos, step_sin = self._step_rows
+            cos[tokens], sin[tokens] = step_cos, step_sin
+        return cos, sin
+
+    @property
+    def follows_length(self) -> bool:
+        """Whether a token's row depends on its request's prompt length as well as its position."""
+        return bool(self.switch_length or self.dynamic_length)
 
     def rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
         """Each token's table row: its position, in the long table when its request's prompt or the
         position itself passes the switch (the module's rule); `prompt_lens`: its request's prompt length."""
+        if self.dynamic_length:
+            return self._dynamic_rows(positions, prompt_lens)
         if not self.switch_length:
             return positions
         long = (np.maximum(positions + 1, prompt_lens) > self.switch_length)
         return (positions + long * self.max_positions).astype(positions.dtype)
+
+    def _dynamic_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
+        """Dynamic NTK (the module's rule): the position's own row up to the model's positions, its (p, p + 1)
+        row when it ends its sequence, else (a long prompt's earlier tokens) cos and sin computed for the step."""
+        lengths = np.maximum(positions + 1, prompt_lens)
+        last = lengths == positions + 1
+        rows = np.where(lengths > self.dynamic_length, positions + last * self.max_positions, positions)
+        inside = np.flatnonzero((lengths > self.dynamic_length) & ~last)
+        self._step_rows = None
+        if inside.shape[0]:
+            at = torch.from_numpy(positions[inside].astype(np.int64))
+            freqs = at[:, None].float() * dynamic_inv_freq(self.rope, self.head_dim, torch.from_numpy(
+                lengths[inside].astype(np.int64)))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._step_rows = (torch.from_numpy(inside).to(self.cos.device), emb.cos().to(self.cos),
+                               emb.sin().to(self.sin))
+        return rows.astype(positions.dtype)

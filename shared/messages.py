@@ -442,6 +442,7 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     moe_experts: int = 0
     moe_top_k: int = 0
     rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
+    rope_dynamic_length: int = 0  # dynamic NTK: the prompt length past which its keys follow its length (0: never)
     sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
     layer_windows: list[int] = []  # each layer's window (0: none; empty: no layer slides), for the step-cost model
     sliding_rings: bool = False  # sliding layers keep window-sized rings (`kernels.kv_cache`): no prefix cache

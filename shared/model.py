@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 from shared.chat_format import ChatFormat, read_chat_template
 from shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
+from shared.rope import RopeConfig
 
 class ModelLoadError(ValueError):
     """The model cannot be found or loaded (unknown name, missing file, unsupported architecture)."""
@@ -233,8 +234,14 @@ def read_model_json(model_dir: Path) -> dict[str, Any]:
 
 
 def model_positions(raw: dict[str, Any]) -> int:
-    """The model's own context length (config.json's max_position_embeddings; missing or null: 2048)."""
-    return int(raw.get("max_position_embeddings") or DEFAULT_POSITIONS)
+    """The model's own context length (config.json's max_position_embeddings; missing or null: 2048), times
+    the factor of a dynamic NTK rope, which serves that much more (`shared.rope`)."""
+    positions = int(raw.get("max_position_embeddings") or DEFAULT_POSITIONS)
+    try:
+        rope = RopeConfig.from_hf({**raw, "max_position_embeddings": positions}, "config.json")
+    except ValueError:  # the worker's loader names what is wrong with it
+        return positions
+    return rope.served_positions
 
 
 def context_length(max_context: int, positions: int) -> int:

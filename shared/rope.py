@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class RopeConfig:
             partial_rotary_factor=float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0),
             original_max_position_embeddings=original, max_position_embeddings=positions)
         try:
-            if kind in ("linear", "llama3", "yarn"):
+            if kind in ("linear", "llama3", "yarn", "dynamic"):
                 fields["factor"] = float(params["factor"] or positions / original)
             if kind == "llama3":
                 fields.update(low_freq_factor=float(params["low_freq_factor"]),
@@ -77,6 +77,18 @@ class RopeConfig:
     def rotary_dim(self, head_dim: int) -> int:
         """How many of a head's dims rotate."""
         return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def dynamic_length(self) -> int:
+        """Dynamic NTK: the length past which the frequencies follow a sequence's length (the model's
+        `max_position_embeddings`); 0: they do not."""
+        return self.max_position_embeddings if self.kind == "dynamic" else 0
+
+    @property
+    def served_positions(self) -> int:
+        """The positions the model serves: its own, or with dynamic NTK `factor` times them (as vLLM's)."""
+        return int(self.max_position_embeddings * self.factor) if self.kind == "dynamic" else \
+            self.max_position_embeddings
 
     @property
     def switch_length(self) -> int:

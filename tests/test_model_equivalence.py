@@ -166,17 +166,17 @@ def test_every_architecture_runs_through_the_registry(tiny_model_dir):
     from shared.model import ModelLoadError, ModelSpec
 
     archs = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3", "gemma2",
-             "gemma3", "gemma3_mm")
+             "gemma3", "gemma3_mm", "gpt_oss")
     specs = [ModelSpec.resolve(tiny_model_dir(arch)) for arch in archs]
     assert [spec.architecture for spec in specs] == list(ARCHITECTURES)
     assert all(issubclass(model_class(name), LlamaModel) for name in ARCHITECTURES)
     assert len(set(ARCHITECTURES.values())) == len(ARCHITECTURES)
     configs = [load_model_config(spec) for spec in specs]
     assert [c.qk_norm for c in configs] == ["none", "none", "head", "none", "none", "none", "head", "projection", "none",
-                                            "none", "head", "head"]
-    assert [c.moe is not None for c in configs] == [False] * 4 + [True] * 4 + [False] * 4
+                                            "none", "head", "head", "none"]
+    assert [c.moe is not None for c in configs] == [False] * 4 + [True] * 4 + [False] * 4 + [True]
     with pytest.raises(ModelLoadError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                                              "MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
                                              "Qwen3MoeForCausalLM, OlmoeForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, "
-                                             "Gemma3ForCausalLM, Gemma3ForConditionalGeneration"):
+                                             "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GptOssForCausalLM"):
         model_class("GPT2LMHeadModel")

@@ -184,8 +184,8 @@ def _config(model_dir, **fields):
 # ------------------------------------------------------------------ refusals
 
 def test_unsupported_or_malformed_rope_is_refused_naming_it(tiny_model_dir, tmp_path):
-    raw = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic' in here.json"):
+    raw = {"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 2.0}}
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'ntk-by-parts' in here.json"):
         RopeConfig.from_hf(raw, "here.json")
     with pytest.raises(ValueError, match="rope scaling 'longrope' in here.json: missing or malformed field"):
         RopeConfig.from_hf({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "here.json")

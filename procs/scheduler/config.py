@@ -75,6 +75,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # The prompt length past which the model's rope uses other factors (longrope's original context;
     # 0: one set): the prefix cache keeps requests of the two regimes apart (`KVManager.cache_namespace`).
     rope_switch_length: int = 0
+    # Dynamic NTK: a prompt longer than this computes its keys with frequencies of its own length, so it
+    # shares cached KV only with prompts of that length (SCHEDULING.md 5); 0: not so
+    rope_dynamic_length: int = 0
     # Every layer attends to its last `sliding_window` positions (0: not so): a request's pages wholly
     # before them go back to the pool, and reservations count at most a window and a page (SCHEDULING.md 5).
     sliding_window: int = 0
@@ -145,7 +148,8 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
-        rope_switch_length=info.rope_switch_length, sliding_window=info.sliding_window,
+        rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
+        sliding_window=info.sliding_window,
     )
 
 

@@ -54,6 +54,7 @@ class KVManager:
         self.table = table
         self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
         self.rope_switch_length = config.rope_switch_length
+        self.rope_dynamic_length = config.rope_dynamic_length
         self.window = config.sliding_window
         self.prefill_budget = config.prefill_budget
         # Tokens at the end of a request's KV that a draft model may not hold yet: the last draft token
@@ -84,9 +85,13 @@ class KVManager:
     def cache_namespace(self, request: Request) -> bytes:
         """The prefix cache's namespace of `request`: requests share cached KV only within one. The one
         place a request's KV-shaping fields join the cache key: the rope regime (a prompt longer than
-        `rope_switch_length` computes every key with the long factors, `kernels.rope`)."""
+        `rope_switch_length` computes every key with the long factors, and with dynamic NTK one longer than
+        `rope_dynamic_length` with frequencies of its own length, `kernels.rope`). An adapter or a pooling
+        request joins here too, as another part of the namespace."""
         if self.rope_switch_length and request.prompt_len > self.rope_switch_length:
             return b"rope:long"
+        if self.rope_dynamic_length and request.prompt_len > self.rope_dynamic_length:
+            return b"rope:length:%d" % request.prompt_len
         return b""
 
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:

@@ -238,6 +238,7 @@ class ModelRunner:
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
                           moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
+                          rope_dynamic_length=self.model.rope.dynamic_length,
                           sliding_window=self._shared_window(), layer_windows=list(self.config.windows),
                           sliding_rings=bool(self.kv_cache.ring_layers))
 
@@ -430,7 +431,7 @@ class ModelRunner:
         for start in batch.slot_starts:
             self.prompt_lens[start.slot] = start.prompt_len
         rope = self.model.rope
-        if not rope.switch_length:
+        if not rope.follows_length:
             return batch
         prompt_lens = np.repeat(self.prompt_lens[np.asarray(batch.slots, dtype=np.int64)], batch.extend_lens)
         return msgspec.structs.replace(batch, positions=rope.rows(batch.positions, prompt_lens))

@@ -184,8 +184,7 @@ class LlamaModel:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
         cfg = self.config
         eps = cfg.rms_norm_eps
-        cos = self.rope.cos[positions]
-        sin = self.rope.sin[positions]
+        cos, sin = self.rope.lookup(positions)
         hidden = self.embed(input_ids)
         if cfg.embed_scale:
             hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5, dtype=hidden.dtype)
