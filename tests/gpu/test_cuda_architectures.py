@@ -1,0 +1,75 @@
+"""CUDA only (skipped elsewhere): the attention and position variants on the GPU, on tiny random models of
+head_dim 64 (flashinfer's sizes): Gemma 2 (soft-capped scores and logits, a window of 8), Gemma 3 (q/k
+norms, its sliding layers' own rope) and gpt-oss (attention sinks, yarn, a window, biased experts with a
+clamped SwiGLU on torch._grouped_mm, which CUDA runs at bfloat16), the sliding layers in rings and not.
+- fp32, torch backend: greedy tokens equal transformers' (Gemma; the experts need bfloat16 on CUDA);
+- bfloat16: every position's logits of a prompt fed in chunks on flashinfer (its sinks by return_lse, a
+  window per wrapper, rings through their own page lists) close to the torch backend's on the same GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_batches import _plan, _Request, generate_greedy
+from model_references import RING_STEP_TOKENS
+from procs.worker.model_runner import ModelRunner
+from test_model_equivalence import transformers_greedy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"])
+MODELS = {
+    "gemma2": dict(arch="gemma2", attn_logit_softcapping=1.0, final_logit_softcapping=2.0, **SHAPE),
+    "gemma3": dict(arch="gemma3", **SHAPE),
+    "gpt_oss": dict(arch="gpt_oss", swiglu_limit=1.0, max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0}, **SHAPE),
+}
+NEW_TOKENS = 16
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (25, 4, 13, 40)]
+
+
+def cuda_runner(model_dir, dtype: str, backend: str, rings: bool) -> ModelRunner:
+    return ModelRunner(model_dir, device="cuda", dtype=dtype, page_size=16, kv_capacity_tokens=2048,
+                       max_running_requests=8, attention_backend=backend,
+                       ring_step_tokens=RING_STEP_TOKENS if rings else 0)
+
+
+def chunked_logits(runner: ModelRunner, prompt: list[int], chunk: int = 7) -> torch.Tensor:
+    request, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
+    with torch.inference_mode():
+        for start in range(0, len(prompt), chunk):
+            tokens = prompt[start:start + chunk]
+            batch = _plan(start // chunk, [(request, tokens, False)], runner.page_size, free_pages)
+            request.fed += len(tokens)
+            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
+                                                     batch.page_table_pages)
+            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(tokens))).float().cpu())
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("rings", [False, True])
+@pytest.mark.parametrize("model", ["gemma2", "gemma3"])
+def test_fp32_greedy_matches_transformers(tiny_model_dir, model, rings):
+    model_dir = tiny_model_dir(**MODELS[model])
+    expected = transformers_greedy(model_dir, _prompts(), NEW_TOKENS)
+    runner = cuda_runner(model_dir, "float32", "torch", rings)
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, chunk=8, arrival_gap=2) == expected
+
+
+@pytest.mark.parametrize("rings", [False, True])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_flashinfer_logits_match_the_torch_backend(tiny_model_dir, model, rings):
+    pytest.importorskip("flashinfer")
+    model_dir = tiny_model_dir(**MODELS[model])
+    prompt = _prompts()[3]
+    reference = chunked_logits(cuda_runner(model_dir, "bfloat16", "torch", rings), prompt)
+    got = chunked_logits(cuda_runner(model_dir, "bfloat16", "flashinfer", rings), prompt)
+    torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
