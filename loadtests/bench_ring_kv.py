@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import torch
 
+from loadtests.conversations import conversation_arguments, serve_conversations
 from procs.scheduler import Scheduler
 from procs.scheduler.config import scheduler_config_from_server
 from procs.worker.model_runner import ModelRunner
 from shared.config import ServerConfig
-from shared.messages import RequestParams, StopParams
 from shared.slo import DEFAULT_SLOS
 
 SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=2,
@@ -60,40 +58,16 @@ def serve(model_dir: Path, args: argparse.Namespace, full_sliding_kv: bool) -> d
     runner = ModelRunner.from_config(config)
     sched = Scheduler(msgspec.structs.replace(scheduler_config_from_server(config, runner.worker_info()),
                                               max_step_s=0.0), eos_token_ids=runner.eos_token_ids)
-    rng = np.random.default_rng(0)
-    started = time.perf_counter()
-    for i in range(args.streams):
-        sched.add_request(f"c{i}", rng.integers(3, SHAPE["vocab_size"], args.prompt).tolist(),
-                          RequestParams(stop=StopParams(max_tokens=args.output, ignore_eos=True)))
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    most_running = preemptions = 0
-    while sched.has_unfinished():
-        out = sched.step(runner)
-        preemptions += len(out.preempted)
-        now = time.perf_counter() - started
-        for rid, _ in out.new_tokens:
-            first.setdefault(rid, now)
-        for rid in out.finished:
-            done[rid] = now
-        most_running = max(most_running, sched.num_running)
-    elapsed = time.perf_counter() - started
-    slo = DEFAULT_SLOS["cpu"]
-    good = sum(all(slo.met(first[r], (done[r] - first[r]) / (args.output - 1), done[r]).values()) for r in done)
+    run = serve_conversations(sched, runner, streams=args.streams, prompt=args.prompt, output=args.output,
+                              vocab=SHAPE["vocab_size"])
     row = {"rings": len(runner.kv_cache.ring_layers), "kv_mb_per_req": request_kv_bytes(runner, AT_TOKENS) / 1e6,
-           "pool_pages": runner.kv_cache.num_pages - 1, "most_running": most_running,
-           "ttft_p50_s": float(np.median(list(first.values()))), "elapsed_s": elapsed,
-           "out_tok_per_s": len(done) * args.output / elapsed, "good": good, "goodput": good / elapsed,
-           "preemptions": preemptions}
+           "pool_pages": runner.kv_cache.num_pages - 1, **run.row()}
     runner.close()
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=2000)
-    parser.add_argument("--output", type=int, default=128)
+    parser = conversation_arguments(__doc__)
     parser.add_argument("--kv-memory-gb", type=float, default=0.05)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,6 @@ pairs) predicts the steps it then times: the median of |predicted / measured - 1
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +21,12 @@ import torch
 
 import msgspec
 
+from loadtests.conversations import conversation_arguments, serve_conversations
 from procs.scheduler import Scheduler
 from procs.scheduler.config import scheduler_config_from_server
 from procs.scheduler.step_cost import StepCostModel
 from procs.worker.model_runner import ModelRunner
 from shared.config import ServerConfig
-from shared.messages import RequestParams, StopParams
 from shared.slo import DEFAULT_SLOS
 
 SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -63,40 +62,16 @@ def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: in
     runner.execute = timed
     sched = Scheduler(msgspec.structs.replace(scheduler_config_from_server(config, runner.worker_info()),
                                               max_step_s=0.0), eos_token_ids=runner.eos_token_ids)
-    rng = np.random.default_rng(0)
-    started = time.perf_counter()
-    for i in range(streams):
-        sched.add_request(f"c{i}", rng.integers(3, SHAPE["vocab_size"], prompt).tolist(),
-                          RequestParams(stop=StopParams(max_tokens=output, ignore_eos=True)))
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    most_running = most_pages = preemptions = 0
-    while sched.has_unfinished():
-        out = sched.step(runner)
-        preemptions += len(out.preempted)
-        now = time.perf_counter() - started
-        for rid, _ in out.new_tokens:
-            first.setdefault(rid, now)
-        for rid in out.finished:
-            done[rid] = now
-        most_running = max(most_running, sched.num_running)
-        most_pages = max(most_pages, sched.kv.max_decoding_pages())
-    elapsed = time.perf_counter() - started
-    slo = DEFAULT_SLOS["cpu"]
-    good = sum(all(slo.met(first[r], (done[r] - first[r]) / (output - 1), done[r]).values()) for r in done)
+    pages = [0]
+    run = serve_conversations(sched, runner, streams=streams, prompt=prompt, output=output, vocab=SHAPE["vocab_size"],
+                              each_step=lambda: pages.append(sched.kv.max_decoding_pages()))
     runner.close()
-    return {"window": sched.config.sliding_window, "most_running": most_running, "most_pages": most_pages,
-            "ttft_p50_s": float(np.median(list(first.values()))), "elapsed_s": elapsed,
-            "req_per_s": len(done) / elapsed, "out_tok_per_s": len(done) * output / elapsed,
-            "good": good, "goodput": good / elapsed, "preemptions": preemptions,
-            "cost_error_p50": float(np.median(errors))}
+    return {"window": sched.config.sliding_window, "most_pages": max(pages), "req_per_s": len(run.done) / run.elapsed,
+            **run.row(), "cost_error_p50": float(np.median(errors))}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=2000)
-    parser.add_argument("--output", type=int, default=128)
+    parser = conversation_arguments(__doc__)
     parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -80,7 +80,11 @@ def assert_chunked_logits_close(model_dir: Path, prompt: list[int], chunk: int =
     with torch.inference_mode():
         expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
             torch.tensor([prompt])).logits[0]
-    runner = small_runner(model_dir)
+    torch.testing.assert_close(chunked_logits(small_runner(model_dir), prompt, chunk), expected, atol=1e-4, rtol=1e-4)
+
+
+def chunked_logits(runner: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
+    """Every position's float32 logits of `prompt` fed to `runner` in chunks of `chunk` (on the CPU)."""
     request, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
     with torch.inference_mode():
         for start in range(0, len(prompt), chunk):
@@ -89,5 +93,5 @@ def assert_chunked_logits_close(model_dir: Path, prompt: list[int], chunk: int =
             request.fed += len(tokens)
             runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
                                                      batch.page_table_pages)
-            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(tokens))))
-    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(tokens))).float().cpu())
+    return torch.cat(got)

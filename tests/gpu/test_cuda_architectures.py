@@ -8,12 +8,11 @@ clamped SwiGLU on torch._grouped_mm, which CUDA runs at bfloat16), the sliding l
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from model_batches import _plan, _Request, generate_greedy
-from model_references import RING_STEP_TOKENS
+from model_batches import generate_greedy
+from model_references import RING_STEP_TOKENS, chunked_logits
 from procs.worker.model_runner import ModelRunner
 from test_model_equivalence import transformers_greedy
 
@@ -42,19 +41,6 @@ def cuda_runner(model_dir, dtype: str, backend: str, rings: bool) -> ModelRunner
                        ring_step_tokens=RING_STEP_TOKENS if rings else 0)
 
 
-def chunked_logits(runner: ModelRunner, prompt: list[int], chunk: int = 7) -> torch.Tensor:
-    request, free_pages, got = _Request(prompt, 0, slot=0), list(range(runner.kv_cache.num_pages - 1, 0, -1)), []
-    with torch.inference_mode():
-        for start in range(0, len(prompt), chunk):
-            tokens = prompt[start:start + chunk]
-            batch = _plan(start // chunk, [(request, tokens, False)], runner.page_size, free_pages)
-            request.fed += len(tokens)
-            runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols,
-                                                     batch.page_table_pages)
-            got.append(runner.forward_logits(batch, extra_rows=np.arange(len(tokens))).float().cpu())
-    return torch.cat(got)
-
-
 @pytest.mark.parametrize("rings", [False, True])
 @pytest.mark.parametrize("model", ["gemma2", "gemma3"])
 def test_fp32_greedy_matches_transformers(tiny_model_dir, model, rings):
@@ -70,6 +56,6 @@ def test_flashinfer_logits_match_the_torch_backend(tiny_model_dir, model, rings)
     pytest.importorskip("flashinfer")
     model_dir = tiny_model_dir(**MODELS[model])
     prompt = _prompts()[3]
-    reference = chunked_logits(cuda_runner(model_dir, "bfloat16", "torch", rings), prompt)
-    got = chunked_logits(cuda_runner(model_dir, "bfloat16", "flashinfer", rings), prompt)
+    reference = chunked_logits(cuda_runner(model_dir, "bfloat16", "torch", rings), prompt, chunk=7)
+    got = chunked_logits(cuda_runner(model_dir, "bfloat16", "flashinfer", rings), prompt, chunk=7)
     torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
