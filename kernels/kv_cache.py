@@ -77,14 +77,14 @@ class KVCache:
         return np.concatenate([locs, np.zeros(num_padding, dtype=np.int64)])
 
     def check_ring_rows(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
-        """ValueError unless every row after a cached prefix that attends through the rings fits them: the
-        columns of the window before its tokens and of its tokens (the rings are sized for the longest)."""
+        """ValueError unless every row that attends through the rings fits them: the columns of the window
+        before its tokens and of its tokens (the rings are sized for the widest row)."""
         size, ring = self.page_size, self.ring_pages
         prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
         spans = (prefix + extend - 1) // size - np.maximum(prefix - self.ring_window + 1, 0) // size + 1
-        if np.any((prefix > 0) & (spans > ring)):
-            raise ValueError(f"a step of {int(extend[(prefix > 0) & (spans > ring)].max())} tokens after a cached "
-                             f"prefix overflows the sliding layers' rings of {ring} pages (window {self.ring_window})")
+        if np.any(spans > ring):
+            raise ValueError(f"a row of {int(extend[spans > ring].max())} tokens overflows the sliding layers' "
+                             f"rings of {ring} pages (window {self.ring_window}): they are sized for narrower rows")
 
     @property
     def kv_capacity_tokens(self) -> int:

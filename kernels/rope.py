@@ -151,6 +151,11 @@ class RotaryTables:
         return cos, sin
 
     @property
+    def has_step_rows(self) -> bool:
+        """Whether this step has rows computed for it (`lookup` puts them in; a captured graph would not)."""
+        return self._step_rows is not None
+
+    @property
     def follows_length(self) -> bool:
         """Whether a token's row depends on its request's prompt length as well as its position."""
         return bool(self.switch_length or self.dynamic_length)

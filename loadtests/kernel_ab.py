@@ -109,7 +109,7 @@ def attention_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple
                 lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool[layer].data_ptr(),
                                            v_pool[layer].data_ptr(), pages.data_ptr(), max_pages, lens.data_ptr(),
                                            out[layer].data_ptr(), rows, heads, kv_heads, head_dim, PAGE_SIZE,
-                                           head_dim ** -0.5)
+                                           head_dim ** -0.5, 0, 0.0, None)  # no window, soft-cap or sinks
             return time.perf_counter() - started
 
         cases.append((f"{rows} requests x ~{args.context} tokens", one_pass, lambda out=out: out.clone()))

@@ -314,7 +314,8 @@ class OfflineEngine:
                         self.scheduler.abort(rid)
                     raise
                 live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids=ids, stop=request.params.stop))
+                    self.tokenizer, prompt_ids=ids, stop=request.params.stop,
+                    skip_special_tokens=request.params.stop.skip_special_tokens))
             done = [live[r.rid].completion for r in tokenized]
             self._run(live)
         return done

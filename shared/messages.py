@@ -109,6 +109,7 @@ class SlotStart(msgspec.Struct, kw_only=True):
     slot: int
     params: RequestParams = msgspec.field(default_factory=lambda: DEFAULT_PARAMS)
     prompt_len: int = 0  # as prefilled (grown by a preemption's recompute): a rope switching factors follows it
+    client_prompt_len: int = 0  # the client's prompt alone (0: prompt_len): dynamic NTK's keys follow it
     prompt_ids: list[int] = []  # for the repetition penalty and prompt logprobs
     output_ids: list[int] = []  # generated before a preemption: the penalties count them
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated

@@ -20,11 +20,11 @@ from test_model_equivalence import transformers_greedy
 RING_STEP_TOKENS = 8  # the longest step after a prefix in model_batches' schedules: rings of 5 pages at a window of 8
 
 
-def small_runner(model_dir: Path, rings: bool = False) -> ModelRunner:
+def small_runner(model_dir: Path, rings: bool = False, ring_step_tokens: int = RING_STEP_TOKENS) -> ModelRunner:
     """A runner with pages of 4 tokens; `rings`: the sliding layers of a model that mixes them with global ones
-    keep their KV in rings sized for steps of `RING_STEP_TOKENS` (which prompts and outputs wrap)."""
+    keep their KV in rings sized for rows of `ring_step_tokens` (which prompts and outputs wrap)."""
     return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8, ring_step_tokens=RING_STEP_TOKENS if rings else 0)
+                       max_running_requests=8, ring_step_tokens=ring_step_tokens if rings else 0)
 
 
 def run_scheduled(model_dir: Path, prompts: list[str], new_tokens: int, *, full_sliding_kv: bool):

@@ -622,6 +622,7 @@ HARMONY_TEXTS = [
     ANALYSIS + "<|start|>assistant<|channel|>final<|message|>a <| b <|en",  # cut off by the length
     ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.unknown<|message|>{"x": 1}<|call|>',
     ANALYSIS + "<|start|>assist",  # a header cut off
+    "<|channel|>analy",  # the first header cut off: nothing
     "no harmony at all",
 ]
 

@@ -75,15 +75,18 @@ def test_sliding_layers_in_rings_match_transformers(references, model, schedule)
 
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
 def test_chunks_longer_than_a_ring_match_transformers(tiny_model_dir, model, monkeypatch):
-    """Chunks of 18 after a prefix, longer than a ring holds beside the window: they read the window before
-    them from the ring and their own k/v beside it, written to the ring after (C kernels and torch alike)."""
+    """Chunks of 18 after a prefix, longer than a ring (of 7 pages: the window and a row of 16) holds beside
+    the window: they read the window before them from the ring and their own k/v beside it, written to the
+    ring after (C kernels and torch alike); rows of 11 and 12 after a prefix attend through the ring."""
     model_dir = tiny_model_dir(**MODELS[model])
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (47, 30, 19)]
     expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
-    assert generate_greedy(small_runner(model_dir, rings=True), prompts, NEW_TOKENS, chunk=18, arrival_gap=2) == expected
+    runner = lambda: small_runner(model_dir, rings=True, ring_step_tokens=16)
+    assert runner().kv_cache.ring_pages == 7
+    assert generate_greedy(runner(), prompts, NEW_TOKENS, chunk=18, arrival_gap=2) == expected
     with torch_only(monkeypatch):
-        assert generate_greedy(small_runner(model_dir, rings=True), prompts, NEW_TOKENS, chunk=18) == expected
+        assert generate_greedy(runner(), prompts, NEW_TOKENS, chunk=18) == expected
 
 
 @pytest.mark.parametrize("rings", [False, True])
@@ -135,3 +138,10 @@ def test_a_window_as_long_as_the_context_keeps_the_local_rope(tiny_model_dir):
                          max_running_requests=8, max_context=64)
     assert runner.config.windows == () and runner.config.local_rope_layers == (0,)
     assert generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES["mixed"]) == expected
+
+
+def test_a_row_wider_than_its_rings_is_refused(tiny_model_dir):
+    """A ring sized for rows of 8 would lose the window before a row of 12: the step is refused, not run."""
+    model_dir = tiny_model_dir(**MODELS["gemma2"])
+    with pytest.raises(ValueError, match="a row of 12 tokens overflows the sliding layers' rings of 5 pages"):
+        generate_greedy(small_runner(model_dir, rings=True), [list(range(3, 33))], 2, chunk=18)

@@ -127,3 +127,19 @@ def test_channels_become_reasoning_content_and_tool_calls_through_openai():
     assert (whole.choices[0].message.content, whole.choices[0].message.model_extra["reasoning_content"]) == (
         "Paris.", "Easy.")
     assert (accumulate(chunks)["content"], whole.choices[0].finish_reason) == ("Paris.", "stop")
+
+
+def test_the_offline_engine_keeps_special_tokens_when_asked(harmony_model):
+    """`skip_special_tokens` reaches the offline engine's detokenizer too: a special token the bias forces
+    shows in the text only when asked for."""
+    from procs.engine import OfflineEngine, request
+    from shared.config import ServerConfig
+
+    engine = OfflineEngine(ServerConfig(model=str(harmony_model), page_size=4, max_running_requests=2,
+                                        kv_capacity_tokens=256))
+    channel = engine.tokenizer.convert_tokens_to_ids("<|channel|>")
+    texts = {skip: engine.generate([request(f"r{skip}", prompt="the quick", sampling={"temperature": 0},
+                                            logits={"logit_bias": {channel: 100.0}},
+                                            stop={"max_tokens": 3, "ignore_eos": True, "skip_special_tokens": skip})
+                                    ])[0].text for skip in (True, False)}
+    assert texts[False] == "<|channel|>" * 3 and texts[True] == ""

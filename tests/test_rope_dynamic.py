@@ -81,6 +81,24 @@ def test_torch_only_path_matches_transformers(reference, monkeypatch):
         assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["chunked5"]) == expected
 
 
+def test_preempted_requests_keep_their_frequencies(tiny_model_dir):
+    """A recompute feeds the generated tokens as prompt, yet its keys keep the frequencies they first had
+    (the client's prompt length, and each later token's position + 1): transformers' tokens still."""
+    model_dir = tiny_model_dir(with_tokenizer=True, **DYNAMIC)
+    prompts = [" ".join(f"w{10 + i}" for i in range(34)), " ".join(f"w{60 + i}" for i in range(36))]
+    expected = [transformers_greedy_text(model_dir, [prompt], 20)[0] for prompt in prompts]
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=2,
+                                        kv_capacity_tokens=96, kv_reserve_ratio=0.05, prefill_budget=16))
+    rope, lengths = engine.runner.model.rope, set()
+    rows = rope.rows
+    rope.rows = lambda positions, prompt_lens: lengths.update(prompt_lens.tolist()) or rows(positions, prompt_lens)
+    got = [c.token_ids for c in engine.generate([request(f"r{i}", prompt=p, sampling={"temperature": 0},
+                                                         stop={"max_tokens": 20, "ignore_eos": True})
+                                                 for i, p in enumerate(prompts)])]
+    assert got == expected and engine.preemptions > 0
+    assert lengths == {len(engine.tokenizer.encode(p)) for p in prompts}  # never a recompute's longer prompt
+
+
 def test_the_prefix_cache_shares_long_prompts_only_at_their_length(tiny_model_dir):
     """A long prompt's keys follow its length: a longer prompt with the same start computes its own, one of
     the same length reuses them; short prompts share as ever."""

@@ -78,15 +78,19 @@ class TorchAttentionBackend(AttentionBackend):
         decode_rows: list[int] = []
         decode_slots: list[int] = []
         decode_lens: list[int] = []
+        widths: list[tuple[int, int]] = []  # (prefix, length) of the decode rows: what a ring must hold
         start = 0
         for slot, prefix, length in zip(metadata.slots, metadata.prefix_lens, metadata.extend_lens):
             if length == 1 or prefix and length <= MAX_DECODE_ROW_TOKENS:
                 decode_rows.extend(range(start, start + length))
                 decode_slots.extend([slot] * length)
                 decode_lens.extend(range(prefix + 1, prefix + length + 1))
+                widths.append((prefix, length))
             else:  # a fresh prompt attends to its own k/v, a later chunk to its pages too
                 chunks.append((start, length, prefix, slot))
             start += length
+        if self.kv_cache.ring_pages and widths:
+            self.kv_cache.check_ring_rows(*zip(*widths))
         decode = None
         if decode_rows:
             all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed

@@ -106,8 +106,8 @@ class HarmonyStream:
 
     def _outside(self, out: list[dict[str, Any]]) -> None:
         """The end, between messages: leftover text is the content of a model that wrote no harmony, or
-        (after a message) the start of a header the length limit cut off."""
-        if not self.opened and self.buf:
+        the start of a header the length limit cut off (after a message, or opening with a special token)."""
+        if not self.opened and self.buf and not self.buf.lstrip().startswith("<|"):
             out.append({"content": self.buf})
         self.buf = ""
 

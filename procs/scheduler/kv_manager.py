@@ -90,8 +90,8 @@ class KVManager:
         request joins here too, as another part of the namespace."""
         if self.rope_switch_length and request.prompt_len > self.rope_switch_length:
             return b"rope:long"
-        if self.rope_dynamic_length and request.prompt_len > self.rope_dynamic_length:
-            return b"rope:length:%d" % request.prompt_len
+        if self.rope_dynamic_length and request.num_prompt_tokens > self.rope_dynamic_length:
+            return b"rope:length:%d" % request.num_prompt_tokens  # the client's: a recompute's keys are the same
         return b""
 
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:

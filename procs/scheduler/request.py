@@ -154,7 +154,8 @@ class Request:
         params = self.params
         logits = params.logits
         if logits.is_plain:
-            return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len)
+            return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
+                             client_prompt_len=self.num_prompt_tokens)
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
             params = msgspec.structs.replace(params, logits=logits)
@@ -163,7 +164,7 @@ class Request:
         # The min_tokens ban: EOS (unless ignore_eos) and stop_token_ids.
         banned = [*(() if params.stop.ignore_eos else eos_token_ids), *params.stop.stop_token_ids]
         return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
-                         prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
+                         client_prompt_len=self.num_prompt_tokens, prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
                          output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
                          min_tokens_banned=banned if logits.min_tokens else [])
 

@@ -86,9 +86,10 @@ class DecodeGraphRunner:
     def handles(self, batch: ForwardBatch) -> bool:
         """Batches of one token per row, each after a cached prefix (decode rows of width 1; a row may
         be a one-token prefill chunk), up to the largest size: graphs are captured for one token per
-        row. Prefill, wider decode rows and larger batches run eagerly."""
+        row. Prefill, wider decode rows and larger batches run eagerly, as does a step whose rope rows were
+        computed for it (a one-token chunk of a long prompt under dynamic NTK)."""
         return (batch.num_requests <= self.max_batch_size and max(batch.extend_lens) == 1
-                and min(batch.prefix_lens) > 0)
+                and min(batch.prefix_lens) > 0 and not self.model.rope.has_step_rows)
 
     # -- one step ---------------------------------------------------------------------------------
 

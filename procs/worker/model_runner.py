@@ -428,9 +428,9 @@ class ModelRunner:
         """The batch with its positions as rows of the model's rope tables: the positions themselves,
         unless the rope switches factors with the length (then the slots' prompt lengths decide too,
         `kernels.rope`)."""
-        for start in batch.slot_starts:
-            self.prompt_lens[start.slot] = start.prompt_len
         rope = self.model.rope
+        for start in batch.slot_starts:  # dynamic NTK: a recompute keeps the frequencies the keys first had
+            self.prompt_lens[start.slot] = (rope.dynamic_length and start.client_prompt_len) or start.prompt_len
         if not rope.follows_length:
             return batch
         prompt_lens = np.repeat(self.prompt_lens[np.asarray(batch.slots, dtype=np.int64)], batch.extend_lens)
