@@ -73,14 +73,16 @@ def torch_only(monkeypatch) -> Iterator[None]:
         native.library.cache_clear()
 
 
-def assert_chunked_logits_close(model_dir: Path, prompt: list[int], chunk: int = 5) -> None:
-    """Every position's logits of `prompt` fed in chunks within 1e-4 of transformers' one pass (fp32)."""
+def assert_chunked_logits_close(model_dir: Path, prompt: list[int], chunk: int = 5, rings: bool = False) -> None:
+    """Every position's logits of `prompt` fed in chunks within 1e-4 of transformers' one pass (fp32); `rings`:
+    the sliding layers in rings (`small_runner`)."""
     from transformers import AutoModelForCausalLM
 
     with torch.inference_mode():
         expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
             torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(chunked_logits(small_runner(model_dir), prompt, chunk), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked_logits(small_runner(model_dir, rings), prompt, chunk), expected, atol=1e-4,
+                               rtol=1e-4)
 
 
 def chunked_logits(runner: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:

@@ -98,9 +98,10 @@ def test_torch_only_path_matches_transformers(references, model, rings, monkeypa
         assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
+@pytest.mark.parametrize("rings", [False, True])
 @pytest.mark.parametrize("model", ["gemma2", "gemma3-rope-scaling"])
-def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
-    assert_chunked_logits_close(tiny_model_dir(**MODELS[model]), _prompts()[0])
+def test_every_position_logits_close_over_chunks(tiny_model_dir, model, rings):
+    assert_chunked_logits_close(tiny_model_dir(**MODELS[model]), _prompts()[0], rings=rings)
 
 
 @pytest.mark.parametrize("full_sliding_kv", [True, False])

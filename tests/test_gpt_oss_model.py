@@ -70,8 +70,9 @@ def test_torch_only_path_matches_transformers(reference, monkeypatch, rings):
         assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
-def test_every_position_logits_close_over_chunks(tiny_model_dir):
-    assert_chunked_logits_close(tiny_model_dir(**TINY), _prompts()[0])
+@pytest.mark.parametrize("rings", [False, True])
+def test_every_position_logits_close_over_chunks(tiny_model_dir, rings):
+    assert_chunked_logits_close(tiny_model_dir(**TINY), _prompts()[0], rings=rings)
 
 
 @pytest.mark.parametrize("full_sliding_kv", [True, False])
