@@ -146,3 +146,16 @@ def test_a_row_wider_than_its_rings_is_refused(tiny_model_dir):
     model_dir = tiny_model_dir(**MODELS["gemma2"])
     with pytest.raises(ValueError, match="a row of 12 tokens overflows the sliding layers' rings of 5 pages"):
         generate_greedy(small_runner(model_dir, rings=True), [list(range(3, 33))], 2, chunk=18)
+
+
+def test_a_length_following_rope_beside_the_local_one_is_refused(tiny_model_dir, tmp_path):
+    """Gemma 3's sliding layers index their own rope by the global rope's rows: a dynamic (or longrope) global
+    rope, whose rows follow the length, is refused at load rather than read out of range."""
+    model_dir = tmp_path / "gemma3-dynamic"
+    shutil.copytree(tiny_model_dir(**MODELS["gemma3"]), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="a rope that follows the length"):
+        small_runner(model_dir)

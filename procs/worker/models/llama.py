@@ -130,6 +130,9 @@ class LlamaModel:
         self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
         self.local_rope = None if config.local_rope is None else RotaryTables(
             config.local_rope, config.head_dim, max_positions, device=device, dtype=dtype)
+        if self.local_rope is not None and (self.rope.follows_length or self.local_rope.follows_length):
+            raise ModelLoadError(f"a rope that follows the length ({config.rope.kind}) beside the sliding layers' own "
+                                 f"rope is not supported: the two would need rows of their own")
         # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
