@@ -104,6 +104,20 @@ def test_chat_stream_n_and_structured_output_through_the_gateway(server, model):
     assert isinstance(parsed.choices[0].message.parsed, Reply)  # pydantic validated it against the schema
 
 
+def test_new_request_fields_pass_the_gateway(server, model):
+    """skip_special_tokens (vLLM's) and reasoning_effort (OpenAI's) reach the replicas through smg with a
+    key: a special token the bias forces shows in the text only when asked for."""
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    texts = {}
+    for url in (server.url, server.replica_urls[0]):
+        for skip in (True, False):
+            reply = chat(url, model, messages, max_tokens=3, reasoning_effort="low",
+                         extra_body={"ignore_eos": True, "skip_special_tokens": skip, "logit_bias": {"1": 100}})
+            texts[url, skip] = reply.choices[0].message.content
+    assert texts[server.url, False] == texts[server.replica_urls[0], False] == "<s>" * 3
+    assert texts[server.url, True] == texts[server.replica_urls[0], True] == ""
+
+
 def test_the_api_keys_hold_at_the_gateway_as_at_each_replica(server, model):
     messages = [{"role": "user", "content": "the quick brown fox"}]
     for url in (server.url, *server.replica_urls):
