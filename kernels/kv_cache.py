@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from shared.ranges import concat_ranges
+
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
@@ -69,8 +71,7 @@ class KVCache:
         size, ring, real = self.page_size, self.ring_pages, len(slots) - num_padding
         extend = np.asarray(extend_lens[:real], dtype=np.int64)
         prefix = np.asarray(prefix_lens[:real], dtype=np.int64)
-        firsts = np.cumsum(extend) - extend
-        positions = np.repeat(prefix, extend) + np.arange(int(extend.sum())) - np.repeat(firsts, extend)
+        positions = concat_ranges(prefix, extend)
         columns, last_columns = positions // size, np.repeat((prefix + extend - 1) // size, extend)
         locs = (1 + np.repeat(np.asarray(slots[:real], dtype=np.int64), extend) * ring + columns % ring) * size
         locs = np.where(columns > last_columns - ring, locs + positions % size, positions % size)

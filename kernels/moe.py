@@ -27,7 +27,6 @@ from kernels.ops import silu_and_mul_torch
 from kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
 
 
-
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """gpt-oss's expert activation of gate | up [rows, 2 * I]: (up + 1) * gate * sigmoid(alpha * gate), the gate

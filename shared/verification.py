@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from shared.ranges import concat_ranges
+
 
 def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, firsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """[rows] positions kept of each row (1 .. lens): `sampled` and `fed` hold every row's positions
     packed (row r's are firsts[r] .. firsts[r] + lens[r] - 1; `fed` the token fed at each)."""
-    offsets = np.arange(sampled.shape[0], dtype=np.int64) - np.repeat(firsts, lens)
+    offsets = concat_ranges(0, lens)
     matches = np.zeros(sampled.shape[0], dtype=bool)
     matches[:-1] = sampled[:-1] == fed[1:]
     matches[firsts + lens - 1] = False  # a row's last position has nothing after it to vouch for

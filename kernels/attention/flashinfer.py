@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kernels.attention.base import AttentionMetadata, CudaGraphAttentionBackend
+from shared.ranges import concat_ranges
 
 if TYPE_CHECKING:
     from kernels.kv_cache import KVCache
@@ -92,7 +93,7 @@ def page_lists(metadata: AttentionMetadata, page_table: torch.Tensor, page_size:
         # flat page-table positions (slot, column) of every real request's pages, gathered on the device
         width = page_table.shape[1]
         counts = num_pages[:real]
-        columns = np.arange(real_pages, dtype=np.int64) - np.repeat(indptr[:real], counts)
+        columns = concat_ranges(0, counts)
         flat = np.repeat(np.asarray(metadata.slots[:real], dtype=np.int64) * width, counts) + columns
         flat_t = torch.from_numpy(flat).to(page_table.device, non_blocking=True)
         indices[:real_pages] = page_table.view(-1).index_select(0, flat_t)

@@ -10,6 +10,7 @@ from procs.scheduler.kv_manager import PageTableUpdates
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
 from shared.messages import ForwardBatch, SamplingParams, SlotStart
+from shared.ranges import concat_ranges
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
@@ -129,7 +130,7 @@ def _prefill_rows(plan: StepPlan, table: RequestTable, page_size: int) -> _Rows:
     starts = [r.prefilled for r in reqs]
     pslots = plan.prefill_slots
     n_arr = np.asarray(lens, dtype=np.int64)
-    pos = np.arange(int(n_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_arr) - n_arr - np.asarray(starts), n_arr)
+    pos = concat_ranges(np.asarray(starts), n_arr)
     ids = np.concatenate([r.prompt[a:a + n] for r, a, n in zip(reqs, starts, lens)])
     locs = table.page_table[np.repeat(pslots, n_arr), pos // page_size].astype(np.int64) * page_size + pos % page_size
     return _Rows(ids, pos, locs, pslots.tolist(), starts, lens,

@@ -30,6 +30,7 @@ from procs.scheduler.kv_allocator import KVAllocatorError, PageAllocator
 from procs.scheduler.prefix_cache import CachedPage, PrefixCache
 from procs.scheduler.request import Request
 from procs.scheduler.request_table import RequestTable
+from shared.ranges import concat_ranges
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -146,7 +147,7 @@ class KVManager:
         slots, first, count = slots[rows], t.dropped_pages[slots[rows]], count[rows]
         total = int(count.sum())
         rows_of = np.repeat(slots, count)
-        cols = _column_runs(first, count)
+        cols = concat_ranges(first, count)
         self.allocator.free(t.page_table[rows_of, cols])
         t.page_table[rows_of, cols] = 0
         t.dropped_pages[slots] += count
@@ -248,7 +249,7 @@ class KVManager:
         else:
             total = int(growth.sum())
             new_slots = np.repeat(slots, growth)
-            new_cols = _column_runs(have, growth)
+            new_cols = concat_ranges(have, growth)
         attached, self._attached = self._attached, []
         if not total:
             return _joined(attached) if attached else NO_UPDATES
@@ -271,7 +272,7 @@ class KVManager:
         if not rows.shape[0]:
             return
         slots, keep, extra = slots[rows], keep[rows], extra[rows]
-        cols = _column_runs(keep, extra)
+        cols = concat_ranges(keep, extra)
         self.allocator.free(t.page_table[np.repeat(slots, extra), cols])
         t.num_pages[slots] = keep
 
@@ -300,12 +301,6 @@ class KVManager:
         for request in requests:
             cache.dereference(request.cache_path)
             request.cache_path = []
-
-
-def _column_runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Page-table columns starts[i] .. starts[i] + counts[i] - 1 of every row i, concatenated."""
-    total = int(counts.sum())
-    return np.repeat(starts, counts) + np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _joined(parts: list[PageTableUpdates]) -> PageTableUpdates:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.messages import ForwardBatch
+from shared.ranges import concat_ranges
 from shared.verification import accepted_lengths
 
 
@@ -25,12 +26,7 @@ def sampled_tokens(extend_lens: list[int], sample_lens: list[int]) -> np.ndarray
     """Each sampled position's index into the batch's packed tokens (its row's last sample_len ones)."""
     lens = np.asarray(sample_lens, dtype=np.int64)
     ends = np.cumsum(np.asarray(extend_lens, dtype=np.int64))
-    return np.repeat(ends - lens, lens) + _offsets(lens)
-
-
-def _offsets(lens: np.ndarray) -> np.ndarray:
-    """0 .. lens[i] - 1 for each row, packed."""
-    return np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return concat_ranges(ends - lens, lens)
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ class SampleRows:
     def build(cls, slots: np.ndarray, counts: np.ndarray, lens: np.ndarray, fed: np.ndarray) -> "SampleRows":
         """From each sampling row's slot, sample count and positions (`lens`, >= 1), and the token fed
         at each position."""
-        offsets = _offsets(lens)
+        offsets = concat_ranges(0, lens)
         return cls(slots=np.repeat(slots, lens), counts=np.repeat(counts, lens) + offsets, offsets=offsets,
                    fed=np.asarray(fed, dtype=np.int64), firsts=np.cumsum(lens) - lens, lens=lens)
 
