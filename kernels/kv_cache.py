@@ -19,6 +19,9 @@ alias newer pages, which the window's mask hides. The backend says which rows at
 backends' decode rows (a longer chunk reads the window before it from the ring and its own k/v beside it,
 and is written after: a ring holds the window and a decode row). The scheduler's pages hold the global
 layers' KV alone.
+
+A hybrid model (Gated DeltaNet beside full attention) has pages for its full-attention layers alone and
+its linear layers' per-slot states in `states` (`kernels.recurrent_state`).
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels.recurrent_state import RecurrentStatePool
 from shared.ranges import concat_ranges
 
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
                  max_running_requests: int, max_pages_per_request: int, dtype: torch.dtype, device: torch.device,
-                 ring_layers: Sequence[int] = (), ring_pages: int = 0, ring_window: int = 0):
+                 ring_layers: Sequence[int] = (), ring_pages: int = 0, ring_window: int = 0,
+                 states: RecurrentStatePool | None = None):
         if num_pages < 2:
             raise ValueError("the KV pool needs at least one page besides the dummy page 0")
         if bool(ring_layers) != (ring_pages > 0):
@@ -46,6 +51,7 @@ class KVCache:
         self.ring_layers = tuple(sorted(set(ring_layers)))
         self.ring_pages = ring_pages
         self.ring_window = ring_window  # the ring layers' longest window
+        self.states = states  # a hybrid model's linear layers' per-slot states (`kernels.recurrent_state`)
         pool = lambda layer: 1 + max_running_requests * ring_pages if layer in self.ring_layers else num_pages
         # zeros, not empty: attention gathers whole pages and masks the unwritten tail of a request's
         # last page, and a masked 0 * NaN from uninitialised memory would still poison the row.
@@ -94,7 +100,8 @@ class KVCache:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        states = 0 if self.states is None else self.states.memory_bytes
+        return states + sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @property
     def max_running_requests(self) -> int:

@@ -447,6 +447,9 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
     layer_windows: list[int] = []  # each layer's window (0: none; empty: no layer slides), for the step-cost model
     sliding_rings: bool = False  # sliding layers keep window-sized rings (`kernels.kv_cache`): no prefix cache
+    # A hybrid model's linear layers' state bytes per request (`kernels.recurrent_state`; 0: none): a row
+    # continues its slot's state, so no prefix cache and no speculative rows.
+    recurrent_state_bytes: int = 0
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

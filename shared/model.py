@@ -216,7 +216,8 @@ DEFAULT_POSITIONS = 2048  # a config.json without (or with a null) max_position_
 
 # Multimodal checkpoints served as their text model: config.json's `text_config` is the decoder's config
 # (the worker's class skips the other towers' tensors); image inputs are refused by the api.
-TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                             "Qwen3_5MoeForConditionalGeneration")
 
 
 def read_model_json(model_dir: Path) -> dict[str, Any]:

@@ -52,7 +52,8 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int = TINY_VOCAB, *, thinkin
     tokenizer.save_pretrained(out_dir)
 
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet beside full attention
 ROUTER_SCALE = 10.0  # MoE routers' weights scaled up: clear winners, so fp32 rounding never flips a top-k
 
 
@@ -68,8 +69,10 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
 
     classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
                "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "phi3": "Phi3",
-               "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma3_mm": "Gemma3", "gpt_oss": "GptOss"}
-    config_cls = getattr(transformers, classes[arch] + ("TextConfig" if arch in ("gemma3", "gemma3_mm") else "Config"))
+               "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma3_mm": "Gemma3", "gpt_oss": "GptOss",
+               "qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
+    text_configs = ("gemma3", "gemma3_mm", "qwen3_5", "qwen3_5_moe")
+    config_cls = getattr(transformers, classes[arch] + ("TextConfig" if arch in text_configs else "Config"))
     model_cls = getattr(transformers, classes[arch] + "ForCausalLM")
     fields: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -78,13 +81,18 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
     )
     if arch in ("qwen3", "qwen3_moe"):
         fields["head_dim"] = 16
+    if arch in HYBRID_ARCHS:  # 3 linear layers, then a full one; 4 key heads of 8 serving 8 value heads of 8
+        fields.update(num_hidden_layers=4, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
     if arch in MOE_ARCHS:
         experts_key = "num_local_experts" if arch in ("mixtral", "gpt_oss") else "num_experts"
         fields.update(num_experts_per_tok=2, **{experts_key: 8})
         fields.update(dict(mixtral=dict(intermediate_size=48), olmoe=dict(intermediate_size=48),
                            gpt_oss=dict(intermediate_size=32, head_dim=16),
                            qwen2_moe=dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
-                           qwen3_moe=dict(moe_intermediate_size=32)).get(arch, {}))
+                           qwen3_moe=dict(moe_intermediate_size=32),
+                           qwen3_next=dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
+                           qwen3_5_moe=dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)).get(arch, {}))
     fields.update(overrides)
     torch.manual_seed(seed)
     config = config_cls(**fields)
@@ -94,14 +102,17 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", *, seed: int = 0, with_
         config = transformers.Gemma3Config(text_config=config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
         model_cls = transformers.Gemma3ForConditionalGeneration
     model = model_cls(config).to(torch.float32).eval()
+    zero_centred = arch in HYBRID_ARCHS
     with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.normal_(1.0, 0.2)
+            elif "norm" in name:  # (1 + w) norms (zero-centred, the hybrid models') about 1 as well
+                param.normal_(0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0, 0.2)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.mul_(ROUTER_SCALE)
+            elif name.endswith("linear_attn.A_log"):  # decays of a trained model's order (transformers draws A up
+                param.uniform_(-2.0, 0.5)  # to 16: a 64-token chunk's fp32 log-decay sum then loses digits)
             elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the weight
                 param.normal_(0.0, 1.0)
     out_dir.mkdir(parents=True, exist_ok=True)

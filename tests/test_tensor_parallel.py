@@ -53,8 +53,13 @@ MODELS = {
     "olmoe-kv1": dict(arch="olmoe", num_key_value_heads=1, clip_qkv=1.5),
     "mixtral-ep": dict(arch="mixtral"),
     "qwen3_moe-ep-fused": dict(arch="qwen3_moe", fused_experts=True, norm_topk_prob=True),
+    "qwen3_5-hybrid": dict(arch="qwen3_5"),  # linear layers split by key heads, each rank its heads' states
+    "qwen3_next-hybrid-moe": dict(arch="qwen3_next"),
 }
 EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep-fused"}
+# The hybrid MoE's float32 rounding is amplified more than a plain decoder's: transformers' own float32 logits
+# of such tiny models stand up to 3e-3 from its float64 ones (test_hybrid_models), so two ranks' sums may too.
+LOGITS_ATOL = {"qwen3_next-hybrid-moe": 1e-3}
 # Small steps and prefill chunks: prompts are chunked and requests join others' decodes mid-stream.
 # A short step timeout keeps the hung-rank test short (the tiny model's steps take milliseconds).
 ENGINE = dict(policy="mixed", prefill_budget=8, max_running_requests=3, page_size=4, kv_capacity_tokens=512,
@@ -192,7 +197,7 @@ def test_step_logits_within_1e4_of_tp1(cases, group, name):
     assert [t.shape for t in group.logits] == [t.shape for t in expected]
     assert group.logits[0].shape[-1] == tp1.vocab_size  # the padded shard's rows are cut off
     for kind, got, want in zip(STEP_KINDS, group.logits, expected):
-        assert (got - want).abs().max().item() <= 1e-4, kind
+        assert (got - want).abs().max().item() <= LOGITS_ATOL.get(name, 1e-4), kind
 
 
 @pytest.mark.parametrize("name", list(MODELS))

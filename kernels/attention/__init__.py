@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
+from kernels.attention.base import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
 
 if TYPE_CHECKING:
     from kernels.kv_cache import KVCache
@@ -71,4 +71,4 @@ def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads:
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "CudaGraphAttentionBackend", "create_backend",
-           "resolve_backend_name"]
+           "plan_step", "resolve_backend_name"]

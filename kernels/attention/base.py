@@ -88,6 +88,18 @@ class AttentionBackend(ABC):
         return None
 
 
+def plan_step(attention: AttentionBackend, metadata: AttentionMetadata, *, graph: bool = False) -> None:
+    """Plan a step: the backend (`plan_cuda_graph` for a padded decode batch a graph replays), and a hybrid
+    model's recurrent states (`kernels.recurrent_state`), which its linear layers read by the same rows."""
+    if graph:
+        assert isinstance(attention, CudaGraphAttentionBackend)
+        attention.plan_cuda_graph(metadata)
+    else:
+        attention.plan(metadata)
+    if attention.kv_cache.states is not None:
+        attention.kv_cache.states.plan(metadata)
+
+
 class CudaGraphAttentionBackend(AttentionBackend):
     """A backend whose padded decode step can be captured in a CUDA graph.
 

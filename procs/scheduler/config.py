@@ -81,11 +81,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Every layer attends to its last `sliding_window` positions (0: not so): a request's pages wholly
     # before them go back to the pool, and reservations count at most a window and a page (SCHEDULING.md 5).
     sliding_window: int = 0
+    # A hybrid model's linear layers keep one state per request in its slot, which each row continues
+    # (SCHEDULING.md 5): a row may not start after a prefix its slot's state does not end at.
+    recurrent_state: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_cache and self.sliding_window:
             raise SchedulerConfigError("prefix_cache and sliding_window exclude each other: a cached prefix needs "
                                        "every page, which the window gives back (SCHEDULING.md 5)")
+        if self.recurrent_state and (self.prefix_cache or self.speculative != "off"):
+            raise SchedulerConfigError(
+                f"{'prefix_cache' if self.prefix_cache else 'speculative ' + repr(self.speculative)}: this model's "
+                f"linear-attention layers keep one state per request, which a cached prefix would not have "
+                f"computed and a rejected draft token would leave changed (SCHEDULING.md 5); serve it with "
+                f"speculative off")
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -142,14 +151,16 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
-        # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep
-        prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings,
+        # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep, and a
+        # linear layer's state at the prefix's end, which its slot no longer holds
+        prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings
+        and not info.recurrent_state_bytes,
         scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
         rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
-        sliding_window=info.sliding_window,
+        sliding_window=info.sliding_window, recurrent_state=info.recurrent_state_bytes > 0,
     )
 
 

@@ -69,6 +69,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     min_prefill_share: NonNegativeFloat = 0.5
     sliding_window: NonNegativeInt = 0  # every layer's window: pages before it go back (SCHEDULING.md 5)
     rope_switch_length: NonNegativeInt = 0  # longrope's original context: a request growing past it is recomputed
+    recurrent_state: bool = False  # a hybrid model's per-slot linear-attention states (SCHEDULING.md 5)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -148,7 +149,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
                                fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
-                               sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length)
+                               sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
+                               recurrent_state=c.recurrent_state)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 

@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend
+from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
 from kernels.kv_cache import KVCache
 from procs.worker.models.base import CausalLM
 from shared.messages import ForwardBatch
@@ -121,12 +121,12 @@ class DecodeGraphRunner:
         graph = self._graphs.get(size)
         if graph is None:
             return self._run_eager(metadata, size, rows)
-        self.attention.plan_cuda_graph(metadata)
+        plan_step(self.attention, metadata, graph=True)
         graph.replay()
         return self._graph_logits[size][rows]  # a copy: the static output is overwritten by the next replay
 
     def _run_eager(self, metadata: AttentionMetadata, size: int, rows: torch.Tensor | None) -> torch.Tensor | None:
-        self.attention.plan(metadata)
+        plan_step(self.attention, metadata)
         return self._forward_static(size, rows)
 
     def _forward_static(self, size: int, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -152,7 +152,7 @@ class DecodeGraphRunner:
         with torch.inference_mode():
             for size in reversed(self.batch_sizes):
                 rows = self._rows[:size]
-                attention.plan_cuda_graph(self._padding_metadata(size))
+                plan_step(attention, self._padding_metadata(size), graph=True)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):  # warm-up: lazy initialisation and autotuning stay out of the graph

@@ -18,6 +18,7 @@ import torch
 
 from kernels.attention import BACKENDS, create_backend, resolve_backend_name
 from kernels.kv_cache import KVCache
+from kernels.recurrent_state import RecurrentStatePool
 from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
 from procs.worker.devices import check_quantization, resolve_device, resolve_dtype
 from procs.worker.draft_model import DraftDistributions, DraftModel
@@ -105,10 +106,10 @@ class ModelRunner:
     def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
                   draft: CausalLM | None, ring_step_tokens: int) -> KVCache:
         """The KV pool: rings for the sliding layers where they apply (rows of at most `ring_step_tokens` read
-        through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`),
-        and pages for the other layers (and the draft's) for `capacity_tokens`, or as many as the memory
-        budget left after the rings holds. Each rank sizes its pool from its own memory; all take the
-        smallest, which the scheduler plans with."""
+        through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`), a hybrid
+        model's per-slot recurrent states, and pages for the other layers (and the draft's) for
+        `capacity_tokens`, or as many as the memory budget left after the rings and states holds. Each rank
+        sizes its pool from its own memory; all take the smallest, which the scheduler plans with."""
         cfg, heads = self.config, self.model.heads
         rings = ring_layers(cfg.windows, ring_step_tokens if draft is None else 0)
         window = max((cfg.windows[layer] for layer in rings), default=0)
@@ -116,20 +117,27 @@ class ModelRunner:
         if ring_pages * page_size >= self._max_context:  # a ring would hold the whole context: no gain
             rings, window, ring_pages = (), 0, 0
         layer_bytes = kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype)
-        bytes_per_token = layer_bytes * (cfg.num_layers - len(rings)) or layer_bytes
+        kv_layers = len(cfg.kv_layers)
+        bytes_per_token = layer_bytes * (kv_layers - len(rings)) or layer_bytes
         if draft is not None:
             bytes_per_token += kv_bytes_per_token(draft.config.num_layers, draft.heads.num_kv_heads,
                                                   draft.config.head_dim, self.dtype)
-        ring_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
-        budget = 0.0 if capacity_tokens > 0 else budget_gb() - ring_gb
+        states = None if cfg.recurrent is None else RecurrentStatePool(
+            num_layers=len(cfg.linear_layers), shape=cfg.recurrent.of_ranks(self.tp.world_size),
+            max_running_requests=max_running,
+            dtype=self.dtype, device=self.device)
+        fixed_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
+        fixed_gb += 0 if states is None else states.memory_bytes / GIB
+        budget = 0.0 if capacity_tokens > 0 else budget_gb() - fixed_gb
         if capacity_tokens <= 0 and budget <= 0:
-            raise ValueError(f"the sliding layers' rings take {ring_gb:.2f} GiB of KV memory, the whole budget")
+            raise ValueError(f"the sliding layers' rings and the recurrent states take {fixed_gb:.2f} GiB of KV "
+                             f"memory, the whole budget: lower --max-running-requests or raise --kv-memory-gb")
         num_pages = self.tp.min_int(num_pages_for(page_size, capacity_tokens=capacity_tokens, memory_gb=budget,
                                                   bytes_per_token=bytes_per_token))
-        return KVCache(num_layers=cfg.num_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim,
+        return KVCache(num_layers=kv_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim,
                        page_size=page_size, num_pages=num_pages, max_running_requests=max_running,
                        max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
-                       ring_layers=rings, ring_pages=ring_pages, ring_window=window)
+                       ring_layers=rings, ring_pages=ring_pages, ring_window=window, states=states)
 
     def _graph_runner(self, disable_cuda_graph: bool, cuda_graph_max_bs: int,
                       pad_decode: bool | None) -> DecodeGraphRunner | None:
@@ -240,7 +248,9 @@ class ModelRunner:
                           moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
                           rope_dynamic_length=self.model.rope.dynamic_length,
                           sliding_window=self._shared_window(), layer_windows=list(self.config.windows),
-                          sliding_rings=bool(self.kv_cache.ring_layers))
+                          sliding_rings=bool(self.kv_cache.ring_layers),
+                          recurrent_state_bytes=0 if self.kv_cache.states is None else
+                          self.kv_cache.states.bytes_per_request)
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""

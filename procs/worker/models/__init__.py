@@ -16,6 +16,7 @@ from procs.worker.models.olmoe import OlmoeModel
 from procs.worker.models.phi3 import Phi3Model
 from procs.worker.models.qwen2 import Qwen2Model
 from procs.worker.models.qwen3 import Qwen3Model
+from procs.worker.models.qwen3_next import Qwen3_5Model, Qwen3_5MoeModel, Qwen3NextModel
 from procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
 from shared.model import ModelLoadError
 
@@ -33,6 +34,11 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3Model,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,
     "GptOssForCausalLM": GptOssModel,
+    "Qwen3NextForCausalLM": Qwen3NextModel,
+    "Qwen3_5ForCausalLM": Qwen3_5Model,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5Model,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
 }
 
 

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Protocol, TypeVar
 import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, plan_step
+from kernels.recurrent_state import RecurrentShape
 from kernels.rope import RotaryTables
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec
@@ -45,6 +46,14 @@ class ModelConfig:
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0: the whole context (empty: no layer slides)
     attn_scale: float | None = None  # scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float = 0.0  # attention scores soft-capped at this (Gemma 2); 0: not
+    linear_layers: tuple[int, ...] = ()  # a hybrid model's linear-attention layers: no KV, a state per request
+    recurrent: RecurrentShape | None = None  # their state's shape (`kernels.recurrent_state`)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV in the paged pool, in the pool's order."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
     def attention_scale(self) -> float:
@@ -205,7 +214,7 @@ def eager_forward(model: CausalLM, attention: AttentionBackend, slots: list[int]
     copied to its device), then `model.forward`; the logits of `logits_rows`, None without rows."""
     device = attention.kv_cache.device
     to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
-    attention.plan(AttentionMetadata(slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens),
+    plan_step(attention, AttentionMetadata(slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens),
                                      kv_locs=to_device(kv_locs)))
     return model.forward(to_device(input_ids), to_device(positions), attention,
                          to_device(logits_rows) if len(logits_rows) else None)

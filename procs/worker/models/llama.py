@@ -53,6 +53,7 @@ class LlamaConfig(ModelConfig):
     local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
     local_rope_layers: tuple[int, ...] = ()  # the layers it rotates (sliding ones, whatever their window's span)
     attn_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss: self_attn.sinks)
+    attn_output_gate: bool = False  # attention's output times sigmoid(a gate projection of h) (Qwen3-Next, 3.5)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], spec: ModelSpec, **switches: Any) -> LlamaConfig:
@@ -77,6 +78,8 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # sandwich norms: attention's output (Gemma's post_attention_layernorm)
     mlp_out_norm: torch.Tensor | None = None  # and the MLP's (post_feedforward_layernorm)
     sinks: torch.Tensor | None = None  # [this rank's heads] fp32 attention sink logits (gpt-oss)
+    attn_gate: Any = None  # ColumnParallelLinear [H * D, hidden]: attention's output gate (Qwen3-Next, 3.5)
+    mixer: Any = None  # a linear layer's token mixer in attention's place (a GatedDeltaNet; qkv and o None)
 
 
 class LlamaModel:
@@ -103,6 +106,7 @@ class LlamaModel:
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.heads = RankHeads.of(config, tp)
+        self.kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}  # a layer's in the KV pool
         self.q_size = self.heads.num_heads * config.head_dim
         self.kv_size = self.heads.num_kv_heads * config.head_dim
         take = WeightTaker(weights, dtype, device, quantization)
@@ -137,25 +141,21 @@ class LlamaModel:
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
         plain = (config.hidden_act == "silu" and not config.sandwich_norms and not config.attn_softcap
-                 and not config.attn_sinks and config.local_rope is None and self.rope.rotary_dim == config.head_dim)
+                 and not config.attn_sinks and config.local_rope is None and self.rope.rotary_dim == config.head_dim
+                 and not config.attn_output_gate and not config.linear_layers)
         self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
             _in_c(layer) for layer in self.layers)
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
         layer = f"model.layers.{i}."
-        attn, mlp = layer + "self_attn.", layer + "mlp."
+        attn = layer + "self_attn."
         cfg, heads, tp = self.config, self.heads, self.tp
         q = _head_rows(heads.q, cfg.head_dim)
         kv = _head_rows(heads.kv, cfg.head_dim)
         # a norm per head is the same on every rank; over the projection, each rank takes its heads' share
         norm_rows = lambda rows: rows if cfg.qk_norm == "projection" else None
-        if sparse:
-            block: Mlp = self._moe_block(take, layer)
-        else:
-            block = GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
-                                         cfg.mlp_bias),
-                             take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, tp), cfg.hidden_act)
+        block = self._mlp(take, layer, sparse)
         norm = lambda name, rows=None: self._norm(take, layer + name, rows)
         sandwich = cfg.sandwich_norms
         return LayerWeights(
@@ -170,6 +170,15 @@ class LlamaModel:
             mlp_out_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
             sinks=take(attn + "sinks", rows=heads.q, dtype=torch.float32) if cfg.attn_sinks else None,
         )
+
+    def _mlp(self, take: WeightTaker, layer: str, sparse: bool) -> Mlp:
+        """Layer `layer`'s (prefix `model.layers.{i}.`) MLP: dense, or with `sparse` its mixture of experts."""
+        if sparse:
+            return self._moe_block(take, layer)
+        mlp, cfg = layer + "mlp.", self.config
+        return GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
+                                    cfg.mlp_bias),
+                        take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, self.tp), cfg.hidden_act)
 
     def _moe_block(self, take: WeightTaker, layer: str) -> SparseMoeBlock:
         """Layer `layer`'s (prefix `model.layers.{i}.`) mixture of experts, this rank's share of it."""
@@ -217,12 +226,16 @@ class LlamaModel:
 
     def _attention(self, layer: LayerWeights, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attention: AttentionBackend) -> torch.Tensor:
-        """The attention sublayer's output (before the residual add)."""
+        """The attention sublayer's output (before the residual add); a linear layer's mixer's instead."""
+        if layer.mixer is not None:
+            return layer.mixer(h, attention.kv_cache.states)
         qk, v = self._qk_v(layer.qkv(h), layer)
         qk = self._rotate(qk, cos, sin)
         q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
-        attended = attention.forward(q, k, v, index, layer.sinks)
-        return layer.o(attended.reshape(h.shape[0], self.q_size))
+        attended = attention.forward(q, k, v, self.kv_index[index], layer.sinks).reshape(h.shape[0], self.q_size)
+        if layer.attn_gate is not None:
+            attended = attended * torch.sigmoid(layer.attn_gate(h))
+        return layer.o(attended)
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k heads rotated in one call: every dim, or the first `rotary_dim` (partial rotary)."""

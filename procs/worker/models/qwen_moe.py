@@ -24,7 +24,7 @@ QWEN3_MOE_DEFAULTS: dict[str, Any] = {
     "use_sliding_window": False, "sliding_window": 4096, "rms_norm_eps": 1e-6}
 
 
-def _moe(raw: dict[str, Any], spec: ModelSpec, experts: int, shared: int = 0) -> MoEConfig:
+def qwen_moe_config(raw: dict[str, Any], spec: ModelSpec, experts: int, shared: int = 0) -> MoEConfig:
     return MoEConfig.from_hf(raw, config_path(spec), num_layers=int(raw["num_hidden_layers"]),
                              num_experts=experts, top_k=int(raw["num_experts_per_tok"]),
                              intermediate_size=int(raw["moe_intermediate_size"]),
@@ -42,7 +42,7 @@ class Qwen2MoeModel(LlamaModel):
             raise ModelLoadError(f"shared_expert_intermediate_size {shared} in {config_path(spec)}: Qwen2-MoE's "
                                  f"shared expert is in every sparse layer")
         return LlamaConfig.from_hf(raw, spec, qkv_bias=bool(raw["qkv_bias"]),
-                                   moe=_moe(raw, spec, num_experts(raw, 60), shared))
+                                   moe=qwen_moe_config(raw, spec, num_experts(raw, 60), shared))
 
 
 class Qwen3MoeModel(LlamaModel):
@@ -51,5 +51,5 @@ class Qwen3MoeModel(LlamaModel):
         raw = with_defaults(raw, QWEN3_MOE_DEFAULTS)
         bias = bool(raw["attention_bias"])
         return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, qk_norm="head",
-                                   moe=_moe(raw, spec, num_experts(raw, 128)),
+                                   moe=qwen_moe_config(raw, spec, num_experts(raw, 128)),
                                    windows=sliding_windows(raw, spec, every_layer=True))  # no layer_types here
