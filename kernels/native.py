@@ -55,6 +55,8 @@ SIGNATURES = {
     "decode_layers": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, *[_ptr] * 14]),
     "rms_norm_groups": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64]),
     "moe_block": (ctypes.c_int, [_ptr, _ptr, _i64, _i64, _ptr]),
+    "gated_delta_decode": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]),
+    "causal_conv1d_decode": (None, [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr]),
 }
 
 
@@ -273,6 +275,47 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, half = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, half), dtype=torch.float32)
     _lib().silu_and_mul(gate_up.data_ptr(), rows, gate_up.stride(0), half, out.data_ptr())
+    return out
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One input of each row (x [rows, >= channels], its first `channels`) through the causal convolution
+    weight [channels, K] and SiLU, after the rows' windows pool[slots] [channels, K - 1], which move on in
+    place -> out [rows, channels]."""
+    rows, (channels, taps) = x.shape[0], weight.shape
+    _check(x.dim() == 2 and x.shape[1] >= channels and weight.is_contiguous() and pool.is_contiguous()
+           and pool.shape[1:] == (channels, taps - 1), "x [rows, >= C], weight [C, K], pool [slots, C, K - 1]")
+    _check_slots(slots, rows, pool.shape[0])
+    for name, t in (("x", x), ("weight", weight), ("pool", pool)):
+        _check_rows(t, name)
+    out = torch.empty((rows, channels), dtype=torch.float32)
+    _lib().causal_conv1d_decode(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), channels, taps - 1,
+                                pool.data_ptr(), slots.data_ptr(), out.data_ptr())
+    return out
+
+
+def _check_slots(slots: torch.Tensor, rows: int, pool_slots: int) -> None:
+    _check(slots.dtype is torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
+           and (rows == 0 or 0 <= int(slots.min()) and int(slots.max()) < pool_slots), "slots: int64 rows of pool")
+
+
+def gated_delta_decode(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor,
+                       slots: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """One token of each row (mixed [rows, q | k | v], g and beta [rows, value_heads]) through the gated delta
+    rule, updating the rows' states pool[slots] [value_heads, dk, dv] in place -> out [rows, value_heads, dv]."""
+    rows = mixed.shape[0]
+    _, value_heads, dk, dv = pool.shape
+    _check(mixed.dim() == 2 and mixed.shape[1] == 2 * key_heads * dk + value_heads * dv and value_heads % key_heads == 0,
+           "mixed must be [rows, 2 * key_heads * dk + value_heads * dv]")
+    _check(g.shape == beta.shape == (rows, value_heads) and g.is_contiguous() and beta.is_contiguous(),
+           "g and beta must be contiguous [rows, value_heads]")
+    _check(pool.is_contiguous(), "pool must be contiguous")
+    _check_slots(slots, rows, pool.shape[0])
+    for name, t in (("mixed", mixed), ("g", g), ("beta", beta), ("pool", pool)):
+        _check_rows(t, name)
+    out = torch.empty((rows, value_heads, dv), dtype=torch.float32)
+    _lib().gated_delta_decode(mixed.data_ptr(), rows, mixed.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
+                              slots.data_ptr(), key_heads, value_heads, dk, dv, out.data_ptr())
     return out
 
 

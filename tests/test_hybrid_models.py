@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import native
+from kernels.gated_delta import causal_conv1d_step, gated_delta_step
 from model_batches import generate_greedy
 from model_references import chunked_logits, greedy_references, run_scheduled, scheduled_prompts, small_runner, \
     torch_only
@@ -131,3 +133,36 @@ def test_speculation_is_refused(tiny_model_dir):
     model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["qwen3_5"])
     with pytest.raises(ValueError, match="linear-attention layers keep one state per request"):
         OfflineEngine(ServerConfig(model=str(model_dir), speculative="ngram", kv_capacity_tokens=256))
+
+
+@pytest.mark.skipif(not native.available(), reason="the C kernels are not built on this machine")
+def test_c_decode_step_equals_the_torch_step_in_place_on_the_pool():
+    """The C kernel against transformers' recurrent arithmetic (`gated_delta_step`): outputs and the states
+    of the rows' slots; other slots untouched."""
+    generator = torch.Generator().manual_seed(0)
+    rows, key_heads, value_heads, dk, dv = 5, 2, 6, 16, 8
+    mixed = torch.randn(rows, 2 * key_heads * dk + value_heads * dv, generator=generator)
+    g, beta = -torch.rand(rows, value_heads, generator=generator) * 3, torch.rand(rows, value_heads, generator=generator)
+    pool = torch.randn(9, value_heads, dk, dv, generator=generator)
+    slots = torch.tensor([7, 0, 3, 8, 1])
+    q, k, v = mixed.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=1)
+    expected, states = gated_delta_step(q.view(rows, key_heads, dk), k.view(rows, key_heads, dk),
+                                        v.view(rows, value_heads, dv), g, beta, pool[slots])
+    untouched = pool[[2, 4, 5, 6]].clone()
+    got = native.gated_delta_decode(mixed, g, beta, pool, slots, key_heads)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[slots], states, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[[2, 4, 5, 6]], untouched)
+
+
+@pytest.mark.skipif(not native.available(), reason="the C kernels are not built on this machine")
+def test_c_convolution_step_equals_the_torch_step_in_place_on_the_pool():
+    generator = torch.Generator().manual_seed(1)
+    rows, channels, taps = 4, 24, 4
+    x = torch.randn(rows, channels + 5, generator=generator)[:, :channels]  # rows strided, as a split leaves them
+    weight, pool = torch.randn(channels, taps, generator=generator), torch.randn(6, channels, taps - 1, generator=generator)
+    slots = torch.tensor([5, 0, 2, 3])
+    expected, windows = causal_conv1d_step(x, weight, pool[slots])
+    got = native.causal_conv1d_decode(x, weight, pool, slots)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[slots], windows)

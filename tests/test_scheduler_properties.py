@@ -29,8 +29,11 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     largest = max(pages(j.input_tokens + j.limit, page_size) for j in jobs)
     capacity_pages = largest + draw(st.integers(0, 3 * largest))
     capacity_tokens = capacity_pages * page_size + draw(st.integers(0, page_size - 1))  # rounded down to pages
+    # recurrent_state (a hybrid model): every row must continue what its slot computed since the request's
+    # (re-)admission there, which the harness checks of every row (prefix == positions written in the slot)
     config = SchedulerConfig(max_running_requests=slots, prefill_budget=budget, kv_capacity_tokens=capacity_tokens,
-                             page_size=page_size, policy=policy, fair_prefill=draw(st.booleans()))
+                             page_size=page_size, policy=policy, fair_prefill=draw(st.booleans()),
+                             recurrent_state=draw(st.booleans()))
     return config, jobs
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.gated_delta import causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule, gated_delta_step, \
     gated_rms_norm
 from kernels.recurrent_state import RecurrentShape, RecurrentStatePool
@@ -98,10 +99,15 @@ class GatedDeltaNet:
         if slots.numel():
             rows = states.decode_rows
             pick = (lambda x: x) if rows is None else (lambda x: x[rows])
-            mixed, conv_state = causal_conv1d_step(pick(qkv), self.conv, conv[slots])
-            conv.index_copy_(0, slots, conv_state.to(conv.dtype))
-            attended, matrix_state = gated_delta_step(*self._qkv(mixed), pick(g), pick(beta), matrix[slots])
-            matrix.index_copy_(0, slots, matrix_state)
+            if native.applies_to(qkv, conv, matrix):  # in place on the pools, one pass each: the same arithmetic
+                mixed = native.causal_conv1d_decode(pick(qkv), self.conv, conv, slots)
+                attended = native.gated_delta_decode(mixed, pick(g).contiguous(), pick(beta).contiguous(), matrix,
+                                                     slots, cfg.key_heads)
+            else:
+                mixed, conv_state = causal_conv1d_step(pick(qkv), self.conv, conv[slots])
+                conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+                attended, matrix_state = gated_delta_step(*self._qkv(mixed), pick(g), pick(beta), matrix[slots])
+                matrix.index_copy_(0, slots, matrix_state)
             if rows is None:
                 out = attended
             else:
