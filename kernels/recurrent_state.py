@@ -8,8 +8,10 @@ dtype, `matrix` [layers, slots + 1, H, Dk, Dv] fp32); the extra slot is a dummy 
 read and write. A slot's state is its request's for the request's life: a step's row that starts at
 position 0 (a new request, or a recompute after preemption) starts from zeros, every later row from
 what its slot holds, so chunked prefill carries the state across chunks. It follows that a row may not
-start after a prefix its slot's state does not end at: the prefix cache and speculative rows (whose
-rejected tokens would stay in the state) are off for these models (SCHEDULING.md 5).
+start after a prefix its slot's state does not end at: speculative rows (whose rejected tokens would stay
+in the state) are refused, and the prefix cache serves a prefix only from a snapshot of the state at its
+end (`snapshots` of them: `save` after the step that reached it, `restore` into a slot whose request
+starts there; SCHEDULING.md 5).
 
 `plan(metadata)` once per step, before the forward pass: it zeroes the starting rows' states and sorts
 the rows into one-token decode rows (batched, their slots in a fixed index buffer that a captured CUDA
@@ -57,13 +59,16 @@ class StateChunk:
 
 class RecurrentStatePool:
     def __init__(self, *, num_layers: int, shape: RecurrentShape, max_running_requests: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, snapshots: int = 0):
         slots = max_running_requests + 1  # the last: padded rows' dummy
         self.shape = shape
         self.dummy_slot = max_running_requests
         self.conv = torch.zeros((num_layers, slots, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
         self.matrix = torch.zeros((num_layers, slots, shape.heads, shape.key_dim, shape.value_dim),
                                   dtype=torch.float32, device=device)
+        # Snapshots of states at a cached prefix's end, which the prefix cache serves (`restore` / `save`)
+        self.conv_snapshots = self.conv.new_zeros((num_layers, snapshots, *self.conv.shape[2:]))
+        self.matrix_snapshots = self.matrix.new_zeros((num_layers, snapshots, *self.matrix.shape[2:]))
         self._index = torch.zeros(max(2 * slots, 64), dtype=torch.int64, device=device)
         self.decode_rows: torch.Tensor | None = None  # packed rows of the one-token rows; None: every row
         self.decode_slots = self._index[:0]  # their slots, a view of the fixed buffer
@@ -75,8 +80,25 @@ class RecurrentStatePool:
         return self.conv.shape[0] * self.shape.bytes_per_request(self.conv.dtype)
 
     @property
+    def num_snapshots(self) -> int:
+        return int(self.conv_snapshots.shape[1])
+
+    @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.matrix))
+        tensors = (self.conv, self.matrix, self.conv_snapshots, self.matrix_snapshots)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def restore(self, moves: list[tuple[int, int]]) -> None:
+        """Each (slot, snapshot): the slot's state becomes the snapshot's (before a step: a cached prefix's)."""
+        for slot, snapshot in moves:
+            self.conv[:, slot] = self.conv_snapshots[:, snapshot]
+            self.matrix[:, slot] = self.matrix_snapshots[:, snapshot]
+
+    def save(self, moves: list[tuple[int, int]]) -> None:
+        """Each (slot, snapshot): the snapshot keeps the slot's state (after the step that reached it)."""
+        for slot, snapshot in moves:
+            self.conv_snapshots[:, snapshot] = self.conv[:, slot]
+            self.matrix_snapshots[:, snapshot] = self.matrix[:, slot]
 
     def plan(self, metadata: AttentionMetadata) -> None:
         slots = np.asarray(metadata.slots, dtype=np.int64)

@@ -122,13 +122,13 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
     print(f"  {'model':>24} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
     rng = np.random.default_rng(1)
     for name, runner in runners.items():
-        moe = runner.config.moe
+        moe, windows = runner.config.moe, runner.cost_windows
 
         def measured(decodes: int, chunk: int) -> tuple[int, float, float]:
             prefix, extend = [128] * decodes + ([0] if chunk else []), [1] * decodes + ([chunk] if chunk else [])
             batch = runner._probe_batch(prefix, extend)
             seconds = min(runner._timed(batch) for _ in range(2))
-            return batch.num_tokens, attention_pairs(prefix, extend), seconds
+            return batch.num_tokens, attention_pairs(prefix, extend, windows), seconds
 
         probe = runner.probe_step_costs()
         live = [measured(int(rng.integers(1, 33)), int(rng.choice([0, 0, 32, 128]))) for _ in range(64)]
@@ -138,7 +138,7 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
         if moe:
             fits["moe, no experts term"] = (0, 0)
         for label, experts in fits.items():
-            cost = StepCostModel(probe, experts)
+            cost = StepCostModel(probe, experts, windows)
             for step in live:
                 cost.observe(*step)
             errors = {k: [abs(cost.predict(t, p) / s - 1) for t, p, s in v] for k, v in unseen.items()}

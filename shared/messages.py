@@ -113,6 +113,7 @@ class SlotStart(msgspec.Struct, kw_only=True):
     prompt_ids: list[int] = []  # for the repetition penalty and prompt logprobs
     output_ids: list[int] = []  # generated before a preemption: the penalties count them
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
+    restore_state: int = -1  # a hybrid model: the state snapshot its slot's state starts from (-1: zeros)
 
 
 FUTURE_TOKEN = -1  # an input id the worker fills with the slot's last sampled token (see ForwardBatch)
@@ -154,6 +155,7 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     page_table_cols: np.ndarray  # [num_updates] int32
     page_table_pages: np.ndarray  # [num_updates] int32
     slot_starts: list[SlotStart] = []  # applied before the step runs
+    state_saves: list[tuple[int, int]] = []  # a hybrid model's (slot, snapshot): its state kept, after the step
 
     @property
     def num_requests(self) -> int:
@@ -445,11 +447,14 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
     rope_dynamic_length: int = 0  # dynamic NTK: the prompt length past which its keys follow its length (0: never)
     sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
-    layer_windows: list[int] = []  # each layer's window (0: none; empty: no layer slides), for the step-cost model
+    # each layer's window for the step-cost model (0: none; empty: none slides or is linear): a linear-attention
+    # layer's is the keys whose reads cost what its state's do (`shared.step_features.layer_cost_windows`)
+    layer_windows: list[int] = []
     sliding_rings: bool = False  # sliding layers keep window-sized rings (`kernels.kv_cache`): no prefix cache
     # A hybrid model's linear layers' state bytes per request (`kernels.recurrent_state`; 0: none): a row
     # continues its slot's state, so no prefix cache and no speculative rows.
     recurrent_state_bytes: int = 0
+    state_snapshots: int = 0  # the states it keeps for the prefix cache (0: none, and no prefix cache for it)
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

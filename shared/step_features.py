@@ -13,8 +13,9 @@ def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequen
                     windows: Sequence[int] = ()) -> float:
     """Query-key pairs attention computes, per layer on average: a request feeding n tokens after p cached
     ones pairs its i-th new token (i = 1..n) with p + i keys, n * (p + (n + 1) / 2) in all (a decode row:
-    its whole context); in a layer with a sliding window W, with min(p + i, W) keys. `windows`: each
-    layer's (0: none; empty: no layer slides)."""
+    its whole context); in a layer with a sliding window W, with min(p + i, W) keys; in a linear-attention
+    layer (a window of -K, `layer_cost_windows`) K per request, whatever its tokens (its state is read once
+    a step). `windows`: each layer's (0: none; empty: no layer slides or is linear)."""
     p = np.asarray(prefix_lens, dtype=np.float64)
     n = np.asarray(extend_lens, dtype=np.float64)
     full = float((n * (p + (n + 1) / 2)).sum())
@@ -25,10 +26,31 @@ def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequen
         if not window:
             total += layers * full
             continue
+        if window < 0:
+            total += layers * -window * float(np.count_nonzero(n))
+            continue
         first, last = p + 1, p + n  # the keys of the first and the last new token, unwindowed
         inside = np.clip(np.minimum(last, window) - first + 1, 0, None)  # tokens with fewer keys than the window
         total += layers * float((inside * (first + np.minimum(last, window)) / 2 + (n - inside) * window).sum())
     return total / len(windows)
+
+
+# A decode row reads a linear-attention layer's state twice and writes it once; attention reads a key once.
+STATE_PASSES = 3
+
+
+def layer_cost_windows(windows: Sequence[int], linear_layers: Sequence[int], num_layers: int, state_bytes: int,
+                       key_bytes: int) -> tuple[int, ...]:
+    """Each layer's window as the step-cost model counts attention pairs (`attention_pairs`): its sliding
+    window (0: none), and for a hybrid model's linear-attention layer -K, K the keys whose K/V reads cost
+    what its state's passes do (`state_bytes` per request and layer, `key_bytes` a token's K and V in one
+    layer): a request's row there reads its state once, whatever its tokens and context (the per-token
+    work is the linear layers', which the tokens term counts). Empty: no layer slides and none is linear."""
+    if not linear_layers:
+        return tuple(windows)
+    keys = -max(1, round(STATE_PASSES * state_bytes / key_bytes))
+    base, linear = tuple(windows) or (0,) * num_layers, set(linear_layers)
+    return tuple(keys if layer in linear else base[layer] for layer in range(num_layers))
 
 
 def experts_read(tokens: float, num_experts: int, top_k: int) -> float:

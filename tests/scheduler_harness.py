@@ -165,6 +165,9 @@ class KVContentExecutor:
         self.sampled: dict[str, list[int]] = {}
         self.last_sampled: dict[int, int] = {}  # slot -> its last sampled token
         self.reused_tokens = 0  # context positions read from pages another request wrote
+        # A hybrid model's linear-attention states: the tokens each slot's state and each snapshot has taken in
+        self.slot_state: dict[int, list[int]] = {}
+        self.snapshots: dict[int, list[int]] = {}
 
     def token(self, rid: str, k: int) -> int:
         return EOS if k + 1 == self.outputs[rid] else FIRST_TOKEN + k
@@ -173,6 +176,8 @@ class KVContentExecutor:
         for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
                                    batch.page_table_pages.tolist()):
             self.page_table[(slot, col)] = page
+        for start in batch.slot_starts:  # a state restored from a snapshot, or zeros
+            self.slot_state[start.slot] = list(self.snapshots[start.restore_state]) if start.restore_state >= 0 else []
         out, offset = [], 0
         writers: dict[int, str] = {}
         for i, slot in enumerate(batch.slots):
@@ -193,11 +198,19 @@ class KVContentExecutor:
             for q in range(p):  # the context this step attends to, through the page table
                 loc = self.page_table[(slot, q // self.P)] * self.P + q % self.P
                 assert self.kv.get(loc) == (seq[q], q), f"{rid}: KV at position {q} is not its own token"
+            if self.sched.config.recurrent_state:
+                state = self.slot_state.setdefault(slot, [])
+                if p == 0:
+                    state.clear()  # the worker starts a row at position 0 from zeros
+                assert state == seq[:p], f"{rid}: its slot's state is not its context's"
+                state.extend(fed)
             for _ in range(batch.sample_lens[i]):
                 token = self.token(rid, len(sampled))
                 sampled.append(token)
                 self.last_sampled[slot] = token
                 out.append(token)
+        for slot, snapshot in batch.state_saves:
+            self.snapshots[snapshot] = list(self.slot_state[slot])
         return StepResult(step=batch.step, next_token_ids=np.asarray(out, dtype=np.int32))
 
 

@@ -117,13 +117,22 @@ def test_multimodal_checkpoint_serves_its_text_model(tiny_model_dir, tmp_path):
 
 
 def test_scheduled_requests_match_transformers(tiny_model_dir):
-    """Chunks of 6, preemption and recompute (the state rebuilt from zeros); no prefix cache, whose hit would
-    skip the state's tokens."""
+    """Chunks of 6 (and one cut at the prompt's last full page, where its state is kept), a cache hit (the
+    second prompt starts from the first's kept state and cached pages), preemption and recompute."""
     model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["qwen3_next"])
     expected = transformers_greedy_text(model_dir, scheduled_prompts(), 20)
     got, engine = run_scheduled(model_dir, scheduled_prompts(), 20, full_sliding_kv=False)
     assert got == expected and engine.preemptions > 0
-    assert not engine.scheduler.config.prefix_cache and engine.scheduler.kv.hit_tokens == 0
+    assert engine.scheduler.config.state_snapshots == 4 and engine.scheduler.kv.hit_tokens >= 20
+
+
+def test_without_state_snapshots_the_prefix_cache_is_off(tiny_model_dir):
+    from procs.engine import OfflineEngine
+    from shared.config import ServerConfig
+
+    model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["qwen3_next"])
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), disable_prefix_cache=True, kv_capacity_tokens=256))
+    assert engine.runner.kv_cache.states.num_snapshots == 0 and not engine.scheduler.config.prefix_cache
 
 
 def test_speculation_is_refused(tiny_model_dir):

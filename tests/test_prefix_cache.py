@@ -55,6 +55,28 @@ def test_match_insert_reference_and_lru_eviction_of_leaves():
     assert cache.num_pages == 0 and cache.match(tokens, 3) == []
 
 
+def test_state_snapshots_serve_the_deepest_kept_node_least_recently_used_out_first():
+    """A hybrid model's cache: a match stops at the deepest node whose state a snapshot keeps; with every
+    snapshot held, a new one takes the least recently used node's; evicting a node frees its snapshot."""
+    cache = PrefixCache(page_size=2, state_snapshots=2)
+    snapshots = cache.snapshots
+    tokens = _ids(1, 2, 3, 4, 5, 6, 7)
+    keys = cache.page_keys(tokens, 0, 3)
+    a, _ = cache.insert(cache.root(), keys[0], page=10)
+    b, _ = cache.insert(a, keys[1], page=11)
+    c, _ = cache.insert(b, keys[2], page=12)
+    assert cache.match(tokens, 3) == []  # pages, but no state kept: full-layer KV alone never serves
+    assert snapshots.take(a) == 0 and snapshots.take(c) == 1
+    assert cache.match(tokens, 3) == [a, b, c] and cache.match(tokens, 2) == [a]  # b keeps no state
+    cache.match(tokens, 2)  # a used last: c is the least recently used
+    assert snapshots.take(b) == 1 and (c.state, b.state) == (-1, 1)
+    assert cache.match(tokens, 3) == [a, b]
+    cache.reference([a, b, c])
+    cache.dereference([a, b, c])
+    assert cache.evict(3).tolist() == [12, 11, 10]  # unreferenced: c, b, a go, and their snapshots with them
+    assert cache.num_pages == 0 and sorted(snapshots._free) == [0, 1]
+
+
 @dataclass
 class Job:
     rid: str
@@ -108,7 +130,10 @@ def shared_prefix_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]
     config = SchedulerConfig(max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 30)),
                              kv_capacity_tokens=(largest + draw(st.integers(0, 2 * largest))) * page_size,
                              page_size=page_size, policy=policy, prefix_cache=True,
-                             kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])))
+                             kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])),
+                             # a hybrid model's: a cached prefix serves only from a snapshot of its state
+                             # (KVContentExecutor checks each slot's state against its request's context)
+                             **draw(st.sampled_from([{}, dict(recurrent_state=True, state_snapshots=2)])))
     return config, jobs
 
 

@@ -84,17 +84,19 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # A hybrid model's linear layers keep one state per request in its slot, which each row continues
     # (SCHEDULING.md 5): a row may not start after a prefix its slot's state does not end at.
     recurrent_state: bool = False
+    state_snapshots: int = 0  # the worker's snapshots of such states, which the prefix cache serves from
 
     def __post_init__(self) -> None:
         if self.prefix_cache and self.sliding_window:
             raise SchedulerConfigError("prefix_cache and sliding_window exclude each other: a cached prefix needs "
                                        "every page, which the window gives back (SCHEDULING.md 5)")
-        if self.recurrent_state and (self.prefix_cache or self.speculative != "off"):
+        if self.recurrent_state and self.speculative != "off":
             raise SchedulerConfigError(
-                f"{'prefix_cache' if self.prefix_cache else 'speculative ' + repr(self.speculative)}: this model's "
-                f"linear-attention layers keep one state per request, which a cached prefix would not have "
-                f"computed and a rejected draft token would leave changed (SCHEDULING.md 5); serve it with "
-                f"speculative off")
+                f"speculative {self.speculative!r}: this model's linear-attention layers keep one state per request, "
+                f"which a rejected draft token would leave changed (SCHEDULING.md 5); serve it with speculative off")
+        if self.recurrent_state and self.prefix_cache and not self.state_snapshots:
+            raise SchedulerConfigError("prefix_cache with recurrent_state needs state_snapshots: a cached prefix of a "
+                                       "hybrid model serves only where its state was kept (SCHEDULING.md 5)")
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -152,15 +154,16 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
         max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
         # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep, and a
-        # linear layer's state at the prefix's end, which its slot no longer holds
+        # linear layer's state at the prefix's end, which only the worker's snapshots keep
         prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings
-        and not info.recurrent_state_bytes,
+        and (not info.recurrent_state_bytes or info.state_snapshots > 0),
         scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
         rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
         sliding_window=info.sliding_window, recurrent_state=info.recurrent_state_bytes > 0,
+        state_snapshots=info.state_snapshots,
     )
 
 

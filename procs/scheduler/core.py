@@ -390,7 +390,9 @@ class Scheduler:
             table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
             for request, n in plan.prefill:
                 request.prefilled += n
-                self.kv.cache_prompt_pages(request)  # the worker computes them before any later step reads them
+                save = self.kv.cache_prompt_pages(request)  # the worker computes them before any later step reads them
+                if save is not None:
+                    batch.state_saves.append(save)
                 if request.prefilled == request.prompt_len:
                     completing.append(request)
         if completing:

@@ -53,7 +53,7 @@ class KVManager:
         self.reserve_percent = config.kv_reserve_percent
         self.allocator = PageAllocator(self.num_pages)
         self.table = table
-        self.cache = PrefixCache(self.page_size) if config.prefix_cache else None
+        self.cache = PrefixCache(self.page_size, config.state_snapshots) if config.prefix_cache else None
         self.rope_switch_length = config.rope_switch_length
         self.rope_dynamic_length = config.rope_dynamic_length
         self.window = config.sliding_window
@@ -156,6 +156,7 @@ class KVManager:
 
     def attach(self, request: Request, cached: list[CachedPage]) -> None:
         """An admitted request starts on `cached`: they become its first pages, already computed."""
+        request.restore_state = -1
         if self.cache is None:
             return
         self.queried_tokens += request.prompt_len
@@ -163,6 +164,7 @@ class KVManager:
             return
         self.cache.reference(cached)
         request.cache_path = list(cached)
+        request.restore_state = cached[-1].state  # a hybrid model's state at the prefix's end (-1: none)
         t, slot, m = self.table, request.slot, len(cached)
         pages = np.fromiter((node.page for node in cached), dtype=np.int32, count=m)
         t.ensure_columns(m)
@@ -172,10 +174,32 @@ class KVManager:
         self.hit_tokens += m * self.page_size
         self._attached.append(PageTableUpdates(np.full(m, slot, dtype=np.int64), np.arange(m, dtype=np.int64), pages))
 
-    def cache_prompt_pages(self, request: Request) -> None:
-        """After a prefill chunk: the prompt's newly completed full pages join the cache."""
-        if self.cache is not None:
-            self._insert(request, request.prefilled // self.page_size, request.prompt)
+    def cache_prompt_pages(self, request: Request) -> tuple[int, int] | None:
+        """After a prefill chunk: the prompt's newly completed full pages join the cache. A hybrid model's
+        request whose chunk ended at its snapshot boundary (`chunk_limit`): (slot, snapshot) its state is
+        saved to after the step, now held by the boundary's node (None: nothing to save)."""
+        if self.cache is None:
+            return None
+        self._insert(request, request.prefilled // self.page_size, request.prompt)
+        snapshots, pages = self.cache.snapshots, request.prefilled // self.page_size
+        if snapshots is None or request.prefilled != self.snapshot_boundary(request) or len(request.cache_path) != pages:
+            return None
+        node = request.cache_path[-1]
+        return None if node.state >= 0 else (request.slot, snapshots.take(node))
+
+    def snapshot_boundary(self, request: Request) -> int:
+        """A hybrid model's: the prompt position whose state a snapshot keeps, the end of the longest
+        prefix `lookup` could serve a later request with this prompt (0: none)."""
+        return (request.prompt_len - 1) // self.page_size * self.page_size
+
+    def chunk_limit(self, request: Request) -> int:
+        """The most prompt tokens its next chunk may take: the rest of its prompt, or with state snapshots
+        up to its snapshot boundary first, where its state is saved (SCHEDULING.md 5)."""
+        rest = request.prompt_len - request.prefilled
+        if self.cache is None or self.cache.snapshots is None:
+            return rest
+        boundary = self.snapshot_boundary(request)
+        return boundary - request.prefilled if request.prefilled < boundary else rest
 
     def _insert(self, request: Request, pages: int, tokens: np.ndarray) -> None:
         """Its pages `len(cache_path)..pages-1` (whose KV is computed) join the cache, extending its path.

@@ -72,7 +72,7 @@ class PrefillManager:
 
         def take(request: Request, others: bool) -> None:
             nonlocal budget
-            rest = request.prompt_len - request.prefilled
+            rest = self._kv.chunk_limit(request)
             n = min(rest, budget, share if others else budget)
             if n < min(rest, budget):
                 held.append(len(items))
@@ -102,7 +102,7 @@ class PrefillManager:
             if budget <= 0:
                 break
             request, n = items[index]
-            extra = min(request.prompt_len - request.prefilled - n, budget)
+            extra = min(self._kv.chunk_limit(request) - n, budget)
             items[index] = (request, n + extra)
             budget -= extra
         return items

@@ -10,18 +10,24 @@ used first.
 
 A namespace keeps apart requests whose KV differs for the same tokens (a rope regime, later an
 adapter): each namespace has its own root (`root`), and a prefix matches only within its own.
+
+A hybrid model (linear-attention layers beside full ones) can start a request after a cached prefix only
+where the linear layers' state at the prefix's end was kept: `StateSnapshots` gives such nodes one of the
+worker's state snapshots (`node.state`), least recently used out first, and the cache serves a hybrid
+request the deepest node of its match that has one (SCHEDULING.md 5).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 
 class CachedPage:
-    __slots__ = ("key", "page", "parent", "children", "refs", "last_used")
+    __slots__ = ("key", "page", "parent", "children", "refs", "last_used", "state")
 
     def __init__(self, key: bytes, page: int, parent: "CachedPage | None") -> None:
         self.key = key  # the page's token ids (int32 bytes)
@@ -30,14 +36,45 @@ class CachedPage:
         self.children: dict[bytes, CachedPage] = {}
         self.refs = 0  # requests using this page's KV (through their path)
         self.last_used = 0
+        self.state = -1  # a hybrid model's state snapshot at this page's end (`StateSnapshots`); -1: none
 
     def __repr__(self) -> str:
         return f"CachedPage(page={self.page}, refs={self.refs}, children={len(self.children)})"
 
 
+class StateSnapshots:
+    """The worker's `count` state snapshots, each held by one cached node, least recently used out first."""
+
+    def __init__(self, count: int) -> None:
+        self._free = list(range(count - 1, -1, -1))
+        self._held: OrderedDict[int, CachedPage] = OrderedDict()  # snapshot -> node, least recently used first
+
+    def take(self, node: CachedPage) -> int:
+        """A snapshot for `node`'s state (a free one, else the least recently used, taken from its node)."""
+        if self._free:
+            snapshot = self._free.pop()
+        else:
+            snapshot, old = self._held.popitem(last=False)
+            old.state = -1
+        self._held[snapshot] = node
+        node.state = snapshot
+        return snapshot
+
+    def used(self, node: CachedPage) -> None:
+        self._held.move_to_end(node.state)
+
+    def release(self, node: CachedPage) -> None:
+        """`node` leaves the cache: its snapshot is free again."""
+        if node.state >= 0:
+            del self._held[node.state]
+            self._free.append(node.state)
+            node.state = -1
+
+
 class PrefixCache:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, state_snapshots: int = 0) -> None:
         self.page_size = page_size
+        self.snapshots = StateSnapshots(state_snapshots) if state_snapshots else None
         self.roots: dict[bytes, CachedPage] = {}  # by namespace
         self.num_pages = 0  # pages the tree holds
         self.num_referenced = 0  # of those, pages some request references
@@ -65,13 +102,19 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- lookups
     def match(self, tokens: np.ndarray, max_pages: int, namespace: bytes = b"") -> list[CachedPage]:
-        """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages."""
+        """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages; with
+        state snapshots, up to the deepest node that has one."""
         node, path = self.root(namespace), []
         for key in self.page_keys(tokens, 0, min(max_pages, len(tokens) // self.page_size)):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
                 break
             path.append(node)
+        if self.snapshots is not None:
+            while path and path[-1].state < 0:
+                path.pop()
+            if path:
+                self.snapshots.used(path[-1])
         return path
 
     # ---------------------------------------------------------------- references
@@ -118,6 +161,8 @@ class PrefixCache:
             parent = node.parent
             del parent.children[node.key]
             node.parent = None
+            if self.snapshots is not None:
+                self.snapshots.release(node)
             self.num_pages -= 1
             freed.append(node.page)
             if parent.page >= 0 and parent.refs == 0 and not parent.children:  # not a root

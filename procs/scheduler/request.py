@@ -74,7 +74,7 @@ class Request:
 
     __slots__ = ("rid", "params", "status", "arrived_s", "prompt", "num_prompt_tokens", "slot", "prefilled",
                  "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported",
-                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens")
+                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens", "restore_state")
 
     def __init__(self, rid: str, prompt: np.ndarray, params: RequestParams = DEFAULT_PARAMS, *,
                  arrival: int = 0) -> None:
@@ -86,6 +86,7 @@ class Request:
         self.params = params
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
+        self.restore_state = -1  # a hybrid model's state snapshot its slot starts from (a cached prefix's)
         self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
         self.cache_path: list[CachedPage] = []  # prefix-cache nodes it references (a path from the root)
         self.cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
@@ -155,7 +156,7 @@ class Request:
         logits = params.logits
         if logits.is_plain:
             return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
-                             client_prompt_len=self.num_prompt_tokens)
+                             client_prompt_len=self.num_prompt_tokens, restore_state=self.restore_state)
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
             params = msgspec.structs.replace(params, logits=logits)
@@ -166,7 +167,7 @@ class Request:
         return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
                          client_prompt_len=self.num_prompt_tokens, prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
                          output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
-                         min_tokens_banned=banned if logits.min_tokens else [])
+                         min_tokens_banned=banned if logits.min_tokens else [], restore_state=self.restore_state)
 
     def __repr__(self) -> str:
         return f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"

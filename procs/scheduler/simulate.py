@@ -70,6 +70,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     sliding_window: NonNegativeInt = 0  # every layer's window: pages before it go back (SCHEDULING.md 5)
     rope_switch_length: NonNegativeInt = 0  # longrope's original context: a request growing past it is recomputed
     recurrent_state: bool = False  # a hybrid model's per-slot linear-attention states (SCHEDULING.md 5)
+    state_snapshots: NonNegativeInt = 0  # the worker's snapshots of them, which the prefix cache serves from
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,7 +151,7 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
                                sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
-                               recurrent_state=c.recurrent_state)
+                               recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 

@@ -153,6 +153,31 @@ class SlotLogitsState:
     def wants_prompt_logprobs(self) -> bool:
         return any(p is not None for p in self.prompts)
 
+    def prompt_logprob_chunks(self, slots: list[int], prefix_lens: list[int],
+                              extend_lens: list[int]) -> list[tuple[int, range, np.ndarray]]:
+        """(slot, prompt positions, packed token rows) of a step's prefill chunks that want prompt logprobs."""
+        if not self.wants_prompt_logprobs:
+            return []
+        chunks = []
+        row = 0
+        for slot, start, length in zip(slots, prefix_lens, extend_lens):
+            positions = self.prompt_logprob_positions(slot, start, length)
+            if len(positions):
+                chunks.append((slot, positions, np.arange(row, row + len(positions), dtype=np.int64)))
+            row += length
+        return chunks
+
+    def chunks_prompt_logprobs(self, chunks: list[tuple[int, range, np.ndarray]],
+                               logits: torch.Tensor) -> list[tuple[int, list[TokenLogprobs]]]:
+        """The prompt logprobs of `prompt_logprob_chunks`' chunks from their rows' logits, in order."""
+        out = []
+        row = 0
+        for slot, positions, _ in chunks:
+            logprobs = torch.log_softmax(logits[row:row + len(positions)], dim=-1)
+            out.append((slot, self.prompt_logprobs(slot, positions, logprobs)))
+            row += len(positions)
+        return out
+
     def prompt_logprob_positions(self, slot: int, start: int, length: int) -> range:
         """Positions of a prefill chunk [start, start + length) whose logits predict a prompt token
         (every one but the prompt's last, which predicts the first generated token)."""

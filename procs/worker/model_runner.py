@@ -36,7 +36,7 @@ from shared.config import ServerConfig
 from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.parallel import RankLayout
-from shared.step_features import attention_pairs
+from shared.step_features import attention_pairs, layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
 GREEDY = SamplingParams(temperature=0.0)
@@ -62,7 +62,7 @@ class ModelRunner:
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
                  quantization: str = "none", tp: TensorParallel | None = None, draft_model: str = "",
-                 draft_quantization: str = "none", ring_step_tokens: int = 0):
+                 draft_quantization: str = "none", ring_step_tokens: int = 0, state_snapshots: int = 0):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -89,12 +89,16 @@ class ModelRunner:
         backend = self._agreed_backend(attention_backend)
         ring_rows = BACKENDS[backend]().ring_row_tokens if backend in BACKENDS else None
         self.kv_cache = self._kv_cache(page_size, kv_capacity_tokens, budget_gb, max_running_requests, draft,
-                                       min(ring_step_tokens, ring_rows or ring_step_tokens))
+                                       min(ring_step_tokens, ring_rows or ring_step_tokens), state_snapshots)
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(backend, self.kv_cache, heads.num_heads, heads.num_kv_heads, cfg.head_dim,
                                         cfg.attention_scale, cfg.windows, cfg.attn_softcap)
         self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
                                                                                        attention_backend)
+        # the step-cost model's windows: a linear layer's is what its state's reads cost, in keys
+        self.cost_windows = layer_cost_windows(cfg.windows, cfg.linear_layers, cfg.num_layers, 0 if cfg.recurrent is None
+                                               else cfg.recurrent.of_ranks(self.tp.world_size).bytes_per_request(self.dtype),
+                                               kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype))
         self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
@@ -104,7 +108,7 @@ class ModelRunner:
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
 
     def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
-                  draft: CausalLM | None, ring_step_tokens: int) -> KVCache:
+                  draft: CausalLM | None, ring_step_tokens: int, state_snapshots: int) -> KVCache:
         """The KV pool: rings for the sliding layers where they apply (rows of at most `ring_step_tokens` read
         through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`), a hybrid
         model's per-slot recurrent states, and pages for the other layers (and the draft's) for
@@ -125,7 +129,7 @@ class ModelRunner:
         states = None if cfg.recurrent is None else RecurrentStatePool(
             num_layers=len(cfg.linear_layers), shape=cfg.recurrent.of_ranks(self.tp.world_size),
             max_running_requests=max_running,
-            dtype=self.dtype, device=self.device)
+            dtype=self.dtype, device=self.device, snapshots=state_snapshots)
         fixed_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
         fixed_gb += 0 if states is None else states.memory_bytes / GIB
         budget = 0.0 if capacity_tokens > 0 else budget_gb() - fixed_gb
@@ -186,7 +190,9 @@ class ModelRunner:
                          draft_model=config.draft_model if config.speculative == "draft" else "",
                          draft_quantization=config.draft_quantization,
                          ring_step_tokens=0 if config.full_sliding_kv else max(
-                             config.prefill_budget, config.num_speculative_tokens + 1))
+                             config.prefill_budget, config.num_speculative_tokens + 1),
+                         # a hybrid model's prefix cache keeps states: as many as requests run at once
+                         state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests)
         except BaseException:
             tp.close()
             raise
@@ -241,16 +247,16 @@ class ModelRunner:
 
     def worker_info(self, step_costs: list[tuple[int, float, float]] | None = None) -> WorkerInfo:
         """What the scheduler sizes itself by (sent by the worker process at start)."""
-        moe = getattr(self.config, "moe", None)
+        moe, states = getattr(self.config, "moe", None), self.kv_cache.states
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
                           max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
                           step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
                           moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
                           rope_dynamic_length=self.model.rope.dynamic_length,
-                          sliding_window=self._shared_window(), layer_windows=list(self.config.windows),
+                          sliding_window=self._shared_window(), layer_windows=list(self.cost_windows),
                           sliding_rings=bool(self.kv_cache.ring_layers),
-                          recurrent_state_bytes=0 if self.kv_cache.states is None else
-                          self.kv_cache.states.bytes_per_request)
+                          recurrent_state_bytes=0 if states is None else states.bytes_per_request,
+                          state_snapshots=0 if states is None else states.num_snapshots)
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
@@ -275,7 +281,7 @@ class ModelRunner:
         for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
             batch = self._probe_batch(prefix_lens, extend_lens)
             seconds = min(self._timed(batch) for _ in range(2))  # the faster run: less disturbed
-            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens, self.config.windows), seconds))
+            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens, self.cost_windows), seconds))
         return costs[1:]
 
     def _probe_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
@@ -311,7 +317,7 @@ class ModelRunner:
                 self.draft.start(start.slot)
             batch, drafts = self.draft.propose(self._apply_page_table(batch))
         with torch.inference_mode():
-            prompt_chunks = self._prompt_logprob_chunks(batch)
+            prompt_chunks = self.logits_state.prompt_logprob_chunks(batch.slots, batch.prefix_lens, batch.extend_lens)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
             logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
@@ -323,7 +329,7 @@ class ModelRunner:
             if logits is None:
                 return result
             if prompt_chunks:
-                result.prompt_logprobs = self._prompt_logprobs(prompt_chunks, logits[num_sampled:])
+                result.prompt_logprobs = self.logits_state.chunks_prompt_logprobs(prompt_chunks, logits[num_sampled:])
             if num_sampled:
                 rows = SampleRows.of_batch(batch)
                 sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
@@ -397,30 +403,6 @@ class ModelRunner:
         proposed = torch.from_numpy(rows.fed[at + 1]).to(self.device)  # a named position is never a row's last
         return token_ids.index_copy(0, index, rejection_sample(target, drafts.probs, proposed, uniform, log_noise))
 
-    def _prompt_logprob_chunks(self, batch: ForwardBatch) -> list[tuple[int, range, np.ndarray]]:
-        """(slot, prompt positions, packed token rows) of the prefill chunks that want prompt logprobs."""
-        state = self.logits_state
-        if not state.wants_prompt_logprobs:
-            return []
-        chunks = []
-        row = 0
-        for slot, start, length in zip(batch.slots, batch.prefix_lens, batch.extend_lens):
-            positions = state.prompt_logprob_positions(slot, start, length)
-            if len(positions):
-                chunks.append((slot, positions, np.arange(row, row + len(positions), dtype=np.int64)))
-            row += length
-        return chunks
-
-    def _prompt_logprobs(self, chunks: list[tuple[int, range, np.ndarray]], logits: torch.Tensor,
-                         ) -> list[tuple[int, list[TokenLogprobs]]]:
-        out = []
-        row = 0
-        for slot, positions, _ in chunks:
-            logprobs = torch.log_softmax(logits[row:row + len(positions)], dim=-1)
-            out.append((slot, self.logits_state.prompt_logprobs(slot, positions, logprobs)))
-            row += len(positions)
-        return out
-
     def step_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
         """Rank 0: the forward part of a step, broadcast to the other ranks: page table applied, the
         model run, float32 logits of the sampled positions, then of `extra_rows` (packed token
@@ -432,7 +414,13 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
         """One step's page-table updates and forward pass, as every rank runs it."""
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
-        return self.forward_logits(self._rope_rows(batch), extra_rows)
+        states = self.kv_cache.states
+        if states is not None:  # a cached prefix's state into its slot before, a prompt's kept after
+            states.restore([(start.slot, start.restore_state) for start in batch.slot_starts if start.restore_state >= 0])
+        logits = self.forward_logits(self._rope_rows(batch), extra_rows)
+        if states is not None:
+            states.save(batch.state_saves)
+        return logits
 
     def _rope_rows(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch with its positions as rows of the model's rope tables: the positions themselves,
