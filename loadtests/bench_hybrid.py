@@ -11,7 +11,10 @@ the linear layers), the twin every layer full. fp32, as the CPU serves.
 - decode tokens/s at batch `--batch` with every row `--context` tokens in (each request's KV on its own
   pages, as a served batch reads them), the best of `--repeats` timed runs of `--steps` steps;
 - the step-cost model fitted as the scheduler fits it (the startup probe and 64 live steps) against steps
-  it has not seen (`bench_moe.step_cost_table`).
+  it has not seen (`bench_moe.step_cost_table`);
+- the prefix cache (the hybrid's serves a prefix where its linear layers' state was kept): requests sharing
+  a system prompt through the scheduler, one first and then the rest together, with the cache and without,
+  for both models: the prompt tokens it served and the wall time.
 
     .venv/bin/python -m loadtests.bench_hybrid [--context 2000] [--batch 32] [--steps 8] [--repeats 3]
 """
@@ -81,6 +84,43 @@ def decode_rate(runner: ModelRunner, batch: int, context: int, steps: int) -> fl
     return batch * steps / (time.perf_counter() - started)
 
 
+def shared_prompt_run(runner: ModelRunner, cache: bool, requests: int, shared: int, own: int,
+                      new_tokens: int) -> tuple[float, float]:
+    """(share of prompt tokens the prefix cache served, seconds) for `requests` prompts of `shared` common
+    tokens and `own` more each, the first alone, then the others together, `new_tokens` each."""
+    from procs.scheduler import Scheduler
+    from procs.scheduler.config import scheduler_config_from_server
+    from shared.config import ServerConfig
+    from shared.messages import RequestParams, StopParams
+
+    info = runner.worker_info()
+    config = scheduler_config_from_server(ServerConfig(model="-", disable_prefix_cache=not cache,
+                                                       max_running_requests=runner.max_running_requests - 1), info)
+    scheduler = Scheduler(config, eos_token_ids=())
+    rng = np.random.default_rng(3)
+    system = rng.integers(100, 49152, size=shared).tolist()
+    params = RequestParams(stop=StopParams(max_tokens=new_tokens, ignore_eos=True))
+    started = time.perf_counter()
+    for wave in (range(1), range(1, requests)):
+        for i in wave:
+            scheduler.add_request(f"r{i}", system + rng.integers(100, 49152, size=own).tolist(), params)
+        while scheduler.has_unfinished():
+            scheduler.step(runner)
+    kv = scheduler.kv
+    return kv.hit_tokens / max(kv.queried_tokens, 1), time.perf_counter() - started
+
+
+def prefix_cache_table(runners: dict[str, ModelRunner]) -> None:
+    shared, own, requests = 512, 32, 16
+    print(f"\nprefix cache: {requests} prompts of {shared} shared + {own} own tokens, 16 new tokens each (the first "
+          f"alone, then the rest), through the scheduler")
+    for name, runner in runners.items():
+        for cache in (False, True):
+            served, seconds = shared_prompt_run(runner, cache, requests, shared, own, 16)
+            print(f"  {name:>6} cache {'on ' if cache else 'off'}: prompt tokens served from the cache "
+                  f"{100 * served:5.1f}%, {seconds:6.1f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=28)
@@ -90,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per model, alternating; the fastest counts")
     parser.add_argument("--no-step-cost", action="store_true")
     parser.add_argument("--only-step-cost", action="store_true", help="measure only the step-cost model's error")
+    parser.add_argument("--no-prefix-cache", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as tmp:
         started = time.perf_counter()
@@ -97,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("full", "hybrid"):
             folder = build(Path(tmp) / name, args.layers, name == "hybrid")
             runners[name] = ModelRunner(folder, device="cpu", dtype="float32", max_running_requests=max(args.batch, 33),
-                                        kv_capacity_tokens=args.batch * (args.context + 32), max_context=args.context + 64)
+                                        kv_capacity_tokens=args.batch * (args.context + 32), max_context=args.context + 64,
+                                        state_snapshots=max(args.batch, 33))
         print(f"{args.layers} layers, hidden 576, 9 heads of 64 (3 KV heads), fp32; hybrid: 3 Gated DeltaNet layers "
               f"to 1 full; torch threads {torch.get_num_threads()} (built in {time.perf_counter() - started:.0f} s)")
         sizes = {name: bytes_per_request(runner, args.context) for name, runner in runners.items()}
         print(f"\nbytes per request at {args.context} tokens: full {sizes['full'] / 2**20:.1f} MiB, hybrid "
               f"{sizes['hybrid'] / 2**20:.1f} MiB (of which state "
-              f"{runners['hybrid'].kv_cache.states.bytes_per_request / 2**20:.2f} MiB): "
+              f"{runners['hybrid'].kv_cache.states.bytes_per_request / 2**20:.2f} MiB; beside it "
+              f"{runners['hybrid'].kv_cache.states.num_snapshots} snapshots for the prefix cache): "
               f"{sizes['hybrid'] / sizes['full']:.2f}x")
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(0 if args.only_step_cost else args.repeats):
@@ -116,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_step_cost:
             rng = np.random.default_rng(0)
             step_cost_table(runners, lambda b, n: rng.integers(100, 49152, size=(b, n)).tolist(), args)
+        if not args.no_prefix_cache and not args.only_step_cost:
+            prefix_cache_table(runners)
     return 0
 
 

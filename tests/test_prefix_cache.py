@@ -65,12 +65,13 @@ def test_state_snapshots_serve_the_deepest_kept_node_least_recently_used_out_fir
     a, _ = cache.insert(cache.root(), keys[0], page=10)
     b, _ = cache.insert(a, keys[1], page=11)
     c, _ = cache.insert(b, keys[2], page=12)
-    assert cache.match(tokens, 3) == []  # pages, but no state kept: full-layer KV alone never serves
+    served = lambda pages: cache.with_state(cache.match(tokens, pages))
+    assert cache.match(tokens, 3) == [a, b, c] and served(3) == []  # full-layer KV alone never serves
     assert snapshots.take(a) == 0 and snapshots.take(c) == 1
-    assert cache.match(tokens, 3) == [a, b, c] and cache.match(tokens, 2) == [a]  # b keeps no state
-    cache.match(tokens, 2)  # a used last: c is the least recently used
+    assert served(3) == [a, b, c] and served(2) == [a]  # b keeps no state
+    served(2)  # a used last: c is the least recently used
     assert snapshots.take(b) == 1 and (c.state, b.state) == (-1, 1)
-    assert cache.match(tokens, 3) == [a, b]
+    assert served(3) == [a, b]
     cache.reference([a, b, c])
     cache.dereference([a, b, c])
     assert cache.evict(3).tolist() == [12, 11, 10]  # unreferenced: c, b, a go, and their snapshots with them

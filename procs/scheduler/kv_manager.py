@@ -80,8 +80,11 @@ class KVManager:
         """The cached pages its prompt starts with (at least its last prompt token is left to compute)."""
         if self.cache is None or request.wants_prompt_logprobs:  # cached positions would have no logits
             return []
-        return self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size,
-                                self.cache_namespace(request))
+        path = self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size, self.cache_namespace(request))
+        served = self.cache.with_state(path)
+        # a hybrid model's: where its prompt leaves the tree (another prompt goes on there) its state is kept too
+        request.save_at = (len(path) * self.page_size,) if len(path) > len(served) else ()
+        return served
 
     def cache_namespace(self, request: Request) -> bytes:
         """The prefix cache's namespace of `request`: requests share cached KV only within one. The one
@@ -182,24 +185,27 @@ class KVManager:
             return None
         self._insert(request, request.prefilled // self.page_size, request.prompt)
         snapshots, pages = self.cache.snapshots, request.prefilled // self.page_size
-        if snapshots is None or request.prefilled != self.snapshot_boundary(request) or len(request.cache_path) != pages:
+        if snapshots is None or not pages or request.prefilled not in self.snapshot_boundaries(request):
             return None
-        node = request.cache_path[-1]
-        return None if node.state >= 0 else (request.slot, snapshots.take(node))
+        # the boundary's node: its own page's, or an earlier prompt's with the same tokens (the same state)
+        path = self.cache.match(request.prompt, pages, self.cache_namespace(request))
+        if len(path) != pages or path[-1].state >= 0:
+            return None
+        return request.slot, snapshots.take(path[-1])
 
-    def snapshot_boundary(self, request: Request) -> int:
-        """A hybrid model's: the prompt position whose state a snapshot keeps, the end of the longest
-        prefix `lookup` could serve a later request with this prompt (0: none)."""
-        return (request.prompt_len - 1) // self.page_size * self.page_size
+    def snapshot_boundaries(self, request: Request) -> tuple[int, ...]:
+        """A hybrid model's: the prompt positions whose states snapshots keep: where its prompt left the
+        cached tree at admission (a prefix other prompts share), and the end of the longest prefix `lookup`
+        could serve a later request with this prompt."""
+        return (*request.save_at, (request.prompt_len - 1) // self.page_size * self.page_size)
 
     def chunk_limit(self, request: Request) -> int:
         """The most prompt tokens its next chunk may take: the rest of its prompt, or with state snapshots
-        up to its snapshot boundary first, where its state is saved (SCHEDULING.md 5)."""
+        up to its next snapshot boundary, where its state is saved (SCHEDULING.md 5)."""
         rest = request.prompt_len - request.prefilled
         if self.cache is None or self.cache.snapshots is None:
             return rest
-        boundary = self.snapshot_boundary(request)
-        return boundary - request.prefilled if request.prefilled < boundary else rest
+        return min([b - request.prefilled for b in self.snapshot_boundaries(request) if b > request.prefilled] + [rest])
 
     def _insert(self, request: Request, pages: int, tokens: np.ndarray) -> None:
         """Its pages `len(cache_path)..pages-1` (whose KV is computed) join the cache, extending its path.

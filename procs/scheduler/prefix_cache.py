@@ -102,20 +102,26 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- lookups
     def match(self, tokens: np.ndarray, max_pages: int, namespace: bytes = b"") -> list[CachedPage]:
-        """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages; with
-        state snapshots, up to the deepest node that has one."""
+        """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages."""
         node, path = self.root(namespace), []
         for key in self.page_keys(tokens, 0, min(max_pages, len(tokens) // self.page_size)):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
                 break
             path.append(node)
-        if self.snapshots is not None:
-            while path and path[-1].state < 0:
-                path.pop()
-            if path:
-                self.snapshots.used(path[-1])
         return path
+
+    def with_state(self, path: list[CachedPage]) -> list[CachedPage]:
+        """With state snapshots (a hybrid model), what of a match can serve: up to its deepest node that keeps
+        a state (marked used); the whole match otherwise."""
+        if self.snapshots is None:
+            return path
+        kept = len(path)
+        while kept and path[kept - 1].state < 0:
+            kept -= 1
+        if kept:
+            self.snapshots.used(path[kept - 1])
+        return path[:kept]
 
     # ---------------------------------------------------------------- references
     def reference(self, nodes: Sequence[CachedPage]) -> None:

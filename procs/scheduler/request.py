@@ -74,7 +74,8 @@ class Request:
 
     __slots__ = ("rid", "params", "status", "arrived_s", "prompt", "num_prompt_tokens", "slot", "prefilled",
                  "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported",
-                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens", "restore_state")
+                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens", "restore_state",
+                 "save_at")
 
     def __init__(self, rid: str, prompt: np.ndarray, params: RequestParams = DEFAULT_PARAMS, *,
                  arrival: int = 0) -> None:
@@ -87,6 +88,7 @@ class Request:
         self.slot = -1  # request-table row once admitted
         self.prefilled = 0  # prompt tokens whose KV has been computed
         self.restore_state = -1  # a hybrid model's state snapshot its slot starts from (a cached prefix's)
+        self.save_at: tuple[int, ...] = ()  # and where its prompt left the cached tree (`KVManager.lookup`)
         self.first_admitted = -1  # admission sequence number of its first admission; -1: never admitted
         self.cache_path: list[CachedPage] = []  # prefix-cache nodes it references (a path from the root)
         self.cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
