@@ -190,6 +190,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     body_timeout_s: Annotated[float, _doc("Seconds a client may take to send a request's body (else 408).")] = 60.0
     max_connections: Annotated[int, _doc("""Open HTTP connections at most; more are answered 503 at once. The
         api raises its open-file limit to the hard limit at start.""")] = 10000
+    responses_store: Annotated[str, _doc("""Where the Responses API keeps `store: true` responses (for
+        previous_response_id and GET / DELETE /v1/responses/{id}): empty = SQLite in the state directory
+        ($STATE_DIRECTORY, /var/lib/batchserve under systemd; else ~/.local/state/batchserve), shared by
+        the replicas of one machine and kept across restarts; `sqlite:PATH`; or `memory` (this api process
+        only, gone at a restart).""")] = ""
+    responses_ttl_s: Annotated[float, _doc("""Seconds a stored response is kept (OpenAI keeps them 30
+        days).""")] = 30 * 24 * 3600.0
     # processes
     runtime_dir: Annotated[str, _doc("""Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY
         (/run/batchserve under systemd), else a fresh temporary directory.""")] = ""
@@ -201,6 +208,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.slo:
             Slo.parse(self.slo)  # a bad objective is refused at start, named
+        if self.responses_store not in ("", "memory") and not self.responses_store.startswith("sqlite:"):
+            raise ValueError(f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH or empty "
+                             f"(SQLite in the state directory)")
+        if not self.responses_ttl_s > 0:
+            raise ValueError(f"responses_ttl_s must be > 0, got {self.responses_ttl_s}")
 
     @property
     def objectives(self) -> Slo | None:
@@ -227,7 +239,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 # `serve` does: a new field is one unless named here.
 SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
     "host", "port", "served_model_name", "api_key", "api_key_file", "header_timeout_s", "body_timeout_s",
-    "max_connections",
+    "max_connections", "responses_store", "responses_ttl_s",
     "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
     "runtime_dir", "log_format", "drain_timeout_s",
     "overlap_schedule", "max_step_ms", "min_prefill_share", "max_waiting",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -140,3 +141,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def state_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's state directory (stored responses' SQLite file): a fresh one, not the user's, for the
+    servers the tests start and the processes they spawn (which inherit it)."""
+    path = tmp_path_factory.mktemp("state")
+    os.environ["XDG_STATE_HOME"] = str(path)
+    os.environ.pop("STATE_DIRECTORY", None)
+    return path

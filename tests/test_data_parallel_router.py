@@ -179,6 +179,33 @@ def test_a_conversations_next_turn_reaches_the_replica_holding_its_history(serve
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16, i
 
 
+def test_stored_responses_chain_across_the_replicas_through_the_gateway(server, model):
+    """The replicas' apis share one SQLite store (the state directory of the machine): 12 chained Responses
+    turns through the gateway, whichever replica smg picks (it does not route by previous_response_id),
+    each continue the last; every id is then readable at both replicas with its key, not with the other
+    key, and a DELETE at one replica is seen at the other. smg 1.13 answers GET and DELETE
+    /v1/responses/{id} itself, from its own history, which holds nothing for HTTP workers: 404 there."""
+    gateway, rid, ids = client(server.url), None, []
+    for i in range(12):
+        response = gateway.responses.create(model=str(model), input=f"turn {i}", previous_response_id=rid,
+                                            max_output_tokens=3, temperature=0)
+        assert response.store and response.status in ("completed", "incomplete")
+        rid = response.id
+        ids.append(rid)
+    assert len(set(ids)) == 12
+    mine = [client(url) for url in server.replica_urls]
+    theirs = client(server.replica_urls[0], KEYS[1])
+    for rid in ids:
+        assert {c.responses.retrieve(rid).id for c in mine} == {rid}
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.retrieve(rid)
+    with pytest.raises(openai.NotFoundError):
+        gateway.responses.retrieve(ids[-1])  # smg's own (empty) history
+    mine[0].responses.delete(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        mine[1].responses.retrieve(ids[0])
+
+
 def test_each_replica_exports_the_gauges_routers_read(server):
     for url in server.replica_urls:
         status, page = http(f"{url}/metrics")

@@ -43,12 +43,13 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from procs.api.auth import accepted_keys, auth_middleware
+from procs.api.auth import OWNER, accepted_keys, auth_middleware
 from procs.api.engine_client import EngineClient, EngineEvent
 from procs.api.errors import error_response
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
 from procs.api.responses_api import ResponsesEndpoint
+from procs.api.responses_store import UnavailableResponseStore, serving_store
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
 from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
@@ -213,7 +214,7 @@ class ApiHandlers:
         self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0
         self.created = int(time.time())
-        self.responses = ResponsesEndpoint(engine, reasoning=reasoning)  # /v1/responses and its store
+        self.responses = ResponsesEndpoint(engine, reasoning=reasoning, store=serving_store(config.responses_store, config.responses_ttl_s))
 
     # ---- plain endpoints
 
@@ -224,9 +225,12 @@ class ApiHandlers:
 
     async def health(self, request: web.Request) -> web.Response:
         problem = self.engine.health_problem()
+        # a store that did not open is reported, but generation is served (200): a router keeps the replica
+        store = self.responses.store
+        extra = {"responses_store": store.name} if isinstance(store, UnavailableResponseStore) else {}
         if problem is None:
-            return _json({"status": "ok"})
-        return _json({"status": "unavailable", "reason": problem}, status=503)
+            return _json({"status": "ok", **extra})
+        return _json({"status": "unavailable", "reason": problem, **extra}, status=503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         self.metrics.in_flight.set(self.in_flight)
@@ -242,7 +246,8 @@ class ApiHandlers:
         return await self._generate(request, "chat", "chatcmpl-", ChatCompletionRequest, validate_chat, ChatShapes)
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
-        return await self._run(request, "responses", "resp_", self.responses.prepare)
+        owner = request.get(OWNER, "")
+        return await self._run(request, "responses", "resp_", lambda body, rid: self.responses.prepare(body, rid, owner))
 
     async def get_response(self, request: web.Request) -> web.Response:
         return self._stored(request, self.responses.retrieve)
@@ -250,10 +255,10 @@ class ApiHandlers:
     async def delete_response(self, request: web.Request) -> web.Response:
         return self._stored(request, self.responses.delete)
 
-    def _stored(self, request: web.Request, action: Callable[[str, web.Request], dict]) -> web.Response:
+    def _stored(self, request: web.Request, action: Callable[[str, web.Request, str], dict]) -> web.Response:
         rid = request.match_info["response_id"]
         try:
-            return _json(action(rid, request), rid=rid)
+            return _json(action(rid, request, request.get(OWNER, "")), rid=rid)
         except Refusal as exc:
             return _error(exc.status, exc.message, exc.param, rid, exc.code)
 

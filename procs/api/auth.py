@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from procs.api.errors import error_body
+from procs.api.responses_store import owner_of
 from shared.config import ServerConfig
 
 PROTECTED_PREFIX = "/v1/"
@@ -30,6 +31,7 @@ PROTECTED_PREFIX = "/v1/"
 INTERNAL_KEY_ENV = "BATCHSERVE_INTERNAL_KEY"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OWNER = web.RequestKey("owner", str)  # a hash of the API key a request presented ("" without keys; `owner_of`)
 
 
 def load_api_keys(config: ServerConfig) -> tuple[bytes, ...]:
@@ -85,6 +87,7 @@ def auth_middleware(keys: tuple[bytes, ...]) -> Callable[[web.Request, Handler],
             # compare_digest against every key (no early exit that would time which one matched)
             if not sum(hmac.compare_digest(token, key) for key in keys):
                 return _unauthorized("Incorrect API key provided.")
+            request[OWNER] = owner_of(token.decode())  # whose stored responses it may see
         return await handler(request)
 
     return check_api_key

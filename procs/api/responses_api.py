@@ -16,8 +16,9 @@ import msgspec
 from procs.api.engine_client import EngineClient
 from procs.api.responses_request import ResponsesRequest, renamed, response_echo, to_chat
 from procs.api.responses_shapes import ResponsesShapes
-from procs.api.responses_store import ResponseStore, StoredResponse, history_message
+from procs.api.responses_store import MemoryResponseStore, ResponseStore, history_message
 from procs.api.schemas import ChatMessageIn, decode_body
+from procs.api.stored_response import ResponseStoreError, StoredResponse
 from procs.api.validation import ValidatedRequest, validate_chat
 from shared.chat_format import ReasoningFormat
 from shared.errors import Refusal
@@ -29,13 +30,13 @@ class ResponsesEndpoint:
     def __init__(self, engine: EngineClient, *, reasoning: ReasoningFormat = "", store: ResponseStore | None = None) -> None:
         self.engine = engine
         self.reasoning = reasoning
-        self.store = ResponseStore() if store is None else store
+        self.store = MemoryResponseStore() if store is None else store
 
-    def prepare(self, body: bytes, rid: str) -> tuple[ValidatedRequest, ResponsesShapes]:
+    def prepare(self, body: bytes, rid: str, owner: str = "") -> tuple[ValidatedRequest, ResponsesShapes]:
         req = decode_body(body, ResponsesRequest)
         previous: list[ChatMessageIn] = []
         if req.previous_response_id is not None:
-            stored = self.store.get(req.previous_response_id)
+            stored = self._read(req.previous_response_id, owner)
             if stored is None:
                 raise Refusal(f"Previous response with id '{req.previous_response_id}' not found.",
                               "previous_response_id", code="previous_response_not_found")
@@ -57,25 +58,45 @@ class ResponsesEndpoint:
         history = translation.history
 
         def keep(response: dict[str, Any]) -> None:
-            self.store.put(rid, response, [*history, history_message(response["output"])])
+            if not self.store.put(rid, owner, response, [*history, history_message(response["output"])]):
+                response["store"] = False  # the answer stands; it was not kept
 
         shapes = ResponsesShapes(rid, self.engine.model_name, echo=echo, logprobs=validated.logprobs,
                                  tool_names=validated.tool_names, reasoning=self.reasoning,
                                  keep=keep if store else None)
         return validated, shapes
 
-    def retrieve(self, rid: str, request: Any) -> dict[str, Any]:
+    def retrieve(self, rid: str, request: Any, owner: str = "") -> dict[str, Any]:
         if request.query.get("stream", "false").lower() not in ("false", "0"):
             raise Refusal("streaming a stored response again is not supported by this server", "stream")
-        return self._get(rid).response
+        return self._get(rid, owner).response
 
-    def delete(self, rid: str, request: Any) -> dict[str, Any]:
-        self._get(rid)
-        self.store.delete(rid)
+    def delete(self, rid: str, request: Any, owner: str = "") -> dict[str, Any]:
+        try:
+            deleted = self.store.delete(rid, owner)
+        except ResponseStoreError as exc:
+            raise _unavailable(exc) from None
+        if not deleted:
+            raise _not_found(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
-    def _get(self, rid: str) -> StoredResponse:
-        stored = self.store.get(rid)
+    def _get(self, rid: str, owner: str) -> StoredResponse:
+        stored = self._read(rid, owner)
         if stored is None:
-            raise Refusal(f"Response with id '{rid}' not found.", "response_id", status=404)
+            raise _not_found(rid)
         return stored
+
+    def _read(self, rid: str, owner: str) -> StoredResponse | None:
+        try:
+            return self.store.get(rid, owner)
+        except ResponseStoreError as exc:
+            raise _unavailable(exc) from None
+
+
+def _not_found(rid: str) -> Refusal:
+    """Absent, expired, or another key's (which is not told apart: ids are not probed across keys)."""
+    return Refusal(f"Response with id '{rid}' not found.", "response_id", status=404)
+
+
+def _unavailable(exc: ResponseStoreError) -> Refusal:
+    return Refusal(f"stored responses are unavailable: {exc}", None, status=503, code="store_unavailable")

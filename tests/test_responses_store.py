@@ -1,0 +1,179 @@
+"""Stored responses that survive (issue 46): the SQLite store on its own (kept across a reopen, shared by
+two writers at once, scoped by owner, an age limit), and through the api with the `openai` package: two
+API keys never see each other's responses, a restarted api continues a chain from the same file, a store
+that cannot open is one line and /health says so while generation goes on (503 naming the store for a
+stored response, `store: false` on new ones), and a write that fails mid-run answers the request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from api_fake_engine import FakeEngine
+from procs.api.app import HANDLERS_KEY, create_app
+from procs.api.responses_sqlite import SqliteResponseStore
+from procs.api.responses_store import UnavailableResponseStore, owner_of, state_dir
+from procs.api.stored_response import ResponseStoreError
+from shared.config import ServerConfig
+
+
+def sqlite(path: Path, ttl_s: float = 3600.0, **limits: int) -> SqliteResponseStore:
+    return SqliteResponseStore(path, max_entries=limits.get("max_entries", 100),
+                               max_bytes=limits.get("max_bytes", 1 << 20), ttl_s=ttl_s)
+
+
+def test_kept_across_a_reopen_and_scoped_by_owner(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    first = sqlite(path)
+    assert first.put("resp_1", owner_of("k1"), {"id": "resp_1", "output": []}, [])
+    first.close()
+    again = sqlite(path)  # a restart, or another replica on the same machine
+    assert again.get("resp_1", owner_of("k1")).response == {"id": "resp_1", "output": []}
+    assert again.get("resp_1", owner_of("k2")) is None and again.get("resp_1", "") is None
+    assert not again.delete("resp_1", owner_of("k2")) and again.get("resp_1", owner_of("k1")) is not None
+    assert again.delete("resp_1", owner_of("k1")) and again.get("resp_1", owner_of("k1")) is None
+    assert owner_of("k1") != "k1" and len(owner_of("k1")) == 64  # a hash is stored, never the key
+
+
+def test_two_writers_at_once_both_keep_everything(tmp_path):
+    """Two replicas' stores on one file, writing at once: WAL and the busy timeout, no write lost."""
+    stores = [sqlite(tmp_path / "r.sqlite3", max_entries=1000) for _ in range(2)]
+
+    def write(index: int) -> None:
+        for i in range(100):
+            assert stores[index].put(f"r{index}-{i}", "", {"i": i}, [])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(stores[0]) == 200 and stores[1].get("r0-99", "").response == {"i": 99}
+
+
+def test_an_expired_response_is_neither_served_nor_kept(tmp_path):
+    store = sqlite(tmp_path / "r.sqlite3", ttl_s=0.2)
+    store.put("old", "", {"id": "old"}, [])
+    time.sleep(0.3)
+    assert store.get("old", "") is None
+    store._purged_at = 0.0  # the next write purges (at most once a minute)
+    store.put("new", "", {"id": "new"}, [])
+    assert len(store) == 1 and store.get("new", "") is not None
+
+
+def test_a_corrupt_file_is_one_error_naming_the_store(tmp_path, caplog):
+    path = tmp_path / "r.sqlite3"
+    path.write_bytes(b"not a database, " * 100)
+    with pytest.raises(ResponseStoreError, match=f"responses store sqlite:{path}: file is not a database"):
+        sqlite(path)
+    with caplog.at_level(logging.ERROR, logger="batchserve.api"):
+        app = create_app(FakeEngine(["hi"]), ServerConfig(responses_store=f"sqlite:{path}"))
+    assert isinstance(app[HANDLERS_KEY].responses.store, UnavailableResponseStore)
+    assert [r.getMessage() for r in caplog.records] == [f"responses store sqlite:{path}: file is not a database"]
+
+
+def test_the_default_store_is_sqlite_in_the_state_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "systemd"))
+    assert state_dir() == tmp_path / "systemd"
+    app = create_app(FakeEngine(["hi"]), ServerConfig())
+    assert app[HANDLERS_KEY].responses.store.name == f"sqlite:{tmp_path / 'systemd' / 'responses.sqlite3'}"
+    with pytest.raises(ValueError, match="responses_store 'redis://x': expected memory, sqlite:PATH or empty"):
+        ServerConfig(responses_store="redis://x")
+
+
+def run(coro, timeout: float = 30):
+    return asyncio.run(asyncio.wait_for(coro, timeout=timeout))
+
+
+@asynccontextmanager
+async def served(config: ServerConfig, replies: list[str]):
+    async with TestServer(create_app(FakeEngine(replies), config)) as server:
+        yield server
+
+
+def client_of(server: TestServer, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+def test_two_keys_cannot_see_each_others_responses(tmp_path):
+    config = ServerConfig(api_key=["k1", "k2"], responses_store=f"sqlite:{tmp_path / 'r.sqlite3'}")
+
+    async def go():
+        async with served(config, ["one"]) as server:
+            mine, theirs = client_of(server, "k1"), client_of(server, "k2")
+            first = await mine.responses.create(model="fake-model", input="hi")
+            assert (await mine.responses.retrieve(first.id)).output_text == "one"
+            with pytest.raises(openai.NotFoundError):
+                await theirs.responses.retrieve(first.id)
+            with pytest.raises(openai.BadRequestError, match="not found"):
+                await theirs.responses.create(model="fake-model", input="next", previous_response_id=first.id)
+            with pytest.raises(openai.NotFoundError):
+                await theirs.responses.delete(first.id)
+            second = await mine.responses.create(model="fake-model", input="next", previous_response_id=first.id)
+            await mine.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                await mine.responses.retrieve(first.id)
+            return second.output_text
+
+    assert run(go()) == "one"
+
+
+def test_a_restarted_api_continues_the_chain_from_the_same_file(tmp_path):
+    config = ServerConfig(responses_store=f"sqlite:{tmp_path / 'r.sqlite3'}")
+
+    async def turn(previous: str | None) -> str:
+        async with served(config, ["ok"]) as server:  # a fresh app each time: the process restarted
+            client = client_of(server, "x")
+            response = await client.responses.create(model="fake-model", input="go on", previous_response_id=previous)
+            assert response.store
+            return response.id
+
+    async def go():
+        rid = None
+        for _ in range(3):
+            rid = await turn(rid)
+        return rid
+
+    assert run(go()).startswith("resp_")
+
+
+def test_an_unavailable_store_answers_and_names_itself(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    path.write_bytes(b"garbage " * 200)
+    config = ServerConfig(responses_store=f"sqlite:{path}")
+
+    async def go():
+        async with served(config, ["fine"]) as server:
+            client = client_of(server, "x")
+            response = await client.responses.create(model="fake-model", input="hi")  # answered, not kept
+            with pytest.raises(openai.InternalServerError) as missing:
+                await client.responses.retrieve(response.id)
+            async with __import__("aiohttp").ClientSession() as http:
+                async with http.get(server.make_url("/health")) as health:
+                    return response, missing.value, health.status, await health.json()
+
+    response, missing, status, health = run(go())
+    assert response.output_text == "fine" and response.store is False
+    assert missing.status_code == 503 and f"sqlite:{path}" in missing.message
+    assert status == 200 and health["responses_store"].startswith(f"unavailable (responses store sqlite:{path}")
+
+
+def test_a_write_that_fails_mid_run_answers_and_reports_store_false(tmp_path):
+    config = ServerConfig(responses_store=f"sqlite:{tmp_path / 'r.sqlite3'}")
+
+    async def go():
+        app = create_app(FakeEngine(["still here"]), config)
+        app[HANDLERS_KEY].responses.store._db.close()  # the database goes away under a running server
+        async with TestServer(app) as server:
+            return await client_of(server, "x").responses.create(model="fake-model", input="hi")
+
+    response = run(go())
+    assert response.output_text == "still here" and response.store is False
