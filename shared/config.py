@@ -193,8 +193,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     responses_store: Annotated[str, _doc("""Where the Responses API keeps `store: true` responses (for
         previous_response_id and GET / DELETE /v1/responses/{id}): empty = SQLite in the state directory
         ($STATE_DIRECTORY, /var/lib/batchserve under systemd; else ~/.local/state/batchserve), shared by
-        the replicas of one machine and kept across restarts; `sqlite:PATH`; or `memory` (this api process
-        only, gone at a restart).""")] = ""
+        the replicas of one machine and kept across restarts; `sqlite:PATH`; `postgresql://...` (a
+        PostgreSQL server, for replicas on several machines); or `memory` (this api process only, gone at a
+        restart).""")] = ""
     responses_ttl_s: Annotated[float, _doc("""Seconds a stored response is kept (OpenAI keeps them 30
         days).""")] = 30 * 24 * 3600.0
     # processes
@@ -208,9 +209,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.slo:
             Slo.parse(self.slo)  # a bad objective is refused at start, named
-        if self.responses_store not in ("", "memory") and not self.responses_store.startswith("sqlite:"):
-            raise ValueError(f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH or empty "
-                             f"(SQLite in the state directory)")
+        if self.responses_store not in ("", "memory") and not self.responses_store.startswith(
+                ("sqlite:", "postgresql://", "postgres://")):
+            raise ValueError(f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH, "
+                             f"postgresql://... or empty (SQLite in the state directory)")
         if not self.responses_ttl_s > 0:
             raise ValueError(f"responses_ttl_s must be > 0, got {self.responses_ttl_s}")
 

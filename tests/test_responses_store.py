@@ -1,8 +1,10 @@
-"""Stored responses that survive (issue 46): the SQLite store on its own (kept across a reopen, shared by
-two writers at once, scoped by owner, an age limit), and through the api with the `openai` package: two
-API keys never see each other's responses, a restarted api continues a chain from the same file, a store
-that cannot open is one line and /health says so while generation goes on (503 naming the store for a
-stored response, `store: false` on new ones), and a write that fails mid-run answers the request."""
+"""Stored responses that survive (issue 46): the database stores on their own, SQLite and a real PostgreSQL
+server (tests/postgres_server.py; skipped with the reason where none starts): kept across a reopen, shared
+by two writers at once, scoped by owner, an age limit; and through the api with the `openai` package: two
+API keys never see each other's responses, a restarted api continues a chain from the same database, a
+store that cannot open (a corrupt file, a server that does not answer) is one line and /health says so
+while generation goes on (503 naming the store for a stored response, `store: false` on new ones), and a
+write that fails mid-run answers the request."""
 
 from __future__ import annotations
 
@@ -12,30 +14,55 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
 from api_fake_engine import FakeEngine
+from postgres_server import start_postgres
 from procs.api.app import HANDLERS_KEY, create_app
-from procs.api.responses_sqlite import SqliteResponseStore
+from procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
 from procs.api.responses_store import UnavailableResponseStore, owner_of, state_dir
 from procs.api.stored_response import ResponseStoreError
 from shared.config import ServerConfig
 
 
+@pytest.fixture(scope="module")
+def postgres():
+    server, why = start_postgres()
+    if server is None:
+        pytest.skip(why)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path) -> Callable[..., SqliteResponseStore | PostgresResponseStore]:
+    """A factory of stores on one database (each call: another connection, as another replica's or a
+    restart's), emptied first."""
+    if request.param == "sqlite":
+        return lambda ttl_s=3600.0, **limits: SqliteResponseStore(tmp_path / "r.sqlite3", ttl_s=ttl_s, **_limits(limits))
+    url = request.getfixturevalue("postgres").url
+    make = lambda ttl_s=3600.0, **limits: PostgresResponseStore(url, ttl_s=ttl_s, **_limits(limits))
+    make()._sql("DELETE FROM responses")
+    return make
+
+
+def _limits(limits: dict[str, int]) -> dict[str, int]:
+    return {"max_entries": limits.get("max_entries", 1000), "max_bytes": limits.get("max_bytes", 1 << 20)}
+
+
 def sqlite(path: Path, ttl_s: float = 3600.0, **limits: int) -> SqliteResponseStore:
-    return SqliteResponseStore(path, max_entries=limits.get("max_entries", 100),
-                               max_bytes=limits.get("max_bytes", 1 << 20), ttl_s=ttl_s)
+    return SqliteResponseStore(path, ttl_s=ttl_s, **_limits(limits))
 
 
-def test_kept_across_a_reopen_and_scoped_by_owner(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    first = sqlite(path)
+def test_kept_across_a_reopen_and_scoped_by_owner(database):
+    first = database()
     assert first.put("resp_1", owner_of("k1"), {"id": "resp_1", "output": []}, [])
     first.close()
-    again = sqlite(path)  # a restart, or another replica on the same machine
+    again = database()  # a restart, or another replica
     assert again.get("resp_1", owner_of("k1")).response == {"id": "resp_1", "output": []}
     assert again.get("resp_1", owner_of("k2")) is None and again.get("resp_1", "") is None
     assert not again.delete("resp_1", owner_of("k2")) and again.get("resp_1", owner_of("k1")) is not None
@@ -43,9 +70,9 @@ def test_kept_across_a_reopen_and_scoped_by_owner(tmp_path):
     assert owner_of("k1") != "k1" and len(owner_of("k1")) == 64  # a hash is stored, never the key
 
 
-def test_two_writers_at_once_both_keep_everything(tmp_path):
-    """Two replicas' stores on one file, writing at once: WAL and the busy timeout, no write lost."""
-    stores = [sqlite(tmp_path / "r.sqlite3", max_entries=1000) for _ in range(2)]
+def test_two_writers_at_once_both_keep_everything(database):
+    """Two replicas' stores on one database, writing at once: no write lost (SQLite: WAL and the busy timeout)."""
+    stores = [database(), database()]
 
     def write(index: int) -> None:
         for i in range(100):
@@ -59,14 +86,43 @@ def test_two_writers_at_once_both_keep_everything(tmp_path):
     assert len(stores[0]) == 200 and stores[1].get("r0-99", "").response == {"i": 99}
 
 
-def test_an_expired_response_is_neither_served_nor_kept(tmp_path):
-    store = sqlite(tmp_path / "r.sqlite3", ttl_s=0.2)
+def test_an_expired_response_is_neither_served_nor_kept(database):
+    store = database(ttl_s=0.2)
     store.put("old", "", {"id": "old"}, [])
     time.sleep(0.3)
     assert store.get("old", "") is None
     store._purged_at = 0.0  # the next write purges (at most once a minute)
     store.put("new", "", {"id": "new"}, [])
     assert len(store) == 1 and store.get("new", "") is not None
+
+
+def test_the_limits_push_out_the_least_recently_used(database):
+    store = database(max_entries=3, max_bytes=10_000)
+    for i in range(3):
+        assert store.put(f"r{i}", "", {"id": f"r{i}"}, [])
+    store.get("r0", "")  # used: r1 is now the oldest
+    store.put("r3", "", {"id": "r3"}, [])
+    assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get(rid, "")] == ["r0", "r2", "r3"]
+    store.put("half", "", {"text": "x" * 6_000}, [])
+    store.put("half2", "", {"text": "y" * 6_000}, [])  # together over max_bytes: the older goes
+    assert store.get("half", "") is None and store.get("half2", "") is not None
+
+
+def test_a_broken_postgres_connection_fails_one_call_and_the_next_reconnects(postgres):
+    store = PostgresResponseStore(postgres.url, max_entries=100, max_bytes=1 << 20, ttl_s=3600)
+    other = PostgresResponseStore(postgres.url, max_entries=100, max_bytes=1 << 20, ttl_s=3600)
+    other._sql("SELECT pg_terminate_backend(?)", (store._db.info.backend_pid,))
+    assert not store.put("a", "", {"id": "a"}, [])  # the broken connection: not kept, answered all the same
+    assert store.put("b", "", {"id": "b"}, []) and other.get("b", "").response == {"id": "b"}
+
+
+def test_a_postgres_server_that_does_not_answer_is_one_error_without_the_password(caplog):
+    url = "postgresql://batchserve:secret@127.0.0.1:1/responses"
+    with caplog.at_level(logging.ERROR, logger="batchserve.api"):
+        app = create_app(FakeEngine(["hi"]), ServerConfig(responses_store=url))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("responses store postgresql://batchserve:***@127.0.0.1:1/responses: ")
+    assert "secret" not in line and isinstance(app[HANDLERS_KEY].responses.store, UnavailableResponseStore)
 
 
 def test_a_corrupt_file_is_one_error_naming_the_store(tmp_path, caplog):
@@ -85,7 +141,7 @@ def test_the_default_store_is_sqlite_in_the_state_directory(tmp_path, monkeypatc
     assert state_dir() == tmp_path / "systemd"
     app = create_app(FakeEngine(["hi"]), ServerConfig())
     assert app[HANDLERS_KEY].responses.store.name == f"sqlite:{tmp_path / 'systemd' / 'responses.sqlite3'}"
-    with pytest.raises(ValueError, match="responses_store 'redis://x': expected memory, sqlite:PATH or empty"):
+    with pytest.raises(ValueError, match="responses_store 'redis://x': expected memory, sqlite:PATH, postgresql:"):
         ServerConfig(responses_store="redis://x")
 
 
@@ -126,8 +182,10 @@ def test_two_keys_cannot_see_each_others_responses(tmp_path):
     assert run(go()) == "one"
 
 
-def test_a_restarted_api_continues_the_chain_from_the_same_file(tmp_path):
-    config = ServerConfig(responses_store=f"sqlite:{tmp_path / 'r.sqlite3'}")
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_restarted_api_continues_the_chain_from_the_same_database(kind, tmp_path, request):
+    spec = f"sqlite:{tmp_path / 'r.sqlite3'}" if kind == "sqlite" else request.getfixturevalue("postgres").url
+    config = ServerConfig(responses_store=spec)
 
     async def turn(previous: str | None) -> str:
         async with served(config, ["ok"]) as server:  # a fresh app each time: the process restarted

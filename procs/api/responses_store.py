@@ -3,8 +3,9 @@
 `store` (default true, as OpenAI's) keeps the answer and its conversation, so `previous_response_id`
 continues it and `GET /v1/responses/{id}` returns it, for `--responses-ttl-s` (30 days, as OpenAI keeps
 them) or until the limits push it out (least recently used first). Where, `--responses-store`:
-- `sqlite:PATH` (`responses_sqlite.py`), the default in the state directory: shared by the replicas of one
+- `sqlite:PATH` (`responses_sql.py`), the default in the state directory: shared by the replicas of one
   machine and kept across restarts;
+- `postgresql://...` (`responses_sql.py`, psycopg 3): shared by replicas on several machines;
 - `memory`: this api process's memory, gone at a restart (one replica's alone).
 A stored response belongs to the API key that created it (`owner`: a hash of the key, never the key; ""
 without keys): another key neither reads, continues nor deletes it. A store that cannot open is one
@@ -23,14 +24,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from procs.api.responses_sqlite import SqliteResponseStore
+from procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
 from procs.api.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
 from procs.api.stored_response import ResponseStoreError, StoredResponse
 
 MAX_STORED_RESPONSES = 1024  # responses kept for previous_response_id and GET (memory)
 MAX_STORED_BYTES = 64 * 1024 * 1024  # their JSON size, conversations included (memory)
-MAX_SQLITE_RESPONSES = 1_000_000  # the same in SQLite, on disk
-MAX_SQLITE_BYTES = 8 * 1024 ** 3
+MAX_DATABASE_RESPONSES = 1_000_000  # the same in SQLite or PostgreSQL, on disk
+MAX_DATABASE_BYTES = 8 * 1024 ** 3
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 STORE_FILE = "responses.sqlite3"
 log = logging.getLogger("batchserve.api")
 
@@ -65,8 +67,10 @@ def open_response_store(spec: str, ttl_s: float) -> ResponseStore:
     """The store `spec` names ("" : SQLite in `state_dir()`); ResponseStoreError naming it when it cannot open."""
     if spec == "memory":
         return MemoryResponseStore()
-    path = spec.removeprefix("sqlite:") if spec else str(state_dir() / STORE_FILE)
-    return SqliteResponseStore(path, max_entries=MAX_SQLITE_RESPONSES, max_bytes=MAX_SQLITE_BYTES, ttl_s=ttl_s)
+    limits = dict(max_entries=MAX_DATABASE_RESPONSES, max_bytes=MAX_DATABASE_BYTES, ttl_s=ttl_s)
+    if spec.startswith(POSTGRES_SCHEMES):
+        return PostgresResponseStore(spec, **limits)
+    return SqliteResponseStore(spec.removeprefix("sqlite:") if spec else state_dir() / STORE_FILE, **limits)
 
 
 def serving_store(spec: str, ttl_s: float) -> ResponseStore:
