@@ -159,12 +159,19 @@ def client_of(server: TestServer, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
 
 
-def test_two_keys_cannot_see_each_others_responses(tmp_path):
-    config = ServerConfig(api_key=["k1", "k2"], responses_store=f"sqlite:{tmp_path / 'r.sqlite3'}")
+def store_spec(kind: str, tmp_path: Path, request) -> str:
+    if kind == "sqlite":
+        return f"sqlite:{tmp_path / 'r.sqlite3'}"
+    return request.getfixturevalue("postgres").url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_two_keys_cannot_see_each_others_responses(kind, tmp_path, request):
+    config = ServerConfig(api_key=["k1", "k2"], responses_store=store_spec(kind, tmp_path, request))
 
     async def go():
-        async with served(config, ["one"]) as server:
-            mine, theirs = client_of(server, "k1"), client_of(server, "k2")
+        async with served(config, ["one"]) as server, client_of(server, "k1") as mine, \
+                client_of(server, "k2") as theirs:
             first = await mine.responses.create(model="fake-model", input="hi")
             assert (await mine.responses.retrieve(first.id)).output_text == "one"
             with pytest.raises(openai.NotFoundError):
@@ -184,12 +191,10 @@ def test_two_keys_cannot_see_each_others_responses(tmp_path):
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_a_restarted_api_continues_the_chain_from_the_same_database(kind, tmp_path, request):
-    spec = f"sqlite:{tmp_path / 'r.sqlite3'}" if kind == "sqlite" else request.getfixturevalue("postgres").url
-    config = ServerConfig(responses_store=spec)
+    config = ServerConfig(responses_store=store_spec(kind, tmp_path, request))
 
     async def turn(previous: str | None) -> str:
-        async with served(config, ["ok"]) as server:  # a fresh app each time: the process restarted
-            client = client_of(server, "x")
+        async with served(config, ["ok"]) as server, client_of(server, "x") as client:  # a fresh app: a restart
             response = await client.responses.create(model="fake-model", input="go on", previous_response_id=previous)
             assert response.store
             return response.id
@@ -209,8 +214,7 @@ def test_an_unavailable_store_answers_and_names_itself(tmp_path):
     config = ServerConfig(responses_store=f"sqlite:{path}")
 
     async def go():
-        async with served(config, ["fine"]) as server:
-            client = client_of(server, "x")
+        async with served(config, ["fine"]) as server, client_of(server, "x") as client:
             response = await client.responses.create(model="fake-model", input="hi")  # answered, not kept
             with pytest.raises(openai.InternalServerError) as missing:
                 await client.responses.retrieve(response.id)
@@ -230,8 +234,28 @@ def test_a_write_that_fails_mid_run_answers_and_reports_store_false(tmp_path):
     async def go():
         app = create_app(FakeEngine(["still here"]), config)
         app[HANDLERS_KEY].responses.store._db.close()  # the database goes away under a running server
-        async with TestServer(app) as server:
-            return await client_of(server, "x").responses.create(model="fake-model", input="hi")
+        async with TestServer(app) as server, client_of(server, "x") as client:
+            return await client.responses.create(model="fake-model", input="hi")
 
     response = run(go())
     assert response.output_text == "still here" and response.store is False
+
+
+def test_the_whole_server_restarted_still_chains_and_reads_its_responses(tiny_model_dir, tmp_path):
+    """`batchserve serve` stopped and started again on the same store: the last id still chains, and
+    GET still answers it, greedy turns and all."""
+    from e2e_server import start_server
+
+    model = tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
+    flags = ("--kv-capacity-tokens", "4096", "--responses-store", f"sqlite:{tmp_path / 'r.sqlite3'}")
+    ids = []
+    for run_index in range(2):
+        server = start_server(model, tmp_path / f"serve-{run_index}.log", *flags)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+            response = client.responses.create(model=str(model), input=f"turn {run_index}", max_output_tokens=4,
+                                               temperature=0, previous_response_id=ids[-1] if ids else None)
+            ids.append(response.id)
+            assert [client.responses.retrieve(rid).id for rid in ids] == ids
+        finally:
+            assert server.stop() == 0
