@@ -23,7 +23,6 @@ from pydantic import BaseModel, Field
 from api_fake_engine import FakeEngine
 from e2e_server import start_server
 from procs.api.app import HANDLERS_KEY, create_app
-from procs.api.responses_store import MemoryResponseStore
 from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
 from shared.messages import ChatMessage, ToolCall, ToolFunction
@@ -404,21 +403,6 @@ def test_a_stored_call_continues_with_its_output():
                                     tool_calls=[ToolCall(id=call.call_id, name="get_time", arguments="{}")]),
                         ChatMessage(role="tool", content="12:00", tool_call_id=call.call_id, name="get_time")]
     assert answer.output_text == "noon"
-
-
-def test_the_memory_store_is_bounded_least_recently_used_out_first():
-    """(The database stores: tests/test_responses_store.py.)"""
-    store = MemoryResponseStore(max_entries=3, max_bytes=10_000)
-    for i in range(3):
-        assert store.put(f"r{i}", "", {"id": f"r{i}"}, [])
-    store.get("r0", "")  # used: r1 is now the oldest
-    store.put("r3", "", {"id": "r3"}, [])
-    assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get(rid, "")] == ["r0", "r2", "r3"]
-    assert not store.put("big", "", {"text": "x" * 20_000}, [])  # larger than the store: not kept
-    store.put("half", "", {"text": "x" * 6_000}, [])
-    store.put("half2", "", {"text": "y" * 6_000}, [])  # together over max_bytes: the older goes
-    assert store.get("half", "") is None and store.get("half2", "") is not None
-    assert store.bytes <= store.max_bytes and len(store) <= store.max_entries
 
 
 # ------------------------------------------------------------------ 400s naming the field

@@ -24,7 +24,7 @@ from api_fake_engine import FakeEngine
 from postgres_server import start_postgres
 from procs.api.app import HANDLERS_KEY, create_app
 from procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
-from procs.api.responses_store import UnavailableResponseStore, owner_of, state_dir
+from procs.api.responses_store import MemoryResponseStore, UnavailableResponseStore, owner_of, state_dir
 from procs.api.stored_response import ResponseStoreError
 from shared.config import ServerConfig
 
@@ -96,13 +96,15 @@ def test_an_expired_response_is_neither_served_nor_kept(database):
     assert len(store) == 1 and store.get("new", "") is not None
 
 
-def test_the_limits_push_out_the_least_recently_used(database):
-    store = database(max_entries=3, max_bytes=10_000)
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_limits_push_out_the_least_recently_used(database, memory):
+    store = MemoryResponseStore(max_entries=3, max_bytes=10_000) if memory else database(max_entries=3, max_bytes=10_000)
     for i in range(3):
         assert store.put(f"r{i}", "", {"id": f"r{i}"}, [])
     store.get("r0", "")  # used: r1 is now the oldest
     store.put("r3", "", {"id": "r3"}, [])
     assert [rid for rid in ("r0", "r1", "r2", "r3") if store.get(rid, "")] == ["r0", "r2", "r3"]
+    assert not store.put("big", "", {"text": "x" * 20_000}, [])  # larger than the store: not kept
     store.put("half", "", {"text": "x" * 6_000}, [])
     store.put("half2", "", {"text": "y" * 6_000}, [])  # together over max_bytes: the older goes
     assert store.get("half", "") is None and store.get("half2", "") is not None
