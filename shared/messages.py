@@ -114,6 +114,7 @@ class SlotStart(msgspec.Struct, kw_only=True):
     output_ids: list[int] = []  # generated before a preemption: the penalties count them
     min_tokens_banned: list[int] = []  # EOS and stop_token_ids: banned until min_tokens are generated
     restore_state: int = -1  # a hybrid model: the state snapshot its slot's state starts from (-1: zeros)
+    adapter: int = 0  # its LoRA adapter's index in the worker (0: the base model)
 
 
 FUTURE_TOKEN = -1  # an input id the worker fills with the slot's last sampled token (see ForwardBatch)

@@ -20,10 +20,12 @@ class _Request:
     fed: int = 0  # tokens whose KV is cached
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
+    adapter: int = 0  # its LoRA adapter in the worker (0: the base model)
 
 
 def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
-                    arrival_gap: int = 0, max_batch_tokens: int | None = None) -> list[list[int]]:
+                    arrival_gap: int = 0, max_batch_tokens: int | None = None,
+                    adapters: list[int] | None = None) -> list[list[int]]:
     """Greedy-generate `max_new_tokens` per prompt through `runner.execute`.
 
     chunk: prefill at most this many tokens of a request per step (None: whole prompt at once).
@@ -34,7 +36,7 @@ def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, ch
     page_size = runner.page_size
     free_pages = list(range(runner.kv_cache.num_pages - 1, 0, -1))
     free_slots = list(range(runner.max_running_requests - 1, -1, -1))
-    requests = [_Request(p, i * arrival_gap) for i, p in enumerate(prompts)]
+    requests = [_Request(p, i * arrival_gap, adapter=(adapters or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
     step = 0
     while any(len(r.output) < max_new_tokens for r in requests):
         rows = step_rows(requests, step, [max_new_tokens] * len(requests), free_slots, chunk)
@@ -90,7 +92,7 @@ def _plan(step: int, rows, page_size: int, free_pages: list[int]) -> ForwardBatc
             positions.append(pos)
             kv_locs.append(r.pages[col] * page_size + pos % page_size)
     i32 = lambda xs: np.asarray(xs, dtype=np.int32)
-    starts = [SlotStart(slot=r.slot, prompt_len=len(r.prompt)) for r, _, _ in rows if r.fed == 0]
+    starts = [SlotStart(slot=r.slot, prompt_len=len(r.prompt), adapter=r.adapter) for r, _, _ in rows if r.fed == 0]
     return ForwardBatch(
         step=step, slot_starts=starts,
         slots=[r.slot for r, _, _ in rows],

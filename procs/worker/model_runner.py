@@ -24,6 +24,7 @@ from procs.worker.devices import check_quantization, resolve_device, resolve_dty
 from procs.worker.draft_model import DraftDistributions, DraftModel
 from procs.worker.grammar_masks import SlotGrammars
 from procs.worker.logits_state import SlotLogitsState
+from procs.worker.lora import LoraAdapter, LoraSlots
 from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import (GIB, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for, ring_layers,
                                    ring_pages_for)
@@ -103,6 +104,7 @@ class ModelRunner:
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
+        self.lora: LoraSlots | None = None  # LoRA adapters, once one is loaded (`load_lora_adapter`)
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
@@ -197,6 +199,13 @@ class ModelRunner:
             tp.close()
             raise
         return runner
+
+    def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int) -> None:
+        """PEFT adapter `path` as adapter `index` (>= 1) of the slots that name it (`SlotStart.adapter`)."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.max_running_requests, self.device)
+            self.model.enable_lora(self.lora)
+        self.lora.add(index, LoraAdapter.load(name, path, max_rank, self.config.num_layers, self.dtype, self.device))
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""
@@ -311,6 +320,8 @@ class ModelRunner:
         batch = self._fill_future_tokens(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
+            if self.lora is not None:
+                self.lora.start(start.slot, start.adapter)
         drafts = None
         if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
             for start in batch.slot_starts:
@@ -414,6 +425,8 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
         """One step's page-table updates and forward pass, as every rank runs it."""
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
+        if self.lora is not None:  # the rows of each adapter
+            self.lora.plan(batch.slots, batch.extend_lens)
         states = self.kv_cache.states
         if states is not None:  # a cached prefix's state into its slot before, a prompt's kept after
             states.restore([(start.slot, start.restore_state) for start in batch.slot_starts if start.restore_state >= 0])
@@ -438,7 +451,8 @@ class ModelRunner:
         """Run the batch's forward pass (page table already applied): float32 logits of the sampled
         positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
         or None if there are none."""
-        if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch):
+        lora_rows = self.lora is not None and self.lora.active  # captured graphs run the base weights alone
+        if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch) and not lora_rows:
             return self.graph_runner.forward_logits(batch)
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:

@@ -18,7 +18,7 @@ With one rank every collective is the identity.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -27,13 +27,16 @@ from procs.worker.parallel import TensorParallel
 
 
 class _Linear:
-    """x @ weight.T (+ bias) on the packed weight."""
+    """x @ weight.T (+ bias) on the packed weight; with `lora` (`procs.worker.lora.LoraTarget`), the step's
+    adapters' rows get their LoRA pairs added."""
 
     weight: LinearWeight
     bias: torch.Tensor | None
+    lora: Any = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
+        return out if self.lora is None or not self.lora.slots.active else self.lora.add_to(x, out)
 
 
 class ColumnParallelLinear(_Linear):
@@ -58,7 +61,7 @@ class RowParallelLinear(_Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1 or not self.reduce:
-            return linear(x, self.weight, self.bias)
+            return super().__call__(x)
         out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 

@@ -23,6 +23,7 @@ from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
 from kernels.rope import RotaryTables
 from kernels.panel_linear import PanelWeight
 from procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
+from procs.worker.lora import LoraSlots, attach
 from procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
 from procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, SparseMoeBlock, take_moe_block
 from procs.worker.models.weights import WeightTaker
@@ -146,6 +147,17 @@ class LlamaModel:
         self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
             _in_c(layer) for layer in self.layers)
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
+        self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
+
+    def enable_lora(self, slots: LoraSlots) -> None:
+        """LoRA pairs on every layer's seven projections (`procs.worker.lora`); ModelLoadError where the
+        layers are not the dense decoder's, or with more than one rank."""
+        cfg = self.config
+        if self.tp.world_size > 1 or cfg.moe is not None or cfg.linear_layers:
+            raise ModelLoadError("LoRA adapters are served on dense decoders with tensor_parallel_size 1 "
+                                 "(not on mixtures of experts, hybrid models or several ranks yet)")
+        self.lora = slots
+        attach(self.layers, slots, self.q_size, self.kv_size, cfg.intermediate_size)
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
         layer = f"model.layers.{i}."
@@ -204,7 +216,9 @@ class LlamaModel:
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
         h = rms_norm(hidden, self.layers[0].input_norm, eps)
-        paged = attention.paged_decode() if self.fuse_decode_layers else None
+        # the fused C call runs the base weights alone: a step with LoRA rows runs layer by layer
+        lora_rows = self.lora is not None and self.lora.active
+        paged = attention.paged_decode() if self.fuse_decode_layers and not lora_rows else None
         if paged is not None:
             h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
             return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
