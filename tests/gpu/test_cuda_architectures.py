@@ -59,3 +59,14 @@ def test_flashinfer_logits_match_the_torch_backend(tiny_model_dir, model, rings)
     reference = chunked_logits(cuda_runner(model_dir, "bfloat16", "torch", rings), prompt, chunk=7)
     got = chunked_logits(cuda_runner(model_dir, "bfloat16", "flashinfer", rings), prompt, chunk=7)
     torch.testing.assert_close(got, reference, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+def test_hybrid_models_fp32_greedy_matches_transformers_on_cuda(tiny_model_dir, model):
+    """Gated DeltaNet layers (the torch form: chunked for chunks, recurrent for decode rows, the states in the
+    pool on the GPU) beside full attention, with decode graphs captured (the rows' slots are a fixed buffer)."""
+    model_dir = tiny_model_dir(model)
+    expected = transformers_greedy(model_dir, _prompts(), NEW_TOKENS)
+    runner = ModelRunner(model_dir, device="cuda", dtype="float32", page_size=16, kv_capacity_tokens=2048,
+                         max_running_requests=8, attention_backend="torch", cuda_graph_max_bs=8)
+    assert generate_greedy(runner, _prompts(), NEW_TOKENS, chunk=8, arrival_gap=2) == expected
