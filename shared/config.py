@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import msgspec
 
+from shared.lora import parse_lora_modules
 from shared.slo import Slo
 
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
@@ -110,6 +111,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
         previous step's tokens are back (the chapter's loop). auto: on with a CUDA worker, off on the CPU,
         where the scheduler's work competes with the model for the same cores.""")] = "auto"
+    enable_lora: Annotated[bool, _doc("""Serve LoRA adapters (`lora_modules`) beside the base model: a request
+        names one in `model`.""")] = False
+    lora_modules: Annotated[list[str], _doc("""The LoRA adapters to load at start, NAME=PATH (a PEFT folder) or
+        vLLM's JSON {"name": ..., "path": ...}; needs enable_lora.""")] = []
+    max_loras: Annotated[int, _doc("""Distinct adapters running at once (so in one step); base-model requests
+        do not count. A request of another adapter waits while that many run.""")] = 4
+    max_lora_rank: Annotated[int, _doc("An adapter of a higher rank `r` is refused at load.")] = 16
     speculative: Annotated[Speculative, _doc("""Speculative decoding: ngram = prompt lookup (each decode row
         also feeds up to num_speculative_tokens tokens found after the last ngram_max..ngram_min tokens'
         latest earlier occurrence in the prompt and output; the model checks them in the same step and keeps
@@ -213,6 +221,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
                 ("sqlite:", "postgresql://", "postgres://")):
             raise ValueError(f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH, "
                              f"postgresql://... or empty (SQLite in the state directory)")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        parse_lora_modules(self.lora_modules)  # a malformed entry is refused at start, named
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if not self.responses_ttl_s > 0:
             raise ValueError(f"responses_ttl_s must be > 0, got {self.responses_ttl_s}")
 

@@ -248,6 +248,7 @@ class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
     constraint: OutputConstraint | None = None  # structured output; the tokenizer compiles it (then None)
     priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
     speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
+    adapter: int = 0  # its LoRA adapter (`shared.lora`: the index of --lora-modules' entry + 1; 0: the base model)
 
 
 DEFAULT_PARAMS = RequestParams()

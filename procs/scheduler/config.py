@@ -85,6 +85,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # (SCHEDULING.md 5): a row may not start after a prefix its slot's state does not end at.
     recurrent_state: bool = False
     state_snapshots: int = 0  # the worker's snapshots of such states, which the prefix cache serves from
+    # Distinct LoRA adapters among the admitted requests at most (base-model requests aside; 0: no limit):
+    # a waiting request of another adapter waits at the head of the queue (SCHEDULING.md section 10).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.prefix_cache and self.sliding_window:
@@ -163,7 +166,7 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
         rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
         sliding_window=info.sliding_window, recurrent_state=info.recurrent_state_bytes > 0,
-        state_snapshots=info.state_snapshots,
+        state_snapshots=info.state_snapshots, max_loras=config.max_loras if config.enable_lora else 0,
     )
 
 

@@ -81,7 +81,7 @@ class Scheduler:
         self.allocator = self.kv.allocator
         self.by_priority = config.scheduling_policy == "priority"
         self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority,
-                                             fair=config.fair_prefill)
+                                             fair=config.fair_prefill, max_loras=config.max_loras)
         self.decode_manager = DecodeManager()
         self.planner = StepPlanner(config, self.table, self.kv, self.prefill_manager, self.decode_manager,
                                    proposer if proposer is not None else default_proposer(config), cost, clock)

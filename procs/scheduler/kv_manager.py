@@ -90,13 +90,14 @@ class KVManager:
         """The prefix cache's namespace of `request`: requests share cached KV only within one. The one
         place a request's KV-shaping fields join the cache key: the rope regime (a prompt longer than
         `rope_switch_length` computes every key with the long factors, and with dynamic NTK one longer than
-        `rope_dynamic_length` with frequencies of its own length, `kernels.rope`). An adapter or a pooling
-        request joins here too, as another part of the namespace."""
+        `rope_dynamic_length` with frequencies of its own length, `kernels.rope`), and the LoRA adapter (its
+        projections make other KV of the same tokens). A pooling request joins here too."""
+        adapter = b"lora:%d|" % request.params.adapter if request.params.adapter else b""  # its own weights' KV
         if self.rope_switch_length and request.prompt_len > self.rope_switch_length:
-            return b"rope:long"
+            return adapter + b"rope:long"
         if self.rope_dynamic_length and request.num_prompt_tokens > self.rope_dynamic_length:
-            return b"rope:length:%d" % request.num_prompt_tokens  # the client's: a recompute's keys are the same
-        return b""
+            return adapter + b"rope:length:%d" % request.num_prompt_tokens  # the client's: a recompute's keys are the same
+        return adapter
 
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:
         """Pages admitting a waiting request adds to the reserved total: its own (the prompt past the

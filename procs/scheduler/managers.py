@@ -29,11 +29,12 @@ class PrefillManager:
     """
 
     def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False,
-                 fair: bool = False) -> None:
+                 fair: bool = False, max_loras: int = 0) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
         self.by_priority = by_priority
         self.fair = fair  # fair prefill (SCHEDULING.md section 9): a long prompt leaves room for those behind it
+        self.max_loras = max_loras  # distinct LoRA adapters among the admitted requests (0: no limit)
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
@@ -88,6 +89,8 @@ class PrefillManager:
         reserved = -1  # sum of reservations, computed once the head is considered
         while admit and pending and budget > 0 and self._table.has_free_slot:
             head = pending[0]
+            if not self._adapter_fits(head):
+                break  # its adapter waits for one of the running adapters to finish, and so does everyone behind it
             cached = self._kv.lookup(head)
             pages = self._kv.reservation(head, cached)
             if reserved < 0:
@@ -106,6 +109,14 @@ class PrefillManager:
             items[index] = (request, n + extra)
             budget -= extra
         return items
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """`max_loras`: its adapter runs already, or fewer than that many distinct ones do (base rows aside)."""
+        adapter = request.params.adapter
+        if not adapter or not self.max_loras:
+            return True
+        running = {r.params.adapter for r in self._table.requests if r is not None and r.params.adapter}
+        return adapter in running or len(running) < self.max_loras
 
     def _admit(self, request: Request, cached: list[CachedPage]) -> None:
         seq = self._admissions

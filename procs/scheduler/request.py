@@ -158,7 +158,8 @@ class Request:
         logits = params.logits
         if logits.is_plain:
             return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
-                             client_prompt_len=self.num_prompt_tokens, restore_state=self.restore_state)
+                             client_prompt_len=self.num_prompt_tokens, restore_state=self.restore_state,
+                             adapter=params.adapter)
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
             params = msgspec.structs.replace(params, logits=logits)
@@ -169,7 +170,8 @@ class Request:
         return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
                          client_prompt_len=self.num_prompt_tokens, prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
                          output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
-                         min_tokens_banned=banned if logits.min_tokens else [], restore_state=self.restore_state)
+                         min_tokens_banned=banned if logits.min_tokens else [], restore_state=self.restore_state,
+                         adapter=params.adapter)
 
     def __repr__(self) -> str:
         return f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"

@@ -71,6 +71,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     rope_switch_length: NonNegativeInt = 0  # longrope's original context: a request growing past it is recomputed
     recurrent_state: bool = False  # a hybrid model's per-slot linear-attention states (SCHEDULING.md 5)
     state_snapshots: NonNegativeInt = 0  # the worker's snapshots of them, which the prefix cache serves from
+    max_loras: NonNegativeInt = 0  # distinct LoRA adapters among the admitted requests (0: no limit)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,6 +83,7 @@ class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
     shared_prefix: NonNegativeInt = 0  # the first tokens of its prompt are the ones every such request has
     priority: int = 0  # lower first, under scheduling_policy "priority"
     accepted: list[NonNegativeInt] = []  # accepted tokens of its successive drafts; past the end: all
+    adapter: NonNegativeInt = 0  # its LoRA adapter (0: the base model), which `max_loras` counts
 
 
 class ScenarioCancel(msgspec.Struct, forbid_unknown_fields=True):
@@ -151,7 +153,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
                                sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
-                               recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots)
+                               recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots,
+                               max_loras=c.max_loras)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -231,7 +234,7 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
             try:
                 scheduler.add_request(r.id, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop,
-                                                                  priority=r.priority))
+                                                                  priority=r.priority, adapter=r.adapter))
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None

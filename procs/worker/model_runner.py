@@ -34,6 +34,7 @@ from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import ServerConfig
+from shared.lora import parse_lora_modules
 from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.parallel import RankLayout
@@ -195,6 +196,8 @@ class ModelRunner:
                              config.prefill_budget, config.num_speculative_tokens + 1),
                          # a hybrid model's prefix cache keeps states: as many as requests run at once
                          state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests)
+            for index, module in enumerate(parse_lora_modules(config.lora_modules), 1):  # index 0: the base model
+                runner.load_lora_adapter(index, module.name, module.path, config.max_lora_rank)
         except BaseException:
             tp.close()
             raise
