@@ -9,7 +9,7 @@ A request's life here: API key (401, when keys are configured) -> JSON body with
 or a body not valid in its encoding: 400, the last two closing the connection) -> decode + validate
 (400 names the field) -> admission (503 + Retry-After
 when the engine cannot serve or `max_running_requests + max_waiting` requests are already in flight
-at the api; a request counts once per choice) -> `engine.generate` for every choice (`_Fanout`) ->
+at the api; a request counts once per choice) -> `engine.generate` for every choice (`Fanout`) ->
 wait for every choice's first event, so that an engine rejection is still a plain 400/503 -> JSON
 answer, or SSE headers and chunks. If the engine fails once the stream has started (a backend died
 or stalled, or the drain ran out), the stream ends with a chunk per unfinished choice whose
@@ -34,8 +34,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Callable
 
 import msgspec
 from aiohttp import hdrs, web
@@ -44,20 +43,22 @@ from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from procs.api.auth import OWNER, accepted_keys, auth_middleware
-from procs.api.engine_client import EngineClient, EngineEvent
+from procs.api.engine_client import EngineClient
 from procs.api.errors import error_response
+from procs.api.fanout import EngineFailure, Fanout, choice_requests
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
 from procs.api.responses_api import ResponsesEndpoint
 from procs.api.responses_store import UnavailableResponseStore, serving_store
 from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from procs.api.served_models import ServedModels
 from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
 from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig, request_cap
 from shared.errors import Refusal
-from shared.messages import GenerateRequest, RequestRejected, TextDelta
+from shared.messages import RequestRejected
 
 logger = logging.getLogger("batchserve.api")
 
@@ -73,137 +74,6 @@ class BodyError(Refusal):
     """The body cannot be decoded: a 400 that also closes the connection (the rest of it is unread)."""
 
 
-class EngineFailure(Exception):
-    """The engine client raised, or its stream ended without a finish_reason."""
-
-
-class _Run:
-    """One choice in the engine: its event stream, and whether the engine is done with it."""
-
-    def __init__(self, index: int, rid: str, events: AsyncIterator[EngineEvent]) -> None:
-        self.index = index
-        self.rid = rid
-        self.events = events
-        self.started = False  # its stream is being read: the engine has (or is being sent) the request
-        self.ended = False  # a finish_reason or a rejection arrived: no abort needed
-
-    async def next_event(self) -> EngineEvent:
-        try:
-            event = await self.events.__anext__()
-        except StopAsyncIteration:
-            raise EngineFailure("the engine ended the request without a finish reason") from None
-        except Exception as exc:  # the engine client is broken: answer 500, never a traceback
-            logger.exception("engine client failed for %s", self.rid)
-            raise EngineFailure(f"engine error: {exc}") from None
-        if isinstance(event, RequestRejected) or event.finish_reason is not None:
-            self.ended = True
-        return event
-
-    async def close(self) -> None:
-        aclose = getattr(self.events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-def choice_seed(seed: int, j: int) -> int:
-    """Choice j's seed: its own stream, not shared with other seeds' choices (7's choice 1 is not 8's 0)."""
-    return seed if j == 0 else (seed * 0x9E3779B97F4A7C15 + j) & (2**63 - 1)
-
-
-def choice_requests(rid: str, prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
-    """The engine request of every choice, in index order."""
-    if len(prompts) * n == 1:
-        return prompts
-    out = []
-    for p, request in enumerate(prompts):
-        for j in range(n):
-            params = request.params
-            seed = params.sampling.seed
-            sampling = params.sampling if seed is None else msgspec.structs.replace(params.sampling,
-                                                                                    seed=choice_seed(seed, j))
-            # echo: only choice 0 asks for the prompt's logprobs; the others repeat them (ChoiceOutput)
-            logits = params.logits if j == 0 else msgspec.structs.replace(params.logits, prompt_logprobs=None)
-            params = msgspec.structs.replace(params, sampling=sampling, logits=logits)
-            out.append(msgspec.structs.replace(request, rid=f"{rid}-{p * n + j}", params=params))
-    return out
-
-
-class _Fanout:
-    """The engine requests of one HTTP request, one per choice, read as one stream of (index, event).
-
-    A prompt is prefilled once: its choice 0 goes first, and its other choices only once choice 0's
-    first event shows the prompt computed (its KV is then in the scheduler's prefix cache). A task per
-    choice reads its stream into one queue; `close` cancels them and aborts what is still running.
-    """
-
-    def __init__(self, engine: EngineClient, requests: list[GenerateRequest], n: int) -> None:
-        self.engine = engine
-        self.requests = requests
-        self.n = n
-        self.runs: list[_Run] = []
-        self._tasks: list[asyncio.Task] = []
-        self._queue: asyncio.Queue[tuple[int, EngineEvent | EngineFailure]] = asyncio.Queue()
-        self._replay: deque[tuple[int, EngineEvent]] = deque()
-
-    def start(self) -> None:
-        for index in range(0, len(self.requests), self.n):
-            self._submit(index)
-
-    def _submit(self, index: int) -> None:
-        request = self.requests[index]
-        run = _Run(index, request.rid, self.engine.generate(request))
-        self.runs.append(run)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._read(run)))
-
-    async def _read(self, run: _Run) -> None:
-        run.started = True
-        try:
-            event = await run.next_event()
-            self._queue.put_nowait((run.index, event))
-            if run.index % self.n == 0 and isinstance(event, TextDelta):  # the prompt is computed
-                for index in range(run.index + 1, run.index + self.n):
-                    self._submit(index)
-            while not run.ended:
-                self._queue.put_nowait((run.index, await run.next_event()))
-        except EngineFailure as exc:
-            self._queue.put_nowait((run.index, exc))
-
-    async def _get(self) -> tuple[int, EngineEvent]:
-        index, item = await self._queue.get()
-        if isinstance(item, EngineFailure):
-            raise item
-        return index, item
-
-    async def started(self) -> RequestRejected | None:
-        """Wait until every choice has sent an event (kept for `next`); the first rejection, if any."""
-        waiting = set(range(len(self.requests)))
-        while waiting:
-            index, event = await self._get()
-            if isinstance(event, RequestRejected):
-                if event.param == "prompt" and len(self.requests) > self.n:  # the tokenizer knows one prompt
-                    return msgspec.structs.replace(event, param=f"prompt[{index // self.n}]")
-                return event
-            waiting.discard(index)
-            self._replay.append((index, event))
-        return None
-
-    async def next(self) -> tuple[int, EngineEvent]:
-        """The next event of any choice. Raises EngineFailure."""
-        return self._replay.popleft() if self._replay else await self._get()
-
-    async def close(self, abort: Callable[[str], Awaitable[None]]) -> bool:
-        """Stop reading; abort every choice the engine has not ended. Whether any was aborted."""
-        for task in self._tasks:
-            task.cancel()  # from here on no run changes `ended`
-        unfinished = [run.rid for run in self.runs if run.started and not run.ended]
-        for rid in unfinished:
-            await abort(rid)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for run in self.runs:
-            await run.close()
-        return bool(unfinished)
-
-
 class ApiHandlers:
     def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> None:
         self.engine = engine
@@ -214,14 +84,13 @@ class ApiHandlers:
         self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0
         self.created = int(time.time())
-        self.responses = ResponsesEndpoint(engine, reasoning=reasoning, store=serving_store(config.responses_store, config.responses_ttl_s))
+        self.served = ServedModels.of(engine.model_name, config)  # the model and its LoRA adapters
+        self.responses = ResponsesEndpoint(engine, reasoning=reasoning, served=self.served, store=serving_store(config.responses_store, config.responses_ttl_s))
 
     # ---- plain endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.engine.model_name, "object": "model", "created": self.created,
-                "owned_by": "batchserve", "max_model_len": self.engine.max_context}
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": self.served.cards(self.created, self.engine.max_context)})
 
     async def health(self, request: web.Request) -> web.Response:
         problem = self.engine.health_problem()
@@ -266,8 +135,9 @@ class ApiHandlers:
                         validate: Callable[..., ValidatedRequest],
                         shapes_cls: type[ResponseShapes]) -> web.StreamResponse:
         def prepare(body: bytes, rid: str) -> tuple[ValidatedRequest, ResponseShapes]:
-            validated = validate(decode_body(body, schema), rid=rid, model_name=self.engine.model_name)
-            shapes = shapes_cls(rid, self.engine.model_name, validated.include_usage, validated.logprobs,
+            validated = validate(decode_body(body, schema), rid=rid, model_name=self.served)
+            model = self.served.name(validated.requests[0].params.adapter)  # the answer names what it ran
+            shapes = shapes_cls(rid, model, validated.include_usage, validated.logprobs,
                                 tool_names=validated.tool_names, reasoning=self.reasoning if endpoint == "chat" else "")
             return validated, shapes
 
@@ -292,7 +162,7 @@ class ApiHandlers:
             return response
 
         choices = _choice_outputs(validated)
-        fanout = _Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
+        fanout = Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
         self.in_flight += len(choices)
         try:
             fanout.start()
@@ -357,7 +227,7 @@ class ApiHandlers:
         except Exception:
             logger.exception("abort of %s failed", rid)
 
-    async def _whole(self, fanout: _Fanout, choices: list[ChoiceOutput], shapes: ResponseShapes,
+    async def _whole(self, fanout: Fanout, choices: list[ChoiceOutput], shapes: ResponseShapes,
                      tracker: RequestTracker) -> web.Response:
         """Non-streaming: gather every choice, answer one JSON object."""
         unfinished = len(choices)
@@ -374,7 +244,7 @@ class ApiHandlers:
         tracker.finished(choices[0].finish_reason or "stop", usage)
         return _json(body, rid=shapes.rid)
 
-    async def _stream(self, request: web.Request, fanout: _Fanout, choices: list[ChoiceOutput],
+    async def _stream(self, request: web.Request, fanout: Fanout, choices: list[ChoiceOutput],
                       shapes: ResponseShapes, tracker: RequestTracker) -> web.StreamResponse:
         """SSE. A write to a vanished client raises ConnectionResetError; `_generate`'s finally aborts."""
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": shapes.rid})

@@ -18,6 +18,7 @@ from procs.api.responses_request import ResponsesRequest, renamed, response_echo
 from procs.api.responses_shapes import ResponsesShapes
 from procs.api.responses_store import MemoryResponseStore, ResponseStore, history_message
 from procs.api.schemas import ChatMessageIn, decode_body
+from procs.api.served_models import ServedModels
 from procs.api.stored_response import ResponseStoreError, StoredResponse
 from procs.api.validation import ValidatedRequest, validate_chat
 from shared.chat_format import ReasoningFormat
@@ -27,8 +28,10 @@ from shared.errors import Refusal
 class ResponsesEndpoint:
     """`/v1/responses` of one app: translation, validation and the store."""
 
-    def __init__(self, engine: EngineClient, *, reasoning: ReasoningFormat = "", store: ResponseStore | None = None) -> None:
+    def __init__(self, engine: EngineClient, *, reasoning: ReasoningFormat = "", store: ResponseStore | None = None,
+                 served: ServedModels | None = None) -> None:
         self.engine = engine
+        self.served = served or ServedModels(engine.model_name)
         self.reasoning = reasoning
         self.store = MemoryResponseStore() if store is None else store
 
@@ -43,7 +46,7 @@ class ResponsesEndpoint:
             previous = stored.history
         translation = to_chat(req, previous)
         try:
-            validated = validate_chat(translation.request, rid=rid, model_name=self.engine.model_name)
+            validated = validate_chat(translation.request, rid=rid, model_name=self.served)
         except Refusal as exc:
             raise renamed(exc, translation.origins) from None
         (generate,) = validated.requests
@@ -61,7 +64,7 @@ class ResponsesEndpoint:
             if not self.store.put(rid, owner, response, [*history, history_message(response["output"])]):
                 response["store"] = False  # the answer stands; it was not kept
 
-        shapes = ResponsesShapes(rid, self.engine.model_name, echo=echo, logprobs=validated.logprobs,
+        shapes = ResponsesShapes(rid, self.served.name(generate.params.adapter), echo=echo, logprobs=validated.logprobs,
                                  tool_names=validated.tool_names, reasoning=self.reasoning,
                                  keep=keep if store else None)
         return validated, shapes

@@ -67,7 +67,7 @@ class _TokenizeRoutes:
             return body
         try:
             query = decode_body(body, DetokenizeBody)
-            check_model(query.model, self.engine.model_name)
+            check_model(query.model, self.handlers.served)
             if any(not 0 <= t <= MAX_TOKEN_ID for t in query.tokens):
                 raise Refusal(f"tokens must be token ids in [0, {MAX_TOKEN_ID}]", "tokens")
             text = await self.engine.detokenize(list(query.tokens))
@@ -89,14 +89,13 @@ class _TokenizeRoutes:
         if (query.prompt is None) == (query.messages is None):
             raise Refusal("give exactly one of prompt (a text) and messages (a chat)",
                           "prompt" if query.prompt is None else "messages")
-        engine = self.engine
         if query.prompt is not None:
             validated = validate_completion(CompletionRequest(model=query.model, prompt=query.prompt), rid=rid,
-                                            model_name=engine.model_name)
+                                            model_name=self.handlers.served)
         else:
             chat = ChatCompletionRequest(model=query.model, messages=query.messages or [], tools=query.tools,
                                          chat_template_kwargs=query.chat_template_kwargs)
-            validated = validate_chat(chat, rid=rid, model_name=engine.model_name)
+            validated = validate_chat(chat, rid=rid, model_name=self.handlers.served)
         return validated.requests[0]
 
 

@@ -34,6 +34,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from procs.api.served_models import ServedModels
 from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
 from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop
 from shared.errors import Refusal
@@ -74,8 +75,8 @@ class ValidatedRequest:
     tool_names: frozenset[str] = frozenset()
 
 
-def validate_completion(req: CompletionRequest, *, rid: str, model_name: str) -> ValidatedRequest:
-    _check_common(req, model_name)
+def validate_completion(req: CompletionRequest, *, rid: str, model_name: str | ServedModels) -> ValidatedRequest:
+    adapter = _check_common(req, model_name)
     n = _choices_per_prompt(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise Refusal(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs})", "logprobs")
@@ -92,7 +93,7 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str) ->
     if drop_generated and logits.min_tokens:
         raise Refusal(f"min_tokens ({logits.min_tokens}) must be 0 with echo and max_tokens 0 (nothing is "
                       f"generated)", "min_tokens")
-    params = _params(req, sampling, logits, _stop(req, max_tokens), constraint_of(req))
+    params = _params(req, sampling, logits, _stop(req, max_tokens), constraint_of(req), adapter)
     requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, params=params,
                                 arrival_time=time.time())
                 for prompt, prompt_ids in prompts]
@@ -100,8 +101,8 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str) ->
                             echo=echo, drop_generated=drop_generated)
 
 
-def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> ValidatedRequest:
-    _check_common(req, model_name)
+def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | ServedModels) -> ValidatedRequest:
+    adapter = _check_common(req, model_name)
     n = _choices_per_prompt(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -131,7 +132,7 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> V
         given, param = req.max_tokens, "max_tokens"
     logits = _logits(req, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
     generate = GenerateRequest(
-        rid=rid, messages=messages, params=_params(req, _sampling(req), logits, _stop(req, given), constraint),
+        rid=rid, messages=messages, params=_params(req, _sampling(req), logits, _stop(req, given), constraint, adapter),
         max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
         forced_tool=forced_tool, chat_template_kwargs=template_kwargs,
     )
@@ -141,20 +142,20 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str) -> V
 
 
 def _params(req: CommonRequestFields, sampling: SamplingParams, logits: LogitsParams, stop: StopParams,
-            constraint: OutputConstraint | None) -> RequestParams:
+            constraint: OutputConstraint | None, adapter: int) -> RequestParams:
     return RequestParams(sampling=sampling, stop=stop, logits=logits, constraint=constraint,
-                         priority=req.priority or 0, speculative=req.speculative is not False)
+                         priority=req.priority or 0, speculative=req.speculative is not False, adapter=adapter)
 
 
-def check_model(model: str | None, model_name: str) -> None:
-    """A request's `model`: absent, or the served model's name (else 404 model_not_found, as OpenAI)."""
-    if model is not None and model != model_name:
-        raise Refusal(f"The model `{model}` does not exist; this server serves `{model_name}`.", "model",
-                      status=404, code="model_not_found")
+def check_model(model: str | None, model_name: str | ServedModels) -> int:
+    """A request's `model`: absent, the served model's name, or one of its LoRA adapters' (its index; 0: the
+    base model); else 404 model_not_found, as OpenAI answers it."""
+    served = model_name if isinstance(model_name, ServedModels) else ServedModels(model_name)
+    return served.adapter(model)
 
 
-def _check_common(req: CommonRequestFields, model_name: str) -> None:
-    check_model(req.model, model_name)
+def _check_common(req: CommonRequestFields, model_name: str | ServedModels) -> int:
+    adapter = check_model(req.model, model_name)
     if req.priority is not None:
         check_priority(req.priority)
     if req.stream_options is not None and not req.stream:
@@ -163,6 +164,7 @@ def _check_common(req: CommonRequestFields, model_name: str) -> None:
         value = getattr(req, name, None)  # chat-only fields are absent from completions
         if value is not None and value not in neutral:
             raise Refusal(f"{name} is not supported by this server (yet); leave it out", name)
+    return adapter
 
 
 # ---- structured output and tools

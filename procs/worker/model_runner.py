@@ -205,9 +205,7 @@ class ModelRunner:
 
     def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int) -> None:
         """PEFT adapter `path` as adapter `index` (>= 1) of the slots that name it (`SlotStart.adapter`)."""
-        if self.lora is None:
-            self.lora = LoraSlots(self.max_running_requests, self.device)
-            self.model.enable_lora(self.lora)
+        self.lora = self.lora or self.model.enable_lora(LoraSlots(self.max_running_requests, self.device))
         self.lora.add(index, LoraAdapter.load(name, path, max_rank, self.config.num_layers, self.dtype, self.device))
 
     def close(self) -> None:
@@ -455,7 +453,7 @@ class ModelRunner:
         positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
         or None if there are none."""
         lora_rows = self.lora is not None and self.lora.active  # captured graphs run the base weights alone
-        if extra_rows is None and self.graph_runner is not None and self.graph_runner.handles(batch) and not lora_rows:
+        if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch) and not lora_rows:
             return self.graph_runner.forward_logits(batch)
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:

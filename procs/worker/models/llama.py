@@ -149,15 +149,16 @@ class LlamaModel:
         self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
         self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
 
-    def enable_lora(self, slots: LoraSlots) -> None:
-        """LoRA pairs on every layer's seven projections (`procs.worker.lora`); ModelLoadError where the
-        layers are not the dense decoder's, or with more than one rank."""
+    def enable_lora(self, slots: LoraSlots) -> LoraSlots:
+        """LoRA pairs on every layer's seven projections (`procs.worker.lora`), read from `slots` (returned);
+        ModelLoadError where the layers are not the dense decoder's, or with more than one rank."""
         cfg = self.config
         if self.tp.world_size > 1 or cfg.moe is not None or cfg.linear_layers:
             raise ModelLoadError("LoRA adapters are served on dense decoders with tensor_parallel_size 1 "
                                  "(not on mixtures of experts, hybrid models or several ranks yet)")
         self.lora = slots
         attach(self.layers, slots, self.q_size, self.kv_size, cfg.intermediate_size)
+        return slots
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
         layer = f"model.layers.{i}."
