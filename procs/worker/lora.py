@@ -4,13 +4,13 @@ base model) in one step.
 An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) whose LoRA pairs target
 any of the decoder's seven projections (q, k, v, o, gate, up, down). Each wrapped projection adds, for
 the rows of each adapter in the step, x . A^T . B^T . scale (scale = lora_alpha / r, or / sqrt(r) with
-rsLoRA, folded into B at load), one matmul pair per adapter segment (S-LoRA's and Punica's segmented
-form); base rows add nothing. What PEFT would run otherwise, or differently, is refused at load in one
+rsLoRA, folded into B at load), as two matmuls per projection over every adapter's stacked pairs, each
+row masked to its own adapter's (`LoraSlots`); base rows add nothing. What PEFT would run otherwise, or differently, is refused at load in one
 line naming the field (`AdapterConfig.read`).
 
-`LoraSlots` holds the loaded adapters by index, each request slot's adapter (`SlotStart.adapter`), and the
-step's rows per adapter (`plan`, before the forward pass); the model's projections read them through
-`LoraTarget`s that `attach` hangs on them.
+`LoraSlots` holds the loaded adapters by index (their pairs stacked per projection), each request slot's
+adapter (`SlotStart.adapter`), and the step's mask of each row's adapter (`plan`, before the forward
+pass); the model's projections read them through `LoraTarget`s that `attach` hangs on them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from kernels.ops import linear, pack_linear_weight
 from shared.model import ModelLoadError
 
 # PEFT's module names -> (the fused projection of our layer that holds it, its part in the fusion)
@@ -100,16 +101,26 @@ class LoraAdapter:
 
 
 class LoraSlots:
-    """The loaded adapters (index 0: none, the base model), each slot's, and the step's rows per adapter."""
+    """The loaded adapters (index 0: none, the base model), each slot's, and the step's rows per adapter.
+
+    The adapters' pairs of one projection are stacked (A [sum of ranks, in], B [out, sum of ranks], each
+    adapter its own run of columns, zeros where it does not target the projection), so a step adds them with
+    two matmuls per projection whatever its adapters: x . A^T, masked to each row's own adapter's columns
+    (`plan`), then . B^T (the segmented form as dense matmuls: no gather, no per-adapter loop)."""
 
     def __init__(self, max_running_requests: int, device: torch.device) -> None:
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
         self.device = device
-        self.rows: list[tuple[LoraAdapter, torch.Tensor | None]] = []  # this step's (adapter, packed rows; None: all)
+        self.columns: dict[int, tuple[int, int]] = {}  # adapter -> (first stacked column, rank)
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, module) -> (A, B)
+        self.mask: torch.Tensor | None = None  # [tokens, sum of ranks]: 1 on each row's adapter's columns
+        self.dtype = torch.float32
 
     def add(self, index: int, adapter: LoraAdapter) -> None:
         self.adapters[index] = adapter
+        self.dtype = next(iter(adapter.pairs.values()))[0].dtype if adapter.pairs else self.dtype
+        self._stack()
 
     def start(self, slot: int, adapter: int) -> None:
         if adapter and adapter not in self.adapters:
@@ -117,20 +128,43 @@ class LoraSlots:
         self.slot_adapter[slot] = adapter
 
     def plan(self, slots: list[int], extend_lens: list[int], num_padding: int = 0) -> None:
-        """The step's rows of each adapter its requests use (padded rows: the base model's)."""
+        """The step's mask of each row's adapter columns (None: no row has an adapter)."""
         per_token = np.repeat(self.slot_adapter[np.asarray(slots, dtype=np.int64)], extend_lens)
         if num_padding:
             per_token[len(per_token) - num_padding:] = 0
-        self.rows = []
-        for index in np.unique(per_token).tolist():
-            if index:
-                rows = None if (per_token == index).all() else \
-                    torch.from_numpy(np.flatnonzero(per_token == index)).to(self.device)
-                self.rows.append((self.adapters[index], rows))
+        if not per_token.any():
+            self.mask = None
+            return
+        total = sum(rank for _, rank in self.columns.values())
+        mask = np.zeros((len(per_token), total), dtype=np.float32)
+        for index in np.unique(per_token[per_token > 0]).tolist():
+            first, rank = self.columns[index]
+            mask[per_token == index, first:first + rank] = 1.0
+        self.mask = torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
     @property
     def active(self) -> bool:
-        return bool(self.rows)
+        return self.mask is not None
+
+    def _stack(self) -> None:
+        first, self.columns = 0, {}
+        for index in sorted(self.adapters):
+            self.columns[index] = (first, self.adapters[index].config.rank)
+            first += self.adapters[index].config.rank
+        keys = {key for adapter in self.adapters.values() for key in adapter.pairs}
+        self.stacks = {}
+        for key in keys:
+            a_parts, b_parts = [], []
+            some = next(a.pairs[key] for a in self.adapters.values() if key in a.pairs)
+            for index in sorted(self.adapters):
+                rank = self.columns[index][1]
+                pair = self.adapters[index].pairs.get(key)
+                a_parts.append(pair[0] if pair else some[0].new_zeros((rank, some[0].shape[1])))
+                b_parts.append(pair[1] if pair else some[1].new_zeros((some[1].shape[0], rank)))
+            # packed as the base weights are: on the CPU the same C kernels (MKL's threads beside theirs
+            # would wait out each other's spinning: a LoRA step 20x slower in one measurement)
+            self.stacks[key] = (pack_linear_weight(torch.cat(a_parts), "none"),
+                                pack_linear_weight(torch.cat(b_parts, dim=1), "none"))
 
 
 @dataclass
@@ -142,17 +176,11 @@ class LoraTarget:
     parts: list[tuple[str, slice]]
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        for adapter, rows in self.slots.rows:
-            xs = x if rows is None else x[rows]
-            for module, columns in self.parts:
-                pair = adapter.pairs.get((self.layer, module))
-                if pair is None:
-                    continue
-                delta = (xs @ pair[0].T) @ pair[1].T
-                if rows is None:
-                    out[:, columns] += delta
-                else:
-                    out[rows, columns] += delta
+        mask = self.slots.mask
+        for module, columns in self.parts:
+            stack = self.slots.stacks.get((self.layer, module))
+            if stack is not None:
+                out[:, columns] += linear(linear(x, stack[0]) * mask, stack[1])
         return out
 
 
