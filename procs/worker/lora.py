@@ -101,26 +101,32 @@ class LoraAdapter:
 
 
 class LoraSlots:
-    """The loaded adapters (index 0: none, the base model), each slot's, and the step's rows per adapter.
-
-    The adapters' pairs of one projection are stacked (A [sum of ranks, in], B [out, sum of ranks], each
-    adapter its own run of columns, zeros where it does not target the projection), so a step adds them with
-    two matmuls per projection whatever its adapters: x . A^T, masked to each row's own adapter's columns
-    (`plan`), then . B^T (the segmented form as dense matmuls: no gather, no per-adapter loop)."""
+    """The loaded adapters (index 0: none, the base model), each slot's, and the step's mask of each row's
+    adapter: each adapter owns a run of `columns` (as many as its rank) in every projection's stacked pairs
+    (`LoraTarget`), and a row's mask is 1 on its own adapter's run alone."""
 
     def __init__(self, max_running_requests: int, device: torch.device) -> None:
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
         self.device = device
-        self.columns: dict[int, tuple[int, int]] = {}  # adapter -> (first stacked column, rank)
-        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, module) -> (A, B)
-        self.mask: torch.Tensor | None = None  # [tokens, sum of ranks]: 1 on each row's adapter's columns
         self.dtype = torch.float32
+        self.columns: dict[int, tuple[int, int]] = {}  # adapter -> (first stacked column, rank)
+        self.version = 0  # bumped by every load: the projections restack
+        self.mask: torch.Tensor | None = None  # [tokens, sum of ranks]: 1 on each row's adapter's columns
+        self._masks: dict[int, torch.Tensor] = {}  # the mask repeated for projections of several parts
+
+    @property
+    def total_rank(self) -> int:
+        return sum(rank for _, rank in self.columns.values())
 
     def add(self, index: int, adapter: LoraAdapter) -> None:
         self.adapters[index] = adapter
         self.dtype = next(iter(adapter.pairs.values()))[0].dtype if adapter.pairs else self.dtype
-        self._stack()
+        first, self.columns = 0, {}
+        for i in sorted(self.adapters):
+            self.columns[i] = (first, self.adapters[i].config.rank)
+            first += self.adapters[i].config.rank
+        self.version += 1
 
     def start(self, slot: int, adapter: int) -> None:
         if adapter and adapter not in self.adapters:
@@ -132,56 +138,65 @@ class LoraSlots:
         per_token = np.repeat(self.slot_adapter[np.asarray(slots, dtype=np.int64)], extend_lens)
         if num_padding:
             per_token[len(per_token) - num_padding:] = 0
+        self._masks = {}
         if not per_token.any():
             self.mask = None
             return
-        total = sum(rank for _, rank in self.columns.values())
-        mask = np.zeros((len(per_token), total), dtype=np.float32)
+        mask = np.zeros((len(per_token), self.total_rank), dtype=np.float32)
         for index in np.unique(per_token[per_token > 0]).tolist():
             first, rank = self.columns[index]
             mask[per_token == index, first:first + rank] = 1.0
         self.mask = torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
+    def mask_of(self, parts: int) -> torch.Tensor:
+        """The step's mask for a projection of `parts` fused parts (each part's stacked pairs one after another)."""
+        assert self.mask is not None
+        if parts == 1:
+            return self.mask
+        if parts not in self._masks:
+            self._masks[parts] = self.mask.repeat(1, parts)
+        return self._masks[parts]
+
     @property
     def active(self) -> bool:
         return self.mask is not None
 
-    def _stack(self) -> None:
-        first, self.columns = 0, {}
-        for index in sorted(self.adapters):
-            self.columns[index] = (first, self.adapters[index].config.rank)
-            first += self.adapters[index].config.rank
-        keys = {key for adapter in self.adapters.values() for key in adapter.pairs}
-        self.stacks = {}
-        for key in keys:
-            a_parts, b_parts = [], []
-            some = next(a.pairs[key] for a in self.adapters.values() if key in a.pairs)
-            for index in sorted(self.adapters):
-                rank = self.columns[index][1]
-                pair = self.adapters[index].pairs.get(key)
-                a_parts.append(pair[0] if pair else some[0].new_zeros((rank, some[0].shape[1])))
-                b_parts.append(pair[1] if pair else some[1].new_zeros((some[1].shape[0], rank)))
-            # packed as the base weights are: on the CPU the same C kernels (MKL's threads beside theirs
-            # would wait out each other's spinning: a LoRA step 20x slower in one measurement)
-            self.stacks[key] = (pack_linear_weight(torch.cat(a_parts), "none"),
-                                pack_linear_weight(torch.cat(b_parts, dim=1), "none"))
-
 
 @dataclass
 class LoraTarget:
-    """The LoRA pairs one fused projection of one layer adds: its parts (PEFT module, output columns)."""
+    """The LoRA pairs one fused projection of one layer adds: its parts (PEFT module, output columns), every
+    adapter's pairs of every part stacked into one A [parts x sum of ranks, in] and one block-diagonal B
+    [out, parts x sum of ranks], packed as the base weights are (on the CPU the same C kernels: MKL's threads
+    beside theirs would wait out each other's spinning), so a step adds them with two matmuls whatever its
+    adapters, each row masked to its own adapter's columns."""
 
     slots: LoraSlots
     layer: int
     parts: list[tuple[str, slice]]
+    _stack: tuple[Any, Any] | None = None
+    _version: int = -1
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        mask = self.slots.mask
-        for module, columns in self.parts:
-            stack = self.slots.stacks.get((self.layer, module))
-            if stack is not None:
-                out[:, columns] += linear(linear(x, stack[0]) * mask, stack[1])
+        if self._version != self.slots.version:
+            self._stack, self._version = self._stacked(out.shape[1]), self.slots.version
+        if self._stack is not None:
+            out += linear(linear(x, self._stack[0]) * self.slots.mask_of(len(self.parts)), self._stack[1])
         return out
+
+    def _stacked(self, width: int) -> tuple[Any, Any] | None:
+        slots, total = self.slots, self.slots.total_rank
+        pairs = [(p, columns, first, rank, slots.adapters[i].pairs.get((self.layer, module)))
+                 for p, (module, columns) in enumerate(self.parts) for i, (first, rank) in slots.columns.items()]
+        present = [entry for entry in pairs if entry[4] is not None]
+        if not present:
+            return None
+        a_like, b_like = present[0][4]
+        a = a_like.new_zeros((len(self.parts) * total, a_like.shape[1]))
+        b = b_like.new_zeros((width, len(self.parts) * total))
+        for p, columns, first, rank, pair in present:
+            a[p * total + first:p * total + first + rank] = pair[0]
+            b[columns, p * total + first:p * total + first + rank] = pair[1]
+        return pack_linear_weight(a, "none"), pack_linear_weight(b, "none")
 
 
 def attach(layers: list[Any], slots: LoraSlots, q_size: int, kv_size: int, intermediate: int) -> None:
