@@ -42,9 +42,14 @@ def test_model_names_an_adapter_on_every_endpoint():
             async with __import__("aiohttp").ClientSession() as http:
                 async with http.post(server.make_url("/tokenize"), json={"model": "sql", "prompt": "hi"}) as tok:
                     tokenized = tok.status
-            return models, (completion.model, chat.model, base.model, response.model), tokenized
+                async with http.get(server.make_url("/metrics")) as page:
+                    metrics = await page.text()
+            return models, (completion.model, chat.model, base.model, response.model), tokenized, metrics
 
-    models, names, tokenized = run(go())
+    models, names, tokenized, metrics = run(go())
+    assert 'batchserve_lora_requests_total{adapter="chat"} 2.0' in metrics
+    assert 'batchserve_lora_requests_total{adapter="sql"} 1.0' in metrics
+    assert 'batchserve_lora_generation_tokens_total{adapter="sql"}' in metrics
     assert models == [("fake-model", None), ("sql", "fake-model"), ("chat", "fake-model")]
     assert names == ("sql", "chat", "fake-model", "chat") and tokenized == 200
     assert [r.params.adapter for r in engine.requests] == [1, 2, 0, 2]

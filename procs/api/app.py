@@ -153,6 +153,8 @@ class ApiHandlers:
             body = await self._read_body(request)
             validated, shapes = prepare(body, rid)
             tracker.stream = validated.stream
+            adapter = validated.requests[0].params.adapter
+            tracker.adapter = self.served.name(adapter) if adapter else ""
             self._admit(len(validated.requests), validated.n)
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)

@@ -29,6 +29,7 @@ class RequestTracker:
         self.timed_tokens = 0  # of those, the ones timed (choice 0's)
         self.completion_tokens = 0  # tokens delivered so far
         self.ended = False  # finished, gone or refused: recorded once
+        self.adapter = ""  # the LoRA adapter it ran ("": the base model), counted apart
 
     def on_delta(self, delta: TextDelta, *, timed: bool = True) -> None:
         """`timed`: the delta feeds TTFT and inter-token latency (with n choices, only choice 0's do:
@@ -59,6 +60,9 @@ class RequestTracker:
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
         self.metrics.success.labels(finish_reason=finish_reason).inc()
+        if self.adapter:
+            self.metrics.lora_requests.labels(adapter=self.adapter).inc()
+            self.metrics.lora_tokens.labels(adapter=self.adapter).inc(usage.completion_tokens)
         if self.metrics.slo is not None and self.first_token_at is not None:
             # TPOT as vLLM's benchmark has it: the time after the first token, per later token
             later = self.timed_tokens - 1
