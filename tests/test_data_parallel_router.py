@@ -180,19 +180,19 @@ def test_a_conversations_next_turn_reaches_the_replica_holding_its_history(serve
 
 
 def test_stored_responses_chain_across_the_replicas_through_the_gateway(server, model):
-    """The replicas' apis share one SQLite store (the state directory of the machine): 12 chained Responses
+    """The replicas' apis share one SQLite store (the state directory of the machine): 20 chained Responses
     turns through the gateway, whichever replica smg picks (it does not route by previous_response_id),
     each continue the last; every id is then readable at both replicas with its key, not with the other
     key, and a DELETE at one replica is seen at the other. smg 1.13 answers GET and DELETE
     /v1/responses/{id} itself, from its own history, which holds nothing for HTTP workers: 404 there."""
     gateway, rid, ids = client(server.url), None, []
-    for i in range(12):
+    for i in range(20):
         response = gateway.responses.create(model=str(model), input=f"turn {i}", previous_response_id=rid,
                                             max_output_tokens=3, temperature=0)
         assert response.store and response.status in ("completed", "incomplete")
         rid = response.id
         ids.append(rid)
-    assert len(set(ids)) == 12
+    assert len(set(ids)) == 20
     mine = [client(url) for url in server.replica_urls]
     theirs = client(server.replica_urls[0], KEYS[1])
     for rid in ids:
