@@ -1,6 +1,6 @@
 """An independent, deliberately plain implementation of procs/scheduler/SCHEDULING.md (token positions, page size 1).
 
-It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
+Sections 1-5, 8, 9 and 10 (adapters). It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
 quantity recomputed from its definition each time. The tests compare its traces with those of
 `batchserve simulate` on random scenarios; where they differ, one of the two misreads the spec.
 """
@@ -28,6 +28,7 @@ class _Req:
     priority: int = 0
     joined: int = -1  # arrival order (the order requests joined the waiting queue first)
     filled_at: int = -1  # when its latest prefill completed
+    adapter: int = 0  # its LoRA adapter (section 10; 0: the base model)
 
     def allocated(self) -> int:
         return self.prefilled + self.fed
@@ -46,7 +47,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     fair = cfg.get("fair_prefill", False)
     reqs = [_Req(r["id"], r["arrival_step"], r["input_tokens"], r["output_tokens"],
                  r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
-                 priority=r.get("priority", 0)) for r in scenario["requests"]]
+                 priority=r.get("priority", 0), adapter=r.get("adapter", 0)) for r in scenario["requests"]]
     by_id = {r.id: r for r in reqs}
     cancels = scenario.get("cancels", [])
     waiting: list[_Req] = []
@@ -66,9 +67,15 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             before = [w for w in waiting if 0 <= w.first_admitted_at < victim.first_admitted_at]
         waiting.insert(len(before), victim)
 
+    max_loras = cfg.get("max_loras", 0)
+
     def fits(head: _Req, live: list[_Req]) -> bool:
         free = capacity - sum(r.allocated() for r in live)
         return len(live) < slots and head.est(percent) + sum(r.est(percent) for r in live) <= free
+
+    def adapter_fits(head: _Req, live: list[_Req]) -> bool:  # section 10
+        running = {r.adapter for r in live if r.adapter}
+        return not (max_loras and head.adapter and head.adapter not in running and len(running) >= max_loras)
 
     step = 0
     while True:
@@ -132,7 +139,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             while admit and waiting and budget > 0:
                 live = [r for r in reqs if r.state == "admitted"]
                 head = waiting[0]
-                if not fits(head, live):
+                if not adapter_fits(head, live) or not fits(head, live):
                     break
                 waiting.pop(0)
                 head.state = "admitted"

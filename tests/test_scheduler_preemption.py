@@ -25,7 +25,7 @@ from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepRes
 from spec_reference import reference_trace
 
 # The reference counts token positions: the scenarios with page size 1 (all but paged_admission and
-# sliding_window); it reads sections 1-5, 8 and 9, not the step-time bound of 6.5 (step_time_cap) nor
+# sliding_window); it reads sections 1-5, 8, 9 and 10, not the step-time bound of 6.5 (step_time_cap) nor
 # section 5's rope switch (rope_switch).
 SCENARIOS = [p for p in sorted((Path(__file__).resolve().parent / "scenarios").glob("*.json"))
              if json.loads(p.read_text())["config"].get("page_size", 1) == 1
