@@ -70,6 +70,13 @@ def test_kept_across_a_reopen_and_scoped_by_owner(database):
     assert owner_of("k1") != "k1" and len(owner_of("k1")) == 64  # a hash is stored, never the key
 
 
+def test_a_new_sqlite_file_is_the_server_users_alone(tmp_path):
+    store = sqlite(tmp_path / "state" / "r.sqlite3")
+    store.put("a", "", {"id": "a"}, [])
+    assert (tmp_path / "state" / "r.sqlite3").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+
+
 def test_two_writers_at_once_both_keep_everything(database):
     """Two replicas' stores on one database, writing at once: no write lost (SQLite: WAL and the busy timeout)."""
     stores = [database(), database()]

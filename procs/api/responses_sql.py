@@ -14,6 +14,7 @@ SQLite; loadtests/bench_responses_store.py).
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from abc import ABC, abstractmethod
 import threading
@@ -156,8 +157,11 @@ class SqliteResponseStore(SqlResponseStore):
         super().__init__(max_entries=max_entries, max_bytes=max_bytes, ttl_s=ttl_s)
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        created = not self.path.exists()
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        if created:  # people's conversations: readable by the server's user alone (SQLite's -wal and -shm follow)
+            os.chmod(self.path, 0o600)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         return db
