@@ -133,11 +133,9 @@ class LoraSlots:
             raise ValueError(f"slot {slot}: no LoRA adapter {adapter} loaded")
         self.slot_adapter[slot] = adapter
 
-    def plan(self, slots: list[int], extend_lens: list[int], num_padding: int = 0) -> None:
+    def plan(self, slots: list[int], extend_lens: list[int]) -> None:
         """The step's mask of each row's adapter columns (None: no row has an adapter)."""
         per_token = np.repeat(self.slot_adapter[np.asarray(slots, dtype=np.int64)], extend_lens)
-        if num_padding:
-            per_token[len(per_token) - num_padding:] = 0
         self._masks = {}
         if not per_token.any():
             self.mask = None
