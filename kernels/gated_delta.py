@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64  # tokens per chunk of the chunked form, transformers' and flash-linear-attention's
+from shared.step_features import LINEAR_ATTENTION_CHUNK
+
+CHUNK = LINEAR_ATTENTION_CHUNK  # tokens per chunk of the chunked form, transformers' and flash-linear-attention's
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -30,7 +30,8 @@ from procs.tokenizer.grammars import JSON_OPTIONS
 from procs.worker import model_runner
 from procs.worker.models import layers
 from procs.worker.models.moe import SparseMoeBlock
-from procs.worker.model_runner import GREEDY, ModelRunner
+from procs.worker.model_runner import ModelRunner
+from procs.worker.step_probe import GREEDY
 from shared.config import DEFAULT_MODEL, QUANTIZATIONS
 from kernels.sampling import sample_batch
 from shared.messages import ForwardBatch, LogitsParams, RequestParams, SlotStart, StepResult

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from loadtests.bench_moe import step_cost_table
-from procs.worker.model_runner import GREEDY, ModelRunner
+from procs.worker.model_runner import ModelRunner
+from procs.worker.step_probe import GREEDY
 from shared.messages import ForwardBatch
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

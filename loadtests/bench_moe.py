@@ -25,8 +25,9 @@ import torch
 from loadtests.bench_engine import alternating, run_engine, run_transformers, same_greedy_tokens
 from procs.scheduler.step_cost import StepCostModel
 from procs.worker.model_runner import ModelRunner
+from procs.worker.step_probe import probe_batch, probe_step_costs, timed_step
 from shared.config import QUANTIZATIONS
-from shared.step_features import attention_pairs
+from shared.step_features import StepShape, step_shape
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
              max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
@@ -115,35 +116,38 @@ def prefill_table(runners: dict[str, ModelRunner], moe_dir: Path, prompts_for, a
 
 
 def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
-    """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen;
-    for the MoE model also fitted without its experts-read term (tokens and attention alone)."""
+    """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen; each
+    model also fitted on the same steps without the row and chunked-token terms (the model before them),
+    and the MoE model without its experts-read term."""
     print("\nstep-cost model: |predicted / measured - 1| on unseen steps, mean (probe + 64 live steps fitted, "
           "as the scheduler fits them)")
-    print(f"  {'model':>24} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
+    print(f"  {'model':>30} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
     rng = np.random.default_rng(1)
     for name, runner in runners.items():
         moe, windows = runner.config.moe, runner.cost_windows
 
-        def measured(decodes: int, chunk: int) -> tuple[int, float, float]:
+        def measured(decodes: int, chunk: int) -> tuple[StepShape, float]:
             prefix, extend = [128] * decodes + ([0] if chunk else []), [1] * decodes + ([chunk] if chunk else [])
-            batch = runner._probe_batch(prefix, extend)
-            seconds = min(runner._timed(batch) for _ in range(2))
-            return batch.num_tokens, attention_pairs(prefix, extend, windows), seconds
+            batch = probe_batch(runner, prefix, extend)
+            seconds = min(timed_step(runner, batch) for _ in range(2))
+            return step_shape(prefix, extend, windows), seconds
 
-        probe = runner.probe_step_costs()
+        probe = probe_step_costs(runner)
         live = [measured(int(rng.integers(1, 33)), int(rng.choice([0, 0, 32, 128]))) for _ in range(64)]
         unseen = {"decode": [measured(b, 0) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
                   "mixed": [measured(b, c) for b in (2, 9, 24) for c in (16, 64, 200)]}
-        fits = {name: (moe.num_experts, moe.top_k) if moe else (0, 0)}
+        experts = (moe.num_experts, moe.top_k) if moe else (0, 0)
+        fits = {name: (experts, False), f"{name}, no row/chunk terms": (experts, True)}
         if moe:
-            fits["moe, no experts term"] = (0, 0)
-        for label, experts in fits.items():
-            cost = StepCostModel(probe, experts, windows)
-            for step in live:
-                cost.observe(*step)
-            errors = {k: [abs(cost.predict(t, p) / s - 1) for t, p, s in v] for k, v in unseen.items()}
+            fits["moe, no experts term"] = ((0, 0), False)
+        for label, (experts, tokens_only) in fits.items():
+            shaped = (lambda s: StepShape(s.tokens, 0.0, s.pairs, 0.0)) if tokens_only else (lambda s: s)
+            cost = StepCostModel([(shaped(s), t) for s, t in probe], experts, windows)
+            for shape, seconds in live:
+                cost.observe(shaped(shape), seconds)
+            errors = {k: [abs(cost.predict(shaped(shape)) / s - 1) for shape, s in v] for k, v in unseen.items()}
             mean = lambda xs: 100 * float(np.mean(xs))
-            print(f"  {label:>24} {mean(errors['decode']):>11.1f}% {mean(errors['mixed']):>7.1f}% "
+            print(f"  {label:>30} {mean(errors['decode']):>11.1f}% {mean(errors['mixed']):>7.1f}% "
                   f"{mean(errors['decode'] + errors['mixed']):>7.1f}%", flush=True)
 
 

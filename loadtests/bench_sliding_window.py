@@ -26,6 +26,7 @@ from procs.scheduler import Scheduler
 from procs.scheduler.config import scheduler_config_from_server
 from procs.scheduler.step_cost import StepCostModel
 from procs.worker.model_runner import ModelRunner
+from procs.worker.step_probe import probe_step_costs
 from shared.config import ServerConfig
 from shared.slo import DEFAULT_SLOS
 
@@ -46,7 +47,7 @@ def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: in
     config = ServerConfig(model=str(model_dir), kv_capacity_tokens=8192, max_context=4096, device="cpu",
                           max_running_requests=streams, prefill_budget=2048, page_size=page_size)
     runner = ModelRunner.from_config(config)  # as the offline engine runs it: no step-time bound
-    info = runner.worker_info(runner.probe_step_costs())
+    info = runner.worker_info(probe_step_costs(runner))
     cost = StepCostModel(info.step_costs, windows=info.layer_windows)
     errors: list[float] = []
     execute = runner.execute
@@ -55,7 +56,7 @@ def serve(model_dir: Path, streams: int, prompt: int, output: int, page_size: in
         began = time.perf_counter()
         result = execute(batch)
         if batch.num_tokens == batch.num_requests:
-            predicted = cost.predict(batch.num_tokens, cost.pairs(batch.prefix_lens, batch.extend_lens))
+            predicted = cost.predict(cost.shape(batch.prefix_lens, batch.extend_lens))
             errors.append(abs(predicted / (time.perf_counter() - began) - 1))
         return result
 

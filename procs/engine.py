@@ -211,8 +211,10 @@ class OfflineEngine:
         once and only throughput counts, so no step-time bound and no waiting limit. With speculative
         decoding, the worker's probe gives the step-cost model that says which drafts pay, as in `serve`
         (without the server's refits on live steps)."""
+        from procs.worker.step_probe import probe_step_costs
+
         speculative = config.speculative != "off"
-        info = self.runner.worker_info(self.runner.probe_step_costs() if speculative else None)
+        info = self.runner.worker_info(probe_step_costs(self.runner) if speculative else None)
         sched_config = msgspec.structs.replace(scheduler_config_from_server(config, info), max_step_s=0.0,
                                                max_waiting=0)
         return Scheduler(sched_config, eos_token_ids=self.runner.eos_token_ids,

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from shared.step_features import StepShape
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How one request picks its next token. `temperature == 0` means greedy."""
@@ -441,8 +443,8 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     max_context: int
     page_size: int
     device_type: str = "cpu"  # "cpu" | "cuda": picks the default step-time target
-    # Steps timed at startup: (tokens, attention query-key pairs, seconds), for the step-cost model.
-    step_costs: list[tuple[int, float, float]] = []
+    # Steps timed at startup: (shape, seconds), for the step-cost model.
+    step_costs: list[tuple[StepShape, float]] = []
     # A mixture-of-experts model's experts and experts per token (0 and 0: dense), for the step-cost model.
     moe_experts: int = 0
     moe_top_k: int = 0

@@ -6,7 +6,45 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
+
+# Tokens per chunk of a linear-attention layer's chunked form (`kernels.gated_delta`): a row of n > 1 tokens
+# computes ceil(n / 64) whole chunks, so 16 tokens cost what 64 do.
+LINEAR_ATTENTION_CHUNK = 64
+
+
+class StepShape(msgspec.Struct, frozen=True, array_like=True):
+    """What a step's time depends on (`step_shape`); shapes add up (a step's decodes and a chunk beside them)."""
+
+    tokens: float = 0.0  # tokens fed: the linear layers' rows
+    rows: float = 0.0  # requests: each samples (the LM head, the sampler) and is a row of every kernel
+    pairs: float = 0.0  # attention query-key pairs per layer on average (`attention_pairs`)
+    chunked: float = 0.0  # linear-attention layers' chunked-form tokens (`linear_chunked_tokens`)
+
+    def __add__(self, other: StepShape) -> StepShape:
+        return StepShape(self.tokens + other.tokens, self.rows + other.rows, self.pairs + other.pairs,
+                         self.chunked + other.chunked)
+
+
+def step_shape(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,
+               windows: Sequence[int] = ()) -> StepShape:
+    """The shape of a step whose rows feed `extend_lens` tokens after `prefix_lens` cached ones, in a model
+    whose layers have `windows` (`layer_cost_windows`)."""
+    n = np.asarray(extend_lens, dtype=np.float64)
+    return StepShape(float(n.sum()), float(np.count_nonzero(n)), attention_pairs(prefix_lens, n, windows),
+                     linear_chunked_tokens(n, windows))
+
+
+def linear_chunked_tokens(extend_lens: np.ndarray, windows: Sequence[int]) -> float:
+    """The tokens a hybrid model's linear-attention layers compute in the chunked form, per layer on average:
+    rows of more than one token, each padded to whole chunks (one-token rows take the recurrent form, whose
+    per-row cost the state's pairs count). 0 for a model without linear layers."""
+    linear = sum(1 for w in windows if w < 0)
+    if not linear:
+        return 0.0
+    chunks = np.ceil(extend_lens[extend_lens > 1] / LINEAR_ATTENTION_CHUNK)
+    return float(chunks.sum()) * LINEAR_ATTENTION_CHUNK * linear / len(windows)
 
 
 def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,

@@ -102,7 +102,7 @@ def test_mixed_counts_a_row_of_width_k_as_k_tokens_of_the_budget() -> None:
     sched.set_draft("A", [5, 6])
     out = sched.step(ex)
     assert out.decode == ["A"] and out.prefill == [("B", 5)]  # 8 - 3
-    assert sched.decode_load() == (1, 5.0 + 1)  # a row of one after 5 positions: 5 + 1 pairs
+    assert (sched.decode_load().rows, sched.decode_load().pairs) == (1, 5.0 + 1)  # a row of one after 5 positions
 
 
 def test_a_draft_waits_for_its_last_token_under_overlap() -> None:
@@ -186,9 +186,9 @@ def test_proposed_drafts_count_in_the_decode_load_the_step_time_bound_sizes_with
     sched = Scheduler(config, eos_token_ids=(EOS,))
     sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=20)))
     sched.step(Scripted([6]))
-    assert sched.decode_load()[0] == 1
+    assert sched.decode_load().tokens == 1
     sched.planner.propose_drafts()  # what launch does first, before it sizes the step
-    assert sched.decode_load()[0] == 1 + 4  # "7 8 5 6" occurred before, followed by 7 8 5 6
+    assert sched.decode_load().tokens == 1 + 4  # "7 8 5 6" occurred before, followed by 7 8 5 6
     sched.decode_manager.clear_drafts()
     launched = sched.launch()
     assert launched.batch.extend_lens == [5]  # launch proposed the same draft and packed it

@@ -13,76 +13,99 @@ from procs.scheduler.config import SchedulerConfig
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor
 from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
-from procs.scheduler.step_cost import StepCostModel
+from procs.scheduler.step_cost import CostWeights, StepCostModel
 from shared.config import ServerConfig
 from shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
-from shared.step_features import attention_pairs, experts_read
+from shared.step_features import StepShape, attention_pairs, experts_read, step_shape
 
-TRUE = (0.004, 0.0015, 0.0002)  # seconds: per step, per token, per 1000 attention pairs
-
-
-def seconds(tokens: int, pairs: float, weights=TRUE) -> float:
-    return weights[0] + weights[1] * tokens + weights[2] * pairs / 1000
+TRUE = CostWeights(step=0.004, token=0.0015, row=0.0005, pairs_1k=0.0002)  # seconds
 
 
-def probe(weights=TRUE) -> list[tuple[int, float, float]]:
-    shapes = [([0], [32]), ([0], [256]), ([0], [1024]), ([256], [1]), ([256] * 16, [1] * 16)]
-    return [(sum(e), attention_pairs(p, e), seconds(sum(e), attention_pairs(p, e), weights)) for p, e in shapes]
+def seconds(shape: StepShape, weights: CostWeights = TRUE) -> float:
+    return weights.step + weights.token * shape.tokens + weights.row * shape.rows + weights.pairs_1k * shape.pairs / 1000
+
+
+def decodes(rows: int, context: float = 300.0) -> StepShape:
+    """`rows` decode rows (one token each) pairing `context` keys each."""
+    return StepShape(tokens=rows, rows=rows, pairs=rows * context)
+
+
+def chunk(n: int, prefix: int = 0) -> StepShape:
+    return step_shape([prefix], [n])
+
+
+def scaled(weights: CostWeights, by: float) -> CostWeights:
+    return CostWeights(*(w * by for w in weights.vector()))
+
+
+def probe(weights: CostWeights = TRUE) -> list[tuple[StepShape, float]]:
+    shapes = [step_shape(p, e) for p, e in [([0], [32]), ([0], [256]), ([0], [1024]), ([256], [1]),
+                                            ([256] * 16, [1] * 16), ([256] * 16 + [0], [1] * 16 + [100])]]
+    return [(shape, seconds(shape, weights)) for shape in shapes]
 
 
 def test_probe_fit_recovers_the_costs_and_sizes_prefill_to_the_target():
     model = StepCostModel(probe())
-    assert model.weights == pytest.approx((*TRUE, 0.0), rel=1e-6)
-    decode_rows, decode_pairs = 16, 16 * 300.0
-    n = model.max_prefill_tokens(0.3, decode_rows, decode_pairs, 0, 2048)
-    within = lambda k: seconds(decode_rows + k, decode_pairs + attention_pairs([0], [k])) <= 0.3
+    assert model.weights.vector() == pytest.approx(TRUE.vector(), rel=1e-6, abs=1e-12)
+    load = decodes(16)
+    n = model.max_prefill_tokens(0.3, load, 0, 2048)
+    within = lambda k: seconds(load + chunk(k)) <= 0.3
     assert within(n) and not within(n + 1)
-    assert model.max_prefill_tokens(10.0, decode_rows, decode_pairs, 0, 2048) == 2048  # the cap holds
-    assert model.max_prefill_tokens(0.001, decode_rows, decode_pairs, 0, 2048) == 0  # decodes alone overrun
+    assert model.max_prefill_tokens(10.0, load, 0, 2048) == 2048  # the cap holds
+    assert model.max_prefill_tokens(0.001, load, 0, 2048) == 0  # decodes alone overrun
+
+
+def test_a_row_costs_apart_from_its_tokens():
+    """A decode row samples (the LM head, the sampler), a prompt token does not: fitted in tokens alone, a
+    step of 256 decode rows and one of a 256-token chunk would be predicted alike."""
+    model = StepCostModel(probe())
+    assert model.predict(decodes(256, 0.0)) - model.predict(StepShape(256, 1, 0.0)) == pytest.approx(255 * TRUE.row)
 
 
 def test_refits_follow_a_machine_that_slows_down():
     model = StepCostModel(probe())
-    slower = tuple(w * 2 for w in TRUE)
+    slower = scaled(TRUE, 2)
     rng = np.random.default_rng(0)
     for _ in range(256):
-        tokens = int(rng.choice([1, 8, 32, 64, 512]))
-        pairs = float(tokens * 300)
-        model.observe(tokens, pairs, seconds(tokens, pairs, slower))
-    # The probe stays in the fit, but 256 recent steps outweigh its five.
-    assert model.predict(512, 512 * 300.0) == pytest.approx(seconds(512, 512 * 300.0, slower), rel=0.05)
+        rows = int(rng.choice([1, 8, 32]))
+        shape = decodes(rows) + (chunk(int(rng.choice([0, 32, 480]))))
+        model.observe(shape, seconds(shape, slower))
+    # The probe stays in the fit, but 256 recent steps outweigh its six.
+    assert model.predict(decodes(512)) == pytest.approx(seconds(decodes(512), slower), rel=0.05)
+    assert model.predict(chunk(512)) == pytest.approx(seconds(chunk(512), slower), rel=0.05)
 
 
 def test_weights_stay_non_negative_and_a_probe_without_spread_is_refused():
-    noisy = [(1, 100.0, 0.02), (64, 6400.0, 0.01), (512, 60000.0, 0.5)]  # a hiccup on the batch-1 step
-    assert min(StepCostModel(noisy).weights) >= 0
+    noisy = [(decodes(1, 100), 0.02), (decodes(64, 100), 0.01), (chunk(512), 0.5)]  # a hiccup on the batch-1 step
+    assert min(StepCostModel(noisy).weights.vector()) >= 0
     with pytest.raises(ValueError):
-        StepCostModel([(16, 100.0, 0.01), (16, 200.0, 0.02)])
+        StepCostModel([(StepShape(16, 16, 100.0), 0.01), (StepShape(16, 16, 200.0), 0.02)])
 
 
 MOE = (8, 2)  # experts, top k
-MOE_TRUE = (0.004, 0.0004, 0.0002, 0.003)  # ... and per expert read per layer
+MOE_TRUE = CostWeights(step=0.004, token=0.0004, pairs_1k=0.0002, expert_read=0.003)
 
 
-def moe_seconds(tokens: int, pairs: float) -> float:
-    return seconds(tokens, pairs, MOE_TRUE[:3]) + MOE_TRUE[3] * experts_read(tokens, *MOE)
+def moe_seconds(shape: StepShape) -> float:
+    return seconds(shape, MOE_TRUE) + MOE_TRUE.expert_read * experts_read(shape.tokens, *MOE)
 
 
 def test_an_moe_models_steps_are_predicted_from_the_experts_they_read():
     """A decode step of 1 token reads 2 of 8 experts, one of 16 nearly all: the cost bends, which a fit
     in tokens alone cannot follow; with the expert term the probe's fit predicts every batch size."""
-    shapes = [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 4, [1] * 4), ([256] * 16, [1] * 16)]
-    costs = [(sum(e), attention_pairs(p, e), moe_seconds(sum(e), attention_pairs(p, e))) for p, e in shapes]
+    shapes = [step_shape(p, e) for p, e in [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 4, [1] * 4),
+                                            ([256] * 16, [1] * 16)]]
+    costs = [(shape, moe_seconds(shape)) for shape in shapes]
     moe, linear = StepCostModel(costs, MOE), StepCostModel(costs)
-    assert moe.weights == pytest.approx(MOE_TRUE, rel=1e-6)
+    assert moe.weights.vector() == pytest.approx(MOE_TRUE.vector(), rel=1e-6, abs=1e-12)
     for rows in (1, 2, 4, 8, 32, 64):
-        pairs = rows * 300.0
-        assert moe.predict(rows, pairs) == pytest.approx(moe_seconds(rows, pairs), rel=1e-6)
-    assert max(abs(linear.predict(r, r * 300.0) / moe_seconds(r, r * 300.0) - 1) for r in (1, 2, 4, 8)) > 0.2
+        assert moe.predict(decodes(rows)) == pytest.approx(moe_seconds(decodes(rows)), rel=1e-6)
+    assert max(abs(linear.predict(decodes(r)) / moe_seconds(decodes(r)) - 1) for r in (1, 2, 4, 8)) > 0.2
     # a draft token pays when it raises tokens per second: its added cost (experts newly read included)
     for rows in (1, 16):
-        added = moe_seconds(rows + 1, (rows + 1) * 300.0) - moe_seconds(rows, rows * 300.0)
-        assert moe.min_acceptance(rows, rows * 300.0) == pytest.approx(added * rows / moe_seconds(rows, rows * 300.0))
+        wider = StepShape(rows + 1, rows, (rows + 1) * 300.0)
+        added = moe_seconds(wider) - moe_seconds(decodes(rows))
+        assert moe.min_acceptance(decodes(rows)) == pytest.approx(added * rows / moe_seconds(decodes(rows)))
 
 
 def test_the_scheduler_prefills_no_more_than_it_is_given():
@@ -98,7 +121,7 @@ def test_the_scheduler_prefills_no_more_than_it_is_given():
         chunks += [n for _, n in out.prefill]
     assert chunks == [24, 24, 24, 24, 4]
     assert prefixes[:5] == [0, 24, 48, 72, 96]  # what each chunk's attention reads besides itself
-    assert sched.decode_load() == (0, 0.0)
+    assert sched.decode_load() == StepShape()
 
 
 def test_the_bound_is_on_by_default_with_a_suggested_target_per_device():
@@ -122,11 +145,12 @@ def test_the_bound_is_on_by_default_with_a_suggested_target_per_device():
 
 def test_a_real_probe_fits(tiny_model_dir):
     from procs.worker.model_runner import ModelRunner
+    from procs.worker.step_probe import probe_step_costs
 
     runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
-    costs = runner.probe_step_costs()
-    assert [t for t, _, _ in costs] == [32, 256, 1, 16]  # 1024 is past the tiny model's 512 positions
-    assert all(s > 0 for _, _, s in costs)
+    costs = probe_step_costs(runner)
+    assert [(s.tokens, s.rows) for s, _ in costs] == [(32, 1), (256, 1), (1, 1), (16, 16)]  # 1024: past 512 positions
+    assert all(s > 0 for _, s in costs)
     StepCostModel(costs)  # fits
     assert runner.kv_cache.page_table.abs().sum() == 0  # only the dummy page was touched
 
@@ -138,13 +162,22 @@ def test_the_off_value_survives_the_config_file_every_process_reads():
 
 
 def test_a_probe_taken_on_a_busy_machine_stops_counting_once_live_steps_span_enough():
-    model = StepCostModel(probe(tuple(w * 3 for w in TRUE)))  # three servers probing on two cores at once
+    model = StepCostModel(probe(scaled(TRUE, 3)))  # three servers probing on two cores at once
     rng = np.random.default_rng(1)
     for _ in range(64):
-        tokens = int(rng.choice([16, 48]))  # what a starved start carries: decodes, plus the smallest chunk
-        pairs = float(tokens * 200)
-        model.observe(tokens, pairs, seconds(tokens, pairs))
-    assert model.predict(1024, 1024 * 512.0) == pytest.approx(seconds(1024, 1024 * 512.0), rel=0.05)
+        # what a starved start carries: decodes, plus the smallest chunk
+        shape = decodes(int(rng.integers(8, 25)), float(rng.integers(100, 300))) + chunk(int(rng.choice([0, 32])))
+        model.observe(shape, seconds(shape))
+    assert model.predict(decodes(1024, 512)) == pytest.approx(seconds(decodes(1024, 512)), rel=0.05)
+    assert model.predict(chunk(1024)) == pytest.approx(seconds(chunk(1024)), rel=0.05)
+
+
+def test_decode_steps_alone_leave_the_probe_in_the_fit():
+    """Decode rows of one token each cannot tell a token's cost from a row's: the probe stays in the fit."""
+    model = StepCostModel(probe(scaled(TRUE, 3)))
+    for rows in [1, 8, 16, 32, 48] * 13:
+        model.observe(decodes(rows, 200), seconds(decodes(rows, 200)))
+    assert model.predict(chunk(1024)) > 1.5 * seconds(chunk(1024))  # still the probe's (3x) prefill
 
 
 def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
@@ -153,15 +186,15 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     the 1.3x. The margin learnt from their overruns keeps ~90% within."""
     model = StepCostModel(probe())
     rng = np.random.default_rng(2)
-    target, decode_rows, decode_pairs = 0.3, 16, 16 * 300.0
+    target, load = 0.3, decodes(16)
     within = []
     for _ in range(400):
-        step_s = model.prefill_step_s(target, decode_rows, decode_pairs, 0.5)
+        step_s = model.prefill_step_s(target, load, 0.5)
         assert step_s is not None
-        n = model.max_prefill_tokens(step_s, decode_rows, decode_pairs, 0, 2048)
-        tokens, pairs = decode_rows + n, decode_pairs + attention_pairs([0], [n])
-        actual = seconds(tokens, pairs) * 1.3 * float(rng.lognormal(0.0, 0.1))
-        model.observe(tokens, pairs, actual, with_prefill=True)
+        n = model.max_prefill_tokens(step_s, load, 0, 2048)
+        shape = load + chunk(n)
+        actual = seconds(shape) * 1.3 * float(rng.lognormal(0.0, 0.1))
+        model.observe(shape, actual, with_prefill=True)
         within.append(actual <= target)
     assert sum(within[:8]) <= 1  # before the margin: planned to the mean, which is over
     assert 0.8 <= np.mean(within[100:]) <= 0.97
@@ -171,19 +204,19 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
 def test_prefill_keeps_its_share_of_a_step_and_an_unreachable_target_bounds_nothing():
     """SCHEDULING.md 6.5: on a machine too slow for the target the bound must not stall admission."""
     model = StepCostModel(probe())
-    rows, pairs = 64, 64 * 4000.0  # decodes alone: 0.1 s of tokens + 0.05 s of attention
-    decode_s = seconds(rows, pairs)
+    load = decodes(64, 4000.0)  # decodes alone: 0.13 s of rows + 0.05 s of attention
+    decode_s = seconds(load)
     assert decode_s > 0.1
-    assert model.prefill_step_s(0.1, rows, pairs, 0.5) is None  # out of reach: no bound
-    assert model.prefill_step_s(0.1, rows, pairs, 0.0) is None
+    assert model.prefill_step_s(0.1, load, 0.5) is None  # out of reach: no bound
+    assert model.prefill_step_s(0.1, load, 0.0) is None
     # Within reach: the target, unless its room for prefill is below the share.
-    assert model.prefill_step_s(0.3, 4, 4 * 300.0, 0.5) == pytest.approx(0.3)
-    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.5)
+    assert model.prefill_step_s(0.3, decodes(4), 0.5) == pytest.approx(0.3)
+    step_s = model.prefill_step_s(decode_s * 1.5, load, 0.5)
     assert step_s == pytest.approx(2 * decode_s)
-    n = model.max_prefill_tokens(step_s, rows, pairs, 0, 4096)
-    prefill_s = lambda k: seconds(rows + k, pairs + attention_pairs([0], [k])) - decode_s
+    n = model.max_prefill_tokens(step_s, load, 0, 4096)
+    prefill_s = lambda k: seconds(load + chunk(k)) - decode_s
     assert prefill_s(n) <= decode_s < prefill_s(n + 1)  # as long as the decodes, at a share of one half
-    step_s = model.prefill_step_s(decode_s * 1.5, rows, pairs, 0.0)  # no share: the bound alone
+    step_s = model.prefill_step_s(decode_s * 1.5, load, 0.0)  # no share: the bound alone
     assert step_s == pytest.approx(decode_s * 1.5)
 
 
@@ -198,19 +231,18 @@ def test_the_prefill_share_is_checked():
 
 
 def test_a_draft_must_win_more_tokens_than_it_costs():
-    """Speculative decoding's break-even share: k draft tokens add k * (w1 + w2 * context / 1000) s and
-    win accepted tokens; they pay when tokens per second rise, i.e. when the accepted share is above
-    what a token costs over the step's time per row."""
+    """Speculative decoding's break-even share: k draft tokens add k * (w_token + w_pairs * context / 1000) s
+    (no row: they widen one) and win accepted tokens; they pay when tokens per second rise, i.e. when the
+    accepted share is above what a token costs over the step's time per row."""
     model = StepCostModel(probe())
     for rows in (1, 4, 64):
-        pairs = rows * 300.0
-        share = model.min_acceptance(rows, pairs)
+        share = model.min_acceptance(decodes(rows))
         k = 4
-        base = rows / seconds(rows, pairs)
-        with_draft = lambda accepted: (rows + accepted) / seconds(rows + k, pairs + k * 301)
+        base = rows / seconds(decodes(rows))
+        with_draft = lambda accepted: (rows + accepted) / seconds(decodes(rows) + StepShape(k, 0, k * 300.0))
         assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
-    assert model.min_acceptance(1, 300.0) < 0.5 < model.min_acceptance(64, 64 * 300.0)
-    assert model.min_acceptance(0, 0.0) == 0.0
+    assert model.min_acceptance(decodes(1)) < 0.5 < model.min_acceptance(decodes(64))
+    assert model.min_acceptance(StepShape()) == 0.0
 
 
 def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
@@ -237,7 +269,7 @@ def test_prefill_keeps_up_with_the_prompts_arriving():
     assert demand.share(model, 0.0) == 0.0
     for i in range(8):  # 8 prompts of 300 tokens in 4 s, the first 100 of each in the prefix cache
         demand.arrived(300, 100, now=i * 0.5)
-    need = 8 * (seconds(200, attention_pairs([100], [200])) - TRUE[0])  # seconds of prefill, fixed cost aside
+    need = 8 * (seconds(chunk(200, prefix=100)) - TRUE.step)  # seconds of prefill, fixed cost aside
     share = demand.share(model, 4.0)
     assert share == pytest.approx(DEMAND_HEADROOM * need / DEMAND_WINDOW_S, rel=1e-6)
     assert prefill_share(0.5, 1, 31, 0.9, share) == max(0.5, share)
@@ -254,13 +286,12 @@ def test_a_draft_models_cost_raises_the_break_even():
     it per step; a moving average per token): the share that must be accepted rises with it, past 1
     (no draft pays) where the model's own tokens are cheap beside it."""
     model = StepCostModel(probe())
-    rows, pairs = 16, 16 * 300.0
-    plain = model.min_acceptance(rows, pairs)
+    plain = model.min_acceptance(decodes(16))
     for _ in range(100):
         model.observe_drafts(0.016, 4)  # 4 ms a draft token
     assert model.draft_token_s == pytest.approx(0.004, rel=1e-3)
-    per_row = seconds(rows, pairs) / rows
-    assert model.min_acceptance(rows, pairs) == pytest.approx(plain + 0.004 / per_row, rel=1e-3)
+    per_row = seconds(decodes(16)) / 16
+    assert model.min_acceptance(decodes(16)) == pytest.approx(plain + 0.004 / per_row, rel=1e-3)
     model.observe_drafts(1.0, 0)  # no draft tokens: nothing to learn
     assert model.draft_token_s == pytest.approx(0.004, rel=1e-3)
 
@@ -280,5 +311,15 @@ def test_attention_pairs_count_each_layers_window():
         assert attention_pairs(prefix_lens, extend_lens, windows) == pytest.approx(brute(prefix_lens, extend_lens,
                                                                                          windows))
     assert attention_pairs([1000], [1], [256]) == 256 and attention_pairs([1000], [1], [256, 0]) == (256 + 1001) / 2
-    model = StepCostModel([(8, 100.0, 0.01), (64, 900.0, 0.05), (256, 40000.0, 0.2)], windows=(8, 0))
-    assert model.pairs([100], [2]) == attention_pairs([100], [2], (8, 0))
+    model = StepCostModel([(decodes(8, 12), 0.01), (decodes(64, 14), 0.05), (chunk(256), 0.2)], windows=(8, 0))
+    assert model.shape([100], [2]).pairs == attention_pairs([100], [2], (8, 0))
+
+
+def test_a_hybrid_models_prefill_counts_whole_chunks_of_its_linear_layers():
+    """Three linear layers to one full: a row of n > 1 tokens computes ceil(n / 64) chunks of 64 in each
+    linear layer; one-token rows none (their state reads count as pairs); other models none at all."""
+    windows = (-300, -300, -300, 0)
+    assert step_shape([0], [16], windows).chunked == 64 * 3 / 4
+    assert step_shape([0, 5], [100, 1], windows).chunked == 128 * 3 / 4
+    assert step_shape([5, 7], [1, 1], windows).chunked == 0
+    assert step_shape([0], [100], (0, 0)).chunked == 0 and step_shape([0], [100], (8, 0)).chunked == 0

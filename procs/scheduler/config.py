@@ -174,7 +174,7 @@ def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
     """The step-time target in seconds: max_step_ms, else the SLO's tpot objective (a step is every
     running stream's inter-token gap), else the device's default; None: no bound (-1), or no probe to
     model steps with."""
-    if config.max_step_ms == NO_STEP_BOUND or len({tokens for tokens, _, _ in info.step_costs}) < 2:
+    if config.max_step_ms == NO_STEP_BOUND or len({shape.tokens for shape, _ in info.step_costs}) < 2:
         return None
     objectives = config.objectives
     ms = (config.max_step_ms or (objectives.tpot_ms if objectives is not None else None)

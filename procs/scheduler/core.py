@@ -54,6 +54,7 @@ from shared.checks import MAX_TOKEN_ID, check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
 from shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
+from shared.step_features import StepShape
 
 class Scheduler:
     """Waiting queue, running set, request table and KV pages; plans and applies one step at a time.
@@ -157,8 +158,8 @@ class Scheduler:
         """True while requests wait or run, or aborts are still to be reported by a `step()`."""
         return bool(self.requests) or bool(self._cancelled)
 
-    def decode_load(self) -> tuple[int, float]:
-        """(decode tokens, their attention pairs next step): `StepPlanner.decode_load`."""
+    def decode_load(self) -> StepShape:
+        """The decode rows' shape next step: `StepPlanner.decode_load`."""
         return self.planner.decode_load()
 
     def cached_prefix_tokens(self, rid: str) -> int:

@@ -68,7 +68,7 @@ class RemoteWorker:
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
                     # A draft model's proposing is its own cost, apart from the model's step.
-                    self.cost.observe(batch.num_tokens, self.cost.pairs(batch.prefix_lens, batch.extend_lens),
+                    self.cost.observe(self.cost.shape(batch.prefix_lens, batch.extend_lens),
                                       now - started - result.draft_s,
                                       with_prefill=batch.num_tokens > batch.num_sampled)
                     if result.draft_s:

@@ -27,7 +27,7 @@ from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor, scripted_token
-from procs.scheduler.step_cost import LinearStepCost
+from procs.scheduler.step_cost import CostWeights, LinearStepCost
 from procs.scheduler.step_output import StepOutput
 from shared.errors import Refusal
 from shared.messages import RequestParams, SamplingParams, StopParams
@@ -41,15 +41,17 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class ScenarioStepCost(msgspec.Struct, forbid_unknown_fields=True):
-    """A scripted step-cost model: a step takes ms_per_step + ms_per_token * tokens + ms_per_1k_pairs *
-    attention pairs / 1000 (`LinearStepCost`)."""
+    """A scripted step-cost model: a step takes ms_per_step + ms_per_token * tokens + ms_per_row * rows +
+    ms_per_1k_pairs * attention pairs / 1000 (`LinearStepCost`)."""
 
     ms_per_step: NonNegativeFloat
     ms_per_token: Annotated[float, msgspec.Meta(gt=0)]
     ms_per_1k_pairs: NonNegativeFloat = 0.0
+    ms_per_row: NonNegativeFloat = 0.0
 
     def model(self) -> LinearStepCost:
-        return LinearStepCost((self.ms_per_step / 1000, self.ms_per_token / 1000, self.ms_per_1k_pairs / 1000, 0.0))
+        return LinearStepCost(CostWeights(step=self.ms_per_step / 1000, token=self.ms_per_token / 1000,
+                                          row=self.ms_per_row / 1000, pairs_1k=self.ms_per_1k_pairs / 1000))
 
 
 class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):

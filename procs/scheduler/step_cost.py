@@ -2,21 +2,25 @@
 sized to a time target (`--max-step-ms`) instead of a fixed token budget.
 
 A step's wall time (as the scheduler waits for it: the worker's forward and sampling, and the
-sockets) is modelled as
+sockets) is modelled from its shape (`shared.step_features.StepShape`) as
 
-    seconds = w0 + w1 * tokens + w2 * attention_pairs / 1000 + w3 * experts_read
+    seconds = w_step + w_token * tokens + w_row * rows + w_pairs * attention_pairs / 1000
+              + w_expert * experts_read + w_chunked * chunked
 
-`tokens` drive the linear layers and the LM head; `attention_pairs` (`shared.step_features`) drive
-attention; `experts_read` (a mixture-of-experts model's, 0 for a dense one) the expert weights a step
+`tokens` drive the linear layers; `rows` what each request costs whatever its tokens: its LM head row
+and sampling (a prefill chunk of 256 tokens samples once, 256 decode rows 256 times) and a row in every
+kernel; `attention_pairs` drive attention (a hybrid model's linear layers count each row's state reads
+there); `experts_read` (a mixture-of-experts model's, 0 for a dense one) the expert weights a step
 reads, which grow with its tokens until every expert is read: a decode step of one token reads top_k
-experts, a step of many all of them, so an MoE step's cost is not linear in its tokens. The weights
+experts, a step of many all of them, so an MoE step's cost is not linear in its tokens; `chunked` a
+hybrid model's linear layers' prefill tokens padded to whole chunks (0 for other models). The weights
 come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted by least squares
 from the last measured steps, so the model follows the machine (a shared CPU, graph replay on a GPU).
 Sarathi-Serve picks its token budget from profiles for the same reason.
 
 A least-squares fit predicts a step's mean time, and a bound is about the slow steps: each step with
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
-with prefill ran (their 90th percentile). It covers what the three terms miss (a shared CPU's noise,
+with prefill ran (their 90th percentile). It covers what the terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
 Once the decodes alone take the target a step is not bounded at all (`prefill_step_s`), so a machine
 too slow for the target admits as fast as it can. How the target becomes a step's prompt-token cap
@@ -32,18 +36,20 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from shared.messages import WorkerInfo
-from shared.step_features import attention_pairs, experts_read
+from shared.step_features import StepShape, experts_read, step_shape
 
 if TYPE_CHECKING:
     from procs.scheduler.config import SchedulerConfig
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits
-# Tokens between the window's smallest and largest step to fit on live steps alone: decode-only steps
-# beside steps with even the smallest chunk (32 tokens) reach it.
+# Tokens between the window's smallest and largest step, and prompt tokens (tokens beyond one a row) between
+# the steps with the fewest and the most, to fit on live steps alone: decode-only steps beside steps with even
+# the smallest chunk (32 tokens) reach both; decode steps alone cannot tell a token's cost from a row's.
 MIN_LIVE_SPREAD = 16
 MARGIN_STEPS = 64  # recent steps with prefill whose actual / predicted times set the margin
 MARGIN_QUANTILE = 0.9  # the share of them the margin would have kept within the target
@@ -54,64 +60,92 @@ REPORT_EVERY_S = 60.0  # the refitted model in the log at most this often
 log = logging.getLogger("batchserve.scheduler")
 
 
-class LinearStepCost:
-    """The model with fixed weights (w0, w1, w2, w3): what every step-time decision reads. `simulate`
-    scripts one; `StepCostModel` fits its weights to measured steps. `margin`: how much longer than
-    predicted the slow steps with prefill run (1 here: a scripted cost is exact)."""
+class CostWeights(msgspec.Struct, frozen=True):
+    """Seconds per step, per token, per row, per 1000 attention pairs, per expert read and per chunked token."""
 
-    def __init__(self, weights: tuple[float, float, float, float], experts: tuple[int, int] = (0, 0),
-                 windows: Sequence[int] = ()) -> None:
+    step: float = 0.0
+    token: float = 0.0
+    row: float = 0.0
+    pairs_1k: float = 0.0
+    expert_read: float = 0.0
+    chunked: float = 0.0
+
+    def vector(self) -> np.ndarray:
+        return np.array(msgspec.structs.astuple(self))
+
+    def log_fields(self) -> dict[str, float]:
+        """The weights in milliseconds, as the log shows them."""
+        return {"ms_per_step": round(self.step * 1000, 2), "ms_per_token": round(self.token * 1000, 4),
+                "ms_per_row": round(self.row * 1000, 4), "ms_per_1k_attention_pairs": round(self.pairs_1k * 1000, 4),
+                "ms_per_expert_read": round(self.expert_read * 1000, 4),
+                "ms_per_chunked_token": round(self.chunked * 1000, 4)}
+
+
+TOKEN_WEIGHT = CostWeights.__struct_fields__.index("token")  # the one weight every fit keeps, and keeps > 0
+
+
+def features(shape: StepShape, experts: tuple[int, int]) -> np.ndarray:
+    """The shape's terms in `CostWeights`' order."""
+    return np.array([1.0, shape.tokens, shape.rows, shape.pairs / 1000, experts_read(shape.tokens, *experts),
+                     shape.chunked])
+
+
+class LinearStepCost:
+    """The model with fixed weights: what every step-time decision reads. `simulate` scripts one;
+    `StepCostModel` fits its weights to measured steps. `margin`: how much longer than predicted the slow
+    steps with prefill run (1 here: a scripted cost is exact)."""
+
+    def __init__(self, weights: CostWeights, experts: tuple[int, int] = (0, 0), windows: Sequence[int] = ()) -> None:
         self.weights = weights
         self.experts = experts
-        self.windows = tuple(windows)  # each layer's sliding window (`attention_pairs`)
+        self.windows = tuple(windows)  # each layer's cost window (`shared.step_features.layer_cost_windows`)
         self.margin = 1.0
         self.draft_token_s = 0.0  # a draft model's seconds to propose one token (`StepCostModel.observe_drafts`)
 
-    def pairs(self, prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray) -> float:
-        """The attention pairs of rows feeding `extend_lens` tokens after `prefix_lens`, this model's windows counted."""
-        return attention_pairs(prefix_lens, extend_lens, self.windows)
+    def shape(self, prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray) -> StepShape:
+        """The shape of rows feeding `extend_lens` tokens after `prefix_lens`, this model's windows counted."""
+        return step_shape(prefix_lens, extend_lens, self.windows)
 
-    def predict(self, tokens: float, pairs: float) -> float:
-        w0, w1, w2, w3 = self.weights
-        return w0 + w1 * tokens + w2 * pairs / 1000 + w3 * experts_read(tokens, *self.experts)
+    def predict(self, shape: StepShape) -> float:
+        return float(self.weights.vector() @ features(shape, self.experts))
 
-    def prefill_s(self, tokens: float, pairs: float) -> float:
-        """What these tokens add to a step, beyond its fixed cost."""
-        return self.predict(tokens, pairs) - self.weights[0]
+    def prefill_s(self, shape: StepShape) -> float:
+        """What these rows add to a step, beyond its fixed cost."""
+        return self.predict(shape) - self.weights.step
 
-    def prefill_step_s(self, target_s: float, decode_rows: int, decode_pairs: float,
-                       min_share: float) -> float | None:
+    def prefill_step_s(self, target_s: float, decodes: StepShape, min_share: float) -> float | None:
         """How long (as predicted) a step beside these decodes may take: `target_s` less the margin,
         unless that leaves prefill less than `min_share` of the step; then as long as gives prefill that
         share (decodes' time / (1 - min_share)). None: the target is out of reach (the decodes alone take
         it), so the bound protects nothing and the step is not bounded (SCHEDULING.md 6.5)."""
         planned_s = target_s / self.margin
-        decode_s = self.predict(decode_rows, decode_pairs)
+        decode_s = self.predict(decodes)
         if decode_s >= planned_s:
             return None
         return max(planned_s, decode_s / (1 - min_share))
 
-    def min_acceptance(self, decode_rows: int, decode_pairs: float) -> float:
+    def min_acceptance(self, decodes: StepShape) -> float:
         """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to
         pay, that is to raise the tokens per second of a step of these decodes: what one more token
-        costs (w1, and w2 for its attention over an average row's context, and what a draft model
-        takes to propose it) over the step's time per row. Small beside one request, near or past 1
-        in a batch big enough to be compute-bound."""
-        if decode_rows <= 0:
+        costs (its linear layers, and its attention over an average row's context, and what a draft
+        model takes to propose it; no row: it widens one) over the step's time per row. Small beside
+        one request, near or past 1 in a batch big enough to be compute-bound."""
+        if decodes.rows <= 0:
             return 0.0
-        step_s = self.predict(decode_rows, decode_pairs)
-        added_s = self.predict(decode_rows + 1, decode_pairs * (1 + 1 / decode_rows)) - step_s  # an average row's
-        return (added_s + self.draft_token_s) * decode_rows / max(step_s, 1e-9)
+        step_s = self.predict(decodes)
+        wider = StepShape(decodes.tokens + 1, decodes.rows, decodes.pairs * (1 + 1 / decodes.rows), decodes.chunked)
+        added_s = self.predict(wider) - step_s  # an average row's
+        return (added_s + self.draft_token_s) * decodes.rows / max(step_s, 1e-9)
 
-    def max_prefill_tokens(self, step_s: float, decode_rows: int, decode_pairs: float, prefix: int,
-                           limit: int) -> int:
+    def max_prefill_tokens(self, step_s: float, decodes: StepShape, prefix: int, limit: int) -> int:
         """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
         `step_s`, for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
         def fits(n: int) -> bool:
-            return self.predict(decode_rows + n, decode_pairs + self.pairs([prefix], [n])) <= step_s
+            return self.predict(decodes + self.shape([prefix], [n])) <= step_s
         if not fits(1):
             return 0
-        low, high = 1, limit  # fits(low); find the largest n that fits (time grows with n)
+        # find the largest n that fits: time grows with n (in steps of a chunk where chunks are padded)
+        low, high = 1, limit
         while low < high:
             mid = (low + high + 1) // 2
             if fits(mid):
@@ -124,15 +158,15 @@ class LinearStepCost:
 class StepCostModel(LinearStepCost):
     """The weights fitted to the worker's startup probe, then refitted from the steps measured since."""
 
-    def __init__(self, probe: Sequence[tuple[int, float, float]], experts: tuple[int, int] = (0, 0),
+    def __init__(self, probe: Sequence[tuple[StepShape, float]], experts: tuple[int, int] = (0, 0),
                  windows: Sequence[int] = ()) -> None:
-        """`probe`: (tokens, attention_pairs, seconds) of steps measured at startup (at least two
-        different token counts); `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense;
-        `windows`: each layer's sliding window (the probe's pairs count them too)."""
+        """`probe`: (shape, seconds) of steps measured at startup (at least two different token counts);
+        `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense; `windows`: each layer's
+        cost window (the probe's shapes count them too)."""
         self.experts = experts
         self.windows = tuple(windows)
-        self._probe = [(float(t), float(a), float(s)) for t, a, s in probe]
-        self._steps: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._probe = [(shape, float(s)) for shape, s in probe]
+        self._steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
         self._reported_at = time.monotonic()
@@ -141,28 +175,38 @@ class StepCostModel(LinearStepCost):
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
         super().__init__(weights, experts, windows)
 
-    def observe(self, tokens: int, pairs: float, seconds: float, *, with_prefill: bool = False) -> None:
+    def observe(self, shape: StepShape, seconds: float, *, with_prefill: bool = False) -> None:
         """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
         if with_prefill:
-            self._overruns.append(seconds / max(self.predict(tokens, pairs), 1e-9))
+            self._overruns.append(seconds / max(self.predict(shape), 1e-9))
             if len(self._overruns) >= MIN_MARGIN_STEPS:
                 quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
                 self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
-        self._steps.append((float(tokens), pairs, seconds))
+        self._steps.append((shape, seconds))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
-            # Live steps alone once they span enough token counts to pin the per-token cost (a probe
-            # taken while the machine was busy, say beside other starting servers, would otherwise
-            # keep skewing it); before that, the probe fills the gap (steady decode steps alone leave
-            # the per-token cost undetermined).
+            # Live steps alone once they span enough tokens and prompt tokens to pin a token's cost and a
+            # row's (a probe taken while the machine was busy, say beside other starting servers, would
+            # otherwise keep skewing them); before that, the probe fills the gap (steady decode steps alone
+            # leave the per-token cost undetermined).
             live = list(self._steps)
-            spread = max(t for t, _, _ in live) - min(t for t, _, _ in live)
-            fitted = self._fit(live) if spread >= MIN_LIVE_SPREAD else None
+            fitted = self._fit(live) if self._determines_weights(live) else None
             fitted = fitted or self._fit(self._probe + live)
             if fitted is not None:
                 self.weights = fitted
             self._report()
+
+    def _determines_weights(self, steps: Sequence[tuple[StepShape, float]]) -> bool:
+        """Whether measured steps can be fitted alone: they spread enough in tokens, and in tokens beyond a
+        row's one, and no term of theirs is a mix of the others."""
+        tokens = [shape.tokens for shape, _ in steps]
+        prompt = [shape.tokens - shape.rows for shape, _ in steps]
+        if min(np.ptp(tokens), np.ptp(prompt)) < MIN_LIVE_SPREAD:
+            return False
+        columns = np.stack([features(shape, self.experts) for shape, _ in steps])
+        columns = columns[:, columns.any(axis=0)] / np.abs(columns).max(axis=0)[columns.any(axis=0)]
+        return int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
 
     def _report(self) -> None:
         """The model as refitted, in the log at most every `REPORT_EVERY_S` (what a bound plans with)."""
@@ -170,11 +214,7 @@ class StepCostModel(LinearStepCost):
         if now - self._reported_at < REPORT_EVERY_S:
             return
         self._reported_at = now
-        w0, w1, w2, w3 = self.weights
-        log.info("step-cost model", extra={"fields": {
-            "ms_per_step": round(w0 * 1000, 2), "ms_per_token": round(w1 * 1000, 4),
-            "ms_per_1k_attention_pairs": round(w2 * 1000, 4), "ms_per_expert_read": round(w3 * 1000, 4),
-            "margin": round(self.margin, 3)}})
+        log.info("step-cost model", extra={"fields": {**self.weights.log_fields(), "margin": round(self.margin, 3)}})
 
     def observe_drafts(self, seconds: float, draft_tokens: int) -> None:
         """A draft model proposed `draft_tokens` tokens in `seconds` (a moving average per token)."""
@@ -182,34 +222,34 @@ class StepCostModel(LinearStepCost):
             per_token = seconds / draft_tokens
             self.draft_token_s += DRAFT_COST_WEIGHT * (per_token - self.draft_token_s)
 
-    def _fit(self, rows: Sequence[tuple[float, float, float]]) -> tuple[float, float, float, float] | None:
+    def _fit(self, rows: Sequence[tuple[StepShape, float]]) -> CostWeights | None:
         """Least squares with non-negative weights (a cost never shrinks as work grows) and a positive
-        per-token cost: the best fit over the subsets of {base, attention, experts} kept beside tokens (an
-        exact non-negative least squares for these few weights). None when no subset fits."""
-        data = np.asarray(rows, dtype=np.float64)
-        if data.shape[0] < 2 or np.ptp(data[:, 0]) == 0:
+        per-token cost: the best fit over the subsets of the other terms kept beside tokens (an exact
+        non-negative least squares for these few weights; a term that is 0 in every step is left out).
+        None when no subset fits."""
+        if len(rows) < 2 or len({shape.tokens for shape, _ in rows}) < 2:
             return None
-        experts = [experts_read(t, *self.experts) for t in data[:, 0]]
-        columns = np.column_stack([np.ones(data.shape[0]), data[:, 0], data[:, 1] / 1000, experts])
-        optional = [0, 2, 3] if self.experts[0] else [0, 2]
+        columns = np.stack([features(shape, self.experts) for shape, _ in rows])
+        seconds = np.array([s for _, s in rows])
+        optional = [i for i in range(columns.shape[1]) if i != TOKEN_WEIGHT and columns[:, i].any()]
         best: tuple[float, np.ndarray] | None = None
-        for kept in (sorted([1, *chosen]) for size in range(len(optional), -1, -1)
+        for kept in (sorted([TOKEN_WEIGHT, *chosen]) for size in range(len(optional), -1, -1)
                      for chosen in itertools.combinations(optional, size)):
-            solution, *_ = np.linalg.lstsq(columns[:, kept], data[:, 2], rcond=None)
-            if solution.min() < 0 or solution[kept.index(1)] <= 0:
+            solution, *_ = np.linalg.lstsq(columns[:, kept], seconds, rcond=None)
+            if solution.min() < 0 or solution[kept.index(TOKEN_WEIGHT)] <= 0:
                 continue
-            weights = np.zeros(4)
+            weights = np.zeros(columns.shape[1])
             weights[kept] = solution
-            residual = float(np.square(columns @ weights - data[:, 2]).sum())
+            residual = float(np.square(columns @ weights - seconds).sum())
             if best is None or residual < best[0]:
                 best = (residual, weights)
-        return None if best is None else tuple(float(w) for w in best[1])  # type: ignore[return-value]
+        return None if best is None else CostWeights(*(float(w) for w in best[1]))
 
 
 def cost_model_for(config: SchedulerConfig, info: WorkerInfo) -> StepCostModel | None:
     """The step-cost model a scheduler sized by the worker's `info` plans with: for the step-time bound,
     or for speculative decoding's break-even share; None when neither needs one (or the worker sent no
     probe of at least two step sizes)."""
-    if not (config.max_step_s or config.speculative != "off") or len({t for t, _, _ in info.step_costs}) < 2:
+    if not (config.max_step_s or config.speculative != "off") or len({s.tokens for s, _ in info.step_costs}) < 2:
         return None
     return StepCostModel(info.step_costs, (info.moe_experts, info.moe_top_k), info.layer_windows)

@@ -23,7 +23,7 @@ from procs.scheduler.ngram import NgramProposer
 from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_cost import LinearStepCost
 from procs.scheduler.step_time_cap import StepTimeCap
-from shared.step_features import attention_pairs
+from shared.step_features import StepShape, step_shape
 
 
 class Proposer(Protocol):
@@ -79,12 +79,12 @@ class StepPlanner:
         self.min_acceptance = 0.0
 
     # ------------------------------------------------------------------ what a step carries
-    def decode_load(self) -> tuple[int, float]:
-        """(decode tokens, their attention pairs next step): what a step carries besides prefill. A row of
-        width k after p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
+    def decode_load(self) -> StepShape:
+        """The decode rows' shape next step: what a step carries besides prefill. A row of width k after
+        p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
         view = self.decode.batch_view()
-        return view.tokens, attention_pairs(self.table.kv_len[view.slots], view.widths,
-                                            self.cost.windows if self.cost is not None else ())
+        return step_shape(self.table.kv_len[view.slots], view.widths,
+                          self.cost.windows if self.cost is not None else ())
 
     @property
     def num_prefilling(self) -> int:
@@ -114,7 +114,7 @@ class StepPlanner:
         if proposer is None:
             return
         if self.cost is not None:
-            self.min_acceptance = self.cost.min_acceptance(*self.decode_load())
+            self.min_acceptance = self.cost.min_acceptance(self.decode_load())
         if self.min_acceptance >= 1.0:
             return
         table = self.table
@@ -168,5 +168,4 @@ class StepPlanner:
         """The step's time as the cost model predicts it, while the step-time cap is on (else None)."""
         if self.cap is None:
             return None
-        n, p = planned.tokens, self.table.kv_len[planned.slots]
-        return self.cap.cost.predict(int(n.sum()), self.cap.cost.pairs(p, n))
+        return self.cap.cost.predict(self.cap.cost.shape(self.table.kv_len[planned.slots], planned.tokens))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from procs.scheduler.step_cost import LinearStepCost
-from shared.step_features import attention_pairs
+from shared.step_features import StepShape, step_shape
 
 log = logging.getLogger("batchserve.scheduler")
 
@@ -45,17 +45,14 @@ class PrefillDemand:
     def __init__(self, window_s: float = DEMAND_WINDOW_S, layer_windows: Sequence[int] = ()) -> None:
         self.window_s = window_s
         self.layer_windows = tuple(layer_windows)  # each layer's sliding window (`attention_pairs`)
-        self._arrivals: deque[tuple[float, int, float]] = deque()  # (time, tokens to compute, attention pairs)
-        self._tokens = 0  # the window's sums
-        self._pairs = 0.0
+        self._arrivals: deque[tuple[float, StepShape]] = deque()  # (time, the prompt's rows to compute)
+        self._sum = StepShape()  # the window's
 
     def arrived(self, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         """A prompt of `prompt_tokens`, the first `cached_tokens` of which the prefix cache holds."""
-        tokens = prompt_tokens - cached_tokens
-        pairs = attention_pairs([cached_tokens], [tokens], self.layer_windows)
-        self._arrivals.append((now, tokens, pairs))
-        self._tokens += tokens
-        self._pairs += pairs
+        shape = step_shape([cached_tokens], [prompt_tokens - cached_tokens], self.layer_windows)
+        self._arrivals.append((now, shape))
+        self._sum += shape
         self._forget(now)
 
     def share(self, cost: LinearStepCost, now: float) -> float:
@@ -64,13 +61,12 @@ class PrefillDemand:
         self._forget(now)
         if not self._arrivals:
             return 0.0
-        return DEMAND_HEADROOM * cost.prefill_s(self._tokens, self._pairs) / self.window_s
+        return DEMAND_HEADROOM * cost.prefill_s(self._sum) / self.window_s
 
     def _forget(self, now: float) -> None:
         while self._arrivals and self._arrivals[0][0] < now - self.window_s:
-            _, tokens, pairs = self._arrivals.popleft()
-            self._tokens -= tokens
-            self._pairs -= pairs
+            _, shape = self._arrivals.popleft()
+            self._sum = self._sum + StepShape(-shape.tokens, -shape.rows, -shape.pairs, -shape.chunked)
 
 
 class StepLoad(Protocol):
@@ -80,7 +76,7 @@ class StepLoad(Protocol):
     def num_prefilling(self) -> int: ...
     @property
     def num_decoding(self) -> int: ...
-    def decode_load(self) -> tuple[int, float]: ...
+    def decode_load(self) -> StepShape: ...
     def has_prefill_work(self) -> bool: ...
     def prefill_prefix(self) -> int: ...
 
@@ -106,23 +102,23 @@ class StepTimeCap:
 
     def prompt_tokens(self, load: StepLoad) -> int | None:
         cost = self.cost
-        decode_rows, decode_pairs = load.decode_load()
+        decodes = load.decode_load()
         share = prefill_share(self.min_share, load.num_prefilling, load.num_decoding, MAX_PREFILL_SHARE,
                               self.demand.share(cost, self.clock()))
-        step_s = cost.prefill_step_s(self.target_s, decode_rows, decode_pairs, share)
+        step_s = cost.prefill_step_s(self.target_s, decodes, share)
         if step_s is None:  # out of reach: run as the unbounded scheduler does
             if load.has_prefill_work():
-                self._out_of_reach(decode_rows, decode_pairs)
+                self._out_of_reach(decodes)
             return None
-        fits = cost.max_prefill_tokens(step_s, decode_rows, decode_pairs, load.prefill_prefix(), self.budget)
+        fits = cost.max_prefill_tokens(step_s, decodes, load.prefill_prefix(), self.budget)
         return max(fits, MIN_PREFILL_TOKENS)
 
-    def _out_of_reach(self, decode_rows: int, decode_pairs: float) -> None:
+    def _out_of_reach(self, decodes: StepShape) -> None:
         self.steps_out_of_reach += 1
         if not self._said_out_of_reach:
             self._said_out_of_reach = True
             log.warning("the step-time target is out of reach: the decodes alone take longer, so steps are not "
                         "bounded while they do", extra={"fields": {
                             "max_step_ms": round(self.target_s * 1000, 1),
-                            "decode_ms": round(self.cost.predict(decode_rows, decode_pairs) * 1000, 1),
-                            "decode_rows": decode_rows}})
+                            "decode_ms": round(self.cost.predict(decodes) * 1000, 1),
+                            "decode_rows": int(decodes.rows)}})

@@ -38,10 +38,9 @@ from shared.lora import parse_lora_modules
 from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
 from shared.model import ModelSpec
 from shared.parallel import RankLayout
-from shared.step_features import attention_pairs, layer_cost_windows
+from shared.step_features import StepShape, layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
-GREEDY = SamplingParams(temperature=0.0)
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`ModelRunner._check`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
@@ -255,7 +254,7 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def worker_info(self, step_costs: list[tuple[int, float, float]] | None = None) -> WorkerInfo:
+    def worker_info(self, step_costs: list[tuple[StepShape, float]] | None = None) -> WorkerInfo:
         """What the scheduler sizes itself by (sent by the worker process at start)."""
         moe, states = getattr(self.config, "moe", None), self.kv_cache.states
         return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
@@ -272,46 +271,6 @@ class ModelRunner:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
         windows = set(self.config.windows)
         return windows.pop() if len(windows) == 1 and self.draft is None else 0
-
-    def probe_step_costs(self, prefill_tokens: tuple[int, ...] = (32, 256),
-                         decode_batches: tuple[int, ...] | None = None) -> list[tuple[int, float, float]]:
-        """Time a few steps before serving: (tokens, attention pairs, seconds), the best of two runs each,
-        after a warm-up step. Small ones: the fit only needs a spread of token counts, and the scheduler
-        refits on live steps (a large step would add seconds to a CPU start). Decode batches of 1 and 16
-        (and 4 for a mixture of experts, whose cost bends as more of its experts are read).
-
-        Run only while no request holds KV: every token is written to and read from the dummy page 0
-        (the page table is all zeros then), so nothing is disturbed and only the time is real."""
-        if decode_batches is None:
-            decode_batches = (1, 4, 16) if getattr(self.config, "moe", None) else (1, 16)
-        context = min(256, self._max_context - 1)
-        shapes = [([0], [n]) for n in prefill_tokens if n < self._max_context]
-        shapes += [([context] * b, [1] * b) for b in decode_batches if b <= self.max_running_requests]
-        costs = []
-        for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
-            batch = self._probe_batch(prefix_lens, extend_lens)
-            seconds = min(self._timed(batch) for _ in range(2))  # the faster run: less disturbed
-            costs.append((batch.num_tokens, attention_pairs(prefix_lens, extend_lens, self.cost_windows), seconds))
-        return costs[1:]
-
-    def _probe_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
-        n = len(extend_lens)
-        positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).astype(np.int32)
-        empty = np.zeros(0, dtype=np.int32)
-        # tokens spread over the vocabulary: a mixture of experts routes them apart, as real prompts are
-        ids = ((np.arange(positions.shape[0], dtype=np.int64) * 7919 + 11) % self.vocab_size).astype(np.int32)
-        return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
-                            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
-                            input_ids=ids, positions=positions,
-                            kv_locs=positions % self.page_size, page_table_slots=empty, page_table_cols=empty,
-                            page_table_pages=empty)
-
-    def _timed(self, batch: ForwardBatch) -> float:
-        started = time.perf_counter()
-        self.execute(batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
 def _lead(config: ServerConfig) -> int:
     from procs.worker.kv_cache import GIB
     from procs.worker.model_runner import ModelRunner
+    from procs.worker.step_probe import probe_step_costs
 
     result_buffer = DoubleBuffer("results", half_bytes=1 << 16)
     try:
@@ -90,7 +91,7 @@ def _lead(config: ServerConfig) -> int:
                 runner.grammars.prepare()  # at start, rather than a stalled step at the first grammar
                 # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
                 info = msgspec.structs.replace(
-                    runner.worker_info(None if config.max_step_ms < 0 else runner.probe_step_costs()), pid=os.getpid())
+                    runner.worker_info(None if config.max_step_ms < 0 else probe_step_costs(runner)), pid=os.getpid())
                 log.info("model loaded", extra={"fields": {
                     "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
                     "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size,

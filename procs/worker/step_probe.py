@@ -1,0 +1,67 @@
+"""The worker's startup probe: a few steps timed before serving, for the scheduler's step-cost model
+(`procs.scheduler.step_cost`), each as its shape (`shared.step_features.step_shape`) and seconds.
+
+Run only while no request holds KV: every token is written to and read from the dummy page 0 (the page
+table is all zeros then), so nothing is disturbed and only the time is real.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from shared.messages import ForwardBatch, SamplingParams
+from shared.step_features import StepShape, step_shape
+
+if TYPE_CHECKING:
+    from procs.worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)
+CHUNK_BESIDE_DECODES = 100  # a probe step's chunk beside 16 decodes (a hybrid's linear layers pad it to 128)
+
+
+def probe_step_costs(runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32, 256),
+                     decode_batches: tuple[int, ...] | None = None) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of a few steps, the best of two runs each, after a warm-up step. Small ones: the
+    fit only needs a spread of tokens and rows, and the scheduler refits on live steps (a large step would
+    add seconds to a CPU start). Prefill chunks alone, decode batches of 1 and 16 (and 4 for a mixture of
+    experts, whose cost bends as more of its experts are read), and 16 decodes beside a chunk."""
+    if decode_batches is None:
+        decode_batches = (1, 4, 16) if getattr(runner.config, "moe", None) else (1, 16)
+    context = min(256, runner.max_context - 1)
+    shapes = [([0], [n]) for n in prefill_tokens if n < runner.max_context]
+    shapes += [([context] * b, [1] * b) for b in decode_batches if b <= runner.max_running_requests]
+    if runner.max_running_requests > 16 and context + CHUNK_BESIDE_DECODES < runner.max_context:
+        shapes.append(([context] * 16 + [0], [1] * 16 + [CHUNK_BESIDE_DECODES]))
+    costs = []
+    for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
+        batch = probe_batch(runner, prefix_lens, extend_lens)
+        seconds = min(timed_step(runner, batch) for _ in range(2))  # the faster run: less disturbed
+        costs.append((step_shape(prefix_lens, extend_lens, runner.cost_windows), seconds))
+    return costs[1:]
+
+
+def probe_batch(runner: ModelRunner, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+    """A step of rows feeding `extend_lens` tokens after `prefix_lens`, every token on the dummy page."""
+    n = len(extend_lens)
+    positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).astype(np.int32)
+    empty = np.zeros(0, dtype=np.int32)
+    # tokens spread over the vocabulary: a mixture of experts routes them apart, as real prompts are
+    ids = ((np.arange(positions.shape[0], dtype=np.int64) * 7919 + 11) % runner.vocab_size).astype(np.int32)
+    return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
+                        sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+                        input_ids=ids, positions=positions,
+                        kv_locs=positions % runner.page_size, page_table_slots=empty, page_table_cols=empty,
+                        page_table_pages=empty)
+
+
+def timed_step(runner: ModelRunner, batch: ForwardBatch) -> float:
+    """Seconds the runner takes for `batch`, the device synchronised."""
+    started = time.perf_counter()
+    runner.execute(batch)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - started
