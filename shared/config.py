@@ -40,6 +40,7 @@ RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "prefix_has
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 # their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
 NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
+MIN_PREFILL_SHARE = 0.25  # the step-time bound's prefill floor (SCHEDULING.md 6.5, measured there)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -89,11 +90,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         gpt-oss) keeps every position's KV in its sliding layers too, and the prefix cache serves it; false:
         its sliding layers keep only a window-sized ring per running request (a fraction of the memory at long
         contexts: more requests at once), and its prefix cache is off.""")] = False
-    min_prefill_share: Annotated[float, _doc("""Least share of a step's time that prefill gets while requests
-        wait (0-0.9; more when more wait: their share of the requests in the server): a step may then run
-        past max_step_ms, up to the decodes' time / (1 - share), so that the bound never stalls admission;
-        once the decodes alone take max_step_ms (a slow or busy machine) steps are not bounded at all
-        (procs/scheduler/SCHEDULING.md 6.5).""")] = 0.5
+    min_prefill_share: Annotated[float, _doc("""Least prefill a step carries while requests wait, as a share
+        (0-1) of the prompt tokens a step of max_step_ms could prefill with no decodes (never below 32
+        tokens): admission never stops, and a step runs past max_step_ms by at most that much; once the
+        decodes alone take max_step_ms (a slow or busy machine) a step carries that floor times how far past
+        they run (procs/scheduler/SCHEDULING.md 6.5).""")] = MIN_PREFILL_SHARE
     fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
         section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True

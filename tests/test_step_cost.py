@@ -14,6 +14,7 @@ from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor
 from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
 from procs.scheduler.step_cost import CostWeights, StepCostModel
+from procs.scheduler.step_time_cap import MIN_PREFILL_TOKENS, StepTimeCap
 from shared.config import ServerConfig
 from shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
 from shared.step_features import StepShape, attention_pairs, experts_read, step_shape
@@ -188,10 +189,9 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     rng = np.random.default_rng(2)
     target, load = 0.3, decodes(16)
     within = []
+    cap = StepTimeCap(model, target, 0.0, 2048)  # no floor: what fits alone
     for _ in range(400):
-        step_s = model.prefill_step_s(target, load, 0.5)
-        assert step_s is not None
-        n = model.max_prefill_tokens(step_s, load, 0, 2048)
+        n = cap.prompt_tokens(Load(load))
         shape = load + chunk(n)
         actual = seconds(shape) * 1.3 * float(rng.lognormal(0.0, 0.1))
         model.observe(shape, actual, with_prefill=True)
@@ -201,27 +201,63 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     assert 1.05 < model.margin < 1.3  # the noise's 90th percentile: the refits took the 1.3x
 
 
-def test_prefill_keeps_its_share_of_a_step_and_an_unreachable_target_bounds_nothing():
-    """SCHEDULING.md 6.5: on a machine too slow for the target the bound must not stall admission."""
+class Load:
+    """A `StepLoad` of given decodes, with prompt tokens waiting (a chunk from the prompt's start)."""
+
+    def __init__(self, decodes: StepShape, waiting: bool = True) -> None:
+        self.decodes, self.waiting = decodes, waiting
+
+    def decode_load(self) -> StepShape:
+        return self.decodes
+
+    def has_prefill_work(self) -> bool:
+        return self.waiting
+
+    def prefill_prefix(self) -> int:
+        return 0
+
+
+def test_a_step_carries_what_fits_beside_its_decodes_and_never_less_than_the_floor():
+    """SCHEDULING.md 6.5: the prompt tokens that fit within the target beside the decodes; while the
+    decodes leave less room than the floor (a share of what a step of the target prefills alone), the floor."""
     model = StepCostModel(probe())
+    cap = StepTimeCap(model, 0.3, 0.25, 4096)
+    alone = model.max_prefill_tokens(0.3, StepShape(), 0, 4096)
+    floor = int(0.25 * alone)
+    assert cap.floor_tokens(0.3) == floor > MIN_PREFILL_TOKENS
+    few = cap.prompt_tokens(Load(decodes(4)))
+    within = lambda k: seconds(decodes(4) + chunk(k)) <= 0.3
+    assert within(few) and not within(few + 1) and few > floor  # the target, filled
+    rows = 130  # decodes that leave room for less than the floor (and less than its own floor)
+    assert seconds(decodes(rows)) < 0.3 and model.max_prefill_tokens(0.3, decodes(rows), 0, 4096) < MIN_PREFILL_TOKENS
+    assert cap.prompt_tokens(Load(decodes(rows))) == floor
+    assert cap.steps_out_of_reach == 0
+    tiny = StepTimeCap(model, 0.3, 0.0, 4096)  # no share: the floor's own floor still moves the queue
+    assert tiny.prompt_tokens(Load(decodes(rows))) == MIN_PREFILL_TOKENS
+
+
+def test_an_unreachable_target_stretches_the_step_in_proportion(caplog):
+    """The decodes alone past the target: the floor, times how far past it they run; said once, counted
+    for every step that had prefill waiting."""
+    model = StepCostModel(probe())
+    cap = StepTimeCap(model, 0.1, 0.25, 4096)
+    floor = cap.floor_tokens(0.1)
     load = decodes(64, 4000.0)  # decodes alone: 0.13 s of rows + 0.05 s of attention
     decode_s = seconds(load)
     assert decode_s > 0.1
-    assert model.prefill_step_s(0.1, load, 0.5) is None  # out of reach: no bound
-    assert model.prefill_step_s(0.1, load, 0.0) is None
-    # Within reach: the target, unless its room for prefill is below the share.
-    assert model.prefill_step_s(0.3, decodes(4), 0.5) == pytest.approx(0.3)
-    step_s = model.prefill_step_s(decode_s * 1.5, load, 0.5)
-    assert step_s == pytest.approx(2 * decode_s)
-    n = model.max_prefill_tokens(step_s, load, 0, 4096)
-    prefill_s = lambda k: seconds(load + chunk(k)) - decode_s
-    assert prefill_s(n) <= decode_s < prefill_s(n + 1)  # as long as the decodes, at a share of one half
-    step_s = model.prefill_step_s(decode_s * 1.5, load, 0.0)  # no share: the bound alone
-    assert step_s == pytest.approx(decode_s * 1.5)
+    with caplog.at_level("WARNING", logger="batchserve.scheduler"):
+        for _ in range(3):
+            assert cap.prompt_tokens(Load(load)) == math.ceil(floor * decode_s / 0.1)
+        cap.prompt_tokens(Load(load, waiting=False))
+    assert cap.steps_out_of_reach == 3
+    assert [r.getMessage() for r in caplog.records].count(
+        "the step-time target is out of reach: the decodes alone take longer, so steps stretch in proportion "
+        "while they do") == 1
+    assert StepTimeCap(model, 0.1, 0.25, 40).prompt_tokens(Load(load)) == 40  # never past the budget
 
 
 def test_the_prefill_share_is_checked():
-    for bad in (-0.1, 0.95, 1.0, math.nan):
+    for bad in (-0.1, 1.01, math.nan):
         with pytest.raises(ValueError, match="min_prefill_share"):
             check_config(ServerConfig(min_prefill_share=bad))
     check_config(ServerConfig(min_prefill_share=0.0))
@@ -243,42 +279,6 @@ def test_a_draft_must_win_more_tokens_than_it_costs():
         assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
     assert model.min_acceptance(decodes(1)) < 0.5 < model.min_acceptance(decodes(64))
     assert model.min_acceptance(StepShape()) == 0.0
-
-
-def test_prefill_gets_the_share_of_the_requests_waiting_for_it():
-    """Each request in the server an equal share of the step: 20 waiting beside 4 decoding get 20/24
-    of it; a lone waiting request among many decoding still gets the least share."""
-    from procs.scheduler.step_time_cap import prefill_share
-
-    assert prefill_share(0.5, 20, 4, 0.9) == pytest.approx(20 / 24)
-    assert prefill_share(0.5, 1, 23, 0.9) == 0.5
-    assert prefill_share(0.5, 30, 1, 0.9) == 0.9  # at most the cap
-    assert prefill_share(0.5, 0, 8, 0.9) == 0.5
-    assert prefill_share(0.0, 3, 9, 0.9) == pytest.approx(0.25)
-
-
-def test_prefill_keeps_up_with_the_prompts_arriving():
-    """`PrefillDemand`: the prompts of the last 10 s, as the share of the machine's time their prefill
-    needs (times the headroom; what the prefix cache holds of them aside); prefill's share of a step is
-    at least that, so a bound never admits slower than requests arrive. Arrivals older than the window
-    no longer count, and are forgotten as new ones come, asked or not."""
-    from procs.scheduler.step_time_cap import DEMAND_HEADROOM, DEMAND_WINDOW_S, PrefillDemand, prefill_share
-
-    model = StepCostModel(probe())
-    demand = PrefillDemand()
-    assert demand.share(model, 0.0) == 0.0
-    for i in range(8):  # 8 prompts of 300 tokens in 4 s, the first 100 of each in the prefix cache
-        demand.arrived(300, 100, now=i * 0.5)
-    need = 8 * (seconds(chunk(200, prefix=100)) - TRUE.step)  # seconds of prefill, fixed cost aside
-    share = demand.share(model, 4.0)
-    assert share == pytest.approx(DEMAND_HEADROOM * need / DEMAND_WINDOW_S, rel=1e-6)
-    assert prefill_share(0.5, 1, 31, 0.9, share) == max(0.5, share)
-    assert prefill_share(0.5, 1, 31, 0.9, 2.0) == 0.9  # demand past the machine: at most the cap
-    assert demand.share(model, 3.5 + DEMAND_WINDOW_S) == pytest.approx(share / 8)  # only the last one left
-    assert demand.share(model, 100.0) == 0.0
-    for i in range(1000):  # the bound off: nobody asks for the share, and the window still forgets
-        demand.arrived(10, 0, now=200.0 + i)
-    assert len(demand._arrivals) <= DEMAND_WINDOW_S + 1
 
 
 def test_a_draft_models_cost_raises_the_break_even():

@@ -10,6 +10,7 @@ import msgspec
 from shared.config import (
     NGRAM_MAX,
     NGRAM_MIN,
+    MIN_PREFILL_SHARE,
     NUM_SPECULATIVE_TOKENS,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -19,7 +20,6 @@ from shared.config import (
     ServerConfig,
     Speculative,
 )
-from procs.scheduler.step_time_cap import MAX_PREFILL_SHARE
 from shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
@@ -69,9 +69,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
     # The step-time bound (SCHEDULING.md 6.5): a step with prefill sized to take about this long, given
-    # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: prefill's least share.
+    # a step-cost model (`Scheduler(cost=...)`); 0: no bound. `min_prefill_share`: the floor of a step's
+    # prefill, as a share of what a step of max_step_s could prefill alone.
     max_step_s: float = 0.0
-    min_prefill_share: float = 0.5
+    min_prefill_share: float = MIN_PREFILL_SHARE
     # The prompt length past which the model's rope uses other factors (longrope's original context;
     # 0: one set): the prefix cache keeps requests of the two regimes apart (`KVManager.cache_namespace`).
     rope_switch_length: int = 0
@@ -109,9 +110,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         check_reserve_ratio(self.kv_reserve_ratio)
         if not 0 <= self.max_step_s < math.inf:  # NaN fails too
             raise SchedulerConfigError(f"max_step_s must be >= 0 (0: no bound), got {self.max_step_s}")
-        if not 0 <= self.min_prefill_share <= MAX_PREFILL_SHARE:
-            raise SchedulerConfigError(f"min_prefill_share must be in [0, {MAX_PREFILL_SHARE}], "
-                                       f"got {self.min_prefill_share}")
+        if not 0 <= self.min_prefill_share <= 1:
+            raise SchedulerConfigError(f"min_prefill_share must be in [0, 1], got {self.min_prefill_share}")
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

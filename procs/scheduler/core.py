@@ -69,7 +69,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`proposer`: where drafts come from (default: `step_planning.default_proposer`). `cost`: the
         step-cost model of the step-time bound (`config.max_step_s`) and of the drafts' break-even
-        share; `clock`: the bound's and the queue times' (seconds)."""
+        share; `clock`: the queue times' (seconds)."""
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -85,7 +85,7 @@ class Scheduler:
                                              fair=config.fair_prefill, max_loras=config.max_loras)
         self.decode_manager = DecodeManager()
         self.planner = StepPlanner(config, self.table, self.kv, self.prefill_manager, self.decode_manager,
-                                   proposer if proposer is not None else default_proposer(config), cost, clock)
+                                   proposer if proposer is not None else default_proposer(config), cost)
         self.clock = clock
         # The one table of requests by rid, from arrival until they end (the managers and the request
         # table hold the same `Request`s by position or slot); `Request.status` says where each is.
@@ -202,8 +202,6 @@ class Scheduler:
         self._arrivals += 1
         self.requests[rid] = request
         self.prefill_manager.enqueue(request)
-        if self.planner.cap is not None:
-            self.planner.cap.arrived(request.prompt_len, self.cached_prefix_tokens(rid))
 
     def abort(self, rid: str) -> bool:
         """Cancel `rid`, freeing its slot and KV pages now; reported in the next `StepOutput.cancelled`.

@@ -25,6 +25,7 @@ import numpy as np
 
 from procs.cli import CliError
 from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
+from shared.config import MIN_PREFILL_SHARE
 from procs.scheduler.core import Scheduler
 from procs.scheduler.executor import ScriptedExecutor, scripted_token
 from procs.scheduler.step_cost import CostWeights, LinearStepCost
@@ -68,7 +69,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_speculative_tokens: NonNegativeInt = 0  # k > 0: scripted drafts of k tokens (SCHEDULING.md 6.4)
     max_step_ms: NonNegativeFloat = 0.0  # > 0: the step-time bound on `step_cost` (SCHEDULING.md 6.5)
     step_cost: ScenarioStepCost | None = None
-    min_prefill_share: NonNegativeFloat = 0.5
+    min_prefill_share: NonNegativeFloat = MIN_PREFILL_SHARE
     sliding_window: NonNegativeInt = 0  # every layer's window: pages before it go back (SCHEDULING.md 5)
     rope_switch_length: NonNegativeInt = 0  # longrope's original context: a request growing past it is recomputed
     recurrent_state: bool = False  # a hybrid model's per-slot linear-attention states (SCHEDULING.md 5)

@@ -22,9 +22,8 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-Once the decodes alone take the target a step is not bounded at all (`prefill_step_s`), so a machine
-too slow for the target admits as fast as it can. How the target becomes a step's prompt-token cap
-(the prefill share, the demand term) is `procs.scheduler.step_time_cap`.
+How the target becomes a step's prompt-token cap (what fits beside the decodes, the floor, the
+stretch when the decodes alone take the target) is `procs.scheduler.step_time_cap`.
 """
 
 from __future__ import annotations
@@ -108,21 +107,6 @@ class LinearStepCost:
 
     def predict(self, shape: StepShape) -> float:
         return float(self.weights.vector() @ features(shape, self.experts))
-
-    def prefill_s(self, shape: StepShape) -> float:
-        """What these rows add to a step, beyond its fixed cost."""
-        return self.predict(shape) - self.weights.step
-
-    def prefill_step_s(self, target_s: float, decodes: StepShape, min_share: float) -> float | None:
-        """How long (as predicted) a step beside these decodes may take: `target_s` less the margin,
-        unless that leaves prefill less than `min_share` of the step; then as long as gives prefill that
-        share (decodes' time / (1 - min_share)). None: the target is out of reach (the decodes alone take
-        it), so the bound protects nothing and the step is not bounded (SCHEDULING.md 6.5)."""
-        planned_s = target_s / self.margin
-        decode_s = self.predict(decodes)
-        if decode_s >= planned_s:
-            return None
-        return max(planned_s, decode_s / (1 - min_share))
 
     def min_acceptance(self, decodes: StepShape) -> float:
         """Speculative decoding: the share of a draft's tokens that must be accepted for the draft to

@@ -8,8 +8,6 @@ for the batch's pages. The scheduler core applies what it plans (preemptions, al
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -58,10 +56,9 @@ class PlannedStep:
 
 class StepPlanner:
     def __init__(self, config: SchedulerConfig, table: RequestTable, kv: KVManager, prefill: PrefillManager,
-                 decode: DecodeManager, proposer: Proposer | None, cost: LinearStepCost | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 decode: DecodeManager, proposer: Proposer | None, cost: LinearStepCost | None) -> None:
         """`cost`: the step-cost model the step-time cap and the drafts' break-even share read (None: no
-        cap, and `min_acceptance` as set); `clock`: the cap's (its demand term counts seconds)."""
+        cap, and `min_acceptance` as set)."""
         self.config = config
         self.table = table
         self.kv = kv
@@ -71,7 +68,7 @@ class StepPlanner:
         self.cost = cost
         self.policy = POLICY_PLANNERS[config.policy]
         self.by_priority = config.scheduling_policy == "priority"
-        self.cap = (StepTimeCap(cost, config.max_step_s, config.min_prefill_share, config.prefill_budget, clock)
+        self.cap = (StepTimeCap(cost, config.max_step_s, config.min_prefill_share, config.prefill_budget)
                     if cost is not None and config.max_step_s else None)
         # The share of a draft's tokens that must be accepted for it to pay (from `cost` before each
         # proposal when there is one): a request whose draft got no more backs off; 1 or more: no draft
