@@ -11,10 +11,10 @@
 #
 # Usage, from the checkout on a quiet machine:
 #   bash loadtests/step_time_bound_cpu.sh [staggered|closed|hog ...]   # default: all three
-#   -> loadtests/results/step_time_bound_stop53_<part>.{txt,json}
+#   -> loadtests/results/step_time_bound_${TAG:-stop57}_<part>.{txt,json}
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=loadtests/results/step_time_bound_stop53
+out=loadtests/results/step_time_bound_${TAG:-stop57}
 base_url=${BASE_URL:-http://127.0.0.1:8100}
 common=(.venv/bin/batchserve bench --compare --policies mixed --no-transformers --no-progress --workload random
         --endpoint completions --goodput ttft:5000 tpot:250)

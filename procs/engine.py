@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from procs.detokenizer.incremental import IncrementalDetokenizer
+from procs.scheduler.adapter_updates import AdapterHoldingExecutor, WorkerAdapters
 from procs.scheduler.core import Scheduler
+from procs.scheduler.executor import Executor
 from procs.scheduler.config import check_config, scheduler_config_from_server
 from procs.scheduler.step_cost import cost_model_for
 from procs.tokenizer.prompts import PromptTokenizer
@@ -199,6 +201,10 @@ class OfflineEngine:
             self.tokenizer: Any = self.spec.load_tokenizer()
             self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
             self.scheduler = self._scheduler(config)
+            # with LoRA, each step's adapter loads and unloads (--max-cpu-loras), as the scheduler process decides them
+            self.executor: Executor = (AdapterHoldingExecutor(self.runner, WorkerAdapters(config),
+                                                              lambda: self.scheduler.requests.values())
+                                       if config.enable_lora else self.runner)
         except BaseException:
             self.close()
             raise
@@ -325,7 +331,7 @@ class OfflineEngine:
     def _run(self, live: dict[str, _Generating]) -> None:
         while self.scheduler.has_unfinished():
             try:
-                out = self.scheduler.step(self.runner)
+                out = self.scheduler.step(self.executor)
             except RuntimeError as exc:
                 if self.runner.tp.world_size == 1:
                     raise

@@ -119,6 +119,12 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_loras: Annotated[int, _doc("""Distinct adapters running at once (so in one step); base-model requests
         do not count. A request of another adapter waits while that many run.""")] = 4
     max_lora_rank: Annotated[int, _doc("An adapter of a higher rank `r` is refused at load.")] = 16
+    max_cpu_loras: Annotated[int, _doc("""Adapters the worker keeps loaded at once (at least max_loras): one more
+        that a request needs is loaded from its folder at admission, in place of the least recently used one
+        no running request holds; 0 = every adapter stays loaded.""")] = 0
+    enable_lora_runtime_updates: Annotated[bool, _doc("""true: POST /v1/load_lora_adapter {"lora_name", "lora_path"}
+        and /v1/unload_lora_adapter {"lora_name"} (vLLM's) load and unload adapters while serving (an unloaded
+        adapter's requests in flight finish first); needs enable_lora.""")] = False
     speculative: Annotated[Speculative, _doc("""Speculative decoding: ngram = prompt lookup (each decode row
         also feeds up to num_speculative_tokens tokens found after the last ngram_max..ngram_min tokens'
         latest earlier occurrence in the prompt and output; the model checks them in the same step and keeps
@@ -224,6 +230,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
                              f"postgresql://... or empty (SQLite in the state directory)")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be 0 (no limit) or at least max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras}")
+        if self.enable_lora_runtime_updates and not self.enable_lora:
+            raise ValueError("enable_lora_runtime_updates needs enable_lora")
         parse_lora_modules(self.lora_modules)  # a malformed entry is refused at start, named
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
@@ -258,7 +269,7 @@ SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
     "max_connections", "responses_store", "responses_ttl_s",
     "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
     "runtime_dir", "log_format", "drain_timeout_s",
-    "overlap_schedule", "max_step_ms", "min_prefill_share", "max_waiting",
+    "overlap_schedule", "max_step_ms", "min_prefill_share", "max_waiting", "enable_lora_runtime_updates",
 })
 _unknown = SERVER_ONLY_FIELDS - set(ServerConfig.__struct_fields__)
 if _unknown:  # a renamed field would silently become an engine flag

@@ -18,3 +18,8 @@ class Refusal(ValueError):
         self.param = param
         self.status = status
         self.code = code
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be found or loaded (unknown name, missing file, unsupported architecture, an adapter
+    this server does not run)."""

@@ -7,8 +7,8 @@ its request and can never overtake it.
 
 Topology (`Endpoints`, ipc:// paths in the runtime directory):
 
-    api          --GenerateRequest|AbortRequest-->             tokenizer.sock   (tokenizer binds)
-    tokenizer    --TokenizedRequest|AbortRequest-->            scheduler.sock   (scheduler binds)
+    api          --GenerateRequest|AbortRequest|AdapterUpdate--> tokenizer.sock (tokenizer binds)
+    tokenizer    --TokenizedRequest|AbortRequest|AdapterUpdate--> scheduler.sock (scheduler binds)
     detokenizer  --AbortRequest (stop string matched)-->       scheduler.sock
     worker       --WorkerInfo (once, at startup)-->            scheduler.sock
     scheduler    --ForwardBatch-->                             worker.sock      (worker binds)
@@ -32,6 +32,7 @@ import zmq.asyncio
 from shared.codec import Decoder, Encoder
 from shared.messages import (
     AbortRequest,
+    AdapterUpdate,
     BackendFailure,
     DetokenizeAnswer,
     DetokenizeQuery,
@@ -53,8 +54,8 @@ from shared.shm import ArrayWriter, ShmReader
 T = TypeVar("T")
 
 # What each receiving socket carries.
-TokenizerInbox = GenerateRequest | AbortRequest | TokenizeQuery | DetokenizeQuery
-SchedulerInbox = TokenizedRequest | AbortRequest | WorkerInfo
+TokenizerInbox = GenerateRequest | AbortRequest | TokenizeQuery | DetokenizeQuery | AdapterUpdate
+SchedulerInbox = TokenizedRequest | AbortRequest | WorkerInfo | AdapterUpdate
 WorkerInbox = ForwardBatch
 StepsInbox = StepResult
 DetokenizerInbox = TokenDelta

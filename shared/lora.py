@@ -1,11 +1,21 @@
-"""The LoRA adapters a server loads at start (`--lora-modules`, vLLM's spelling): NAME=PATH, or vLLM's JSON
-form {"name": ..., "path": ...}. Adapter i of the list is index i + 1 in every process (0: the base model):
-requests carry the index (`RequestParams.adapter`), the worker's slots run it (`procs.worker.lora`)."""
+"""LoRA adapters as every process names them: the ones a server loads at start (`--lora-modules`, vLLM's
+spelling: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}), adapter i of the list being index
+i + 1 in every process (0: the base model; one loaded at run time takes the next index never used, so a
+name loaded again is a new index: its cached KV is not the old weights'); requests carry the index
+(`RequestParams.adapter`), the worker's slots run it (`procs.worker.lora`). What a PEFT folder must be to
+be served (`AdapterConfig`, `check_adapter`) is read here, by the worker at load and by the api before a
+runtime load."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+
 
 
 @dataclass(frozen=True)
@@ -35,3 +45,66 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
     if len(set(names)) != len(names):
         raise ValueError(f"lora_modules: a name appears twice in {names}")
     return modules
+
+
+# PEFT's module names -> (the fused projection of our layer that holds it, its part in the fusion)
+PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+               "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+PREFIX = "base_model.model.model.layers."
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int
+    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
+    targets: frozenset[str]  # of PROJECTIONS
+
+    @classmethod
+    def read(cls, folder: Path, max_rank: int) -> AdapterConfig:
+        """`adapter_config.json` of `folder`; ModelLoadError naming what this server does not run."""
+        path = folder / "adapter_config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_config.json ({exc})") from None
+        refuse = lambda field, why: ModelLoadError(f"LoRA adapter {path}: {field} {why}")
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise refuse("peft_type", f"{raw['peft_type']!r} is not served (LORA is)")
+        for field in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "layers_to_transform",
+                      "layer_replication"):
+            if raw.get(field):
+                raise refuse(field, f"{raw[field]!r} is not served (adapters of the seven projections only)")
+        if raw.get("use_dora"):
+            raise refuse("use_dora", "true (DoRA) is not served")
+        if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
+            raise refuse("bias", f"{raw.get('bias')!r} is not served (none is)")
+        targets = raw.get("target_modules") or []
+        if isinstance(targets, str) or set(targets) - set(PROJECTIONS):
+            raise refuse("target_modules", f"{targets!r}: only {', '.join(PROJECTIONS)} are served "
+                                           f"(not lm_head, embeddings or a regular expression)")
+        rank = int(raw["r"])
+        if not 1 <= rank <= max_rank:
+            raise refuse("r", f"{rank} is above --max-lora-rank {max_rank}")
+        alpha = float(raw.get("lora_alpha", rank))
+        return cls(rank, alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank), frozenset(targets))
+
+
+def check_adapter(folder: str | Path, max_rank: int) -> AdapterConfig:
+    """A PEFT folder's config and its tensors' names (the safetensors header alone: the api checks a folder
+    before a runtime load without reading its weights); ModelLoadError naming what is not served."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = AdapterConfig.read(folder, max_rank)
+    try:
+        with safe_open(str(folder / "adapter_model.safetensors"), framework="numpy") as weights:
+            names = list(weights.keys())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_model.safetensors ({exc})") from None
+    modules = "|".join(sorted(config.targets))
+    served = re.compile(rf"{re.escape(PREFIX)}\d+\.(self_attn|mlp)\.({modules})\.lora_[AB]\.weight")
+    unserved = sorted(name for name in names if not served.fullmatch(name))
+    if unserved or not names:
+        raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(unserved[:3])}"
+                             if unserved else f"LoRA adapter {folder}: adapter_model.safetensors holds no tensors")
+    return config

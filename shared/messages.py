@@ -119,6 +119,17 @@ class SlotStart(msgspec.Struct, kw_only=True):
     adapter: int = 0  # its LoRA adapter's index in the worker (0: the base model)
 
 
+class AdapterUpdate(msgspec.Struct, tag=True, kw_only=True):
+    """A LoRA adapter loaded or unloaded while serving (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`):
+    api -> tokenizer -> scheduler, the same socket as the requests, so a request sent after a load never
+    overtakes it; the scheduler passes it to the worker on the next step (`ForwardBatch.adapter_updates`),
+    an unload once no request of the adapter is left."""
+
+    index: int  # >= 1 (`shared.lora`)
+    name: str
+    path: str = ""  # the PEFT folder to load; "": unload
+
+
 FUTURE_TOKEN = -1  # an input id the worker fills with the slot's last sampled token (see ForwardBatch)
 DRAFT_TOKEN = -2  # an input id the worker's draft model fills with a proposed token (see ForwardBatch)
 
@@ -159,6 +170,7 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     page_table_pages: np.ndarray  # [num_updates] int32
     slot_starts: list[SlotStart] = []  # applied before the step runs
     state_saves: list[tuple[int, int]] = []  # a hybrid model's (slot, snapshot): its state kept, after the step
+    adapter_updates: list[AdapterUpdate] = []  # LoRA adapters loaded or unloaded before the step (its slot starts)
 
     @property
     def num_requests(self) -> int:
@@ -426,6 +438,9 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     # speculative decoding since then: decode rows with a draft, their draft tokens, the accepted ones
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
+    # LoRA: the adapters (indices, `shared.lora`) of the requests running and of those waiting, now
+    running_adapters: list[int] = []
+    waiting_adapters: list[int] = []
     spec_accepted_tokens: int = 0
     # mixture of experts: tokens routed to each expert of each MoE layer [layers, experts] since then
     expert_load: np.ndarray | None = None

@@ -34,11 +34,8 @@ from typing import Any, Iterator
 
 from shared.chat_format import ChatFormat, read_chat_template
 from shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
+from shared.errors import ModelLoadError  # noqa: F401 (raised here, and imported from here by callers)
 from shared.rope import RopeConfig
-
-class ModelLoadError(ValueError):
-    """The model cannot be found or loaded (unknown name, missing file, unsupported architecture)."""
-
 
 @dataclass(frozen=True)
 class GgufSource:

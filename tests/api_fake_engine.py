@@ -57,6 +57,7 @@ class FakeEngine:
         self.detokenize_calls: list[list[int]] = []
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
+        self.adapter_updates: list = []  # AdapterUpdates sent (the runtime LoRA endpoints)
         self.closed: list[str] = []
         self.log: list[str] = []
         self.received = asyncio.Event()  # set when a request arrives
@@ -174,6 +175,9 @@ class FakeEngine:
     async def abort(self, rid: str) -> None:
         self.aborts.append(rid)
         self.aborted.set()
+
+    async def update_adapter(self, update) -> None:
+        self.adapter_updates.append(update)
 
     def health_problem(self) -> str | None:
         return None if self.healthy else "the fake engine is unhealthy"

@@ -45,6 +45,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from procs.api.auth import OWNER, accepted_keys, auth_middleware
 from procs.api.engine_client import EngineClient
 from procs.api.errors import error_response
+from procs.api.lora_api import add_lora_routes
 from procs.api.fanout import EngineFailure, Fanout, choice_requests
 from procs.api.metrics import ApiMetrics
 from procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
@@ -85,6 +86,7 @@ class ApiHandlers:
         self.in_flight = 0
         self.created = int(time.time())
         self.served = ServedModels.of(engine.model_name, config)  # the model and its LoRA adapters
+        self.metrics.lora.max_loras, self.metrics.lora.name_of = config.max_loras if config.enable_lora else 0, self.served.name
         self.responses = ResponsesEndpoint(engine, reasoning=reasoning, served=self.served, store=serving_store(config.responses_store, config.responses_ttl_s))
 
     # ---- plain endpoints
@@ -347,6 +349,8 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: Reasoni
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
     add_tokenize_routes(app, handlers)
+    if config.enable_lora_runtime_updates:
+        add_lora_routes(app, handlers)
 
     start = getattr(engine, "start", None)
     close = getattr(engine, "close", None)

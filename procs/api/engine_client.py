@@ -28,6 +28,9 @@ Contract, as the app relies on it:
   `detokenize(ids)` (`/detokenize`): their text. Both raise `Refusal` for what the engine refuses
   (the same checks as generation; ids outside the vocabulary name `tokens`), and a 503 `Refusal`
   when the engine cannot answer.
+- `update_adapter(update)` (the runtime LoRA endpoints, `lora_api.py`): a LoRA adapter loaded or
+  unloaded, sent on the requests' own path, so that a request generated after it returns is not
+  planned before it.
 - Optional lifecycle: if the client has `async start()` / `async close()`, the app awaits them on
   startup and cleanup, inside the event loop the server runs (so sockets and reader tasks are
   created on that loop).
@@ -38,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
-from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta
+from shared.messages import AdapterUpdate, GenerateRequest, RequestRejected, SchedulerStats, TextDelta
 
 EngineEvent = TextDelta | RequestRejected
 StatsListener = Callable[[SchedulerStats], None]
@@ -71,3 +74,5 @@ class EngineClient(Protocol):
                        return_token_strs: bool) -> PromptTokens: ...
 
     async def detokenize(self, token_ids: list[int]) -> str: ...
+
+    async def update_adapter(self, update: AdapterUpdate) -> None: ...

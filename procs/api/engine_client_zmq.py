@@ -39,7 +39,7 @@ from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import (PROCESS_NAMES, AbortRequest, BackendFailure, DetokenizeAnswer, DetokenizeQuery,
+from shared.messages import (PROCESS_NAMES, AbortRequest, AdapterUpdate, BackendFailure, DetokenizeAnswer, DetokenizeQuery,
                              GenerateRequest, Heartbeat, RequestRejected, SchedulerStats, TextDelta, TokenizeAnswer,
                              TokenizeQuery)
 from shared.parallel import worker_process_names
@@ -266,3 +266,8 @@ class ZmqEngineClient:
         self._streams.pop(rid, None)
         if self._to_tokenizer is not None:
             await self._to_tokenizer.send(AbortRequest(rid=rid))
+
+    async def update_adapter(self, update: AdapterUpdate) -> None:
+        if self._to_tokenizer is None:
+            raise Refusal("the server cannot take adapter updates now", status=503)
+        await self._to_tokenizer.send(update)  # the requests' socket: none sent later overtakes it

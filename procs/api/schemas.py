@@ -159,7 +159,21 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
-T = TypeVar("T", CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody)
+class LoadLoraBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/load_lora_adapter` (vLLM's LoadLoRAAdapterRequest)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/unload_lora_adapter` (vLLM's UnloadLoRAAdapterRequest; its `lora_int_id` is not needed here)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+T = TypeVar("T", CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody, LoadLoraBody, UnloadLoraBody)
 
 # A high surrogate escape (\uD800-\uDBFF) with no low surrogate escape after it: not valid text.
 _LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")

@@ -61,8 +61,8 @@ class RequestTracker:
         self.metrics.generation_tokens.inc(usage.completion_tokens)
         self.metrics.success.labels(finish_reason=finish_reason).inc()
         if self.adapter:
-            self.metrics.lora_requests.labels(adapter=self.adapter).inc()
-            self.metrics.lora_tokens.labels(adapter=self.adapter).inc(usage.completion_tokens)
+            self.metrics.lora.requests.labels(adapter=self.adapter).inc()
+            self.metrics.lora.tokens.labels(adapter=self.adapter).inc(usage.completion_tokens)
         if self.metrics.slo is not None and self.first_token_at is not None:
             # TPOT as vLLM's benchmark has it: the time after the first token, per later token
             later = self.timed_tokens - 1

@@ -18,6 +18,7 @@ from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
 from procs.scheduler.core import Scheduler
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
+from procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
 from procs.scheduler.step_cost import cost_model_for
 from procs.scheduler.step_output import LaunchedStep, StepOutput
 from shared.config import ServerConfig
@@ -25,6 +26,7 @@ from shared.errors import Refusal
 from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
 from shared.messages import (
     AbortRequest,
+    AdapterUpdate,
     BackendFailure,
     RequestRejected,
     SchedulerStats,
@@ -49,7 +51,8 @@ class SchedulerLoop:
         self._open_sockets(config, rt)
         self.scheduler: Scheduler | None = None
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not completed; oldest first
-        self._early: list[TokenizedRequest | AbortRequest] = []
+        self._early: list[TokenizedRequest | AbortRequest | AdapterUpdate] = []
+        self.adapters = WorkerAdapters(config)  # the LoRA adapters the worker holds, and its next loads and unloads
         self._batch_sizes: list[int] = []
         self._queue_times: list[float] = []  # of the requests first admitted since the last stats message
         self._preemptions = 0
@@ -108,6 +111,8 @@ class SchedulerLoop:
                                                  param=exc.param))
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
+        elif isinstance(message, AdapterUpdate):
+            self.adapters.update(message)
         # A repeated WorkerInfo (the worker re-announces itself while idle) needs nothing.
 
     def run(self) -> None:
@@ -126,6 +131,7 @@ class SchedulerLoop:
             if sched.has_unfinished():
                 launched = sched.launch(drain=self._complete_in_flight)  # sized by the step-time bound, if on
                 if launched.batch is not None:
+                    launched.batch.adapter_updates = self.adapters.due(launched.batch, sched.requests.values())
                     self.executor.submit(launched.batch)
                     self.in_flight.append(launched)
                     launched_batch = True
@@ -182,7 +188,8 @@ class SchedulerLoop:
                                         kv_reserve_ratio=sched.config.kv_reserve_ratio,
                                         spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
                                         spec_accepted_tokens=self._spec_counts[2],
-                                        expert_load=self.executor.expert_load, **self._cache_stats()))
+                                        expert_load=self.executor.expert_load, **self._cache_stats(),
+                                        **(adapters_in_use(sched.requests.values()) if self.config.enable_lora else {})))
         self.executor.expert_load = None
         self._spec_counts = [0, 0, 0]
         self._batch_sizes = []

@@ -14,7 +14,7 @@ from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import ApiInbox, Receiver, SchedulerInbox, Sender, TokenizerInbox
-from shared.messages import (AbortRequest, DetokenizeAnswer, DetokenizeQuery, GenerateRequest, RequestRejected,
+from shared.messages import (AbortRequest, AdapterUpdate, DetokenizeAnswer, DetokenizeQuery, GenerateRequest, RequestRejected,
                              TokenizeAnswer, TokenizeQuery)
 from shared.shm import SharedRing
 
@@ -34,7 +34,7 @@ def run(config: ServerConfig) -> int:
                 message = inbox.recv(POLL_INTERVAL_S)
                 if isinstance(message, (GenerateRequest, TokenizeQuery, DetokenizeQuery)):
                     _handle(message, prompts, to_scheduler, to_api)
-                elif isinstance(message, AbortRequest):
+                elif isinstance(message, (AbortRequest, AdapterUpdate)):  # in order with the requests
                     to_scheduler.send(message)
             return 0
     finally:

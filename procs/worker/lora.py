@@ -15,8 +15,6 @@ pass); the model's projections read them through `LoraTarget`s that `attach` han
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,49 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from kernels.ops import linear, pack_linear_weight
+from shared.lora import PREFIX, PROJECTIONS, AdapterConfig
 from shared.model import ModelLoadError
-
-# PEFT's module names -> (the fused projection of our layer that holds it, its part in the fusion)
-PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-               "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-PREFIX = "base_model.model.model.layers."
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    rank: int
-    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
-    targets: frozenset[str]  # of PROJECTIONS
-
-    @classmethod
-    def read(cls, folder: Path, max_rank: int) -> AdapterConfig:
-        """`adapter_config.json` of `folder`; ModelLoadError naming what this server does not run."""
-        path = folder / "adapter_config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_config.json ({exc})") from None
-        refuse = lambda field, why: ModelLoadError(f"LoRA adapter {path}: {field} {why}")
-        if raw.get("peft_type", "LORA") != "LORA":
-            raise refuse("peft_type", f"{raw['peft_type']!r} is not served (LORA is)")
-        for field in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "layers_to_transform",
-                      "layer_replication"):
-            if raw.get(field):
-                raise refuse(field, f"{raw[field]!r} is not served (adapters of the seven projections only)")
-        if raw.get("use_dora"):
-            raise refuse("use_dora", "true (DoRA) is not served")
-        if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
-            raise refuse("bias", f"{raw.get('bias')!r} is not served (none is)")
-        targets = raw.get("target_modules") or []
-        if isinstance(targets, str) or set(targets) - set(PROJECTIONS):
-            raise refuse("target_modules", f"{targets!r}: only {', '.join(PROJECTIONS)} are served "
-                                           f"(not lm_head, embeddings or a regular expression)")
-        rank = int(raw["r"])
-        if not 1 <= rank <= max_rank:
-            raise refuse("r", f"{rank} is above --max-lora-rank {max_rank}")
-        alpha = float(raw.get("lora_alpha", rank))
-        return cls(rank, alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank), frozenset(targets))
-
 
 @dataclass
 class LoraAdapter:
@@ -95,7 +52,7 @@ class LoraAdapter:
                 a, b = tensors.pop(name_of("A")), tensors.pop(name_of("B"))
                 pairs[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
                                           (b.float() * config.scale).to(device=device, dtype=dtype).contiguous())
-        if tensors:
+        if tensors:  # `check_adapter` (the api's, before a runtime load) reads the names alone
             raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(sorted(tensors)[:3])}")
         return cls(name, config, pairs)
 
@@ -105,7 +62,8 @@ class LoraSlots:
     adapter: each adapter owns a run of `columns` (as many as its rank) in every projection's stacked pairs
     (`LoraTarget`), and a row's mask is 1 on its own adapter's run alone."""
 
-    def __init__(self, max_running_requests: int, device: torch.device) -> None:
+    def __init__(self, max_running_requests: int, device: torch.device, max_rank: int) -> None:
+        self.max_rank = max_rank  # an adapter of a higher rank is refused at load
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
         self.device = device
@@ -122,6 +80,16 @@ class LoraSlots:
     def add(self, index: int, adapter: LoraAdapter) -> None:
         self.adapters[index] = adapter
         self.dtype = next(iter(adapter.pairs.values()))[0].dtype if adapter.pairs else self.dtype
+        self._restack()
+
+    def remove(self, index: int) -> None:
+        """Unload adapter `index` (no slot runs it: the scheduler sends the unload after its last request)."""
+        if self.adapters.pop(index, None) is not None:
+            self.slot_adapter[self.slot_adapter == index] = 0
+            self._restack()
+
+    def _restack(self) -> None:
+        """Each adapter's run of stacked columns, anew; the projections restack their pairs on their next use."""
         first, self.columns = 0, {}
         for i in sorted(self.adapters):
             self.columns[i] = (first, self.adapters[i].config.rank)

@@ -35,8 +35,9 @@ from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import ServerConfig
 from shared.lora import parse_lora_modules
-from shared.messages import DRAFT_TOKEN, FUTURE_TOKEN, ForwardBatch, SamplingParams, StepResult, TokenLogprobs, WorkerInfo
-from shared.model import ModelSpec
+from shared.messages import (DRAFT_TOKEN, FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
+                             TokenLogprobs, WorkerInfo)
+from shared.model import ModelLoadError, ModelSpec
 from shared.parallel import RankLayout
 from shared.step_features import StepShape, layer_cost_windows
 
@@ -104,7 +105,7 @@ class ModelRunner:
                                      tokenizer=self.spec.grammar_tokenizer)
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
-        self.lora: LoraSlots | None = None  # LoRA adapters, once one is loaded (`load_lora_adapter`)
+        self.lora: LoraSlots | None = None  # LoRA adapters, with enable_lora (`update_lora_adapter`)
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
@@ -195,17 +196,37 @@ class ModelRunner:
                              config.prefill_budget, config.num_speculative_tokens + 1),
                          # a hybrid model's prefix cache keeps states: as many as requests run at once
                          state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests)
-            for index, module in enumerate(parse_lora_modules(config.lora_modules), 1):  # index 0: the base model
-                runner.load_lora_adapter(index, module.name, module.path, config.max_lora_rank)
+            if config.enable_lora:  # refused here, at start, on a model that cannot run adapters
+                runner.enable_lora(config.max_lora_rank)
+            modules = parse_lora_modules(config.lora_modules)[:config.max_cpu_loras or None]  # as the scheduler counts
+            for index, module in enumerate(modules, 1):  # index 0: the base model
+                runner.load_lora_adapter(index, module.name, module.path)
         except BaseException:
             tp.close()
             raise
         return runner
 
-    def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int) -> None:
-        """PEFT adapter `path` as adapter `index` (>= 1) of the slots that name it (`SlotStart.adapter`)."""
-        self.lora = self.lora or self.model.enable_lora(LoraSlots(self.max_running_requests, self.device))
-        self.lora.add(index, LoraAdapter.load(name, path, max_rank, self.config.num_layers, self.dtype, self.device))
+    def enable_lora(self, max_rank: int) -> LoraSlots:
+        """LoRA slots on the model's projections (ModelLoadError where its layers cannot run adapters)."""
+        self.lora = self.model.enable_lora(LoraSlots(self.max_running_requests, self.device, max_rank))
+        return self.lora
+
+    def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int | None = None) -> None:
+        """Adapter `index` from PEFT folder `path` (LoRA enabled first, up to `max_rank`, if it is not yet)."""
+        if self.lora is None and max_rank is not None:
+            self.enable_lora(max_rank)
+        self.update_lora_adapter(AdapterUpdate(index=index, name=name, path=path))
+
+    def update_lora_adapter(self, update: AdapterUpdate) -> None:
+        """Load PEFT adapter `update.path` as adapter `update.index` (>= 1) of the slots that name it
+        (`SlotStart.adapter`), or unload that adapter (no path; no slot runs it any more)."""
+        if self.lora is None:
+            raise ModelLoadError(f"LoRA adapter {update.name}: the worker was started without enable_lora")
+        if not update.path:
+            self.lora.remove(update.index)
+            return
+        self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora.max_rank,
+                                                     self.config.num_layers, self.dtype, self.device))
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""
@@ -278,6 +299,8 @@ class ModelRunner:
         if DEBUG_CHECKS:
             self._check(batch)
         batch = self._fill_future_tokens(batch)
+        for update in batch.adapter_updates:
+            self.update_lora_adapter(update)
         for start in batch.slot_starts:
             self.logits_state.start(start)
             if self.lora is not None:
