@@ -93,8 +93,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     min_prefill_share: Annotated[float, _doc("""Least prefill a step carries while requests wait, as a share
         (0-1) of the prompt tokens a step of max_step_ms could prefill with no decodes (never below 32
         tokens): admission never stops, and a step runs past max_step_ms by at most that much; once the
-        decodes alone take max_step_ms (a slow or busy machine) a step carries that floor times how far past
-        they run (procs/scheduler/SCHEDULING.md 6.5).""")] = MIN_PREFILL_SHARE
+        decodes alone take max_step_ms (a slow or busy machine) steps are not bounded (procs/scheduler/SCHEDULING.md
+        6.5).""")] = MIN_PREFILL_SHARE
     fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
         section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True

@@ -13,8 +13,8 @@ histograms time_to_first_token_seconds, inter_token_latency_seconds (gap between
 counters   prompt_tokens_total, generation_tokens_total, request_success_total{finish_reason}
            (a client that disconnects counts as finish_reason="abort"),
            request_rejected_total{status}, preemptions_total (requests preempted for KV and recomputed),
-           step_target_out_of_reach_total (steps whose decodes alone took --max-step-ms: they then
-           stretch in proportion),
+           step_target_out_of_reach_total (steps whose decodes alone took --max-step-ms: they are then
+           not bounded),
            spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
            spec_decode_num_accepted_tokens_total (speculative decoding, vLLM's names: decode rows with a
            draft, their draft tokens, the accepted ones),
