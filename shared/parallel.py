@@ -163,6 +163,13 @@ def replica_urls(config: ServerConfig) -> list[str]:
     return [local_url(config.host, replica_port(config, rank)) for rank in range(config.data_parallel_size)]
 
 
+def peer_replica_urls(replica_config: ServerConfig) -> list[str]:
+    """Every other replica's base URL, from a replica api's config, whose `port` is its own (`replica_port`)."""
+    own, rank = replica_config.port, replica_config.data_parallel_rank
+    base = msgspec.structs.replace(replica_config, port=own - (replica_config.router != "none") - rank)
+    return [url for i, url in enumerate(replica_urls(base)) if i != rank]
+
+
 def replicated(config: ServerConfig) -> bool:
     """The server is run as replicas (several, or one behind a router): processes are then named and
     placed per replica (`replica_dir`, `batchserve-api@I.service`)."""

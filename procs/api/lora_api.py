@@ -5,20 +5,28 @@ index and sends the load on the requests' path (`shared.messages.AdapterUpdate`)
 after the answer runs on it; `POST /v1/unload_lora_adapter` `{"lora_name"}` answers a new request naming it
 with 404 at once, while the requests in flight finish on its weights and the worker frees them after
 the last (`procs.scheduler.adapter_updates`). Under `/v1/`, so with API keys they need one. A name loaded
-again is a new index: its prefix cache never serves the old weights' KV.
+again is a new index: its prefix cache never serves the old weights' KV. With data-parallel replicas the
+replica that takes the update (a gateway picks one) passes it on to the others, so every replica serves
+the same adapters.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 from aiohttp import web
 
+from procs.api.auth import internal_key
 from procs.api.errors import error_response
 from procs.api.schemas import LoadLoraBody, UnloadLoraBody, decode_body
 from shared.errors import ModelLoadError, Refusal
 from shared.lora import check_adapter
 from shared.messages import AdapterUpdate
+from shared.parallel import peer_replica_urls
+
+FROM_REPLICA = "X-Batchserve-From-Replica"  # an update passed on by another replica: not passed on again
+PEER_TIMEOUT_S = 60.0
 
 
 def add_lora_routes(app: web.Application, handlers) -> None:
@@ -35,7 +43,8 @@ class _LoraRoutes:
 
     async def load(self, request: web.Request) -> web.Response:
         try:
-            body = decode_body(await self.handlers._read_body(request), LoadLoraBody)
+            raw = await self.handlers._read_body(request)
+            body = decode_body(raw, LoadLoraBody)
             async with self.lock:
                 served = self.handlers.served
                 served.check_free(body.lora_name)
@@ -52,14 +61,43 @@ class _LoraRoutes:
                     raise
         except Refusal as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
-        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        return await self._on_every_replica(request, raw, f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
         try:
-            body = decode_body(await self.handlers._read_body(request), UnloadLoraBody)
+            raw = await self.handlers._read_body(request)
+            body = decode_body(raw, UnloadLoraBody)
             async with self.lock:
                 index = self.handlers.served.unload(body.lora_name)
                 await self.handlers.engine.update_adapter(AdapterUpdate(index=index, name=body.lora_name))
         except Refusal as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
-        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+        return await self._on_every_replica(request, raw, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _on_every_replica(self, request: web.Request, raw: bytes, success: str) -> web.Response:
+        """Done here: pass the same update to every other replica of this server (a gateway sends a POST to one
+        of them), unless it came from one; 200 with `success` once every replica answered 200, else 502
+        naming those that did not (the replicas that did keep the change)."""
+        config = self.handlers.config
+        if config.data_parallel_size < 2 or request.headers.get(FROM_REPLICA):
+            return web.Response(text=success)
+        key = internal_key()  # the replicas' shared key; else the client's own, which every replica accepts
+        auth = {"Authorization": f"Bearer {key}"} if key else {
+            k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        peers = peer_replica_urls(config)  # the app's config: its port is this replica's own
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PEER_TIMEOUT_S)) as http:
+            failures = [f for f in await asyncio.gather(*(self._send(http, url + request.path, raw, auth)
+                                                          for url in peers)) if f]
+        if failures:
+            return error_response(502, f"done on this replica, not on every other: {'; '.join(failures)}")
+        return web.Response(text=success)
+
+    @staticmethod
+    async def _send(http: aiohttp.ClientSession, url: str, raw: bytes, auth: dict[str, str]) -> str:
+        """POST the update to one replica: "" once it answers 200, else what went wrong there."""
+        headers = {**auth, FROM_REPLICA: "1", "Content-Type": "application/json"}
+        try:
+            async with http.post(url, data=raw, headers=headers) as answer:
+                return "" if answer.status == 200 else f"{url}: {answer.status} {(await answer.text())[:200]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"{url}: {exc or type(exc).__name__}"
