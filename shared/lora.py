@@ -24,6 +24,12 @@ class LoraModule:
     path: str
 
 
+def held_at_start(modules: list[LoraModule], max_cpu_loras: int) -> list[LoraModule]:
+    """The adapters the worker loads at start (the first `max_cpu_loras`; 0: all), which the scheduler counts
+    as held (`procs.scheduler.adapter_updates`): the others load when a request needs them."""
+    return modules[:max_cpu_loras or None]
+
+
 def parse_lora_modules(items: list[str]) -> list[LoraModule]:
     """ValueError naming the entry for one that is neither NAME=PATH nor vLLM's JSON, or a repeated name."""
     modules = []

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from procs.scheduler.executor import Executor
 from procs.scheduler.request import Request, Status
 from shared.config import ServerConfig
-from shared.lora import parse_lora_modules
-from procs.scheduler.executor import Executor
+from shared.lora import LoraModule, held_at_start, parse_lora_modules
 from shared.messages import AdapterUpdate, ForwardBatch, StepResult
 
 ADMITTED = (Status.RUNNING, Status.PREFILLING)  # requests holding a slot: their adapters stay in the worker
@@ -29,19 +29,18 @@ ADMITTED = (Status.RUNNING, Status.PREFILLING)  # requests holding a slot: their
 class WorkerAdapters:
     def __init__(self, config: ServerConfig) -> None:
         modules = parse_lora_modules(config.lora_modules) if config.enable_lora else []
-        self.paths = {i: m.path for i, m in enumerate(modules, 1)}  # registered adapters' folders
-        self.names = {i: m.name for i, m in enumerate(modules, 1)}
+        self.registered: dict[int, LoraModule] = dict(enumerate(modules, 1))
         self.limit = config.max_cpu_loras  # adapters the worker holds at once (0: all)
-        held = list(self.paths)[:self.limit or None]  # as the worker loads them at start
+        held = range(1, len(held_at_start(modules, self.limit)) + 1)  # as the worker loads them at start
         self.held: OrderedDict[int, None] = OrderedDict.fromkeys(held)  # least recently admitted first
         self._unloading: list[AdapterUpdate] = []  # unregistered, waiting for their last request
 
     def update(self, update: AdapterUpdate) -> None:
         """The api's runtime load or unload."""
         if update.path:
-            self.paths[update.index], self.names[update.index] = update.path, update.name
+            self.registered[update.index] = LoraModule(update.name, update.path)
         else:
-            self.paths.pop(update.index, None)
+            self.registered.pop(update.index, None)
             self._unloading.append(update)
 
     def due(self, batch: ForwardBatch, requests: Iterable[Request]) -> list[AdapterUpdate]:
@@ -55,23 +54,25 @@ class WorkerAdapters:
         for update in updates:
             self.held.pop(update.index, None)
         wanted = [s.adapter for s in batch.slot_starts if s.adapter]
-        wanted += [i for i in self.paths if i not in self.held and not self.limit]  # runtime loads, no limit
+        wanted += [i for i in self.registered if i not in self.held and not self.limit]  # runtime loads, no limit
         for index in wanted:
             if index not in self.held:
                 updates += self._make_room(admitted | set(wanted) | {u.index for u in self._unloading})
-                updates.append(AdapterUpdate(index=index, name=self.names[index], path=self.paths[index]))
+                module = self.registered[index]
+                updates.append(AdapterUpdate(index=index, name=module.name, path=module.path))
             self.held[index] = None
             self.held.move_to_end(index)
         return updates
 
     def _make_room(self, keep: set[int]) -> list[AdapterUpdate]:
         """Unload the least recently admitted adapter outside `keep` while the worker is full (none outside
-        it: the worker holds one more for a while, until the unloads waiting for their requests are done)."""
+        it: the worker holds one more for a while, until the unloads waiting for their requests are done). A
+        victim is registered: an unregistered adapter the worker holds waits in `_unloading`, which `keep` holds."""
         victim = next((i for i in self.held if i not in keep), None)
         if not self.limit or len(self.held) < self.limit or victim is None:
             return []
         del self.held[victim]
-        return [AdapterUpdate(index=victim, name=self.names.get(victim, ""))]
+        return [AdapterUpdate(index=victim, name=self.registered[victim].name)]
 
 
 def adapters_in_use(requests: Iterable[Request]) -> dict[str, list[int]]:

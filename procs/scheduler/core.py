@@ -111,15 +111,6 @@ class Scheduler:
         return len(self.prefill_manager.pending_list)
 
     @property
-    def num_prefilling(self) -> int:
-        """Requests waiting, or admitted with prompt tokens left."""
-        return self.planner.num_prefilling
-
-    @property
-    def num_decoding(self) -> int:
-        return self.planner.num_decoding
-
-    @property
     def num_running(self) -> int:
         """Admitted requests (slots in use), including those still mid-chunk in prefill."""
         return self.table.num_used

@@ -22,8 +22,8 @@ A least-squares fit predicts a step's mean time, and a bound is about the slow s
 prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
 with prefill ran (their 90th percentile). It covers what the terms miss (a shared CPU's noise,
 KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
-How the target becomes a step's prompt-token cap (what fits beside the decodes, the floor, the
-stretch when the decodes alone take the target) is `procs.scheduler.step_time_cap`.
+How the target becomes a step's prompt-token cap (what fits beside the decodes, the floor, no cap
+once the decodes alone take the target) is `procs.scheduler.step_time_cap`.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class CostWeights(msgspec.Struct, frozen=True):
 
 
 TOKEN_WEIGHT = CostWeights.__struct_fields__.index("token")  # the one weight every fit keeps, and keeps > 0
+ROW_WEIGHT = CostWeights.__struct_fields__.index("row")
 
 
 def features(shape: StepShape, experts: tuple[int, int]) -> np.ndarray:
@@ -149,11 +150,12 @@ class StepCostModel(LinearStepCost):
         cost window (the probe's shapes count them too)."""
         self.experts = experts
         self.windows = tuple(windows)
-        self._probe = [(shape, float(s)) for shape, s in probe]
-        self._steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self._steps: deque[np.ndarray] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
         self._reported_at = time.monotonic()
+        # each measured step as its terms (`features`) and then its seconds: what a fit reads
+        self._probe = np.array([self._measured(shape, s) for shape, s in probe]).reshape(len(probe), -1)
         weights = self._fit(self._probe)
         if weights is None:
             raise ValueError(f"the step-cost probe cannot be fitted: {probe}")
@@ -166,7 +168,7 @@ class StepCostModel(LinearStepCost):
             if len(self._overruns) >= MIN_MARGIN_STEPS:
                 quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
                 self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
-        self._steps.append((shape, seconds))
+        self._steps.append(self._measured(shape, seconds))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
@@ -174,21 +176,24 @@ class StepCostModel(LinearStepCost):
             # row's (a probe taken while the machine was busy, say beside other starting servers, would
             # otherwise keep skewing them); before that, the probe fills the gap (steady decode steps alone
             # leave the per-token cost undetermined).
-            live = list(self._steps)
+            live = np.stack(self._steps)
             fitted = self._fit(live) if self._determines_weights(live) else None
-            fitted = fitted or self._fit(self._probe + live)
+            fitted = fitted or self._fit(np.vstack([self._probe, live]))
             if fitted is not None:
                 self.weights = fitted
             self._report()
 
-    def _determines_weights(self, steps: Sequence[tuple[StepShape, float]]) -> bool:
-        """Whether measured steps can be fitted alone: they spread enough in tokens, and in tokens beyond a
-        row's one, and no term of theirs is a mix of the others."""
-        tokens = [shape.tokens for shape, _ in steps]
-        prompt = [shape.tokens - shape.rows for shape, _ in steps]
-        if min(np.ptp(tokens), np.ptp(prompt)) < MIN_LIVE_SPREAD:
+    def _measured(self, shape: StepShape, seconds: float) -> np.ndarray:
+        return np.append(features(shape, self.experts), seconds)
+
+    @staticmethod
+    def _determines_weights(steps: np.ndarray) -> bool:
+        """Whether measured steps (`_measured`) can be fitted alone: they spread enough in tokens, and in
+        tokens beyond a row's one, and no term of theirs is a mix of the others."""
+        tokens = steps[:, TOKEN_WEIGHT]
+        if min(np.ptp(tokens), np.ptp(tokens - steps[:, ROW_WEIGHT])) < MIN_LIVE_SPREAD:
             return False
-        columns = np.stack([features(shape, self.experts) for shape, _ in steps])
+        columns = steps[:, :-1]
         columns = columns[:, columns.any(axis=0)] / np.abs(columns).max(axis=0)[columns.any(axis=0)]
         return int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
 
@@ -206,15 +211,15 @@ class StepCostModel(LinearStepCost):
             per_token = seconds / draft_tokens
             self.draft_token_s += DRAFT_COST_WEIGHT * (per_token - self.draft_token_s)
 
-    def _fit(self, rows: Sequence[tuple[StepShape, float]]) -> CostWeights | None:
+    @staticmethod
+    def _fit(steps: np.ndarray) -> CostWeights | None:
         """Least squares with non-negative weights (a cost never shrinks as work grows) and a positive
         per-token cost: the best fit over the subsets of the other terms kept beside tokens (an exact
         non-negative least squares for these few weights; a term that is 0 in every step is left out).
-        None when no subset fits."""
-        if len(rows) < 2 or len({shape.tokens for shape, _ in rows}) < 2:
+        None when no subset fits. `steps`: measured steps (`_measured`)."""
+        if steps.shape[0] < 2 or np.ptp(steps[:, TOKEN_WEIGHT]) == 0:
             return None
-        columns = np.stack([features(shape, self.experts) for shape, _ in rows])
-        seconds = np.array([s for _, s in rows])
+        columns, seconds = steps[:, :-1], steps[:, -1]
         optional = [i for i in range(columns.shape[1]) if i != TOKEN_WEIGHT and columns[:, i].any()]
         best: tuple[float, np.ndarray] | None = None
         for kept in (sorted([TOKEN_WEIGHT, *chosen]) for size in range(len(optional), -1, -1)

@@ -83,15 +83,6 @@ class StepPlanner:
         return step_shape(self.table.kv_len[view.slots], view.widths,
                           self.cost.windows if self.cost is not None else ())
 
-    @property
-    def num_prefilling(self) -> int:
-        """Requests waiting, or admitted with prompt tokens left."""
-        return len(self.prefill.pending_list) + len(self.prefill.chunking)
-
-    @property
-    def num_decoding(self) -> int:
-        return len(self.decode)
-
     def has_prefill_work(self) -> bool:
         """Requests wait, or an admitted prompt has chunks left: a step would carry prefill."""
         return bool(self.prefill.pending_list) or bool(self.prefill.chunking)

@@ -34,7 +34,7 @@ from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import ServerConfig
-from shared.lora import parse_lora_modules
+from shared.lora import held_at_start, parse_lora_modules
 from shared.messages import (DRAFT_TOKEN, FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
                              TokenLogprobs, WorkerInfo)
 from shared.model import ModelLoadError, ModelSpec
@@ -198,7 +198,7 @@ class ModelRunner:
                          state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests)
             if config.enable_lora:  # refused here, at start, on a model that cannot run adapters
                 runner.enable_lora(config.max_lora_rank)
-            modules = parse_lora_modules(config.lora_modules)[:config.max_cpu_loras or None]  # as the scheduler counts
+            modules = held_at_start(parse_lora_modules(config.lora_modules), config.max_cpu_loras)
             for index, module in enumerate(modules, 1):  # index 0: the base model
                 runner.load_lora_adapter(index, module.name, module.path)
         except BaseException:
