@@ -60,6 +60,7 @@ class Completion:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when asked for
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked for
+    pooled: bytes = b""  # a pooling request's vector (float32 bytes, `TokenDelta.pooled`); no tokens then
 
 
 @dataclass
@@ -342,8 +343,11 @@ class OfflineEngine:
             self.draft_tokens += out.draft_tokens
             self.accepted_tokens += out.accepted_tokens
             new: dict[str, list[int]] = {}
+            for rid, vector in out.pooled.items():  # the pooling runner: a vector in place of its token
+                live[rid].completion.pooled = vector
             for rid, token in out.new_tokens:
-                new.setdefault(rid, []).append(int(token))
+                if rid not in out.pooled:
+                    new.setdefault(rid, []).append(int(token))
             for rid, ids in new.items():
                 state = live[rid]
                 state.completion.token_ids.extend(ids)

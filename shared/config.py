@@ -33,6 +33,11 @@ Speculative = Literal["off", "ngram", "draft"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
 # The gateway in front of the replicas (procs/router.py): none, or the Shepherd Model Gateway.
 Router = Literal["none", "smg"]  # the default first
+# What the server does with the model (shared/pooling.py): generate text, or pool a prompt into a vector
+# (/v1/embeddings); auto = pooling for a sentence-transformers folder or a decoder without an LM head.
+Runner = Literal["auto", "generate", "pooling"]  # the default first
+# The pooling runner's override of the model's own pooling (empty: the model's files decide).
+PoolingOverride = Literal["", "last", "mean", "cls"]
 # smg's routing policies that need nothing but the requests (its manual and passthrough ones need routing
 # keys); cache_aware first, the default: a conversation's turns reach the replica holding its history.
 RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "prefix_hash", "consistent_hashing",
@@ -60,6 +65,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         of the weight bytes a decode step reads, for a small loss of accuracy; see the README's
         Performance section).""")] = "none"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = "auto"
+    runner: Annotated[Runner, _doc("""What the model serves: generate (text: completions, chat, responses),
+        pooling (a vector per input: /v1/embeddings; each request one prefill, no KV kept, no prefix
+        cache), or auto: pooling for a sentence-transformers folder (modules.json) or a decoder without an
+        LM head (Qwen3Model, LlamaModel, ...), else generate.""")] = "auto"
+    pooling: Annotated[PoolingOverride, _doc("""The pooling runner's pooling, over the model's own (its
+        sentence-transformers files; without them a decoder pools its last token): last, mean or cls.
+        Empty = the model's.""")] = ""
     max_context: Annotated[int, _doc("Longest prompt + completion in tokens; 0 = the model's own context length.")] = 0
     # KV cache
     page_size: Annotated[int, _doc("Tokens per KV-cache page.")] = 16

@@ -34,8 +34,6 @@ from shared.messages import (
     AbortRequest,
     AdapterUpdate,
     BackendFailure,
-    DetokenizeAnswer,
-    DetokenizeQuery,
     ForwardBatch,
     GenerateRequest,
     Heartbeat,
@@ -44,12 +42,11 @@ from shared.messages import (
     StepResult,
     TextDelta,
     TokenDelta,
-    TokenizeAnswer,
     TokenizedRequest,
-    TokenizeQuery,
     WorkerInfo,
 )
 from shared.shm import ArrayWriter, ShmReader
+from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 T = TypeVar("T")
 

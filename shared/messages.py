@@ -207,6 +207,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     # A mixture-of-experts model: the tokens routed to each expert of each MoE layer [layers, experts]
     # since the worker last sent them (about once a second), for /metrics; None between.
     expert_load: np.ndarray | None = None
+    # The pooling runner: each sampling row's pooled final hidden states [num_sampled, hidden] float32, in
+    # batch order (its next_token_ids are placeholders); None from the generate runner.
+    pooled: np.ndarray | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +252,15 @@ class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
     param: str = "response_format"  # the request field it came from
 
 
+class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A pooling request (the pooling runner, `/v1/embeddings`): one prefill, whose pooled final hidden
+    states are its answer (`TokenDelta.pooled`) in place of generated tokens: its `stop.max_tokens` is 0,
+    and the one row it samples, its prompt's last, gives its vector (SCHEDULING.md section 11)."""
+
+    dimensions: int | None = None  # Matryoshka: the vector cut to its first `dimensions` entries (then normed)
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens run (the tokenizer cuts)
+
+
 class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one request asks of the engine besides its prompt, as one struct that travels whole:
     the api builds it, the tokenizer settles it (`stop.max_tokens`, the grammar compiled from
@@ -263,6 +275,7 @@ class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0  # lower runs first under --scheduling-policy priority (SCHEDULING.md section 8)
     speculative: bool = True  # False: never speculate for it (the request's "speculative": false)
     adapter: int = 0  # its LoRA adapter (`shared.lora`: the index of --lora-modules' entry + 1; 0: the base model)
+    pooling: PoolingParams | None = None  # a pooling request (the pooling runner); None: generation
 
 
 DEFAULT_PARAMS = RequestParams()
@@ -288,40 +301,9 @@ class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
     # The field `params.stop.max_tokens` came from (chat: max_completion_tokens or max_tokens), so that the
     # tokenizer's refusal names the one the client sent.
     max_tokens_param: str = "max_tokens"
-
-
-class TokenizeQuery(msgspec.Struct, tag=True, kw_only=True):
-    """api -> tokenizer (`/tokenize`): the prompt ids of `request`'s prompt or messages (with its tools
-    and chat_template_kwargs), as generation would feed them; answered by a `TokenizeAnswer` or a
-    `RequestRejected`. The options are vLLM's; `add_special_tokens` None: the form's default (a text
-    gets the tokenizer's special tokens, a chat only what its template writes)."""
-
-    rid: str
-    request: GenerateRequest
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-
-
-class TokenizeAnswer(msgspec.Struct, tag=True, kw_only=True):
-    """tokenizer -> api: a `TokenizeQuery`'s ids (and their vocabulary strings, when asked for)."""
-
-    rid: str
-    token_ids: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeQuery(msgspec.Struct, tag=True, kw_only=True):
-    """api -> tokenizer (`/detokenize`): the text of `token_ids`; a `DetokenizeAnswer` or a `RequestRejected`."""
-
-    rid: str
-    token_ids: list[int]
-
-
-class DetokenizeAnswer(msgspec.Struct, tag=True, kw_only=True):
-    rid: str
-    text: str
+    # A cross-encoder's pair (`/v1/score`, `/v1/rerank`): the second text, tokenized with `prompt` as the
+    # model's tokenizer joins a pair ([CLS] prompt [SEP] prompt_pair [SEP]).
+    prompt_pair: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -373,6 +355,9 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     # logprobs of prompt tokens 1.. (token 0 has none).
     prompt_ids: list[int] = []
     prompt_logprobs: list[TokenLogprobs] = []
+    # A pooling request's last delta: its vector, float32 little-endian bytes as the model pooled it (the
+    # api cuts and normalises it, `shared.pooling`); its token_ids are empty.
+    pooled: bytes = b""
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -413,6 +398,7 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     # First delta only, when prompt logprobs were asked for (echo): the prompt's text and its tokens.
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] = []
+    pooled: bytes = b""  # a pooling request's vector (`TokenDelta.pooled`), on its last delta
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
@@ -474,6 +460,8 @@ class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
     # continues its slot's state, so no prefix cache and no speculative rows.
     recurrent_state_bytes: int = 0
     state_snapshots: int = 0  # the states it keeps for the prefix cache (0: none, and no prefix cache for it)
+    pooling: bool = False  # the pooling runner: prefill-only requests, no prefix cache (SCHEDULING.md section 11)
+    bidirectional: bool = False  # an encoder: each input runs whole in one step (no chunks)
     pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
 
 

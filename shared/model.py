@@ -233,8 +233,11 @@ def read_model_json(model_dir: Path) -> dict[str, Any]:
 
 def model_positions(raw: dict[str, Any]) -> int:
     """The model's own context length (config.json's max_position_embeddings; missing or null: 2048), times
-    the factor of a dynamic NTK rope, which serves that much more (`shared.rope`)."""
+    the factor of a dynamic NTK rope, which serves that much more (`shared.rope`); a RoBERTa's less the
+    positions its padding index takes (its first position is padding_idx + 1)."""
     positions = int(raw.get("max_position_embeddings") or DEFAULT_POSITIONS)
+    if raw.get("model_type") in ("roberta", "xlm-roberta"):  # positions start past padding_idx: 514 serve 512
+        return positions - int(raw.get("pad_token_id", 1)) - 1
     try:
         rope = RopeConfig.from_hf({**raw, "max_position_embeddings": positions}, "config.json")
     except ValueError:  # the worker's loader names what is wrong with it

@@ -527,11 +527,11 @@ def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads
 
 
 def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(), softcap: float = 0.0,
-                  ring_pages: int = 0) -> Backends:
+                  ring_pages: int = 0, causal: bool = True) -> Backends:
     flashinfer_cache, torch_cache = make_cache(dtype, ring_pages=ring_pages), make_cache(dtype, ring_pages=ring_pages)
     fake = install_fake_flashinfer(monkeypatch, flashinfer_cache)
-    backend = create_backend("flashinfer", flashinfer_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
-    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap)
+    backend = create_backend("flashinfer", flashinfer_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap, causal)
+    reference = create_backend("torch", torch_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap, causal)
     return Backends(backend, fake, flashinfer_cache, reference, torch_cache, num_heads)
 
 
@@ -655,6 +655,19 @@ def test_plan_and_forward_match_the_torch_backend(monkeypatch, batch, dtype):
     assert all(run.k_cache is k and run.v_cache is v for run, k, v in zip(wrapper.runs, cache.k, cache.v))
     # (c) attention over that KV is the torch backend's attention
     assert_outputs_match(backends)
+
+
+def test_bidirectional_encoder_rows_match_the_torch_backend(monkeypatch):
+    """An encoder's (BERT's) whole inputs: the prefill wrapper planned with causal=False, every token of a
+    row attending to every other, as the torch backend's non-causal mode."""
+    backends = make_backends(monkeypatch, torch.bfloat16, causal=False)
+    run_step(backends, BATCHES["prefill"])
+    [wrapper] = [w for w in backends.fake.wrappers if w.plans]
+    assert wrapper.planned.causal is False
+    assert_outputs_match(backends)
+    causal = make_backends(monkeypatch, torch.bfloat16)  # and it is not the causal attention
+    run_step(causal, BATCHES["prefill"])
+    assert not torch.allclose(causal.outputs[0][1], backends.outputs[0][1])
 
 
 def test_wider_gqa_group_matches_the_torch_backend(monkeypatch):

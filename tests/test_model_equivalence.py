@@ -164,17 +164,23 @@ def test_every_architecture_runs_through_the_registry(tiny_model_dir):
     from procs.worker.models import ARCHITECTURES, model_class
     from procs.worker.models.llama import LlamaModel
     from shared.model import ModelLoadError, ModelSpec
+    from shared.pooling import HEADLESS_ARCHITECTURES
 
     archs = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3", "gemma2",
              "gemma3", "gemma3_mm", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe")
     # the multimodal Qwen3.5 checkpoints run their text model's class (test_hybrid_models builds one)
     text_of_multimodal = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                           "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+    # the pooling runner's models without an LM head: headless decoders run their ForCausalLM's class
+    # (tests/test_pooling_engine.py), encoders their own (tests/test_pooling_encoders.py)
+    generative = {name: cls for name, cls in ARCHITECTURES.items() if name not in HEADLESS_ARCHITECTURES}
+    assert {ARCHITECTURES[name] for name in ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")} == {
+        ARCHITECTURES[name] for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
     specs = [ModelSpec.resolve(tiny_model_dir(arch)) for arch in archs]
-    assert [spec.architecture for spec in specs] == [a for a in ARCHITECTURES if a not in text_of_multimodal]
-    assert all(issubclass(model_class(name), LlamaModel) for name in ARCHITECTURES)
+    assert [spec.architecture for spec in specs] == [a for a in generative if a not in text_of_multimodal]
+    assert all(issubclass(model_class(name), LlamaModel) for name in generative)
     assert all(ARCHITECTURES[mm] is ARCHITECTURES[text] for mm, text in text_of_multimodal.items())
-    assert len(set(ARCHITECTURES.values())) == len(ARCHITECTURES) - len(text_of_multimodal)
+    assert len(set(generative.values())) == len(generative) - len(text_of_multimodal)
     configs = [load_model_config(spec) for spec in specs]
     assert [c.qk_norm for c in configs] == ["none", "none", "head", "none", "none", "none", "head", "projection", "none",
                                             "none", "head", "head", "none", "head", "head", "head"]

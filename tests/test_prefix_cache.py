@@ -209,8 +209,9 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
     for path in sorted((Path(__file__).parent / "scenarios").glob("*.json")):
         scenario = load_scenario(path)
         preempts = any("preempted" in step for trace in scenario.expected.values() for step in trace)
-        if any(r.shared_prefix for r in scenario.requests) or preempts or scenario.config.sliding_window:
-            continue  # (a sliding window gives pages back: no prefix cache beside it, SCHEDULING.md 5)
+        if (any(r.shared_prefix for r in scenario.requests) or preempts or scenario.config.sliding_window
+                or scenario.config.pooling):
+            continue  # (a sliding window gives pages back, pooling needs every token: no prefix cache with them)
         for policy, expected in scenario.expected.items():
             config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, policy), prefix_cache=True)
             sched = scenario_scheduler(scenario, config)  # the scenario's scripted drafts, if any

@@ -61,13 +61,14 @@ def resolve_backend_name(name: str, device_type: str, dtype: "torch.dtype | None
 
 
 def create_backend(name: str, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int,
-                   scale: float, windows: Sequence[int] = (), softcap: float = 0.0) -> AttentionBackend:
+                   scale: float, windows: Sequence[int] = (), softcap: float = 0.0,
+                   causal: bool = True) -> AttentionBackend:
     """The backend `name` (or auto's pick); `windows`: each layer's sliding window, 0 for none (all 0 if
-    empty); `softcap`: attention scores soft-capped (0: not)."""
+    empty); `softcap`: attention scores soft-capped (0: not); `causal` False: an encoder's attention."""
     name = resolve_backend_name(name, kv_cache.device.type, kv_cache.dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap)
+    return BACKENDS[name]()(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap, causal)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "CudaGraphAttentionBackend", "create_backend",

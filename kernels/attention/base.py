@@ -43,7 +43,8 @@ class AttentionBackend(ABC):
     with attention sinks (gpt-oss) passes `forward` its `sinks` [H] fp32: per query head a logit that
     joins the softmax's denominator and attends to nothing, so a head may attend to little. Sliding
     layers may keep their KV in rings (`kernels.kv_cache`), through their own page table and write
-    locations (`in_ring`)."""
+    locations (`in_ring`). With `causal` False (an encoder) a row's tokens attend to each other both ways.
+    """
 
     name: str = ""
     # The widest row after a cached prefix that attends through a ring's pages (None: any row, so rings hold
@@ -51,7 +52,7 @@ class AttentionBackend(ABC):
     ring_row_tokens: int | None = None
 
     def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = (), softcap: float = 0.0):
+                 windows: Sequence[int] = (), softcap: float = 0.0, causal: bool = True):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         layers = len(kv_cache.k)
@@ -59,6 +60,9 @@ class AttentionBackend(ABC):
         if len(self.windows) != layers or min(self.windows) < 0:
             raise ValueError(f"windows {self.windows}: one per layer ({layers}), each >= 0")
         self.softcap = float(softcap)
+        # False: an encoder's (BERT's) bidirectional attention, every token of a row attending to every
+        # other; its rows are whole inputs (the scheduler runs them in one step each), never after a prefix
+        self.causal = causal
         if kv_cache.ring_layers and set(kv_cache.ring_layers) != {i for i, w in enumerate(self.windows) if w}:
             raise ValueError(f"ring layers {kv_cache.ring_layers} must be the sliding ones (windows {self.windows})")
         self.kv_cache = kv_cache

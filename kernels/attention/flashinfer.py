@@ -105,8 +105,8 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     name = "flashinfer"
 
     def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = (), softcap: float = 0.0):
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap)
+                 windows: Sequence[int] = (), softcap: float = 0.0, causal: bool = True):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap, causal)
         if kv_cache.device.type != "cuda":
             raise ValueError(f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
                              "use --attention-backend torch")
@@ -172,7 +172,7 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         for window, wrapper in self._prefill_wrappers.items():
             pages = step_pages[self.in_ring(window)]
             wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                         causal=True, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
+                         causal=self.causal, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
                          logits_soft_cap=self.softcap or None,
                          sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
         self._wrappers = self._prefill_wrappers

@@ -151,6 +151,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
                        window: int, first_key: int = 0) -> _PrefillChunk:
         """A chunk's rows attending to the positions from `first_key` to its own: causally, in a window."""
+        if not self.causal:  # an encoder's whole input (never after a prefix): every token sees every other
+            assert not prefix, "a bidirectional row is a whole input"
+            return _PrefillChunk(start, length, None, torch.ones(length, length, dtype=torch.bool,
+                                                                  device=self.kv_cache.device))
         if pages is None and not window:
             return _PrefillChunk(start, length, None, None)  # SDPA's causal mask
         device = self.kv_cache.device

@@ -43,6 +43,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from procs.api.auth import OWNER, accepted_keys, auth_middleware
+from procs.api.pooling_api import add_pooling_routes
 from procs.api.engine_client import EngineClient
 from procs.api.errors import error_response
 from procs.api.lora_api import add_lora_routes
@@ -60,6 +61,7 @@ from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig, request_cap
 from shared.errors import Refusal
 from shared.messages import RequestRejected
+from shared.pooling import PoolerConfig
 
 logger = logging.getLogger("batchserve.api")
 
@@ -76,9 +78,11 @@ class BodyError(Refusal):
 
 
 class ApiHandlers:
-    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
+                 pooler: PoolerConfig | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.pooler = pooler  # the pooling runner's (`/v1/embeddings`); None: the generate runner
         self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
         self.metrics = ApiMetrics(config.objectives)
         # A request in flight is running or waiting in the scheduler, so this caps the waiting queue.
@@ -152,6 +156,9 @@ class ApiHandlers:
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, self.metrics)
         try:
+            if self.pooler is not None:
+                raise Refusal(f"this server pools (--runner pooling): it answers /v1/embeddings, not /v1/{endpoint}; "
+                              f"serve a generative model with --runner generate", "model")
             body = await self._read_body(request)
             validated, shapes = prepare(body, rid)
             tracker.stream = validated.stream
@@ -330,11 +337,13 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
 HANDLERS_KEY: web.AppKey[ApiHandlers] = web.AppKey("batchserve_api_handlers", ApiHandlers)
 
 
-def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> web.Application:
+def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
+               pooler: PoolerConfig | None = None) -> web.Application:
     """The api's aiohttp application around `engine` (see `engine_client.py` for the contract).
     `reasoning`: the model thinks in <think> blocks (`ChatFormat.reasoning`), which chat answers then
-    report as `reasoning_content`."""
-    handlers = ApiHandlers(engine, config, reasoning=reasoning)
+    report as `reasoning_content`. `pooler`: the model is served by the pooling runner, this way
+    (`shared.pooling`): `/v1/embeddings` answers, the generation endpoints refuse."""
+    handlers = ApiHandlers(engine, config, reasoning=reasoning, pooler=pooler)
     engine.set_stats_listener(handlers.metrics.observe_scheduler_stats)
     keys = accepted_keys(config)
     middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
@@ -349,6 +358,7 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: Reasoni
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
     add_tokenize_routes(app, handlers)
+    add_pooling_routes(app, handlers)
     if config.enable_lora_runtime_updates:
         add_lora_routes(app, handlers)
 

@@ -39,10 +39,10 @@ from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.liveness import pid_gone
 from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import (PROCESS_NAMES, AbortRequest, AdapterUpdate, BackendFailure, DetokenizeAnswer, DetokenizeQuery,
-                             GenerateRequest, Heartbeat, RequestRejected, SchedulerStats, TextDelta, TokenizeAnswer,
-                             TokenizeQuery)
+from shared.messages import (PROCESS_NAMES, AbortRequest, AdapterUpdate, BackendFailure, GenerateRequest, Heartbeat,
+                             RequestRejected, SchedulerStats, TextDelta)
 from shared.parallel import worker_process_names
+from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 log = logging.getLogger("batchserve.api")
 

@@ -24,8 +24,9 @@ from procs.runtime import resolve_runtime_dir
 from shared.checks import max_prompt_chars, model_token_chars
 from shared.config import ServerConfig
 from shared.ipc import Endpoints
-from shared.model import ModelSpec
+from shared.model import ModelSpec, read_model_json
 from shared.parallel import replica_port
+from shared.pooling import pooler_for
 from shared.readiness import notify_ready, notify_stopping
 
 log = logging.getLogger("batchserve.api")
@@ -51,7 +52,9 @@ async def serve(config: ServerConfig) -> int:
     port = replica_port(config)
     try:
         runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S,
-                                                                 port=port), reasoning=reasoning)
+                                                                 port=port), reasoning=reasoning,
+                                 pooler=pooler_for(spec.model_dir, spec.architecture, read_model_json(spec.model_dir),
+                                                   config.runner, config.pooling))
     except OSError as exc:  # port in use, address not available: a configuration error
         raise ValueError(f"cannot listen on {config.host}:{port}: {exc.strerror or exc}") from None
     try:

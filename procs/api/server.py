@@ -18,15 +18,17 @@ from procs.api.connections import CappedSite, raise_open_file_limit
 from procs.api.engine_client import EngineClient
 from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig
+from shared.pooling import PoolerConfig
 
 logger = logging.getLogger("batchserve.api")
 
 
-async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "") -> web.AppRunner:
+async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
+                    pooler: PoolerConfig | None = None) -> web.AppRunner:
     """Start the app on the running loop; `await runner.cleanup()` stops it (waiting up to
-    `config.drain_timeout_s` for open requests). `reasoning`: as `create_app`'s."""
+    `config.drain_timeout_s` for open requests). `reasoning`, `pooler`: as `create_app`'s."""
     max_connections = raise_open_file_limit(config.max_connections)
-    runner = web.AppRunner(create_app(engine, config, reasoning=reasoning), handler_cancellation=True,
+    runner = web.AppRunner(create_app(engine, config, reasoning=reasoning, pooler=pooler), handler_cancellation=True,
                            access_log=None, shutdown_timeout=config.drain_timeout_s,
                            keepalive_timeout=config.header_timeout_s)
     await runner.setup()

@@ -86,7 +86,7 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str | S
     drop_generated = echo and req.max_tokens == 0
     sampling = _sampling(req)
     max_tokens = 1 if drop_generated else req.max_tokens
-    prompts = [(prompt, prompt_ids) for _, prompt, prompt_ids in _prompts(req.prompt)]
+    prompts = [(prompt, prompt_ids) for _, prompt, prompt_ids in prompt_inputs(req.prompt)]
     # The engine returns a prompt's text only with its logprobs, so echo always asks for them.
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
     logits = _logits(req, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
@@ -281,22 +281,24 @@ def _choices_per_prompt(req: CommonRequestFields) -> int:
     return n
 
 
-def _prompts(prompt: str | list[int | str | list[int]]) -> list[tuple[str, str | None, list[int] | None]]:
-    """(param, text, token ids) of each prompt: a text, a list of token ids, or a list of either."""
-    if isinstance(prompt, str):
-        return [("prompt", _text_prompt(prompt, "prompt"), None)]
-    if not prompt:
-        raise Refusal("prompt must not be empty", "prompt")
-    kind = type(prompt[0])
-    for i, item in enumerate(prompt):
+def prompt_inputs(value: str | list[int | str | list[int]], field: str = "prompt"
+                  ) -> list[tuple[str, str | None, list[int] | None]]:
+    """(param, text, token ids) of each prompt in `field` (a completion's `prompt`, an embedding's `input`):
+    a text, a list of token ids, or a list of either."""
+    if isinstance(value, str):
+        return [(field, _text_prompt(value, field), None)]
+    if not value:
+        raise Refusal(f"{field} must not be empty", field)
+    kind = type(value[0])
+    for i, item in enumerate(value):
         if type(item) is not kind:
-            raise Refusal("prompt must be a text, a list of token ids, or a list of texts or of token-id "
-                          "lists, not a mix", f"prompt[{i}]")
+            raise Refusal(f"{field} must be a text, a list of token ids, or a list of texts or of token-id "
+                          "lists, not a mix", f"{field}[{i}]")
     if kind is int:
-        return [("prompt", None, _token_prompt(prompt, "prompt"))]
+        return [(field, None, _token_prompt(value, field))]
     if kind is str:
-        return [(f"prompt[{i}]", _text_prompt(p, f"prompt[{i}]"), None) for i, p in enumerate(prompt)]
-    return [(f"prompt[{i}]", None, _token_prompt(p, f"prompt[{i}]")) for i, p in enumerate(prompt)]
+        return [(f"{field}[{i}]", _text_prompt(p, f"{field}[{i}]"), None) for i, p in enumerate(value)]
+    return [(f"{field}[{i}]", None, _token_prompt(p, f"{field}[{i}]")) for i, p in enumerate(value)]
 
 
 def _text_prompt(text: str, param: str) -> str:

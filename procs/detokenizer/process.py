@@ -62,6 +62,7 @@ class Detokenizers:
             return out, False
         del self.active[rid]
         out.finish_reason = finish
+        out.pooled = delta.pooled  # a pooling request's vector, as it came
         out.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
                           total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens,
                           draft_tokens=delta.draft_tokens, accepted_tokens=delta.accepted_tokens)

@@ -89,8 +89,17 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Distinct LoRA adapters among the admitted requests at most (base-model requests aside; 0: no limit):
     # a waiting request of another adapter waits at the head of the queue (SCHEDULING.md section 10).
     max_loras: int = 0
+    # The pooling runner (SCHEDULING.md section 11): every request one prefill sampled once for its vector,
+    # none other accepted; no prefix cache (pooling needs every token computed) and no speculation.
+    pooling: bool = False
+    # An encoder's (bidirectional attention, section 11): a prompt runs whole in one step, never chunked; one
+    # longer than prefill_budget is refused at arrival.
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
+        if self.pooling and (self.prefix_cache or self.speculative != "off"):
+            raise SchedulerConfigError("the pooling runner computes every prompt token: prefix_cache and speculative "
+                                       "decoding are off with it")
         if self.prefix_cache and self.sliding_window:
             raise SchedulerConfigError("prefix_cache and sliding_window exclude each other: a cached prefix needs "
                                        "every page, which the window gives back (SCHEDULING.md 5)")
@@ -159,14 +168,16 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
         # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep, and a
         # linear layer's state at the prefix's end, which only the worker's snapshots keep
         prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings
-        and (not info.recurrent_state_bytes or info.state_snapshots > 0),
+        and (not info.recurrent_state_bytes or info.state_snapshots > 0) and not info.pooling,
         scheduling_policy=config.scheduling_policy,
         fair_prefill=config.fair_prefill, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
-        max_step_s=step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
+        # the step-time bound keeps decodes' inter-token latency: a pooling server decodes nothing
+        max_step_s=0.0 if info.pooling else step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
         rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
         sliding_window=info.sliding_window, recurrent_state=info.recurrent_state_bytes > 0,
         state_snapshots=info.state_snapshots, max_loras=config.max_loras if config.enable_lora else 0,
+        pooling=info.pooling, whole_prompts=info.bidirectional,
     )
 
 

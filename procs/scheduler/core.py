@@ -44,12 +44,12 @@ from procs.scheduler.deltas import token_deltas
 from procs.scheduler.executor import Executor, ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.managers import DecodeManager, PrefillManager
-from procs.scheduler.request import Request, Status, prompt_array
+from procs.scheduler.request import Request, Status, check_runner, prompt_array
 from procs.scheduler.request_table import RequestTable
 from procs.scheduler.step_cost import LinearStepCost
 from procs.scheduler.step_output import LaunchedStep, StepOutput
 from procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
-from procs.scheduler.step_results import kept_tokens, record_logprobs, settle_rows
+from procs.scheduler.step_results import kept_tokens, record_logprobs, record_pooled, settle_rows
 from shared.checks import MAX_TOKEN_ID, check_priority
 from shared.config import request_cap
 from shared.errors import Refusal
@@ -82,7 +82,8 @@ class Scheduler:
         self.allocator = self.kv.allocator
         self.by_priority = config.scheduling_policy == "priority"
         self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority,
-                                             fair=config.fair_prefill, max_loras=config.max_loras)
+                                             fair=config.fair_prefill, max_loras=config.max_loras,
+                                             whole=config.whole_prompts)
         self.decode_manager = DecodeManager()
         self.planner = StepPlanner(config, self.table, self.kv, self.prefill_manager, self.decode_manager,
                                    proposer if proposer is not None else default_proposer(config), cost)
@@ -174,8 +175,12 @@ class Scheduler:
             raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
                           f"first come, first served)", "priority")
         check_priority(priority)
+        check_runner(params, self.config.pooling)
         prompt = prompt_array(prompt_ids)
-        # max_tokens is settled (>= 1, within the context) by the tokenizer: the scheduler trusts it.
+        if self.config.whole_prompts and prompt.shape[0] > self.config.prefill_budget:
+            raise Refusal(f"this model is an encoder: an input runs whole in one step, and this one's {prompt.shape[0]} "
+                          f"tokens exceed the prefill budget of {self.config.prefill_budget} (--prefill-budget)", "prompt")
+        # max_tokens is settled (>= 1, 0 for pooling; within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
@@ -452,10 +457,11 @@ class Scheduler:
             np.maximum.at(table.reported, slots, index + 1)
         requests = self.requests
         record_logprobs(requests, launched, result, kept)
+        record_pooled(launched, result, kept)
         done = np.flatnonzero(kept.ends).tolist()
         if done:
             out.finished = [rids[i] for i in done]
-            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] else "length" for i in done}
+            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] or rids[i] in out.pooled else "length" for i in done}
             finished = [requests[rid] for rid in out.finished]
             out.ended.update(zip(out.finished, finished))
             self._end(finished, Status.FINISHED)

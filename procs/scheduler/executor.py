@@ -31,16 +31,18 @@ class ScriptedExecutor:
 
     Other tokens are `first_token_id + k` for the k-th sampled token (0-based; a row's j-th position
     is its `sample_counts[i] + j`-th), so they never equal the EOS id as long as `first_token_id > eos_token_id`.
-    Rows with a draft are verified as the worker does (`shared.verification`).
+    Rows with a draft are verified as the worker does (`shared.verification`). With `pooling`, as the
+    pooling runner's worker, every sampled row also returns a vector.
     """
 
     def __init__(self, output_tokens: Callable[[int], int], *, eos_token_id: int = 2,
-                 first_token_id: int = 100) -> None:
+                 first_token_id: int = 100, pooling: bool = False) -> None:
         if first_token_id <= eos_token_id:
             raise ValueError("first_token_id must be above eos_token_id so scripted tokens never look like EOS")
         self._output_tokens = output_tokens
         self._eos = eos_token_id
         self._first = first_token_id
+        self._pooling = pooling  # the pooling runner's: each sampled row also gives a vector (one zero)
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         ids = np.asarray([
@@ -49,6 +51,8 @@ class ScriptedExecutor:
             for k in range(count, count + n)
         ], dtype=np.int32)
         result = StepResult(step=batch.step, next_token_ids=ids)
+        if self._pooling:
+            result.pooled = np.zeros((ids.shape[0], 1), dtype=np.float32)
         lens = np.asarray([n for n in batch.sample_lens if n], dtype=np.int64)
         if lens.shape[0] and int(lens.max()) > 1:
             ends = np.cumsum(np.asarray(batch.extend_lens, dtype=np.int64))

@@ -29,12 +29,13 @@ class PrefillManager:
     """
 
     def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False,
-                 fair: bool = False, max_loras: int = 0) -> None:
+                 fair: bool = False, max_loras: int = 0, whole: bool = False) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
         self.by_priority = by_priority
         self.fair = fair  # fair prefill (SCHEDULING.md section 9): a long prompt leaves room for those behind it
         self.max_loras = max_loras  # distinct LoRA adapters among the admitted requests (0: no limit)
+        self.whole = whole  # an encoder's: a prompt is admitted only with room for all of it in the step (no chunks)
         self._table = table
         self._kv = kv
         self._admissions = 0  # admission sequence numbers (re-admissions get new ones)
@@ -67,7 +68,7 @@ class PrefillManager:
 
         Each item is (request, prompt tokens this step); admitted requests get their slot here.
         """
-        share = budget - budget // 2 if self.fair else budget
+        share = budget - budget // 2 if self.fair and not self.whole else budget
         items: list[tuple[Request, int]] = []
         held: list[int] = []  # items the share kept below their prompt's rest
 
@@ -91,6 +92,8 @@ class PrefillManager:
             head = pending[0]
             if not self._adapter_fits(head):
                 break  # its adapter waits for one of the running adapters to finish, and so does everyone behind it
+            if self.whole and head.prompt_len > budget:
+                break  # an encoder's input runs whole: it waits for a step with room for it, and so does everyone behind it
             cached = self._kv.lookup(head)
             pages = self._kv.reservation(head, cached)
             if reserved < 0:

@@ -192,3 +192,15 @@ def prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if int(prompt.min()) < 0 or int(prompt.max()) > MAX_TOKEN_ID:
         raise Refusal("prompt token ids must be in [0, 2**31)", "prompt")
     return prompt.astype(np.int32, copy=True)
+
+
+def check_runner(params: RequestParams, pooling: bool) -> None:
+    """A `Refusal` for a request this server's runner does not answer (the api refuses it first, naming its
+    endpoint): generation on the pooling runner, or pooling on the generate runner."""
+    if params.pooling is not None and not pooling:
+        raise Refusal("this server generates (--runner generate): it computes no embeddings", "model")
+    if params.pooling is None and pooling:
+        raise Refusal("this server pools (--runner pooling): it answers /v1/embeddings only, no generation", "model")
+    if pooling and params.stop.max_tokens != 0:
+        raise Refusal("a pooling request generates no token (max_tokens 0): its one sampled row is its vector",
+                      "max_tokens")

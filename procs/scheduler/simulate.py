@@ -31,7 +31,7 @@ from procs.scheduler.executor import ScriptedExecutor, scripted_token
 from procs.scheduler.step_cost import CostWeights, LinearStepCost
 from procs.scheduler.step_output import StepOutput
 from shared.errors import Refusal
-from shared.messages import RequestParams, SamplingParams, StopParams
+from shared.messages import PoolingParams, RequestParams, SamplingParams, StopParams
 
 EOS_TOKEN_ID = 2
 FIRST_TOKEN_ID = 100  # the scripted model's k-th token is FIRST_TOKEN_ID + k (ScriptedExecutor)
@@ -75,6 +75,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     recurrent_state: bool = False  # a hybrid model's per-slot linear-attention states (SCHEDULING.md 5)
     state_snapshots: NonNegativeInt = 0  # the worker's snapshots of them, which the prefix cache serves from
     max_loras: NonNegativeInt = 0  # distinct LoRA adapters among the admitted requests (0: no limit)
+    pooling: bool = False  # the pooling runner: every request one prefill, its vector in place of tokens (section 11)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -119,6 +120,9 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ScenarioError(f"not valid JSON: {exc}") from None
+    if scenario.config.pooling and any(r.output_tokens != 1 or r.max_tokens for r in scenario.requests):
+        raise ScenarioError("a pooling scenario's requests have output_tokens 1 (their vector) and no max_tokens "
+                            "- at `$.requests`")
     if (scenario.config.max_step_ms > 0) != (scenario.config.step_cost is not None):
         raise ScenarioError("max_step_ms and step_cost come together (the bound needs a cost model) - at `$.config`")
     ids: set[str] = set()
@@ -157,7 +161,7 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
                                sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
                                recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots,
-                               max_loras=c.max_loras)
+                               max_loras=c.max_loras, pooling=c.pooling)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -223,7 +227,8 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         assert rid is not None, f"the scheduler planned slot {slot}, which holds no request"
         return outputs_of[rid]
 
-    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID)
+    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID,
+                                pooling=config.pooling)
     arrivals = sorted(scenario.requests, key=lambda r: r.arrival_step)  # stable: scenario order within a step
     cancels = sorted(scenario.cancels, key=lambda c: c.before_step)
     next_arrival = next_cancel = 0
@@ -234,10 +239,13 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             r = arrivals[next_arrival]
             next_arrival += 1
             prompt = scenario_prompt(scenario.requests.index(r), r)
-            stop = StopParams(max_tokens=r.max_tokens or r.output_tokens)
+            # a pooling request generates nothing: its one sampled row is its vector (SCHEDULING.md section 11)
+            stop = StopParams(max_tokens=0 if config.pooling else r.max_tokens or r.output_tokens)
+            pooling = PoolingParams() if config.pooling else None
             try:
                 scheduler.add_request(r.id, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop,
-                                                                  priority=r.priority, adapter=r.adapter))
+                                                                  priority=r.priority, adapter=r.adapter,
+                                                                  pooling=pooling))
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None

@@ -39,6 +39,7 @@ class StepOutput(msgspec.Struct, kw_only=True):
     prefill_cap: int | None = None
     predicted_s: float | None = None
     queue_times: list[float] = []  # seconds waited by each request this step admitted for the first time
+    pooled: dict[str, bytes] = {}  # the pooling runner: rid -> its vector (float32 bytes), in place of its token
 
     @property
     def draft_tokens(self) -> int:

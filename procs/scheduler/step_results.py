@@ -1,7 +1,8 @@
 """Reading a completed step's tokens: which count (`kept_tokens`: not those of rows whose request ended
 while the step ran, nor a row's tokens past what verification accepted or past the one that ends its
 request), which are stop tokens, settling each row to what it kept (`settle_rows`), and the
-logprobs that came with them (`record_logprobs`)."""
+logprobs that came with them (`record_logprobs`), or the pooling runner's vectors in their place
+(`record_pooled`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from procs.scheduler.executor import ExecutorError
 from procs.scheduler.kv_manager import KVManager
 from procs.scheduler.ngram import pause_after
 from procs.scheduler.request import Request
@@ -120,3 +122,16 @@ def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result:
             request.prompt_logprobs.extend(entries)
     out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
                            if r.wants_prompt_logprobs and live.get(r.rid) is r}
+
+
+def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
+    """Into `launched.out`: the pooling runner's answer, each kept row's vector in place of its token
+    (float32 bytes, `TokenDelta.pooled`)."""
+    if result.pooled is None:
+        return
+    pooled = np.asarray(result.pooled, dtype="<f4")
+    if pooled.ndim != 2 or pooled.shape[0] != result.next_token_ids.shape[0]:
+        raise ExecutorError(f"step {result.step}: {pooled.shape} pooled vectors for {result.next_token_ids.shape[0]} "
+                         f"sampled rows")
+    at = range(len(kept.rids)) if kept.positions is None else kept.positions.tolist()
+    launched.out.pooled = {rid: pooled[i].tobytes() for rid, i in zip(kept.rids, at)}

@@ -14,9 +14,9 @@ from procs.tokenizer.prompts import PromptTokenizer
 from shared.config import ServerConfig
 from shared.errors import Refusal
 from shared.ipc import ApiInbox, Receiver, SchedulerInbox, Sender, TokenizerInbox
-from shared.messages import (AbortRequest, AdapterUpdate, DetokenizeAnswer, DetokenizeQuery, GenerateRequest, RequestRejected,
-                             TokenizeAnswer, TokenizeQuery)
+from shared.messages import AbortRequest, AdapterUpdate, GenerateRequest, RequestRejected
 from shared.shm import SharedRing
+from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 log = logging.getLogger("batchserve.tokenizer")
 

@@ -34,7 +34,7 @@ from shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
 from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
 from shared.config import ServerConfig
 from shared.errors import Refusal
-from shared.messages import GenerateRequest, StopParams, TokenizedRequest
+from shared.messages import GenerateRequest, PoolingParams, StopParams, TokenizedRequest
 from shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.tokenizer")
@@ -186,6 +186,8 @@ class PromptTokenizer:
 
     def tokenize(self, request: GenerateRequest) -> TokenizedRequest:
         """Tokenize and check the length; raises `Refusal`."""
+        if request.params.pooling is not None:
+            return self._pooling_request(request, request.params.pooling)
         ids, field = self.prompt_ids(request)
         n = len(ids)
         if n == 0:
@@ -207,6 +209,28 @@ class PromptTokenizer:
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 # the constraint, compiled into logits.grammar, travels no further
                                 params=msgspec.structs.replace(params, stop=stop, logits=logits, constraint=None),
+                                arrival_time=request.arrival_time)
+
+    def _pooling_request(self, request: GenerateRequest, pooling: PoolingParams) -> TokenizedRequest:
+        """A pooling request: its input's ids (only the last `truncate_prompt_tokens`, when given: vLLM's left
+        cut; a pair's second text cut to fit them), at most the context; it generates nothing (max_tokens 0: its one sampled row is its vector,
+        SCHEDULING.md section 11)."""
+        keep = pooling.truncate_prompt_tokens
+        if request.prompt_pair is not None:  # a cross-encoder's pair: the second text is cut where need be
+            cut = {} if keep is None else {"truncation": "only_second", "max_length": keep}
+            ids, field = list(self.tokenizer(request.prompt, request.prompt_pair, **cut)["input_ids"]), "prompt"
+        elif keep is not None and request.prompt:  # cut after tokenizing: no early refusal of a long text
+            ids, field = list(self.tokenizer.encode(request.prompt))[-keep:], "prompt"
+        else:
+            ids, field = self.prompt_ids(request)
+            ids = ids if keep is None else ids[-keep:]
+        if not ids:
+            raise Refusal(f"{field} must not be empty", field)
+        if len(ids) > self.max_context:
+            raise Refusal(f"This model's maximum context length is {self.max_context} tokens; this input has "
+                          f"{len(ids)} tokens (truncate_prompt_tokens keeps its last ones)", field)
+        return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
+                                params=msgspec.structs.replace(request.params, stop=StopParams(max_tokens=0)),
                                 arrival_time=request.arrival_time)
 
     def _harmony_stop(self, stop: StopParams) -> StopParams:

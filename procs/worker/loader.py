@@ -5,6 +5,7 @@ metadata every process shares (architecture, context length, EOS ids) is `shared
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator
 
@@ -25,12 +26,14 @@ def load_model_config(spec: ModelSpec) -> ModelConfig:
 
 
 def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quantization: str,
-               tp: TensorParallel | None = None) -> CausalLM:
+               tp: TensorParallel | None = None, lm_head: bool = True) -> CausalLM:
     """The model (`tp`'s rank's share of it) from its checkpoint, for requests up to `spec.context_length`
-    tokens."""
+    tokens; without `lm_head`, the decoder alone (the pooling runner's)."""
     config = load_model_config(spec)
     # transformers' older checkpoints carry rotary tables, which the model computes itself
     tensors = ((n, t) for n, t in iter_safetensors(spec.model_dir) if not n.endswith("rotary_emb.inv_freq"))
+    if not lm_head:
+        config = dataclasses.replace(config, lm_head=False)
     return model_class(spec.architecture).from_tensors(config, tensors, max_positions=spec.context_length,
                                                        dtype=dtype, device=device, quantization=quantization,
                                                        tp=tp or TensorParallel())

@@ -20,6 +20,7 @@ from kernels.attention import BACKENDS, create_backend, resolve_backend_name
 from kernels.kv_cache import KVCache
 from kernels.recurrent_state import RecurrentStatePool
 from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
+from procs.worker.batch_checks import check_batch
 from procs.worker.devices import check_quantization, resolve_device, resolve_dtype
 from procs.worker.draft_model import DraftDistributions, DraftModel
 from procs.worker.grammar_masks import SlotGrammars
@@ -29,20 +30,22 @@ from procs.worker.graph_runner import DecodeGraphRunner
 from procs.worker.kv_cache import (GIB, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for, ring_layers,
                                    ring_pages_for)
 from procs.worker.loader import load_model
-from procs.worker.models.base import CausalLM, ModelConfig, eager_forward
+from procs.worker.models.base import CausalLM, ModelConfig, eager_forward, eager_hidden_states
+from procs.worker.pooler import SlotPooler
 from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import ServerConfig
 from shared.lora import held_at_start, parse_lora_modules
-from shared.messages import (DRAFT_TOKEN, FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
+from shared.messages import (FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
                              TokenLogprobs, WorkerInfo)
-from shared.model import ModelLoadError, ModelSpec
+from shared.model import ModelLoadError, ModelSpec, read_model_json
 from shared.parallel import RankLayout
+from shared.pooling import pooler_for
 from shared.step_features import StepShape, layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
-# BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`ModelRunner._check`). The
+# BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`procs.worker.batch_checks`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
 EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
@@ -64,7 +67,8 @@ class ModelRunner:
                  max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
                  disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
                  quantization: str = "none", tp: TensorParallel | None = None, draft_model: str = "",
-                 draft_quantization: str = "none", ring_step_tokens: int = 0, state_snapshots: int = 0):
+                 draft_quantization: str = "none", ring_step_tokens: int = 0, state_snapshots: int = 0,
+                 runner: str = "generate", pooling: str = ""):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -80,8 +84,10 @@ class ModelRunner:
             check_quantization(draft_quantization, self.device, self.dtype)
             draft_spec = DraftModel.spec_for(draft_model, self.spec)
         self._max_context = self.spec.context_length
+        pooler = pooler_for(self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner,
+                            pooling)  # None: the generate runner
         self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
-                                          tp=self.tp)
+                                          tp=self.tp, lm_head=pooler is None)
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
         # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
@@ -94,7 +100,7 @@ class ModelRunner:
                                        min(ring_step_tokens, ring_rows or ring_step_tokens), state_snapshots)
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = create_backend(backend, self.kv_cache, heads.num_heads, heads.num_kv_heads, cfg.head_dim,
-                                        cfg.attention_scale, cfg.windows, cfg.attn_softcap)
+                                        cfg.attention_scale, cfg.windows, cfg.attn_softcap, causal=not cfg.bidirectional)
         self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
                                                                                        attention_backend)
         # the step-cost model's windows: a linear layer's is what its state's reads cost, in keys
@@ -107,6 +113,8 @@ class ModelRunner:
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
         self.lora: LoraSlots | None = None  # LoRA adapters, with enable_lora (`update_lora_adapter`)
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
+        self.pooler = None if pooler is None else SlotPooler(pooler, max_running_requests, cfg.hidden_size, self.device)
+        disable_cuda_graph = disable_cuda_graph or pooler is not None  # the pooling runner never decodes
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
 
@@ -195,7 +203,8 @@ class ModelRunner:
                          ring_step_tokens=0 if config.full_sliding_kv else max(
                              config.prefill_budget, config.num_speculative_tokens + 1),
                          # a hybrid model's prefix cache keeps states: as many as requests run at once
-                         state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests)
+                         state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests,
+                         runner=config.runner, pooling=config.pooling)
             if config.enable_lora:  # refused here, at start, on a model that cannot run adapters
                 runner.enable_lora(config.max_lora_rank)
             modules = held_at_start(parse_lora_modules(config.lora_modules), config.max_cpu_loras)
@@ -208,6 +217,8 @@ class ModelRunner:
 
     def enable_lora(self, max_rank: int) -> LoraSlots:
         """LoRA slots on the model's projections (ModelLoadError where its layers cannot run adapters)."""
+        if self.pooler is not None:
+            raise ModelLoadError("LoRA adapters are not served by the pooling runner (embeddings)")
         self.lora = self.model.enable_lora(LoraSlots(self.max_running_requests, self.device, max_rank))
         return self.lora
 
@@ -286,7 +297,8 @@ class ModelRunner:
                           sliding_window=self._shared_window(), layer_windows=list(self.cost_windows),
                           sliding_rings=bool(self.kv_cache.ring_layers),
                           recurrent_state_bytes=0 if states is None else states.bytes_per_request,
-                          state_snapshots=0 if states is None else states.num_snapshots)
+                          state_snapshots=0 if states is None else states.num_snapshots, pooling=self.pooler is not None,
+                          bidirectional=self.config.bidirectional)
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
@@ -297,7 +309,8 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         if DEBUG_CHECKS:
-            self._check(batch)
+            check_batch(batch, self.max_running_requests, self._max_context, self.kv_cache.num_pages * self.page_size,
+                        self.vocab_size, self.draft is not None)
         batch = self._fill_future_tokens(batch)
         for update in batch.adapter_updates:
             self.update_lora_adapter(update)
@@ -310,6 +323,8 @@ class ModelRunner:
             for start in batch.slot_starts:
                 self.draft.start(start.slot)
             batch, drafts = self.draft.propose(self._apply_page_table(batch))
+        if self.pooler is not None:
+            return self._pooled_step(batch)
         with torch.inference_mode():
             prompt_chunks = self.logits_state.prompt_logprob_chunks(batch.slots, batch.prefix_lens, batch.extend_lens)
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
@@ -342,6 +357,18 @@ class ModelRunner:
                 lasts = rows.firsts + kept_rows.lens - 1
                 self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
         return result
+
+    def _pooled_step(self, batch: ForwardBatch) -> StepResult:
+        """The pooling runner's step: each sampling row's pooled vector, where a token would be."""
+        assert self.pooler is not None
+        with torch.inference_mode():
+            hidden = self.step_logits(batch)  # the pooling runner's forward: hidden states (`forward_logits`)
+            assert hidden is not None
+            pooled = self.pooler.pool(hidden, batch)
+            if self.pooler.config.kind == "classify":  # a cross-encoder: its head's logit of the [CLS] state
+                pooled = self.model.classify(pooled.to(hidden.dtype)).float()  # type: ignore[attr-defined]
+        return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
+                          pooled=pooled.cpu().numpy())
 
     def _apply_page_table(self, batch: ForwardBatch) -> ForwardBatch:
         """Apply the batch's page-table updates now (the draft model reads the same table); the batch
@@ -434,6 +461,9 @@ class ModelRunner:
         """Run the batch's forward pass (page table already applied): float32 logits of the sampled
         positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
         or None if there are none."""
+        if self.pooler is not None:  # the pooling runner: every token's final hidden state (`_pooled_step`)
+            return eager_hidden_states(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
+                                       batch.input_ids, batch.positions, batch.kv_locs)
         lora_rows = self.lora is not None and self.lora.active  # captured graphs run the base weights alone
         if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch) and not lora_rows:
             return self.graph_runner.forward_logits(batch)
@@ -442,40 +472,3 @@ class ModelRunner:
             rows = np.concatenate([rows, extra_rows])
         return eager_forward(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
                              batch.input_ids, batch.positions, batch.kv_locs, rows)
-
-    def _check(self, batch: ForwardBatch) -> None:
-        """Reject a malformed batch with a ValueError before it can corrupt the KV pool (only with
-        `DEBUG_CHECKS`)."""
-        n = batch.num_requests
-        if not (len(batch.prefix_lens) == len(batch.extend_lens) == len(batch.sample_lens) == len(batch.sampling)
-                == len(batch.sample_counts) == n):
-            raise ValueError("ForwardBatch per-request lists differ in length")
-        tokens = batch.num_tokens
-        if sum(batch.extend_lens) != tokens or batch.positions.shape[0] != tokens or batch.kv_locs.shape[0] != tokens:
-            raise ValueError(f"ForwardBatch: sum(extend_lens)={sum(batch.extend_lens)}, input_ids={tokens}, "
-                             f"positions={batch.positions.shape[0]}, kv_locs={batch.kv_locs.shape[0]} disagree")
-        if n == 0:
-            raise ValueError("ForwardBatch has no requests")
-        if min(batch.extend_lens) < 1 or min(batch.prefix_lens) < 0:
-            raise ValueError("ForwardBatch: extend_lens must be >= 1 and prefix_lens >= 0")
-        lens = zip(batch.prefix_lens, batch.extend_lens, batch.sample_lens)
-        if any(not 0 <= s <= e or (s > 1 and (p == 0 or s != e)) for p, e, s in lens):
-            raise ValueError("ForwardBatch: sample_lens must be in [0, extend_len], and above 1 only for a decode "
-                             "row (prefix_len > 0, sample_len == extend_len)")
-        if any(not 0 <= s < self.max_running_requests for s in [*batch.slots, *(x.slot for x in batch.slot_starts)]):
-            raise ValueError(f"ForwardBatch: slot out of range [0, {self.max_running_requests})")
-        if max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)) > self._max_context:
-            raise ValueError(f"ForwardBatch: a request exceeds max_context {self._max_context}")
-        pool_tokens = self.kv_cache.num_pages * self.page_size
-        if int(batch.kv_locs.min()) < 0 or int(batch.kv_locs.max()) >= pool_tokens:
-            raise ValueError(f"ForwardBatch: kv_locs out of range [0, {pool_tokens})")
-        if int(batch.positions.min()) < 0 or int(batch.positions.max()) >= self._max_context:
-            raise ValueError(f"ForwardBatch: position out of range [0, {self._max_context})")
-        if int(batch.input_ids.min()) < min(FUTURE_TOKEN, DRAFT_TOKEN) or int(batch.input_ids.max()) >= self.vocab_size:
-            raise ValueError(f"ForwardBatch: token id out of range [0, {self.vocab_size})")
-        firsts = np.cumsum(batch.extend_lens) - np.asarray(batch.extend_lens)
-        if not np.isin(np.flatnonzero(batch.input_ids == FUTURE_TOKEN), firsts).all():
-            raise ValueError("ForwardBatch: FUTURE_TOKEN stands other than first in a row")
-        if (batch.input_ids == DRAFT_TOKEN).any() and (self.draft is None or np.isin(
-                np.flatnonzero(batch.input_ids == DRAFT_TOKEN), firsts).any()):
-            raise ValueError("ForwardBatch: DRAFT_TOKEN without a draft model, or first in a row")

@@ -7,6 +7,8 @@ its model file and its line here.
 from __future__ import annotations
 
 from procs.worker.models.base import CausalLM
+from procs.worker.models.bert import (BertForSequenceClassification, BertModel, XLMRobertaForSequenceClassification,
+                                      XLMRobertaModel)
 from procs.worker.models.gemma import Gemma2Model, Gemma3Model, Gemma3TextOfMultimodal
 from procs.worker.models.gpt_oss import GptOssModel
 from procs.worker.models.llama import LlamaModel
@@ -39,6 +41,19 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5Model,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
+    # decoders saved without their LM head: the pooling runner's (`shared.pooling.HEADLESS_ARCHITECTURES`)
+    "LlamaModel": LlamaModel,
+    "MistralModel": MistralModel,
+    "Qwen2Model": Qwen2Model,
+    "Qwen3Model": Qwen3Model,
+    # encoders (`shared.pooling.ENCODER_ARCHITECTURES`): the pooling runner's too
+    "BertModel": BertModel,
+    "XLMRobertaModel": XLMRobertaModel,
+    "RobertaModel": XLMRobertaModel,
+    # cross-encoders (`shared.pooling.CROSS_ENCODER_ARCHITECTURES`)
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "RobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 

@@ -48,6 +48,8 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores soft-capped at this (Gemma 2); 0: not
     linear_layers: tuple[int, ...] = ()  # a hybrid model's linear-attention layers: no KV, a state per request
     recurrent: RecurrentShape | None = None  # their state's shape (`kernels.recurrent_state`)
+    lm_head: bool = True  # False: loaded without its LM head (the pooling runner), `forward` gives no logits
+    bidirectional: bool = False  # an encoder (BERT): every token attends to every other of its input
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -197,6 +199,12 @@ class CausalLM(Protocol):
         logits [len(logits_rows), vocab] of the chosen token rows, None without rows."""
         ...
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: AttentionBackend) -> torch.Tensor:
+        """`forward` without the LM head: every packed token's final-normed hidden state [num_tokens, hidden]
+        (the pooling runner's input)."""
+        ...
+
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed hidden rows: the last step of `forward`, which calls it."""
         ...
@@ -212,9 +220,24 @@ def eager_forward(model: CausalLM, attention: AttentionBackend, slots: list[int]
                   logits_rows: np.ndarray) -> torch.Tensor | None:
     """One forward pass without a captured graph: `attention` planned for the packed rows (host arrays,
     copied to its device), then `model.forward`; the logits of `logits_rows`, None without rows."""
+    to_device = _planned(attention, slots, prefix_lens, extend_lens, kv_locs)
+    return model.forward(to_device(input_ids), to_device(positions), attention,
+                         to_device(logits_rows) if len(logits_rows) else None)
+
+
+def eager_hidden_states(model: CausalLM, attention: AttentionBackend, slots: list[int], prefix_lens: list[int],
+                        extend_lens: list[int], input_ids: np.ndarray, positions: np.ndarray,
+                        kv_locs: np.ndarray) -> torch.Tensor:
+    """`eager_forward`'s pass without the LM head: every token's final hidden state."""
+    to_device = _planned(attention, slots, prefix_lens, extend_lens, kv_locs)
+    return model.hidden_states(to_device(input_ids), to_device(positions), attention)
+
+
+def _planned(attention: AttentionBackend, slots: list[int], prefix_lens: list[int], extend_lens: list[int],
+             kv_locs: np.ndarray) -> Any:
+    """`attention` planned for the packed rows; the host-to-device copy of an index array."""
     device = attention.kv_cache.device
     to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
     plan_step(attention, AttentionMetadata(slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens),
                                      kv_locs=to_device(kv_locs)))
-    return model.forward(to_device(input_ids), to_device(positions), attention,
-                         to_device(logits_rows) if len(logits_rows) else None)
+    return to_device

@@ -11,7 +11,7 @@ rotary and clip them, and replace a layer's MLP by a mixture of experts (`procs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -98,8 +98,8 @@ class LlamaModel:
     def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
                      dtype: torch.dtype, device: torch.device, quantization: str = "none",
                      tp: TensorParallel | None = None) -> LlamaModel:
-        return cls(config, dict(tensors), max_positions=max_positions, dtype=dtype, device=device,
-                   quantization=quantization, tp=tp)
+        return cls(config, dict(tensors if config.lm_head else headless_tensors(tensors)), max_positions=max_positions,
+                   dtype=dtype, device=device, quantization=quantization, tp=tp)
 
     def __init__(self, config: LlamaConfig, weights: dict[str, Weight], *, max_positions: int,
                  dtype: torch.dtype, device: torch.device, quantization: str = "none",
@@ -124,12 +124,15 @@ class LlamaModel:
             tp.split(config.intermediate_size, "intermediate_size")
         self.layers = [self._layer(take, i, i in sparse) for i in range(config.num_layers)]
         self.final_norm = self._norm(take, "model.norm.weight")
-        if config.tie_word_embeddings:
+        self.lm_head: ParallelLMHead | None = None  # none: the pooling runner's model (`ModelConfig.lm_head`)
+        if not config.lm_head:
             weights.pop("lm_head.weight", None)
-            lm_head = self.embed.weight
+        elif config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = ParallelLMHead(self.embed.weight, config.vocab_size, quantization, tp)
         else:
             lm_head = take("lm_head.weight", rows=vocab, pad_rows=vocab_rows)
-        self.lm_head = ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
+            self.lm_head = ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
         self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
@@ -207,6 +210,12 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
                 logits_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
+        h = self.hidden_states(input_ids, positions, attention)
+        return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attention: AttentionBackend) -> torch.Tensor:
+        """Run the packed tokens; every token's final-normed hidden state [num_tokens, hidden]."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         cos, sin = self.rope.lookup(positions)
@@ -221,8 +230,7 @@ class LlamaModel:
         lora_rows = self.lora is not None and self.lora.active
         paged = attention.paged_decode() if self.fuse_decode_layers and not lora_rows else None
         if paged is not None:
-            h = self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
-            return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
+            return self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
         local = None if self.local_rope is None else (self.local_rope.cos[positions], self.local_rope.sin[positions])
         for index, layer in enumerate(self.layers):
             rotation = local if local is not None and index in cfg.local_rope_layers else (cos, sin)
@@ -235,9 +243,7 @@ class LlamaModel:
                 out = rms_norm(out, layer.mlp_out_norm, eps)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             h, residual = add_rms_norm(out, residual, next_norm, eps)
-        if logits_rows is None:
-            return None
-        return self.lm_head_logits(h[logits_rows])  # h: the final norm of every row
+        return h  # the final norm of every row
 
     def _attention(self, layer: LayerWeights, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    attention: AttentionBackend) -> torch.Tensor:
@@ -304,6 +310,7 @@ class LlamaModel:
         return self._decode_layers[1]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "a model loaded without its LM head computes no logits"
         logits = self.lm_head(hidden)
         cap = self.config.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
@@ -316,6 +323,13 @@ class LlamaModel:
         for block in blocks:
             block.load.zero_()  # in place: the C blocks and captured graphs hold its address
         return load.cpu().numpy()
+
+
+def headless_tensors(tensors: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """A checkpoint's tensors as a ForCausalLM names them, from a decoder saved without its LM head (a
+    `Qwen3Model`: `layers.0...`, `norm.weight`) or with one (whose `lm_head.*` the model then drops)."""
+    for name, tensor in tensors:
+        yield (name if name.startswith(("model.", "lm_head.")) else "model." + name), tensor
 
 
 def _layer_tensors(layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor,

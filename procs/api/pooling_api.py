@@ -1,0 +1,306 @@
+"""The pooling runner's endpoints: `POST /v1/embeddings` (OpenAI's shape), `/v1/score` and `/v1/rerank`
+(vLLM's, the latter Jina's and Cohere's shape; also at `/score`, `/rerank` and `/v2/rerank`).
+
+Each input is one engine request (`rid-i` with `PoolingParams`), run together like a completion's
+prompts, whose last `TextDelta` carries its vector (`pooled`). What the vector means is the model's
+(`shared.pooling.PoolerConfig.kind`):
+- an embedding model answers `/v1/embeddings`: `input` (a text, texts, token ids or lists of them),
+  `encoding_format` float | base64 (float32 little-endian, as OpenAI's clients decode it), `dimensions`
+  (a Matryoshka cut where the model was trained for it), `user` (accepted, unused), vLLM's
+  `truncate_prompt_tokens` (only an input's last k tokens) and `priority`. It scores a pair by the cosine
+  of the two texts' vectors (each text run once);
+- a cross-encoder answers `/v1/score` and `/v1/rerank`: each pair is one input, its two texts joined
+  by the model's tokenizer, its score the model's logit after its activation.
+`/v1/score` pairs `text_1` with `text_2` (one text with each of a list, or two lists of one length);
+`/v1/rerank` pairs the `query` with each of `documents` and answers them by score, best first (`top_n`
+of them, with their text unless `return_documents` is false). A refused input is named by its field
+(`input[i]`, `text_2[i]`, `documents[i]`); a generation endpoint on a pooling server, or the reverse,
+is 400 naming the runner.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Callable, Literal
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from procs.api.errors import error_response
+from procs.api.fanout import EngineFailure, Fanout, choice_requests
+from procs.api.schemas import decode_body
+from procs.api.tracking import RequestTracker
+from procs.api.validation import check_model, prompt_inputs
+from shared.checks import check_priority
+from shared.errors import Refusal
+from shared.messages import GenerateRequest, PoolingParams, RequestParams, RequestRejected, StopParams, Usage
+from shared.pooling import PoolerConfig, finish_vector
+
+
+class EmbeddingsBody(msgspec.Struct, kw_only=True):
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: -1 = the context
+    priority: int | None = None
+
+
+class ScoreBody(msgspec.Struct, kw_only=True):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = None
+
+
+class RerankBody(msgspec.Struct, kw_only=True):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int | None = None  # none or 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = None
+
+
+class _Inputs(msgspec.Struct):
+    """A body's engine inputs: (text, token ids, the pair's second text) each, and the field naming each."""
+
+    inputs: list[tuple[str | None, list[int] | None, str | None]]
+    params: list[str]
+
+
+Answer = Callable[[list[bytes], Usage], dict]
+
+
+def add_pooling_routes(app: web.Application, handlers) -> None:
+    """Register the pooling endpoints on the api's application (`handlers`: its `ApiHandlers`)."""
+    routes = _PoolingRoutes(handlers)
+    app.router.add_post("/v1/embeddings", routes.embeddings)
+    for path in ("/v1/score", "/score"):
+        app.router.add_post(path, routes.score)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.router.add_post(path, routes.rerank)
+
+
+class _PoolingRoutes:
+    def __init__(self, handlers) -> None:
+        self.handlers = handlers
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+            if pooler.kind != "embed":
+                raise Refusal("this model is a cross-encoder: it scores pairs of texts (/v1/score, /v1/rerank), it "
+                              "computes no embeddings", "model")
+            body = decode_body(raw, EmbeddingsBody)
+            pooler.check_dimensions(body.dimensions)
+            found = prompt_inputs(body.input, "input")
+            inputs = _Inputs([(text, ids, None) for _, text, ids in found], [param for param, _, _ in found])
+
+            def answer(pooled: list[bytes], usage: Usage) -> dict:
+                vectors = [finish_vector(p, body.dimensions, pooler.normalize) for p in pooled]
+                return {"object": "list", "model": self._model_name(),
+                        "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+                                 for i, v in enumerate(vectors)],
+                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+
+            return inputs, PoolingParams(dimensions=body.dimensions), _fields(body), answer
+
+        return await self._run(request, "embeddings", "embd-", prepare)
+
+    async def score(self, request: web.Request) -> web.Response:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+            body = decode_body(raw, ScoreBody)
+            pairs = _pairs(body.text_1, body.text_2)
+            inputs, scores = _scored(pairs, pooler)
+
+            def answer(pooled: list[bytes], usage: Usage) -> dict:
+                return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                        "model": self._model_name(),
+                        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores(pooled))],
+                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+
+            return inputs, PoolingParams(), _fields(body), answer
+
+        return await self._run(request, "score", "score-", prepare)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+            body = decode_body(raw, RerankBody)
+            if not body.query:
+                raise Refusal("query must not be empty", "query")
+            if not body.documents:
+                raise Refusal("documents must not be empty", "documents")
+            empty = next((i for i, document in enumerate(body.documents) if not document), None)
+            if empty is not None:
+                raise Refusal(f"documents[{empty}] must not be empty", f"documents[{empty}]")
+            if body.top_n is not None and body.top_n < 0:
+                raise Refusal(f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
+            pairs = [(body.query, document, f"documents[{i}]") for i, document in enumerate(body.documents)]
+            inputs, scores = _scored(pairs, pooler)
+
+            def answer(pooled: list[bytes], usage: Usage) -> dict:
+                ranked = sorted(enumerate(scores(pooled)), key=lambda item: -item[1])[:body.top_n or None]
+                results = [{"index": i, "relevance_score": s,
+                            **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
+                           for i, s in ranked]
+                return {"id": f"rerank-{uuid.uuid4().hex}", "model": self._model_name(), "results": results,
+                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+
+            return inputs, PoolingParams(), _fields(body), answer
+
+        return await self._run(request, "rerank", "rerank-", prepare)
+
+    def _model_name(self) -> str:
+        return self.handlers.served.name(0)
+
+    async def _run(self, request: web.Request, endpoint: str, id_prefix: str,
+                   prepare: Callable[[bytes, PoolerConfig], tuple[_Inputs, PoolingParams, dict, Answer]]) -> web.Response:
+        """One pooling request: `prepare` decodes and checks the body into its inputs, their pooling params,
+        the body's common fields and how to answer their vectors."""
+        handlers = self.handlers
+        rid = f"{id_prefix}{uuid.uuid4().hex}"
+        tracker = RequestTracker(rid, endpoint, False, handlers.metrics)
+        try:
+            if handlers.pooler is None:
+                raise Refusal(f"this server generates (--runner generate): it does not answer /v1/{endpoint}; serve "
+                              f"an embedding model or a cross-encoder with --runner pooling", "model")
+            inputs, pooling, fields, answer = prepare(await handlers._read_body(request), handlers.pooler)
+            requests = _engine_requests(rid, inputs, pooling, fields, handlers.served, handlers.engine.max_context)
+            handlers._admit(len(requests), 1)
+        except Refusal as exc:
+            tracker.refused(exc.status, exc.message)
+            return _error(exc.status, exc.message, exc.param, rid, exc.code)
+        fanout = Fanout(handlers.engine, choice_requests(rid, requests, 1), 1)
+        handlers.in_flight += len(requests)
+        try:
+            fanout.start()
+            pooled, usage = await _gather(fanout, len(requests))
+        except _Rejected as exc:
+            rejected = exc.rejected
+            tracker.refused(rejected.status, rejected.message)
+            param = _input_param(rejected.param, inputs.params)
+            return _error(rejected.status, rejected.message, param, rid)
+        except EngineFailure as exc:
+            tracker.refused(500, str(exc))
+            return _error(500, str(exc), None, rid)
+        finally:
+            handlers.in_flight -= len(requests)
+            if await fanout.close(handlers._abort):
+                tracker.client_gone()
+        tracker.finished("stop", usage)
+        return web.Response(body=msgspec.json.encode(answer(pooled, usage)), content_type="application/json",
+                            headers={"X-Request-Id": rid})
+
+
+def _fields(body: EmbeddingsBody | ScoreBody | RerankBody) -> dict:
+    return {"model": body.model, "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
+
+
+def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: dict, served,
+                     max_context: int) -> list[GenerateRequest]:
+    """One engine request per input, with the body's common fields checked (a Refusal naming them)."""
+    if check_model(fields["model"], served):
+        raise Refusal("LoRA adapters are not served by the pooling runner", "model")
+    priority, keep = fields["priority"], fields["truncate_prompt_tokens"]
+    if priority is not None:
+        check_priority(priority)
+    if keep is not None and (keep == 0 or keep < -1):
+        raise Refusal(f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {keep}", "truncate_prompt_tokens")
+    pooling = msgspec.structs.replace(pooling, truncate_prompt_tokens=max_context if keep == -1 else keep)
+    params = RequestParams(stop=StopParams(max_tokens=0), priority=priority or 0, speculative=False, pooling=pooling)
+    return [GenerateRequest(rid=rid, prompt=text, prompt_token_ids=ids, prompt_pair=pair, params=params)
+            for text, ids, pair in inputs.inputs]
+
+
+def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str, str]]:
+    """vLLM's pairing: one text with each of a list (either side), or two lists of one length, item by item;
+    each pair with the field that names its second text."""
+    firsts = [text_1] if isinstance(text_1, str) else text_1
+    seconds = [text_2] if isinstance(text_2, str) else text_2
+    for name, texts in (("text_1", firsts), ("text_2", seconds)):
+        if not texts:
+            raise Refusal(f"{name} must not be empty", name)
+        for i, text in enumerate(texts):
+            if not text:
+                raise Refusal(f"{name} must not hold an empty text", name if len(texts) == 1 else f"{name}[{i}]")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(seconds) == 1:
+        seconds = seconds * len(firsts)
+    if len(firsts) != len(seconds):
+        raise Refusal(f"text_1 and text_2 are lists of different lengths ({len(firsts)} and {len(seconds)}): pair "
+                      f"one text with a list, or two lists of one length", "text_2")
+    name = "text_2" if isinstance(text_2, str) else None
+    return [(a, b, name or f"text_2[{i}]") for i, (a, b) in enumerate(zip(firsts, seconds))]
+
+
+def _scored(pairs: list[tuple[str, str, str]], pooler: PoolerConfig
+            ) -> tuple[_Inputs, Callable[[list[bytes]], list[float]]]:
+    """The inputs scoring `pairs` (first, second, the second's field) ask for, and how their vectors score them:
+    a cross-encoder's one input per pair, an embedding model's one per distinct text (the pair's cosine)."""
+    if pooler.kind == "classify":
+        inputs = _Inputs([(a, None, b) for a, b, _ in pairs], [param for _, _, param in pairs])
+        return inputs, lambda pooled: [pooler.score(float(finish_vector(p, None, False)[0])) for p in pooled]
+    texts = list(dict.fromkeys(text for a, b, _ in pairs for text in (a, b)))
+    where = {text: i for i, text in enumerate(texts)}
+    param = {b: p for _, b, p in pairs}
+    inputs = _Inputs([(text, None, None) for text in texts], [param.get(text, "text_1") for text in texts])
+
+    def cosines(pooled: list[bytes]) -> list[float]:
+        vectors = [finish_vector(p, None, True) for p in pooled]
+        return [float(np.dot(vectors[where[a]], vectors[where[b]])) for a, b, _ in pairs]
+
+    return inputs, cosines
+
+
+class _Rejected(Exception):
+    def __init__(self, rejected: RequestRejected) -> None:
+        self.rejected = rejected
+
+
+async def _gather(fanout: Fanout, count: int) -> tuple[list[bytes], Usage]:
+    """Every input's vector (input order) and their prompt tokens; raises _Rejected, EngineFailure."""
+    rejected = await fanout.started()
+    if rejected is not None:
+        raise _Rejected(rejected)
+    pooled: list[bytes] = [b""] * count
+    prompt_tokens, left = 0, count
+    while left:
+        index, event = await fanout.next()
+        if isinstance(event, RequestRejected):
+            raise _Rejected(event)
+        if event.finish_reason is None:
+            continue
+        if not event.pooled:  # aborted (the server draining, a failed process): nothing pooled
+            raise EngineFailure(f"input {index} ended without its vector ({event.finish_reason})")
+        pooled[index] = event.pooled
+        prompt_tokens += event.usage.prompt_tokens if event.usage else 0
+        left -= 1
+    return pooled, Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
+
+
+def _input_param(param: str | None, params: list[str]) -> str | None:
+    """The field of the input an engine refusal names (`prompt` with one input, `prompt[i]` with several)."""
+    if param == "prompt" and len(params) == 1:
+        return params[0]
+    if param and param.startswith("prompt[") and param.endswith("]"):
+        return params[int(param[len("prompt["):-1])]
+    return param
+
+
+def _encoded(vector: np.ndarray, encoding_format: str | None) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def _error(status: int, message: str, param: str | None, rid: str, code: str | None = None) -> web.Response:
+    response = error_response(status, message, param, code)
+    response.headers["X-Request-Id"] = rid
+    return response

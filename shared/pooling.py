@@ -1,0 +1,211 @@
+"""The pooling runner's model head, read from the model's own files: `PoolerConfig`.
+
+A model served by the pooling runner (`--runner pooling`) answers `/v1/embeddings` rather than
+generating: each request is one prefill whose final hidden states are pooled into one vector
+(SCHEDULING.md section 11). How they are pooled is the model's, never a guess: the wrong pooling gives
+vectors that look fine and rank badly. The rule, in order:
+- `--pooling` (last | mean | cls), when given, wins (normalising as the files say, else as below);
+- a sentence-transformers folder says it: `modules.json` lists a `Pooling` module (its folder's
+  `config.json`: `pooling_mode_lasttoken`, `pooling_mode_mean_tokens` or `pooling_mode_cls_token`)
+  and, when the vectors are normalised, a `Normalize` module; modules this server does not run (a
+  `Dense` projection, max or weighted-mean pooling) are refused at start, naming them;
+- otherwise a decoder pools its last token and an encoder its first ([CLS]), and both normalise (what
+  Qwen3-Embedding, gte-Qwen2, e5-mistral and bge were trained with; vLLM's defaults).
+Matryoshka dimensions (a request's `dimensions`: the vector cut to its first d entries, then
+normalised) are allowed where config.json says the model was trained for them: `matryoshka_dimensions`
+(the list of allowed sizes) or `is_matryoshka` (any size), as vLLM reads them.
+
+Which runner serves a model (`runner_for`): `--runner`, or with `auto` the pooling runner for a
+sentence-transformers folder (it has `modules.json`) or an architecture without an LM head
+(`Qwen3Model`, `LlamaModel`, ...), the generate runner otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import msgspec
+import numpy as np
+
+from shared.errors import ModelLoadError, Refusal
+
+PoolingType = Literal["last", "mean", "cls"]
+POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
+# sentence-transformers' pooling modes that this server runs, by its 1_Pooling/config.json key
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                         "pooling_mode_weightedmean_tokens")
+# sentence-transformers 6 spells the mode as one string
+_ST_MODE_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+# Encoders (bidirectional: an input runs whole in one step), which pool their first token ([CLS]) by default.
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
+# Cross-encoders: an encoder and a classification head on its [CLS], scoring a pair of texts as one input.
+CROSS_ENCODER_ARCHITECTURES = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+                               "RobertaForSequenceClassification")
+# Models without an LM head, as their checkpoints name them: served by the pooling runner only.
+HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", *ENCODER_ARCHITECTURES,
+                          *CROSS_ENCODER_ARCHITECTURES)
+# A cross-encoder's activation on its logit, by sentence-transformers' `activation_fn` (its default for one
+# label: sigmoid)
+ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+
+
+class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the pooling runner turns a prompt's final hidden states into its vector: an embedding, or a
+    cross-encoder's (`kind` "classify") logit of the pair its input holds, the score after `activation`."""
+
+    pooling: PoolingType
+    normalize: bool  # unit length (L2), after the Matryoshka cut
+    matryoshka: tuple[int, ...] | bool = False  # allowed `dimensions`: the listed sizes, True: any size, False: none
+    source: str = "default"  # where the rule came from, for the start-up log: "--pooling", "modules.json", "default"
+    hidden_size: int = 0  # the pooled vector's length (config.json's hidden_size; 0: not known)
+    kind: Literal["embed", "classify"] = "embed"
+    activation: Literal["sigmoid", "identity"] = "identity"  # classify: on the logit, giving the score
+
+    def score(self, logit: float) -> float:
+        """A cross-encoder's score of its logit."""
+        return 1.0 / (1.0 + math.exp(-logit)) if self.activation == "sigmoid" else logit
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """A Refusal naming `dimensions` when the model was not trained to be cut there."""
+        if dimensions is None:
+            return
+        hidden_size = self.hidden_size
+        if dimensions < 1 or (hidden_size and dimensions > hidden_size):
+            raise Refusal(f"dimensions must be between 1 and the model's embedding size {hidden_size}, "
+                          f"got {dimensions}", "dimensions")
+        if self.matryoshka is False:
+            raise Refusal("this model does not support matryoshka representations: its vectors cannot be cut to "
+                          "`dimensions` (config.json has neither matryoshka_dimensions nor is_matryoshka)",
+                          "dimensions")
+        if isinstance(self.matryoshka, tuple) and dimensions not in self.matryoshka:
+            raise Refusal(f"dimensions {dimensions} is not one this model was trained for: "
+                          f"{', '.join(map(str, self.matryoshka))}", "dimensions")
+
+
+def runner_for(runner: str, model_dir: Path, architecture: str) -> str:
+    """"generate" or "pooling": `runner` unless "auto" (see the module's rule)."""
+    if runner != "auto":
+        return runner
+    if (model_dir / "modules.json").is_file() or architecture in HEADLESS_ARCHITECTURES:  # cross-encoders too
+        return "pooling"
+    return "generate"
+
+
+def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "") -> PoolerConfig:
+    """The pooling rule of the model in `model_dir` (config.json `raw_config`), `override` (a PoolingType)
+    first; ModelLoadError for sentence-transformers modules this server does not run."""
+    if (raw_config.get("architectures") or [""])[0] in CROSS_ENCODER_ARCHITECTURES:
+        return _cross_encoder(model_dir, raw_config, override)
+    matryoshka, hidden = _matryoshka(raw_config), int(raw_config.get("hidden_size") or 0)
+    modules = _st_modules(model_dir)
+    normalize = "Normalize" in modules if modules else True
+    if override:
+        if override not in POOLING_TYPES:
+            raise ModelLoadError(f"--pooling {override!r}: one of {', '.join(POOLING_TYPES)} expected")
+        return PoolerConfig(pooling=override, normalize=normalize, matryoshka=matryoshka,  # type: ignore[arg-type]
+                            source="--pooling", hidden_size=hidden)
+    if not modules:
+        encoder = (raw_config.get("architectures") or [""])[0] in ENCODER_ARCHITECTURES
+        return PoolerConfig(pooling="cls" if encoder else "last", normalize=True, matryoshka=matryoshka,
+                            hidden_size=hidden)
+    pooling = _st_pooling(model_dir / modules.get("Pooling", "1_Pooling"))
+    return PoolerConfig(pooling=pooling, normalize=normalize, matryoshka=matryoshka,  # type: ignore[arg-type]
+                        source="modules.json", hidden_size=hidden)
+
+
+def _cross_encoder(model_dir: Path, raw: dict[str, Any], override: str) -> PoolerConfig:
+    """A cross-encoder's head: its [CLS] classified into one logit, the activation sentence-transformers
+    saved (config_sentence_transformers.json, or config.json's `sentence_transformers`), else sigmoid."""
+    where = model_dir / "config.json"
+    labels = len(raw.get("id2label") or {}) or int(raw.get("num_labels", 2))
+    if labels != 1:
+        raise ModelLoadError(f"{where}: a cross-encoder scores with one label, this one has {labels}")
+    if override:
+        raise ModelLoadError(f"--pooling {override}: a cross-encoder's head reads its [CLS] token, as trained")
+    st_config = model_dir / "config_sentence_transformers.json"
+    saved = json.loads(st_config.read_text()) if st_config.is_file() else raw.get("sentence_transformers") or {}
+    name = saved.get("activation_fn") or "torch.nn.modules.activation.Sigmoid"
+    if name not in ACTIVATIONS:
+        raise ModelLoadError(f"{where}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})")
+    return PoolerConfig(pooling="cls", normalize=False, kind="classify", activation=ACTIVATIONS[name],
+                        source="cross-encoder", hidden_size=int(raw.get("hidden_size") or 0))
+
+
+def _st_modules(model_dir: Path) -> dict[str, str]:
+    """sentence-transformers' modules of the folder, by class name -> their folder (empty without modules.json);
+    ModelLoadError naming one this server does not run."""
+    path = model_dir / "modules.json"
+    if not path.is_file():
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        modules = {str(entry["type"]).rsplit(".", 1)[-1]: str(entry.get("path", "")) for entry in entries}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: not a sentence-transformers module list ({exc})") from None
+    unknown = sorted(set(modules) - {"Transformer", "Pooling", "Normalize"})
+    if unknown:
+        raise ModelLoadError(f"{path}: sentence-transformers module(s) {', '.join(unknown)} are not run by this "
+                             f"server (it runs Transformer, Pooling and Normalize)")
+    if "Pooling" not in modules:
+        raise ModelLoadError(f"{path} has no Pooling module: say how to pool with --pooling")
+    return modules
+
+
+def _st_pooling(folder: Path) -> str:
+    """The pooling mode of a sentence-transformers Pooling module's `config.json`."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: the Pooling module's config cannot be read ({exc})") from None
+    if isinstance(config.get("pooling_mode"), str):
+        name = config["pooling_mode"]
+        if name not in _ST_MODE_NAMES:
+            raise ModelLoadError(f"{path}: pooling_mode {name!r} is not run by this server "
+                                 f"(it runs {', '.join(_ST_MODE_NAMES)})")
+        return _ST_MODE_NAMES[name]
+    chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
+    other = [key for key in _ST_UNSUPPORTED_MODES if config.get(key)]
+    if other or len(chosen) != 1:
+        raise ModelLoadError(f"{path}: exactly one of {', '.join(_ST_MODES)} expected "
+                             f"(got {', '.join(other + [k for k in _ST_MODES if config.get(k)]) or 'none'})")
+    if config.get("include_prompt") is False:
+        raise ModelLoadError(f"{path}: include_prompt false (an instruction left out of the mean) is not run by "
+                             f"this server")
+    return chosen[0]
+
+
+def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | bool:
+    dims = raw.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims:
+        return tuple(int(d) for d in dims)
+    return bool(raw.get("is_matryoshka", False))
+
+
+def pooler_for(model_dir: Path, architecture: str, raw_config: dict[str, Any], runner: str,
+               override: str = "") -> PoolerConfig | None:
+    """The pooling rule the worker serves the model with, None for the generate runner; ModelLoadError for
+    a decoder without an LM head asked to generate, or a pooling override on the generate runner."""
+    if runner_for(runner, model_dir, architecture) == "generate":
+        if architecture in HEADLESS_ARCHITECTURES:
+            raise ModelLoadError(f"{architecture} has no LM head, so it cannot generate: serve it with --runner "
+                                 f"pooling (/v1/embeddings)")
+        if override:
+            raise ModelLoadError(f"--pooling {override} needs the pooling runner (--runner pooling)")
+        return None
+    return read_pooler(model_dir, raw_config, override)
+
+
+def finish_vector(pooled: bytes, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """A pooled vector as the client gets it: cut to its first `dimensions` entries (Matryoshka), then
+    normalised to unit length where the model's files say (vLLM's order)."""
+    vector = np.frombuffer(pooled, dtype="<f4")
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    if normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)  # as torch's F.normalize (eps 1e-12)
+    return vector.astype(np.float32)
