@@ -105,3 +105,16 @@ def test_cross_encoder_files(tmp_path):
     assert read_pooler(model_dir, raw).score(-3.5) == -3.5  # the raw logit
     with pytest.raises(ModelLoadError, match="a cross-encoder's head reads its .CLS. token"):
         read_pooler(model_dir, raw, "mean")
+
+
+def test_remote_code_models_are_refused_in_one_line(tmp_path):
+    """nomic-embed-text and gte-v1.5 define their architecture in their own folder (auto_map)."""
+    from procs.worker.loader import load_model_config
+    from shared.model import ModelSpec
+
+    model_dir = build_encoder(tmp_path / "nomic")
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.update(architectures=["NomicBertModel"], auto_map={"AutoModel": "modeling_hf_nomic_bert.NomicBertModel"})
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="NomicBertModel is defined by code in its own folder .* trust_remote_code"):
+        load_model_config(ModelSpec.resolve(model_dir))

@@ -25,7 +25,8 @@ from procs.api.errors import error_body
 from procs.api.responses_store import owner_of
 from shared.config import ServerConfig
 
-PROTECTED_PREFIX = "/v1/"
+# Every OpenAI path, and the pooling runner's vLLM and Jina aliases (`/score`, `/rerank`, `/v2/rerank`)
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/score", "/rerank")
 # The router's internal key, in the environment of the router and of the replicas' apis (never a flag:
 # a command line is readable by every user of the machine).
 INTERNAL_KEY_ENV = "BATCHSERVE_INTERNAL_KEY"
@@ -79,7 +80,7 @@ def _unauthorized(message: str) -> web.Response:
 def auth_middleware(keys: tuple[bytes, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(PROTECTED_PREFIX):
+        if request.path.startswith(PROTECTED_PREFIXES):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not given.strip():
                 return _unauthorized("You didn't provide an API key: send `Authorization: Bearer <key>`.")

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from procs.worker.models import model_class
+from procs.worker.models import ARCHITECTURES, model_class
 from procs.worker.models.base import CausalLM, ModelConfig, Weight
 from procs.worker.parallel import TensorParallel
 from shared.model import ModelLoadError, ModelSpec, read_model_json
@@ -21,8 +21,12 @@ __all__ = ["iter_safetensors", "load_model", "load_model_config"]
 
 def load_model_config(spec: ModelSpec) -> ModelConfig:
     """The model's config as its architecture reads it; ModelLoadError for an architecture or a config
-    this code cannot run."""
-    return model_class(spec.architecture).config_from_hf(read_model_json(spec.model_dir), spec)
+    this code cannot run (one that lives in the checkpoint's own code, `auto_map`, named as such)."""
+    raw = read_model_json(spec.model_dir)
+    if raw.get("auto_map") and spec.architecture not in ARCHITECTURES:
+        raise ModelLoadError(f"{spec.architecture or 'this model'} is defined by code in its own folder (config.json's "
+                             f"auto_map, transformers' trust_remote_code), which this server does not run")
+    return model_class(spec.architecture).config_from_hf(raw, spec)
 
 
 def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quantization: str,
