@@ -64,6 +64,10 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     hidden_size: int = 0  # the pooled vector's length (config.json's hidden_size; 0: not known)
     kind: Literal["embed", "classify"] = "embed"
     activation: Literal["sigmoid", "identity"] = "identity"  # classify: on the logit, giving the score
+    # A decoder reranker's (sentence-transformers' LogitScore): the logit is its last token's LM-head logit of
+    # the true token, less the false token's where there is one; its pair is rendered by the chat template
+    # as a "query" and a "document" message (sentence-transformers 6's pair roles).
+    logit_tokens: tuple[int, ...] = ()
 
     def score(self, logit: float) -> float:
         """A cross-encoder's score of its logit."""
@@ -102,6 +106,8 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
         return _cross_encoder(model_dir, raw_config, override)
     matryoshka, hidden = _matryoshka(raw_config), int(raw_config.get("hidden_size") or 0)
     modules = _st_modules(model_dir)
+    if "LogitScore" in modules:
+        return _decoder_reranker(model_dir, modules["LogitScore"], override)
     normalize = "Normalize" in modules if modules else True
     if override:
         if override not in POOLING_TYPES:
@@ -119,20 +125,42 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
 
 def _cross_encoder(model_dir: Path, raw: dict[str, Any], override: str) -> PoolerConfig:
     """A cross-encoder's head: its [CLS] classified into one logit, the activation sentence-transformers
-    saved (config_sentence_transformers.json, or config.json's `sentence_transformers`), else sigmoid."""
+    saved (`_st_activation`)."""
     where = model_dir / "config.json"
     labels = len(raw.get("id2label") or {}) or int(raw.get("num_labels", 2))
     if labels != 1:
         raise ModelLoadError(f"{where}: a cross-encoder scores with one label, this one has {labels}")
     if override:
         raise ModelLoadError(f"--pooling {override}: a cross-encoder's head reads its [CLS] token, as trained")
+    return PoolerConfig(pooling="cls", normalize=False, kind="classify", activation=_st_activation(model_dir, raw),
+                        source="cross-encoder", hidden_size=int(raw.get("hidden_size") or 0))
+
+
+def _decoder_reranker(model_dir: Path, folder: str, override: str) -> PoolerConfig:
+    """A decoder reranker (sentence-transformers' LogitScore module): the last token's logit of its true
+    token (less its false token's), through the saved activation (sigmoid: the softmax of yes over no)."""
+    if override:
+        raise ModelLoadError(f"--pooling {override}: a decoder reranker reads its last token's logits, as trained")
+    path = model_dir / folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        tokens = (int(config["true_token_id"]),) + (() if config.get("false_token_id") is None
+                                                     else (int(config["false_token_id"]),))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: the LogitScore module's token ids cannot be read ({exc})") from None
+    return PoolerConfig(pooling="last", normalize=False, kind="classify", activation=_st_activation(model_dir, {}),
+                        logit_tokens=tokens, source="modules.json")
+
+
+def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Literal["sigmoid", "identity"]:
+    """A cross-encoder's activation as sentence-transformers saved it (config_sentence_transformers.json, or
+    config.json's `sentence_transformers`), else its default for one label, sigmoid."""
     st_config = model_dir / "config_sentence_transformers.json"
     saved = json.loads(st_config.read_text()) if st_config.is_file() else raw.get("sentence_transformers") or {}
     name = saved.get("activation_fn") or "torch.nn.modules.activation.Sigmoid"
     if name not in ACTIVATIONS:
-        raise ModelLoadError(f"{where}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})")
-    return PoolerConfig(pooling="cls", normalize=False, kind="classify", activation=ACTIVATIONS[name],
-                        source="cross-encoder", hidden_size=int(raw.get("hidden_size") or 0))
+        raise ModelLoadError(f"{model_dir}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]  # type: ignore[return-value]
 
 
 def _st_modules(model_dir: Path) -> dict[str, str]:
@@ -146,11 +174,11 @@ def _st_modules(model_dir: Path) -> dict[str, str]:
         modules = {str(entry["type"]).rsplit(".", 1)[-1]: str(entry.get("path", "")) for entry in entries}
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(f"{path}: not a sentence-transformers module list ({exc})") from None
-    unknown = sorted(set(modules) - {"Transformer", "Pooling", "Normalize"})
+    unknown = sorted(set(modules) - {"Transformer", "Pooling", "Normalize", "LogitScore"})
     if unknown:
         raise ModelLoadError(f"{path}: sentence-transformers module(s) {', '.join(unknown)} are not run by this "
-                             f"server (it runs Transformer, Pooling and Normalize)")
-    if "Pooling" not in modules:
+                             f"server (it runs Transformer, Pooling, Normalize and LogitScore)")
+    if "Pooling" not in modules and "LogitScore" not in modules:
         raise ModelLoadError(f"{path} has no Pooling module: say how to pool with --pooling")
     return modules
 

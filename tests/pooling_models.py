@@ -103,3 +103,31 @@ def st_vectors(model_dir: Path, texts: list[str], **encode: Any) -> np.ndarray:
 def words(n: int, first: int) -> str:
     """n of the tiny vocabulary's words, from w{first} on (wrapping below its 320)."""
     return " ".join(f"w{3 + (first + i) % 300}" for i in range(n))
+
+
+def build_decoder_reranker(out_dir: Path) -> Path:
+    """A random Qwen3 decoder as sentence-transformers 6 saves a reranker: a CrossEncoder of a
+    text-generation Transformer and a LogitScore of two tokens' logits (the first pieces of "yes" and "no"
+    in the tiny byte-level vocabulary), whose chat template
+    renders a pair's "query" and "document" messages into a judging prompt (as Qwen3-Reranker's does)."""
+    import transformers
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    base = out_dir.parent / f"{out_dir.name}-base"
+    build_tiny_model(base, "qwen3", with_tokenizer="bytes")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = (
+        "<s>system\nJudge whether the Document meets the requirements based on the Query. Answer yes or no.</s>\n"
+        "<s>user\n<Query>: {{ messages | selectattr('role', 'eq', 'query') | map(attribute='content') | first }}\n"
+        "<Document>: {{ messages | selectattr('role', 'eq', 'document') | map(attribute='content') | first }}"
+        "</s>\n<s>assistant\n")
+    tokenizer.pad_token, tokenizer.padding_side = "<unk>", "left"
+    tokenizer.save_pretrained(base)
+    ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no")]
+    assert ids[0] != ids[1]
+    modules = [Transformer(str(base), transformer_task="text-generation"),
+               LogitScore(true_token_id=ids[0], false_token_id=ids[1])]
+    CrossEncoder(modules=modules, device="cpu").save(str(out_dir))
+    return out_dir

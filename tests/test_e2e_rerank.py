@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from e2e_server import http, start_server
-from pooling_models import build_encoder, words
+from pooling_models import build_decoder_reranker, build_encoder, words
 
 QUERY = words(4, 10)
 DOCUMENTS = [words(9, 50), words(30, 80), words(2, 200), words(14, 11)]
@@ -76,3 +76,25 @@ def test_refusals_name_the_field(server, model):
     status, answer = http(f"{server.url}/v1/rerank", {"query": QUERY, "documents": [words(80, 0)],
                                                       "truncate_prompt_tokens": 64})
     assert status == 200 and answer["usage"]["prompt_tokens"] == 64  # the document cut to fit
+
+
+def test_a_decoder_reranker_ranks_as_sentence_transformers(tmp_path):
+    """Qwen3-Reranker's form served: `/v1/rerank` renders each pair through the chat template as a query and
+    a document message, and scores it by the yes/no logits of its last token."""
+    from sentence_transformers import CrossEncoder
+
+    model = build_decoder_reranker(tmp_path / "reranker")
+    documents = ["the lazy dog jumps over the fox", "b", "the quick brown fox jumps over the lazy dog " * 3]
+    reference = CrossEncoder(str(model), device="cpu").predict([("the quick fox", d) for d in documents])
+    server = start_server(model, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--prefill-budget", "32",
+                          "--max-running-requests", "4", "--max-context", "512")
+    try:
+        status, body = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": documents})
+        refused = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a " * 600]})
+    finally:
+        server.stop()
+    assert status == 200, body
+    order = list(np.argsort(-reference))
+    assert [r["index"] for r in body["results"]] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], reference[order], atol=1e-4)
+    assert refused[0] == 400 and refused[1]["error"]["param"] == "documents[0]"

@@ -3,7 +3,8 @@ scheduler and worker code in one process): vectors equal to sentence-transformer
 last-token, mean and CLS pooling, normalised or not, batched and one at a time, with prompts chunked by a
 small prefill budget and with a pool small enough that they wait for each other; a checkpoint saved
 without its LM head (`Qwen3Model`, Qwen3-Embedding's layout); Matryoshka cuts; the pooling rule read
-from the model's files and refused where they name what this server does not run."""
+from the model's files and refused where they name what this server does not run; a decoder reranker
+(Qwen3-Reranker's form) scoring as `CrossEncoder.predict`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from pooling_models import build_st_embedder, st_vectors, words
+from pooling_models import build_decoder_reranker, build_st_embedder, st_vectors, words
 from procs.engine import OfflineEngine, request
 from shared.config import ServerConfig
 from shared.errors import ModelLoadError, Refusal
@@ -125,3 +126,24 @@ def test_pooling_requests_are_refused_where_they_cannot_run(tmp_path, tiny_model
                                            kv_capacity_tokens=256))
     with pytest.raises(Refusal, match="it computes no embeddings"):
         generator.generate([request("emb", prompt=words(4, 0), pooling={})])
+
+
+def test_decoder_reranker_scores_equal_sentence_transformers(tmp_path):
+    """A decoder reranker (sentence-transformers 6's CrossEncoder of a text-generation Transformer and a
+    LogitScore, Qwen3-Reranker's form): a pair is a "query" and a "document" message rendered by the chat
+    template; its score is sigmoid(logit(yes) - logit(no)) at the last token, here through chunks of 16."""
+    from sentence_transformers import CrossEncoder
+
+    model_dir = build_decoder_reranker(tmp_path / "reranker")
+    pooler = read_pooler(model_dir, json.loads((model_dir / "config.json").read_text()))
+    assert (pooler.kind, pooler.pooling, pooler.activation, len(pooler.logit_tokens)) == ("classify", "last",
+                                                                                          "sigmoid", 2)
+    pairs = [("the quick fox", "the lazy dog jumps over the fox"), ("a", "b"),
+             ("name age", "the quick brown fox jumps over the lazy dog " * 3)]
+    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=4, prefill_budget=16,
+                                        kv_capacity_tokens=1024, dtype="float32"))
+    done = engine.generate([request(f"r{i}", messages=[{"role": "query", "content": a},
+                                                       {"role": "document", "content": b}], pooling={})
+                            for i, (a, b) in enumerate(pairs)])
+    scores = [pooler.score(float(finish_vector(c.pooled, None, False)[0])) for c in done]
+    np.testing.assert_allclose(scores, CrossEncoder(str(model_dir), device="cpu").predict(pairs), atol=1e-4)

@@ -124,8 +124,8 @@ class Fanout:
         while waiting:
             index, event = await self._get()
             if isinstance(event, RequestRejected):
-                if event.param == "prompt" and len(self.requests) > self.n:  # the tokenizer knows one prompt
-                    return msgspec.structs.replace(event, param=f"prompt[{index // self.n}]")
+                if event.param in ("prompt", "messages") and len(self.requests) > self.n:  # it knows one prompt
+                    return msgspec.structs.replace(event, param=f"{event.param}[{index // self.n}]")
                 return event
             waiting.discard(index)
             self._replay.append((index, event))

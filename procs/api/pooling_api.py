@@ -36,7 +36,7 @@ from procs.api.tracking import RequestTracker
 from procs.api.validation import check_model, prompt_inputs
 from shared.checks import check_priority
 from shared.errors import Refusal
-from shared.messages import GenerateRequest, PoolingParams, RequestParams, RequestRejected, StopParams, Usage
+from shared.messages import ChatMessage, GenerateRequest, PoolingParams, RequestParams, RequestRejected, StopParams, Usage
 from shared.pooling import PoolerConfig, finish_vector
 
 
@@ -170,8 +170,10 @@ class _PoolingRoutes:
             if handlers.pooler is None:
                 raise Refusal(f"this server generates (--runner generate): it does not answer /v1/{endpoint}; serve "
                               f"an embedding model or a cross-encoder with --runner pooling", "model")
-            inputs, pooling, fields, answer = prepare(await handlers._read_body(request), handlers.pooler)
-            requests = _engine_requests(rid, inputs, pooling, fields, handlers.served, handlers.engine.max_context)
+            pooler = handlers.pooler
+            inputs, pooling, fields, answer = prepare(await handlers._read_body(request), pooler)
+            requests = _engine_requests(rid, inputs, pooling, fields, handlers.served, handlers.engine.max_context,
+                                        pair_roles=bool(pooler.logit_tokens))
             handlers._admit(len(requests), 1)
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
@@ -202,9 +204,10 @@ def _fields(body: EmbeddingsBody | ScoreBody | RerankBody) -> dict:
     return {"model": body.model, "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
 
 
-def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: dict, served,
-                     max_context: int) -> list[GenerateRequest]:
-    """One engine request per input, with the body's common fields checked (a Refusal naming them)."""
+def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: dict, served, max_context: int,
+                     pair_roles: bool = False) -> list[GenerateRequest]:
+    """One engine request per input, with the body's common fields checked (a Refusal naming them); with
+    `pair_roles` (a decoder reranker) a pair is a "query" and a "document" message for the chat template."""
     if check_model(fields["model"], served):
         raise Refusal("LoRA adapters are not served by the pooling runner", "model")
     priority, keep = fields["priority"], fields["truncate_prompt_tokens"]
@@ -214,6 +217,10 @@ def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: 
         raise Refusal(f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {keep}", "truncate_prompt_tokens")
     pooling = msgspec.structs.replace(pooling, truncate_prompt_tokens=max_context if keep == -1 else keep)
     params = RequestParams(stop=StopParams(max_tokens=0), priority=priority or 0, speculative=False, pooling=pooling)
+    if pair_roles:
+        return [GenerateRequest(rid=rid, messages=[ChatMessage(role="query", content=text),
+                                                   ChatMessage(role="document", content=pair)], params=params)
+                for text, _, pair in inputs.inputs]
     return [GenerateRequest(rid=rid, prompt=text, prompt_token_ids=ids, prompt_pair=pair, params=params)
             for text, ids, pair in inputs.inputs]
 
@@ -286,11 +293,13 @@ async def _gather(fanout: Fanout, count: int) -> tuple[list[bytes], Usage]:
 
 
 def _input_param(param: str | None, params: list[str]) -> str | None:
-    """The field of the input an engine refusal names (`prompt` with one input, `prompt[i]` with several)."""
-    if param == "prompt" and len(params) == 1:
+    """The field of the input an engine refusal names (`prompt` or `messages` with one input, `prompt[i]` or
+    `messages[i]` with several)."""
+    if param in ("prompt", "messages") and len(params) == 1:
         return params[0]
-    if param and param.startswith("prompt[") and param.endswith("]"):
-        return params[int(param[len("prompt["):-1])]
+    name, _, index = (param or "").partition("[")
+    if name in ("prompt", "messages") and index.endswith("]"):
+        return params[int(index[:-1])]
     return param
 
 

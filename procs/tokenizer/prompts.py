@@ -221,8 +221,8 @@ class PromptTokenizer:
             ids, field = list(self.tokenizer(request.prompt, request.prompt_pair, **cut)["input_ids"]), "prompt"
         elif keep is not None and request.prompt:  # cut after tokenizing: no early refusal of a long text
             ids, field = list(self.tokenizer.encode(request.prompt))[-keep:], "prompt"
-        else:
-            ids, field = self.prompt_ids(request)
+        else:  # a decoder reranker's pair comes as query and document messages, rendered as they are
+            ids, field = self.prompt_ids(request, add_generation_prompt=False)
             ids = ids if keep is None else ids[-keep:]
         if not ids:
             raise Refusal(f"{field} must not be empty", field)

@@ -87,7 +87,7 @@ class ModelRunner:
         pooler = pooler_for(self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner,
                             pooling)  # None: the generate runner
         self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
-                                          tp=self.tp, lm_head=pooler is None)
+                                          tp=self.tp, lm_head=pooler is None or bool(pooler.logit_tokens))
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
         # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
@@ -364,9 +364,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.step_logits(batch)  # the pooling runner's forward: hidden states (`forward_logits`)
             assert hidden is not None
-            pooled = self.pooler.pool(hidden, batch)
-            if self.pooler.config.kind == "classify":  # a cross-encoder: its head's logit of the [CLS] state
-                pooled = self.model.classify(pooled.to(hidden.dtype)).float()  # type: ignore[attr-defined]
+            pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch).to(hidden.dtype))
         return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
                           pooled=pooled.cpu().numpy())
 

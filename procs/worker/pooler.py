@@ -5,9 +5,12 @@ the first's (CLS), as the model's files say (`shared.pooling`). A chunked prompt
 token live in its slot between chunks (a chunk starting at position 0 starts them afresh: a new
 request, or a preempted one recomputed). The vector leaves as the model computed it, float32, neither
 cut nor normalised: that is per request, and the api does it (`shared.pooling.finish_vector`). A
-cross-encoder's [CLS] state goes on to its classification head (`ModelRunner`), whose logit leaves instead."""
+cross-encoder's [CLS] state goes on to its classification head, a decoder reranker's last state to its LM
+head's yes and no logits (`head`), and their logit leaves instead."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,3 +45,15 @@ class SlotPooler:
         self.kept.index_add_(0, torch.repeat_interleave(slots, extend), hidden.float())
         lengths = (prefix + extend)[sampling].unsqueeze(1).to(torch.float32)
         return self.kept[slots[sampling]] / lengths
+
+    def head(self, model: Any, pooled: torch.Tensor) -> torch.Tensor:
+        """What leaves for the pooled states [rows, hidden]: themselves (an embedding), a cross-encoder's
+        classification logit of its [CLS] state, or a decoder reranker's LM-head logit of its true token less
+        its false token's (float32 [rows, 1])."""
+        config = self.config
+        if config.kind != "classify":
+            return pooled.float()
+        if not config.logit_tokens:
+            return model.classify(pooled).float()
+        logits = model.lm_head_logits(pooled)[:, list(config.logit_tokens)]
+        return (logits[:, :1] - logits[:, 1:2]) if logits.shape[1] == 2 else logits
