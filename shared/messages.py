@@ -255,9 +255,9 @@ class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
     """A pooling request (the pooling runner, `/v1/embeddings`): one prefill, whose pooled final hidden
     states are its answer (`TokenDelta.pooled`) in place of generated tokens: its `stop.max_tokens` is 0,
-    and the one row it samples, its prompt's last, gives its vector (SCHEDULING.md section 11)."""
+    and the one row it samples, its prompt's last, gives its vector (SCHEDULING.md section 11). The api
+finishes the vector (a Matryoshka cut, normalisation, an activation), so only the input's cut is here."""
 
-    dimensions: int | None = None  # Matryoshka: the vector cut to its first `dimensions` entries (then normed)
     truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens run (the tokenizer cuts)
 
 

@@ -60,7 +60,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     pooling: PoolingType
     normalize: bool  # unit length (L2), after the Matryoshka cut
     matryoshka: tuple[int, ...] | bool = False  # allowed `dimensions`: the listed sizes, True: any size, False: none
-    source: str = "default"  # where the rule came from, for the start-up log: "--pooling", "modules.json", "default"
+    source: str = "default"  # where the rule came from, for the worker's start-up log: "--pooling", "modules.json", ...
     hidden_size: int = 0  # the pooled vector's length (config.json's hidden_size; 0: not known)
     kind: Literal["embed", "classify"] = "embed"
     activation: Literal["sigmoid", "identity"] = "identity"  # classify: on the logit, giving the score
@@ -190,6 +190,9 @@ def _st_pooling(folder: Path) -> str:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: the Pooling module's config cannot be read ({exc})") from None
+    if config.get("include_prompt") is False:
+        raise ModelLoadError(f"{path}: include_prompt false (an instruction left out of the mean) is not run by "
+                             f"this server")
     if isinstance(config.get("pooling_mode"), str):
         name = config["pooling_mode"]
         if name not in _ST_MODE_NAMES:
@@ -201,9 +204,6 @@ def _st_pooling(folder: Path) -> str:
     if other or len(chosen) != 1:
         raise ModelLoadError(f"{path}: exactly one of {', '.join(_ST_MODES)} expected "
                              f"(got {', '.join(other + [k for k in _ST_MODES if config.get(k)]) or 'none'})")
-    if config.get("include_prompt") is False:
-        raise ModelLoadError(f"{path}: include_prompt false (an instruction left out of the mean) is not run by "
-                             f"this server")
     return chosen[0]
 
 

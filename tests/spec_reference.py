@@ -1,6 +1,6 @@
 """An independent, deliberately plain implementation of procs/scheduler/SCHEDULING.md (token positions, page size 1).
 
-Sections 1-5, 8, 9 and 10 (adapters). It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
+Sections 1-5, 8, 9, 10 (adapters) and 11 (pooling: max_tokens 0; an encoder's whole prompts). It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
 quantity recomputed from its definition each time. The tests compare its traces with those of
 `batchserve simulate` on random scenarios; where they differ, one of the two misreads the spec.
 """
@@ -45,8 +45,9 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     percent = round(cfg.get("kv_reserve_ratio", 1.0) * 100)
     by_priority = cfg.get("scheduling_policy", "fcfs") == "priority"
     fair = cfg.get("fair_prefill", False)
+    pooling, whole = cfg.get("pooling", False), cfg.get("whole_prompts", False)  # section 11
     reqs = [_Req(r["id"], r["arrival_step"], r["input_tokens"], r["output_tokens"],
-                 r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
+                 0 if pooling else r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
                  priority=r.get("priority", 0), adapter=r.get("adapter", 0)) for r in scenario["requests"]]
     by_id = {r.id: r for r in reqs}
     cancels = scenario.get("cancels", [])
@@ -125,7 +126,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             def take(r: _Req, others: bool) -> None:
                 nonlocal budget
                 rest = r.prompt_len - r.prefilled
-                n = min(rest, budget, half if fair and others else budget)
+                n = min(rest, budget, half if fair and others and not whole else budget)
                 item = [r, n]
                 items.append(item)
                 if n < min(rest, budget):
@@ -139,7 +140,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             while admit and waiting and budget > 0:
                 live = [r for r in reqs if r.state == "admitted"]
                 head = waiting[0]
-                if not adapter_fits(head, live) or not fits(head, live):
+                if not adapter_fits(head, live) or not fits(head, live) or whole and head.prompt_len > budget:
                     break
                 waiting.pop(0)
                 head.state = "admitted"

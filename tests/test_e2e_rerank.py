@@ -8,6 +8,7 @@ pair, embeddings asked of a cross-encoder, generation asked of a pooling server.
 from __future__ import annotations
 
 import numpy as np
+import openai
 import pytest
 
 from e2e_server import http, start_server
@@ -54,6 +55,10 @@ def test_rerank_ranks_best_first(server, model, reference):
     assert [r["index"] for r in body["results"]] == order
     np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], reference[order], atol=1e-4)
     assert [r["document"]["text"] for r in body["results"]] == [DOCUMENTS[i] for i in order]
+    # the openai package has no rerank call: its client posts to any path (the README's example)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    answer = client.post("/rerank", cast_to=object, body={"query": QUERY, "documents": DOCUMENTS, "top_n": 1})
+    assert answer["results"][0]["index"] == order[0]
     for path in ("/rerank", "/v2/rerank"):
         status, top = http(f"{server.url}{path}", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2,
                                                    "return_documents": False})
@@ -76,6 +81,9 @@ def test_refusals_name_the_field(server, model):
     status, answer = http(f"{server.url}/v1/rerank", {"query": QUERY, "documents": [words(80, 0)],
                                                       "truncate_prompt_tokens": 64})
     assert status == 200 and answer["usage"]["prompt_tokens"] == 64  # the document cut to fit
+    status, answer = http(f"{server.url}/v1/rerank", {"query": words(70, 0), "documents": [DOCUMENTS[0]],
+                                                      "truncate_prompt_tokens": 64})  # the query alone is longer
+    assert status == 400 and answer["error"]["param"] == "truncate_prompt_tokens", answer
 
 
 def test_a_decoder_reranker_ranks_as_sentence_transformers(tmp_path):
@@ -91,6 +99,10 @@ def test_a_decoder_reranker_ranks_as_sentence_transformers(tmp_path):
     try:
         status, body = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": documents})
         refused = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a " * 600]})
+        cut = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a " * 600],
+                                               "truncate_prompt_tokens": 250})
+        too_short = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a b c"],
+                                                     "truncate_prompt_tokens": 5})
     finally:
         server.stop()
     assert status == 200, body
@@ -98,3 +110,6 @@ def test_a_decoder_reranker_ranks_as_sentence_transformers(tmp_path):
     assert [r["index"] for r in body["results"]] == order
     np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], reference[order], atol=1e-4)
     assert refused[0] == 400 and refused[1]["error"]["param"] == "documents[0]"
+    # the document's end is cut until the rendered pair fits (the judging prompt and the query stay)
+    assert cut[0] == 200 and 240 <= cut[1]["usage"]["prompt_tokens"] <= 250, cut
+    assert too_short[0] == 400 and too_short[1]["error"]["param"] == "truncate_prompt_tokens"

@@ -71,6 +71,19 @@ def test_inputs_run_whole(encoders):
         eng.generate([request("long", prompt=words(63, 0), pooling={})])
 
 
+def test_truncation_keeps_the_special_tokens(encoders):
+    """truncate_prompt_tokens k keeps a text's last tokens with its [CLS] and [SEP] (cut before they are
+    added, as vLLM and transformers cut): k = 8 is [CLS], the last 6 words, [SEP]."""
+    model_dir = encoders("bert", "cls")
+    done = engine(model_dir).generate([request("cut", prompt=TEXTS[1], pooling={"truncate_prompt_tokens": 8})])
+    last_words = " ".join(TEXTS[1].split()[-6:])
+    np.testing.assert_allclose(finish_vector(done[0].pooled, None, True), st_vectors(model_dir, [last_words])[0],
+                               atol=1e-4)
+    with pytest.raises(Refusal, match="truncate_prompt_tokens 1 is fewer than the tokens this input keeps") as refused:
+        engine(model_dir).generate([request("tiny", prompt=TEXTS[1], pooling={"truncate_prompt_tokens": 1})])
+    assert refused.value.param == "truncate_prompt_tokens"
+
+
 def test_int8_weights_stay_close(encoders):
     model_dir = encoders("bert", "mean")
     reference = st_vectors(model_dir, TEXTS)

@@ -74,6 +74,29 @@ def test_random_scenarios_trace_like_the_independent_implementation(document: di
     assert simulate(document, policy) == reference_trace(document, policy)
 
 
+@st.composite
+def pooling_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """The pooling runner's (section 11): prefill-only requests, a decoder's chunked or an encoder's whole."""
+    slots, whole = draw(st.integers(1, 5)), draw(st.booleans())
+    requests = [{"id": f"r{i}", "arrival_step": draw(st.integers(0, 6)), "input_tokens": draw(st.integers(1, 20)),
+                 "output_tokens": 1} for i in range(draw(st.integers(1, 8)))]
+    cancels = [{"id": r["id"], "before_step": r["arrival_step"] + draw(st.integers(0, 6))}
+               for r in requests if draw(st.integers(0, 4)) == 0]
+    largest = max(r["input_tokens"] for r in requests)
+    budget = draw(st.integers(max(slots + 1, largest if whole else 1), slots + 24))
+    return {"config": {"max_running_requests": slots, "prefill_budget": budget, "pooling": True, "whole_prompts": whole,
+                       "kv_capacity_tokens": largest + draw(st.integers(0, 2 * largest)),
+                       "fair_prefill": draw(st.booleans())},
+            "requests": requests, "cancels": cancels}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pooling_scenarios(), st.sampled_from(POLICIES))
+def test_random_pooling_scenarios_trace_like_the_independent_implementation(document: dict[str, Any],
+                                                                            policy: str) -> None:
+    assert simulate(document, policy) == reference_trace(document, policy)
+
+
 def test_random_scenarios_do_preempt() -> None:
     """The comparison above is only worth something if its scenarios preempt: they do, often."""
     document = {"config": {"max_running_requests": 4, "prefill_budget": 16, "kv_capacity_tokens": 40,

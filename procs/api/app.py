@@ -45,7 +45,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from procs.api.auth import OWNER, accepted_keys, auth_middleware
 from procs.api.pooling_api import add_pooling_routes
 from procs.api.engine_client import EngineClient
-from procs.api.errors import error_response
+from procs.api.errors import BodyError, error_response, refusal_response, request_error
 from procs.api.lora_api import add_lora_routes
 from procs.api.fanout import EngineFailure, Fanout, choice_requests
 from procs.api.metrics import ApiMetrics
@@ -71,10 +71,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 # backports.zstd or Python 3.14); any other would reach the JSON decoder still encoded.
 DECODED_ENCODINGS = frozenset({"identity", "gzip", "deflate", *(("br",) if HAS_BROTLI else ()),
                                *(("zstd",) if HAS_ZSTD else ())})
-
-
-class BodyError(Refusal):
-    """The body cannot be decoded: a 400 that also closes the connection (the rest of it is unread)."""
 
 
 class ApiHandlers:
@@ -135,7 +131,7 @@ class ApiHandlers:
         try:
             return _json(action(rid, request, request.get(OWNER, "")), rid=rid)
         except Refusal as exc:
-            return _error(exc.status, exc.message, exc.param, rid, exc.code)
+            return request_error(exc.status, exc.message, exc.param, rid, exc.code)
 
     async def _generate(self, request: web.Request, endpoint: str, id_prefix: str, schema: type,
                         validate: Callable[..., ValidatedRequest],
@@ -167,10 +163,7 @@ class ApiHandlers:
             self._admit(len(validated.requests), validated.n)
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
-            response = _error(exc.status, exc.message, exc.param, rid, exc.code)
-            if exc.status == 408 or isinstance(exc, BodyError):
-                response.force_close()  # the rest of the body is not worth waiting for
-            return response
+            return refusal_response(exc, rid)
 
         choices = _choice_outputs(validated)
         fanout = Fanout(self.engine, choice_requests(rid, validated.requests, validated.n), validated.n)
@@ -180,13 +173,13 @@ class ApiHandlers:
             rejected = await fanout.started()
             if rejected is not None:
                 tracker.refused(rejected.status, rejected.message)
-                return _error(rejected.status, rejected.message, shapes.engine_param(rejected.param), rid)
+                return request_error(rejected.status, rejected.message, shapes.engine_param(rejected.param), rid)
             if validated.stream:
                 return await self._stream(request, fanout, choices, shapes, tracker)
             return await self._whole(fanout, choices, shapes, tracker)
         except EngineFailure as exc:
             tracker.refused(500, str(exc))
-            return _error(500, str(exc), None, rid)
+            return request_error(500, str(exc), None, rid)
         finally:
             self.in_flight -= len(choices)
             if await fanout.close(self._abort):
@@ -217,12 +210,15 @@ class ApiHandlers:
                                 f"{cause.__cause__ or cause.__context__ or cause.message}") from None
             raise BodyError(f"the request body could not be read: {cause or exc.message}") from None
 
-    def _admit(self, prompts: int, n: int) -> None:
+    def _admit(self, prompts: int, n: int, field: str = "prompt") -> None:
+        """Room for `prompts` x `n` engine requests (a 400 naming `n`, or `field`, the prompts' or inputs'
+        field, when there never is; a 503 while there is none now)."""
         count = prompts * n
         cap = self.max_in_flight
         if cap is not None and count > cap:  # could never fit: retrying would not help
-            raise Refusal(f"this request asks for {count} sequences ({prompts} prompts x n={n}); this server "
-                          f"runs at most {cap} at once", "n" if n > 1 else "prompt")
+            raise Refusal(f"this request asks for {count} sequences ({prompts} {field}s x n={n}); this server "
+                          f"runs at most {cap} at once (--max-running-requests + --max-waiting)",
+                          "n" if n > 1 else field)
         problem = self.engine.health_problem()
         if problem is not None:
             raise Refusal(f"the server cannot take requests now ({problem}); retry shortly", status=503)
@@ -246,7 +242,7 @@ class ApiHandlers:
             index, event = await fanout.next()
             if isinstance(event, RequestRejected):
                 tracker.refused(event.status, event.message)
-                return _error(event.status, event.message, shapes.engine_param(event.param), shapes.rid)
+                return request_error(event.status, event.message, shapes.engine_param(event.param), shapes.rid)
             tracker.on_delta(event, timed=index == 0)
             choices[index].add(event)
             unfinished -= event.finish_reason is not None
@@ -308,11 +304,6 @@ def _json(obj, status: int = 200, rid: str | None = None) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json",
                         headers=headers)
 
-
-def _error(status: int, message: str, param: str | None, rid: str, code: str | None = None) -> web.Response:
-    response = error_response(status, message, param, code)
-    response.headers["X-Request-Id"] = rid
-    return response
 
 
 @web.middleware

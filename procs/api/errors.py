@@ -6,6 +6,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from shared.errors import Refusal
+
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
 
 _ERROR_TYPES = {
@@ -34,3 +36,23 @@ def error_response(status: int, message: str, param: str | None = None, code: st
         content_type="application/json",
         headers=headers,
     )
+
+
+def request_error(status: int, message: str, param: str | None, rid: str, code: str | None = None) -> web.Response:
+    """`error_response` for the request `rid`, which its X-Request-Id header names."""
+    response = error_response(status, message, param, code)
+    response.headers["X-Request-Id"] = rid
+    return response
+
+
+class BodyError(Refusal):
+    """The body cannot be decoded: a 400 that also closes the connection (the rest of it is unread)."""
+
+
+def refusal_response(exc: Refusal, rid: str) -> web.Response:
+    """A refused request's answer; the connection closes after a body that timed out or cannot be read (the
+    rest of it is not worth waiting for)."""
+    response = request_error(exc.status, exc.message, exc.param, rid, exc.code)
+    if exc.status == 408 or isinstance(exc, BodyError):
+        response.force_close()
+    return response

@@ -23,13 +23,13 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
-from procs.api.errors import error_response
+from procs.api.errors import refusal_response, request_error
 from procs.api.fanout import EngineFailure, Fanout, choice_requests
 from procs.api.schemas import decode_body
 from procs.api.tracking import RequestTracker
@@ -109,7 +109,7 @@ class _PoolingRoutes:
                                  for i, v in enumerate(vectors)],
                         "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
 
-            return inputs, PoolingParams(dimensions=body.dimensions), _fields(body), answer
+            return inputs, PoolingParams(), _fields(body), answer
 
         return await self._run(request, "embeddings", "embd-", prepare)
 
@@ -141,7 +141,7 @@ class _PoolingRoutes:
                 raise Refusal(f"documents[{empty}] must not be empty", f"documents[{empty}]")
             if body.top_n is not None and body.top_n < 0:
                 raise Refusal(f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
-            pairs = [(body.query, document, f"documents[{i}]") for i, document in enumerate(body.documents)]
+            pairs = [_Pair(body.query, document, "query", f"documents[{i}]") for i, document in enumerate(body.documents)]
             inputs, scores = _scored(pairs, pooler)
 
             def answer(pooled: list[bytes], usage: Usage) -> dict:
@@ -174,10 +174,10 @@ class _PoolingRoutes:
             inputs, pooling, fields, answer = prepare(await handlers._read_body(request), pooler)
             requests = _engine_requests(rid, inputs, pooling, fields, handlers.served, handlers.engine.max_context,
                                         pair_roles=bool(pooler.logit_tokens))
-            handlers._admit(len(requests), 1)
+            handlers._admit(len(requests), 1, "input")
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
-            return _error(exc.status, exc.message, exc.param, rid, exc.code)
+            return refusal_response(exc, rid)
         fanout = Fanout(handlers.engine, choice_requests(rid, requests, 1), 1)
         handlers.in_flight += len(requests)
         try:
@@ -187,10 +187,10 @@ class _PoolingRoutes:
             rejected = exc.rejected
             tracker.refused(rejected.status, rejected.message)
             param = _input_param(rejected.param, inputs.params)
-            return _error(rejected.status, rejected.message, param, rid)
+            return request_error(rejected.status, rejected.message, param, rid)
         except EngineFailure as exc:
             tracker.refused(500, str(exc))
-            return _error(500, str(exc), None, rid)
+            return request_error(500, str(exc), None, rid)
         finally:
             handlers.in_flight -= len(requests)
             if await fanout.close(handlers._abort):
@@ -208,8 +208,7 @@ def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: 
                      pair_roles: bool = False) -> list[GenerateRequest]:
     """One engine request per input, with the body's common fields checked (a Refusal naming them); with
     `pair_roles` (a decoder reranker) a pair is a "query" and a "document" message for the chat template."""
-    if check_model(fields["model"], served):
-        raise Refusal("LoRA adapters are not served by the pooling runner", "model")
+    check_model(fields["model"], served)  # (no adapters: the worker refuses LoRA on the pooling runner)
     priority, keep = fields["priority"], fields["truncate_prompt_tokens"]
     if priority is not None:
         check_priority(priority)
@@ -225,43 +224,52 @@ def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: 
             for text, ids, pair in inputs.inputs]
 
 
-def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str, str]]:
-    """vLLM's pairing: one text with each of a list (either side), or two lists of one length, item by item;
-    each pair with the field that names its second text."""
-    firsts = [text_1] if isinstance(text_1, str) else text_1
-    seconds = [text_2] if isinstance(text_2, str) else text_2
-    for name, texts in (("text_1", firsts), ("text_2", seconds)):
+class _Pair(NamedTuple):
+    """Two texts to score, with the fields that name them in the body."""
+
+    first: str
+    second: str
+    first_field: str
+    second_field: str
+
+
+def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[_Pair]:
+    """vLLM's pairing: one text with each of a list (either side), or two lists of one length, item by item."""
+    sides = []
+    for name, value in (("text_1", text_1), ("text_2", text_2)):
+        texts = [(value, name)] if isinstance(value, str) else [(t, f"{name}[{i}]") for i, t in enumerate(value)]
         if not texts:
             raise Refusal(f"{name} must not be empty", name)
-        for i, text in enumerate(texts):
-            if not text:
-                raise Refusal(f"{name} must not hold an empty text", name if len(texts) == 1 else f"{name}[{i}]")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(seconds) == 1:
-        seconds = seconds * len(firsts)
-    if len(firsts) != len(seconds):
+        empty = next((field for text, field in texts if not text), None)
+        if empty is not None:
+            raise Refusal(f"{empty} must not be an empty text", empty)
+        sides.append(texts)
+    firsts, seconds = sides
+    if len(firsts) != len(seconds) and 1 not in (len(firsts), len(seconds)):
         raise Refusal(f"text_1 and text_2 are lists of different lengths ({len(firsts)} and {len(seconds)}): pair "
                       f"one text with a list, or two lists of one length", "text_2")
-    name = "text_2" if isinstance(text_2, str) else None
-    return [(a, b, name or f"text_2[{i}]") for i, (a, b) in enumerate(zip(firsts, seconds))]
+    count = max(len(firsts), len(seconds))
+    firsts, seconds = (side * count if len(side) == 1 else side for side in (firsts, seconds))
+    return [_Pair(a, b, a_field, b_field) for (a, a_field), (b, b_field) in zip(firsts, seconds)]
 
 
-def _scored(pairs: list[tuple[str, str, str]], pooler: PoolerConfig
-            ) -> tuple[_Inputs, Callable[[list[bytes]], list[float]]]:
-    """The inputs scoring `pairs` (first, second, the second's field) ask for, and how their vectors score them:
-    a cross-encoder's one input per pair, an embedding model's one per distinct text (the pair's cosine)."""
+def _scored(pairs: list[_Pair], pooler: PoolerConfig) -> tuple[_Inputs, Callable[[list[bytes]], list[float]]]:
+    """The inputs scoring `pairs` asks for, and how their vectors score them: a cross-encoder's one input per
+    pair (named by its second text, the one a cut shortens), an embedding model's one per distinct text
+    (named where it first appears; the pair's score is the cosine of its texts' vectors)."""
     if pooler.kind == "classify":
-        inputs = _Inputs([(a, None, b) for a, b, _ in pairs], [param for _, _, param in pairs])
+        inputs = _Inputs([(p.first, None, p.second) for p in pairs], [p.second_field for p in pairs])
         return inputs, lambda pooled: [pooler.score(float(finish_vector(p, None, False)[0])) for p in pooled]
-    texts = list(dict.fromkeys(text for a, b, _ in pairs for text in (a, b)))
-    where = {text: i for i, text in enumerate(texts)}
-    param = {b: p for _, b, p in pairs}
-    inputs = _Inputs([(text, None, None) for text in texts], [param.get(text, "text_1") for text in texts])
+    fields: dict[str, str] = {}
+    for pair in pairs:
+        fields.setdefault(pair.first, pair.first_field)
+        fields.setdefault(pair.second, pair.second_field)
+    where = {text: i for i, text in enumerate(fields)}
+    inputs = _Inputs([(text, None, None) for text in fields], list(fields.values()))
 
     def cosines(pooled: list[bytes]) -> list[float]:
         vectors = [finish_vector(p, None, True) for p in pooled]
-        return [float(np.dot(vectors[where[a]], vectors[where[b]])) for a, b, _ in pairs]
+        return [float(np.dot(vectors[where[p.first]], vectors[where[p.second]])) for p in pairs]
 
     return inputs, cosines
 
@@ -308,8 +316,3 @@ def _encoded(vector: np.ndarray, encoding_format: str | None) -> list[float] | s
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
 
-
-def _error(status: int, message: str, param: str | None, rid: str, code: str | None = None) -> web.Response:
-    response = error_response(status, message, param, code)
-    response.headers["X-Request-Id"] = rid
-    return response

@@ -76,6 +76,7 @@ class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
     state_snapshots: NonNegativeInt = 0  # the worker's snapshots of them, which the prefix cache serves from
     max_loras: NonNegativeInt = 0  # distinct LoRA adapters among the admitted requests (0: no limit)
     pooling: bool = False  # the pooling runner: every request one prefill, its vector in place of tokens (section 11)
+    whole_prompts: bool = False  # an encoder's: each prompt runs whole in one step (section 11)
 
 
 class ScenarioRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -161,7 +162,7 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
                                max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
                                sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
                                recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots,
-                               max_loras=c.max_loras, pooling=c.pooling)
+                               max_loras=c.max_loras, pooling=c.pooling, whole_prompts=c.whole_prompts)
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 

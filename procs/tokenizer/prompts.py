@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from procs.tokenizer.grammars import GrammarCompiler
+from procs.tokenizer.pooling_inputs import pooling_ids
 from procs.tokenizer.tools import offered_tools, template_inputs
 from shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
 from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
@@ -212,23 +213,15 @@ class PromptTokenizer:
                                 arrival_time=request.arrival_time)
 
     def _pooling_request(self, request: GenerateRequest, pooling: PoolingParams) -> TokenizedRequest:
-        """A pooling request: its input's ids (only the last `truncate_prompt_tokens`, when given: vLLM's left
-        cut; a pair's second text cut to fit them), at most the context; it generates nothing (max_tokens 0: its one sampled row is its vector,
-        SCHEDULING.md section 11)."""
-        keep = pooling.truncate_prompt_tokens
-        if request.prompt_pair is not None:  # a cross-encoder's pair: the second text is cut where need be
-            cut = {} if keep is None else {"truncation": "only_second", "max_length": keep}
-            ids, field = list(self.tokenizer(request.prompt, request.prompt_pair, **cut)["input_ids"]), "prompt"
-        elif keep is not None and request.prompt:  # cut after tokenizing: no early refusal of a long text
-            ids, field = list(self.tokenizer.encode(request.prompt))[-keep:], "prompt"
-        else:  # a decoder reranker's pair comes as query and document messages, rendered as they are
-            ids, field = self.prompt_ids(request, add_generation_prompt=False)
-            ids = ids if keep is None else ids[-keep:]
+        """A pooling request: its input's ids, cut to `truncate_prompt_tokens` as vLLM cuts them
+        (`pooling_inputs`), at most the context; it generates nothing (max_tokens 0: its one sampled row is
+        its vector, SCHEDULING.md section 11)."""
+        ids, field = pooling_ids(self.tokenizer, self.prompt_ids, request, pooling.truncate_prompt_tokens)
         if not ids:
             raise Refusal(f"{field} must not be empty", field)
         if len(ids) > self.max_context:
             raise Refusal(f"This model's maximum context length is {self.max_context} tokens; this input has "
-                          f"{len(ids)} tokens (truncate_prompt_tokens keeps its last ones)", field)
+                          f"{len(ids)} tokens (truncate_prompt_tokens cuts it)", field)
         return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
                                 params=msgspec.structs.replace(request.params, stop=StopParams(max_tokens=0)),
                                 arrival_time=request.arrival_time)

@@ -41,7 +41,7 @@ from shared.messages import (FUTURE_TOKEN, AdapterUpdate, ForwardBatch, Sampling
                              TokenLogprobs, WorkerInfo)
 from shared.model import ModelLoadError, ModelSpec, read_model_json
 from shared.parallel import RankLayout
-from shared.pooling import pooler_for
+from shared.pooling import PoolerConfig, pooler_for
 from shared.step_features import StepShape, layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
@@ -84,8 +84,7 @@ class ModelRunner:
             check_quantization(draft_quantization, self.device, self.dtype)
             draft_spec = DraftModel.spec_for(draft_model, self.spec)
         self._max_context = self.spec.context_length
-        pooler = pooler_for(self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner,
-                            pooling)  # None: the generate runner
+        pooler = self._pooler(runner, pooling)  # None: the generate runner
         self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
                                           tp=self.tp, lm_head=pooler is None or bool(pooler.logit_tokens))
         self.config: ModelConfig = self.model.config
@@ -117,6 +116,17 @@ class ModelRunner:
         disable_cuda_graph = disable_cuda_graph or pooler is not None  # the pooling runner never decodes
         self._expert_load_sent = time.monotonic()
         self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
+
+    def _pooler(self, runner: str, pooling: str) -> PoolerConfig | None:
+        """The pooling runner's rule for this model (`shared.pooling`), logged; None for the generate runner."""
+        pooler = pooler_for(self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner,
+                            pooling)
+        if pooler is not None:
+            if self.tp.world_size > 1:  # (its heads run on rank 0 alone, outside the ranks' broadcast steps)
+                raise ModelLoadError("the pooling runner runs with tensor_parallel_size 1")
+            log.info("pooling runner: %s pooling%s (from %s)", pooler.pooling, ", normalised" if pooler.normalize else "",
+                     pooler.source)
+        return pooler
 
     def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
                   draft: CausalLM | None, ring_step_tokens: int, state_snapshots: int) -> KVCache:
@@ -364,7 +374,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.step_logits(batch)  # the pooling runner's forward: hidden states (`forward_logits`)
             assert hidden is not None
-            pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch).to(hidden.dtype))
+            pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch), hidden.dtype)
         return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
                           pooled=pooled.cpu().numpy())
 

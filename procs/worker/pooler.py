@@ -46,13 +46,14 @@ class SlotPooler:
         lengths = (prefix + extend)[sampling].unsqueeze(1).to(torch.float32)
         return self.kept[slots[sampling]] / lengths
 
-    def head(self, model: Any, pooled: torch.Tensor) -> torch.Tensor:
-        """What leaves for the pooled states [rows, hidden]: themselves (an embedding), a cross-encoder's
-        classification logit of its [CLS] state, or a decoder reranker's LM-head logit of its true token less
-        its false token's (float32 [rows, 1])."""
+    def head(self, model: Any, pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What leaves for the pooled states [rows, hidden] (float32): themselves (an embedding), a cross-
+        encoder's classification logit of its [CLS] state, or a decoder reranker's LM-head logit of its true
+        token less its false token's (float32 [rows, 1]); the heads run in the model's `dtype`."""
         config = self.config
         if config.kind != "classify":
             return pooled.float()
+        pooled = pooled.to(dtype)
         if not config.logit_tokens:
             return model.classify(pooled).float()
         logits = model.lm_head_logits(pooled)[:, list(config.logit_tokens)]

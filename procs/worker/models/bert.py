@@ -10,6 +10,8 @@ paged pool like a decoder's and attended by the same backends with `causal` off.
 packed rows' own (0.. per input; a RoBERTa's start past its padding index, `position_offset`). An
 input's token types follow its ids as BERT's tokenizers write a pair ([CLS] a [SEP] b [SEP]): type 0 up
 to its first [SEP], 1 after it, where the tokenizer gives token types (a RoBERTa's gives none: all 0).
+(So a single text that holds the separator token itself is read as a pair, where its tokenizer would
+have given it type 0 throughout.)
 
 A cross-encoder (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`) is the encoder
 and a head on its [CLS] state (`classify`): BERT's pooler (dense, tanh) then its classifier, or a
@@ -43,7 +45,6 @@ class BertConfig(ModelConfig):
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     position_offset: int = 0  # a RoBERTa's positions start at padding_idx + 1
-    type_vocab_size: int = 2
     sep_token_id: int = -1  # the tokenizer's [SEP]: a pair's second text follows the first one (-1: none)
 
 
@@ -62,7 +63,6 @@ class BertModel:
     (`procs.worker.models.base`) whose `hidden_states` is all the pooling runner asks of it."""
 
     PREFIXES = ("bert.", "")  # where a checkpoint keeps the encoder's tensors
-    BIDIRECTIONAL = True
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> BertConfig:
@@ -77,8 +77,7 @@ class BertModel:
                           num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
                           head_dim=hidden // heads, rms_norm_eps=0.0, tie_word_embeddings=False, rope=RopeConfig(),
                           lm_head=False, bidirectional=True, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-                          hidden_act=act, position_offset=cls.position_offset(raw),
-                          type_vocab_size=int(raw.get("type_vocab_size", 2)), sep_token_id=sep_token_id(spec))
+                          hidden_act=act, position_offset=cls.position_offset(raw), sep_token_id=sep_token_id(spec))
 
     @staticmethod
     def position_offset(raw: dict[str, Any]) -> int:
