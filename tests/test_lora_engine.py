@@ -79,3 +79,19 @@ def test_lora_modules_without_enable_lora_or_malformed_are_refused():
         ServerConfig(enable_lora=True, lora_modules=["nopath"])
     with pytest.raises(ValueError, match="a name appears twice"):
         ServerConfig(enable_lora=True, lora_modules=["a=/x", '{"name": "a", "path": "/y"}'])
+
+
+@pytest.mark.parametrize("held", [0, 1], ids=["all-loaded", "loaded-at-admission"])
+def test_adapters_shard_like_their_base_layers_under_tensor_parallelism(setup, held):
+    """--tensor-parallel-size 2: each rank holds its share of every pair (B's rows of q/k/v/gate/up, A's
+    columns of o/down, whose term joins the rank's partial sum before the all-reduce); followers apply the
+    steps' slot starts and adapter loads as rank 0 does (with --max-cpu-loras 1 each adapter is loaded by
+    the step that admits its request). Greedy tokens equal PEFT's."""
+    base, folders, expected = setup
+    names = ["base", "a", "b"]
+    jobs = [(0, 1), (1, 0), (2, 2), (1, 1), (0, 2)]
+    engine = engine_for(base, folders, tensor_parallel_size=2, max_cpu_loras=held, max_loras=held or 4)
+    try:
+        assert generate(engine, jobs) == [expected[names[adapter]][p] for p, adapter in jobs]
+    finally:
+        engine.close()

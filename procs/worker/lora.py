@@ -10,7 +10,9 @@ line naming the field (`AdapterConfig.read`).
 
 `LoraSlots` holds the loaded adapters by index (their pairs stacked per projection), each request slot's
 adapter (`SlotStart.adapter`), and the step's mask of each row's adapter (`plan`, before the forward
-pass); the model's projections read them through `LoraTarget`s that `attach` hangs on them.
+pass); the model's projections read them through `LoraTarget`s that `attach` hangs on them. Under tensor
+parallelism each rank holds its share of every pair, cut as its projection is (`Shard`): a row-parallel
+projection adds its LoRA term to the rank's partial output, so the ranks' one all-reduce sums it too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class LoraAdapter:
 
     @classmethod
     def load(cls, name: str, folder: str | Path, max_rank: int, num_layers: int, dtype: torch.dtype,
-             device: torch.device) -> LoraAdapter:
+             device: torch.device, shards: dict[str, Shard] | None = None) -> LoraAdapter:
+        """The adapter's pairs, each cut to this tensor-parallel rank's `shards` of its module (all of them
+        without)."""
         folder = Path(folder)
         config = AdapterConfig.read(folder, max_rank)
         try:
@@ -49,12 +53,25 @@ class LoraAdapter:
                 name_of = lambda part: f"{PREFIX}{layer}.{group}.{module}.lora_{part}.weight"
                 if name_of("A") not in tensors:
                     continue  # a target module absent from a layer: nothing added there
-                a, b = tensors.pop(name_of("A")), tensors.pop(name_of("B"))
+                a, b = _shard(tensors.pop(name_of("A")), tensors.pop(name_of("B")), (shards or {}).get(module))
                 pairs[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
                                           (b.float() * config.scale).to(device=device, dtype=dtype).contiguous())
         if tensors:  # `check_adapter` (the api's, before a runtime load) reads the names alone
             raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(sorted(tensors)[:3])}")
         return cls(name, config, pairs)
+
+
+# A LoRA pair's share on one tensor-parallel rank, as its base projection is split: ("rows", s), B's output rows
+# s of a column-parallel projection (A whole); ("cols", s), A's input columns s of a row-parallel one (B whole),
+# whose partial x . A_s^T . B^T joins the rank's partial output before the ranks' sum.
+Shard = tuple[str, slice]
+
+
+def _shard(a: torch.Tensor, b: torch.Tensor, shard: Shard | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if shard is None:
+        return a, b
+    kind, part = shard
+    return (a, b[part]) if kind == "rows" else (a[:, part], b)
 
 
 class LoraSlots:
@@ -64,6 +81,7 @@ class LoraSlots:
 
     def __init__(self, max_running_requests: int, device: torch.device, max_rank: int) -> None:
         self.max_rank = max_rank  # an adapter of a higher rank is refused at load
+        self.shards: dict[str, Shard] = {}  # each PEFT module's share on this rank (the model's `enable_lora` sets it)
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
         self.device = device

@@ -247,7 +247,7 @@ class ModelRunner:
             self.lora.remove(update.index)
             return
         self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora.max_rank,
-                                                     self.config.num_layers, self.dtype, self.device))
+                                                     self.config.num_layers, self.dtype, self.device, self.lora.shards))
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""
@@ -267,6 +267,7 @@ class ModelRunner:
             if isinstance(message, RankStop) or not keep_following():
                 return
             if isinstance(message, RankStep):
+                self._start_adapters(message.batch)  # rank 0's `execute` does the same
                 with torch.inference_mode():
                     self._forward(message.batch, message.logits_rows)
 
@@ -322,12 +323,9 @@ class ModelRunner:
             check_batch(batch, self.max_running_requests, self._max_context, self.kv_cache.num_pages * self.page_size,
                         self.vocab_size, self.draft is not None)
         batch = self._fill_future_tokens(batch)
-        for update in batch.adapter_updates:
-            self.update_lora_adapter(update)
+        self._start_adapters(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
-            if self.lora is not None:
-                self.lora.start(start.slot, start.adapter)
         drafts = None
         if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
             for start in batch.slot_starts:
@@ -377,6 +375,14 @@ class ModelRunner:
             pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch), hidden.dtype)
         return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
                           pooled=pooled.cpu().numpy())
+
+    def _start_adapters(self, batch: ForwardBatch) -> None:
+        """The step's LoRA loads and unloads, then each starting slot's adapter (on every rank)."""
+        for update in batch.adapter_updates:
+            self.update_lora_adapter(update)
+        if self.lora is not None:
+            for start in batch.slot_starts:
+                self.lora.start(start.slot, start.adapter)
 
     def _apply_page_table(self, batch: ForwardBatch) -> ForwardBatch:
         """Apply the batch's page-table updates now (the draft model reads the same table); the batch

@@ -62,7 +62,10 @@ class RowParallelLinear(_Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1 or not self.reduce:
             return super().__call__(x)
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = linear(x, self.weight)
+        if self.lora is not None and self.lora.slots.active:  # this rank's share of the LoRA term, summed below
+            out = self.lora.add_to(x, out)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

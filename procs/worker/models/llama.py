@@ -153,14 +153,18 @@ class LlamaModel:
         self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
-        """LoRA pairs on every layer's seven projections (`procs.worker.lora`), read from `slots` (returned);
-        ModelLoadError where the layers are not the dense decoder's, or with more than one rank."""
+        """LoRA pairs on every layer's seven projections (`procs.worker.lora`), read from `slots` (returned),
+        each cut as this rank's share of its projection (`slots.shards`); ModelLoadError where the layers are
+        not the dense decoder's."""
         cfg = self.config
-        if self.tp.world_size > 1 or cfg.moe is not None or cfg.linear_layers:
-            raise ModelLoadError("LoRA adapters are served on dense decoders with tensor_parallel_size 1 "
-                                 "(not on mixtures of experts, hybrid models or several ranks yet)")
+        if cfg.moe is not None or cfg.linear_layers or self.intermediate is None:
+            raise ModelLoadError("LoRA adapters are served on dense decoders (not on mixtures of experts or hybrid "
+                                 "models yet)")
         self.lora = slots
-        attach(self.layers, slots, self.q_size, self.kv_size, cfg.intermediate_size)
+        q, kv, mlp = _head_rows(self.heads.q, cfg.head_dim), _head_rows(self.heads.kv, cfg.head_dim), self.intermediate
+        slots.shards = {"q_proj": ("rows", q), "k_proj": ("rows", kv), "v_proj": ("rows", kv), "o_proj": ("cols", q),
+                        "gate_proj": ("rows", mlp), "up_proj": ("rows", mlp), "down_proj": ("cols", mlp)}
+        attach(self.layers, slots, self.q_size, self.kv_size, mlp.stop - mlp.start)
         return slots
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
