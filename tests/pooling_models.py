@@ -76,9 +76,9 @@ def build_encoder(out_dir: Path, arch: str = "bert", *, head: str = "", seed: in
 
     name = {"bert": "Bert", "xlm_roberta": "XLMRoberta"}[arch]
     positions = 128 + (2 if arch == "xlm_roberta" else 0)  # a RoBERTa's first position is padding_idx + 1
-    fields = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                  max_position_embeddings=positions, initializer_range=0.2, pad_token_id=0 if arch == "bert" else 1,
-                  **config)
+    fields = {**dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                     max_position_embeddings=positions, initializer_range=0.2, pad_token_id=0 if arch == "bert" else 1),
+              **config}
     torch.manual_seed(seed)
     cls = getattr(transformers, name + ("ForSequenceClassification" if head else "Model"))
     model = cls(getattr(transformers, name + "Config")(**fields)).eval()
