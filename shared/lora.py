@@ -57,6 +57,15 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
 PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
                "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 PREFIX = "base_model.model.model.layers."
+ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's count of a model's experts
+
+
+def served_projections(raw_config: dict) -> frozenset[str]:
+    """The PEFT modules whose adapters this server runs on a model (its config.json): a dense decoder's seven
+    projections; a mixture of experts' attention projections alone (LoRA on its experts is not served)."""
+    experts = any(int(raw_config.get(key) or 0) > 0 for key in EXPERT_KEYS)
+    return ATTENTION_PROJECTIONS if experts else frozenset(PROJECTIONS)
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,9 @@ class AdapterConfig:
     targets: frozenset[str]  # of PROJECTIONS
 
     @classmethod
-    def read(cls, folder: Path, max_rank: int) -> AdapterConfig:
-        """`adapter_config.json` of `folder`; ModelLoadError naming what this server does not run."""
+    def read(cls, folder: Path, max_rank: int, served: frozenset[str] = frozenset(PROJECTIONS)) -> AdapterConfig:
+        """`adapter_config.json` of `folder`; ModelLoadError naming what this server does not run (targets
+        outside `served`, the model's `served_projections`, among them)."""
         path = folder / "adapter_config.json"
         try:
             raw = json.loads(path.read_text())
@@ -88,6 +98,9 @@ class AdapterConfig:
         if isinstance(targets, str) or set(targets) - set(PROJECTIONS):
             raise refuse("target_modules", f"{targets!r}: only {', '.join(PROJECTIONS)} are served "
                                            f"(not lm_head, embeddings or a regular expression)")
+        if set(targets) - served:
+            raise refuse("target_modules", f"{sorted(set(targets) - served)}: this model's MLPs are mixtures of experts, "
+                                           f"whose LoRA is not served (adapters of {', '.join(sorted(served))} are)")
         rank = int(raw["r"])
         if not 1 <= rank <= max_rank:
             raise refuse("r", f"{rank} is above --max-lora-rank {max_rank}")
@@ -95,13 +108,13 @@ class AdapterConfig:
         return cls(rank, alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank), frozenset(targets))
 
 
-def check_adapter(folder: str | Path, max_rank: int) -> AdapterConfig:
+def check_adapter(folder: str | Path, max_rank: int, served: frozenset[str] = frozenset(PROJECTIONS)) -> AdapterConfig:
     """A PEFT folder's config and its tensors' names (the safetensors header alone: the api checks a folder
     before a runtime load without reading its weights); ModelLoadError naming what is not served."""
     from safetensors import safe_open
 
     folder = Path(folder)
-    config = AdapterConfig.read(folder, max_rank)
+    config = AdapterConfig.read(folder, max_rank, served)
     try:
         with safe_open(str(folder / "adapter_model.safetensors"), framework="numpy") as weights:
             names = list(weights.keys())

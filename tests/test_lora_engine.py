@@ -95,3 +95,29 @@ def test_adapters_shard_like_their_base_layers_under_tensor_parallelism(setup, h
         assert generate(engine, jobs) == [expected[names[adapter]][p] for p, adapter in jobs]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_attention_adapters_on_a_mixture_of_experts_equal_peft(tiny_model_dir, tmp_path, arch):
+    """A mixture of experts serves adapters of its attention (q, k, v, o), greedy-equal to PEFT beside base
+    rows; one that targets its MLPs (the experts) is refused at start, naming target_modules."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from procs.engine import OfflineEngine
+    from shared.model import ModelLoadError
+
+    base = tiny_model_dir(arch, with_tokenizer=True)
+    folder = make_adapter(base, tmp_path / "attention", 0, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    ids = [AutoTokenizer.from_pretrained(base).encode(p) for p in PROMPTS]
+    adapted, plain = peft_greedy(base, folder, ids), transformers_greedy(base, ids, NEW_TOKENS)
+    assert generate(engine_for(base, {"a": folder}), [(0, 1), (1, 0), (2, 1)]) == [adapted[0], plain[1], adapted[2]]
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                             "target_modules": ["q_proj", "gate_proj"]}))
+    with pytest.raises(ModelLoadError, match=r"target_modules \['gate_proj'\]: this model's MLPs are mixtures of"):
+        OfflineEngine(ServerConfig(model=str(base), enable_lora=True, lora_modules=[f"e={experts}"],
+                                   kv_capacity_tokens=512))

@@ -231,3 +231,22 @@ def test_serve_loads_an_adapter_at_run_time_and_unloads_it_after_its_requests(se
     assert status == 200 and "".join(pieces) == reference  # it ran to its end, on the adapter's weights
     assert first.strip() == decode(expected["a"][0]).strip()
     assert second.strip() == decode(expected["b"][0]).strip()
+
+
+def test_a_runtime_load_is_checked_against_what_the_model_serves(tmp_path, tiny_model_dir):
+    """On a mixture of experts an adapter of its MLPs is refused before the load (400 naming lora_path), as
+    the worker refuses it at start; one of its attention loads."""
+    import msgspec
+
+    config = msgspec.structs.replace(CONFIG, model=str(tiny_model_dir("qwen3_moe", with_tokenizer=True)))
+    experts, attention = fake_adapter(tmp_path / "experts", target_modules=["gate_proj"]), fake_adapter(tmp_path / "attn")
+
+    async def go():
+        async with TestServer(create_app(FakeEngine(["ok"]), config)) as server, aiohttp.ClientSession() as http:
+            load = server.make_url("/v1/load_lora_adapter")
+            return (await post(http, load, {"lora_name": "e", "lora_path": experts}),
+                    await post(http, load, {"lora_name": "a", "lora_path": attention}))
+
+    (status, body), (ok, _) = run(go())
+    assert status == 400 and "mixtures of experts" in body and '"lora_path"' in body
+    assert ok == 200

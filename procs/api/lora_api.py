@@ -21,7 +21,8 @@ from procs.api.auth import internal_key
 from procs.api.errors import error_response
 from procs.api.schemas import LoadLoraBody, UnloadLoraBody, decode_body
 from shared.errors import ModelLoadError, Refusal
-from shared.lora import check_adapter
+from shared.lora import check_adapter, served_projections
+from shared.model import ModelSpec, read_model_json
 from shared.messages import AdapterUpdate
 from shared.parallel import peer_replica_urls
 
@@ -40,6 +41,14 @@ class _LoraRoutes:
     def __init__(self, handlers) -> None:
         self.handlers = handlers
         self.lock = asyncio.Lock()  # one update at a time: a name is checked and taken together
+        self.served_projections: frozenset[str] | None = None
+
+    def _served_projections(self) -> frozenset[str]:
+        """What the model's adapters may target (the worker refuses the same at load): read once, when needed."""
+        if self.served_projections is None:
+            spec = ModelSpec.from_config(self.handlers.config)
+            self.served_projections = served_projections(read_model_json(spec.model_dir))
+        return self.served_projections
 
     async def load(self, request: web.Request) -> web.Response:
         try:
@@ -49,7 +58,8 @@ class _LoraRoutes:
                 served = self.handlers.served
                 served.check_free(body.lora_name)
                 try:
-                    await asyncio.to_thread(check_adapter, body.lora_path, self.handlers.config.max_lora_rank)
+                    await asyncio.to_thread(check_adapter, body.lora_path, self.handlers.config.max_lora_rank,
+                                            self._served_projections())
                 except ModelLoadError as exc:
                     raise Refusal(str(exc), "lora_path") from None
                 index = served.load(body.lora_name)

@@ -37,11 +37,12 @@ class LoraAdapter:
 
     @classmethod
     def load(cls, name: str, folder: str | Path, max_rank: int, num_layers: int, dtype: torch.dtype,
-             device: torch.device, shards: dict[str, Shard] | None = None) -> LoraAdapter:
+             device: torch.device, shards: dict[str, Shard] | None = None,
+             served: frozenset[str] = frozenset(PROJECTIONS)) -> LoraAdapter:
         """The adapter's pairs, each cut to this tensor-parallel rank's `shards` of its module (all of them
-        without)."""
+        without); ModelLoadError for a target outside `served` (`shared.lora.served_projections`)."""
         folder = Path(folder)
-        config = AdapterConfig.read(folder, max_rank)
+        config = AdapterConfig.read(folder, max_rank, served)
         try:
             tensors = load_file(folder / "adapter_model.safetensors")
         except OSError as exc:
@@ -79,8 +80,10 @@ class LoraSlots:
     adapter: each adapter owns a run of `columns` (as many as its rank) in every projection's stacked pairs
     (`LoraTarget`), and a row's mask is 1 on its own adapter's run alone."""
 
-    def __init__(self, max_running_requests: int, device: torch.device, max_rank: int) -> None:
+    def __init__(self, max_running_requests: int, device: torch.device, max_rank: int,
+                 served: frozenset[str] = frozenset(PROJECTIONS)) -> None:
         self.max_rank = max_rank  # an adapter of a higher rank is refused at load
+        self.served = served  # the PEFT modules the model's adapters may target (`shared.lora.served_projections`)
         self.shards: dict[str, Shard] = {}  # each PEFT module's share on this rank (the model's `enable_lora` sets it)
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
@@ -184,12 +187,15 @@ class LoraTarget:
 
 
 def attach(layers: list[Any], slots: LoraSlots, q_size: int, kv_size: int, intermediate: int) -> None:
-    """Hang `LoraTarget`s on every layer's q|k|v, o, gate|up and down projections (the parts' output columns)."""
+    """Hang `LoraTarget`s on every layer's q|k|v and o projections, and where `slots.served` has them its gate|up
+    and down (the parts' output columns; not on a mixture of experts)."""
     for index, layer in enumerate(layers):
         whole = lambda size: slice(0, size)
         layer.qkv.lora = LoraTarget(slots, index, [("q_proj", whole(q_size)), ("k_proj", slice(q_size, q_size + kv_size)),
                                                    ("v_proj", slice(q_size + kv_size, q_size + 2 * kv_size))])
         layer.o.lora = LoraTarget(slots, index, [("o_proj", slice(None))])
+        if "gate_proj" not in slots.served:
+            continue
         mlp = layer.mlp
         mlp.gate_up.lora = LoraTarget(slots, index, [("gate_proj", whole(intermediate)),
                                                      ("up_proj", slice(intermediate, 2 * intermediate))])

@@ -36,7 +36,7 @@ from procs.worker.parallel import TensorParallel, join, rank_device
 from procs.worker.rank_steps import RankStep, RankStop, RankSteps
 from procs.worker.sample_rows import SampleRows, sampled_tokens
 from shared.config import ServerConfig
-from shared.lora import held_at_start, parse_lora_modules
+from shared.lora import held_at_start, parse_lora_modules, served_projections
 from shared.messages import (FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
                              TokenLogprobs, WorkerInfo)
 from shared.model import ModelLoadError, ModelSpec, read_model_json
@@ -229,7 +229,8 @@ class ModelRunner:
         """LoRA slots on the model's projections (ModelLoadError where its layers cannot run adapters)."""
         if self.pooler is not None:
             raise ModelLoadError("LoRA adapters are not served by the pooling runner (embeddings)")
-        self.lora = self.model.enable_lora(LoraSlots(self.max_running_requests, self.device, max_rank))
+        served = served_projections(read_model_json(self.spec.model_dir))
+        self.lora = self.model.enable_lora(LoraSlots(self.max_running_requests, self.device, max_rank, served))
         return self.lora
 
     def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int | None = None) -> None:
@@ -247,7 +248,8 @@ class ModelRunner:
             self.lora.remove(update.index)
             return
         self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora.max_rank,
-                                                     self.config.num_layers, self.dtype, self.device, self.lora.shards))
+                                                     self.config.num_layers, self.dtype, self.device, self.lora.shards,
+                                                     self.lora.served))
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""

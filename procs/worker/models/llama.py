@@ -157,14 +157,16 @@ class LlamaModel:
         each cut as this rank's share of its projection (`slots.shards`); ModelLoadError where the layers are
         not the dense decoder's."""
         cfg = self.config
-        if cfg.moe is not None or cfg.linear_layers or self.intermediate is None:
-            raise ModelLoadError("LoRA adapters are served on dense decoders (not on mixtures of experts or hybrid "
-                                 "models yet)")
+        if cfg.linear_layers or ("gate_proj" in slots.served) != (cfg.moe is None):
+            raise ModelLoadError("LoRA adapters are served on decoders (the attention alone of a mixture of "
+                                 "experts), not on hybrid models yet")
         self.lora = slots
-        q, kv, mlp = _head_rows(self.heads.q, cfg.head_dim), _head_rows(self.heads.kv, cfg.head_dim), self.intermediate
-        slots.shards = {"q_proj": ("rows", q), "k_proj": ("rows", kv), "v_proj": ("rows", kv), "o_proj": ("cols", q),
-                        "gate_proj": ("rows", mlp), "up_proj": ("rows", mlp), "down_proj": ("cols", mlp)}
-        attach(self.layers, slots, self.q_size, self.kv_size, mlp.stop - mlp.start)
+        q, kv = _head_rows(self.heads.q, cfg.head_dim), _head_rows(self.heads.kv, cfg.head_dim)
+        slots.shards = {"q_proj": ("rows", q), "k_proj": ("rows", kv), "v_proj": ("rows", kv), "o_proj": ("cols", q)}
+        mlp = self.intermediate
+        if cfg.moe is None and mlp is not None:
+            slots.shards.update({"gate_proj": ("rows", mlp), "up_proj": ("rows", mlp), "down_proj": ("cols", mlp)})
+        attach(self.layers, slots, self.q_size, self.kv_size, 0 if mlp is None else mlp.stop - mlp.start)
         return slots
 
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
