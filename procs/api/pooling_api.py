@@ -76,6 +76,7 @@ class _Inputs(msgspec.Struct):
 
 
 Answer = Callable[[list[bytes], Usage], dict]
+Body = EmbeddingsBody | ScoreBody | RerankBody
 
 
 def add_pooling_routes(app: web.Application, handlers) -> None:
@@ -93,7 +94,7 @@ class _PoolingRoutes:
         self.handlers = handlers
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[Body, _Inputs, Answer]:
             if pooler.kind != "embed":
                 raise Refusal("this model is a cross-encoder: it scores pairs of texts (/v1/score, /v1/rerank), it "
                               "computes no embeddings", "model")
@@ -107,14 +108,14 @@ class _PoolingRoutes:
                 return {"object": "list", "model": self._model_name(),
                         "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                                  for i, v in enumerate(vectors)],
-                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+                        "usage": _usage(usage)}
 
-            return inputs, PoolingParams(), _fields(body), answer
+            return body, inputs, answer
 
         return await self._run(request, "embeddings", "embd-", prepare)
 
     async def score(self, request: web.Request) -> web.Response:
-        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[Body, _Inputs, Answer]:
             body = decode_body(raw, ScoreBody)
             pairs = _pairs(body.text_1, body.text_2)
             inputs, scores = _scored(pairs, pooler)
@@ -123,14 +124,14 @@ class _PoolingRoutes:
                 return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                         "model": self._model_name(),
                         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores(pooled))],
-                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+                        "usage": _usage(usage)}
 
-            return inputs, PoolingParams(), _fields(body), answer
+            return body, inputs, answer
 
         return await self._run(request, "score", "score-", prepare)
 
     async def rerank(self, request: web.Request) -> web.Response:
-        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[_Inputs, PoolingParams, dict, Answer]:
+        def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[Body, _Inputs, Answer]:
             body = decode_body(raw, RerankBody)
             if not body.query:
                 raise Refusal("query must not be empty", "query")
@@ -150,9 +151,9 @@ class _PoolingRoutes:
                             **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
                            for i, s in ranked]
                 return {"id": f"rerank-{uuid.uuid4().hex}", "model": self._model_name(), "results": results,
-                        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+                        "usage": _usage(usage)}
 
-            return inputs, PoolingParams(), _fields(body), answer
+            return body, inputs, answer
 
         return await self._run(request, "rerank", "rerank-", prepare)
 
@@ -160,9 +161,8 @@ class _PoolingRoutes:
         return self.handlers.served.name(0)
 
     async def _run(self, request: web.Request, endpoint: str, id_prefix: str,
-                   prepare: Callable[[bytes, PoolerConfig], tuple[_Inputs, PoolingParams, dict, Answer]]) -> web.Response:
-        """One pooling request: `prepare` decodes and checks the body into its inputs, their pooling params,
-        the body's common fields and how to answer their vectors."""
+                   prepare: Callable[[bytes, PoolerConfig], tuple[Body, _Inputs, Answer]]) -> web.Response:
+        """One pooling request: `prepare` decodes and checks the body, its inputs and how to answer their vectors."""
         handlers = self.handlers
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, handlers.metrics)
@@ -171,8 +171,8 @@ class _PoolingRoutes:
                 raise Refusal(f"this server generates (--runner generate): it does not answer /v1/{endpoint}; serve "
                               f"an embedding model or a cross-encoder with --runner pooling", "model")
             pooler = handlers.pooler
-            inputs, pooling, fields, answer = prepare(await handlers._read_body(request), pooler)
-            requests = _engine_requests(rid, inputs, pooling, fields, handlers.served, handlers.engine.max_context,
+            body, inputs, answer = prepare(await handlers._read_body(request), pooler)
+            requests = _engine_requests(rid, inputs, body, handlers.served, handlers.engine.max_context,
                                         pair_roles=bool(pooler.logit_tokens))
             handlers._admit(len(requests), 1, "input")
         except Refusal as exc:
@@ -200,21 +200,18 @@ class _PoolingRoutes:
                             headers={"X-Request-Id": rid})
 
 
-def _fields(body: EmbeddingsBody | ScoreBody | RerankBody) -> dict:
-    return {"model": body.model, "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
-
-
-def _engine_requests(rid: str, inputs: _Inputs, pooling: PoolingParams, fields: dict, served, max_context: int,
+def _engine_requests(rid: str, inputs: _Inputs, body: Body, served, max_context: int,
                      pair_roles: bool = False) -> list[GenerateRequest]:
-    """One engine request per input, with the body's common fields checked (a Refusal naming them); with
-    `pair_roles` (a decoder reranker) a pair is a "query" and a "document" message for the chat template."""
-    check_model(fields["model"], served)  # (no adapters: the worker refuses LoRA on the pooling runner)
-    priority, keep = fields["priority"], fields["truncate_prompt_tokens"]
+    """One engine request per input, with the body's common fields (model, priority, truncate_prompt_tokens)
+    checked (a Refusal naming them); with `pair_roles` (a decoder reranker) a pair is a "query" and a
+    "document" message for the chat template."""
+    check_model(body.model, served)  # (no adapters: the worker refuses LoRA on the pooling runner)
+    priority, keep = body.priority, body.truncate_prompt_tokens
     if priority is not None:
         check_priority(priority)
     if keep is not None and (keep == 0 or keep < -1):
         raise Refusal(f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {keep}", "truncate_prompt_tokens")
-    pooling = msgspec.structs.replace(pooling, truncate_prompt_tokens=max_context if keep == -1 else keep)
+    pooling = PoolingParams(truncate_prompt_tokens=max_context if keep == -1 else keep)
     params = RequestParams(stop=StopParams(max_tokens=0), priority=priority or 0, speculative=False, pooling=pooling)
     if pair_roles:
         return [GenerateRequest(rid=rid, messages=[ChatMessage(role="query", content=text),
@@ -309,6 +306,11 @@ def _input_param(param: str | None, params: list[str]) -> str | None:
     if name in ("prompt", "messages") and index.endswith("]"):
         return params[int(index[:-1])]
     return param
+
+
+def _usage(usage: Usage) -> dict:
+    """A pooling answer's usage: its inputs' tokens (it generates none)."""
+    return {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}
 
 
 def _encoded(vector: np.ndarray, encoding_format: str | None) -> list[float] | str:
