@@ -29,7 +29,7 @@ def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelt
     for rid, ids in tokens.items():
         request = out.ended.get(rid) or live.get(rid)
         if rid in out.pooled:  # the pooling runner: its vector is its answer, its one "token" a placeholder
-            deltas.append(_delta(request, 0, rid, [], "stop"))
+            deltas.append(_delta(request, 0, rid, [], out.finish_reasons.get(rid)))
             deltas[-1].pooled = out.pooled[rid]
             continue
         delta = _delta(request, counts[rid], rid, ids, out.finish_reasons.get(rid))

@@ -131,7 +131,7 @@ def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) 
         return
     pooled = np.asarray(result.pooled, dtype="<f4")
     if pooled.ndim != 2 or pooled.shape[0] != result.next_token_ids.shape[0]:
-        raise ExecutorError(f"step {result.step}: {pooled.shape} pooled vectors for {result.next_token_ids.shape[0]} "
-                         f"sampled rows")
+        raise ExecutorError(f"step {result.step}: {pooled.shape} pooled vectors for "
+                            f"{result.next_token_ids.shape[0]} sampled rows")
     at = range(len(kept.rids)) if kept.positions is None else kept.positions.tolist()
     launched.out.pooled = {rid: pooled[i].tobytes() for rid, i in zip(kept.rids, at)}
