@@ -208,10 +208,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         batchserve-api.service).""")] = 8000
     served_model_name: Annotated[str, _doc("""Model name reported by /v1/models and expected in requests;
         empty = model.""")] = ""
-    api_key: Annotated[list[str], _doc("""API keys: /v1/* then needs `Authorization: Bearer <key>` (else 401);
-        /health and /metrics stay open. None: no authentication.""")] = []
+    api_key: Annotated[list[str], _doc("""API keys: /v1/* (and the live view's /dashboard/snapshot) then needs
+        `Authorization: Bearer <key>` (else 401); /health, /metrics and the web pages' files stay open (the
+        pages ask for a key). None: no authentication.""")] = []
     api_key_file: Annotated[str, _doc("""A file with one API key per line (blank lines and # comments
         skipped), read at start; adds to api_key.""")] = ""
+    webui: Annotated[bool, _doc("""Serve the web pages: a chat playground at / and a live view of the scheduler
+        at /dashboard (--no-webui: neither; the JSON of /dashboard/snapshot stays).""")] = True
     header_timeout_s: Annotated[float, _doc("""Seconds a client may take to send a request's headers; also
         how long an idle keep-alive connection stays open.""")] = 10.0
     body_timeout_s: Annotated[float, _doc("Seconds a client may take to send a request's body (else 408).")] = 60.0
@@ -277,7 +280,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 # only throughput counts). Every other field is an engine setting, which `batchserve generate` takes as
 # `serve` does: a new field is one unless named here.
 SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
-    "host", "port", "served_model_name", "api_key", "api_key_file", "header_timeout_s", "body_timeout_s",
+    "host", "port", "served_model_name", "api_key", "api_key_file", "webui", "header_timeout_s", "body_timeout_s",
     "max_connections", "responses_store", "responses_ttl_s",
     "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
     "runtime_dir", "log_format", "drain_timeout_s",

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from shared.step_features import StepShape
+from shared.scheduler_view import SchedulerView
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -430,6 +431,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_accepted_tokens: int = 0
     # mixture of experts: tokens routed to each expert of each MoE layer [layers, experts] since then
     expert_load: np.ndarray | None = None
+    view: SchedulerView | None = None  # the live view's (`/dashboard`): requests, slots, pages, steps since then
 
 
 # ---------------------------------------------------------------------------------------------

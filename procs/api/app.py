@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), POST /v1/responses and
 GET/DELETE /v1/responses/{id} (OpenAI's Responses API on the chat path: `responses_api.py`),
-GET /v1/models, GET /health, GET /metrics. Every error is an OpenAI error body (`errors.py`).
+GET /v1/models, GET /health, GET /metrics, the live view's GET /dashboard/snapshot (`live_view.py`) and,
+unless --no-webui, the web pages (`webui.py`). Every error is an OpenAI error body (`errors.py`).
 
 A request's life here: API key (401, when keys are configured) -> JSON body within
 `body_timeout_s` (408; a missing or other Content-Type, a Content-Encoding aiohttp does not decode
@@ -46,6 +47,7 @@ from procs.api.auth import OWNER, accepted_keys, auth_middleware
 from procs.api.pooling_api import add_pooling_routes
 from procs.api.engine_client import EngineClient
 from procs.api.errors import BodyError, error_response, refusal_response, request_error
+from procs.api.live_view import LiveView
 from procs.api.lora_api import add_lora_routes
 from procs.api.fanout import EngineFailure, Fanout, choice_requests
 from procs.api.metrics import ApiMetrics
@@ -57,10 +59,11 @@ from procs.api.served_models import ServedModels
 from procs.api.tokenize_api import add_tokenize_routes
 from procs.api.tracking import RequestTracker
 from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
+from procs.api.webui import add_webui_routes
 from shared.chat_format import ReasoningFormat
 from shared.config import ServerConfig, request_cap
 from shared.errors import Refusal
-from shared.messages import RequestRejected
+from shared.messages import RequestRejected, SchedulerStats
 from shared.pooling import PoolerConfig
 
 logger = logging.getLogger("batchserve.api")
@@ -81,6 +84,7 @@ class ApiHandlers:
         self.pooler = pooler  # the pooling runner's (`/v1/embeddings`); None: the generate runner
         self.reasoning = reasoning  # chat answers: <think>...</think> goes to reasoning_content
         self.metrics = ApiMetrics(config.objectives)
+        self.live_view = LiveView(self.metrics)  # /dashboard's data
         # A request in flight is running or waiting in the scheduler, so this caps the waiting queue.
         self.max_in_flight = request_cap(config.max_running_requests, config.max_waiting)
         self.in_flight = 0
@@ -90,6 +94,10 @@ class ApiHandlers:
         self.responses = ResponsesEndpoint(engine, reasoning=reasoning, served=self.served, store=serving_store(config.responses_store, config.responses_ttl_s))
 
     # ---- plain endpoints
+
+    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.metrics.observe_scheduler_stats(stats)
+        self.live_view.observe(stats)
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": self.served.cards(self.created, self.engine.max_context)})
@@ -335,7 +343,7 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: Reasoni
     report as `reasoning_content`. `pooler`: the model is served by the pooling runner, this way
     (`shared.pooling`): `/v1/embeddings` answers, the generation endpoints refuse."""
     handlers = ApiHandlers(engine, config, reasoning=reasoning, pooler=pooler)
-    engine.set_stats_listener(handlers.metrics.observe_scheduler_stats)
+    engine.set_stats_listener(handlers.observe_scheduler_stats)
     keys = accepted_keys(config)
     middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
@@ -348,6 +356,9 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: Reasoni
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
+    app.router.add_get("/dashboard/snapshot", handlers.live_view.handle)
+    if config.webui:
+        add_webui_routes(app)
     add_tokenize_routes(app, handlers)
     add_pooling_routes(app, handlers)
     if config.enable_lora_runtime_updates:

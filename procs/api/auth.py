@@ -25,8 +25,9 @@ from procs.api.errors import error_body
 from procs.api.responses_store import owner_of
 from shared.config import ServerConfig
 
-# Every OpenAI path, and the pooling runner's vLLM and Jina aliases (`/score`, `/rerank`, `/v2/rerank`)
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/score", "/rerank")
+# Every OpenAI path, the pooling runner's vLLM and Jina aliases (`/score`, `/rerank`, `/v2/rerank`) and the
+# live view's data; the web pages' own files stay open (they ask for a key and send it with every call).
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/score", "/rerank", "/dashboard/snapshot")
 # The router's internal key, in the environment of the router and of the replicas' apis (never a flag:
 # a command line is readable by every user of the machine).
 INTERNAL_KEY_ENV = "BATCHSERVE_INTERNAL_KEY"

@@ -17,6 +17,7 @@ from collections import deque
 from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
 from procs.scheduler.core import Scheduler
+from procs.scheduler.live_view import StepLog, build_view
 from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
 from procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
 from procs.scheduler.step_cost import cost_model_for
@@ -54,6 +55,7 @@ class SchedulerLoop:
         self._early: list[TokenizedRequest | AbortRequest | AdapterUpdate] = []
         self.adapters = WorkerAdapters(config)  # the LoRA adapters the worker holds, and its next loads and unloads
         self._batch_sizes: list[int] = []
+        self.step_log = StepLog()  # steps since the last stats message, for the live view
         self._queue_times: list[float] = []  # of the requests first admitted since the last stats message
         self._preemptions = 0
         self._out_of_reach_reported = 0  # `Scheduler.steps_out_of_reach` at the last stats message
@@ -166,6 +168,7 @@ class SchedulerLoop:
                 "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
+            self.step_log.record(out, self.executor.last_step_s)
         self._queue_times += out.queue_times
         if out.drafted:
             self._spec_counts = [a + b for a, b in zip(self._spec_counts, (len(out.drafted), out.draft_tokens,
@@ -189,6 +192,7 @@ class SchedulerLoop:
                                         spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
                                         spec_accepted_tokens=self._spec_counts[2],
                                         expert_load=self.executor.expert_load, **self._cache_stats(),
+                                        view=build_view(sched, self.step_log.take()),
                                         **(adapters_in_use(sched.requests.values()) if self.config.enable_lora else {})))
         self.executor.expert_load = None
         self._spec_counts = [0, 0, 0]

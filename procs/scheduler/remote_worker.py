@@ -43,6 +43,7 @@ class RemoteWorker:
         self.expert_load: np.ndarray | None = None  # routed tokens per MoE layer and expert, until taken
         self._sent: dict[int, float] = {}  # step -> when it was sent
         self._last_result = 0.0  # when the previous result came back: a queued step starts then
+        self.last_step_s = 0.0  # the latest step's seconds, from its start to its result (the live view's)
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.submit(batch)
@@ -62,6 +63,7 @@ class RemoteWorker:
                 if result.step != batch.step:
                     raise ExecutorError(f"worker answered step {result.step} for step {batch.step}")
                 self._last_result = now = time.monotonic()
+                self.last_step_s = now - started
                 if result.expert_load is not None:
                     load = np.array(result.expert_load)  # a copy: the result's arrays are shared memory
                     self.expert_load = load if self.expert_load is None else self.expert_load + load

@@ -1,0 +1,177 @@
+// The scheduler's live view: polls /dashboard/snapshot once a second (not while the tab is hidden) and
+// draws the running set, the waiting queue, the slots, the KV pages, the steps and the last minutes.
+import { Unauthorized, call, el, fmt } from "./common.js";
+
+const POLL_MS = 1000;
+const $ = (id) => document.getElementById(id);
+const COLORS = ["#2f6fdf", "#c2410c", "#15803d", "#7c3aed", "#a16207"];
+let timer = null;
+let polling = false; // a snapshot request is in flight
+
+function setText(id, text) { $(id).textContent = text; }
+
+function row(cells) {
+  const tr = el("tr");
+  for (const [text, className] of cells) tr.append(el("td", String(text), className || ""));
+  return tr;
+}
+
+function renderRequests(view) {
+  const admitted = view.requests.filter((r) => r.slot >= 0);
+  const waiting = view.requests.filter((r) => r.slot < 0);
+  $("running").replaceChildren(...admitted.map((r) => row([
+    [r.rid, "rid left"], [r.slot], [r.status, "left"], [r.prompt_tokens], [r.prefilled],
+    [`${r.generated} / ${r.max_tokens}`], [r.kv_pages], [r.kv_reserved_pages], [r.cached_tokens], [r.priority],
+    [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
+  $("waiting").replaceChildren(...waiting.map((r) => row([
+    [r.rid, "rid left"], [r.status, "left"], [r.prompt_tokens], [r.generated], [r.max_tokens], [r.priority],
+    [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
+  $("running-empty").classList.toggle("hidden", admitted.length > 0);
+  $("waiting-empty").classList.toggle("hidden", waiting.length > 0);
+  setText("waiting-note", view.num_waiting > waiting.length ? `(first ${waiting.length} of ${view.num_waiting})` : "");
+  const slots = new Map(admitted.map((r) => [r.slot, r.status]));
+  $("slots").replaceChildren(...Array.from({ length: view.slots_total }, (_, i) => {
+    const cell = el("span", "", slots.get(i) || "");
+    cell.title = slots.has(i) ? `slot ${i}: ${admitted.find((r) => r.slot === i).rid}` : `slot ${i}: free`;
+    return cell;
+  }));
+}
+
+function renderKv(kv) {
+  const own = Math.max(kv.used - kv.cached, 0);
+  const parts = [["held by requests", own, COLORS[0]], ["cached, in use", kv.cached_referenced, COLORS[2]],
+                 ["cached, evictable", kv.cached - kv.cached_referenced, "#9bd3ae"], ["free", kv.free, "#edf0f3"]];
+  $("kv-bar").replaceChildren(...parts.map(([name, pages, color]) => {
+    const part = el("div");
+    part.style.width = `${(100 * pages) / Math.max(kv.total, 1)}%`; // CSSOM, which the page's CSP allows
+    part.style.background = color;
+    part.title = `${name}: ${pages} pages`;
+    return part;
+  }));
+  const legend = $("kv-legend");
+  legend.replaceChildren();
+  for (const [name, pages, color] of parts) {
+    const swatch = el("i");
+    swatch.style.background = color;
+    legend.append(swatch, `${name} ${pages}`);
+  }
+  legend.append(`  ·  reserved ${kv.reserved} of ${kv.total} pages (${kv.page_size} tokens each)`);
+}
+
+function renderCards(snapshot) {
+  const view = snapshot.scheduler;
+  const totals = snapshot.totals;
+  setText("running-count", view.slots_used);
+  setText("slots-sub", `of ${view.slots_total} slots`);
+  setText("waiting-count", view.num_waiting);
+  setText("kv-used", `${view.kv.used} / ${view.kv.total}`);
+  setText("kv-sub", `reserved ${view.kv.reserved} · cached ${view.kv.cached}`);
+  setText("budget", view.prefill_budget);
+  setText("policy", `tokens a step · ${view.policy}`);
+  const last = snapshot.steps.at(-1);
+  setText("step-ms", last ? `${fmt(last[4], 1)} ms` : "–"); // [step, prefill, decodes, batch, ms, ...]
+  setText("step-target", view.max_step_ms > 0 ? `target ${fmt(view.max_step_ms)} ms` : "no step-time bound");
+  setText("preemptions", totals.preemptions);
+  setText("out-of-reach", `${totals.steps_target_out_of_reach} steps over the target`);
+  const drafts = totals.spec_drafts;
+  setText("acceptance", drafts ? fmt(1 + totals.spec_accepted_tokens / drafts, 2) : "–");
+  setText("spec-sub", drafts ? `tokens a drafted row gives (${totals.spec_accepted_tokens} of ${totals.spec_draft_tokens} accepted)`
+                             : "no speculative decoding");
+}
+
+// A line plot of `series` ({name, values}) over `xs` on a canvas, with an optional dashed level line.
+function plot(id, xs, series, level = null) {
+  const canvas = $(id);
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth, height = canvas.clientHeight;
+  canvas.width = width * ratio; canvas.height = height * ratio;
+  const g = canvas.getContext("2d");
+  g.scale(ratio, ratio);
+  g.clearRect(0, 0, width, height);
+  const left = 44, bottom = height - 18, top = 8, right = width - 8;
+  const values = series.flatMap((s) => s.values.filter((v) => v >= 0));
+  const ymax = Math.max(1, level ? level.value : 0, ...values) * 1.1;
+  const xmin = xs.length ? xs[0] : 0, xmax = xs.length ? Math.max(xs.at(-1), xmin + 1) : 1;
+  const X = (x) => left + ((x - xmin) / (xmax - xmin)) * (right - left);
+  const Y = (y) => bottom - (y / ymax) * (bottom - top);
+  g.strokeStyle = "#dde1e6"; g.fillStyle = "#66707c"; g.font = "11px sans-serif"; g.lineWidth = 1;
+  for (let i = 0; i <= 4; i += 1) {
+    const y = (ymax * i) / 4;
+    g.beginPath(); g.moveTo(left, Y(y)); g.lineTo(right, Y(y)); g.stroke();
+    g.fillText(y >= 100 ? y.toFixed(0) : y.toFixed(1), 2, Y(y) + 4);
+  }
+  if (level) {
+    g.setLineDash([5, 4]); g.strokeStyle = "#c2410c";
+    g.beginPath(); g.moveTo(left, Y(level.value)); g.lineTo(right, Y(level.value)); g.stroke();
+    g.setLineDash([]);
+  }
+  series.forEach((s, k) => {
+    g.strokeStyle = COLORS[k % COLORS.length]; g.lineWidth = 1.5;
+    g.beginPath();
+    let drawing = false;
+    s.values.forEach((v, i) => {
+      if (v < 0) { drawing = false; return; }
+      if (drawing) g.lineTo(X(xs[i]), Y(v)); else g.moveTo(X(xs[i]), Y(v));
+      drawing = true;
+    });
+    g.stroke();
+  });
+  const legend = $(id.replace("plot-", "legend-"));
+  legend.replaceChildren();
+  series.forEach((s, k) => {
+    const swatch = el("i");
+    swatch.style.background = COLORS[k % COLORS.length];
+    const last = s.values.filter((v) => v >= 0).at(-1);
+    legend.append(swatch, `${s.name} ${fmt(last, 1)}`);
+  });
+  if (level) legend.append(`  ·  ${level.name} ${fmt(level.value)}`);
+}
+
+function renderPlots(snapshot) {
+  const steps = snapshot.steps; // [step, prefill_tokens, decode_rows, batch_size, step_ms, predicted_ms, prefill_cap]
+  const target = snapshot.scheduler.max_step_ms;
+  plot("plot-steps", steps.map((s) => s[0]), [
+    { name: "step ms", values: steps.map((s) => s[4]) },
+    { name: "predicted ms", values: steps.map((s) => s[5]) },
+    { name: "prefill tokens / 10", values: steps.map((s) => s[1] / 10) },
+  ], target > 0 ? { name: "target ms", value: target } : null);
+  const h = snapshot.history; // [t, tokens_per_s, ttft p50, p90, itl p50, p99, waiting, running, kv ratio]
+  const t = h.map((p) => p[0]);
+  plot("plot-throughput", t, [{ name: "tokens/s", values: h.map((p) => p[1]) }]);
+  plot("plot-ttft", t, [{ name: "p50", values: h.map((p) => p[2]) }, { name: "p90", values: h.map((p) => p[3]) }]);
+  plot("plot-itl", t, [{ name: "p50", values: h.map((p) => p[4]) }, { name: "p99", values: h.map((p) => p[5]) }]);
+  plot("plot-queue", t, [{ name: "waiting", values: h.map((p) => p[6]) }, { name: "running", values: h.map((p) => p[7]) },
+                         { name: "KV used %", values: h.map((p) => p[8] * 100) }]);
+}
+
+async function refresh() {
+  timer = null;
+  if (polling) return;
+  polling = true;
+  try {
+    const response = await call("/dashboard/snapshot", {}, refresh);
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const snapshot = await response.json();
+    if (snapshot.scheduler) {
+      renderCards(snapshot);
+      renderKv(snapshot.scheduler.kv);
+      renderRequests(snapshot.scheduler);
+      renderPlots(snapshot);
+      setText("status", `live · up ${fmt(snapshot.uptime_s)} s`);
+      document.body.dataset.updated = String(Date.now());
+    } else {
+      setText("status", "waiting for the scheduler's first report…");
+    }
+  } catch (error) {
+    if (error instanceof Unauthorized) { setText("status", "needs an API key"); return; }
+    setText("status", `server unreachable: ${error.message}`);
+  } finally {
+    polling = false;
+  }
+  if (!document.hidden) timer = setTimeout(refresh, POLL_MS);
+}
+
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden && timer === null) refresh();
+});
+refresh();
