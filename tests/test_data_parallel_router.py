@@ -251,6 +251,25 @@ async def streams_until_a_replica_dies(server: ReplicatedServer, bodies: list[di
         return victim
 
 
+def test_each_replica_serves_the_web_pages_of_its_own_scheduler(server, model):
+    """The pages are a replica's: `/` and `/dashboard` on each replica's port, the live view its own
+    scheduler's. The gateway (smg 1.13) routes only its known API paths: it answers them 404 (README)."""
+    for url in server.replica_urls:
+        for page in ("/", "/dashboard"):
+            with urllib.request.urlopen(url + page, timeout=30) as resp:
+                assert resp.status == 200 and b"/ui/" in resp.read()
+        req = urllib.request.Request(url + "/dashboard/snapshot", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        def view() -> dict | None:
+            return json.loads(urllib.request.urlopen(req, timeout=30).read())["scheduler"]
+        assert wait_until(view, 10) and view()["slots_total"] == 16
+    for page in ("/", "/dashboard", "/dashboard/snapshot"):
+        try:
+            status = urllib.request.urlopen(server.url + page, timeout=30).status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        assert status == 404, page
+
+
 def test_a_killed_replica_ends_its_streams_and_leaves_the_rotation(server, model):
     """(Last: it leaves one replica.) The killed replica's api ends the streams it carried with their
     terminal events; `serve` stops that replica, removes its shared memory (the killed worker's too) and
