@@ -1,14 +1,11 @@
-"""Helpers for the web pages' tests in a real browser: Debian's headless chromium driven by selenium
-through Debian's chromedriver (named explicitly: selenium's own driver download cannot reach the
-network), and an api app with a fake engine served on a real port from a thread."""
+"""Helpers for the web pages' tests in a real browser: headless chromium (`loadtests.browser`), waiting
+on the page, screenshots, and an api app with a fake engine served on a real port from a thread."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,37 +14,18 @@ from typing import Any, Callable
 import pytest
 from aiohttp import web
 
-CHROMIUM = os.environ.get("BATCHSERVE_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("BATCHSERVE_CHROMEDRIVER", "/usr/bin/chromedriver")
+from loadtests.browser import chromium_driver as start_chromium, chromium_missing
+
 # Where a test saves its screenshots for a person to look at (default: pytest's temporary folder).
 SCREENSHOT_DIR_ENV = "BATCHSERVE_SCREENSHOT_DIR"
-# Chromium's connections to Google's services are refused on a closed network: not tried at all.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps", "--window-size=1400,1000")
 
 
 def chromium_driver():
-    """A headless chromium (each one a new empty profile); skips the test where chromium is not installed."""
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.skip(f"no {CHROMIUM} and {CHROMEDRIVER} (Debian's chromium and chromium-driver; .ci/run installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="batchserve-chromium-")
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
-    driver.profile_dir = profile
-    return driver
-
-
-def quit_driver(driver) -> None:
-    driver.quit()
-    shutil.rmtree(driver.profile_dir, ignore_errors=True)
+    """A headless chromium (`loadtests.browser`); skips the test where none can start."""
+    missing = chromium_missing()
+    if missing:
+        pytest.skip(missing)
+    return start_chromium()
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

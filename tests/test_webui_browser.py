@@ -14,8 +14,9 @@ import openai
 import pytest
 
 from api_fake_engine import FakeEngine
-from browser import AppThread, chromium_driver, quit_driver, save_screenshot, wait_for
+from browser import AppThread, chromium_driver, save_screenshot, wait_for
 from e2e_server import http, start_server
+from loadtests.browser import quit_driver
 from procs.api.app import create_app
 from shared.config import DEFAULT_MODEL, ServerConfig
 from shared.messages import SchedulerStats
