@@ -76,6 +76,30 @@ def test_model_output_is_text_never_markup_and_conversations_are_kept(driver):
         server.stop()
 
 
+def test_the_settings_reach_the_server_and_reasoning_is_shown_apart(driver):
+    engine = FakeEngine(["<think>", "Paris is", " in France.", "</think>", '{"city":', ' "Paris"}'])
+    server = AppThread(create_app(engine, ServerConfig(), reasoning="think"))
+    try:
+        driver.get(server.url + "/")
+        wait_for(lambda: _by(driver, "#model option"), what="the model list")
+        driver.find_element("id", "system").send_keys("Answer in JSON.")
+        driver.find_element("id", "stop").send_keys("END")
+        driver.find_element("id", "json-schema").send_keys('{"type": "object", "properties": {"city": {"type": "string"}}}')
+        _send(driver, "Where is Paris?", temperature="0.5", top_p="0.9", max_tokens="40", seed="7")
+        state, text, _ = wait_for(lambda: _answer(driver), what="the answer")
+        assert (state, text) == ("done", '{"city": "Paris"}')
+        reasoning = _by(driver, "#messages .message.assistant details.reasoning div")[0]
+        assert reasoning.get_attribute("textContent") == "Paris is in France."
+        sent = engine.requests[-1]
+        assert [m.content for m in sent.messages] == ["Answer in JSON.", "Where is Paris?"]
+        params = sent.params
+        assert (params.sampling.temperature, params.sampling.top_p, params.sampling.seed) == (0.5, 0.9, 7)
+        assert (params.stop.max_tokens, tuple(params.stop.stop)) == (40, ("END",))
+        assert params.constraint is not None and params.constraint.kind == "json_schema" and "city" in params.constraint.spec
+    finally:
+        server.stop()
+
+
 def test_the_stop_button_aborts_the_request(driver):
     engine = FakeEngine([f" w{i}" for i in range(400)], delay=0.05)
     server = _serve_fake(engine, max_running_requests=4)

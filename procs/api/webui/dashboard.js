@@ -10,44 +10,58 @@ let polling = false; // a snapshot request is in flight
 
 function setText(id, text) { $(id).textContent = text; }
 
-function row(cells) {
-  const tr = el("tr");
-  for (const [text, className] of cells) tr.append(el("td", String(text), className || ""));
-  return tr;
+// Redrawn every second: existing nodes are reused and only changed text is written, so the browser
+// lays out and paints little (the page's cost is part of what a loaded server loses to it).
+function children(parent, count, make) {
+  while (parent.children.length > count) parent.lastElementChild.remove();
+  while (parent.children.length < count) parent.append(make());
+  return parent.children;
+}
+
+function setCell(node, text, className = "") {
+  if (node.textContent !== text) node.textContent = text;
+  if (node.className !== className) node.className = className;
+}
+
+function fillTable(tbody, rows) {
+  const trs = children(tbody, rows.length, () => el("tr"));
+  rows.forEach((cells, i) => {
+    const tds = children(trs[i], cells.length, () => el("td"));
+    cells.forEach(([text, className], j) => setCell(tds[j], String(text), className || ""));
+  });
 }
 
 function renderRequests(view) {
   const admitted = view.requests.filter((r) => r.slot >= 0);
   const waiting = view.requests.filter((r) => r.slot < 0);
-  $("running").replaceChildren(...admitted.map((r) => row([
+  fillTable($("running"), admitted.map((r) => ([
     [r.rid, "rid left"], [r.slot], [r.status, "left"], [r.prompt_tokens], [r.prefilled],
     [`${r.generated} / ${r.max_tokens}`], [r.kv_pages], [r.kv_reserved_pages], [r.cached_tokens], [r.priority],
     [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
-  $("waiting").replaceChildren(...waiting.map((r) => row([
+  fillTable($("waiting"), waiting.map((r) => ([
     [r.rid, "rid left"], [r.status, "left"], [r.prompt_tokens], [r.generated], [r.max_tokens], [r.priority],
     [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
   $("running-empty").classList.toggle("hidden", admitted.length > 0);
   $("waiting-empty").classList.toggle("hidden", waiting.length > 0);
   setText("waiting-note", view.num_waiting > waiting.length ? `(first ${waiting.length} of ${view.num_waiting})` : "");
   const slots = new Map(admitted.map((r) => [r.slot, r.status]));
-  $("slots").replaceChildren(...Array.from({ length: view.slots_total }, (_, i) => {
-    const cell = el("span", "", slots.get(i) || "");
-    cell.title = slots.has(i) ? `slot ${i}: ${admitted.find((r) => r.slot === i).rid}` : `slot ${i}: free`;
-    return cell;
-  }));
+  const cells = children($("slots"), view.slots_total, () => el("span"));
+  for (let i = 0; i < cells.length; i += 1) {
+    setCell(cells[i], "", slots.get(i) || "");
+    cells[i].title = slots.has(i) ? `slot ${i}: ${admitted.find((r) => r.slot === i).rid}` : `slot ${i}: free`;
+  }
 }
 
 function renderKv(kv) {
   const own = Math.max(kv.used - kv.cached, 0);
   const parts = [["held by requests", own, COLORS[0]], ["cached, in use", kv.cached_referenced, COLORS[2]],
                  ["cached, evictable", kv.cached - kv.cached_referenced, "#9bd3ae"], ["free", kv.free, "#edf0f3"]];
-  $("kv-bar").replaceChildren(...parts.map(([name, pages, color]) => {
-    const part = el("div");
-    part.style.width = `${(100 * pages) / Math.max(kv.total, 1)}%`; // CSSOM, which the page's CSP allows
-    part.style.background = color;
-    part.title = `${name}: ${pages} pages`;
-    return part;
-  }));
+  const bars = children($("kv-bar"), parts.length, () => el("div"));
+  parts.forEach(([name, pages, color], i) => {
+    bars[i].style.width = `${(100 * pages) / Math.max(kv.total, 1)}%`; // CSSOM, which the page's CSP allows
+    bars[i].style.background = color;
+    bars[i].title = `${name}: ${pages} pages`;
+  });
   const legend = $("kv-legend");
   legend.replaceChildren();
   for (const [name, pages, color] of parts) {
@@ -84,9 +98,11 @@ function plot(id, xs, series, level = null) {
   const canvas = $(id);
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth, height = canvas.clientHeight;
-  canvas.width = width * ratio; canvas.height = height * ratio;
+  if (canvas.width !== width * ratio || canvas.height !== height * ratio) {
+    canvas.width = width * ratio; canvas.height = height * ratio; // resizing reallocates: only when it changed
+  }
   const g = canvas.getContext("2d");
-  g.scale(ratio, ratio);
+  g.setTransform(ratio, 0, 0, ratio, 0, 0);
   g.clearRect(0, 0, width, height);
   const left = 44, bottom = height - 18, top = 8, right = width - 8;
   const values = series.flatMap((s) => s.values.filter((v) => v >= 0));
