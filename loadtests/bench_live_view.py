@@ -4,7 +4,7 @@ closed-loop load run again and again, each round once per viewer in a rotating o
 - `closed`: nobody watches (the scheduler still builds its views: they ride in every stats message);
 - `chromium`: the page open in a headless chromium on this machine, whose drawing competes with the
   server for the same cores (on a 2-core box, with the worker's two threads);
-- `poller`: the page's requests alone (GET /dashboard/snapshot once a second, the JSON parsed), as a
+- `poller`: the page's requests alone (GET /dashboard/snapshot every POLL_S, the JSON parsed), as a
   browser on another machine costs the server.
 
     .venv/bin/python -m loadtests.bench_live_view --rounds 3 --concurrency 32
@@ -33,7 +33,7 @@ from loadtests.browser import chromium_driver, chromium_missing, quit_driver
 from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
 from shared.config import DEFAULT_MODEL
 
-POLL_S = 1.0  # the page's polling interval (procs/api/webui/dashboard.js)
+POLL_S = 2.0  # the page's default refresh (procs/api/webui/dashboard.js)
 
 
 def run_load(url: str, args: argparse.Namespace, seed: int, output: Path) -> dict:
@@ -69,7 +69,7 @@ class ChromiumViewer:
         return cpu_seconds(self.driver.service.process.pid)
 
     def close(self) -> None:
-        updated = self.driver.execute_script("return document.body.dataset.updated || ''")
+        updated = self.driver.execute_script("return window.batchserveUpdated || 0")
         quit_driver(self.driver)
         assert updated, "the page never drew a snapshot"
 

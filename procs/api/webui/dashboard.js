@@ -2,7 +2,10 @@
 // draws the running set, the waiting queue, the slots, the KV pages, the steps and the last minutes.
 import { Unauthorized, call, el, fmt } from "./common.js";
 
-const POLL_MS = 1000;
+// How often the page polls (the header's select, kept in this browser): every poll redraws the tables and
+// plots, which costs a browser on the server's own cores (loadtests/bench_live_view.py); 0: paused.
+const REFRESH_STORE = "batchserve.dashboardRefresh";
+const DEFAULT_REFRESH_S = "2";
 const $ = (id) => document.getElementById(id);
 const COLORS = ["#2f6fdf", "#c2410c", "#15803d", "#7c3aed", "#a16207"];
 let timer = null;
@@ -93,11 +96,20 @@ function renderCards(snapshot) {
                              : "no speculative decoding");
 }
 
+// Each canvas's size, kept by a ResizeObserver: reading clientWidth after the tables changed would force
+// a layout per plot every second.
+const sizes = new Map();
+const resized = new ResizeObserver((entries) => {
+  for (const entry of entries) sizes.set(entry.target.id, [entry.contentRect.width, entry.contentRect.height]);
+});
+document.querySelectorAll("canvas.plot").forEach((canvas) => resized.observe(canvas));
+
 // A line plot of `series` ({name, values}) over `xs` on a canvas, with an optional dashed level line.
 function plot(id, xs, series, level = null) {
   const canvas = $(id);
   const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth, height = canvas.clientHeight;
+  const [width, height] = sizes.get(id) || [0, 0];
+  if (!width || !height) return;
   if (canvas.width !== width * ratio || canvas.height !== height * ratio) {
     canvas.width = width * ratio; canvas.height = height * ratio; // resizing reallocates: only when it changed
   }
@@ -174,7 +186,7 @@ async function refresh() {
       renderRequests(snapshot.scheduler);
       renderPlots(snapshot);
       setText("status", `live · up ${fmt(snapshot.uptime_s)} s`);
-      document.body.dataset.updated = String(Date.now());
+      window.batchserveUpdated = Date.now(); // for scripts that watch the page (the benchmark)
     } else {
       setText("status", "waiting for the scheduler's first report…");
     }
@@ -184,9 +196,20 @@ async function refresh() {
   } finally {
     polling = false;
   }
-  if (!document.hidden) timer = setTimeout(refresh, POLL_MS);
+  schedule();
 }
 
+function schedule() {
+  const seconds = Number($("refresh").value);
+  if (timer !== null) clearTimeout(timer);
+  timer = !document.hidden && seconds > 0 ? setTimeout(refresh, seconds * 1000) : null;
+}
+
+$("refresh").value = localStorage.getItem(REFRESH_STORE) || DEFAULT_REFRESH_S;
+$("refresh").onchange = () => {
+  localStorage.setItem(REFRESH_STORE, $("refresh").value);
+  if (Number($("refresh").value) > 0) refresh(); else schedule();
+};
 document.addEventListener("visibilitychange", () => {
   if (!document.hidden && timer === null) refresh();
 });
