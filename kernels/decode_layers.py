@@ -21,8 +21,15 @@ from kernels.panel_linear import PanelWeight
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class _LoraPair(ctypes.Structure):
+    _fields_ = [("a", ProjectionStruct), ("b", ProjectionStruct), ("width", _i64)]
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [*((name, ProjectionStruct) for name in ("qkv", "o", "gate_up", "down")),
+    _fields_ = [*((name, ProjectionStruct) for name in PROJECTIONS), *((f"lora_{name}", _LoraPair) for name in PROJECTIONS),
                 ("moe", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("post_norm", _ptr), ("next_norm", _ptr),
                 ("k_pool", _ptr), ("v_pool", _ptr), ("window", _i64)]
 
@@ -30,7 +37,30 @@ class _DecodeLayer(ctypes.Structure):
 class _DecodeShape(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("page_size", _i64), ("max_pages", _i64), ("whole_qk_norm", _i64), ("eps", _f32), ("scale", _f32),
-                ("clip_qkv", _f32)]
+                ("clip_qkv", _f32), ("lora_mask", _ptr), ("lora_total", _i64), ("lora_h", _ptr), ("lora_out", _ptr)]
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """A projection's LoRA pairs as `procs.worker.lora.LoraTarget` stacks them: every adapter's A [width, in] and
+    B [out, width] as fp32 panels, width = its parts x the adapters' summed ranks."""
+
+    a: PanelWeight
+    b: PanelWeight
+
+    @property
+    def width(self) -> int:
+        return self.a.out_features
+
+
+def _lora_pair(pair: LoraPair | None, in_features: int, out_features: int, name: str) -> _LoraPair:
+    if pair is None:
+        return _LoraPair(projection(None), projection(None), 0)
+    if pair.a.scale is not None or pair.b.scale is not None:
+        raise ValueError(f"{name}: LoRA pairs must be fp32 panels")
+    _projection(pair.a, None, in_features, pair.width, f"{name} LoRA A")
+    _projection(pair.b, None, pair.width, out_features, f"{name} LoRA B")
+    return _LoraPair(projection(pair.a), projection(pair.b), pair.width)
 
 
 @dataclass(frozen=True)
@@ -54,6 +84,7 @@ class LayerTensors:
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     window: int = 0  # a sliding-window layer's window (attends to its last `window` tokens); 0: all
+    lora: tuple[LoraPair | None, ...] = (None,) * len(PROJECTIONS)  # qkv, o, gate_up, down's LoRA pairs
 
 
 def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
@@ -100,11 +131,13 @@ class DecodeLayers:
                         or not pool.is_contiguous() or not pool.is_cpu):
                     raise ValueError(f"layer {i}: KV pools must be contiguous fp32 [pages, {page_size}, "
                                      f"{kv_heads}, {head_dim}]")
+            sizes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * intermediate), (intermediate, hidden))
             self._layers[i] = _DecodeLayer(
-                _projection(t.qkv, t.qkv_bias, hidden, q_size + 2 * kv_size, f"layer {i} qkv"),
-                _projection(t.o, t.o_bias, q_size, hidden, f"layer {i} o"),
-                _projection(t.gate_up, t.gate_up_bias, hidden, 2 * intermediate, f"layer {i} gate_up"),
-                _projection(t.down, t.down_bias, intermediate, hidden, f"layer {i} down"),
+                _projection(t.qkv, t.qkv_bias, *sizes[0], f"layer {i} qkv"),
+                _projection(t.o, t.o_bias, *sizes[1], f"layer {i} o"),
+                _projection(t.gate_up, t.gate_up_bias, *sizes[2], f"layer {i} gate_up"),
+                _projection(t.down, t.down_bias, *sizes[3], f"layer {i} down"),
+                *(_lora_pair(pair, *size, f"layer {i} {name}") for pair, size, name in zip(t.lora, sizes, PROJECTIONS)),
                 _moe_block(t, hidden, i), _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
                 _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
                 _fp32_vector(t.post_norm, hidden, "post_norm"), _fp32_vector(t.next_norm, hidden, "next_norm"),
@@ -114,13 +147,17 @@ class DecodeLayers:
         self._widths = (q_size + 2 * kv_size, q_size + kv_size, q_size + kv_size, q_size, hidden, 2 * intermediate,
                         intermediate)
         self._head_dim = head_dim
+        self._lora: tuple[torch.Tensor, ...] | None = None
+        pairs = [pair for t in layers for pair in t.lora if pair is not None]
+        self._lora_widths = (max((p.width for p in pairs), default=0), max(self._widths[0], hidden, 2 * intermediate))
 
     def run(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            locs: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            locs: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer on decode rows: h [rows, hidden] (the first layer's normed input, overwritten) and
         residual [rows, hidden] (the embeddings, used as scratch); cos/sin [rows, head_dim]; locs [rows] KV
         slots, pages [rows, max_pages] and lens [rows] as the cpu attention backend planned them: their
         values were checked there (`native.check_locs`, `native.check_pages`), only their layout is here.
+        `lora_mask` [rows, summed ranks]: the step's rows' adapter columns (`LoraSlots.mask`; None: no LoRA row).
         Returns h holding the final norm of every row."""
         rows, hidden = h.shape
         for name, t, shape in (("h", h, (rows, hidden)), ("residual", residual, (rows, hidden)),
@@ -132,6 +169,7 @@ class DecodeLayers:
             raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
         self._shape.max_pages = pages.shape[1]
         scratch = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
+        self._set_lora(rows, lora_mask)
         status = native.library().decode_layers(
             ctypes.addressof(self._layers), len(self._tensors), ctypes.addressof(self._shape), rows, h.data_ptr(),
             residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), locs.data_ptr(), pages.data_ptr(), lens.data_ptr(),
@@ -139,3 +177,15 @@ class DecodeLayers:
         if status != 0:
             raise MemoryError("decode_layers: attention or an MoE block could not allocate its scratch memory")
         return h
+
+    def _set_lora(self, rows: int, mask: torch.Tensor | None) -> None:
+        """The step's LoRA mask and scratch in the shape struct (kept alive on self until the next step)."""
+        if mask is None or not self._lora_widths[0]:
+            self._lora = None
+            self._shape.lora_mask = None
+            return
+        if mask.shape[0] != rows or mask.dtype != torch.float32 or not mask.is_contiguous() or not mask.is_cpu:
+            raise ValueError(f"lora_mask must be contiguous fp32 [{rows}, summed ranks]")
+        self._lora = (mask, *(torch.empty((rows, width), dtype=torch.float32) for width in self._lora_widths))
+        self._shape.lora_mask, self._shape.lora_total = mask.data_ptr(), mask.shape[1]
+        self._shape.lora_h, self._shape.lora_out = (t.data_ptr() for t in self._lora[1:])

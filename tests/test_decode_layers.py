@@ -20,11 +20,15 @@ PROMPTS = {"a": [5, 6, 7], "b": list(range(10, 50)), "c": [42], "d": list(range(
 LIMITS = {"a": 9, "b": 4, "c": 12, "d": 6}
 
 
-def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str, list[int]], list[torch.Tensor], int]:
+def run(model_dir, *, fuse: bool, quantization: str = "none", adapter_folders: tuple = (),
+        adapters: dict[str, int] | None = None) -> tuple[dict[str, list[int]], list[torch.Tensor], int]:
+    """`adapter_folders`: PEFT folders loaded as LoRA adapters 1, 2..; `adapters`: each request's (rid -> index)."""
     from procs.worker.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512,
                          quantization=quantization)
+    for index, folder in enumerate(adapter_folders, 1):
+        runner.load_lora_adapter(index, f"adapter{index}", str(folder), max_rank=16)
     model = runner.model
     assert model.fuse_decode_layers  # every architecture's layers qualify
     model.fuse_decode_layers = fuse
@@ -37,17 +41,18 @@ def run(model_dir, *, fuse: bool, quantization: str = "none") -> tuple[dict[str,
         logits.append(out.clone())
         return out
 
-    def counting_run(self, *args):
+    def counting_run(self, *args, **kwargs):
         nonlocal fused_calls
         fused_calls += 1
-        return fused_run(self, *args)
+        return fused_run(self, *args, **kwargs)
 
     model.lm_head_logits = recording_lm_head
     sched = Scheduler(SchedulerConfig(max_running_requests=3, prefill_budget=64, page_size=runner.page_size,
                                       kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
     for rid, prompt in PROMPTS.items():  # three at once: "d" joins when the first one leaves
         sched.add_request(rid, prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
-                                                     stop=StopParams(max_tokens=LIMITS[rid], ignore_eos=True)))
+                                                     stop=StopParams(max_tokens=LIMITS[rid], ignore_eos=True),
+                                                     adapter=(adapters or {}).get(rid, 0)))
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeLayers, "run", counting_run)
@@ -70,6 +75,26 @@ def test_one_call_per_step_gives_the_python_loops_logits_bit_for_bit(tiny_model_
     assert loop_calls == 0 and fused_calls > 0
     assert {rid: len(t) for rid, t in fused_tokens.items()} == LIMITS
     assert fused_tokens == loop_tokens
+    assert len(fused_logits) == len(loop_logits)
+    for fused, loop in zip(fused_logits, loop_logits):
+        assert torch.equal(fused, loop)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_lora_rows_in_the_one_call_give_the_python_loops_logits_bit_for_bit(tiny_model_dir, tmp_path, quantization):
+    """Rows of two adapters (all seven projections with rsLoRA; q, v and down) beside base rows: the call adds
+    each row's pairs as the layers' Python does (procs/worker/lora.py), so the logits are the same bits."""
+    from test_lora_worker import ADAPTERS, make_adapter
+
+    model_dir = tiny_model_dir("llama")
+    folders = tuple(make_adapter(model_dir, tmp_path / name, seed, **config)
+                    for seed, (name, config) in enumerate(ADAPTERS.items()))
+    lora = dict(adapter_folders=folders, adapters={"a": 1, "b": 0, "c": 2, "d": 1})
+    loop_tokens, loop_logits, _ = run(model_dir, fuse=False, quantization=quantization, **lora)
+    fused_tokens, fused_logits, fused_calls = run(model_dir, fuse=True, quantization=quantization, **lora)
+    base_tokens, _, _ = run(model_dir, fuse=True, quantization=quantization)
+    assert fused_calls > 0 and fused_tokens == loop_tokens
+    assert fused_tokens["a"] != base_tokens["a"] and fused_tokens["b"] == base_tokens["b"]  # the adapters matter
     assert len(fused_logits) == len(loop_logits)
     for fused, loop in zip(fused_logits, loop_logits):
         assert torch.equal(fused, loop)

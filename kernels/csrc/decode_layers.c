@@ -2,7 +2,8 @@
  * same data as the model's Python loop (procs/worker/models/llama.py), so the tokens are identical;
  * what goes away is the Python around a dozen small calls per layer, a large share of a small step.
  * Llama-family layers with panel weights (fp32 or int8): qkv bias, q/k norms per head or over the whole
- * projection, clipped q/k/v, and a dense MLP or a mixture of experts (csrc/moe.c). */
+ * projection, clipped q/k/v, and a dense MLP or a mixture of experts (csrc/moe.c); LoRA adapters' pairs added
+ * to a projection's rows as procs/worker/lora.py adds them (the same kernels, the same order). */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -22,9 +23,17 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
                            int64_t window, float softcap, const float *sinks);
 void silu_and_mul(const float *gate_up, int64_t rows, int64_t stride, int64_t half, float *out);
 
+/* A projection's LoRA pairs (procs/worker/lora.py's LoraTarget): every adapter's A stacked [width, in] and B
+ * [out, width] as fp32 panels, width = parts x the adapters' summed ranks; a.packed NULL: none. */
+typedef struct {
+    Projection a, b;
+    int64_t width;
+} LoraPair;
+
 /* One layer's weights and KV pool (layouts as kernels/panel_linear.py and kernels/kv_cache.py). */
 typedef struct {
     Projection qkv, o, gate_up, down; /* gate_up and down: the dense MLP, unused with `moe` */
+    LoraPair lora_qkv, lora_o, lora_gate_up, lora_down;
     const MoeBlock *moe;              /* NULL: a dense MLP */
     const float *q_norm, *k_norm;     /* NULL: none; per head [head_dim], or [q_size] / [kv_size] (whole_qk_norm) */
     const float *post_norm;           /* post_attention_layernorm */
@@ -36,7 +45,24 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, page_size, max_pages, whole_qk_norm;
     float eps, scale, clip_qkv; /* clip_qkv 0: none */
+    /* The step's LoRA rows (NULL mask: none): each row's mask [rows, lora_total] is 1 on its adapter's stacked
+     * columns; scratch lora_h [rows, the widest pair's width] and lora_out [rows, the widest output]. */
+    const float *lora_mask;
+    int64_t lora_total;
+    float *lora_h, *lora_out;
 } DecodeShape;
+
+/* y [rows, out_features] += (x A^T * mask) B^T: each row's own adapter's term (procs/worker/lora.py, add_to). */
+static void add_lora(const LoraPair *l, const DecodeShape *s, const float *x, int64_t rows, int64_t x_stride,
+                     int64_t in, int64_t out_features, float *y) {
+    if (l->a.packed == NULL || s->lora_mask == NULL) return;
+    const int64_t width = l->width, total = s->lora_total;
+    project(&l->a, x, rows, x_stride, in, width, s->lora_h);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < width; j++) s->lora_h[r * width + j] *= s->lora_mask[r * total + j % total];
+    project(&l->b, s->lora_h, rows, width, width, out_features, s->lora_out);
+    for (int64_t i = 0; i < rows * out_features; i++) y[i] += s->lora_out[i];
+}
 
 static void clip(float *x, int64_t rows, int64_t stride, int64_t width, float limit) {
     for (int64_t r = 0; r < rows; r++)
@@ -85,6 +111,7 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
     for (int64_t l = 0; l < num_layers; l++) {
         const DecodeLayer *layer = &layers[l];
         project(&layer->qkv, h, rows, s->hidden, s->hidden, qkv_width, qkv);
+        add_lora(&layer->lora_qkv, s, h, rows, s->hidden, s->hidden, qkv_width, qkv);
         rotated_qk(layer, s, rows, qkv, cos, sin, normed, rot);
         write_kv(layer->k_pool, layer->v_pool, kv_size, locs, rows, rot + q_size, rot_width, qkv + rot_width,
                  qkv_width);
@@ -92,6 +119,7 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
                                    s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale, layer->window, 0.0f, NULL) != 0)
             return -1;
         project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp);
+        add_lora(&layer->lora_o, s, attn, rows, q_size, q_size, s->hidden, tmp);
         /* tmp += residual, h = norm(tmp); tmp is the residual stream from here (as `x` in ops.add_rms_norm) */
         add_rms_norm(tmp, residual, rows, s->hidden, layer->post_norm, s->eps, h);
         float *swap = residual;
@@ -101,8 +129,10 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
             if (moe_block(layer->moe, h, rows, s->hidden, tmp) != 0) return -1;
         } else {
             project(&layer->gate_up, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up);
+            add_lora(&layer->lora_gate_up, s, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up);
             silu_and_mul(gate_up, rows, 2 * s->intermediate, s->intermediate, act);
             project(&layer->down, act, rows, s->intermediate, s->intermediate, s->hidden, tmp);
+            add_lora(&layer->lora_down, s, act, rows, s->intermediate, s->intermediate, s->hidden, tmp);
         }
         add_rms_norm(tmp, residual, rows, s->hidden, layer->next_norm, s->eps, h);
         swap = residual;

@@ -164,11 +164,17 @@ class LoraTarget:
     _version: int = -1
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self._version != self.slots.version:
-            self._stack, self._version = self._stacked(out.shape[1]), self.slots.version
-        if self._stack is not None:
-            out += linear(linear(x, self._stack[0]) * self.slots.mask_of(len(self.parts)), self._stack[1])
+        stack = self.stack(out.shape[1])
+        if stack is not None:
+            out += linear(linear(x, stack[0]) * self.slots.mask_of(len(self.parts)), stack[1])
         return out
+
+    def stack(self, width: int) -> tuple[Any, Any] | None:
+        """The loaded adapters' stacked A and B (restacked after a load or an unload) for a projection of `width`
+        outputs; None where no adapter targets it. The fused C decode call reads them too (`decode_layers.c`)."""
+        if self._version != self.slots.version:
+            self._stack, self._version = self._stacked(width), self.slots.version
+        return self._stack
 
     def _stacked(self, width: int) -> tuple[Any, Any] | None:
         slots, total = self.slots, self.slots.total_rank

@@ -18,7 +18,7 @@ import torch
 
 from kernels import native
 from kernels.attention import AttentionBackend
-from kernels.decode_layers import DecodeLayers, LayerTensors
+from kernels.decode_layers import DecodeLayers, LayerTensors, LoraPair
 from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
 from kernels.rope import RotaryTables
 from kernels.panel_linear import PanelWeight
@@ -149,7 +149,7 @@ class LlamaModel:
                  and not config.attn_output_gate and not config.linear_layers)
         self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
             _in_c(layer) for layer in self.layers)
-        self._decode_layers: tuple[AttentionBackend, DecodeLayers] | None = None
+        self._decode_layers: tuple[AttentionBackend, int, DecodeLayers] | None = None  # and the adapters' version
         self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
@@ -232,11 +232,10 @@ class LlamaModel:
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
         h = rms_norm(hidden, self.layers[0].input_norm, eps)
-        # the fused C call runs the base weights alone: a step with LoRA rows runs layer by layer
-        lora_rows = self.lora is not None and self.lora.active
-        paged = attention.paged_decode() if self.fuse_decode_layers and not lora_rows else None
-        if paged is not None:
-            return self._decode_layers_on(attention).run(h, residual, cos, sin, *paged)
+        paged = attention.paged_decode() if self.fuse_decode_layers else None
+        if paged is not None:  # LoRA rows too: the call adds their pairs as the layers' Python does
+            mask = self.lora.mask if self.lora is not None else None
+            return self._decode_layers_on(attention).run(h, residual, cos, sin, *paged, lora_mask=mask)
         local = None if self.local_rope is None else (self.local_rope.cos[positions], self.local_rope.sin[positions])
         for index, layer in enumerate(self.layers):
             rotation = local if local is not None and index in cfg.local_rope_layers else (cos, sin)
@@ -301,19 +300,21 @@ class LlamaModel:
         return weight * (x.float() * torch.rsqrt(squares / width + eps)).to(x.dtype)
 
     def _decode_layers_on(self, attention: AttentionBackend) -> DecodeLayers:
-        """The fused call over this backend's KV pools, built on first use."""
-        if self._decode_layers is None or self._decode_layers[0] is not attention:
+        """The fused call over this backend's KV pools, built on first use and after an adapter load or unload
+        (its LoRA pairs are restacked)."""
+        version = self.lora.version if self.lora is not None else 0
+        if self._decode_layers is None or self._decode_layers[:2] != (attention, version):
             cfg, cache = self.config, attention.kv_cache
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
             windows = cfg.windows or (0,) * cfg.num_layers
             layers = [_layer_tensors(layer, next_norm, cache.k[i], cache.v[i], windows[i])
                       for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
-            self._decode_layers = (attention, DecodeLayers(
+            self._decode_layers = (attention, version, DecodeLayers(
                 layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 intermediate=0 if self.intermediate is None else cfg.intermediate_size,  # 0: every layer MoE
                 page_size=cache.page_size, eps=cfg.rms_norm_eps,
                 scale=attention.scale, whole_qk_norm=cfg.qk_norm == "projection", clip_qkv=cfg.clip_qkv or 0.0))
-        return self._decode_layers[1]
+        return self._decode_layers[2]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "a model loaded without its LM head computes no logits"
@@ -344,8 +345,16 @@ def _layer_tensors(layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.T
     mlp = layer.mlp
     moe = mlp.native if isinstance(mlp, SparseMoeBlock) else None
     dense = (None, None, None, None) if moe else (mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
+    projections = (layer.qkv, layer.o) + ((None, None) if moe else (mlp.gate_up, mlp.down))
     return LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, *dense, moe, layer.q_norm,
-                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool, window)
+                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool, window,
+                        tuple(_lora_pair(p) for p in projections))
+
+
+def _lora_pair(projection: Any) -> LoraPair | None:
+    """A projection's stacked LoRA pairs for the fused call (None: no adapter targets it)."""
+    stack = None if projection is None or projection.lora is None else projection.lora.stack(projection.weight.out_features)
+    return None if stack is None else LoraPair(*stack)
 
 
 def _in_c(layer: LayerWeights) -> bool:
