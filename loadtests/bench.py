@@ -22,7 +22,7 @@ from loadtests.server_process import DEFAULT_SERVE_COMMAND
 from loadtests.targets import Opener, Plan, measure_targets, server_target, transformers_target, url_target
 from loadtests.workload import (LengthRange, PromptBuilder, TokenizerPromptBuilder, WordPromptBuilder,
                                 chat_workload, editing_workload, multiturn_workload, questions_workload,
-                                random_workload)
+                                random_workload, spread_over_models)
 from procs.cli import CliError
 from shared.config import DEFAULT_MODEL, POLICIES, ServerConfig
 from shared.model import resolve_model
@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in requests; with --compare "
                         "also the model the servers and the transformers baseline load")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="chat")
+    target.add_argument("--spread-models", default="", help="comma list of model names (LoRA adapters, say): "
+                        "request i names the (i mod N)-th instead of --model")
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     load = parser.add_argument_group("workload")
@@ -226,6 +228,8 @@ def main(args: argparse.Namespace) -> int:
         lens = (LengthRange.parse(args.input_len, "--input-len"), LengthRange.parse(args.output_len, "--output-len"))
         specs = random_workload(num_prompts, *lens, args.seed, builder)
         warmup = random_workload(args.warmup, *lens, args.seed + 1, builder) if args.warmup else []
+    spread = [m for m in args.spread_models.split(",") if m]
+    specs, warmup = spread_over_models(specs, spread), spread_over_models(warmup, spread)
     try:
         slo = Slo.parse(args.goodput) if args.goodput else None
     except ValueError as exc:

@@ -16,7 +16,7 @@ import contextlib
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -80,14 +80,25 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         prompts = rng.integers(100, 49152, size=(args.batch, args.prompt_len)).tolist()
         run_engine(runner, prompts[:2], 2)  # warm-up
-        base_run, lora_run = alternating(
-            args.repeats, lambda: run_engine(runner, prompts, args.decode_steps),
-            lambda: run_engine(runner, prompts, args.decode_steps,
-                               around_decode=lambda: spread_over(runner, args.batch, args.adapters)))
+        lora = lambda: run_engine(runner, prompts, args.decode_steps,
+                                  around_decode=lambda: spread_over(runner, args.batch, args.adapters))
+        base_run, lora_run = alternating(args.repeats, lambda: run_engine(runner, prompts, args.decode_steps), lora)
         rate = lambda run: args.batch * args.decode_steps / run[1]
         print(f"decode tokens/s at batch {args.batch} (best of {args.repeats}): base {rate(base_run):.1f}, rows over "
               f"{args.adapters} adapters {rate(lora_run):.1f}: {rate(lora_run) / rate(base_run):.2f}x")
+        if runner.model.fuse_decode_layers:  # the same adapter rows layer by layer, as before they joined the C call
+            fused_run, loop_run = alternating(args.repeats, lora, lambda: layer_by_layer(runner, lora))
+            print(f"rows over {args.adapters} adapters: in the one C decode call {rate(fused_run):.1f}, layer by layer "
+                  f"{rate(loop_run):.1f}: {rate(fused_run) / rate(loop_run):.2f}x")
     return 0
+
+
+def layer_by_layer(runner: ModelRunner, run: Callable[[], tuple]) -> tuple:
+    runner.model.fuse_decode_layers = False
+    try:
+        return run()
+    finally:
+        runner.model.fuse_decode_layers = True
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ class RequestResult:
 
 def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str, Any]:
     payload: dict[str, Any] = {
-        "model": model,
+        "model": spec.model or model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": spec.temperature,

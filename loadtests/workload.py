@@ -7,8 +7,9 @@ separate seeded Poisson process.
 
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -31,6 +32,15 @@ class RequestSpec:
     turn: int = 0
     history: tuple[tuple[str, str], ...] = ()  # (role, content) messages before this turn's question
     stop_at_eos: bool = False  # with output_len: at most that many tokens, ending at EOS
+    model: str = ""  # the model or LoRA adapter this request names ("": the run's --model)
+
+
+def spread_over_models(specs: list[RequestSpec], models: list[str]) -> list[RequestSpec]:
+    """Request i names models[i % len(models)] (a conversation: its first turn's), e.g. LoRA adapters."""
+    if not models:
+        return specs
+    return [replace(s, model=models[(s.conversation if s.conversation is not None else i) % len(models)])
+            for i, s in enumerate(specs)]
 
 
 @dataclass(frozen=True)
