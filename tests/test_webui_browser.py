@@ -210,6 +210,8 @@ def test_the_dashboard_shows_a_long_generation_then_an_empty_running_set(driver,
     wait_for(lambda: int(_by(driver, "#running tr td")[5].text.split(" / ")[0]) > 20, timeout=60,
              what="tokens generated")
     wait_for(lambda: re.fullmatch(r"[\d.]+ ms", driver.find_element("id", "step-ms").text), what="a step's time")
+    wait_for(lambda: float(re.search(r"tokens/s ([\d.]+)", driver.find_element("id", "legend-throughput").text)[1]) > 0,
+             timeout=30, what="output tokens/s while it streams")
     save_screenshot(driver, "webui_dashboard.png", tmp_path)
     assert done.wait(120)
     worker.join()

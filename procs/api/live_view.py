@@ -2,7 +2,7 @@
 view (`shared.scheduler_view`, pushed inside `SchedulerStats`), its recent steps, and a history of the
 last minutes sampled about once a second from the api's own metrics (output tokens/s, TTFT and
 inter-token latency percentiles over a sliding window, as Prometheus' `histogram_quantile` reads the
-same histograms, queue and running-set sizes, KV use).
+same histograms, queue and running-set sizes, KV use); tokens/s counts tokens as they are streamed.
 
 What the view costs is in `/metrics`: `batchserve_live_view_request_seconds` (answering a snapshot, here)
 and `batchserve_scheduler_view_build_seconds` (building the views, in the scheduler)."""
@@ -41,11 +41,6 @@ class HistorySample(msgspec.Struct, array_like=True):
     waiting: int
     running: int
     kv_used_ratio: float
-
-
-def counter_value(counter: Counter) -> float:
-    """An unlabelled counter's value."""
-    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
 
 
 def histogram_counts(histogram: Histogram) -> list[tuple[float, float]]:
@@ -107,7 +102,7 @@ class LiveView:
 
     def _sample(self, now: float, stats: SchedulerStats) -> None:
         m = self.metrics
-        reading = (now, counter_value(m.generation_tokens), histogram_counts(m.ttft), histogram_counts(m.itl))
+        reading = (now, m.tokens_delivered, histogram_counts(m.ttft), histogram_counts(m.itl))
         self._readings.append(reading)
         while now - self._readings[0][0] > PERCENTILE_WINDOW_S + SAMPLE_EVERY_S:
             self._readings.popleft()

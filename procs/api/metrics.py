@@ -216,6 +216,9 @@ class ApiMetrics:
         self.rejected = Counter("batchserve_request_rejected", "Requests refused, by HTTP status", ["status"],
                                 registry=r)
         self.lora = LoraMetrics(r)
+        # tokens streamed so far, counted as they go out (generation_tokens counts a request's at its end): the
+        # live view's tokens/s (`live_view.py`)
+        self.tokens_delivered = 0
 
     def _set(self, gauge: Gauge, value: float) -> None:
         """Set `gauge`, and its alias if it has one."""

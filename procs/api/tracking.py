@@ -37,6 +37,7 @@ class RequestTracker:
         if not delta.token_ids:
             return
         self.completion_tokens += len(delta.token_ids)
+        self.metrics.tokens_delivered += len(delta.token_ids)
         if not timed:
             return
         self.timed_tokens += len(delta.token_ids)

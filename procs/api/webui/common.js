@@ -27,8 +27,29 @@ export async function call(path, options = {}, retry = null) {
   return response;
 }
 
+// The key form, made on first use (both pages share it).
+function keyForm() {
+  let box = document.getElementById("key-form");
+  if (box) return box;
+  box = el("div", "", "hidden");
+  box.id = "key-form";
+  const form = el("form");
+  const title = el("p");
+  title.append(el("strong", "API key"));
+  const message = el("p", "", "error");
+  message.id = "key-message";
+  const input = el("input");
+  Object.assign(input, { id: "api-key", type: "password", autocomplete: "off", placeholder: "sk-..." });
+  const save = el("button", "Use this key", "primary");
+  Object.assign(save, { id: "save-key", type: "submit" });
+  form.append(title, message, input, el("p"), save);
+  box.append(form);
+  document.body.append(box);
+  return box;
+}
+
 export function askForKey(message, retry) {
-  const box = document.getElementById("key-form");
+  const box = keyForm();
   box.classList.remove("hidden");
   document.getElementById("key-message").textContent = message;
   const form = box.querySelector("form");
