@@ -241,7 +241,7 @@ def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size, fus
     outputs = []
     if runner.model.fuse_decode_layers:
         run = DecodeLayers.run
-        spy = lambda self, *args: outputs.append(run(self, *args)) or outputs[-1]
+        spy = lambda self, *args, **kwargs: outputs.append(run(self, *args, **kwargs)) or outputs[-1]
         patched = (DecodeLayers, "run", spy)
     else:
         forward = runner.attention.forward
