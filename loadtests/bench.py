@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -304,3 +306,14 @@ def _workload_info(args: argparse.Namespace, counts: list[int], tokenizer_desc: 
         "goodput": Slo.parse(args.goodput).label() if args.goodput else None,  # a preset's values, not its name
         "command": shlex.join(["batchserve", *sys.argv[1:]]),
     }
+
+
+def bench_once(url: str, args: argparse.Namespace, seed: int, output: Path, *extra: str) -> dict:
+    """One `batchserve bench` run (a subprocess) against `url` with `args`' concurrency, num_prompts, input_len
+    and output_len, and `extra` flags: its metrics (the benchmarks that alternate runs on one server use it)."""
+    command = [sys.executable, "-m", "procs.cli", "bench", "--base-url", url, "--model", DEFAULT_MODEL,
+               "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
+               "--input-len", args.input_len, "--output-len", args.output_len, "--seed", str(seed),
+               "--output", str(output), "--no-progress", *extra]
+    subprocess.run(command, check=True, cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL)
+    return json.loads(output.read_text())["runs"][0]["metrics"]

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,21 +27,11 @@ from typing import Callable
 
 import psutil
 
+from loadtests.bench import bench_once
 from loadtests.browser import chromium_driver, chromium_missing, quit_driver
 from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
-from shared.config import DEFAULT_MODEL
 
 POLL_S = 2.0  # the page's default refresh (procs/api/webui/dashboard.js)
-
-
-def run_load(url: str, args: argparse.Namespace, seed: int, output: Path) -> dict:
-    """One `batchserve bench` run against `url`: its metrics."""
-    command = [sys.executable, "-m", "procs.cli", "bench", "--base-url", url, "--model", DEFAULT_MODEL,
-               "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
-               "--input-len", args.input_len, "--output-len", args.output_len, "--seed", str(seed),
-               "--output", str(output), "--no-progress"]
-    subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return json.loads(output.read_text())["runs"][0]["metrics"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -119,7 +107,7 @@ def measure(server: ServerProcess, viewer_name: str, args: argparse.Namespace, i
     viewer = VIEWERS[viewer_name](server.base_url)
     try:
         server_cpu, viewer_cpu = cpu_seconds(server.proc.pid), viewer.cpu()
-        metrics = run_load(server.base_url, args, index, work / f"run{index}.json")
+        metrics = bench_once(server.base_url, args, index, work / f"run{index}.json")
         return metrics, cpu_seconds(server.proc.pid) - server_cpu, viewer.cpu() - viewer_cpu
     finally:
         viewer.close()
@@ -141,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     command = [*DEFAULT_SERVE_COMMAND, "--max-running-requests", str(args.concurrency)]
     runs: dict[str, list[tuple[float, float, float]]] = {v: [] for v in viewers}  # tok/s, server CPU s, viewer CPU s
     with ServerProcess(command, work / "serve.log", cwd=REPO) as server:
-        run_load(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), 99,
-                 work / "warmup.json")
+        bench_once(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), 99,
+                   work / "warmup.json")
         index = 0
         for round_ in range(args.rounds):
             for viewer in viewers[round_ % len(viewers):] + viewers[:round_ % len(viewers)]:

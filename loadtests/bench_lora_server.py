@@ -9,14 +9,12 @@ output tok/s of each, `--rounds` times.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from loadtests.bench import bench_once
 from loadtests.bench_lora import PROJECTIONS
 from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
 from shared.config import DEFAULT_MODEL
@@ -39,15 +37,6 @@ def make_adapters(out_dir: Path, count: int, rank: int) -> list[Path]:
     return folders
 
 
-def run_load(url: str, args: argparse.Namespace, spread: list[str], seed: int, output: Path) -> dict:
-    command = [sys.executable, "-m", "procs.cli", "bench", "--base-url", url, "--model", DEFAULT_MODEL,
-               "--spread-models", ",".join(spread), "--concurrency", str(args.concurrency),
-               "--num-prompts", str(args.num_prompts), "--input-len", args.input_len, "--output-len", args.output_len,
-               "--seed", str(seed), "--output", str(output), "--no-progress"]
-    subprocess.run(command, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return json.loads(output.read_text())["runs"][0]["metrics"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -66,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                *(arg for name, folder in zip(names, folders) for arg in ("--lora-modules", f"{name}={folder}"))]
     results: dict[str, list[float]] = {"base": [], "adapters": []}
     with ServerProcess(command, work / "serve.log", cwd=REPO) as server:
-        run_load(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), names, 99,
-                 work / "warmup.json")
+        bench_once(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), 99,
+                   work / "warmup.json", "--spread-models", ",".join(names))
         for index in range(2 * args.rounds):
             kind = ("base", "adapters")[(index + index // 2) % 2]  # base, adapters, adapters, base, ...
-            metrics = run_load(server.base_url, args, names if kind == "adapters" else [], index, work / f"run{index}.json")
+            spread = ",".join(names) if kind == "adapters" else ""
+            metrics = bench_once(server.base_url, args, index, work / f"run{index}.json", "--spread-models", spread)
             results[kind].append(metrics["output_throughput"])
             print(f"run {index}: {kind:8s} output {metrics['output_throughput']:6.1f} tok/s  TPOT p50 "
                   f"{metrics['tpot_ms']['p50']:6.1f} ms  completed {metrics['completed']}", flush=True)
