@@ -25,6 +25,10 @@ HISTORY_S = 300  # the plots' span: five minutes at one sample a second
 SAMPLE_EVERY_S = 1.0
 PERCENTILE_WINDOW_S = 10.0  # latency percentiles of each sample: over the tokens of the last ten seconds
 STEPS_SHOWN = 240  # the step plot's span, in steps
+# The snapshot's totals: its name -> the /metrics counter it reads (`batchserve_<counter>_total`)
+TOTALS = {"preemptions": "preemptions", "steps_target_out_of_reach": "step_target_out_of_reach",
+          "spec_drafts": "spec_decode_num_drafts", "spec_draft_tokens": "spec_decode_num_draft_tokens",
+          "spec_accepted_tokens": "spec_decode_num_accepted_tokens"}
 
 
 class HistorySample(msgspec.Struct, array_like=True):
@@ -74,9 +78,6 @@ class LiveView:
         self.started = clock()
         self.latest: SchedulerView | None = None
         self.steps: deque[StepView] = deque(maxlen=STEPS_SHOWN)
-        # since the api started: preemptions, steps whose decodes alone took the step-time target, speculative drafts
-        self.totals = dict.fromkeys(("preemptions", "steps_target_out_of_reach", "spec_drafts", "spec_draft_tokens",
-                                     "spec_accepted_tokens"), 0)
         self.history: deque[HistorySample] = deque(maxlen=int(HISTORY_S / SAMPLE_EVERY_S))
         # (time, generated tokens, TTFT buckets, ITL buckets) of past samples, for the windows' differences
         self._readings: deque[tuple[float, float, list, list]] = deque()
@@ -94,8 +95,6 @@ class LiveView:
             self.latest = stats.view
             self.steps.extend(stats.view.steps)
             self.build_seconds.inc(stats.view.build_ms / 1e3)
-        for name in self.totals:
-            self.totals[name] += getattr(stats, name)
         now = self.clock()
         if not self._readings or now - self._readings[-1][0] >= SAMPLE_EVERY_S:
             self._sample(now, stats)
@@ -115,8 +114,14 @@ class LiveView:
             *(round(quantile(q, oldest[i], reading[i]) * 1e3, 1) for i, q in ((2, 0.5), (2, 0.9), (3, 0.5), (3, 0.99))),
             stats.num_waiting, stats.num_running, round(stats.kv_used_tokens / kv_total, 4) if kv_total else 0.0))
 
+    def totals(self) -> dict[str, float]:
+        """Since the api started, from /metrics' own counters: preemptions, steps whose decodes alone took the
+        step-time target, speculative drafts, their tokens and the accepted ones."""
+        read = self.metrics.registry.get_sample_value
+        return {name: read(f"batchserve_{metric}_total") or 0 for name, metric in TOTALS.items()}
+
     def snapshot(self) -> dict[str, Any]:
-        return {"uptime_s": round(self.clock() - self.started, 2), "scheduler": self.latest, "totals": self.totals,
+        return {"uptime_s": round(self.clock() - self.started, 2), "scheduler": self.latest, "totals": self.totals(),
                 "steps": list(self.steps), "history": list(self.history)}
 
     async def handle(self, request: web.Request) -> web.Response:
