@@ -42,8 +42,8 @@ def build_view(sched: Scheduler, steps: list[StepView], now: float | None = None
     now = sched.clock() if now is None else now
     admitted = {r.slot: r for r in itertools.chain(sched.prefill_manager.chunking,
                                                     sched.decode_manager.running.values())}
-    rows = [_admitted_row(sched, admitted[slot], now) for slot in sorted(admitted)]
-    rows += [_waiting_row(r, now) for r in itertools.islice(sched.prefill_manager.pending_list, WAITING_SHOWN)]
+    waiting = itertools.islice(sched.prefill_manager.pending_list, WAITING_SHOWN)
+    rows = [_row(sched, r, now) for r in itertools.chain((admitted[slot] for slot in sorted(admitted)), waiting)]
     kv, cache = sched.kv, sched.kv.cache
     pool = KvView(page_size=sched.page_size, total=sched.num_kv_pages, used=sched.allocator.num_used,
                   free=sched.allocator.num_free, reserved=kv.reserved_pages(),
@@ -56,20 +56,17 @@ def build_view(sched: Scheduler, steps: list[StepView], now: float | None = None
                          build_ms=(time.perf_counter() - started) * 1e3)
 
 
-def _admitted_row(sched: Scheduler, request: Request, now: float) -> RequestView:
+def _row(sched: Scheduler, request: Request, now: float) -> RequestView:
+    """A request as the view shows it: a waiting one holds no slot and no pages yet; its `generated` are the
+    tokens generated before a preemption (part of its prompt now)."""
     table, slot = sched.table, request.slot
+    admitted = slot >= 0
     return RequestView(
         rid=request.rid, status=request.status.value, slot=slot, prompt_tokens=request.num_prompt_tokens,
-        prefilled=min(int(table.kv_len[slot]), request.prompt_len), generated=int(table.generated[slot]),
-        max_tokens=request.max_tokens, kv_pages=int(table.num_pages[slot] - table.dropped_pages[slot]),
-        kv_reserved_pages=sched.kv.own_reservation(slot) + int(table.shared_pages[slot]),
-        cached_tokens=request.cached_tokens, priority=request.params.priority, adapter=request.params.adapter,
-        waited_s=round(now - request.arrived_s, 3))
-
-
-def _waiting_row(request: Request, now: float) -> RequestView:
-    return RequestView(
-        rid=request.rid, status=request.status.value, slot=-1, prompt_tokens=request.num_prompt_tokens, prefilled=0,
-        generated=request.num_generated_before, max_tokens=request.max_tokens, kv_pages=0, kv_reserved_pages=0,
+        prefilled=min(int(table.kv_len[slot]), request.prompt_len) if admitted else 0,
+        generated=int(table.generated[slot]) if admitted else request.num_generated_before,
+        max_tokens=request.max_tokens,
+        kv_pages=int(table.num_pages[slot] - table.dropped_pages[slot]) if admitted else 0,
+        kv_reserved_pages=sched.kv.own_reservation(slot) + int(table.shared_pages[slot]) if admitted else 0,
         cached_tokens=request.cached_tokens, priority=request.params.priority, adapter=request.params.adapter,
         waited_s=round(now - request.arrived_s, 3))
