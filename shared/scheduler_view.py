@@ -8,7 +8,7 @@ import msgspec
 
 # The waiting queue can hold thousands under overload: the view lists its head only (and counts the rest).
 WAITING_SHOWN = 64
-STEPS_KEPT = 64  # step summaries one stats message carries at most (the latest)
+STEPS_KEPT = 128  # step summaries one view carries at most (the latest; a view every 0.5 s)
 
 
 class RequestView(msgspec.Struct, kw_only=True):

@@ -1,8 +1,8 @@
 """The scheduler's live view (`shared.scheduler_view`): its requests, slots and KV pages as they stand,
 and a summary of each step completed since the last view, for the api's `/dashboard`.
 
-Built at most once per stats message (about every 100 ms while busy): the running set and the waiting
-queue's head only, so its cost does not grow with the queue."""
+Built with a stats message at most every `process.VIEW_INTERVAL_S` (0.5 s): the running set and the
+waiting queue's head only, so its cost does not grow with the queue."""
 
 from __future__ import annotations
 

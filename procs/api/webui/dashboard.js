@@ -1,5 +1,6 @@
-// The scheduler's live view: polls /dashboard/snapshot once a second (not while the tab is hidden) and
-// draws the running set, the waiting queue, the slots, the KV pages, the steps and the last minutes.
+// The scheduler's live view: polls /dashboard/snapshot every few seconds (not while the tab is hidden) and
+// draws the running set, the waiting queue, the slots, the KV pages, the steps and the last minutes; only
+// the panels on screen are redrawn.
 import { Unauthorized, call, el, fmt } from "./common.js";
 
 // How often the page polls (the header's select, kept in this browser): every poll redraws the tables and
@@ -13,7 +14,7 @@ let polling = false; // a snapshot request is in flight
 
 function setText(id, text) { $(id).textContent = text; }
 
-// Redrawn every second: existing nodes are reused and only changed text is written, so the browser
+// Redrawn at every refresh: existing nodes are reused and only changed text is written, so the browser
 // lays out and paints little (the page's cost is part of what a loaded server loses to it).
 function children(parent, count, make) {
   while (parent.children.length > count) parent.lastElementChild.remove();
@@ -34,24 +35,28 @@ function fillTable(tbody, rows) {
   });
 }
 
-function renderRequests(view) {
-  const admitted = view.requests.filter((r) => r.slot >= 0);
-  const waiting = view.requests.filter((r) => r.slot < 0);
+function renderRunning(admitted) {
   fillTable($("running"), admitted.map((r) => ([
     [r.rid, "rid left"], [r.slot], [r.status, "left"], [r.prompt_tokens], [r.prefilled],
     [`${r.generated} / ${r.max_tokens}`], [r.kv_pages], [r.kv_reserved_pages], [r.cached_tokens], [r.priority],
     [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
+  $("running-empty").classList.toggle("hidden", admitted.length > 0);
+}
+
+function renderWaiting(waiting, numWaiting) {
   fillTable($("waiting"), waiting.map((r) => ([
     [r.rid, "rid left"], [r.status, "left"], [r.prompt_tokens], [r.generated], [r.max_tokens], [r.priority],
     [r.adapter || "base"], [fmt(r.waited_s, 1)]])));
-  $("running-empty").classList.toggle("hidden", admitted.length > 0);
   $("waiting-empty").classList.toggle("hidden", waiting.length > 0);
-  setText("waiting-note", view.num_waiting > waiting.length ? `(first ${waiting.length} of ${view.num_waiting})` : "");
-  const slots = new Map(admitted.map((r) => [r.slot, r.status]));
-  const cells = children($("slots"), view.slots_total, () => el("span"));
+  setText("waiting-note", numWaiting > waiting.length ? `(first ${waiting.length} of ${numWaiting})` : "");
+}
+
+function renderSlots(admitted, slotsTotal) {
+  const slots = new Map(admitted.map((r) => [r.slot, r]));
+  const cells = children($("slots"), slotsTotal, () => el("span"));
   for (let i = 0; i < cells.length; i += 1) {
-    setCell(cells[i], "", slots.get(i) || "");
-    cells[i].title = slots.has(i) ? `slot ${i}: ${admitted.find((r) => r.slot === i).rid}` : `slot ${i}: free`;
+    setCell(cells[i], "", slots.has(i) ? slots.get(i).status : "");
+    cells[i].title = slots.has(i) ? `slot ${i}: ${slots.get(i).rid}` : `slot ${i}: free`;
   }
 }
 
@@ -105,7 +110,7 @@ const resized = new ResizeObserver((entries) => {
 document.querySelectorAll("canvas.plot").forEach((canvas) => resized.observe(canvas));
 
 // A line plot of `series` ({name, values}) over `xs` on a canvas, with an optional dashed level line.
-function plot(id, xs, series, level = null) {
+function drawPlot(id, xs, series, level = null) {
   const canvas = $(id);
   const ratio = window.devicePixelRatio || 1;
   const [width, height] = sizes.get(id) || [0, 0];
@@ -156,6 +161,7 @@ function plot(id, xs, series, level = null) {
 }
 
 function renderPlots(snapshot) {
+  const plot = (id, ...args) => { if (onScreen.has(id)) drawPlot(id, ...args); };
   const steps = snapshot.steps; // [step, prefill_tokens, decode_rows, batch_size, step_ms, predicted_ms, prefill_cap]
   const target = snapshot.scheduler.max_step_ms;
   plot("plot-steps", steps.map((s) => s[0]), [
@@ -172,6 +178,31 @@ function renderPlots(snapshot) {
                          { name: "KV used %", values: h.map((p) => p[8] * 100) }]);
 }
 
+// What is on screen, kept by an IntersectionObserver: a panel out of view is not redrawn (a long running set
+// pushes the waiting queue and the plots below the fold), and is drawn from the last snapshot when it
+// comes into view. The cards at the top are always drawn.
+const onScreen = new Set();
+let last = null; // the last snapshot drawn
+const seen = new IntersectionObserver((entries) => {
+  let appeared = false;
+  for (const entry of entries) {
+    if (entry.isIntersecting && !onScreen.has(entry.target.id)) { onScreen.add(entry.target.id); appeared = true; }
+    if (!entry.isIntersecting) onScreen.delete(entry.target.id);
+  }
+  if (appeared && last) draw(last);
+});
+document.querySelectorAll("#panel-kv, #panel-running, #panel-waiting, canvas.plot").forEach((node) => seen.observe(node));
+
+function draw(snapshot) {
+  const view = snapshot.scheduler;
+  const admitted = view.requests.filter((r) => r.slot >= 0);
+  renderCards(snapshot);
+  if (onScreen.has("panel-kv")) { renderKv(view.kv); renderSlots(admitted, view.slots_total); }
+  if (onScreen.has("panel-running")) renderRunning(admitted);
+  if (onScreen.has("panel-waiting")) renderWaiting(view.requests.filter((r) => r.slot < 0), view.num_waiting);
+  renderPlots(snapshot);
+}
+
 async function refresh() {
   timer = null;
   if (polling) return;
@@ -181,10 +212,8 @@ async function refresh() {
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const snapshot = await response.json();
     if (snapshot.scheduler) {
-      renderCards(snapshot);
-      renderKv(snapshot.scheduler.kv);
-      renderRequests(snapshot.scheduler);
-      renderPlots(snapshot);
+      last = snapshot;
+      draw(snapshot);
       setText("status", `live · up ${fmt(snapshot.uptime_s)} s`);
       window.batchserveUpdated = Date.now(); // for scripts that watch the page (the benchmark)
     } else {
