@@ -57,15 +57,26 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
 PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
                "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 PREFIX = "base_model.model.model.layers."
+# an adapter trained on a multimodal checkpoint's text model (Qwen3.5's released ones): its decoder's layers
+MULTIMODAL_PREFIX = "base_model.model.model.language_model.layers."
 ATTENTION_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json's count of a model's experts
 
 
 def served_projections(raw_config: dict) -> frozenset[str]:
-    """The PEFT modules whose adapters this server runs on a model (its config.json): a dense decoder's seven
-    projections; a mixture of experts' attention projections alone (LoRA on its experts is not served)."""
+    """The PEFT modules whose adapters this server runs on a model (its config.json, or its `text_config`): a
+    dense decoder's seven projections; a mixture of experts' attention projections alone (LoRA on its experts
+    is not served). A hybrid model's linear-attention layers have none of them: its adapters run on its full
+    layers' attention and its MLPs."""
+    raw_config = raw_config.get("text_config") or raw_config
     experts = any(int(raw_config.get(key) or 0) > 0 for key in EXPERT_KEYS)
     return ATTENTION_PROJECTIONS if experts else frozenset(PROJECTIONS)
+
+
+def tensor_name(name: str) -> str:
+    """A tensor of adapter_model.safetensors under the name of a text decoder's (a multimodal checkpoint's
+    language model renamed, as the model's own weights are)."""
+    return PREFIX + name[len(MULTIMODAL_PREFIX):] if name.startswith(MULTIMODAL_PREFIX) else name
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ def check_adapter(folder: str | Path, max_rank: int, served: frozenset[str] = fr
         raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_model.safetensors ({exc})") from None
     modules = "|".join(sorted(config.targets))
     served = re.compile(rf"{re.escape(PREFIX)}\d+\.(self_attn|mlp)\.({modules})\.lora_[AB]\.weight")
-    unserved = sorted(name for name in names if not served.fullmatch(name))
+    unserved = sorted(name for name in names if not served.fullmatch(tensor_name(name)))
     if unserved or not names:
         raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(unserved[:3])}"
                              if unserved else f"LoRA adapter {folder}: adapter_model.safetensors holds no tensors")

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from kernels.ops import linear, pack_linear_weight
-from shared.lora import PREFIX, PROJECTIONS, AdapterConfig
+from shared.lora import PREFIX, PROJECTIONS, AdapterConfig, tensor_name
 from shared.model import ModelLoadError
 
 @dataclass
@@ -36,15 +36,15 @@ class LoraAdapter:
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, PEFT module) -> (A [r, in], B*scale)
 
     @classmethod
-    def load(cls, name: str, folder: str | Path, max_rank: int, num_layers: int, dtype: torch.dtype,
-             device: torch.device, shards: dict[str, Shard] | None = None,
-             served: frozenset[str] = frozenset(PROJECTIONS)) -> LoraAdapter:
-        """The adapter's pairs, each cut to this tensor-parallel rank's `shards` of its module (all of them
-        without); ModelLoadError for a target outside `served` (`shared.lora.served_projections`)."""
+    def load(cls, name: str, folder: str | Path, slots: LoraSlots, num_layers: int, dtype: torch.dtype,
+             device: torch.device) -> LoraAdapter:
+        """The adapter's pairs for `slots` (up to its `max_rank`, of its `served` modules, each B split as its
+        `split_outputs` says and cut to this tensor-parallel rank's `shards`); ModelLoadError for a target
+        outside `served` (`shared.lora.served_projections`)."""
         folder = Path(folder)
-        config = AdapterConfig.read(folder, max_rank, served)
+        config = AdapterConfig.read(folder, slots.max_rank, slots.served)
         try:
-            tensors = load_file(folder / "adapter_model.safetensors")
+            tensors = {tensor_name(key): value for key, value in load_file(folder / "adapter_model.safetensors").items()}
         except OSError as exc:
             raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_model.safetensors ({exc})") from None
         pairs = {}
@@ -53,10 +53,13 @@ class LoraAdapter:
                 group = "self_attn" if PROJECTIONS[module][0] in ("qkv", "o") else "mlp"
                 name_of = lambda part: f"{PREFIX}{layer}.{group}.{module}.lora_{part}.weight"
                 if name_of("A") not in tensors:
-                    continue  # a target module absent from a layer: nothing added there
-                a, b = _shard(tensors.pop(name_of("A")), tensors.pop(name_of("B")), (shards or {}).get(module))
-                pairs[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
-                                          (b.float() * config.scale).to(device=device, dtype=dtype).contiguous())
+                    continue  # a target module absent from a layer (a hybrid model's linear layers): nothing added
+                a, b = tensors.pop(name_of("A")), tensors.pop(name_of("B"))
+                split = slots.split_outputs.get(module)
+                for part, b_part in (split(b) if split else {module: b}).items():
+                    a_part, b_part = _shard(a, b_part, slots.shards.get(part))
+                    pairs[(layer, part)] = (a_part.to(device=device, dtype=dtype).contiguous(),
+                                            (b_part.float() * config.scale).to(device=device, dtype=dtype).contiguous())
         if tensors:  # `check_adapter` (the api's, before a runtime load) reads the names alone
             raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(sorted(tensors)[:3])}")
         return cls(name, config, pairs)
@@ -85,6 +88,9 @@ class LoraSlots:
         self.max_rank = max_rank  # an adapter of a higher rank is refused at load
         self.served = served  # the PEFT modules the model's adapters may target (`shared.lora.served_projections`)
         self.shards: dict[str, Shard] = {}  # each PEFT module's share on this rank (the model's `enable_lora` sets it)
+        # PEFT modules the model holds as several projections: B's output rows split into each one's
+        # (a gated query: q_proj's per-head query rows, and its gate's as "q_gate"; the model's `enable_lora`)
+        self.split_outputs: dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.adapters: dict[int, LoraAdapter] = {}
         self.slot_adapter = np.zeros(max_running_requests, dtype=np.int64)
         self.device = device
@@ -193,13 +199,16 @@ class LoraTarget:
 
 
 def attach(layers: list[Any], slots: LoraSlots, q_size: int, kv_size: int, intermediate: int) -> None:
-    """Hang `LoraTarget`s on every layer's q|k|v and o projections, and where `slots.served` has them its gate|up
-    and down (the parts' output columns; not on a mixture of experts)."""
+    """Hang `LoraTarget`s on every attention layer's q|k|v and o projections (a hybrid model's linear layers have
+    none), and where `slots.served` has them every layer's gate|up and down (the parts' output columns; not on
+    a mixture of experts)."""
     for index, layer in enumerate(layers):
         whole = lambda size: slice(0, size)
-        layer.qkv.lora = LoraTarget(slots, index, [("q_proj", whole(q_size)), ("k_proj", slice(q_size, q_size + kv_size)),
-                                                   ("v_proj", slice(q_size + kv_size, q_size + 2 * kv_size))])
-        layer.o.lora = LoraTarget(slots, index, [("o_proj", slice(None))])
+        if layer.qkv is not None:
+            layer.qkv.lora = LoraTarget(slots, index, [
+                ("q_proj", whole(q_size)), ("k_proj", slice(q_size, q_size + kv_size)),
+                ("v_proj", slice(q_size + kv_size, q_size + 2 * kv_size))])
+            layer.o.lora = LoraTarget(slots, index, [("o_proj", slice(None))])
         if "gate_proj" not in slots.served:
             continue
         mlp = layer.mlp

@@ -247,9 +247,8 @@ class ModelRunner:
         if not update.path:
             self.lora.remove(update.index)
             return
-        self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora.max_rank,
-                                                     self.config.num_layers, self.dtype, self.device, self.lora.shards,
-                                                     self.lora.served))
+        self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora, self.config.num_layers,
+                                                     self.dtype, self.device))
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""

@@ -153,13 +153,11 @@ class LlamaModel:
         self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
-        """LoRA pairs on every layer's seven projections (`procs.worker.lora`), read from `slots` (returned),
-        each cut as this rank's share of its projection (`slots.shards`); ModelLoadError where the layers are
-        not the dense decoder's."""
+        """LoRA pairs on every layer's seven projections (`procs.worker.lora`; a mixture of experts' attention
+        alone), read from `slots` (returned), each cut as this rank's share of its projection (`slots.shards`)."""
         cfg = self.config
-        if cfg.linear_layers or ("gate_proj" in slots.served) != (cfg.moe is None):
-            raise ModelLoadError("LoRA adapters are served on decoders (the attention alone of a mixture of "
-                                 "experts), not on hybrid models yet")
+        if ("gate_proj" in slots.served) != (cfg.moe is None):
+            raise ModelLoadError("LoRA adapters of a mixture of experts are served on its attention alone")
         self.lora = slots
         q, kv = _head_rows(self.heads.q, cfg.head_dim), _head_rows(self.heads.kv, cfg.head_dim)
         slots.shards = {"q_proj": ("rows", q), "k_proj": ("rows", kv), "v_proj": ("rows", kv), "o_proj": ("cols", q)}

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
+from procs.worker.lora import LoraSlots, LoraTarget
 from procs.worker.models.base import Weight, config_path, with_defaults
 from procs.worker.models.gated_deltanet import DeltaNetConfig, GatedDeltaNet, split_grouped_projections
 from procs.worker.models.llama import LayerWeights, LlamaConfig, LlamaModel
@@ -89,6 +90,19 @@ class HybridModel(LlamaModel):
         return cls(config, weights, max_positions=max_positions, dtype=dtype, device=device,
                    quantization=quantization, tp=tp)
 
+    def enable_lora(self, slots: LoraSlots) -> LoraSlots:
+        """As the decoder's, on the full layers' attention and every layer's MLP (the linear layers' own
+        projections are not PEFT's seven); q_proj's pairs are split as its weights are, the gate's rows
+        (`q_gate`) added by the output gate's projection."""
+        slots = super().enable_lora(slots)
+        head_dim = self.config.head_dim
+        slots.split_outputs["q_proj"] = lambda b: dict(zip(("q_proj", "q_gate"), split_query_gate(b, head_dim)))
+        slots.shards["q_gate"] = slots.shards["q_proj"]
+        for index, layer in enumerate(self.layers):
+            if layer.attn_gate is not None:
+                layer.attn_gate.lora = LoraTarget(slots, index, [("q_gate", slice(None))])
+        return slots
+
     def _layer(self, take: WeightTaker, i: int, sparse: bool) -> LayerWeights:
         cfg = self.config
         if i not in cfg.linear_layers:
@@ -137,9 +151,13 @@ def _text_model(tensors: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str, We
 
 
 def _split_query_gate(weights: dict[str, Weight], name: str, head_dim: int) -> None:
-    """q_proj's rows (per head: head_dim of query, then head_dim of gate) as q_proj and q_gate."""
+    """q_proj's weight or bias as q_proj and q_gate (`split_query_gate`)."""
     tensor = weights.pop(name)
-    tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-    per_head = tensor.view(-1, 2, head_dim, *tensor.shape[1:])
-    weights[name] = per_head[:, 0].reshape(-1, *tensor.shape[1:])
-    weights[name.replace("q_proj", "q_gate")] = per_head[:, 1].reshape(-1, *tensor.shape[1:])
+    weights[name], weights[name.replace("q_proj", "q_gate")] = split_query_gate(
+        tensor if isinstance(tensor, torch.Tensor) else tensor[:], head_dim)
+
+
+def split_query_gate(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj's output rows (per head: head_dim of query, then head_dim of gate) as the query's and the gate's."""
+    per_head = rows.view(-1, 2, head_dim, *rows.shape[1:])
+    return per_head[:, 0].reshape(-1, *rows.shape[1:]), per_head[:, 1].reshape(-1, *rows.shape[1:])
