@@ -3,7 +3,8 @@ closed-loop load run again and again, each round once per viewer in a rotating o
 
 - `closed`: nobody watches (the scheduler still builds its views: they ride in every stats message);
 - `chromium`: the page open in a headless chromium on this machine, whose drawing competes with the
-  server for the same cores (on a 2-core box, with the worker's two threads);
+  server for the same cores (on a 2-core box, with the worker's two threads); its window 1400x1000 (a
+  laptop's), or `--window-size` (the page redraws only the panels on screen);
 - `poller`: the page's requests alone (GET /dashboard/snapshot every POLL_S, the JSON parsed), as a
   browser on another machine costs the server.
 
@@ -28,7 +29,7 @@ from typing import Callable
 import psutil
 
 from loadtests.bench import bench_once
-from loadtests.browser import chromium_driver, chromium_missing, quit_driver
+from loadtests.browser import WINDOW_SIZE, chromium_driver, chromium_missing, quit_driver
 from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
 
 POLL_S = 2.0  # the page's default refresh (procs/api/webui/dashboard.js)
@@ -48,8 +49,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 class ChromiumViewer:
+    window_size = WINDOW_SIZE  # `--window-size`: a taller one shows every panel, which the page then redraws
+
     def __init__(self, url: str) -> None:
-        self.driver = chromium_driver()
+        self.driver = chromium_driver(self.window_size)
         self.driver.get(url + "/dashboard")
         time.sleep(2)  # loaded and polling
 
@@ -121,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--input-len", default="64:256")
     parser.add_argument("--output-len", default="64:128")
+    parser.add_argument("--window-size", default="x".join(map(str, WINDOW_SIZE)),
+                        help="chromium's window, WxH (the page redraws only the panels on screen)")
     args = parser.parse_args(argv)
+    ChromiumViewer.window_size = tuple(int(n) for n in args.window_size.split("x"))
     viewers = args.viewers.split(",")
     if "chromium" in viewers and chromium_missing():
         parser.error(chromium_missing())

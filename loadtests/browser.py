@@ -13,7 +13,8 @@ CHROMEDRIVER = os.environ.get("BATCHSERVE_CHROMEDRIVER", "/usr/bin/chromedriver"
 # Chromium's connections to Google's services are refused on a closed network: not tried at all.
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                   "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps", "--window-size=1400,1000")
+                  "--disable-default-apps")
+WINDOW_SIZE = (1400, 1000)  # a laptop's browser window
 
 
 def chromium_missing() -> str | None:
@@ -27,15 +28,15 @@ def chromium_missing() -> str | None:
     return None
 
 
-def chromium_driver():
-    """A headless chromium with a new empty profile (`quit_driver` removes it)."""
+def chromium_driver(window_size: tuple[int, int] = WINDOW_SIZE):
+    """A headless chromium with a new empty profile (`quit_driver` removes it), its window `window_size`."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     profile = tempfile.mkdtemp(prefix="batchserve-chromium-")
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+    for flag in (*CHROMIUM_FLAGS, f"--window-size={window_size[0]},{window_size[1]}", f"--user-data-dir={profile}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     driver.set_page_load_timeout(60)
