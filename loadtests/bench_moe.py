@@ -117,8 +117,9 @@ def prefill_table(runners: dict[str, ModelRunner], moe_dir: Path, prompts_for, a
 
 def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
     """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen; each
-    model also fitted on the same steps without the row and chunked-token terms (the model before them),
-    and the MoE model without its experts-read term."""
+    model also fitted on the same steps without the row and chunked terms (the model before them), a hybrid
+    model without its chunked-row term alone, and the MoE model without its experts-read term. Live and unseen
+    steps carry up to three prompts' chunks beside their decodes."""
     print("\nstep-cost model: |predicted / measured - 1| on unseen steps, mean (probe + 64 live steps fitted, "
           "as the scheduler fits them)")
     print(f"  {'model':>30} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
@@ -126,22 +127,27 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
     for name, runner in runners.items():
         moe, windows = runner.config.moe, runner.cost_windows
 
-        def measured(decodes: int, chunk: int) -> tuple[StepShape, float]:
-            prefix, extend = [128] * decodes + ([0] if chunk else []), [1] * decodes + ([chunk] if chunk else [])
+        def measured(decodes: int, chunks: list[int]) -> tuple[StepShape, float]:
+            prefix, extend = [128] * decodes + [0] * len(chunks), [1] * decodes + chunks
             batch = probe_batch(runner, prefix, extend)
             seconds = min(timed_step(runner, batch) for _ in range(2))
             return step_shape(prefix, extend, windows), seconds
 
         probe = probe_step_costs(runner)
-        live = [measured(int(rng.integers(1, 33)), int(rng.choice([0, 0, 32, 128]))) for _ in range(64)]
-        unseen = {"decode": [measured(b, 0) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
-                  "mixed": [measured(b, c) for b in (2, 9, 24) for c in (16, 64, 200)]}
+        live_chunks = ([], [], [32], [128], [16, 48], [24, 24, 24])  # a step admits several short prompts at times
+        live = [measured(int(rng.integers(1, 33)), list(live_chunks[rng.integers(len(live_chunks))]))
+                for _ in range(64)]
+        unseen = {"decode": [measured(b, []) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
+                  "mixed": [measured(b, c) for b in (2, 9, 24) for c in ([16], [64], [200], [16, 16], [40, 8, 100])]}
         experts = (moe.num_experts, moe.top_k) if moe else (0, 0)
-        fits = {name: (experts, False), f"{name}, no row/chunk terms": (experts, True)}
+        shapes = {"all terms": lambda s: s, "no row/chunk terms": lambda s: StepShape(s.tokens, 0.0, s.pairs)}
+        if any(w < 0 for w in windows):
+            shapes["no chunked-row term"] = lambda s: StepShape(s.tokens, s.rows, s.pairs, s.chunked)
+        fits = {f"{name}, {label}" if label != "all terms" else name: (experts, shaped)
+                for label, shaped in shapes.items()}
         if moe:
-            fits["moe, no experts term"] = ((0, 0), False)
-        for label, (experts, tokens_only) in fits.items():
-            shaped = (lambda s: StepShape(s.tokens, 0.0, s.pairs, 0.0)) if tokens_only else (lambda s: s)
+            fits["moe, no experts term"] = ((0, 0), shapes["all terms"])
+        for label, (experts, shaped) in fits.items():
             cost = StepCostModel([(shaped(s), t) for s, t in probe], experts, windows)
             for shape, seconds in live:
                 cost.observe(shaped(shape), seconds)
