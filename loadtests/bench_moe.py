@@ -135,8 +135,8 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
 
         probe = probe_step_costs(runner)
         live_chunks = ([], [], [32], [128], [16, 48], [24, 24, 24])  # a step admits several short prompts at times
-        live = [measured(int(rng.integers(1, 33)), list(live_chunks[rng.integers(len(live_chunks))]))
-                for _ in range(64)]
+        chunks_of = [list(live_chunks[i]) for i in rng.integers(len(live_chunks), size=64)]
+        live = [measured(int(rng.integers(1, 34 - len(c))), c) for c in chunks_of]  # within 33 slots
         unseen = {"decode": [measured(b, []) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
                   "mixed": [measured(b, c) for b in (2, 9, 24) for c in ([16], [64], [200], [16, 16], [40, 8, 100])]}
         experts = (moe.num_experts, moe.top_k) if moe else (0, 0)
