@@ -117,9 +117,9 @@ def prefill_table(runners: dict[str, ModelRunner], moe_dir: Path, prompts_for, a
 
 def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
     """The scheduler's fit (the probe, then live steps of a serving mix) against steps it has not seen; each
-    model also fitted on the same steps without the row and chunked terms (the model before them), a hybrid
-    model without its chunked-row term alone, and the MoE model without its experts-read term. Live and unseen
-    steps carry up to three prompts' chunks beside their decodes."""
+    model also fitted on the same steps without the row and chunked-token terms (the model before them), and
+    the MoE model without its experts-read term. Live and unseen steps carry up to three prompts' chunks
+    beside their decodes, as a scheduler's steps do when it admits several short prompts at once."""
     print("\nstep-cost model: |predicted / measured - 1| on unseen steps, mean (probe + 64 live steps fitted, "
           "as the scheduler fits them)")
     print(f"  {'model':>30} {'decode 1-32':>12} {'mixed':>8} {'all':>8}")
@@ -140,14 +140,11 @@ def step_cost_table(runners: dict[str, ModelRunner], prompts_for, args) -> None:
         unseen = {"decode": [measured(b, []) for b in (1, 2, 3, 5, 8, 12, 20, 32)],
                   "mixed": [measured(b, c) for b in (2, 9, 24) for c in ([16], [64], [200], [16, 16], [40, 8, 100])]}
         experts = (moe.num_experts, moe.top_k) if moe else (0, 0)
-        shapes = {"all terms": lambda s: s, "no row/chunk terms": lambda s: StepShape(s.tokens, 0.0, s.pairs)}
-        if any(w < 0 for w in windows):
-            shapes["no chunked-row term"] = lambda s: StepShape(s.tokens, s.rows, s.pairs, s.chunked)
-        fits = {f"{name}, {label}" if label != "all terms" else name: (experts, shaped)
-                for label, shaped in shapes.items()}
+        fits = {name: (experts, False), f"{name}, no row/chunk terms": (experts, True)}
         if moe:
-            fits["moe, no experts term"] = ((0, 0), shapes["all terms"])
-        for label, (experts, shaped) in fits.items():
+            fits["moe, no experts term"] = ((0, 0), False)
+        for label, (experts, tokens_only) in fits.items():
+            shaped = (lambda s: StepShape(s.tokens, 0.0, s.pairs, 0.0)) if tokens_only else (lambda s: s)
             cost = StepCostModel([(shaped(s), t) for s, t in probe], experts, windows)
             for shape, seconds in live:
                 cost.observe(shaped(shape), seconds)

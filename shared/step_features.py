@@ -21,11 +21,10 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
     rows: float = 0.0  # requests: each samples (the LM head, the sampler) and is a row of every kernel
     pairs: float = 0.0  # attention query-key pairs per layer on average (`attention_pairs`)
     chunked: float = 0.0  # linear-attention layers' chunked-form tokens (`linear_chunked_tokens`)
-    chunked_rows: float = 0.0  # linear-attention layers' chunked-form calls (`linear_chunked_rows`)
 
     def __add__(self, other: StepShape) -> StepShape:
         return StepShape(self.tokens + other.tokens, self.rows + other.rows, self.pairs + other.pairs,
-                         self.chunked + other.chunked, self.chunked_rows + other.chunked_rows)
+                         self.chunked + other.chunked)
 
 
 def step_shape(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,
@@ -34,7 +33,7 @@ def step_shape(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[in
     whose layers have `windows` (`layer_cost_windows`)."""
     n = np.asarray(extend_lens, dtype=np.float64)
     return StepShape(float(n.sum()), float(np.count_nonzero(n)), attention_pairs(prefix_lens, n, windows),
-                     linear_chunked_tokens(n, windows), linear_chunked_rows(n, windows))
+                     linear_chunked_tokens(n, windows))
 
 
 def linear_chunked_tokens(extend_lens: np.ndarray, windows: Sequence[int]) -> float:
@@ -46,14 +45,6 @@ def linear_chunked_tokens(extend_lens: np.ndarray, windows: Sequence[int]) -> fl
         return 0.0
     chunks = np.ceil(extend_lens[extend_lens > 1] / LINEAR_ATTENTION_CHUNK)
     return float(chunks.sum()) * LINEAR_ATTENTION_CHUNK * linear / len(windows)
-
-
-def linear_chunked_rows(extend_lens: np.ndarray, windows: Sequence[int]) -> float:
-    """The rows a hybrid model's linear-attention layers run through the chunked form, per layer on average
-    (rows of more than one token): each is a call of its own, whose fixed work (the chunks' triangular
-    systems, the loop over its chunks) costs apart from its tokens. 0 for a model without linear layers."""
-    linear = sum(1 for w in windows if w < 0)
-    return float(np.count_nonzero(extend_lens > 1)) * linear / len(windows) if linear else 0.0
 
 
 def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,

@@ -320,32 +320,3 @@ def test_a_hybrid_models_prefill_counts_whole_chunks_of_its_linear_layers():
     assert step_shape([0, 5], [100, 1], windows).chunked == 128 * 3 / 4
     assert step_shape([5, 7], [1, 1], windows).chunked == 0
     assert step_shape([0], [100], (0, 0)).chunked == 0 and step_shape([0], [100], (8, 0)).chunked == 0
-    assert step_shape([0, 0, 5], [16, 100, 1], windows).chunked_rows == 2 * 3 / 4  # two chunked calls a layer
-    assert step_shape([5, 7], [1, 1], windows).chunked_rows == 0 and step_shape([0], [100], (0, 0)).chunked_rows == 0
-
-
-def test_a_hybrid_models_chunked_calls_cost_apart_from_their_chunks():
-    """A prefill row's call of the chunked form has fixed work of its own: with the probe's step of four
-    short prompts beside its others, the fit tells a call's cost from a chunk's, so four 16-token prompts
-    are not predicted as one 256-token one (the same chunks)."""
-    windows = (-300, -300, -300, 0)
-    truth = CostWeights(step=0.004, token=0.0015, row=0.0005, pairs_1k=0.0002, chunked=0.0001, chunked_row=0.003)
-    cost = lambda shape: float(truth.vector() @ np.array([1.0, shape.tokens, shape.rows, shape.pairs / 1000, 0.0,
-                                                          shape.chunked, shape.chunked_rows]))
-    shapes = [step_shape(p, e, windows) for p, e in [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 16, [1] * 16),
-                                                     ([256] * 16 + [0], [1] * 16 + [100]), ([0] * 4, [16] * 4)]]
-    model = StepCostModel([(shape, cost(shape)) for shape in shapes], windows=windows)
-    assert model.weights.vector() == pytest.approx(truth.vector(), rel=1e-6, abs=1e-12)
-    four, one = model.shape([0] * 4, [16] * 4), model.shape([0], [64])
-    assert model.predict(four) - model.predict(one) == pytest.approx(cost(four) - cost(one))
-    assert cost(four) - cost(one) > 3 * 0.75 * truth.chunked_row  # three more calls in each linear layer
-
-
-def test_a_real_hybrid_probe_has_a_step_of_short_prompts(tiny_model_dir):
-    from procs.worker.model_runner import ModelRunner
-    from procs.worker.step_probe import probe_step_costs
-
-    runner = ModelRunner(tiny_model_dir("qwen3_5"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
-    costs = probe_step_costs(runner)
-    assert [(s.tokens, s.rows) for s, _ in costs][-1] == (64, 4) and costs[-1][0].chunked_rows == 4 * 3 / 4
-    StepCostModel(costs, windows=runner.cost_windows)  # fits

@@ -5,7 +5,7 @@ A step's wall time (as the scheduler waits for it: the worker's forward and samp
 sockets) is modelled from its shape (`shared.step_features.StepShape`) as
 
     seconds = w_step + w_token * tokens + w_row * rows + w_pairs * attention_pairs / 1000
-              + w_expert * experts_read + w_chunked * chunked + w_chunked_row * chunked_rows
+              + w_expert * experts_read + w_chunked * chunked
 
 `tokens` drive the linear layers; `rows` what each request costs whatever its tokens: its LM head row
 and sampling (a prefill chunk of 256 tokens samples once, 256 decode rows 256 times) and a row in every
@@ -13,9 +13,7 @@ kernel; `attention_pairs` drive attention (a hybrid model's linear layers count 
 there); `experts_read` (a mixture-of-experts model's, 0 for a dense one) the expert weights a step
 reads, which grow with its tokens until every expert is read: a decode step of one token reads top_k
 experts, a step of many all of them, so an MoE step's cost is not linear in its tokens; `chunked` a
-hybrid model's linear layers' prefill tokens padded to whole chunks, and `chunked_rows` their prefill
-rows, each a call of the chunked form with work of its own whatever its length (both 0 for other
-models). The weights
+hybrid model's linear layers' prefill tokens padded to whole chunks (0 for other models). The weights
 come from the worker's startup probe (`WorkerInfo.step_costs`) and are refitted by least squares
 from the last measured steps, so the model follows the machine (a shared CPU, graph replay on a GPU).
 Sarathi-Serve picks its token budget from profiles for the same reason.
@@ -62,8 +60,7 @@ log = logging.getLogger("batchserve.scheduler")
 
 
 class CostWeights(msgspec.Struct, frozen=True):
-    """Seconds per step, per token, per row, per 1000 attention pairs, per expert read, per chunked token and
-    per chunked row."""
+    """Seconds per step, per token, per row, per 1000 attention pairs, per expert read and per chunked token."""
 
     step: float = 0.0
     token: float = 0.0
@@ -71,7 +68,6 @@ class CostWeights(msgspec.Struct, frozen=True):
     pairs_1k: float = 0.0
     expert_read: float = 0.0
     chunked: float = 0.0
-    chunked_row: float = 0.0
 
     def vector(self) -> np.ndarray:
         return np.array(msgspec.structs.astuple(self))
@@ -81,8 +77,7 @@ class CostWeights(msgspec.Struct, frozen=True):
         return {"ms_per_step": round(self.step * 1000, 2), "ms_per_token": round(self.token * 1000, 4),
                 "ms_per_row": round(self.row * 1000, 4), "ms_per_1k_attention_pairs": round(self.pairs_1k * 1000, 4),
                 "ms_per_expert_read": round(self.expert_read * 1000, 4),
-                "ms_per_chunked_token": round(self.chunked * 1000, 4),
-                "ms_per_chunked_row": round(self.chunked_row * 1000, 4)}
+                "ms_per_chunked_token": round(self.chunked * 1000, 4)}
 
 
 TOKEN_WEIGHT = CostWeights.__struct_fields__.index("token")  # the one weight every fit keeps, and keeps > 0
@@ -92,7 +87,7 @@ ROW_WEIGHT = CostWeights.__struct_fields__.index("row")
 def features(shape: StepShape, experts: tuple[int, int]) -> np.ndarray:
     """The shape's terms in `CostWeights`' order."""
     return np.array([1.0, shape.tokens, shape.rows, shape.pairs / 1000, experts_read(shape.tokens, *experts),
-                     shape.chunked, shape.chunked_rows])
+                     shape.chunked])
 
 
 class LinearStepCost:
@@ -123,8 +118,7 @@ class LinearStepCost:
         if decodes.rows <= 0:
             return 0.0
         step_s = self.predict(decodes)
-        wider = StepShape(decodes.tokens + 1, decodes.rows, decodes.pairs * (1 + 1 / decodes.rows), decodes.chunked,
-                          decodes.chunked_rows)
+        wider = StepShape(decodes.tokens + 1, decodes.rows, decodes.pairs * (1 + 1 / decodes.rows), decodes.chunked)
         added_s = self.predict(wider) - step_s  # an average row's
         return (added_s + self.draft_token_s) * decodes.rows / max(step_s, 1e-9)
 

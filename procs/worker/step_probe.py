@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 GREEDY = SamplingParams(temperature=0.0)
 CHUNK_BESIDE_DECODES = 100  # a probe step's chunk beside 16 decodes (a hybrid's linear layers pad it to 128)
-SHORT_PROMPTS = 4  # a hybrid model's probe step of 4 prompts of 16 tokens: 4 chunked calls, as many chunks as 256 tokens
 
 
 def probe_step_costs(runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32, 256),
@@ -29,8 +28,7 @@ def probe_step_costs(runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32,
     """(shape, seconds) of a few steps, the best of two runs each, after a warm-up step. Small ones: the
     fit only needs a spread of tokens and rows, and the scheduler refits on live steps (a large step would
     add seconds to a CPU start). Prefill chunks alone, decode batches of 1 and 16 (and 4 for a mixture of
-    experts, whose cost bends as more of its experts are read), and 16 decodes beside a chunk; a hybrid model
-    also 4 short prompts in one step (its linear layers' chunked form costs per row as well as per chunk)."""
+    experts, whose cost bends as more of its experts are read), and 16 decodes beside a chunk."""
     if decode_batches is None:
         decode_batches = (1, 4, 16) if getattr(runner.config, "moe", None) else (1, 16)
     context = min(256, runner.max_context - 1)
@@ -38,8 +36,6 @@ def probe_step_costs(runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32,
     shapes += [([context] * b, [1] * b) for b in decode_batches if b <= runner.max_running_requests]
     if runner.max_running_requests > 16 and context + CHUNK_BESIDE_DECODES < runner.max_context:
         shapes.append(([context] * 16 + [0], [1] * 16 + [CHUNK_BESIDE_DECODES]))
-    if any(w < 0 for w in runner.cost_windows) and runner.max_running_requests >= SHORT_PROMPTS:
-        shapes.append(([0] * SHORT_PROMPTS, [16] * SHORT_PROMPTS))  # linear layers: chunked calls apart from chunks
     costs = []
     for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
         batch = probe_batch(runner, prefix_lens, extend_lens)
