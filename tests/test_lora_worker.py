@@ -94,6 +94,21 @@ def test_each_adapter_alone_equals_peft_with_and_without_the_c_kernels(setup, ad
     with torch_only(monkeypatch):
         runner = runner_with_adapters(base, folders, pad_decode=True)
         assert generate_greedy(runner, prompts, NEW_TOKENS, adapters=[adapter] * 5, **SCHEDULES["mixed"]) == want
+        assert (runner.graph_runner.lora_steps > 0) == (adapter > 0)  # adapter rows on the padded decode path
+
+
+def test_padded_decode_steps_mix_adapter_and_base_rows(setup):
+    """Decode steps padded to the graphs' sizes (`pad_decode`: as CUDA graphs run them, eagerly here) with
+    rows of both adapters and of the base model: the mask's padding rows add nothing, the real rows their
+    own adapter's pairs; greedy tokens equal PEFT's, through the fused C decode call."""
+    base, folders, prompts, expected = setup
+    runner = runner_with_adapters(base, folders, pad_decode=True)
+    chosen = [1, 0, 2, 1, 2]
+    names = ["base", "a", "b"]
+    got = generate_greedy(runner, prompts, NEW_TOKENS, adapters=chosen, **SCHEDULES["mixed"])
+    assert got == [expected[names[c]][i] for i, c in enumerate(chosen)]
+    padded = runner.graph_runner
+    assert padded.lora_steps > 0 and set(padded.steps_per_size) <= set(padded.batch_sizes)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -11,6 +11,11 @@ whose per-step plan is not capturable) nothing is captured and the padded buffer
 model eagerly; only the real rows get the LM head. `ModelRunner` takes this path there only when
 asked (`pad_decode=True`, as the tests do to check the padding logic on CPU): without replay,
 padding is pure cost.
+
+A step with LoRA adapter rows runs a second set of graphs, captured with the adapters' stacked pairs
+(`procs.worker.lora`): the rows' adapter mask is an input, copied into a static buffer whose padding
+rows are 0 (no adapter). The set is captured at the first such step after an adapter load or unload
+(the pairs are restacked then), so the base model's graphs, captured at start, stay as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
 from kernels.kv_cache import KVCache
+from procs.worker.lora import LoraSlots
 from procs.worker.models.base import CausalLM
 from shared.messages import ForwardBatch
 
@@ -61,11 +67,18 @@ class DecodeGraphRunner:
         self._rows = torch.arange(size, dtype=torch.int64, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[int, torch.Tensor] = {}
+        # the graphs of steps with adapter rows, captured at the adapters' version `_lora_version`
+        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lora_logits: dict[int, torch.Tensor] = {}
+        self._lora_version = -1
         self.steps_per_size: Counter[int] = Counter()  # padded steps run, by padded size
+        self.lora_steps = 0  # padded steps with adapter rows
+        self.lora_captures = 0  # captures of the adapter graphs (one after each adapter load or unload in use)
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory taken by capture (torch.cuda.mem_get_info before/after)
         if self.can_capture(attention):
-            self._capture()
+            attention.init_cuda_graphs(self.batch_sizes)
+            self._capture(self._graphs, self._graph_logits)
 
     @staticmethod
     def can_capture(attention: AttentionBackend) -> bool:
@@ -93,8 +106,9 @@ class DecodeGraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """float32 logits of the batch's sampling rows, one position each (page table already applied)."""
+    def forward_logits(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> torch.Tensor | None:
+        """float32 logits of the batch's sampling rows, one position each (page table already applied);
+        `lora`: the adapters, where the step has adapter rows (their mask planned for its n rows)."""
         n = batch.num_requests
         size = self.bucket_for(n)
         if self._staged_copy is not None:
@@ -118,12 +132,30 @@ class DecodeGraphRunner:
             self._run_eager(metadata, size, None)
             return None
         rows = self._rows[:n] if samples.all() else torch.from_numpy(np.flatnonzero(samples)).to(self.device)
-        graph = self._graphs.get(size)
+        graphs, outputs = self._graphs, self._graph_logits
+        if lora is not None:
+            graphs, outputs = self._lora_graphs_for(lora)
+            lora.pad_rows(lora.mask, size, self.max_batch_size)
+            self.lora_steps += 1
+        graph = graphs.get(size)
         if graph is None:
             return self._run_eager(metadata, size, rows)
         plan_step(self.attention, metadata, graph=True)
         graph.replay()
-        return self._graph_logits[size][rows]  # a copy: the static output is overwritten by the next replay
+        return outputs[size][rows]  # a copy: the static output is overwritten by the next replay
+
+    def _lora_graphs_for(self, lora: LoraSlots) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+        """The graphs of steps with adapter rows at the adapters' current version: captured anew (the old
+        ones released) after a load or an unload; none where nothing is captured (CPU)."""
+        if self._graphs and self._lora_version != lora.version:
+            mask = lora.mask  # the step's own, kept while the capture runs all-padding rows
+            self._lora_graphs, self._lora_logits = {}, {}
+            lora.pad_rows(None, self.max_batch_size, self.max_batch_size)
+            self._capture(self._lora_graphs, self._lora_logits, lora)
+            lora.mask = mask
+            self._lora_version = lora.version
+            self.lora_captures += 1
+        return self._lora_graphs, self._lora_logits
 
     def _run_eager(self, metadata: AttentionMetadata, size: int, rows: torch.Tensor | None) -> torch.Tensor | None:
         plan_step(self.attention, metadata)
@@ -138,31 +170,36 @@ class DecodeGraphRunner:
         return AttentionMetadata(slots=[0] * size, prefix_lens=[0] * size, extend_lens=[1] * size,
                                  kv_locs=self._inputs[2, :size], num_padding=size)
 
-    def _capture(self) -> None:
-        """Capture one graph per size, largest first so the smaller ones reuse its memory pool.
-        Warm-up and capture run all-padding batches: they touch only the dummy page."""
+    def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor],
+                 lora: LoraSlots | None = None) -> None:
+        """Capture one graph per size into `graphs` (their logits into `outputs`), largest first so the smaller
+        ones reuse its memory pool. Warm-up and capture run all-padding batches: they touch only the dummy
+        page (and with `lora`, an all-0 mask: no adapter row)."""
         attention = self.attention
         assert isinstance(attention, CudaGraphAttentionBackend)
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        attention.init_cuda_graphs(self.batch_sizes)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         with torch.inference_mode():
             for size in reversed(self.batch_sizes):
                 rows = self._rows[:size]
+                if lora is not None:
+                    lora.pad_rows(None, size, self.max_batch_size)
                 plan_step(attention, self._padding_metadata(size), graph=True)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):  # warm-up: lazy initialisation and autotuning stay out of the graph
                         self._forward_static(size, rows)
                 torch.cuda.current_stream(self.device).wait_stream(side)
+                if lora is not None:  # after the warm-up: a mask it derived (`mask_of`) is derived in the graph
+                    lora.pad_rows(None, size, self.max_batch_size)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward_static(size, rows)
-                self._graphs[size] = graph
-                self._graph_logits[size] = logits
+                graphs[size] = graph
+                outputs[size] = logits
         torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_seconds += time.perf_counter() - start
+        self.capture_bytes += free_before - torch.cuda.mem_get_info(self.device)[0]

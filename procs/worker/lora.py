@@ -99,6 +99,8 @@ class LoraSlots:
         self.version = 0  # bumped by every load: the projections restack
         self.mask: torch.Tensor | None = None  # [tokens, sum of ranks]: 1 on each row's adapter's columns
         self._masks: dict[int, torch.Tensor] = {}  # the mask repeated for projections of several parts
+        self._padded: torch.Tensor | None = None  # padded decode steps' masks, at one address per version
+        self._padded_version = -1
 
     @property
     def total_rank(self) -> int:
@@ -140,6 +142,19 @@ class LoraSlots:
             first, rank = self.columns[index]
             mask[per_token == index, first:first + rank] = 1.0
         self.mask = torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
+
+    def pad_rows(self, mask: torch.Tensor | None, size: int, capacity: int) -> None:
+        """The step's `mask` (its n decode rows; None: none) as the first rows of `size` in a buffer of `capacity`
+        rows that keeps its address while the adapters stay as they are, the padding rows 0 (no adapter): a
+        captured CUDA graph of `size` rows reads it there (`procs.worker.graph_runner`)."""
+        if self._padded is None or self._padded_version != self.version:
+            self._padded = torch.zeros((capacity, self.total_rank), device=self.device, dtype=self.dtype)
+            self._padded_version = self.version
+        n = 0 if mask is None else mask.shape[0]
+        if n:
+            self._padded[:n].copy_(mask)
+        self._padded[n:size].zero_()
+        self.mask, self._masks = self._padded[:size], {}
 
     def mask_of(self, parts: int) -> torch.Tensor:
         """The step's mask for a projection of `parts` fused parts (each part's stacked pairs one after another)."""

@@ -479,9 +479,9 @@ class ModelRunner:
         if self.pooler is not None:  # the pooling runner: every token's final hidden state (`_pooled_step`)
             return eager_hidden_states(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
                                        batch.input_ids, batch.positions, batch.kv_locs)
-        lora_rows = self.lora is not None and self.lora.active  # captured graphs run the base weights alone
-        if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch) and not lora_rows:
-            return self.graph_runner.forward_logits(batch)
+        if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch):
+            adapters = self.lora if self.lora is not None and self.lora.active else None  # their own graphs
+            return self.graph_runner.forward_logits(batch, adapters)
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:
             rows = np.concatenate([rows, extra_rows])

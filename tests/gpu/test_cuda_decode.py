@@ -171,6 +171,56 @@ def test_capture_and_padded_replay_touch_only_the_dummy_page(model_dir):
     assert torch.equal(padded.argmax(-1), eager.argmax(-1))
 
 
+def random_adapter(folder, model_dir, seed: int, rank: int = 8):
+    """A PEFT folder of random pairs on every layer's q, v and down projections (written directly: the GPU
+    box has no peft), B large enough to change the greedy tokens."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from shared.lora import PREFIX
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter, kv = config["hidden_size"], config["intermediate_size"], KV_HEADS * HEAD_DIM
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.v_proj": (hidden, kv), "mlp.down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            tensors[f"{PREFIX}{layer}.{module}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
+            tensors[f"{PREFIX}{layer}.{module}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.5
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                            "target_modules": ["q_proj", "v_proj", "down_proj"]}))
+    save_file(tensors, folder / "adapter_model.safetensors")
+    return folder
+
+
+@needs_flashinfer
+def test_graph_replay_with_adapter_rows_matches_eager(model_dir, tmp_path):
+    """Decode steps with adapter rows replay the adapter graphs (the mask an input, its padding rows 0), captured
+    anew after a load: tokens equal the eager path's, base rows beside adapter rows."""
+    folders = {name: random_adapter(tmp_path / name, model_dir, seed) for seed, name in enumerate("ab")}
+    prompts = prompts_for(6, seed=4)
+    chosen = [1, 0, 2, 1, 2, 0]
+    outputs = {}
+    for label, graphs in (("graphs", True), ("eager", False)):
+        runner = cuda_runner(model_dir, "flashinfer", graphs)
+        runner.load_lora_adapter(1, "a", str(folders["a"]), max_rank=16)
+        first = generate_greedy(runner, prompts, 6, adapters=[min(c, 1) for c in chosen], arrival_gap=1)
+        runner.load_lora_adapter(2, "b", str(folders["b"]))  # the adapter graphs are captured again
+        second = generate_greedy(runner, prompts, 6, adapters=chosen, arrival_gap=1)
+        base = generate_greedy(runner, prompts, 6, arrival_gap=1)
+        outputs[label] = (first, second, base)
+        if graphs:
+            assert runner.graph_runner.lora_steps > 0 and runner.graph_runner.lora_captures == 2
+        del runner
+    assert outputs["graphs"] == outputs["eager"]
+    second, base = outputs["graphs"][1], outputs["graphs"][2]
+    assert all(s == b for s, b, c in zip(second, base, chosen) if c == 0)  # base rows: no adapter's term
+    assert any(s != b for s, b, c in zip(second, base, chosen) if c > 0)
+
+
 def test_torch_backend_padded_path_on_cuda(model_dir):
     """Without a graph-capable backend decode runs unpadded; asked for, the padded path runs eagerly
     on CUDA too, with equal tokens."""
