@@ -127,16 +127,16 @@ class DecodeGraphRunner:
             extend_lens=[1] * size, kv_locs=self._inputs[2, :size], num_padding=padding,
         )
         self.steps_per_size[size] += 1
-        samples = np.asarray(batch.sample_lens, dtype=bool)
-        if not samples.any():
-            self._run_eager(metadata, size, None)
-            return None
-        rows = self._rows[:n] if samples.all() else torch.from_numpy(np.flatnonzero(samples)).to(self.device)
         graphs, outputs = self._graphs, self._graph_logits
         if lora is not None:
             graphs, outputs = self._lora_graphs_for(lora)
             lora.pad_rows(lora.mask, size, self.max_batch_size)
             self.lora_steps += 1
+        samples = np.asarray(batch.sample_lens, dtype=bool)
+        if not samples.any():
+            self._run_eager(metadata, size, None)
+            return None
+        rows = self._rows[:n] if samples.all() else torch.from_numpy(np.flatnonzero(samples)).to(self.device)
         graph = graphs.get(size)
         if graph is None:
             return self._run_eager(metadata, size, rows)
