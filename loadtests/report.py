@@ -62,6 +62,10 @@ def format_run(record: RunRecord) -> str:
     for name, dist in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("TPOT", m.tpot_ms), ("E2E latency", m.e2e_ms)):
         lines.append(f"{name + ' (ms)':<14} mean {_ms(dist.mean):>9}  p50 {_ms(dist.p50):>9}  "
                      f"p90 {_ms(dist.p90):>9}  p99 {_ms(dist.p99):>9}")
+    if record.server is not None and record.server.itl_token_ms(0.5) is not None:
+        token = [record.server.itl_token_ms(q) for q in (0.5, 0.9, 0.99)]
+        lines.append(f"{'ITL per token (server, ms)':<26} p50 {_ms(token[0]):>9}  p90 {_ms(token[1]):>9}  "
+                     f"p99 {_ms(token[2]):>9}")
     if record.server is not None:
         lines.append(f"{'Peak running requests:':<34}{record.server.peak_running}")
         lines.append(f"{'Preemptions (per 100 requests):':<34}{record.server.preemptions} "
@@ -73,7 +77,7 @@ TABLE_HEADER = (f"{'load':<16}{'config':<16}{'ok':>5}{'fail':>5}{'req/s':>8}{'ou
                 f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}")
 
 
-SERVER_HEADER = f"{'peak run':>9}{'preempt/100':>12}"
+SERVER_HEADER = f"{'peak run':>9}{'preempt/100':>12}{'tok ITL p99':>12}"  # per token, as the api delivered them
 GOODPUT_HEADER = f"{'good %':>8}{'goodput':>9}"
 
 
@@ -96,8 +100,9 @@ def format_table(records: Sequence[RunRecord]) -> str:
             row += f"{_percent(m.good_fraction, ''):>8}{'-' if m.goodput is None else f'{m.goodput:.2f}':>9}"
         if with_server:
             per_100 = r.preemptions_per_100()
+            token_p99 = None if r.server is None else r.server.itl_token_ms(0.99)
             row += (f"{'-' if r.server is None else r.server.peak_running:>9}"
-                    f"{'-' if per_100 is None else f'{per_100:.1f}':>12}")
+                    f"{'-' if per_100 is None else f'{per_100:.1f}':>12}{_ms(token_p99):>12}")
         rows.append(row)
     return "\n".join(rows)
 

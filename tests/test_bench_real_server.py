@@ -62,3 +62,5 @@ def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tm
     assert all(run["metrics"]["completed"] == 4 for run in runs.values())
     assert runs["whole"]["server"]["peak_running"] <= 2 and runs["whole"]["server"]["preemptions"] == 0
     assert runs["five"]["server"]["peak_running"] >= 3
+    token_itl = runs["five"]["server"]["itl_token_ms"]  # the api's own per-token gaps over the run
+    assert 0 < token_itl["p50"] <= token_itl["p90"] <= token_itl["p99"]

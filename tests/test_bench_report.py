@@ -73,3 +73,19 @@ def test_goodput_columns_appear_when_objectives_were_measured(tmp_path):
     write_json(tmp_path / "run.json", {}, good, ["fixed"])
     doc = json.loads((tmp_path / "run.json").read_text())
     assert doc["runs"][0]["metrics"]["slo"]["ttft_ms"] == 100.0 and doc["runs"][0]["metrics"]["goodput"] == 8.0
+
+
+def test_server_itl_quantiles_come_from_the_histogram_and_pool_over_rounds():
+    """Per-token gaps as the api's histogram counted them over a run: 90 in (0.2, 0.25], 10 in (0.3, 0.4];
+    two rounds pooled bucket by bucket, so their quantiles are the pooled histogram's."""
+    from loadtests.server_stats import ServerStats
+
+    buckets = ((0.2, 0.0), (0.25, 90.0), (0.3, 90.0), (0.4, 100.0), (float("inf"), 100.0))
+    one = ServerStats(4, 0, buckets)
+    assert one.itl_token_ms(0.5) == pytest.approx(200 + 50 * 50 / 90)
+    assert one.itl_token_ms(0.99) == pytest.approx(300 + 100 * 9 / 10)
+    both = one.merged(ServerStats(2, 1, buckets))
+    assert (both.peak_running, both.preemptions) == (4, 1) and both.itl_buckets[-1] == (float("inf"), 200.0)
+    assert both.itl_token_ms(0.99) == pytest.approx(one.itl_token_ms(0.99))
+    assert ServerStats(1, 0).itl_token_ms(0.5) is None and one.merged(ServerStats(1, 0)).itl_buckets == buckets
+    assert one.to_dict()["itl_token_ms"]["p99"] == pytest.approx(390.0)
