@@ -6,7 +6,10 @@ The last differs from the client's ITL, which is measured per chunk of text (as 
 `loadtests.metrics` counts it): a token whose text the detokenizer holds back (part of a UTF-8 character,
 a possible stop string) sends no chunk, so the client sees one gap of two steps where the server ran two
 steps of one. On prompts of random token ids 3.6 % of the tokens were held so; then the client's p99 is
-the hold-back's, and the per-token gaps are what a step-time bound (`--max-step-ms`) bounds."""
+the hold-back's, and the per-token gaps are what a step-time bound (`--max-step-ms`) bounds. Read it for
+what it is: one observation per delivery (a speculative step's several tokens are one), over the run with
+its warm-up requests, and its quantiles interpolated within a histogram bucket (p99 292 ms: somewhere in
+(250, 300] ms)."""
 
 from __future__ import annotations
 

@@ -205,6 +205,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     # Seconds the worker's draft model spent proposing this step's draft tokens (its passes after the
     # first, which runs every step to keep its KV; `procs.worker.draft_model`); 0 without one.
     draft_s: float = 0.0
+    # Seconds of one-off work in this step (adapters loaded, CUDA graphs captured for adapter rows): not what a
+    # step of its shape costs, so the scheduler's step-cost fit leaves them out.
+    setup_s: float = 0.0
     # A mixture-of-experts model: the tokens routed to each expert of each MoE layer [layers, experts]
     # since the worker last sent them (about once a second), for /metrics; None between.
     expert_load: np.ndarray | None = None

@@ -127,3 +127,20 @@ def test_what_peft_would_run_otherwise_is_refused_naming_the_field(setup, tmp_pa
                          max_running_requests=2)
     with pytest.raises(ModelLoadError, match=message):
         runner.load_lora_adapter(1, "bad", str(folder), max_rank=16)
+
+
+def test_a_step_that_loads_an_adapter_reports_the_load_apart_from_its_cost(setup):
+    """The load is one-off work (`StepResult.setup_s`): the scheduler's step-cost fit leaves it out."""
+    import msgspec
+
+    from procs.worker.step_probe import probe_batch
+    from shared.messages import AdapterUpdate
+
+    base, folders, _, _ = setup
+    runner = runner_with_adapters(base, {})
+    runner.enable_lora(16)
+    batch = probe_batch(runner, [0], [4])
+    loading = runner.execute(msgspec.structs.replace(batch, adapter_updates=[
+        AdapterUpdate(index=1, name="a", path=str(folders["a"]))]))
+    assert loading.setup_s > 0 and 1 in runner.lora.adapters
+    assert runner.execute(probe_batch(runner, [0], [4])).setup_s == 0.0

@@ -69,9 +69,9 @@ class RemoteWorker:
                     self.expert_load = load if self.expert_load is None else self.expert_load + load
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
-                    # A draft model's proposing is its own cost, apart from the model's step.
+                    # A draft model's proposing is its own cost, apart from the model's step; one-off work none.
                     self.cost.observe(self.cost.shape(batch.prefix_lens, batch.extend_lens),
-                                      now - started - result.draft_s,
+                                      now - started - result.draft_s - result.setup_s,
                                       with_prefill=batch.num_tokens > batch.num_sampled)
                     if result.draft_s:
                         self.cost.observe_drafts(result.draft_s, int((batch.input_ids == DRAFT_TOKEN).sum()))

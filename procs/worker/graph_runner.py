@@ -15,7 +15,9 @@ padding is pure cost.
 A step with LoRA adapter rows runs a second set of graphs, captured with the adapters' stacked pairs
 (`procs.worker.lora`): the rows' adapter mask is an input, copied into a static buffer whose padding
 rows are 0 (no adapter). The set is captured at the first such step after an adapter load or unload
-(the pairs are restacked then), so the base model's graphs, captured at start, stay as they are.
+(the pairs are restacked then), so the base model's graphs, captured at start, stay as they are. That
+step takes the capture's time too (`StepResult.setup_s`, which the step-cost fit leaves out); a server
+that swaps adapters often (`--max-cpu-loras` below the adapters in use) captures at every swap.
 """
 
 from __future__ import annotations
@@ -148,11 +150,14 @@ class DecodeGraphRunner:
         """The graphs of steps with adapter rows at the adapters' current version: captured anew (the old
         ones released) after a load or an unload; none where nothing is captured (CPU)."""
         if self._graphs and self._lora_version != lora.version:
-            mask = lora.mask  # the step's own, kept while the capture runs all-padding rows
+            # the step's own inputs and mask, kept while the capture runs all-padding rows (the dummy page only)
+            mask, inputs = lora.mask, self._inputs.clone()
+            self._inputs.zero_()
             self._lora_graphs, self._lora_logits = {}, {}
             lora.pad_rows(None, self.max_batch_size, self.max_batch_size)
             self._capture(self._lora_graphs, self._lora_logits, lora)
             lora.mask = mask
+            self._inputs.copy_(inputs)
             self._lora_version = lora.version
             self.lora_captures += 1
         return self._lora_graphs, self._lora_logits

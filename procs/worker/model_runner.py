@@ -324,7 +324,9 @@ class ModelRunner:
             check_batch(batch, self.max_running_requests, self._max_context, self.kv_cache.num_pages * self.page_size,
                         self.vocab_size, self.draft is not None)
         batch = self._fill_future_tokens(batch)
+        started, captured = time.perf_counter(), self.graph_runner.capture_seconds if self.graph_runner else 0.0
         self._start_adapters(batch)
+        setup_s = time.perf_counter() - started if batch.adapter_updates else 0.0
         for start in batch.slot_starts:
             self.logits_state.start(start)
         drafts = None
@@ -339,7 +341,8 @@ class ModelRunner:
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
             logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
-            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32),
+            captured = self.graph_runner.capture_seconds - captured if self.graph_runner else 0.0
+            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32), setup_s=setup_s + captured,
                                 draft_s=0.0 if self.draft is None else self.draft.proposing_s)
             if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
                 result.expert_load = self.model.take_expert_load()
