@@ -154,7 +154,6 @@ class DecodeGraphRunner:
             mask, inputs = lora.mask, self._inputs.clone()
             self._inputs.zero_()
             self._lora_graphs, self._lora_logits = {}, {}
-            lora.pad_rows(None, self.max_batch_size, self.max_batch_size)
             self._capture(self._lora_graphs, self._lora_logits, lora)
             lora.mask = mask
             self._inputs.copy_(inputs)

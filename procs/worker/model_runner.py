@@ -324,9 +324,8 @@ class ModelRunner:
             check_batch(batch, self.max_running_requests, self._max_context, self.kv_cache.num_pages * self.page_size,
                         self.vocab_size, self.draft is not None)
         batch = self._fill_future_tokens(batch)
-        started, captured = time.perf_counter(), self.graph_runner.capture_seconds if self.graph_runner else 0.0
-        self._start_adapters(batch)
-        setup_s = time.perf_counter() - started if batch.adapter_updates else 0.0
+        captured_before = self.graph_runner.capture_seconds if self.graph_runner else 0.0
+        loading_s = self._start_adapters(batch)
         for start in batch.slot_starts:
             self.logits_state.start(start)
         drafts = None
@@ -341,8 +340,9 @@ class ModelRunner:
             extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
             logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
-            captured = self.graph_runner.capture_seconds - captured if self.graph_runner else 0.0
-            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32), setup_s=setup_s + captured,
+            captured_s = (self.graph_runner.capture_seconds if self.graph_runner else 0.0) - captured_before
+            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32),
+                                setup_s=loading_s + captured_s,
                                 draft_s=0.0 if self.draft is None else self.draft.proposing_s)
             if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
                 result.expert_load = self.model.take_expert_load()
@@ -380,13 +380,16 @@ class ModelRunner:
         return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
                           pooled=pooled.cpu().numpy())
 
-    def _start_adapters(self, batch: ForwardBatch) -> None:
-        """The step's LoRA loads and unloads, then each starting slot's adapter (on every rank)."""
+    def _start_adapters(self, batch: ForwardBatch) -> float:
+        """The step's LoRA loads and unloads, then each starting slot's adapter (on every rank); the seconds
+        the loads and unloads took."""
+        started = time.perf_counter()
         for update in batch.adapter_updates:
             self.update_lora_adapter(update)
         if self.lora is not None:
             for start in batch.slot_starts:
                 self.lora.start(start.slot, start.adapter)
+        return time.perf_counter() - started if batch.adapter_updates else 0.0
 
     def _apply_page_table(self, batch: ForwardBatch) -> ForwardBatch:
         """Apply the batch's page-table updates now (the draft model reads the same table); the batch
