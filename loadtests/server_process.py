@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from shared.ports import free_port
 
 DEFAULT_SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "procs.cli", "serve")
 REPO = Path(__file__).resolve().parent.parent  # where `-m procs.cli` resolves without an install
@@ -30,24 +31,6 @@ class ServerStartError(RuntimeError):
 # `--router`: shared.parallel.replica_port), free when it starts.
 SERVER_PORT_SPAN = 16
 
-
-def free_port(span: int = 1) -> int:
-    """A free loopback port; with `span` > 1, the first of that many consecutive free ports."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if span == 1 or (port + span <= 65536 and all(_can_bind(p) for p in range(port + 1, port + span))):
-            return port
-
-
-def _can_bind(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class ServerProcess:

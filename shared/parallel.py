@@ -9,13 +9,13 @@ router, which takes `port`), its sockets are in `runtime_dir/replica-I`, its wor
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from shared.config import ServerConfig
+from shared.ports import free_port
 
 STANDALONE_INIT_ADDR = "127.0.0.1:29500"  # where ranks started on their own meet by default (torch's MASTER_PORT)
 # While idle, rank 0 broadcasts a tick this often (`procs.worker.rank_steps`): the followers' wait for the
@@ -111,10 +111,7 @@ def with_init_addr(config: ServerConfig) -> ServerConfig:
     and it names none (so that two servers on one machine do not meet at the same port)."""
     if config.tensor_parallel_size == 1 or config.nnodes > 1 or config.dist_init_addr:
         return config
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{port}")
+    return msgspec.structs.replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
 
 
 def check_replicas(config: ServerConfig) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from loadtests.browser import chromium_driver as start_chromium, chromium_missing
+from shared.ports import free_port
 
 # Where a test saves its screenshots for a person to look at (default: pytest's temporary folder).
 SCREENSHOT_DIR_ENV = "BATCHSERVE_SCREENSHOT_DIR"
@@ -58,9 +58,7 @@ class AppThread:
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None

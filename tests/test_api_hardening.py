@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -19,17 +18,12 @@ from api_fake_engine import FakeEngine
 from procs.api.app import create_app
 from procs.api.server import start_api
 from shared.config import ServerConfig
+from shared.ports import free_port
 from test_api_app import sse_events
 
 
 def run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout=timeout))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @asynccontextmanager

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 import urllib.request
 from pathlib import Path
+
+from shared.ports import free_port
 
 TESTS_DIR = Path(__file__).parent
 
@@ -44,12 +45,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, data: bytes | None = None) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=5) as resp:
@@ -57,7 +52,7 @@ def _get(url: str, data: bytes | None = None) -> tuple[int, bytes]:
 
 
 def test_start_api_serves_on_uvloop_and_stops_cleanly():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(TESTS_DIR), port=port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=TESTS_DIR.parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import pytest
 from procs import install_systemd as inst
 from procs.api.auth import INTERNAL_KEY_ENV
 from procs.router import healthy_workers
+from shared.ports import free_port
 
 SYSTEMD = Path("/lib/systemd/systemd")
 DROPPED_KEYS = ("User=", "Group=", "SupplementaryGroups=")
@@ -118,25 +118,6 @@ def run_base() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="bs-sdm-", dir="/dev/shm"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def free_port(span: int = 1) -> int:
-    """A free port (the first of `span` consecutive ones: a router's and its replicas')."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if all(_free(p) for p in range(port + 1, port + span)):
-            return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def complete(port: int) -> dict:

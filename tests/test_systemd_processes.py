@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import pytest
 
 from procs import install_systemd as inst
+from shared.ports import free_port
 
 pytest.importorskip("procs.launch", reason="the process launcher (procs/launch.py) is not there yet")
 
@@ -89,12 +90,6 @@ def expand_specifiers(value: str, dirs: dict[str, Path | str]) -> str:
             out.append(value[i])
             i += 1
     return "".join(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NotifySocket:

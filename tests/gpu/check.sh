@@ -296,7 +296,7 @@ stop_server() {
 trap stop_server EXIT
 serve() {
     local log=$WORK/serve.log port url start=$SECONDS limit rc line n1 n32
-    port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    port=$("$PYTHON" -c "from shared.ports import free_port; print(free_port())")
     local args=(--model "$MODEL" --host 127.0.0.1 --port "$port")
     [ "${FI_NOTE#skipped}" != "$FI_NOTE" ] && args+=(--attention-backend torch)
     say "== serve: python -m procs.cli serve ${args[*]}"
