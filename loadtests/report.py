@@ -70,6 +70,8 @@ def format_run(record: RunRecord) -> str:
         lines.append(f"{'Peak running requests:':<34}{record.server.peak_running}")
         lines.append(f"{'Preemptions (per 100 requests):':<34}{record.server.preemptions} "
                      f"({record.preemptions_per_100():.1f})")
+        if record.server.mean_rows is not None:
+            lines.append(f"{'Steps (requests per step):':<34}{record.server.steps} ({record.server.mean_rows:.1f})")
     return "\n".join(lines)
 
 

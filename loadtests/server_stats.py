@@ -25,6 +25,8 @@ from procs.api.live_view import quantile
 
 RUNNING = "batchserve_num_requests_running"
 PREEMPTIONS = "batchserve_preemptions_total"
+STEPS = "batchserve_batch_size_count"  # one observation per model step
+STEP_ROWS = "batchserve_batch_size_sum"  # the requests those steps carried
 ITL_BUCKETS = "batchserve_inter_token_latency_seconds_bucket"
 
 Buckets = tuple[tuple[float, float], ...]  # a histogram's (upper bound, cumulative count)
@@ -35,6 +37,13 @@ class ServerStats:
     peak_running: int
     preemptions: int
     itl_buckets: Buckets = ()  # the api's inter-token latency histogram over the run (per token delivered)
+    steps: int = 0  # model steps over the run
+    step_rows: int = 0  # the requests those steps carried (a decode row, a prefill chunk: one each)
+
+    @property
+    def mean_rows(self) -> float | None:
+        """Requests per step: how full the steps ran (a step reads every weight whatever its rows)."""
+        return self.step_rows / self.steps if self.steps else None
 
     def merged(self, other: "ServerStats | None") -> "ServerStats":
         """Pooled over rounds: the higher peak, the preemptions and the histograms added up."""
@@ -42,7 +51,8 @@ class ServerStats:
             return self
         buckets = tuple((le, a + b) for (le, a), (_, b) in zip(self.itl_buckets, other.itl_buckets))
         return ServerStats(max(self.peak_running, other.peak_running), self.preemptions + other.preemptions,
-                           buckets or self.itl_buckets or other.itl_buckets)
+                           buckets or self.itl_buckets or other.itl_buckets, self.steps + other.steps,
+                           self.step_rows + other.step_rows)
 
     def itl_token_ms(self, q: float) -> float | None:
         """The q-quantile of the per-token gaps, ms (Prometheus' `histogram_quantile`); None without any."""
@@ -53,6 +63,7 @@ class ServerStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["itl_buckets"]
+        out["mean_rows"] = self.mean_rows
         out["itl_token_ms"] = {f"p{round(q * 100)}": self.itl_token_ms(q) for q in (0.5, 0.9, 0.99)}
         return out
 
@@ -77,7 +88,7 @@ class ServerStatsProbe:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-        values = {s.name: s.value for s in samples if s.name in (RUNNING, PREEMPTIONS)}
+        values = {s.name: s.value for s in samples if s.name in (RUNNING, PREEMPTIONS, STEPS, STEP_ROWS)}
         values.update({f"le={s.labels['le']}": s.value for s in samples if s.name == ITL_BUCKETS})
         return values if RUNNING in values and PREEMPTIONS in values else None
 
@@ -104,4 +115,5 @@ class ServerStatsProbe:
         if last is not None:
             first = self._first
             itl = tuple(sorted((float(key[3:]), last[key] - first.get(key, 0.0)) for key in last if key.startswith("le=")))
-            self.stats = ServerStats(int(self._peak), int(last[PREEMPTIONS] - first[PREEMPTIONS]), itl)
+            counted = {key: int(last.get(key, 0.0) - first.get(key, 0.0)) for key in (PREEMPTIONS, STEPS, STEP_ROWS)}
+            self.stats = ServerStats(int(self._peak), counted[PREEMPTIONS], itl, counted[STEPS], counted[STEP_ROWS])

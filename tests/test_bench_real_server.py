@@ -46,7 +46,7 @@ def test_locust_against_the_real_server(real_server, tmp_path):
 
 
 def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tmp_path):
-    """One server per --variant; the table gains the server's peak running requests and preemptions.
+    """One server per --variant; the table gains the server's peak running requests, preemptions and steps.
     With the whole remaining context reserved (ratio 1) only two 512-token requests fit in 1,024 tokens;
     with 5 % all four questions run at once."""
     model = tiny_model_dir("llama", with_tokenizer=True)
@@ -64,3 +64,6 @@ def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tm
     assert runs["five"]["server"]["peak_running"] >= 3
     token_itl = runs["five"]["server"]["itl_token_ms"]  # the api's own per-token gaps over the run
     assert 0 < token_itl["p50"] <= token_itl["p90"] <= token_itl["p99"]
+    # whole (two at a time): each step carries at most 2 requests; every request needs several steps
+    whole = runs["whole"]["server"]
+    assert whole["steps"] >= 4 and 1 <= whole["mean_rows"] <= 2

@@ -89,3 +89,5 @@ def test_server_itl_quantiles_come_from_the_histogram_and_pool_over_rounds():
     assert both.itl_token_ms(0.99) == pytest.approx(one.itl_token_ms(0.99))
     assert ServerStats(1, 0).itl_token_ms(0.5) is None and one.merged(ServerStats(1, 0)).itl_buckets == buckets
     assert one.to_dict()["itl_token_ms"]["p99"] == pytest.approx(390.0)
+    steps = ServerStats(1, 0, (), 10, 35).merged(ServerStats(1, 0, (), 30, 45))
+    assert (steps.steps, steps.mean_rows) == (40, 2.0) and ServerStats(1, 0).mean_rows is None
