@@ -82,6 +82,11 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def has_wide_vectors() -> bool:
+    """Whether `-march=native` builds the kernels' AVX-512 paths here (16-float vectors; x86-64 only)."""
+    return platform.machine() in ("x86_64", "AMD64") and " avx512f" in _cpu_signature()
+
+
 def _build(compiler: str, flags: list[str], target: Path) -> None:
     """Compile into a temporary file and rename it into place, so concurrent builders never see half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,28 @@ def test_each_row_is_what_it_is_alone_whatever_the_batch(quantization: str, out_
         assert torch.equal(linear(x[:rows], quantized), alone[:rows])
 
 
+@pytest.mark.skipif(not native.has_wide_vectors(), reason="builds for this CPU use 8-float vectors already")
+def test_an_avx2_build_gives_this_cpus_bits(tmp_path) -> None:
+    """Where the CPU has AVX-512 the kernel's blocks of rows run on 16-float vectors; an AVX2 build runs
+    the same FMA chain per output on 8-float halves, so a checkpoint gives the same tokens on both machines."""
+    narrow_flags = [flag.replace("-march=native", "-march=x86-64-v3") for flag in native.BASE_FLAGS]
+    native._build(native.compiler(), [*narrow_flags, "-fopenmp"], tmp_path / "avx2.so")
+    avx2 = native._load(tmp_path / "avx2.so")
+    torch.manual_seed(3)
+    weight = torch.randn(229, 320)
+    for quantization in ("none", "int8"):
+        packed = pack_panels(weight, quantization)
+        for rows in [*range(1, 18), 64]:
+            x = torch.randn(rows, 320)
+            narrow = torch.empty(rows, 229)
+            if packed.scale is None:
+                avx2.f32_linear(x.data_ptr(), rows, 320, packed.packed.data_ptr(), None, 229, 320, narrow.data_ptr())
+            else:
+                avx2.int8_linear(x.data_ptr(), rows, 320, packed.packed.data_ptr(), packed.scale.data_ptr(), None,
+                                 229, 320, narrow.data_ptr())
+            assert torch.equal(linear(x, packed), narrow), (quantization, rows)
+
+
 def test_strided_rows_are_read_in_place() -> None:
     torch.manual_seed(2)
     quantized = quantize_int8(torch.randn(32, 16))

@@ -16,7 +16,12 @@
 
 #include "vec8.h"
 
-enum { PANEL = 16, ROWS = 6, WIDE = 6, PARALLEL_MIN_MACS = 1 << 16 };
+enum { PANEL = 16, WIDE = 6, PARALLEL_MIN_MACS = 1 << 16 };
+#ifdef __AVX512F__
+#define ROWS 8 /* tokens a block reads a panel for: 8 rows x 2 panels of 16-float vectors is 16 of 32 registers */
+#else
+#define ROWS 6 /* 6 rows x 2 halves of 8 floats is 12 of 16 registers */
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -44,6 +49,34 @@ static inline __attribute__((always_inline)) vec8 weights8(const void *panel, in
     return quantized ? widen8((const int8_t *)panel + index) : load8((const float *)panel + index);
 }
 
+/* A panel's row of PANEL weights in registers. Where the CPU has AVX-512 it is one 16-float vector, twice
+ * the FMAs per instruction of two 8-float halves: a batch of rows (prefill, a mixed step) is compute-bound
+ * and ran at half the speed of oneDNN's AVX-512 sgemm on 8-float halves (loadtests/results/panel_linear_cpu.txt).
+ * Each lane is the same FMA chain over k either way, so the outputs are bit for bit the same. */
+#ifdef __AVX512F__
+typedef float panel_vec __attribute__((vector_size(64)));
+static inline panel_vec load_panel(const float *p) {
+    panel_vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline panel_vec splat_panel(float x) { return (panel_vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline panel_vec widen_panel(const int8_t *p) {
+    return (panel_vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+typedef vec8 panel_vec;
+static inline panel_vec load_panel(const float *p) { return load8(p); }
+static inline panel_vec splat_panel(float x) { return splat8(x); }
+static inline panel_vec widen_panel(const int8_t *p) { return widen8(p); }
+#endif
+enum { LANES = sizeof(panel_vec) / sizeof(float), VECS = PANEL / LANES }; /* vectors per panel row */
+
+static inline __attribute__((always_inline)) panel_vec panel_weights(const void *panel, int64_t index,
+                                                                      const int quantized) {
+    return quantized ? widen_panel((const int8_t *)panel + index) : load_panel((const float *)panel + index);
+}
+
 /* rows (1..ROWS) tokens x `panels` (1..2) adjacent panels. Compile-time `rows`, `panels` and `quantized`
  * at each call keep acc in registers. Two panels for one or two rows give the FMA chains (4 cycles each)
  * enough independent work to reach memory speed; every output is still one chain over k in order. */
@@ -52,23 +85,25 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, in
                                                               const void *panel, int64_t k_dim, const float *scale,
                                                               const float *bias, float *y, int64_t y_stride,
                                                               int64_t cols) {
-    vec8 acc[ROWS][4];
+    panel_vec acc[ROWS][2 * VECS];
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 2 * panels; j++) acc[r][j] = splat8(0.0f);
+        for (int j = 0; j < VECS * panels; j++) acc[r][j] = splat_panel(0.0f);
     for (int64_t k = 0; k < k_dim; k++) {
-        vec8 w[4];
-        for (int j = 0; j < panels; j++) {
-            w[2 * j] = weights8(panel, j * k_dim * PANEL + k * PANEL, quantized);
-            w[2 * j + 1] = weights8(panel, j * k_dim * PANEL + k * PANEL + 8, quantized);
-        }
+        panel_vec w[2 * VECS];
+        for (int j = 0; j < panels; j++)
+            for (int v = 0; v < VECS; v++)
+                w[VECS * j + v] = panel_weights(panel, j * k_dim * PANEL + k * PANEL + LANES * v, quantized);
         for (int r = 0; r < rows; r++) {
-            const vec8 xk = splat8(x[r * x_stride + k]);
-            for (int j = 0; j < 2 * panels; j++) acc[r][j] += xk * w[j];
+            const panel_vec xk = splat_panel(x[r * x_stride + k]);
+            for (int j = 0; j < VECS * panels; j++) acc[r][j] += xk * w[j];
         }
     }
     for (int r = 0; r < rows; r++) {
         float out[2 * PANEL] = {0};
-        for (int j = 0; j < 2 * panels; j++) store8(out + 8 * j, quantized ? acc[r][j] * load8(scale + 8 * j) : acc[r][j]);
+        for (int j = 0; j < VECS * panels; j++) {
+            const panel_vec v = quantized ? acc[r][j] * load_panel(scale + LANES * j) : acc[r][j];
+            memcpy(out + LANES * j, &v, sizeof v);
+        }
         float *row = y + r * y_stride;
         if (bias)
             for (int64_t c = 0; c < cols; c++) row[c] = out[c] + bias[c];
@@ -134,6 +169,33 @@ static inline __attribute__((always_inline)) void single_row(const float *x, con
     }
 }
 
+/* Every row through `panels` (1..2) panels from `first`, ROWS rows at a time across them (16-float vectors):
+ * 8 rows x 2 panels is 16 accumulators, and each k's 16 FMAs need 2 weight loads and 8 broadcasts, where a
+ * block of one panel needs 9 loads for 8 FMAs and waits on the load ports. (Four 8-float halves a row
+ * would not fit the registers: there it is one panel a block, below.) */
+static inline __attribute__((always_inline)) void row_blocks(const float *x, int64_t m, int64_t x_stride,
+                                                             const void *packed, const int quantized,
+                                                             const float *scale, const float *bias, int64_t n,
+                                                             int64_t k_dim, float *y, int64_t first, const int panels) {
+    const int64_t panel_bytes = k_dim * PANEL * (quantized ? 1 : (int64_t)sizeof(float));
+    const int64_t p0 = first, col = first * PANEL, cols = n - col < panels * PANEL ? n - col : panels * PANEL;
+    const float *s = quantized ? scale + col : NULL, *b = bias ? bias + col : NULL;
+    int64_t r = 0;
+    for (; r + ROWS <= m; r += ROWS) BLOCK(ROWS, panels);
+    switch (m - r) {
+        case 1: BLOCK(1, panels); break;
+        case 2: BLOCK(2, panels); break;
+        case 3: BLOCK(3, panels); break;
+        case 4: BLOCK(4, panels); break;
+        case 5: BLOCK(5, panels); break;
+#if ROWS > 6
+        case 6: BLOCK(6, panels); break;
+        case 7: BLOCK(7, panels); break;
+#endif
+        default: break;
+    }
+}
+
 /* x [m, k_dim] (row stride x_stride), packed [panels, k_dim, PANEL], scale [panels * PANEL] (int8 only),
  * bias [n] or NULL, y [m, n] contiguous. Threads split the output columns in pairs of panels. */
 static inline __attribute__((always_inline)) void panel_linear(const float *x, int64_t m, int64_t x_stride,
@@ -145,7 +207,14 @@ static inline __attribute__((always_inline)) void panel_linear(const float *x, i
 #pragma omp parallel for schedule(static) if (m * n * k_dim >= PARALLEL_MIN_MACS)
     for (int64_t pair = 0; pair < pairs; pair++) {
         const int64_t first = 2 * pair, count = panels - first < 2 ? panels - first : 2;
-        for (int64_t p0 = first; p0 < first + count; p0++) { /* blocks of ROWS (down to 3) rows, one panel */
+        if (VECS == 1) { /* 16-float vectors: a block of rows spans both panels (row_blocks) */
+            if (count == 2)
+                row_blocks(x, m, x_stride, packed, quantized, scale, bias, n, k_dim, y, first, 2);
+            else
+                row_blocks(x, m, x_stride, packed, quantized, scale, bias, n, k_dim, y, first, 1);
+            continue;
+        }
+        for (int64_t p0 = first; p0 < first + count; p0++) { /* 8-float halves: blocks of ROWS (down to 3) rows, one panel */
             const int64_t col = p0 * PANEL, cols = n - col < PANEL ? n - col : PANEL;
             const float *s = quantized ? scale + col : NULL, *b = bias ? bias + col : NULL;
             int64_t r = 0;
