@@ -43,6 +43,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                               _i64, _i64, _f32, _i64, _f32, _ptr]),
+    "paged_prefill_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
+                                               _i64, _i64, _f32, _i64, _f32, _ptr]),
     "argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
     "add_rms_norm": (None, [_ptr, _ptr, _i64, _i64, _ptr, _f32, _ptr]),
@@ -420,18 +422,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """
     lib = _lib()
     batch, heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, pool_head_dim = k_pool.shape
-    _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
-    _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu and pages.is_cpu and lens.is_cpu, "tensors must be on the CPU")
-    if (min(heads, kv_heads, head_dim) < 1 or pool_head_dim != head_dim or heads % kv_heads
-            or v_pool.shape != k_pool.shape):
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
-                         f"v_pool {tuple(v_pool.shape)}")
-    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
-    _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
-    _check(window >= 0, "window must be >= 0")
-    _check(sinks is None or (sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_cpu
-                             and sinks.is_contiguous()), f"sinks must be contiguous fp32 [{heads}] on the CPU")
+    num_pages, page_size, kv_heads, _ = k_pool.shape
+    _check_attention(q, k_pool, v_pool, pages, lens, window, sinks)
     if pages_checked:
         _check_page_layout(pages, lens, page_size)
     else:
@@ -449,6 +441,49 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory")
     return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
+                            prefix: int, scale: float, *, window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk of one sequence: q [length, heads, head_dim] (rows may be strided) at positions prefix .. prefix +
+    length - 1 attends causally to the sequence's tokens through its pages [max_pages] int64 (the chunk's own
+    keys and values written to the pool already; every page checked by the caller); window, softcap and sinks
+    as in `paged_decode_attention`. Into `out` (a fresh tensor when None): [length, heads, head_dim], rows may be
+    strided."""
+    length, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pool.shape
+    _check_attention(q, k_pool, v_pool, pages, pages, window, sinks)
+    _check(pages.dim() == 1 and pages.is_contiguous() and pages.dtype == torch.int64, "pages must be [max_pages] int64")
+    _check(0 <= prefix and prefix + length <= pages.shape[0] * page_size, "the chunk runs past its pages")
+    if out is None:
+        out = torch.empty((length, heads, head_dim), dtype=torch.float32)
+    _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must be shaped as q")
+    status = _lib().paged_prefill_attention(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), prefix, length,
+        out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, page_size, scale, window, softcap,
+        None if sinks is None else sinks.data_ptr())
+    if status != 0:
+        raise MemoryError("paged_prefill_attention could not allocate its scratch memory")
+    return out
+
+
+def _check_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
+                     lens: torch.Tensor, window: int, sinks: torch.Tensor | None) -> None:
+    """What both attention kernels need of their tensors' dtypes, devices and shapes."""
+    _, heads, head_dim = q.shape
+    _, _, kv_heads, pool_head_dim = k_pool.shape
+    _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
+    _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu and pages.is_cpu and lens.is_cpu, "tensors must be on the CPU")
+    if (min(heads, kv_heads, head_dim) < 1 or pool_head_dim != head_dim or heads % kv_heads
+            or v_pool.shape != k_pool.shape):
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
+                         f"v_pool {tuple(v_pool.shape)}")
+    _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
+    _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
+    _check(window >= 0, "window must be >= 0")
+    _check(sinks is None or (sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_cpu
+                             and sinks.is_contiguous()), f"sinks must be contiguous fp32 [{heads}] on the CPU")
 
 
 def _check(condition: bool, message: str) -> None:

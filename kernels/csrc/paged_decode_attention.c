@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "softmax.h"
 #include "vec8.h"
 
 enum { MAX_GROUP = 8 }; /* largest group with a compile-time-specialised path */
@@ -34,29 +35,6 @@ enum { PREFETCH_TOKENS = 8 };
 /* always_inline: called, it counts as free of side effects and GCC drops the call. */
 static inline __attribute__((always_inline)) void prefetch_floats(const float *p, int floats) {
     for (int line = 0; line < floats * (int)sizeof(float); line += 64) __builtin_prefetch((const char *)p + line);
-}
-
-/* In place: scores[0:len] become softmax probabilities (soft-capped first when softcap > 0), over the
- * scores and a `sink` logit (-INFINITY: none) whose share of the total is dropped. */
-static void softmax(float *scores, int64_t len, float softcap, float sink) {
-    if (softcap > 0.0f)
-        for (int64_t t = 0; t < len; t++) scores[t] = tanhf(scores[t] / softcap) * softcap;
-    float max = sink, total = 0.0f;
-    for (int64_t t = 0; t < len; t++) max = scores[t] > max ? scores[t] : max;
-    int64_t t = 0;
-    vec8 totals = splat8(0.0f);
-    for (; t + 8 <= len; t += 8) {
-        const vec8 e = exp8(load8(scores + t) - splat8(max));
-        store8(scores + t, e);
-        totals += e;
-    }
-    total = sum8(totals) + (sink > -INFINITY ? expf(sink - max) : 0.0f);
-    for (; t < len; t++) {
-        scores[t] = expf(scores[t] - max);
-        total += scores[t];
-    }
-    const float inv = 1.0f / total;
-    for (t = 0; t < len; t++) scores[t] *= inv;
 }
 
 /* One row, one kv head, any group size and head_dim: the plain loops. */
