@@ -1,4 +1,4 @@
-"""Every decoder layer of a decode-only CPU step in one C call (`kernels/csrc/decode_layers.c`).
+"""Every decoder layer of a CPU step in one C call (`kernels/csrc/decode_layers.c`): decode rows and prefill chunks.
 
 The C function runs the kernels the model's Python loop calls (panel linear layers, rotary, KV write,
 paged decode attention, add-and-RMSNorm, SiLU-and-mul) in the same order on the same buffers, so the
@@ -37,7 +37,8 @@ class _DecodeLayer(ctypes.Structure):
 class _DecodeShape(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("page_size", _i64), ("max_pages", _i64), ("whole_qk_norm", _i64), ("eps", _f32), ("scale", _f32),
-                ("clip_qkv", _f32), ("lora_mask", _ptr), ("lora_total", _i64), ("lora_h", _ptr), ("lora_out", _ptr)]
+                ("clip_qkv", _f32), ("lora_mask", _ptr), ("lora_total", _i64), ("lora_h", _ptr), ("lora_out", _ptr),
+                ("chunks", _ptr), ("num_chunks", _i64)]
 
 
 @dataclass(frozen=True)
@@ -148,15 +149,18 @@ class DecodeLayers:
                         intermediate)
         self._head_dim = head_dim
         self._lora: tuple[torch.Tensor, ...] | None = None
+        self._chunks: torch.Tensor | None = None
         pairs = [pair for t in layers for pair in t.lora if pair is not None]
         self._lora_widths = (max((p.width for p in pairs), default=0), max(self._widths[0], hidden, 2 * intermediate))
 
     def run(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            locs: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Every layer on decode rows: h [rows, hidden] (the first layer's normed input, overwritten) and
+            locs: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, chunks: torch.Tensor | None = None,
+            lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer on the step's rows: h [rows, hidden] (the first layer's normed input, overwritten) and
         residual [rows, hidden] (the embeddings, used as scratch); cos/sin [rows, head_dim]; locs [rows] KV
-        slots, pages [rows, max_pages] and lens [rows] as the cpu attention backend planned them: their
-        values were checked there (`native.check_locs`, `native.check_pages`), only their layout is here.
+        slots, pages [rows, max_pages], lens [rows] and the prefill chunks [C, 2] as the cpu attention backend
+        planned them (`PagedRows`): their values were checked there (`native.check_locs`, `native.check_pages`),
+        only their layout is here.
         `lora_mask` [rows, summed ranks]: the step's rows' adapter columns (`LoraSlots.mask`; None: no LoRA row).
         Returns h holding the final norm of every row."""
         rows, hidden = h.shape
@@ -167,7 +171,13 @@ class DecodeLayers:
         if not (locs.shape == lens.shape == (rows,) and pages.dim() == 2 and pages.shape[0] == rows
                 and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))):
             raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
+        if chunks is not None and not (chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64
+                                       and chunks.is_contiguous() and chunks.is_cpu):
+            raise ValueError("chunks must be contiguous int64 [chunks, 2]")
         self._shape.max_pages = pages.shape[1]
+        self._chunks = chunks  # alive until the next step: the shape struct points into it
+        self._shape.chunks = None if chunks is None else chunks.data_ptr()
+        self._shape.num_chunks = 0 if chunks is None else chunks.shape[0]
         scratch = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
         self._set_lora(rows, lora_mask)
         status = native.library().decode_layers(

@@ -1,6 +1,7 @@
-"""The torch attention backend, and the cpu backend (its decode in C), against a naive per-request
+"""The torch attention backend, and the cpu backend (its attention in C), against a naive per-request
 reference: mixed prefill chunks (fresh and with a cached prefix) and decodes in one step, pages
-scattered, padded rows on the dummy page; in a full layer and in a sliding-window layer."""
+scattered, padded rows on the dummy page; in a full layer and in a sliding-window layer; head sizes that
+are and are not a multiple of the chunk kernel's 32 dims a pass."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kernels.attention import AttentionMetadata, create_backend
 from kernels.kv_cache import KVCache
 from native_marks import requires_native_kernels
 
-HEADS, KV_HEADS, DIM = 4, 2, 8
+HEADS, KV_HEADS = 4, 2
 
 
 def _naive(q, keys, values, prefix, window=0, softcap=0.0):
@@ -20,7 +21,7 @@ def _naive(q, keys, values, prefix, window=0, softcap=0.0):
     group = HEADS // KV_HEADS
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, keys) * DIM ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * q.shape[-1] ** -0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     n, total = q.shape[0], keys.shape[0]
@@ -46,11 +47,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 0.7)], ids=["full", "window-5", "softcap"])
-def test_a_step_matches_naive_attention(page_size, backend_name, layout, window, softcap):
+@pytest.mark.parametrize("dim", [8, 40])
+def test_a_step_matches_naive_attention(page_size, backend_name, layout, window, softcap, dim):
     torch.manual_seed(0)
-    cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page_size, num_pages=200,
+    cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=dim, page_size=page_size, num_pages=200,
                     max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, DIM, DIM ** -0.5, windows=(0, window),
+    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, dim, dim ** -0.5, windows=(0, window),
                              softcap=softcap)
     rows = LAYOUTS[layout]
     padded_slot = 7
@@ -65,19 +67,20 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
             continue
         pages = [free_pages.pop() for _ in range(-(-total // page_size))]
         cache.page_table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        keys, values = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+        keys, values = torch.randn(total, KV_HEADS, dim), torch.randn(total, KV_HEADS, dim)
         history[slot] = (keys, values)
         locs = [pages[p // page_size] * page_size + p % page_size for p in range(total)]
         cache.k_flat[layer][locs[:prefix]] = keys[:prefix]  # the cached prefix, written by earlier steps
         cache.v_flat[layer][locs[:prefix]] = values[:prefix]
         kv_locs += locs[prefix:]
     num_tokens = sum(e for _, _, e in rows)
-    q = torch.randn(num_tokens, HEADS, DIM)
-    k = torch.cat([history[s][0][p:] if s in history else torch.randn(1, KV_HEADS, DIM) for s, p, _ in rows])
-    v = torch.cat([history[s][1][p:] if s in history else torch.randn(1, KV_HEADS, DIM) for s, p, _ in rows])
+    q = torch.randn(num_tokens, HEADS, dim)
+    k = torch.cat([history[s][0][p:] if s in history else torch.randn(1, KV_HEADS, dim) for s, p, _ in rows])
+    v = torch.cat([history[s][1][p:] if s in history else torch.randn(1, KV_HEADS, dim) for s, p, _ in rows])
     backend.plan(AttentionMetadata(slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
                                    extend_lens=[r[2] for r in rows], kv_locs=torch.tensor(kv_locs)))
-    assert (backend.paged_decode() is not None) == (layout == "wide-decode" and backend_name == "cpu")
+    # the fused decoder call takes the step whole where the cpu backend attends every row in C
+    assert (backend.paged_rows() is not None) == (backend_name == "cpu")
     out = backend.forward(q, k, v, layer)
     start = 0
     for slot, prefix, extend in rows:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 
@@ -33,6 +33,17 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.kv_locs.shape[0])
+
+
+class PagedRows(NamedTuple):
+    """A step's rows for the fused decoder call, int64 and checked: where each row's new k/v go (kv_locs [T]),
+    each decode row's pages [T, max_pages] and the tokens it attends to (lens [T]: its position + 1), and the
+    prefill chunks (start, length) [C, 2] by start (None: none), whose first row holds the chunk's pages."""
+
+    kv_locs: torch.Tensor
+    pages: torch.Tensor
+    lens: torch.Tensor
+    chunks: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -85,10 +96,9 @@ class AttentionBackend(ABC):
         table is `ring_table`, their new tokens go to `ring_locs`."""
         return bool(window) and self.kv_cache.ring_pages > 0
 
-    def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(kv_locs, pages [T, max_pages], lens [T]), int64 and checked, when the planned step is decode
-        rows only and this backend attends them with the C kernel: what `kernels.decode_layers` runs
-        every layer from in one call. None otherwise (the default)."""
+    def paged_rows(self) -> PagedRows | None:
+        """The planned step's rows as `kernels.decode_layers` runs every layer from in one call, when this
+        backend attends all of them with the C kernels; None otherwise (the default)."""
         return None
 
 

@@ -1,9 +1,12 @@
-"""The torch backend with decode attention and the KV-pool write in C (`kernels.native`): fp32 on the CPU.
+"""The torch backend with attention and the KV-pool write in C (`kernels.native`): fp32 on the CPU.
 
-Decode rows attend straight from the paged pool instead of gathering their pages into a padded
-copy and running SDPA over it: the copy goes, and what is left is mostly reading the keys and values
-from memory once. Prefill chunks keep the torch backend's SDPA
-path (compute-bound: SDPA's blocked kernel is the better one there).
+Every row attends straight from the paged pool, after the layer wrote the step's k/v there: decode rows
+one query each (`paged_decode_attention`: what is left is mostly reading the keys and values once), a
+prefill chunk blocked like a matrix product over its prefix and itself (`paged_prefill_attention`, as fast
+as SDPA's blocked kernel and without gathering the prefix into a copy). So a step of any mix is one set of
+kernels, and `paged_rows` hands it to the fused decoder call (`kernels.decode_layers`) whole. The torch
+backend's SDPA path stays for what the C kernels do not take: bidirectional rows (encoders) and ring layers'
+chunks.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from kernels import native
-from kernels.attention.base import AttentionMetadata
-from kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend
+from kernels.attention.base import AttentionMetadata, PagedRows
+from kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend, _PrefillChunk
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -25,6 +28,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                              f"{self.kv_cache.dtype} on {self.kv_cache.device.type}")
         if not native.available():
             raise native.NativeKernelError("the cpu attention backend needs the C kernels, which could not be built")
+        self.paged_chunks = self.causal  # an encoder's bidirectional rows: SDPA
 
     def plan(self, metadata: AttentionMetadata) -> None:
         super().plan(metadata)
@@ -35,12 +39,44 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Pages of the pool the layers of `window` keep their KV in (their ring's, or the scheduler's)."""
         return self.kv_cache.pool_pages(self.windows.index(window))
 
-    def paged_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def paged_rows(self) -> PagedRows | None:
         plan = self._plans[self.windows[0]]  # the layers' windows are the fused call's
-        decode = plan.decode
-        if decode is None or decode.rows is not None or self.kv_cache.ring_layers:  # prefill rows, or two tables
+        if self.kv_cache.ring_layers or not all(chunk.paged for chunk in plan.prefills):  # two tables, or SDPA
             return None
-        return plan.kv_locs, decode.pages, decode.lens
+        decode = plan.decode
+        if not plan.prefills:
+            return PagedRows(plan.kv_locs, decode.pages, decode.lens)
+        rows = plan.kv_locs.shape[0]
+        width = max([len(chunk.pages) for chunk in plan.prefills] + ([decode.pages.shape[1]] if decode else []))
+        pages = torch.zeros((rows, width), dtype=torch.int64)
+        lens = torch.ones(rows, dtype=torch.int64)
+        if decode is not None:
+            pages[decode.rows, :decode.pages.shape[1]] = decode.pages
+            lens[decode.rows] = decode.lens
+        for chunk in plan.prefills:  # a chunk's first row holds its pages; its lens say each row's position
+            pages[chunk.start, :len(chunk.pages)] = chunk.pages
+            lens[chunk.start:chunk.start + chunk.length] = torch.arange(chunk.prefix + 1, chunk.prefix + chunk.length + 1)
+        chunks = torch.tensor([(chunk.start, chunk.length) for chunk in plan.prefills], dtype=torch.int64)
+        return PagedRows(plan.kv_locs, pages, lens, chunks[chunks[:, 0].argsort()])
+
+    def _chunk_pages(self, slot: int, prefix: int, length: int, table: torch.Tensor) -> torch.Tensor | None:
+        if not self.paged_chunks:
+            return super()._chunk_pages(slot, prefix, length, table)
+        return table[slot, :-(-(prefix + length) // self.kv_cache.page_size)].to(torch.int64)
+
+    def _pool_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
+                    window: int) -> _PrefillChunk:
+        if not self.paged_chunks:
+            return super()._pool_chunk(start, length, prefix, pages, window)
+        native.check_pages(pages[None], torch.tensor([prefix + length]), self._pool_pages(window), self.kv_cache.page_size)
+        return _PrefillChunk(start, length, pages, None, paged=True, prefix=prefix, window=window)
+
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, chunk: _PrefillChunk, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+        if not chunk.paged:
+            return super()._attend_chunk(q, k, v, k_pool, v_pool, chunk, sinks, out)
+        native.paged_prefill_attention(q, k_pool, v_pool, chunk.pages, chunk.prefix, self.scale, window=chunk.window,
+                                       softcap=self.softcap, sinks=sinks, out=out)
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
                   rows: torch.Tensor | None = None) -> None:

@@ -40,6 +40,11 @@ class _PrefillChunk:
     # chunk's own k/v follow them (written to the ring only after: it may not hold the window and the chunk)
     pool_keys: int = 0
     offset: int = 0
+    # Paged (`CpuAttentionBackend`): the chunk's k/v are in the pool before it attends, `pages` hold the prefix and
+    # the chunk, and a C kernel reads them there (no mask: causal by position, in the layers' `window`)
+    paged: bool = False
+    prefix: int = 0
+    window: int = 0
 
 
 @dataclass
@@ -103,10 +108,8 @@ class TorchAttentionBackend(AttentionBackend):
             kv_locs = torch.from_numpy(self.kv_cache.ring_locs(
                 metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding)).to(device) \
                 if ring else metadata.kv_locs
-            chunk_pages = [None if not prefix else self._pages(torch.tensor([slot], device=device),
-                                                               torch.tensor([prefix + length], device=device),
-                                                               prefix + length, table)[0]
-                           for _, length, prefix, slot in chunks] if not ring else []
+            chunk_pages = [self._chunk_pages(slot, prefix, length, table) for _, length, prefix, slot in chunks] \
+                if not ring else []
             decode_pages = None
             if decode is not None:
                 rows, slots, lens, longest = decode
@@ -121,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
             if self.in_ring(window):
                 self._plans[window] = self._ring_plan(decode_group, chunks, kv_locs, window, metadata.num_tokens)
                 continue
-            self._plans[window] = StepPlan(decode_group, [self._prefill_chunk(start, length, prefix, pages, window)
+            self._plans[window] = StepPlan(decode_group, [self._pool_chunk(start, length, prefix, pages, window)
                                                           for (start, length, prefix, _), pages in
                                                           zip(chunks, chunk_pages)], kv_locs)
 
@@ -147,6 +150,19 @@ class TorchAttentionBackend(AttentionBackend):
         keep = torch.ones(num_tokens, dtype=torch.bool, device=device)
         keep[write_after] = False
         return StepPlan(decode, prefills, kv_locs, keep.nonzero().flatten(), write_after)
+
+    def _chunk_pages(self, slot: int, prefix: int, length: int, table: torch.Tensor) -> torch.Tensor | None:
+        """The pages a chunk outside a ring reads: its prefix's (None: a fresh prompt attends to its own k/v)."""
+        if not prefix:
+            return None
+        device = table.device
+        return self._pages(torch.tensor([slot], device=device), torch.tensor([prefix + length], device=device),
+                           prefix + length, table)[0]
+
+    def _pool_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
+                    window: int) -> _PrefillChunk:
+        """A chunk outside a ring, after its k/v are written to the pool."""
+        return self._prefill_chunk(start, length, prefix, pages, window)
 
     def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
                        window: int, first_key: int = 0) -> _PrefillChunk:
@@ -208,23 +224,28 @@ class TorchAttentionBackend(AttentionBackend):
             out[decode.rows] = self._attend_decode(q[decode.rows], k_pool, v_pool, decode, sinks)
         for chunk in plan.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            if chunk.pages is None:
-                keys, values = k[rows], v[rows]
-            elif chunk.pool_keys:
-                pooled = slice(chunk.offset, chunk.offset + chunk.pool_keys)
-                keys = torch.cat((self._gather(k_pool, chunk.pages)[pooled], k[rows]))
-                values = torch.cat((self._gather(v_pool, chunk.pages)[pooled], v[rows]))
-            else:
-                total = chunk.mask.shape[1]
-                keys = self._gather(k_pool, chunk.pages)[:total]
-                values = self._gather(v_pool, chunk.pages)[:total]
-            sink = None if sinks is None else sinks[:, None, None]  # [heads, 1, 1]
-            attended = self._sdpa(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                  values.transpose(0, 1)[None], chunk.mask, sink)
-            out[rows] = attended[0].transpose(0, 1)
+            self._attend_chunk(q[rows], k[rows], v[rows], k_pool, v_pool, chunk, sinks, out[rows])
         if plan.write_after is not None:
             self._write_kv(k, v, layer, plan.kv_locs, plan.write_after)
         return out
+
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, chunk: _PrefillChunk, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+        """A prefill chunk's rows (q, and its own k/v) attending as `chunk` plans, into `out` (its rows)."""
+        if chunk.pages is None:
+            keys, values = k, v
+        elif chunk.pool_keys:
+            pooled = slice(chunk.offset, chunk.offset + chunk.pool_keys)
+            keys = torch.cat((self._gather(k_pool, chunk.pages)[pooled], k))
+            values = torch.cat((self._gather(v_pool, chunk.pages)[pooled], v))
+        else:
+            total = chunk.mask.shape[1]
+            keys = self._gather(k_pool, chunk.pages)[:total]
+            values = self._gather(v_pool, chunk.pages)[:total]
+        sink = None if sinks is None else sinks[:, None, None]  # [heads, 1, 1]
+        attended = self._sdpa(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                              chunk.mask, sink)
+        out.copy_(attended[0].transpose(0, 1))
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
                   rows: torch.Tensor | None = None) -> None:

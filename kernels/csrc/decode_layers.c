@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode-only step in one call: the same kernels, in the same order, on the
+/* Every decoder layer of a step in one call: the same kernels, in the same order, on the
  * same data as the model's Python loop (procs/worker/models/llama.py), so the tokens are identical;
  * what goes away is the Python around a dozen small calls per layer, a large share of a small step.
  * Llama-family layers with panel weights (fp32 or int8): qkv bias, q/k norms per head or over the whole
@@ -17,6 +17,10 @@ void rotary(const float *x, int64_t rows, int64_t x_stride, int64_t heads, int64
             const float *sin, float *out);
 void write_kv(float *k_pool, float *v_pool, int64_t token_floats, const int64_t *locs, int64_t tokens, const float *k,
               int64_t k_stride, const float *v, int64_t v_stride);
+int paged_prefill_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
+                            const int64_t *pages, int64_t prefix, int64_t length, float *out, int64_t out_row_stride,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
+                            int64_t window, float softcap, const float *sinks);
 int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
                            const int64_t *pages, int64_t max_pages, const int64_t *lens, float *out, int64_t batch,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t page_size, float scale,
@@ -50,6 +54,10 @@ typedef struct {
     const float *lora_mask;
     int64_t lora_total;
     float *lora_h, *lora_out;
+    /* The step's prefill chunks, (first row, rows) by first row: a chunk's first row holds its pages, and
+     * lens[row] - 1 is each row's position. The rows between chunks are decode rows. */
+    const int64_t *chunks;
+    int64_t num_chunks;
 } DecodeShape;
 
 /* y [rows, out_features] += (x A^T * mask) B^T: each row's own adapter's term (procs/worker/lora.py, add_to). */
@@ -96,8 +104,34 @@ static void rotated_qk(const DecodeLayer *layer, const DecodeShape *s, int64_t r
     rotary(qk, rows, qk_stride, s->heads + s->kv_heads, s->head_dim, cos, sin, rot); /* q and k heads */
 }
 
+/* Every row's attention into attn [rows, heads head_dim]: runs of decode rows one query each, chunks
+ * blocked (csrc/paged_prefill_attention.c), both from the pool the layer just wrote. */
+static int attend(const DecodeLayer *layer, const DecodeShape *s, int64_t rows, const float *rot, const int64_t *pages,
+                  const int64_t *lens, float *attn) {
+    const int64_t q_size = s->heads * s->head_dim, rot_width = q_size + s->kv_heads * s->head_dim;
+    int64_t row = 0;
+    for (int64_t c = 0; c <= s->num_chunks; c++) {
+        const int64_t end = c < s->num_chunks ? s->chunks[2 * c] : rows;
+        if (end > row && paged_decode_attention(rot + row * rot_width, rot_width, layer->k_pool, layer->v_pool,
+                                                pages + row * s->max_pages, s->max_pages, lens + row,
+                                                attn + row * q_size, end - row, s->heads, s->kv_heads, s->head_dim,
+                                                s->page_size, s->scale, layer->window, 0.0f, NULL) != 0)
+            return -1;
+        if (c == s->num_chunks) break;
+        const int64_t length = s->chunks[2 * c + 1];
+        if (paged_prefill_attention(rot + end * rot_width, rot_width, layer->k_pool, layer->v_pool,
+                                    pages + end * s->max_pages, lens[end] - 1, length, attn + end * q_size, q_size,
+                                    s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale, layer->window, 0.0f,
+                                    NULL) != 0)
+            return -1;
+        row = end + length;
+    }
+    return 0;
+}
+
 /* h [rows, hidden]: the first layer's normed input; residual [rows, hidden]: the residual stream (the
- * embeddings). cos/sin [rows, head_dim]; locs [rows] KV slots; pages [rows, max_pages], lens [rows].
+ * embeddings). cos/sin [rows, head_dim]; locs [rows] KV slots; pages [rows, max_pages], lens [rows] (and
+ * the chunks in `s`).
  * Scratch: qkv [rows, (heads + 2 kv_heads) head_dim], rot and normed [rows, (heads + kv_heads) head_dim],
  * attn [rows, heads head_dim], tmp [rows, hidden], gate_up [rows, 2 intermediate], act [rows, intermediate].
  * On return h holds the final norm of every row. Returns 0, or -1 if attention or an MoE block ran out of
@@ -115,9 +149,7 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
         rotated_qk(layer, s, rows, qkv, cos, sin, normed, rot);
         write_kv(layer->k_pool, layer->v_pool, kv_size, locs, rows, rot + q_size, rot_width, qkv + rot_width,
                  qkv_width);
-        if (paged_decode_attention(rot, rot_width, layer->k_pool, layer->v_pool, pages, s->max_pages, lens, attn, rows,
-                                   s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale, layer->window, 0.0f, NULL) != 0)
-            return -1;
+        if (attend(layer, s, rows, rot, pages, lens, attn) != 0) return -1;
         project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp);
         add_lora(&layer->lora_o, s, attn, rows, q_size, q_size, s->hidden, tmp);
         /* tmp += residual, h = norm(tmp); tmp is the residual stream from here (as `x` in ops.add_rms_norm) */

@@ -141,7 +141,7 @@ class LlamaModel:
         if self.local_rope is not None and (self.rope.follows_length or self.local_rope.follows_length):
             raise ModelLoadError(f"a rope that follows the length ({config.rope.kind}) beside the sliding layers' own "
                                  f"rope is not supported: the two would need rows of their own")
-        # Decode-only steps on the cpu attention backend run every layer in one C call where the layers
+        # Steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
         plain = (config.hidden_act == "silu" and not config.sandwich_norms and not config.attn_softcap
@@ -230,7 +230,7 @@ class LlamaModel:
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
         h = rms_norm(hidden, self.layers[0].input_norm, eps)
-        paged = attention.paged_decode() if self.fuse_decode_layers else None
+        paged = attention.paged_rows() if self.fuse_decode_layers else None
         if paged is not None:  # LoRA rows too: the call adds their pairs as the layers' Python does
             mask = self.lora.mask if self.lora is not None else None
             return self._decode_layers_on(attention).run(h, residual, cos, sin, *paged, lora_mask=mask)
