@@ -34,9 +34,12 @@ METHODS = ["ngram", "draft"]
 
 def engine(model_dir, speculative: str, **overrides) -> OfflineEngine:
     """`speculative` "draft": the draft model is `overrides["draft_model"]`, by default the model itself."""
+    # ngram_min 1: single-token matches too, more drafts, right and wrong. No step-time bound: its chunks follow
+    # measured step times, so on a loaded machine the two engines could split a prompt differently, and a prompt
+    # split differently rounds differently (a short last chunk attends as decode rows)
     config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=32,
-                  max_running_requests=5, speculative=speculative, num_speculative_tokens=4,
-                  ngram_min=1)  # single-token matches too: more drafts, right and wrong
+                  max_running_requests=5, speculative=speculative, num_speculative_tokens=4, ngram_min=1,
+                  max_step_ms=-1)
     if speculative == "draft":
         config["draft_model"] = str(model_dir)
     return OfflineEngine(ServerConfig(**{**config, **overrides}))
