@@ -80,7 +80,10 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
     backend.plan(AttentionMetadata(slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
                                    extend_lens=[r[2] for r in rows], kv_locs=torch.tensor(kv_locs)))
     # the fused decoder call takes the step whole where the cpu backend attends every row in C
-    assert (backend.paged_rows() is not None) == (backend_name == "cpu")
+    paged = backend.paged_rows()
+    assert (paged is not None) == (backend_name == "cpu")
+    if paged is not None:
+        _check_chunk_layout(paged, rows, cache)
     out = backend.forward(q, k, v, layer)
     start = 0
     for slot, prefix, extend in rows:
@@ -90,6 +93,21 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
             torch.testing.assert_close(out[start:start + extend], expected, atol=1e-5, rtol=1e-5)
         start += extend
     assert torch.isfinite(out).all()
+
+
+def _check_chunk_layout(paged, rows, cache) -> None:
+    """Each chunk's pages in order from its first row on (spilling into its later rows), lens its positions."""
+    starts = {}
+    start = 0
+    for slot, prefix, extend in rows:
+        starts[start] = (slot, prefix)
+        start += extend
+    width = paged.pages.shape[1]
+    for first, length in ([] if paged.chunks is None else paged.chunks.tolist()):
+        slot, prefix = starts[first]
+        expected = cache.page_table[slot, :-(-(prefix + length) // cache.page_size)].long()
+        assert torch.equal(paged.pages.view(-1)[first * width:first * width + len(expected)], expected)
+        assert paged.lens[first:first + length].tolist() == list(range(prefix + 1, prefix + length + 1))
 
 
 def test_unknown_backend_is_a_clear_error():

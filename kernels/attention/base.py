@@ -38,7 +38,8 @@ class AttentionMetadata:
 class PagedRows(NamedTuple):
     """A step's rows for the fused decoder call, int64 and checked: where each row's new k/v go (kv_locs [T]),
     each decode row's pages [T, max_pages] and the tokens it attends to (lens [T]: its position + 1), and the
-    prefill chunks (start, length) [C, 2] by start (None: none), whose first row holds the chunk's pages."""
+    prefill chunks (start, length) [C, 2] by start (None: none), whose pages lie in order from the chunk's first
+    row on (through its later rows where they are longer than a row)."""
 
     kv_locs: torch.Tensor
     pages: torch.Tensor

@@ -46,15 +46,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         decode = plan.decode
         if not plan.prefills:
             return PagedRows(plan.kv_locs, decode.pages, decode.lens)
+        # A chunk's pages lie in order from its first row on, across its rows as needed (only the chunk reads
+        # them), so a long prompt's rows stay narrow; its lens say each row's position.
         rows = plan.kv_locs.shape[0]
-        width = max([len(chunk.pages) for chunk in plan.prefills] + ([decode.pages.shape[1]] if decode else []))
+        width = max([-(-len(chunk.pages) // chunk.length) for chunk in plan.prefills] +
+                    ([decode.pages.shape[1]] if decode else []))
         pages = torch.zeros((rows, width), dtype=torch.int64)
         lens = torch.ones(rows, dtype=torch.int64)
         if decode is not None:
             pages[decode.rows, :decode.pages.shape[1]] = decode.pages
             lens[decode.rows] = decode.lens
-        for chunk in plan.prefills:  # a chunk's first row holds its pages; its lens say each row's position
-            pages[chunk.start, :len(chunk.pages)] = chunk.pages
+        for chunk in plan.prefills:
+            pages.view(-1)[chunk.start * width:chunk.start * width + len(chunk.pages)] = chunk.pages
             lens[chunk.start:chunk.start + chunk.length] = torch.arange(chunk.prefix + 1, chunk.prefix + chunk.length + 1)
         chunks = torch.tensor([(chunk.start, chunk.length) for chunk in plan.prefills], dtype=torch.int64)
         return PagedRows(plan.kv_locs, pages, lens, chunks[chunks[:, 0].argsort()])

@@ -54,8 +54,9 @@ typedef struct {
     const float *lora_mask;
     int64_t lora_total;
     float *lora_h, *lora_out;
-    /* The step's prefill chunks, (first row, rows) by first row: a chunk's first row holds its pages, and
-     * lens[row] - 1 is each row's position. The rows between chunks are decode rows. */
+    /* The step's prefill chunks, (first row, rows) by first row: a chunk's pages lie in order from its first
+     * row's on (pages + first row * max_pages), and lens[row] - 1 is each row's position. The rows between
+     * chunks are decode rows. */
     const int64_t *chunks;
     int64_t num_chunks;
 } DecodeShape;
