@@ -34,15 +34,17 @@ METHODS = ["ngram", "draft"]
 
 def engine(model_dir, speculative: str, **overrides) -> OfflineEngine:
     """`speculative` "draft": the draft model is `overrides["draft_model"]`, by default the model itself."""
-    # ngram_min 1: single-token matches too, more drafts, right and wrong. No step-time bound: its chunks follow
-    # measured step times, so on a loaded machine the two engines could split a prompt differently, and a prompt
-    # split differently rounds differently (a short last chunk attends as decode rows)
     config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=32,
-                  max_running_requests=5, speculative=speculative, num_speculative_tokens=4, ngram_min=1,
-                  max_step_ms=-1)
+                  max_running_requests=5, speculative=speculative, num_speculative_tokens=4,
+                  ngram_min=1)  # single-token matches too: more drafts, right and wrong
     if speculative == "draft":
         config["draft_model"] = str(model_dir)
-    return OfflineEngine(ServerConfig(**{**config, **overrides}))
+    eng = OfflineEngine(ServerConfig(**{**config, **overrides}))
+    # Every draft with a token accepted pays here: whether one pays on a tiny model is its probed step times'
+    # call (a step costs ~0.3 ms), which a loaded machine can swing past 1, and then no request drafts at all.
+    # The break-even share itself: test_step_cost.py, test_speculative_scheduler.py.
+    eng.scheduler.planner.cost = None
+    return eng
 
 
 def requests(sampling: dict, logits: dict | None = None, n: int = NEW_TOKENS, **fields):
