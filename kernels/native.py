@@ -423,7 +423,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     lib = _lib()
     batch, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pool.shape
-    _check_attention(q, k_pool, v_pool, pages, lens, window, sinks)
+    _check_attention(q, k_pool, v_pool, window, sinks)
     if pages_checked:
         _check_page_layout(pages, lens, page_size)
     else:
@@ -453,8 +453,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     strided."""
     length, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pool.shape
-    _check_attention(q, k_pool, v_pool, pages, pages, window, sinks)
-    _check(pages.dim() == 1 and pages.is_contiguous() and pages.dtype == torch.int64, "pages must be [max_pages] int64")
+    _check_attention(q, k_pool, v_pool, window, sinks)
+    _check(pages.dim() == 1 and pages.is_contiguous() and pages.dtype == torch.int64 and pages.is_cpu,
+           "pages must be [max_pages] int64 on the CPU")
     _check(0 <= prefix and prefix + length <= pages.shape[0] * page_size, "the chunk runs past its pages")
     if out is None:
         out = torch.empty((length, heads, head_dim), dtype=torch.float32)
@@ -468,13 +469,13 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return out
 
 
-def _check_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
-                     lens: torch.Tensor, window: int, sinks: torch.Tensor | None) -> None:
-    """What both attention kernels need of their tensors' dtypes, devices and shapes."""
+def _check_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int,
+                     sinks: torch.Tensor | None) -> None:
+    """What both attention kernels need of q, the pools and the sinks (each checks its pages its own way)."""
     _, heads, head_dim = q.shape
     _, _, kv_heads, pool_head_dim = k_pool.shape
     _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
-    _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu and pages.is_cpu and lens.is_cpu, "tensors must be on the CPU")
+    _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu, "tensors must be on the CPU")
     if (min(heads, kv_heads, head_dim) < 1 or pool_head_dim != head_dim or heads % kv_heads
             or v_pool.shape != k_pool.shape):
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
