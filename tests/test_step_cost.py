@@ -201,6 +201,28 @@ def test_a_margin_keeps_nine_in_ten_steps_with_prefill_within_the_target():
     assert 1.05 < model.margin < 1.3  # the noise's 90th percentile: the refits took the 1.3x
 
 
+def test_a_busy_start_probe_is_soon_replaced_and_its_overruns_do_not_stretch_later_steps():
+    """A probe three times too slow (the server's other processes starting beside it) plans small chunks
+    that run in a third of their predicted time. The first live steps replace it within a few refits, and
+    the margin is taken against the refitted weights: the old 1/3 ratios must not let steps run past the
+    target (a margin of them, at its floor of 0.5, planned twice the target until 64 newer steps)."""
+    model = StepCostModel(probe(scaled(TRUE, 3)))
+    cap = StepTimeCap(model, 0.3, 0.0, 2048)
+    rng = np.random.default_rng(3)
+    ran = []
+    for step in range(60):
+        load = decodes(int(rng.integers(4, 17)))
+        shape = load + chunk(cap.prompt_tokens(Load(load)) or 0)
+        actual = seconds(shape) * float(rng.lognormal(0.0, 0.03))
+        model.observe(shape, actual, with_prefill=True)
+        model.observe(load, seconds(load))  # a decode-only step between
+        ran.append(actual)
+    assert max(ran[:4]) < 0.3 * 0.6  # planned by the slow probe: small chunks
+    assert max(ran) < 1.1 * 0.3  # never stretched past the target (before: 1.8x, steps 8 and 9)
+    assert min(ran[8:]) > 0.8 * 0.3  # the target filled once live steps replaced the probe
+    assert model.margin == pytest.approx(1.0, abs=0.1)
+
+
 class Load:
     """A `StepLoad` of given decodes, with prompt tokens waiting (a chunk from the prompt's start)."""
 

@@ -19,9 +19,13 @@ from the last measured steps, so the model follows the machine (a shared CPU, gr
 Sarathi-Serve picks its token budget from profiles for the same reason.
 
 A least-squares fit predicts a step's mean time, and a bound is about the slow steps: each step with
-prefill is sized for the target divided by a margin, how much longer than predicted the recent steps
-with prefill ran (their 90th percentile). It covers what the terms miss (a shared CPU's noise,
-KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
+prefill is sized for the target divided by a margin, how much longer than the current fit predicts the
+recent steps with prefill ran (their 90th percentile). It covers what the terms miss (a shared CPU's
+noise, KV reads from pages scattered over memory, which the startup probe does not see) and follows it.
+The margin is taken against the weights in use, not the ones each step was planned with: after a
+refit has learnt that a busy start's probe overestimated, a margin of the old overruns would let steps
+run up to twice the target (measured: 440 ms steps under `--max-step-ms 250`). A young window refits
+often (every few steps), so a probe taken while the server's other processes started is soon replaced.
 How the target becomes a step's prompt-token cap (what fits beside the decodes, the floor, no cap
 once the decodes alone take the target) is `procs.scheduler.step_time_cap`.
 """
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
     from procs.scheduler.config import SchedulerConfig
 
 WINDOW = 256  # measured steps the fit remembers
-REFIT_EVERY = 16  # steps between refits
+REFIT_EVERY = 16  # steps between refits (fewer while the window is young: `_refit_due`)
 # Tokens between the window's smallest and largest step, and prompt tokens (tokens beyond one a row) between
 # the steps with the fewest and the most, to fit on live steps alone: decode-only steps beside steps with even
 # the smallest chunk (32 tokens) reach both; decode steps alone cannot tell a token's cost from a row's.
@@ -152,7 +156,7 @@ class StepCostModel(LinearStepCost):
         self.windows = tuple(windows)
         self._steps: deque[np.ndarray] = deque(maxlen=WINDOW)
         self._since_fit = 0
-        self._overruns: deque[float] = deque(maxlen=MARGIN_STEPS)  # actual / predicted, steps with prefill
+        self._with_prefill: deque[np.ndarray] = deque(maxlen=MARGIN_STEPS)  # recent steps with prefill, measured
         self._reported_at = time.monotonic()
         # each measured step as its terms (`features`) and then its seconds: what a fit reads
         self._probe = np.array([self._measured(shape, s) for shape, s in probe]).reshape(len(probe), -1)
@@ -163,14 +167,12 @@ class StepCostModel(LinearStepCost):
 
     def observe(self, shape: StepShape, seconds: float, *, with_prefill: bool = False) -> None:
         """A measured step; `with_prefill`: it carried prompt tokens (a step the target sizes)."""
+        measured = self._measured(shape, seconds)
+        self._steps.append(measured)
         if with_prefill:
-            self._overruns.append(seconds / max(self.predict(shape), 1e-9))
-            if len(self._overruns) >= MIN_MARGIN_STEPS:
-                quantile = float(np.quantile(self._overruns, MARGIN_QUANTILE))
-                self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
-        self._steps.append(self._measured(shape, seconds))
+            self._with_prefill.append(measured)
         self._since_fit += 1
-        if self._since_fit >= REFIT_EVERY:
+        if self._refit_due():
             self._since_fit = 0
             # Live steps alone once they span enough tokens and prompt tokens to pin a token's cost and a
             # row's (a probe taken while the machine was busy, say beside other starting servers, would
@@ -182,6 +184,27 @@ class StepCostModel(LinearStepCost):
             if fitted is not None:
                 self.weights = fitted
             self._report()
+        elif not with_prefill:
+            return
+        self._update_margin()
+
+    def _refit_due(self) -> bool:
+        """Every `REFIT_EVERY` steps, sooner while the window is young: after 1, 2, 3, 4, 6, 8, ... steps, so
+        the first live steps replace a probe that the server's own starting processes slowed."""
+        return self._since_fit >= min(REFIT_EVERY, 1 + len(self._steps) // 4)
+
+    def _update_margin(self) -> None:
+        """The 90th percentile of actual / predicted over the recent steps with prefill, predicted by the
+        weights in use."""
+        if len(self._with_prefill) < MIN_MARGIN_STEPS:
+            return
+        steps = np.stack(self._with_prefill)
+        ratios = np.sort(steps[:, -1] / np.maximum(steps[:, :-1] @ self.weights.vector(), 1e-9))
+        # np.quantile's linear interpolation, without its 0.1 ms of argument handling (once a step)
+        at = (len(ratios) - 1) * MARGIN_QUANTILE
+        low = int(at)
+        quantile = float(ratios[low] + (at - low) * (ratios[min(low + 1, len(ratios) - 1)] - ratios[low]))
+        self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
 
     def _measured(self, shape: StepShape, seconds: float) -> np.ndarray:
         return np.append(features(shape, self.experts), seconds)
@@ -195,7 +218,9 @@ class StepCostModel(LinearStepCost):
             return False
         columns = steps[:, :-1]
         columns = columns[:, columns.any(axis=0)] / np.abs(columns).max(axis=0)[columns.any(axis=0)]
-        return int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
+        # twice as many steps as terms: a young window's few steps would otherwise be fitted exactly, noise and all
+        return steps.shape[0] >= 2 * columns.shape[1] and \
+            int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
 
     def _report(self) -> None:
         """The model as refitted, in the log at most every `REPORT_EVERY_S` (what a bound plans with)."""

@@ -50,6 +50,7 @@ class StepTimeCap:
         self.budget = budget
         self.steps_out_of_reach = 0  # steps with prefill work whose decodes alone were predicted over the target
         self._said_out_of_reach = False
+        self._floor: tuple[tuple[float, object], int] | None = None  # (planned_s, weights) -> floor, the last one
 
     def prompt_tokens(self, load: StepLoad) -> int | None:
         cost = self.cost
@@ -65,9 +66,13 @@ class StepTimeCap:
 
     def floor_tokens(self, planned_s: float) -> int:
         """`floor_share` of the prompt tokens a step of `planned_s` could prefill with no decodes, at least
-        `MIN_PREFILL_TOKENS` (and at most the budget)."""
-        alone = self.cost.max_prefill_tokens(planned_s, StepShape(), 0, self.budget)
-        return min(self.budget, max(MIN_PREFILL_TOKENS, int(self.floor_share * alone)))
+        `MIN_PREFILL_TOKENS` (and at most the budget). Kept until the margin or the weights change: it is
+        asked every step, and its search cost as much as the step's own (0.1 ms)."""
+        key = (planned_s, self.cost.weights)
+        if self._floor is None or self._floor[0] != key:
+            alone = self.cost.max_prefill_tokens(planned_s, StepShape(), 0, self.budget)
+            self._floor = key, min(self.budget, max(MIN_PREFILL_TOKENS, int(self.floor_share * alone)))
+        return self._floor[1]
 
     def _out_of_reach(self, decode_s: float) -> None:
         self.steps_out_of_reach += 1
