@@ -77,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     comp = parser.add_argument_group("comparison")
     comp.add_argument("--compare", action="store_true",
-                      help="start `batchserve serve` under each --policies entry, side by side, and the "
-                      "transformers baseline; every load point measures each of them in turn")
+                      help="start `batchserve serve` under each --policies entry (and --variant), and the "
+                      "transformers baseline; every load point measures each of them in turn, each started "
+                      "for its measurement and stopped after it")
     comp.add_argument("--policies", default=",".join(POLICIES),
                       help="comma list of server policies to run (default: all, the server's default first)")
     comp.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")

@@ -80,12 +80,21 @@ def server_target(policy: str, serve_command: Sequence[str], model: str, max_bat
     command = [*serve_command, "--model", model, "--policy", policy,
                "--max-running-requests", str(max_batch_size), *server_args]
     label = label or policy
-    log_path = log_dir / f"server-{label.replace('/', '-')}.log"
+    log_path = _free_log_path(log_dir, f"server-{label.replace('/', '-')}")
     print(f"starting {label} server (log: {log_path})", file=sys.stderr, flush=True)
     env = {"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else None  # torch's intra-op threads
     with ServerProcess(command, log_path, health_timeout_s=health_timeout_s, env=env) as server:
         with url_target(server.base_url, model, endpoint) as target:
             yield target
+
+
+def _free_log_path(log_dir: Path, stem: str) -> Path:
+    """`stem`.log, or `stem`-2.log, -3, ... if taken: a server is started again for each measurement."""
+    path, n = log_dir / f"{stem}.log", 1
+    while path.exists():
+        n += 1
+        path = log_dir / f"{stem}-{n}.log"
+    return path
 
 
 @contextlib.contextmanager
@@ -106,35 +115,20 @@ def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpo
         batcher.close()
 
 
-async def _measure_all(targets: Sequence[tuple[str, OpenTarget]], plan: Plan, rounds: int) -> list[RunRecord]:
-    """For each load point, each target in turn, `rounds` times with the order rotated every round.
-
-    Interleaving puts every configuration under the same background load on a shared machine;
-    the rounds of one (target, point) are pooled: latencies together, tokens over the summed durations.
-    """
-    pooled: dict[tuple[str, int], tuple[list[RequestResult], float, ServerStats | None]] = {}
+async def _measure_one(target: OpenTarget, plan: Plan, index: int, round: int, rounds: int,
+                       label: str) -> tuple[list[RequestResult], float, ServerStats | None]:
+    """One measurement of an opened target: point `index`'s prompts of round `round` (of `rounds`)."""
+    point = plan.points[index]
     async with make_session(plan.request_timeout_s) as session:
-        senders = [(label, target.sender(session), target.metrics_url) for label, target in targets]
-        for i, point in enumerate(plan.points):
-            for r in range(rounds):
-                shift = r % len(senders)
-                for label, send, metrics_url in senders[shift:] + senders[:shift]:
-                    probe = ServerStatsProbe(session, metrics_url) if metrics_url else None
-                    async with probe or contextlib.nullcontext():
-                        metrics, results = await measure(send, plan.specs_for(i, r), point, plan.seed,
-                                                         warmup=plan.warmup, desc=f"{label} @ {point.label()}",
-                                                         show_progress=plan.show_progress)
-                    if rounds > 1:
-                        print(f"{label} @ {point.label()} round {r + 1}/{rounds}: {metrics.output_throughput:.2f} "
-                              f"output tok/s, ITL p99 {metrics.itl_ms.p99} ms", file=sys.stderr, flush=True)
-                    done, duration, server = pooled.get((label, i), ([], 0.0, None))
-                    stats = probe.stats if probe else None
-                    pooled[(label, i)] = (done + results, duration + metrics.duration_s,
-                                          stats.merged(server) if stats else server)
-            for label, _, _ in senders:
-                print(format_run(_record(label, point, *pooled[(label, i)], plan.slo)), flush=True)
-    return [_record(label, point, *pooled[(label, i)], plan.slo)
-            for i, point in enumerate(plan.points) for label, _ in targets]
+        probe = ServerStatsProbe(session, target.metrics_url) if target.metrics_url else None
+        async with probe or contextlib.nullcontext():
+            metrics, results = await measure(target.sender(session), plan.specs_for(index, round), point, plan.seed,
+                                             warmup=plan.warmup, desc=f"{label} @ {point.label()}",
+                                             show_progress=plan.show_progress)
+    if rounds > 1:
+        print(f"{label} @ {point.label()} round {round + 1}/{rounds}: {metrics.output_throughput:.2f} "
+              f"output tok/s, ITL p99 {metrics.itl_ms.p99} ms", file=sys.stderr, flush=True)
+    return results, metrics.duration_s, probe.stats if probe else None
 
 
 def _record(label: str, point: LoadPoint, results: list[RequestResult], duration: float,
@@ -146,20 +140,37 @@ def _record(label: str, point: LoadPoint, results: list[RequestResult], duration
 
 def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,
                     rounds: int = 1) -> tuple[list[RunRecord], list[str]]:
-    """Open every target (servers started side by side, idle while another is measured), measure, close.
+    """Measure every target at every load point, `rounds` times with the order rotated each round;
+    the rounds of one (target, point) are pooled: latencies together, tokens over the summed durations.
 
-    A target that fails to start is reported in the returned errors; the others are still measured.
+    Each target is opened for its measurement alone and closed after it: a server started for it is
+    stopped before the next one starts. On the 2-core VM this was measured on, a server measured while
+    another, started after it, sat idle beside it ran 2-4 % slower, whichever was measured first
+    (`loadtests/results/bench_side_by_side_cpu.txt`), and `--compare` started its variants side by side.
+    A target that fails to open is reported in the returned errors and not tried again; the others are
+    still measured.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     errors: list[str] = []
-    with contextlib.ExitStack() as stack:
-        opened = []
-        for label, opener in openers:
-            try:
-                opened.append((label, stack.enter_context(opener())))
-            except ServerStartError as exc:
-                errors.append(f"{label}: {exc}")
-                print(f"batchserve bench: error: {label}: {exc}", file=sys.stderr, flush=True)
-        records = asyncio.run(_measure_all(opened, plan, rounds)) if opened else []
-    return records, errors
+    pooled: dict[tuple[str, int], tuple[list[RequestResult], float, ServerStats | None]] = {}
+    for i, point in enumerate(plan.points):
+        for r in range(rounds):
+            shift = r % len(openers)
+            for label, opener in [*openers[shift:], *openers[:shift]]:
+                if any(e.startswith(f"{label}: ") for e in errors):
+                    continue
+                try:
+                    with opener() as target:
+                        results, duration, stats = asyncio.run(_measure_one(target, plan, i, r, rounds, label))
+                except ServerStartError as exc:
+                    errors.append(f"{label}: {exc}")
+                    print(f"batchserve bench: error: {label}: {exc}", file=sys.stderr, flush=True)
+                    continue
+                done, total_s, server = pooled.get((label, i), ([], 0.0, None))
+                pooled[(label, i)] = (done + results, total_s + duration, stats.merged(server) if stats else server)
+        for label, _ in openers:
+            if (label, i) in pooled:
+                print(format_run(_record(label, point, *pooled[(label, i)], plan.slo)), flush=True)
+    return [_record(label, point, *pooled[(label, i)], plan.slo)
+            for i, point in enumerate(plan.points) for label, _ in openers if (label, i) in pooled], errors

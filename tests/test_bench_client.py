@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -15,6 +16,7 @@ import pytest
 from loadtests.client import make_session, send_request
 from loadtests.fake_openai_server import FakeServerScript, FakeServerThread
 from loadtests.runner import LoadPoint, measure
+from loadtests.targets import Plan, measure_targets, url_target
 from loadtests.workload import WORDS, LengthRange, RequestSpec, WordPromptBuilder, random_workload
 from procs.cli import main as cli_main
 
@@ -214,7 +216,7 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
     assert status == 0
     doc = json.loads(out.read_text())
     configs = ["mixed", "prefill-first", "fixed", "other", "transformers"]
-    # servers side by side: each load point measures every configuration in turn
+    # each load point measures every configuration in turn, each server started for its measurement alone
     assert [(r["config"], r["concurrency"]) for r in doc["runs"]] == [(c, n) for n in (1, 3) for c in configs]
     # per-point request counts: 3 at concurrency 1, 6 at concurrency 3
     assert all(r["metrics"]["completed"] == {1: 3, 3: 6}[r["concurrency"]] for r in doc["runs"])
@@ -227,6 +229,34 @@ def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_m
     printed = capsys.readouterr().out
     assert "ratios vs fixed" in printed and "ratios vs transformers" in printed
     assert (tmp_path / "logs" / "server-mixed.log").exists()
+
+
+def test_each_target_is_open_alone_for_each_of_its_measurements():
+    """A server idle beside the measured one slowed it (`measure_targets`): each target is opened for one
+    measurement and closed before the next opens, every point and round, in the order rotated per round."""
+    events: list[tuple[str, str]] = []
+
+    def opener(name: str, url: str):
+        @contextlib.contextmanager
+        def open_target():
+            events.append(("open", name))
+            with url_target(url, "fake", "completions") as target:
+                yield target
+            events.append(("close", name))
+        return open_target
+
+    specs = [RequestSpec(prompt=f"p{i}", input_len=2, output_len=2) for i in range(4)]
+    plan = Plan(specs, [], [LoadPoint(concurrency=1), LoadPoint(concurrency=2)], 0, "completions",
+                show_progress=False, num_prompts=[1, 1])
+    with FakeServerThread() as server:
+        records, errors = measure_targets([("a", opener("a", server.base_url)), ("b", opener("b", server.base_url))],
+                                          plan, rounds=2)
+    assert not errors
+    one_point = [("open", "a"), ("close", "a"), ("open", "b"), ("close", "b"),  # round 1
+                 ("open", "b"), ("close", "b"), ("open", "a"), ("close", "a")]  # round 2, rotated
+    assert events == one_point * 2
+    assert [(r.config, r.point.concurrency, r.metrics.completed) for r in records] == \
+        [("a", 1, 2), ("b", 1, 2), ("a", 2, 2), ("b", 2, 2)]  # the rounds pooled
 
 
 def test_cli_user_errors_are_one_line(capsys):
