@@ -189,8 +189,8 @@ class StepCostModel(LinearStepCost):
         self._update_margin()
 
     def _refit_due(self) -> bool:
-        """Every `REFIT_EVERY` steps, sooner while the window is young: after 1, 2, 3, 4, 6, 8, ... steps, so
-        the first live steps replace a probe that the server's own starting processes slowed."""
+        """Every `REFIT_EVERY` steps, sooner while the window is young (after steps 1, 2, 3, 5, 7, 10, 14,
+        19, ...), so the first live steps replace a probe that the server's own starting processes slowed."""
         return self._since_fit >= min(REFIT_EVERY, 1 + len(self._steps) // 4)
 
     def _update_margin(self) -> None:
