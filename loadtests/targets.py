@@ -153,17 +153,19 @@ def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     errors: list[str] = []
+    failed: set[str] = set()  # targets that did not open: not tried again
     pooled: dict[tuple[str, int], tuple[list[RequestResult], float, ServerStats | None]] = {}
     for i, point in enumerate(plan.points):
         for r in range(rounds):
             shift = r % len(openers)
             for label, opener in [*openers[shift:], *openers[:shift]]:
-                if any(e.startswith(f"{label}: ") for e in errors):
+                if label in failed:
                     continue
                 try:
                     with opener() as target:
                         results, duration, stats = asyncio.run(_measure_one(target, plan, i, r, rounds, label))
                 except ServerStartError as exc:
+                    failed.add(label)
                     errors.append(f"{label}: {exc}")
                     print(f"batchserve bench: error: {label}: {exc}", file=sys.stderr, flush=True)
                     continue

@@ -172,7 +172,8 @@ class StepCostModel(LinearStepCost):
         if with_prefill:
             self._with_prefill.append(measured)
         self._since_fit += 1
-        if self._refit_due():
+        refit = self._refit_due()
+        if refit:
             self._since_fit = 0
             # Live steps alone once they span enough tokens and prompt tokens to pin a token's cost and a
             # row's (a probe taken while the machine was busy, say beside other starting servers, would
@@ -184,9 +185,8 @@ class StepCostModel(LinearStepCost):
             if fitted is not None:
                 self.weights = fitted
             self._report()
-        elif not with_prefill:
-            return
-        self._update_margin()
+        if refit or with_prefill:
+            self._update_margin()
 
     def _refit_due(self) -> bool:
         """Every `REFIT_EVERY` steps, sooner while the window is young (after steps 1, 2, 3, 5, 7, 10, 14,
@@ -199,12 +199,8 @@ class StepCostModel(LinearStepCost):
         if len(self._with_prefill) < MIN_MARGIN_STEPS:
             return
         steps = np.stack(self._with_prefill)
-        ratios = np.sort(steps[:, -1] / np.maximum(steps[:, :-1] @ self.weights.vector(), 1e-9))
-        # np.quantile's linear interpolation, without its 0.1 ms of argument handling (once a step)
-        at = (len(ratios) - 1) * MARGIN_QUANTILE
-        low = int(at)
-        quantile = float(ratios[low] + (at - low) * (ratios[min(low + 1, len(ratios) - 1)] - ratios[low]))
-        self.margin = min(max(quantile, MARGIN_RANGE[0]), MARGIN_RANGE[1])
+        ratios = steps[:, -1] / np.maximum(steps[:, :-1] @ self.weights.vector(), 1e-9)
+        self.margin = min(max(float(np.quantile(ratios, MARGIN_QUANTILE)), MARGIN_RANGE[0]), MARGIN_RANGE[1])
 
     def _measured(self, shape: StepShape, seconds: float) -> np.ndarray:
         return np.append(features(shape, self.experts), seconds)
