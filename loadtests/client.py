@@ -1,7 +1,7 @@
 """Async streaming client for OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
 
 One call sends one request and records, with `time.perf_counter()`, when it was sent, when each
-chunk carrying content arrived, and when the stream ended. Token counts come from the final
+chunk carrying tokens arrived (`sse.carries_token`), and when the stream ended. Token counts come from the final
 usage chunk (`stream_options.include_usage`).
 """
 
@@ -28,11 +28,11 @@ class RequestResult:
     success: bool = False
     error: str = ""
     send_time: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying tokens
     end_time: float = 0.0  # end of the stream (or of the last token, for in-process runners)
     prompt_tokens: int = 0
     output_tokens: int = 0
-    usage_reported: bool = False  # False: counts fell back to the spec / number of content chunks
+    usage_reported: bool = False  # False: counts fell back to the spec / number of token chunks
     text: str = ""
     cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage's prompt_tokens_details)
     turn: int | None = None  # of a multi-turn conversation

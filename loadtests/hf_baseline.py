@@ -42,7 +42,7 @@ class _Pending:
 
 
 class _StepTimer:
-    """A `generate` streamer that records, per request, when each decoding step gave it new text."""
+    """A `generate` streamer that records, per request, when each decoding step gave it a token, and its text."""
 
     def __init__(self, batch: list[_Pending], tokenizer: Any, prompts: list[list[int]]):
         self.batch = batch
@@ -63,9 +63,8 @@ class _StepTimer:
             text = detokenizer.add([token]).text
             if self.step == p.spec.output_len:
                 text += detokenizer.finish()
-            if text:
-                p.result.text += text
-                p.result.chunk_times.append(now)
+            p.result.text += text
+            p.result.chunk_times.append(now)  # a chunk per token, as a streaming server sends them
             if self.step == p.spec.output_len:
                 p.result.end_time = now
                 p.result.success = True

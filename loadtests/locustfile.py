@@ -3,7 +3,7 @@
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8000
 
 Besides the request itself ("chat stream", timed to the end of the stream), every request fires a
-"TTFT" entry (send to first content chunk) and one "ITL" entry per gap between content chunks, so
+"TTFT" entry (send to first token chunk) and one "ITL" entry per gap between token chunks, so
 Locust's tables and charts show their percentiles. Settings (environment variables):
 BATCHSERVE_LOCUST_MODEL (default: the default model alias), BATCHSERVE_LOCUST_MAX_TOKENS (64),
 BATCHSERVE_LOCUST_PROMPT_WORDS (32), BATCHSERVE_LOCUST_WAIT_S (0: the next request right away),

@@ -1,7 +1,7 @@
 """Metric arithmetic, with the definitions of vLLM's and SGLang's serving benchmarks.
 
-- TTFT: first content chunk - send time.
-- ITL: every gap between successive content chunks, pooled over all requests.
+- TTFT: first token chunk (`sse.carries_token`: text, or a token whose text is still empty) - send time.
+- ITL: every gap between successive token chunks, pooled over all requests.
 - TPOT: per request, (e2e - TTFT) / (output_tokens - 1); requests with one output token have none.
 - E2E latency: end of stream - send time.
 - Throughputs divide totals over successful requests by the benchmark duration.

@@ -32,6 +32,20 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
+def carries_token(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk delivers generated tokens: any with text, and (as vLLM's benchmark counts them) one
+    whose text is empty because its tokens have none of their own yet. Not the chat role chunk, a finish
+    chunk without text, or the usage chunk."""
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text")
+        delta = choice.get("delta") or {}
+        if text is None and "role" not in delta:
+            text = delta.get("content")
+        if text or (isinstance(text, str) and choice.get("finish_reason") is None):
+            return True
+    return False
+
+
 @dataclass
 class StreamReader:
     """Feed it the lines of a streaming response in order; `feed` says whether to read on.
@@ -40,7 +54,7 @@ class StreamReader:
 
     chunks: list[dict[str, Any]] = field(default_factory=list)  # every event's JSON, in order
     parts: list[str] = field(default_factory=list)  # the text of each chunk with content
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that `carries_token`
     usage: dict[str, Any] | None = None  # the usage chunk's (`stream_options.include_usage`)
     finish_reason: str | None = None  # the last one a choice gave
     error: str = ""  # an error event's `error`, as JSON
@@ -63,6 +77,7 @@ class StreamReader:
         text = chunk_text(chunk)
         if text:
             self.parts.append(text)
+        if carries_token(chunk):
             self.chunk_times.append(now)
         if chunk.get("usage"):
             self.usage = chunk["usage"]

@@ -192,6 +192,33 @@ def test_completion_stream_chunks():
     run(go())
 
 
+def test_a_token_without_text_of_its_own_still_gets_its_chunk_and_the_bench_counts_it():
+    """As vLLM streams: a chunk per delta that made tokens, with empty text where they have none yet (the
+    first two bytes of a three-byte character), so a client sees every step and can count tokens by chunks."""
+    from loadtests.sse import StreamReader
+
+    async def go():
+        engine = FakeEngine(["a", "", "", "中"])
+        async with api(engine) as client:
+            completion = await (await client.post("/v1/completions", json={"prompt": "hi", "stream": True})).text()
+            chat = await (await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True})).text()
+        return completion, chat
+
+    completion, chat = run(go())
+    chunks = sse_events(completion)[:-1]
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", "", "", "中", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["stop"]
+    deltas = [c["choices"][0]["delta"] for c in sse_events(chat)[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": ""}, {"content": ""},
+                      {"content": "中"}, {}]
+    for body in (completion, chat):  # the role chunk and the finish chunk carry no token
+        reader = StreamReader()
+        for line in body.splitlines():
+            reader.feed(line)
+        assert reader.text == "a中" and len(reader.chunk_times) == 4
+
+
 def test_completion_stream_include_usage():
     async def go():
         engine = FakeEngine()

@@ -199,7 +199,7 @@ def test_transformers_baseline_chunks_are_text_as_a_server_streams_it(tmp_path):
     result = asyncio.run(stream())
     assert result.success and result.output_tokens == 5
     assert result.text == "a中b"
-    assert len(result.chunk_times) == 3  # "a", "中", "b"
+    assert len(result.chunk_times) == 5  # a chunk per token: "a", "", "", "中", "b"
     assert result.end_time == result.chunk_times[-1]
 
 

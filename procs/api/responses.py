@@ -1,7 +1,7 @@
 """OpenAI's response shapes for `/v1/completions` and `/v1/chat/completions`, whole and streamed.
 
-A stream is: (chat only) a first chunk per choice with `delta.role`, content chunks, one chunk per
-choice with its `finish_reason` and an empty text/delta, and with `stream_options.include_usage` a
+A stream is: (chat only) a first chunk per choice with `delta.role`, a content chunk per engine delta that
+made tokens (its text empty while they have none of their own), one chunk per choice with its `finish_reason` and an empty text/delta, and with `stream_options.include_usage` a
 last chunk with empty `choices` and `usage` (all earlier chunks then carry `"usage": null`, as
 OpenAI's do). Every choice object carries its `index`.
 
@@ -181,9 +181,13 @@ class ResponseShapes(ABC):
         return None
 
     def stream_chunks(self, choice: ChoiceOutput, piece: Piece) -> list[dict[str, Any]]:
-        """The chunks to send for `piece`, the part of `choice` its last delta added (and its finish)."""
+        """The chunks to send for `piece`, the part of `choice` its last delta added (and its finish).
+
+        A chunk for every delta that made tokens, its text empty where they have none of their own yet (part
+        of a multi-byte character, a skipped special token, text held back by a stop string), as vLLM and
+        SGLang stream: a client sees each step's progress and can count tokens by chunks."""
         chunks = []
-        if piece.text or (self.logprobs and piece.tokens):
+        if piece.text or piece.generated or (self.logprobs and piece.tokens):
             chunks.append(self.text_chunk(choice.index, piece))
         if choice.finish_reason is not None:
             chunks.append(self.finish_chunk(choice.index, choice.finish_reason))
