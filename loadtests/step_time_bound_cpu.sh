@@ -6,7 +6,9 @@
 #   closed     random 32-512 / 32-256 tokens, closed loop, 16 and 32 streams: the default target against
 #              the unbounded scheduler and against b86cbff's default (a server the caller started from a
 #              worktree of that commit, at BASE_URL, default http://127.0.0.1:8100; left out when none answers);
-#   hog        24 streams of the closed workload beside a busy loop pinned to core 1: default and unbounded.
+#   hog        24 streams of the closed workload beside a busy loop pinned to core 1: default and unbounded,
+#              two rounds in the order A B B A (a busy loop's toll drifts over a run; stop 63's single rounds
+#              gave 0.67x and 1.04x with the order swapped).
 # Goodput objectives: TTFT 5 s, TPOT 250 ms (bench's cpu preset).
 #
 # Usage, from the checkout on a quiet machine:
@@ -52,7 +54,7 @@ for part in "${@:-staggered closed hog}"; do
                 hog=$!
                 trap 'kill $hog' EXIT
                 run "beside a busy loop on core 1" --input-len 32:512 --output-len 32:256 --concurrency 24 \
-                    --num-prompts 48 --warmup 2 --request-timeout 1200 --output "${out}_hog.json" \
+                    --num-prompts 48 --warmup 2 --request-timeout 1200 --rounds 2 --output "${out}_hog.json" \
                     --variant 'default=' --variant 'unbounded=--max-step-ms -1'
                 kill $hog
                 trap - EXIT ;;

@@ -126,8 +126,9 @@ async def _measure_one(target: OpenTarget, plan: Plan, index: int, round: int, r
                                              warmup=plan.warmup, desc=f"{label} @ {point.label()}",
                                              show_progress=plan.show_progress)
     if rounds > 1:
+        itl_p99 = "-" if metrics.itl_ms.p99 is None else f"{metrics.itl_ms.p99:.0f}"
         print(f"{label} @ {point.label()} round {round + 1}/{rounds}: {metrics.output_throughput:.2f} "
-              f"output tok/s, ITL p99 {metrics.itl_ms.p99} ms", file=sys.stderr, flush=True)
+              f"output tok/s, ITL p99 {itl_p99} ms", file=sys.stderr, flush=True)
     return results, metrics.duration_s, probe.stats if probe else None
 
 
