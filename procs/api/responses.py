@@ -1,9 +1,10 @@
 """OpenAI's response shapes for `/v1/completions` and `/v1/chat/completions`, whole and streamed.
 
-A stream is: (chat only) a first chunk per choice with `delta.role`, a content chunk per engine delta that
-made tokens (its text empty while they have none of their own), one chunk per choice with its `finish_reason` and an empty text/delta, and with `stream_options.include_usage` a
-last chunk with empty `choices` and `usage` (all earlier chunks then carry `"usage": null`, as
-OpenAI's do). Every choice object carries its `index`.
+A stream is: (chat only) a first chunk per choice with `delta.role`, a content chunk per engine delta
+that made tokens (its text empty while they have none of their own), one chunk per choice with its
+`finish_reason` and an empty text/delta, and with `stream_options.include_usage` a last chunk with
+empty `choices` and `usage` (all earlier chunks then carry `"usage": null`, as OpenAI's do). Every
+choice object carries its `index`.
 
 Logprobs, when asked for, are per chunk for the tokens of that chunk (whole answers: all tokens):
 chat `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], "refusal": null}`,
