@@ -20,28 +20,27 @@ def sse_data(raw: bytes | str) -> str | None:
     return line[len("data:"):].strip()
 
 
+def choice_text(choice: dict[str, Any]) -> str | None:
+    """A streamed choice's `text` (completions) or `delta.content` (chat); None where it has neither."""
+    text = choice.get("text")
+    return (choice.get("delta") or {}).get("content") if text is None else text
+
+
 def chunk_text(chunk: dict[str, Any]) -> str:
-    """The text a streamed chunk adds: `text` (completions) or `delta.content` (chat) of its choices;
-    "" for role-only, usage-only or empty chunks."""
-    pieces = []
-    for choice in chunk.get("choices") or []:
-        piece = choice.get("text")
-        if piece is None:
-            piece = (choice.get("delta") or {}).get("content")
-        pieces.append(piece or "")
-    return "".join(pieces)
+    """The text a streamed chunk adds over its choices; "" for role-only, usage-only or empty chunks."""
+    return "".join(choice_text(choice) or "" for choice in chunk.get("choices") or [])
 
 
 def carries_token(chunk: dict[str, Any]) -> bool:
     """Whether a chunk delivers generated tokens: any with text, and (as vLLM's benchmark counts them) one
-    whose text is empty because its tokens have none of their own yet. Not the chat role chunk, a finish
-    chunk without text, or the usage chunk."""
+    whose text is empty because its tokens have none of their own yet. Not a chat role chunk without text
+    (a server that sends the first token with the role counts), a finish chunk without text, or the usage
+    chunk."""
     for choice in chunk.get("choices") or []:
-        text = choice.get("text")
-        delta = choice.get("delta") or {}
-        if text is None and "role" not in delta:
-            text = delta.get("content")
-        if text or (isinstance(text, str) and choice.get("finish_reason") is None):
+        text = choice_text(choice)
+        if text:
+            return True
+        if text is not None and choice.get("finish_reason") is None and "role" not in (choice.get("delta") or {}):
             return True
     return False
 

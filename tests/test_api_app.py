@@ -195,7 +195,7 @@ def test_completion_stream_chunks():
 def test_a_token_without_text_of_its_own_still_gets_its_chunk_and_the_bench_counts_it():
     """As vLLM streams: a chunk per delta that made tokens, with empty text where they have none yet (the
     first two bytes of a three-byte character), so a client sees every step and can count tokens by chunks."""
-    from loadtests.sse import StreamReader
+    from loadtests.sse import StreamReader, carries_token
 
     async def go():
         engine = FakeEngine(["a", "", "", "中"])
@@ -217,6 +217,8 @@ def test_a_token_without_text_of_its_own_still_gets_its_chunk_and_the_bench_coun
         for line in body.splitlines():
             reader.feed(line)
         assert reader.text == "a中" and len(reader.chunk_times) == 4
+    first_with_role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None}]}
+    assert carries_token(first_with_role)  # a server that sends the first token with the role
 
 
 def test_completion_stream_include_usage():

@@ -171,9 +171,10 @@ def test_transformers_baseline_static_batches(tiny_model):
     assert firsts[1] > max(r.end_time for r in first_batch)
 
 
-def test_transformers_baseline_chunks_are_text_as_a_server_streams_it(tmp_path):
-    """A token that ends inside a UTF-8 character gives no chunk: its bytes go out with the token that
-    completes the character, as the servers stream them (whose ITLs are measured between chunks)."""
+def test_transformers_baseline_times_a_chunk_per_token_as_a_server_streams_it(tmp_path):
+    """Every token gives a chunk; one that ends inside a UTF-8 character has empty text, and its bytes go
+    out with the token that completes the character, as batchserve streams them (ITLs are measured
+    between chunks)."""
     import torch
     from transformers import AutoTokenizer
 
