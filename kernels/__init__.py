@@ -1,0 +1,9 @@
+"""batchserve's `kernels/` folder, installed and imported as `batchserve.kernels` (procs/DESIGN.md, "Layout")."""
+
+if __name__ != "batchserve.kernels":
+    # Found as a top-level `kernels` through the working directory on sys.path (`python -m` in a checkout):
+    # it would shadow any installed package of that name (Hugging Face's `kernels`, which transformers imports).
+    raise ImportError(
+        f"{__file__} is batchserve.kernels; run Python with -P "
+        f"(or from outside the checkout) to import an installed 'kernels'"
+    )

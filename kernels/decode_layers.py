@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
-from kernels.moe import NativeMoeBlock, ProjectionStruct, projection
-from kernels.panel_linear import PanelWeight
+from batchserve.kernels import native
+from batchserve.kernels.moe import NativeMoeBlock, ProjectionStruct, projection
+from batchserve.kernels.panel_linear import PanelWeight
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -29,16 +29,40 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = [*((name, ProjectionStruct) for name in PROJECTIONS), *((f"lora_{name}", _LoraPair) for name in PROJECTIONS),
-                ("moe", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("post_norm", _ptr), ("next_norm", _ptr),
-                ("k_pool", _ptr), ("v_pool", _ptr), ("window", _i64)]
+    _fields_ = [
+        *((name, ProjectionStruct) for name in PROJECTIONS),
+        *((f"lora_{name}", _LoraPair) for name in PROJECTIONS),
+        ("moe", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("post_norm", _ptr),
+        ("next_norm", _ptr),
+        ("k_pool", _ptr),
+        ("v_pool", _ptr),
+        ("window", _i64),
+    ]
 
 
 class _DecodeShape(ctypes.Structure):
-    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("page_size", _i64), ("max_pages", _i64), ("whole_qk_norm", _i64), ("eps", _f32), ("scale", _f32),
-                ("clip_qkv", _f32), ("lora_mask", _ptr), ("lora_total", _i64), ("lora_h", _ptr), ("lora_out", _ptr),
-                ("chunks", _ptr), ("num_chunks", _i64)]
+    _fields_ = [
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("page_size", _i64),
+        ("max_pages", _i64),
+        ("whole_qk_norm", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("clip_qkv", _f32),
+        ("lora_mask", _ptr),
+        ("lora_total", _i64),
+        ("lora_h", _ptr),
+        ("lora_out", _ptr),
+        ("chunks", _ptr),
+        ("num_chunks", _i64),
+    ]
 
 
 @dataclass(frozen=True)
@@ -96,11 +120,14 @@ def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
     return t.data_ptr()
 
 
-def _projection(weight: PanelWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int,
-                name: str) -> ProjectionStruct:
+def _projection(
+    weight: PanelWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int, name: str
+) -> ProjectionStruct:
     if weight is not None and (weight.packed.shape[1] != in_features or weight.out_features != out_features):
-        raise ValueError(f"{name}: panels for [{weight.out_features}, {weight.packed.shape[1]}], "
-                         f"expected [{out_features}, {in_features}]")
+        raise ValueError(
+            f"{name}: panels for [{weight.out_features}, {weight.packed.shape[1]}], "
+            f"expected [{out_features}, {in_features}]"
+        )
     _fp32_vector(bias, out_features, f"{name} bias")
     return projection(weight, bias)
 
@@ -118,9 +145,21 @@ def _moe_block(t: LayerTensors, hidden: int, i: int) -> int | None:
 class DecodeLayers:
     """The fused call for one model on one KV pool. Keeps the tensors it points into alive."""
 
-    def __init__(self, layers: list[LayerTensors], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, page_size: int, eps: float, scale: float, whole_qk_norm: bool = False,
-                 clip_qkv: float = 0.0) -> None:
+    def __init__(
+        self,
+        layers: list[LayerTensors],
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        page_size: int,
+        eps: float,
+        scale: float,
+        whole_qk_norm: bool = False,
+        clip_qkv: float = 0.0,
+    ) -> None:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         norm_sizes = (q_size, kv_size) if whole_qk_norm else (head_dim, head_dim)
         self._tensors = layers
@@ -128,34 +167,67 @@ class DecodeLayers:
         for i, t in enumerate(layers):
             pool_shape = (page_size, kv_heads, head_dim)
             for pool in (t.k_pool, t.v_pool):
-                if (pool.dim() != 4 or tuple(pool.shape[1:]) != pool_shape or pool.dtype != torch.float32
-                        or not pool.is_contiguous() or not pool.is_cpu):
-                    raise ValueError(f"layer {i}: KV pools must be contiguous fp32 [pages, {page_size}, "
-                                     f"{kv_heads}, {head_dim}]")
-            sizes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * intermediate), (intermediate, hidden))
+                if (
+                    pool.dim() != 4
+                    or tuple(pool.shape[1:]) != pool_shape
+                    or pool.dtype != torch.float32
+                    or not pool.is_contiguous()
+                    or not pool.is_cpu
+                ):
+                    raise ValueError(
+                        f"layer {i}: KV pools must be contiguous fp32 [pages, {page_size}, {kv_heads}, {head_dim}]"
+                    )
+            sizes = (
+                (hidden, q_size + 2 * kv_size),
+                (q_size, hidden),
+                (hidden, 2 * intermediate),
+                (intermediate, hidden),
+            )
             self._layers[i] = _DecodeLayer(
                 _projection(t.qkv, t.qkv_bias, *sizes[0], f"layer {i} qkv"),
                 _projection(t.o, t.o_bias, *sizes[1], f"layer {i} o"),
                 _projection(t.gate_up, t.gate_up_bias, *sizes[2], f"layer {i} gate_up"),
                 _projection(t.down, t.down_bias, *sizes[3], f"layer {i} down"),
                 *(_lora_pair(pair, *size, f"layer {i} {name}") for pair, size, name in zip(t.lora, sizes, PROJECTIONS)),
-                _moe_block(t, hidden, i), _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
+                _moe_block(t, hidden, i),
+                _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
                 _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
-                _fp32_vector(t.post_norm, hidden, "post_norm"), _fp32_vector(t.next_norm, hidden, "next_norm"),
-                t.k_pool.data_ptr(), t.v_pool.data_ptr(), t.window)
-        self._shape = _DecodeShape(hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, int(whole_qk_norm),
-                                   eps, scale, clip_qkv)
-        self._widths = (q_size + 2 * kv_size, q_size + kv_size, q_size + kv_size, q_size, hidden, 2 * intermediate,
-                        intermediate)
+                _fp32_vector(t.post_norm, hidden, "post_norm"),
+                _fp32_vector(t.next_norm, hidden, "next_norm"),
+                t.k_pool.data_ptr(),
+                t.v_pool.data_ptr(),
+                t.window,
+            )
+        self._shape = _DecodeShape(
+            hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, int(whole_qk_norm), eps, scale, clip_qkv
+        )
+        self._widths = (
+            q_size + 2 * kv_size,
+            q_size + kv_size,
+            q_size + kv_size,
+            q_size,
+            hidden,
+            2 * intermediate,
+            intermediate,
+        )
         self._head_dim = head_dim
         self._lora: tuple[torch.Tensor, ...] | None = None
         self._chunks: torch.Tensor | None = None
         pairs = [pair for t in layers for pair in t.lora if pair is not None]
         self._lora_widths = (max((p.width for p in pairs), default=0), max(self._widths[0], hidden, 2 * intermediate))
 
-    def run(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            locs: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor, chunks: torch.Tensor | None = None,
-            lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        locs: torch.Tensor,
+        pages: torch.Tensor,
+        lens: torch.Tensor,
+        chunks: torch.Tensor | None = None,
+        lora_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Every layer on the step's rows: h [rows, hidden] (the first layer's normed input, overwritten) and
         residual [rows, hidden] (the embeddings, used as scratch); cos/sin [rows, head_dim]; locs [rows] KV
         slots, pages [rows, max_pages], lens [rows] and the prefill chunks [C, 2] as the cpu attention backend
@@ -164,15 +236,28 @@ class DecodeLayers:
         `lora_mask` [rows, summed ranks]: the step's rows' adapter columns (`LoraSlots.mask`; None: no LoRA row).
         Returns h holding the final norm of every row."""
         rows, hidden = h.shape
-        for name, t, shape in (("h", h, (rows, hidden)), ("residual", residual, (rows, hidden)),
-                               ("cos", cos, (rows, self._head_dim)), ("sin", sin, (rows, self._head_dim))):
+        for name, t, shape in (
+            ("h", h, (rows, hidden)),
+            ("residual", residual, (rows, hidden)),
+            ("cos", cos, (rows, self._head_dim)),
+            ("sin", sin, (rows, self._head_dim)),
+        ):
             if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
                 raise ValueError(f"{name} must be contiguous fp32 {shape}")
-        if not (locs.shape == lens.shape == (rows,) and pages.dim() == 2 and pages.shape[0] == rows
-                and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))):
+        if not (
+            locs.shape == lens.shape == (rows,)
+            and pages.dim() == 2
+            and pages.shape[0] == rows
+            and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))
+        ):
             raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
-        if chunks is not None and not (chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64
-                                       and chunks.is_contiguous() and chunks.is_cpu):
+        if chunks is not None and not (
+            chunks.dim() == 2
+            and chunks.shape[1] == 2
+            and chunks.dtype == torch.int64
+            and chunks.is_contiguous()
+            and chunks.is_cpu
+        ):
             raise ValueError("chunks must be contiguous int64 [chunks, 2]")
         self._shape.max_pages = pages.shape[1]
         self._chunks = chunks  # alive until the next step: the shape struct points into it
@@ -181,9 +266,19 @@ class DecodeLayers:
         scratch = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
         self._set_lora(rows, lora_mask)
         status = native.library().decode_layers(
-            ctypes.addressof(self._layers), len(self._tensors), ctypes.addressof(self._shape), rows, h.data_ptr(),
-            residual.data_ptr(), cos.data_ptr(), sin.data_ptr(), locs.data_ptr(), pages.data_ptr(), lens.data_ptr(),
-            *(t.data_ptr() for t in scratch))
+            ctypes.addressof(self._layers),
+            len(self._tensors),
+            ctypes.addressof(self._shape),
+            rows,
+            h.data_ptr(),
+            residual.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            locs.data_ptr(),
+            pages.data_ptr(),
+            lens.data_ptr(),
+            *(t.data_ptr() for t in scratch),
+        )
         if status != 0:
             raise MemoryError("decode_layers: attention or an MoE block could not allocate its scratch memory")
         return h

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.step_features import LINEAR_ATTENTION_CHUNK
+from batchserve.shared.step_features import LINEAR_ATTENTION_CHUNK
 
 CHUNK = LINEAR_ATTENTION_CHUNK  # tokens per chunk of the chunked form, transformers' and flash-linear-attention's
 
@@ -30,7 +30,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     width = weight.shape[1] - 1
     inputs = torch.cat((state.to(x.dtype), x.transpose(0, 1)), dim=1)  # [C, K - 1 + T]
     out = F.conv1d(inputs[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    return F.silu(out).transpose(0, 1), inputs[:, inputs.shape[1] - width:]
+    return F.silu(out).transpose(0, 1), inputs[:, inputs.shape[1] - width :]
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +49,9 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
     return q * q.shape[-1] ** -0.5, k, v.float()
 
 
-def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each row: q, k [B, Hk, Dk], v [B, Hv, Dv], g (log decay) and beta [B, Hv], states
     [B, Hv, Dk, Dv] fp32; (out [B, Hv, Dv] fp32, new states)."""
     q, k, v = _prepare(q, k, v)
@@ -61,8 +62,15 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return (state * q[..., None]).sum(dim=-2), state
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv], after its state [Hv, Dk, Dv]
     (fp32); (out [T, Hv, Dv] fp32, the state after them). Within a chunk the delta rule's updates are one
     triangular solve (the UT transform); the chunks run in order, each reading the state the last left."""
@@ -81,8 +89,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     system = (k_beta @ k.transpose(-1, -2)) * pair_decay
     within = (q @ k.transpose(-1, -2)) * pair_decay
     values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
-                                              unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
     q = q * decay.exp()[..., None]
     k = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]

@@ -31,15 +31,28 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels.recurrent_state import RecurrentStatePool
-from shared.ranges import concat_ranges
+from batchserve.kernels.recurrent_state import RecurrentStatePool
+from batchserve.shared.ranges import concat_ranges
 
 
 class KVCache:
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-                 max_running_requests: int, max_pages_per_request: int, dtype: torch.dtype, device: torch.device,
-                 ring_layers: Sequence[int] = (), ring_pages: int = 0, ring_window: int = 0,
-                 states: RecurrentStatePool | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        max_running_requests: int,
+        max_pages_per_request: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        ring_layers: Sequence[int] = (),
+        ring_pages: int = 0,
+        ring_window: int = 0,
+        states: RecurrentStatePool | None = None,
+    ):
         if num_pages < 2:
             raise ValueError("the KV pool needs at least one page besides the dummy page 0")
         if bool(ring_layers) != (ring_pages > 0):
@@ -52,25 +65,37 @@ class KVCache:
         self.ring_pages = ring_pages
         self.ring_window = ring_window  # the ring layers' longest window
         self.states = states  # a hybrid model's linear layers' per-slot states (`kernels.recurrent_state`)
-        pool = lambda layer: 1 + max_running_requests * ring_pages if layer in self.ring_layers else num_pages
+
+        def pool(layer: int) -> int:
+            return 1 + max_running_requests * ring_pages if layer in self.ring_layers else num_pages
+
         # zeros, not empty: attention gathers whole pages and masks the unwritten tail of a request's
         # last page, and a masked 0 * NaN from uninitialised memory would still poison the row.
-        zeros = lambda layer: torch.zeros((pool(layer), page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        def zeros(layer: int) -> torch.Tensor:
+            return torch.zeros((pool(layer), page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
         self.k = [zeros(layer) for layer in range(num_layers)]
         self.v = [zeros(layer) for layer in range(num_layers)]
         self.k_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
         self.v_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
         self.page_table = torch.zeros((max_running_requests, max_pages_per_request), dtype=torch.int32, device=device)
-        self.ring_table = None if not ring_pages else (
-            1 + torch.arange(max_running_requests, device=device)[:, None] * ring_pages
-            + torch.arange(max_pages_per_request, device=device)[None, :] % ring_pages).to(torch.int32)
+        self.ring_table = (
+            None
+            if not ring_pages
+            else (
+                1
+                + torch.arange(max_running_requests, device=device)[:, None] * ring_pages
+                + torch.arange(max_pages_per_request, device=device)[None, :] % ring_pages
+            ).to(torch.int32)
+        )
 
     def pool_pages(self, layer: int) -> int:
         """Pages of layer `layer`'s pool (the dummy page 0 included)."""
         return int(self.k[layer].shape[0])
 
-    def ring_locs(self, slots: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
-                  num_padding: int = 0) -> np.ndarray:
+    def ring_locs(
+        self, slots: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int], num_padding: int = 0
+    ) -> np.ndarray:
         """Where each new token of a step goes in the ring layers' pool (int64, on the host): its slot's
         ring page of its column, for the tokens of its request's last `ring_pages` columns; the dummy page for
         earlier ones and for padded rows (which come last, one token each)."""
@@ -90,8 +115,10 @@ class KVCache:
         prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
         spans = (prefix + extend - 1) // size - np.maximum(prefix - self.ring_window + 1, 0) // size + 1
         if np.any(spans > ring):
-            raise ValueError(f"a row of {int(extend[spans > ring].max())} tokens overflows the sliding layers' "
-                             f"rings of {ring} pages (window {self.ring_window}): they are sized for narrower rows")
+            raise ValueError(
+                f"a row of {int(extend[spans > ring].max())} tokens overflows the sliding layers' "
+                f"rings of {ring} pages (window {self.ring_window}): they are sized for narrower rows"
+            )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -117,9 +144,11 @@ class KVCache:
             raise ValueError("page_table_slots, page_table_cols and page_table_pages differ in length")
         if len(slots) == 0:
             return
-        for name, values, bound in (("slot", slots, self.max_running_requests),
-                                    ("column", cols, self.max_pages_per_request),
-                                    ("page", pages, self.num_pages)):
+        for name, values, bound in (
+            ("slot", slots, self.max_running_requests),
+            ("column", cols, self.max_pages_per_request),
+            ("page", pages, self.num_pages),
+        ):
             if int(values.min()) < 0 or int(values.max()) >= bound:
                 raise ValueError(f"page-table {name} out of range [0, {bound}): {values.min()}..{values.max()}")
         rows = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)

@@ -17,14 +17,14 @@ theirs; the ranks' outputs are summed after (`procs.worker.models.moe`).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels import native
-from kernels.ops import silu_and_mul_torch
-from kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
+from batchserve.kernels import native
+from batchserve.kernels.ops import silu_and_mul_torch
+from batchserve.kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,16 @@ class Experts:
         return isinstance(self.gate_up, StackedPanels)
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_bias: torch.Tensor | None, *, first: int, quantization: str,
-                 activation: ExpertActivation = "silu") -> Experts:
+def pack_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    *,
+    first: int,
+    quantization: str,
+    activation: ExpertActivation = "silu",
+) -> Experts:
     """Experts from stacked weights, packed as `kernels.ops.pack_linear_weight` packs a dense layer: C panels
     on the CPU at fp32 (int8 with `quantization="int8"`), plain tensors elsewhere. The C kernel runs SiLU
     experts only: others are plain tensors, and int8 is refused for them."""
@@ -86,8 +93,16 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.
     on_cpu_fp32 = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
     panels = quantization == "int8" or (on_cpu_fp32 and native.available() and activation == "silu")
     pack = (lambda w: pack_stacked_panels(w, quantization)) if panels else (lambda w: w.contiguous())
-    return Experts(pack(gate_up), pack(down), gate_up_bias, down_bias, first=first, count=gate_up.shape[0],
-                   intermediate=gate_up.shape[1] // 2, activation=activation)
+    return Experts(
+        pack(gate_up),
+        pack(down),
+        gate_up_bias,
+        down_bias,
+        first=first,
+        count=gate_up.shape[0],
+        intermediate=gate_up.shape[1] // 2,
+        activation=activation,
+    )
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +148,9 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _grouped_experts(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts) -> torch.Tensor:
     count = experts.count
-    ends = torch.zeros(count + 1, dtype=torch.int64, device=rows.device).index_add_(0, grouped,
-                                                                                   torch.ones_like(grouped))
+    ends = torch.zeros(count + 1, dtype=torch.int64, device=rows.device).index_add_(
+        0, grouped, torch.ones_like(grouped)
+    )
     offsets = ends[:count].cumsum(0).to(torch.int32)
     owner = grouped.clamp(max=count - 1)
     h = torch._grouped_mm(rows, experts.gate_up.transpose(-2, -1), offs=offsets)
@@ -144,16 +160,23 @@ def _grouped_experts(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts
     return y if experts.down_bias is None else y + experts.down_bias[owner]
 
 
+def _expert_bias(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert e's row of a stacked bias, or None for no bias."""
+    return None if bias is None else bias[e]
+
+
 def _expert_loop(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts) -> torch.Tensor:
     """One matmul per expert with rows (a torch without `_grouped_mm`; not graph-safe: it reads the counts)."""
     y = rows.new_zeros(rows.shape)
     start = 0
-    for e, n in enumerate(torch.bincount(grouped, minlength=experts.count + 1)[:experts.count].tolist()):
+    for e, n in enumerate(torch.bincount(grouped, minlength=experts.count + 1)[: experts.count].tolist()):
         if n:
-            bias = lambda b: None if b is None else b[e]
-            h = torch.nn.functional.linear(rows[start:start + n], experts.gate_up[e], bias(experts.gate_up_bias))
-            y[start:start + n] = torch.nn.functional.linear(activation_fn(experts.activation)(h), experts.down[e],
-                                                            bias(experts.down_bias))
+            h = torch.nn.functional.linear(
+                rows[start : start + n], experts.gate_up[e], _expert_bias(experts.gate_up_bias, e)
+            )
+            y[start : start + n] = torch.nn.functional.linear(
+                activation_fn(experts.activation)(h), experts.down[e], _expert_bias(experts.down_bias, e)
+            )
         start += n
     return y
 
@@ -169,15 +192,37 @@ class ProjectionStruct(ctypes.Structure):
 
 
 class _StackedProjection(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("scale", _ptr), ("bias", _ptr), ("packed_stride", _i64), ("scale_stride", _i64),
-                ("bias_stride", _i64)]
+    _fields_ = [
+        ("packed", _ptr),
+        ("scale", _ptr),
+        ("bias", _ptr),
+        ("packed_stride", _i64),
+        ("scale_stride", _i64),
+        ("bias_stride", _i64),
+    ]
 
 
 class _MoeBlock(ctypes.Structure):
-    _fields_ = [("router", ProjectionStruct), ("gate_up", _StackedProjection), ("down", _StackedProjection),
-                *((name, ProjectionStruct) for name in ("shared_gate_up", "shared_down", "shared_gate")),
-                ("load", _ptr), *[(name, _i64) for name in ("num_experts", "first", "count", "top_k", "renormalize",
-                                                            "hidden", "intermediate", "shared_intermediate")]]
+    _fields_ = [
+        ("router", ProjectionStruct),
+        ("gate_up", _StackedProjection),
+        ("down", _StackedProjection),
+        *((name, ProjectionStruct) for name in ("shared_gate_up", "shared_down", "shared_gate")),
+        ("load", _ptr),
+        *[
+            (name, _i64)
+            for name in (
+                "num_experts",
+                "first",
+                "count",
+                "top_k",
+                "renormalize",
+                "hidden",
+                "intermediate",
+                "shared_intermediate",
+            )
+        ],
+    ]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -193,10 +238,14 @@ def projection(weight: PanelWeight | None, bias: torch.Tensor | None = None) -> 
 
 def _stacked(weight: StackedPanels, bias: torch.Tensor | None) -> _StackedProjection:
     packed = weight.packed
-    return _StackedProjection(packed.data_ptr(), _ptr_of(weight.scale), _ptr_of(bias),
-                              packed.stride(0) * packed.element_size(),
-                              0 if weight.scale is None else weight.scale.stride(0),
-                              0 if bias is None else bias.stride(0))
+    return _StackedProjection(
+        packed.data_ptr(),
+        _ptr_of(weight.scale),
+        _ptr_of(bias),
+        packed.stride(0) * packed.element_size(),
+        0 if weight.scale is None else weight.scale.stride(0),
+        0 if bias is None else bias.stride(0),
+    )
 
 
 @dataclass(frozen=True)
@@ -212,8 +261,17 @@ class NativeMoeBlock:
     """One MoE layer in the C kernel: `block(x)` is this rank's share of its output. Keeps the tensors it
     points into alive; `load` [num_experts] int64 gets the tokens routed to each expert added."""
 
-    def __init__(self, router: PanelWeight, router_bias: torch.Tensor | None, experts: Experts,
-                 shared: SharedExpert | None, *, top_k: int, renormalize: bool, load: torch.Tensor) -> None:
+    def __init__(
+        self,
+        router: PanelWeight,
+        router_bias: torch.Tensor | None,
+        experts: Experts,
+        shared: SharedExpert | None,
+        *,
+        top_k: int,
+        renormalize: bool,
+        load: torch.Tensor,
+    ) -> None:
         if not experts.panels or experts.activation != "silu":
             raise ValueError("the C MoE block runs SiLU experts packed as panels")
         hidden = router.packed.shape[1]
@@ -221,19 +279,40 @@ class NativeMoeBlock:
         self.hidden = hidden
         shared_inter = 0 if shared is None else shared.down.packed.shape[1]
         self.struct = _MoeBlock(
-            projection(router, router_bias), _stacked(experts.gate_up, experts.gate_up_bias),
-            _stacked(experts.down, experts.down_bias), projection(shared and shared.gate_up),
-            projection(shared and shared.down), projection(shared and shared.gate), load.data_ptr(),
-            router.out_features, experts.first, experts.count, top_k, int(renormalize), hidden, experts.intermediate,
-            shared_inter)
+            projection(router, router_bias),
+            _stacked(experts.gate_up, experts.gate_up_bias),
+            _stacked(experts.down, experts.down_bias),
+            projection(shared and shared.gate_up),
+            projection(shared and shared.down),
+            projection(shared and shared.gate),
+            load.data_ptr(),
+            router.out_features,
+            experts.first,
+            experts.count,
+            top_k,
+            int(renormalize),
+            hidden,
+            experts.intermediate,
+            shared_inter,
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if not (x.dim() == 2 and x.shape[1] == self.hidden and x.dtype == torch.float32 and x.is_cpu
-                and native.rows_contiguous(x)):
+        if not (
+            x.dim() == 2
+            and x.shape[1] == self.hidden
+            and x.dtype == torch.float32
+            and x.is_cpu
+            and native.rows_contiguous(x)
+        ):
             raise ValueError(f"x must be fp32 [rows, {self.hidden}] on the CPU, rows contiguous")
         out = torch.empty((rows, self.hidden), dtype=torch.float32)
-        if rows and native.library().moe_block(ctypes.addressof(self.struct), x.data_ptr(), rows, x.stride(0),
-                                               out.data_ptr()) != 0:
+        if (
+            rows
+            and native.library().moe_block(
+                ctypes.addressof(self.struct), x.data_ptr(), rows, x.stride(0), out.data_ptr()
+            )
+            != 0
+        ):
             raise MemoryError("moe_block could not allocate its scratch memory")
         return out

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from shared.config import cache_dir
+from batchserve.shared.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,14 @@ DISABLE_ENV = "BATCHSERVE_NATIVE_KERNELS"
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # exported function -> (restype, argtypes)
 SIGNATURES = {
-    "paged_decode_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                              _i64, _i64, _f32, _i64, _f32, _ptr]),
-    "paged_prefill_attention": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64,
-                                               _i64, _i64, _f32, _i64, _f32, _ptr]),
+    "paged_decode_attention": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr],
+    ),
+    "paged_prefill_attention": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr],
+    ),
     "argmax_rows": (None, [_ptr, _i64, _i64, _i64, _ptr]),
     "rms_norm": (None, [_ptr, _i64, _i64, _ptr, _i64, _f32, _ptr]),
     "add_rms_norm": (None, [_ptr, _ptr, _i64, _i64, _ptr, _f32, _ptr]),
@@ -147,8 +151,11 @@ def library() -> ctypes.CDLL | None:
         return None
     # OpenMP where the compiler has it (gcc does; Apple's clang does not): otherwise one thread.
     for flags in ([*BASE_FLAGS, "-fopenmp"], BASE_FLAGS):
-        key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES + HEADERS), *flags, version, _cpu_signature(),
-                                        torch.__version__]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            "\0".join(
+                [*(s.read_text() for s in SOURCES + HEADERS), *flags, version, _cpu_signature(), torch.__version__]
+            ).encode()
+        ).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"batchserve_kernels-{key}.so"
         try:
             lib = _build_and_load(cc, flags, path)
@@ -214,12 +221,19 @@ def apply_token_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """-inf in scores [rows, vocab] (rows may be strided) where bitmask [rows, words] int32 has a 0 bit;
     returns a bool [rows]: the rows with no finite allowed score left."""
     rows, vocab = scores.shape
-    _check(bitmask.dtype is torch.int32 and bitmask.is_cpu and bitmask.is_contiguous()
-           and bitmask.shape[0] == rows and bitmask.shape[1] * 32 >= vocab, "bitmask [rows, >= vocab / 32] int32")
+    _check(
+        bitmask.dtype is torch.int32
+        and bitmask.is_cpu
+        and bitmask.is_contiguous()
+        and bitmask.shape[0] == rows
+        and bitmask.shape[1] * 32 >= vocab,
+        "bitmask [rows, >= vocab / 32] int32",
+    )
     _check_rows(scores, "scores")
     dead = torch.empty(rows, dtype=torch.bool)
-    _lib().apply_token_bitmask(scores.data_ptr(), rows, scores.stride(0), vocab, bitmask.data_ptr(),
-                               bitmask.shape[1], dead.data_ptr())
+    _lib().apply_token_bitmask(
+        scores.data_ptr(), rows, scores.stride(0), vocab, bitmask.data_ptr(), bitmask.shape[1], dead.data_ptr()
+    )
     return dead
 
 
@@ -236,38 +250,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_groups(x: torch.Tensor, groups: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each of the `groups` equal runs of each row of x [rows, groups * dim] (rows may be
     strided), all by weight [dim] -> a new contiguous [rows, groups * dim]."""
-    _check(x.dim() == 2 and groups >= 1 and x.shape[1] % groups == 0 and weight.shape == (x.shape[1] // groups,),
-           "x [rows, groups * dim], weight [dim]")
+    _check(
+        x.dim() == 2 and groups >= 1 and x.shape[1] % groups == 0 and weight.shape == (x.shape[1] // groups,),
+        "x [rows, groups * dim], weight [dim]",
+    )
     _check_rows(x, "x")
     _check_rows(weight, "weight")
     out = torch.empty(x.shape, dtype=torch.float32)
-    _lib().rms_norm_groups(x.data_ptr(), x.shape[0], x.stride(0), groups, weight.shape[0], weight.data_ptr(), eps,
-                           out.data_ptr(), x.shape[1])
+    _lib().rms_norm_groups(
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        groups,
+        weight.shape[0],
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        x.shape[1],
+    )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x += residual in place (both contiguous [rows, dim]), then (RMSNorm(x) as a new tensor, x)."""
-    _check(x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:],
-           "x and residual [rows, dim], weight [dim]")
+    _check(
+        x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:],
+        "x and residual [rows, dim], weight [dim]",
+    )
     _check(x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous(), "x, residual, weight contiguous")
     size = x.numel() * x.element_size()
-    _check(x.data_ptr() + size <= residual.data_ptr() or residual.data_ptr() + size <= x.data_ptr() or size == 0,
-           "x and residual must not overlap")
+    _check(
+        x.data_ptr() + size <= residual.data_ptr() or residual.data_ptr() + size <= x.data_ptr() or size == 0,
+        "x and residual must not overlap",
+    )
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         _check_rows(t, name)
     out = torch.empty(x.shape, dtype=torch.float32)
-    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps,
-                        out.data_ptr())
+    _lib().add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr()
+    )
     return out, x
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x [rows, heads, head_dim] by cos/sin [rows, head_dim]."""
     rows, heads, head_dim = x.shape
-    _check(cos.shape == sin.shape == (rows, head_dim) and cos.is_contiguous() and sin.is_contiguous()
-           and head_dim % 2 == 0, "cos and sin must be contiguous [rows, head_dim], head_dim even")
+    _check(
+        cos.shape == sin.shape == (rows, head_dim)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and head_dim % 2 == 0,
+        "cos and sin must be contiguous [rows, head_dim], head_dim even",
+    )
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         _check_rows(t, name)
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -285,44 +321,83 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
     """One input of each row (x [rows, >= channels], its first `channels`) through the causal convolution
     weight [channels, K] and SiLU, after the rows' windows pool[slots] [channels, K - 1], which move on in
     place -> out [rows, channels]."""
     rows, (channels, taps) = x.shape[0], weight.shape
-    _check(x.dim() == 2 and x.shape[1] >= channels and weight.is_contiguous() and pool.is_contiguous()
-           and pool.shape[1:] == (channels, taps - 1), "x [rows, >= C], weight [C, K], pool [slots, C, K - 1]")
+    _check(
+        x.dim() == 2
+        and x.shape[1] >= channels
+        and weight.is_contiguous()
+        and pool.is_contiguous()
+        and pool.shape[1:] == (channels, taps - 1),
+        "x [rows, >= C], weight [C, K], pool [slots, C, K - 1]",
+    )
     _check_slots(slots, rows, pool.shape[0])
     for name, t in (("x", x), ("weight", weight), ("pool", pool)):
         _check_rows(t, name)
     out = torch.empty((rows, channels), dtype=torch.float32)
-    _lib().causal_conv1d_decode(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), channels, taps - 1,
-                                pool.data_ptr(), slots.data_ptr(), out.data_ptr())
+    _lib().causal_conv1d_decode(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        weight.data_ptr(),
+        channels,
+        taps - 1,
+        pool.data_ptr(),
+        slots.data_ptr(),
+        out.data_ptr(),
+    )
     return out
 
 
 def _check_slots(slots: torch.Tensor, rows: int, pool_slots: int) -> None:
-    _check(slots.dtype is torch.int64 and slots.is_contiguous() and slots.shape == (rows,)
-           and (rows == 0 or 0 <= int(slots.min()) and int(slots.max()) < pool_slots), "slots: int64 rows of pool")
+    _check(
+        slots.dtype is torch.int64
+        and slots.is_contiguous()
+        and slots.shape == (rows,)
+        and (rows == 0 or 0 <= int(slots.min()) and int(slots.max()) < pool_slots),
+        "slots: int64 rows of pool",
+    )
 
 
-def gated_delta_decode(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor,
-                       slots: torch.Tensor, key_heads: int) -> torch.Tensor:
+def gated_delta_decode(
+    mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, key_heads: int
+) -> torch.Tensor:
     """One token of each row (mixed [rows, q | k | v], g and beta [rows, value_heads]) through the gated delta
     rule, updating the rows' states pool[slots] [value_heads, dk, dv] in place -> out [rows, value_heads, dv]."""
     rows = mixed.shape[0]
     _, value_heads, dk, dv = pool.shape
-    _check(mixed.dim() == 2 and mixed.shape[1] == 2 * key_heads * dk + value_heads * dv and value_heads % key_heads == 0,
-           "mixed must be [rows, 2 * key_heads * dk + value_heads * dv]")
-    _check(g.shape == beta.shape == (rows, value_heads) and g.is_contiguous() and beta.is_contiguous(),
-           "g and beta must be contiguous [rows, value_heads]")
+    _check(
+        mixed.dim() == 2 and mixed.shape[1] == 2 * key_heads * dk + value_heads * dv and value_heads % key_heads == 0,
+        "mixed must be [rows, 2 * key_heads * dk + value_heads * dv]",
+    )
+    _check(
+        g.shape == beta.shape == (rows, value_heads) and g.is_contiguous() and beta.is_contiguous(),
+        "g and beta must be contiguous [rows, value_heads]",
+    )
     _check(pool.is_contiguous(), "pool must be contiguous")
     _check_slots(slots, rows, pool.shape[0])
     for name, t in (("mixed", mixed), ("g", g), ("beta", beta), ("pool", pool)):
         _check_rows(t, name)
     out = torch.empty((rows, value_heads, dv), dtype=torch.float32)
-    _lib().gated_delta_decode(mixed.data_ptr(), rows, mixed.stride(0), g.data_ptr(), beta.data_ptr(), pool.data_ptr(),
-                              slots.data_ptr(), key_heads, value_heads, dk, dv, out.data_ptr())
+    _lib().gated_delta_decode(
+        mixed.data_ptr(),
+        rows,
+        mixed.stride(0),
+        g.data_ptr(),
+        beta.data_ptr(),
+        pool.data_ptr(),
+        slots.data_ptr(),
+        key_heads,
+        value_heads,
+        dk,
+        dv,
+        out.data_ptr(),
+    )
     return out
 
 
@@ -332,16 +407,36 @@ PANEL = 16  # output columns per packed weight panel (PANEL in csrc/panel_linear
 def check_panels(packed: torch.Tensor, scale: torch.Tensor | None, out_features: int) -> None:
     """The layout `panel_linear` trusts: packed [panels, in, PANEL] fp32, or int8 with scale [panels * PANEL]
     fp32, covering out_features columns."""
-    _check(packed.dim() == 3 and packed.shape[2] == PANEL and packed.is_contiguous() and packed.is_cpu
-           and packed.dtype in (torch.float32, torch.int8), "packed must be [panels, in, 16] fp32 or int8")
+    _check(
+        packed.dim() == 3
+        and packed.shape[2] == PANEL
+        and packed.is_contiguous()
+        and packed.is_cpu
+        and packed.dtype in (torch.float32, torch.int8),
+        "packed must be [panels, in, 16] fp32 or int8",
+    )
     _check(packed.shape[0] * PANEL >= out_features > (packed.shape[0] - 1) * PANEL, "out_features")
-    _check(packed.dtype != torch.int8 or (scale is not None and scale.shape == (packed.shape[0] * PANEL,)
-                                          and scale.dtype == torch.float32 and scale.is_contiguous()),
-           "int8 panels need scale [panels * 16] fp32")
+    _check(
+        packed.dtype != torch.int8
+        or (
+            scale is not None
+            and scale.shape == (packed.shape[0] * PANEL,)
+            and scale.dtype == torch.float32
+            and scale.is_contiguous()
+        ),
+        "int8 panels need scale [panels * 16] fp32",
+    )
 
 
-def panel_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 out_features: int, *, panels_checked: bool = False) -> torch.Tensor:
+def panel_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+    *,
+    panels_checked: bool = False,
+) -> torch.Tensor:
     """x [m, in] (rows may be strided) times a weight packed by `kernels.panel_linear.pack_panels`
     (packed [panels, in, PANEL] fp32, or int8 with scale [panels * PANEL]), plus bias [out]: [m, out] fp32.
     `panels_checked`: the caller ran `check_panels` on this weight already (the per-call checks of an
@@ -351,21 +446,40 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | No
     _check(x.dim() == 2 and x.shape[1] == packed.shape[1], "x must be [m, in]")
     _check_rows(x, "x")
     if bias is not None:
-        _check(bias.shape == (out_features,) and bias.dtype == torch.float32 and bias.is_contiguous(),
-               "bias must be [out] fp32")
+        _check(
+            bias.shape == (out_features,) and bias.dtype == torch.float32 and bias.is_contiguous(),
+            "bias must be [out] fp32",
+        )
     out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
     bias_ptr = bias.data_ptr() if bias is not None else None
     if packed.dtype == torch.int8:
-        _lib().int8_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), scale.data_ptr(), bias_ptr,
-                           out_features, x.shape[1], out.data_ptr())
+        _lib().int8_linear(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            packed.data_ptr(),
+            scale.data_ptr(),
+            bias_ptr,
+            out_features,
+            x.shape[1],
+            out.data_ptr(),
+        )
     else:
-        _lib().f32_linear(x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), bias_ptr, out_features,
-                          x.shape[1], out.data_ptr())
+        _lib().f32_linear(
+            x.data_ptr(), x.shape[0], x.stride(0), packed.data_ptr(), bias_ptr, out_features, x.shape[1], out.data_ptr()
+        )
     return out
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             *, locs_checked: bool = False) -> None:
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    locs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    locs_checked: bool = False,
+) -> None:
     """k_pool.flatten(0, 1)[locs] = k (and v alike): pools [pages, page_size, kv_heads, head_dim], k/v
     [tokens, kv_heads, head_dim] (rows may be strided), locs [tokens] int64 flat token slots.
     `locs_checked`: the caller ran `check_locs` on these locs already."""
@@ -375,25 +489,43 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, locs: torch.Tensor, k: 
         _check_rows(t, name)
     if not locs_checked:
         check_locs(locs, k_pool.shape[0] * k_pool.shape[1])
-    _lib().write_kv(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[2] * k_pool.shape[3], locs.data_ptr(),
-                    locs.shape[0], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+    _lib().write_kv(
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        k_pool.shape[2] * k_pool.shape[3],
+        locs.data_ptr(),
+        locs.shape[0],
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+    )
 
 
 def check_locs(locs: torch.Tensor, num_slots: int) -> None:
     """The bound `write_kv` trusts: every loc is a token slot of the pool."""
-    _check(locs.dtype == torch.int64 and locs.dim() == 1 and locs.is_contiguous() and locs.is_cpu,
-           "locs must be a contiguous int64 CPU vector")
+    _check(
+        locs.dtype == torch.int64 and locs.dim() == 1 and locs.is_contiguous() and locs.is_cpu,
+        "locs must be a contiguous int64 CPU vector",
+    )
     if locs.numel():
         _check(int(locs.min()) >= 0 and int(locs.max()) < num_slots, "a KV location is outside the pool")
 
 
-MAX_CONTEXT = 2 ** 31 - 1  # max_pages * page_size: the C code sizes scratch buffers with it
+MAX_CONTEXT = 2**31 - 1  # max_pages * page_size: the C code sizes scratch buffers with it
 
 
 def _check_page_layout(pages: torch.Tensor, lens: torch.Tensor, page_size: int) -> None:
-    _check(pages.dtype == lens.dtype == torch.int64 and pages.is_contiguous() and lens.is_contiguous()
-           and pages.dim() == 2 and lens.shape == pages.shape[:1] and pages.is_cpu and lens.is_cpu,
-           "pages [b, max_pages] and lens [b] must be contiguous int64 CPU tensors")
+    _check(
+        pages.dtype == lens.dtype == torch.int64
+        and pages.is_contiguous()
+        and lens.is_contiguous()
+        and pages.dim() == 2
+        and lens.shape == pages.shape[:1]
+        and pages.is_cpu
+        and lens.is_cpu,
+        "pages [b, max_pages] and lens [b] must be contiguous int64 CPU tensors",
+    )
     _check(page_size >= 1 and pages.shape[1] * page_size <= MAX_CONTEXT, "max_pages * page_size out of range")
 
 
@@ -401,14 +533,26 @@ def check_pages(pages: torch.Tensor, lens: torch.Tensor, num_pages: int, page_si
     """The bounds the C code trusts: every page inside the pool, 1 <= lens <= max_pages * page_size."""
     _check_page_layout(pages, lens, page_size)
     if lens.numel():
-        _check(int(lens.min()) >= 1 and int(lens.max()) <= pages.shape[1] * page_size,
-               "lens out of [1, max_pages * page_size]")
+        _check(
+            int(lens.min()) >= 1 and int(lens.max()) <= pages.shape[1] * page_size,
+            "lens out of [1, max_pages * page_size]",
+        )
         _check(int(pages.min()) >= 0 and int(pages.max()) < num_pages, "a page index is outside the pool")
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
-                           lens: torch.Tensor, scale: float, *, window: int = 0, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None, pages_checked: bool = False) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pages: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    pages_checked: bool = False,
+) -> torch.Tensor:
     """Attention of one query token per row over its cached tokens, read through its page list.
 
     q [b, heads, head_dim] (rows may be strided, heads and dims contiguous), k_pool/v_pool
@@ -434,18 +578,43 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return q.new_empty(q.shape)
     max_pages = pages.shape[1]
     out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
-    status = lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                                        pages.data_ptr(), max_pages, lens.data_ptr(), out.data_ptr(), batch, heads,
-                                        kv_heads, head_dim, page_size, scale, window, softcap,
-                                        None if sinks is None else sinks.data_ptr())
+    status = lib.paged_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        pages.data_ptr(),
+        max_pages,
+        lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        page_size,
+        scale,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
+    )
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory")
     return out
 
 
-def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor,
-                            prefix: int, scale: float, *, window: int = 0, softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pages: torch.Tensor,
+    prefix: int,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A chunk of one sequence: q [length, heads, head_dim] (rows may be strided) at positions prefix .. prefix +
     length - 1 attends causally to the sequence's tokens through its pages [max_pages] int64 (the chunk's own
     keys and values written to the pool already; every page checked by the caller); window, softcap and sinks
@@ -454,37 +623,63 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     length, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pool.shape
     _check_attention(q, k_pool, v_pool, window, sinks)
-    _check(pages.dim() == 1 and pages.is_contiguous() and pages.dtype == torch.int64 and pages.is_cpu,
-           "pages must be [max_pages] int64 on the CPU")
+    _check(
+        pages.dim() == 1 and pages.is_contiguous() and pages.dtype == torch.int64 and pages.is_cpu,
+        "pages must be [max_pages] int64 on the CPU",
+    )
     _check(0 <= prefix and prefix + length <= pages.shape[0] * page_size, "the chunk runs past its pages")
     if out is None:
         out = torch.empty((length, heads, head_dim), dtype=torch.float32)
     _check(out.shape == q.shape and out.stride(2) == 1 and out.stride(1) == head_dim, "out must be shaped as q")
     status = _lib().paged_prefill_attention(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), prefix, length,
-        out.data_ptr(), out.stride(0), heads, kv_heads, head_dim, page_size, scale, window, softcap,
-        None if sinks is None else sinks.data_ptr())
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        pages.data_ptr(),
+        prefix,
+        length,
+        out.data_ptr(),
+        out.stride(0),
+        heads,
+        kv_heads,
+        head_dim,
+        page_size,
+        scale,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
+    )
     if status != 0:
         raise MemoryError("paged_prefill_attention could not allocate its scratch memory")
     return out
 
 
-def _check_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int,
-                     sinks: torch.Tensor | None) -> None:
+def _check_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int, sinks: torch.Tensor | None
+) -> None:
     """What both attention kernels need of q, the pools and the sinks (each checks its pages its own way)."""
     _, heads, head_dim = q.shape
     _, _, kv_heads, pool_head_dim = k_pool.shape
     _check(q.dtype is k_pool.dtype is v_pool.dtype is torch.float32, "q, k_pool and v_pool must be float32")
     _check(q.is_cpu and k_pool.is_cpu and v_pool.is_cpu, "tensors must be on the CPU")
-    if (min(heads, kv_heads, head_dim) < 1 or pool_head_dim != head_dim or heads % kv_heads
-            or v_pool.shape != k_pool.shape):
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, "
-                         f"v_pool {tuple(v_pool.shape)}")
+    if (
+        min(heads, kv_heads, head_dim) < 1
+        or pool_head_dim != head_dim
+        or heads % kv_heads
+        or v_pool.shape != k_pool.shape
+    ):
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
+        )
     _check(q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads and dims must be contiguous")
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "the pools must be contiguous")
     _check(window >= 0, "window must be >= 0")
-    _check(sinks is None or (sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_cpu
-                             and sinks.is_contiguous()), f"sinks must be contiguous fp32 [{heads}] on the CPU")
+    _check(
+        sinks is None
+        or (sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_cpu and sinks.is_contiguous()),
+        f"sinks must be contiguous fp32 [{heads}] on the CPU",
+    )
 
 
 def _check(condition: bool, message: str) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from kernels.panel_linear import PanelWeight, pack_panels
-from shared.config import QUANTIZATIONS
+from batchserve.kernels import native
+from batchserve.kernels.panel_linear import PanelWeight, pack_panels
+from batchserve.shared.config import QUANTIZATIONS
 
 LinearWeight = torch.Tensor | PanelWeight  # what `pack_linear_weight` returns and `linear` takes
 
@@ -25,11 +25,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's step: x += residual in place, then (RMSNorm(x), x)."""
-    if (x.dim() == 2 and native.applies_to(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()
-            and weight.is_contiguous()):
+    if (
+        x.dim() == 2
+        and native.applies_to(x, residual, weight)
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and weight.is_contiguous()
+    ):
         return native.add_rms_norm(x, residual, weight, eps)
     x.add_(residual)
     return rms_norm_torch(x, weight, eps), x
@@ -71,8 +77,11 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN's packed-weight linear ops (x86 CPU builds do)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def pack_linear_weight(weight: torch.Tensor, quantization: str = "none") -> LinearWeight:

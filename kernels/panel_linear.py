@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from batchserve.kernels import native
 
 
 @dataclass(frozen=True)

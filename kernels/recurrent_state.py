@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention.base import AttentionMetadata
+from batchserve.kernels.attention.base import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,13 @@ class RecurrentShape:
 
     def of_ranks(self, world_size: int) -> RecurrentShape:
         """One tensor-parallel rank's share: its heads' channels and matrices (the heads split evenly)."""
-        return RecurrentShape(conv_dim=self.conv_dim // world_size, conv_kernel=self.conv_kernel,
-                              heads=self.heads // world_size, key_dim=self.key_dim, value_dim=self.value_dim)
+        return RecurrentShape(
+            conv_dim=self.conv_dim // world_size,
+            conv_kernel=self.conv_kernel,
+            heads=self.heads // world_size,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+        )
 
     def bytes_per_request(self, dtype: torch.dtype) -> int:
         conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
@@ -58,14 +63,23 @@ class StateChunk:
 
 
 class RecurrentStatePool:
-    def __init__(self, *, num_layers: int, shape: RecurrentShape, max_running_requests: int, dtype: torch.dtype,
-                 device: torch.device, snapshots: int = 0):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        shape: RecurrentShape,
+        max_running_requests: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        snapshots: int = 0,
+    ):
         slots = max_running_requests + 1  # the last: padded rows' dummy
         self.shape = shape
         self.dummy_slot = max_running_requests
         self.conv = torch.zeros((num_layers, slots, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
-        self.matrix = torch.zeros((num_layers, slots, shape.heads, shape.key_dim, shape.value_dim),
-                                  dtype=torch.float32, device=device)
+        self.matrix = torch.zeros(
+            (num_layers, slots, shape.heads, shape.key_dim, shape.value_dim), dtype=torch.float32, device=device
+        )
         # Snapshots of states at a cached prefix's end, which the prefix cache serves (`restore` / `save`)
         self.conv_snapshots = self.conv.new_zeros((num_layers, snapshots, *self.conv.shape[2:]))
         self.matrix_snapshots = self.matrix.new_zeros((num_layers, snapshots, *self.matrix.shape[2:]))
@@ -103,7 +117,7 @@ class RecurrentStatePool:
     def plan(self, metadata: AttentionMetadata) -> None:
         slots = np.asarray(metadata.slots, dtype=np.int64)
         if metadata.num_padding:
-            slots[len(slots) - metadata.num_padding:] = self.dummy_slot
+            slots[len(slots) - metadata.num_padding :] = self.dummy_slot
         prefix = np.asarray(metadata.prefix_lens, dtype=np.int64)
         extend = np.asarray(metadata.extend_lens, dtype=np.int64)
         starting = np.unique(slots[prefix == 0])
@@ -120,5 +134,6 @@ class RecurrentStatePool:
         self._index[:count].copy_(torch.from_numpy(slots[one]))
         self.decode_slots = self._index[:count]
         self.decode_rows = None if count == len(extend) else torch.from_numpy(starts[one]).to(device)
-        self.chunks = [StateChunk(int(s), int(n), int(slot)) for s, n, slot in
-                       zip(starts[~one], extend[~one], slots[~one])]
+        self.chunks = [
+            StateChunk(int(s), int(n), int(slot)) for s, n, slot in zip(starts[~one], extend[~one], slots[~one])
+        ]

@@ -25,14 +25,14 @@ import math
 import numpy as np
 import torch
 
-from shared.rope import RopeConfig
+from batchserve.shared.rope import RopeConfig
 
 
 def inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] (float32); `long`: longrope's long factors."""
     dim = rope.rotary_dim(head_dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
-    base = 1.0 / (rope.theta ** exponents)
+    base = 1.0 / (rope.theta**exponents)
     if rope.kind in ("default", "dynamic"):  # dynamic: the base frequencies up to the model's positions
         return base
     if rope.kind == "linear":
@@ -44,9 +44,11 @@ def inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tenso
     if rope.kind == "longrope":
         factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
         if factors.shape != (dim // 2,):
-            raise ValueError(f"longrope {'long' if long else 'short'}_factor has {factors.shape[0]} entries, "
-                             f"expected rotary_dim / 2 = {dim // 2}")
-        return 1.0 / (factors * rope.theta ** exponents)
+            raise ValueError(
+                f"longrope {'long' if long else 'short'}_factor has {factors.shape[0]} entries, "
+                f"expected rotary_dim / 2 = {dim // 2}"
+            )
+        return 1.0 / (factors * rope.theta**exponents)
     raise ValueError(f"unsupported rope type {rope.kind!r}")
 
 
@@ -121,8 +123,9 @@ def cos_sin(inv: torch.Tensor, max_positions: int, scale: float = 1.0) -> tuple[
 class RotaryTables:
     """The cos/sin rows [rows, rotary_dim] a model indexes per token (`rows` says which)."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, *, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_positions: int, *, device: torch.device, dtype: torch.dtype
+    ):
         self.rope, self.head_dim = rope, head_dim
         self.rotary_dim = rope.rotary_dim(head_dim)
         self.max_positions = max_positions
@@ -167,7 +170,7 @@ class RotaryTables:
             return self._dynamic_rows(positions, prompt_lens)
         if not self.switch_length:
             return positions
-        long = (np.maximum(positions + 1, prompt_lens) > self.switch_length)
+        long = np.maximum(positions + 1, prompt_lens) > self.switch_length
         return (positions + long * self.max_positions).astype(positions.dtype)
 
     def _dynamic_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
@@ -180,9 +183,13 @@ class RotaryTables:
         self._step_rows = None
         if inside.shape[0]:
             at = torch.from_numpy(positions[inside].astype(np.int64))
-            freqs = at[:, None].float() * dynamic_inv_freq(self.rope, self.head_dim, torch.from_numpy(
-                lengths[inside].astype(np.int64)))
+            freqs = at[:, None].float() * dynamic_inv_freq(
+                self.rope, self.head_dim, torch.from_numpy(lengths[inside].astype(np.int64))
+            )
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._step_rows = (torch.from_numpy(inside).to(self.cos.device), emb.cos().to(self.cos),
-                               emb.sin().to(self.sin))
+            self._step_rows = (
+                torch.from_numpy(inside).to(self.cos.device),
+                emb.cos().to(self.cos),
+                emb.sin().to(self.sin),
+            )
         return rows.astype(positions.dtype)

@@ -18,12 +18,19 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import native
+from batchserve.kernels import native
+from batchserve.shared.messages import SamplingParams, TokenLogprobs
 
-from shared.messages import SamplingParams, TokenLogprobs
-
-__all__ = ["sample_batch", "sample_with_scores", "draft_sample", "filtered_scores", "rejection_sample", "speculative_noise",
-           "apply_repetition_penalty_", "token_logprobs"]
+__all__ = [
+    "sample_batch",
+    "sample_with_scores",
+    "draft_sample",
+    "filtered_scores",
+    "rejection_sample",
+    "speculative_noise",
+    "apply_repetition_penalty_",
+    "token_logprobs",
+]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -34,9 +41,7 @@ _MUL_B = 0x27D4EB2F
 _MUL_C = 0x165667B1
 
 
-def sample_batch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int]
-) -> torch.Tensor:
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int]) -> torch.Tensor:
     """Pick one token per row of `logits` ([n, vocab], any float dtype and device).
 
     `params[i]` and `sample_counts[i]` belong to row i, one row per sampled position:
@@ -47,15 +52,19 @@ def sample_batch(
     return _sample(logits, params, sample_counts, keep_scores=False)[0]
 
 
-def sample_with_scores(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_with_scores(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    sample_counts: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sample_batch`'s tokens, and the `filtered_scores` they were drawn from (None when every row is
     greedy): speculative sampling verifies against their distributions."""
     return _sample(logits, params, sample_counts, keep_scores=True)
 
 
-def _sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
-            keep_scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int], keep_scores: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens, and with `keep_scores` the filtered scores (otherwise the noise is subtracted from
     them in place, sparing a copy)."""
     n, vocab = logits.shape
@@ -102,9 +111,7 @@ def filtered_scores(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)
 
     # Greedy rows are answered by argmax, so they skip the filters.
-    topk_rows = [
-        i for i, p in enumerate(params) if not greedy[i] and 0 < p.top_k < vocab and p.top_p >= 1.0
-    ]
+    topk_rows = [i for i, p in enumerate(params) if not greedy[i] and 0 < p.top_k < vocab and p.top_p >= 1.0]
     sort_rows = [i for i, p in enumerate(params) if not greedy[i] and p.top_p < 1.0]
     if topk_rows:
         max_k = max(params[i].top_k for i in topk_rows)
@@ -117,8 +124,11 @@ def filtered_scores(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return scores
 
 
-def draft_sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_counts: Sequence[int],
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    sample_counts: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft model's tokens and the distributions they were drawn from ([n] int64, [n, vocab] float32):
     each row sampled under its request's temperature and filters (`filtered_scores`); greedy rows take
     the argmax. A seeded row draws with the very noise the model will sample that position with (its
@@ -132,8 +142,9 @@ def draft_sample(logits: torch.Tensor, params: Sequence[SamplingParams], sample_
     return tokens, scores.softmax(dim=-1)
 
 
-def rejection_sample(target: torch.Tensor, draft: torch.Tensor, proposed: torch.Tensor,
-                     uniform: torch.Tensor, log_noise: torch.Tensor) -> torch.Tensor:
+def rejection_sample(
+    target: torch.Tensor, draft: torch.Tensor, proposed: torch.Tensor, uniform: torch.Tensor, log_noise: torch.Tensor
+) -> torch.Tensor:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023), one token per position.
 
     Position i holds the target's distribution `target[i]` ([m, vocab] probabilities) and the draft
@@ -208,8 +219,9 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top: Sequenc
         return [TokenLogprobs(t, lp, [], []) for t, lp in zip(ids, chosen)]
     top_values, top_ids = logprobs.topk(k_max, dim=-1)
     values, alternatives = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(t, lp, alt[:k], val[:k])
-            for t, lp, alt, val, k in zip(ids, chosen, alternatives, values, top)]
+    return [
+        TokenLogprobs(t, lp, alt[:k], val[:k]) for t, lp, alt, val, k in zip(ids, chosen, alternatives, values, top)
+    ]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -227,9 +239,7 @@ def _rows_view(scores: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, tor
     return scores.index_select(0, index), index
 
 
-def _apply_top_k_rows(
-    scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, max_k: int
-) -> None:
+def _apply_top_k_rows(scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, max_k: int) -> None:
     """Top-k without a full sort: keep each row's k best tokens (exactly k, ties broken by topk)."""
     sub, index = _rows_view(scores, rows)
     k = top_k if index is None else top_k.index_select(0, index)
@@ -241,9 +251,7 @@ def _apply_top_k_rows(
         scores.index_copy_(0, index, sub)
 
 
-def _apply_top_k_top_p_rows(
-    scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, top_p: torch.Tensor
-) -> None:
+def _apply_top_k_top_p_rows(scores: torch.Tensor, rows: list[int], top_k: torch.Tensor, top_p: torch.Tensor) -> None:
     """Top-k then top-p on a sorted copy of the listed rows (as vLLM's apply_top_k_top_p)."""
     sub, index = _rows_view(scores, rows)
     k = top_k if index is None else top_k.index_select(0, index)
@@ -275,9 +283,9 @@ def _log_exponential_noise(
     seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
     if not seeded_rows:
         return _log_torch_exponential(n, vocab, device)
-    keys = torch.tensor(
-        [_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64
-    ).to(device, non_blocking=True)
+    keys = torch.tensor([_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64).to(
+        device, non_blocking=True
+    )
     seeded = _log_hash_exponential(keys, vocab)
     if len(seeded_rows) == n:
         return seeded
@@ -324,4 +332,3 @@ def _log_hash_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     # 23 random bits + 1/2: uniform strictly inside (0, 1) in float32, so E = -log(u) is in (0, 17).
     uniform = ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
     return uniform.log_().neg_().log_()
-

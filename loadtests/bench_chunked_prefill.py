@@ -7,7 +7,7 @@ tokens. Two paths, alternated in one process: `c` (prefill chunks attend in C fr
 fused decoder call runs mixed steps whole) and `sdpa` (chunks through SDPA, mixed steps through the
 per-layer Python loop: the path before `paged_prefill_attention`).
 
-    .venv/bin/python -m loadtests.bench_chunked_prefill --running 15 --prompt-len 400 --chunks 146,133,121
+    .venv/bin/python -m batchserve.loadtests.bench_chunked_prefill --running 15 --prompt-len 400 --chunks 146,133,121
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 import numpy as np
 import torch
 
-from loadtests.bench_engine import StaticPlan
-from loadtests.bench_step_mix import _batch
-from procs.worker.model_runner import ModelRunner
-from shared.config import DEFAULT_MODEL
-from shared.model import resolve_model
+from batchserve.loadtests.bench_engine import StaticPlan
+from batchserve.loadtests.bench_step_mix import _batch
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.model import resolve_model
 
 PATHS = ("c", "sdpa")
 
@@ -32,8 +32,9 @@ def _use_path(runner: ModelRunner, path: str) -> None:
     runner.attention.paged_chunks = path == "c"
 
 
-def measure(runner: ModelRunner, running: int, context: int, prompt_len: int, chunks: list[int],
-            repeats: int) -> dict[tuple[str, str], list[float]]:
+def measure(
+    runner: ModelRunner, running: int, context: int, prompt_len: int, chunks: list[int], repeats: int
+) -> dict[tuple[str, str], list[float]]:
     """Seconds per prompt, by (path, whole | chunked), over `repeats` prompts each: the prompt's steps, each
     beside `running` decodes, and as many steps in all as `chunks` has."""
     rng = np.random.default_rng(0)
@@ -51,7 +52,7 @@ def measure(runner: ModelRunner, running: int, context: int, prompt_len: int, ch
                 for tokens in steps:
                     rows = [(i, [1], lens[i]) for i in range(running)]
                     if tokens:
-                        rows.append((newcomer, prompts[newcomer][done:done + tokens], done))
+                        rows.append((newcomer, prompts[newcomer][done : done + tokens], done))
                         done += tokens
                     runner.execute(_batch(plan, rows, [newcomer] if tokens else []))
                     lens = [n + 1 for n in lens]
@@ -77,9 +78,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(v) for v in args.running.split(",")]
-    runner = ModelRunner(resolve_model(args.model), device="cpu", dtype="float32",
-                         kv_capacity_tokens=(max(sizes) + 4 * args.repeats) * (args.context + args.prompt_len + 64),
-                         max_running_requests=max(sizes) + 4 * args.repeats + 1)
+    runner = ModelRunner(
+        resolve_model(args.model),
+        device="cpu",
+        dtype="float32",
+        kv_capacity_tokens=(max(sizes) + 4 * args.repeats) * (args.context + args.prompt_len + 64),
+        max_running_requests=max(sizes) + 4 * args.repeats + 1,
+    )
     print(f"{'running':>8}{'path':>6}{'whole ms':>10}{'chunked ms':>12}{'chunked/whole':>15}")
     for running in sizes:
         times = measure(runner, running, args.context, args.prompt_len, chunks, args.repeats)

@@ -7,7 +7,7 @@ The model is random (a benchmark of speed, not of vectors): a BERT shaped like a
 hidden 384, 12 heads, intermediate 1536, vocabulary 30522), fp32, with mean pooling and normalisation in
 its sentence-transformers files, and a word-level tokenizer (each word one token, [CLS] and [SEP] added).
 
-    .venv/bin/python -m loadtests.bench_embeddings [--inputs 256] [--clients 16] [--repeats 2]
+    .venv/bin/python -m batchserve.loadtests.bench_embeddings [--inputs 256] [--clients 16] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
 
-MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
-              max_position_embeddings=512)
+MINILM = dict(
+    vocab_size=30522,
+    hidden_size=384,
+    num_hidden_layers=6,
+    num_attention_heads=12,
+    intermediate_size=1536,
+    max_position_embeddings=512,
+)
 
 
 def build(out_dir: Path) -> Path:
@@ -39,17 +45,22 @@ def build(out_dir: Path) -> Path:
     vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{f"w{i}": i for i in range(4, MINILM["vocab_size"])}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
-                                                                                                  ("[SEP]", 3)])
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                            sep_token="[SEP]").save_pretrained(out_dir)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    ).save_pretrained(out_dir)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
     (out_dir / "modules.json").write_text(json.dumps(modules))
     (out_dir / "1_Pooling").mkdir()
-    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": MINILM["hidden_size"], "pooling_mode_mean_tokens": True}))
+    (out_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": MINILM["hidden_size"], "pooling_mode_mean_tokens": True})
+    )
     (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
     return out_dir
 
@@ -57,8 +68,10 @@ def build(out_dir: Path) -> Path:
 def texts(count: int, seed: int = 0) -> list[str]:
     """`count` texts of 30-254 words (32-256 tokens with [CLS] and [SEP])."""
     rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(4, MINILM['vocab_size'])}" for _ in range(rng.randint(30, 254)))
-            for _ in range(count)]
+    return [
+        " ".join(f"w{rng.randrange(4, MINILM['vocab_size'])}" for _ in range(rng.randint(30, 254)))
+        for _ in range(count)
+    ]
 
 
 def sentence_transformers_rate(model_dir: Path, inputs: list[str], repeats: int) -> float:
@@ -97,8 +110,8 @@ async def _clients(url: str, inputs: list[str], clients: int) -> float:
 def server_rate(model_dir: Path, inputs: list[str], clients: int, repeats: int, log: Path, *flags: str) -> float:
     """Inputs/s of `batchserve serve` (`flags` added) to `clients` concurrent clients, the best of `repeats`."""
     command = [*DEFAULT_SERVE_COMMAND, "--model", str(model_dir), "--max-running-requests", str(clients), *flags]
-    with ServerProcess(command, log, cwd=REPO) as server:
-        asyncio.run(_clients(server.base_url, inputs[:clients * 2], clients))  # warm up
+    with ServerProcess(command, log) as server:
+        asyncio.run(_clients(server.base_url, inputs[: clients * 2], clients))  # warm up
         return len(inputs) / min(asyncio.run(_clients(server.base_url, inputs, clients)) for _ in range(repeats))
 
 
@@ -112,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build(Path(tmp) / "minilm")
         inputs = texts(args.inputs)
         reference = sentence_transformers_rate(model_dir, inputs, args.repeats)
-        rates = {"batchserve fp32": server_rate(model_dir, inputs, args.clients, args.repeats, Path(tmp) / "fp32.log"),
-                 "batchserve int8": server_rate(model_dir, inputs, args.clients, args.repeats, Path(tmp) / "int8.log",
-                                                "--quantization", "int8")}
+        rates = {
+            "batchserve fp32": server_rate(model_dir, inputs, args.clients, args.repeats, Path(tmp) / "fp32.log"),
+            "batchserve int8": server_rate(
+                model_dir, inputs, args.clients, args.repeats, Path(tmp) / "int8.log", "--quantization", "int8"
+            ),
+        }
     print(f"{args.inputs} inputs of 32-256 tokens, MiniLM-shaped BERT (6 x 384), {args.clients} clients")
     print(f"{'':24s} {'inputs/s':>9s} {'vs sentence-transformers':>25s}")
     print(f"{'sentence-transformers':24s} {reference:9.1f} {1.0:25.2f}")

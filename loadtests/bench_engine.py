@@ -7,7 +7,7 @@ Python/dispatch overhead), and what a decode step costs with each per-request lo
 every row (penalties, logit_bias + min_tokens, logprobs) against the plain step and the bare step
 (forward + sample, as the step was before per-slot logits state existed).
 
-    .venv/bin/python -m loadtests.bench_engine [--batch-sizes 1,8,32,64] [--decode-steps 16]
+    .venv/bin/python -m batchserve.loadtests.bench_engine [--batch-sizes 1,8,32,64] [--decode-steps 16]
 """
 
 from __future__ import annotations
@@ -17,26 +17,25 @@ import contextlib
 import time
 import unittest.mock
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from kernels import native
-from kernels.panel_linear import PanelWeight
-from procs.tokenizer.grammars import JSON_OPTIONS
-from procs.worker import model_runner
-from procs.worker.models import layers
-from procs.worker.models.moe import SparseMoeBlock
-from procs.worker.model_runner import ModelRunner
-from procs.worker.step_probe import GREEDY
-from shared.config import DEFAULT_MODEL, QUANTIZATIONS
-from kernels.sampling import sample_batch
-from shared.messages import ForwardBatch, LogitsParams, RequestParams, SlotStart, StepResult
-from shared.model import resolve_model
-
+from batchserve.kernels import native
+from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.kernels.sampling import sample_batch
+from batchserve.procs.tokenizer.grammars import JSON_OPTIONS
+from batchserve.procs.worker import model_runner
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.models import layers
+from batchserve.procs.worker.models.moe import SparseMoeBlock
+from batchserve.procs.worker.step_probe import GREEDY
+from batchserve.shared.config import DEFAULT_MODEL, QUANTIZATIONS
+from batchserve.shared.messages import ForwardBatch, LogitsParams, RequestParams, SlotStart, StepResult
+from batchserve.shared.model import resolve_model
 
 
 class StaticPlan:
@@ -63,25 +62,36 @@ class StaticPlan:
 
     def _batch(self, tokens: list[list[int]], prefix: list[int], with_pages: bool) -> ForwardBatch:
         n = len(tokens)
-        i32 = lambda xs: np.asarray(xs, dtype=np.int32)
+
+        def i32(xs: list[int]) -> np.ndarray:
+            return np.asarray(xs, dtype=np.int32)
+
         slots = [i for i in range(n) for _ in self.pages[i]] if with_pages else []
         cols = [c for i in range(n) for c in range(len(self.pages[i]))] if with_pages else []
         pages = [p for i in range(n) for p in self.pages[i]] if with_pages else []
         self.step += 1
         return ForwardBatch(
-            step=self.step, slots=list(range(n)), prefix_lens=prefix, extend_lens=[len(t) for t in tokens],
-            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
+            step=self.step,
+            slots=list(range(n)),
+            prefix_lens=prefix,
+            extend_lens=[len(t) for t in tokens],
+            sample_lens=[1] * n,
+            sampling=[GREEDY] * n,
+            sample_counts=[0] * n,
             input_ids=i32([t for ts in tokens for t in ts]),
             positions=i32([prefix[i] + j for i, ts in enumerate(tokens) for j in range(len(ts))]),
             kv_locs=i32([self._loc(i, prefix[i] + j) for i, ts in enumerate(tokens) for j in range(len(ts))]),
-            page_table_slots=i32(slots), page_table_cols=i32(cols), page_table_pages=i32(pages),
+            page_table_slots=i32(slots),
+            page_table_cols=i32(cols),
+            page_table_pages=i32(pages),
         )
 
     def prefill(self, logits: LogitsParams | None = None) -> ForwardBatch:
         batch = self._batch(self.prompts, [0] * len(self.prompts), with_pages=True)
         params = RequestParams(logits=logits or LogitsParams())
-        batch.slot_starts = [SlotStart(slot=i, params=params, prompt_ids=p, min_tokens_banned=[0])
-                             for i, p in enumerate(self.prompts)]
+        batch.slot_starts = [
+            SlotStart(slot=i, params=params, prompt_ids=p, min_tokens_banned=[0]) for i, p in enumerate(self.prompts)
+        ]
         return batch
 
     def decode(self, last: list[int]) -> ForwardBatch:
@@ -90,10 +100,14 @@ class StaticPlan:
         return batch
 
 
-def run_engine(runner: ModelRunner, prompts: list[list[int]], steps: int,
-               around_decode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-               logits: LogitsParams | None = None, execute: Callable[[ForwardBatch], StepResult] | None = None,
-               ) -> tuple[float, float, list[list[int]]]:
+def run_engine(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    steps: int,
+    around_decode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    logits: LogitsParams | None = None,
+    execute: Callable[[ForwardBatch], StepResult] | None = None,
+) -> tuple[float, float, list[list[int]]]:
     """(prefill seconds, seconds for `steps` decode steps, generated tokens); every request with
     `logits`, every decode step run by `execute` (default: the runner's)."""
     plan = StaticPlan(runner, prompts, steps + 1)
@@ -132,10 +146,16 @@ def run_transformers(model, prompts: list[list[int]], steps: int) -> tuple[float
     clock = _StepClock()
     with torch.inference_mode():
         started = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                             max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                             logits_processor=LogitsProcessorList([clock]))
-    return clock.times[0] - started, clock.times[-1] - clock.times[0], out[:, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    return clock.times[0] - started, clock.times[-1] - clock.times[0], out[:, ids.shape[1] :].tolist()
 
 
 Run = Callable[[], tuple[float, float, list[list[int]]]]
@@ -156,7 +176,10 @@ def alternating(repeats: int, ours: Run, theirs: Run | None):
         results[0].append(ours())
         if theirs is not None:
             results[1].append(theirs())
-    best = lambda rs: (min(r[0] for r in rs), min(r[1] for r in rs), rs[0][2]) if rs else None
+
+    def best(rs: list) -> tuple | None:
+        return (min(r[0] for r in rs), min(r[1] for r in rs), rs[0][2]) if rs else None
+
     return best(results[0]), best(results[1])
 
 
@@ -183,6 +206,7 @@ class Timers:
             finally:
                 self.seconds[name] += time.perf_counter() - started
                 self._timing = False
+
         return timed
 
 
@@ -198,8 +222,9 @@ def instrumented(runner: ModelRunner, timers: Timers) -> Iterator[None]:
     try:
         yield
     finally:
-        (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear,
-         SparseMoeBlock.__call__) = saved
+        (attention.forward, model.lm_head_logits, model_runner.sample_batch, layers.linear, SparseMoeBlock.__call__) = (
+            saved
+        )
 
 
 def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:
@@ -218,11 +243,15 @@ def decode_breakdown(runner: ModelRunner, prompts: list[list[int]], steps: int) 
     for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"    {name:<52} {ms:7.1f} ms  {100 * ms / step_ms:5.1f}%")
     rest = step_ms - sum(parts.values())
-    print(f"    {'rest: norms, rotary, SiLU, embedding, adds, python':<52} {rest:7.1f} ms  {100 * rest / step_ms:5.1f}%")
+    print(
+        f"    {'rest: norms, rotary, SiLU, embedding, adds, python':<52} {rest:7.1f} ms  {100 * rest / step_ms:5.1f}%"
+    )
     # Two runs, two shares that overlap a little (a C kernel call's Python wrapper allocates its output
     # with a torch op) and leave Python, dispatch and batch building as roughly the rest.
-    print(f"    (torch ops {100 * op_share:.0f}% of a profiled step; C kernel calls, wrappers included, "
-          f"{100 * c_share:.0f}% of an unprofiled one)")
+    print(
+        f"    (torch ops {100 * op_share:.0f}% of a profiled step; C kernel calls, wrappers included, "
+        f"{100 * c_share:.0f}% of an unprofiled one)"
+    )
 
 
 @contextlib.contextmanager
@@ -244,21 +273,30 @@ def c_kernels_timed(timers: Timers) -> Iterator[None]:
 
 FEATURES = {
     "plain": None,
-    "penalties (frequency, presence, repetition)": LogitsParams(frequency_penalty=0.5, presence_penalty=0.5,
-                                                                repetition_penalty=1.1),
+    "penalties (frequency, presence, repetition)": LogitsParams(
+        frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1
+    ),
     "frequency + presence penalties": LogitsParams(frequency_penalty=0.5, presence_penalty=0.5),
     "logit_bias (8 ids) + min_tokens": LogitsParams(logit_bias={i: 1.0 for i in range(100, 108)}, min_tokens=10**6),
     "logprobs, top 5": LogitsParams(logprobs=5),
     # structured output: a JSON schema whose first string is long enough that no row completes
-    "json_schema grammar": LogitsParams(grammar=LLMatcher.grammar_from_json_schema(
-        {"type": "object", "required": ["name", "age"], "additionalProperties": False,
-         "properties": {"name": {"type": "string", "minLength": 200}, "age": {"type": "integer"}}},
-        defaults=JSON_OPTIONS)),
+    "json_schema grammar": LogitsParams(
+        grammar=LLMatcher.grammar_from_json_schema(
+            {
+                "type": "object",
+                "required": ["name", "age"],
+                "additionalProperties": False,
+                "properties": {"name": {"type": "string", "minLength": 200}, "age": {"type": "integer"}},
+            },
+            defaults=JSON_OPTIONS,
+        )
+    ),
 }
 
 
 def bare_execute(runner: ModelRunner) -> Callable[[ForwardBatch], StepResult]:
     """The decode step as it was before per-slot logits state: checks, page table, forward, sample."""
+
     def execute(batch: ForwardBatch) -> StepResult:
         runner._check(batch)
         runner.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
@@ -266,13 +304,15 @@ def bare_execute(runner: ModelRunner) -> Callable[[ForwardBatch], StepResult]:
             logits = runner.forward_logits(batch)
             token_ids = sample_batch(logits, batch.sampling, batch.sample_counts)
         return StepResult(step=batch.step, next_token_ids=token_ids.to(torch.int32).numpy())
+
     return execute
 
 
 def feature_costs(runner: ModelRunner, prompts: list[list[int]], steps: int, repeats: int) -> None:
     """Decode step time per feature, all variants alternating, best of `repeats` each."""
-    variants: dict[str, Run] = {"bare step (before)": lambda: run_engine(runner, prompts, steps,
-                                                                         execute=bare_execute(runner))}
+    variants: dict[str, Run] = {
+        "bare step (before)": lambda: run_engine(runner, prompts, steps, execute=bare_execute(runner))
+    }
     for name, logits in FEATURES.items():
         variants[name] = lambda logits=logits: run_engine(runner, prompts, steps, logits=logits)
     best: dict[str, float] = {}
@@ -288,28 +328,49 @@ def feature_costs(runner: ModelRunner, prompts: list[list[int]], steps: int, rep
 # ---------------------------------------------------------------------------------------------
 
 
-def linear_paths(runner: ModelRunner, model_dir: Path, prompts_for: Callable[[int, int], list[list[int]]],
-                 batch_sizes: list[int], args: argparse.Namespace) -> None:
+def linear_paths(
+    runner: ModelRunner,
+    model_dir: Path,
+    prompts_for: Callable[[int, int], list[list[int]]],
+    batch_sizes: list[int],
+    args: argparse.Namespace,
+) -> None:
     """Decode and prefill tokens/s of `runner` (panels) against the same model on oneDNN's layout."""
     with unittest.mock.patch.object(native, "available", lambda: False):  # only while the weights are packed
-        onednn = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=runner.kv_capacity_tokens,
-                             max_running_requests=runner.max_running_requests, max_context=runner.max_context)
+        onednn = ModelRunner(
+            model_dir,
+            device="cpu",
+            dtype="float32",
+            kv_capacity_tokens=runner.kv_capacity_tokens,
+            max_running_requests=runner.max_running_requests,
+            max_context=runner.max_context,
+        )
     assert not isinstance(onednn.model.layers[0].qkv.weight, PanelWeight)
     assert isinstance(runner.model.layers[0].qkv.weight, PanelWeight)
     run_engine(onednn, prompts_for(2, 16), 2)
-    print(f"\nlinear layers on the C panel kernel vs oneDNN's packed sgemm (greedy; best of {args.repeats} "
-          f"alternating runs; tokens/s)")
+    print(
+        f"\nlinear layers on the C panel kernel vs oneDNN's packed sgemm (greedy; best of {args.repeats} "
+        f"alternating runs; tokens/s)"
+    )
     print(f"  {'':>18} {'panels':>8} {'oneDNN':>8} {'ratio':>7}  same tokens")
     cases = [(f"decode batch {b}", prompts_for(b, args.prompt_len), args.decode_steps, 1) for b in batch_sizes]
-    cases += [(f"prefill {n} x {args.prefill_len}", prompts_for(n, args.prefill_len), 1, 0)
-              for n in (int(b) for b in args.prefill_batches.split(","))]
+    cases += [
+        (f"prefill {n} x {args.prefill_len}", prompts_for(n, args.prefill_len), 1, 0)
+        for n in (int(b) for b in args.prefill_batches.split(","))
+    ]
     for name, prompts, steps, part in cases:
-        ours, theirs = alternating(args.repeats, lambda: run_engine(runner, prompts, steps),
-                                   lambda: run_engine(onednn, prompts, steps))
+        ours, theirs = alternating(
+            args.repeats,
+            lambda prompts=prompts, steps=steps: run_engine(runner, prompts, steps),
+            lambda prompts=prompts, steps=steps: run_engine(onednn, prompts, steps),
+        )
         tokens = len(prompts) * (steps if part else len(prompts[0]))
         same = sum(o == t for o, t in zip(ours[2], theirs[2]))
-        print(f"  {name:>18} {tokens / ours[part]:>8.1f} {tokens / theirs[part]:>8.1f} "
-              f"{theirs[part] / ours[part]:>6.2f}x  {same}/{len(prompts)}", flush=True)
+        print(
+            f"  {name:>18} {tokens / ours[part]:>8.1f} {tokens / theirs[part]:>8.1f} "
+            f"{theirs[part] / ours[part]:>6.2f}x  {same}/{len(prompts)}",
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
@@ -323,28 +384,40 @@ def layers_fused(runner: ModelRunner, fused: bool) -> Iterator[None]:
         runner.model.fuse_decode_layers = saved
 
 
-def decode_layer_paths(runner: ModelRunner, prompts_for: Callable[[int, int], list[list[int]]],
-                       batch_sizes: list[int], args: argparse.Namespace) -> None:
+def decode_layer_paths(
+    runner: ModelRunner,
+    prompts_for: Callable[[int, int], list[list[int]]],
+    batch_sizes: list[int],
+    args: argparse.Namespace,
+) -> None:
     """Decode tokens/s with the layers in one C call per step against the per-op Python loop."""
     if not runner.model.fuse_decode_layers:
-        raise SystemExit("this model's decode steps do not run as one C call here (C kernels, panel weights, no q/k norm)")
+        raise SystemExit(
+            "this model's decode steps do not run as one C call here (C kernels, panel weights, no q/k norm)"
+        )
 
     def run(prompts: list[list[int]], fused: bool) -> Run:
         def timed():
             with layers_fused(runner, fused):
                 return run_engine(runner, prompts, args.decode_steps)
+
         return timed
 
-    print(f"\ndecode: every layer in one C call vs the per-op Python loop (greedy; best of {args.repeats} "
-          f"alternating runs)")
+    print(
+        f"\ndecode: every layer in one C call vs the per-op Python loop (greedy; best of {args.repeats} "
+        f"alternating runs)"
+    )
     print(f"  {'batch':>5} {'one call':>9} {'loop':>9} {'ratio':>7} {'ms/step saved':>14}  same tokens")
     for b in batch_sizes:
         prompts = prompts_for(b, args.prompt_len)
         fused, loop = alternating(args.repeats, run(prompts, True), run(prompts, False))
         saved_ms = (loop[1] - fused[1]) / args.decode_steps * 1000
         same = sum(f == o for f, o in zip(fused[2], loop[2]))
-        print(f"  {b:>5} {b * args.decode_steps / fused[1]:>9.1f} {b * args.decode_steps / loop[1]:>9.1f} "
-              f"{loop[1] / fused[1]:>6.2f}x {saved_ms:>14.2f}  {same}/{b}", flush=True)
+        print(
+            f"  {b:>5} {b * args.decode_steps / fused[1]:>9.1f} {b * args.decode_steps / loop[1]:>9.1f} "
+            f"{loop[1] / fused[1]:>6.2f}x {saved_ms:>14.2f}  {same}/{b}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,17 +431,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--breakdown-batches", default="1,32")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                        help="the engine's weights: none (fp32) or int8")
+    parser.add_argument(
+        "--quantization", default="none", choices=QUANTIZATIONS, help="the engine's weights: none (fp32) or int8"
+    )
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
     parser.add_argument("--only-features", action="store_true", help="measure only the logits-feature costs")
-    parser.add_argument("--only-linear", action="store_true",
-                        help="measure only decode and prefill with the linear layers on the C panel kernel "
-                             "against oneDNN's packed sgemm (the path without the C kernels)")
+    parser.add_argument(
+        "--only-linear",
+        action="store_true",
+        help="measure only decode and prefill with the linear layers on the C panel kernel "
+        "against oneDNN's packed sgemm (the path without the C kernels)",
+    )
     parser.add_argument("--only-decode", action="store_true", help="measure only decode tokens/s")
-    parser.add_argument("--only-decode-layers", action="store_true",
-                        help="measure only decode with every layer in one C call against the per-op Python loop")
+    parser.add_argument(
+        "--only-decode-layers",
+        action="store_true",
+        help="measure only decode with every layer in one C call against the per-op Python loop",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -379,22 +459,33 @@ def main(argv: list[str] | None = None) -> int:
     decode_batch = max(batch_sizes + breakdown_batches + feature_batches + [2])  # 2: the warm-up
 
     model_dir = resolve_model(args.model)
-    capacity = max(decode_batch * (args.prompt_len + args.decode_steps + 32),
-                   max(prefill_batches) * (args.prefill_len + 32))
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_capacity_tokens=capacity,
-                         max_running_requests=max(decode_batch, max(prefill_batches)),
-                         max_context=max(args.prompt_len + args.decode_steps, args.prefill_len) + 64,
-                         quantization=args.quantization)
+    capacity = max(
+        decode_batch * (args.prompt_len + args.decode_steps + 32), max(prefill_batches) * (args.prefill_len + 32)
+    )
+    runner = ModelRunner(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        kv_capacity_tokens=capacity,
+        max_running_requests=max(decode_batch, max(prefill_batches)),
+        max_context=max(args.prompt_len + args.decode_steps, args.prefill_len) + 64,
+        quantization=args.quantization,
+    )
     reference = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
-    prompts_for = lambda b, n: rng.integers(100, runner.vocab_size, size=(b, n)).tolist()
+
+    def prompts_for(b: int, n: int) -> list[list[int]]:
+        return rng.integers(100, runner.vocab_size, size=(b, n)).tolist()
+
     weights = "fp32" if args.quantization == "none" else args.quantization
-    print(f"model {args.model} ({model_dir}), {weights} weights, CPU, torch threads {torch.get_num_threads()}, "
-          f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps")
+    print(
+        f"model {args.model} ({model_dir}), {weights} weights, CPU, torch threads {torch.get_num_threads()}, "
+        f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps"
+    )
 
     # warm-up both (first calls allocate and pick kernels)
     warm = prompts_for(2, 16)
@@ -410,28 +501,39 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if not args.only_decode:
-        print(f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
-              f"alternating runs)")
+        print(
+            f"\ndecode step with per-request logits features on every row (greedy; best of {args.repeats} "
+            f"alternating runs)"
+        )
         for b in feature_batches:
             feature_costs(runner, prompts_for(b, args.prompt_len), args.decode_steps, args.repeats)
         if args.only_features:
             return 0
 
     print(f"\ndecode tokens/s (batch of equal-length prompts, greedy; best of {args.repeats} alternating runs)")
-    print(f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}  (up to the engine's EOS)")
+    print(
+        f"  {'batch':>5} {'engine':>10} {'transformers':>13} {'ratio':>7}  {'same tokens':>11}"
+        "  (up to the engine's EOS)"
+    )
     for b in batch_sizes:
         prompts = prompts_for(b, args.prompt_len)
-        ours, theirs = alternating(args.repeats, lambda: run_engine(runner, prompts, args.decode_steps),
-                                   None if reference is None else
-                                   lambda: run_transformers(reference, prompts, args.decode_steps))
+        ours, theirs = alternating(
+            args.repeats,
+            lambda prompts=prompts: run_engine(runner, prompts, args.decode_steps),
+            None
+            if reference is None
+            else lambda prompts=prompts: run_transformers(reference, prompts, args.decode_steps),
+        )
         ours_tps = b * args.decode_steps / ours[1]
         if theirs is None:
             print(f"  {b:>5} {ours_tps:>10.1f}")
             continue
         theirs_tps = b * args.decode_steps / theirs[1]
         same = sum(same_greedy_tokens(o, t, runner.eos_token_ids) for o, t in zip(ours[2], theirs[2]))
-        print(f"  {b:>5} {ours_tps:>10.1f} {theirs_tps:>13.1f} {ours_tps / theirs_tps:>6.2f}x  {same:>5}/{b:<5}",
-              flush=True)
+        print(
+            f"  {b:>5} {ours_tps:>10.1f} {theirs_tps:>13.1f} {ours_tps / theirs_tps:>6.2f}x  {same:>5}/{b:<5}",
+            flush=True,
+        )
     if args.only_decode:
         return 0
 
@@ -439,8 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'prompts':>7} {'engine':>10} {'transformers':>13} {'ratio':>7}")
     for b in prefill_batches:
         prompts = prompts_for(b, args.prefill_len)
-        ours, theirs = alternating(args.repeats, lambda: run_engine(runner, prompts, 0),
-                                   None if reference is None else lambda: run_transformers(reference, prompts, 0))
+        ours, theirs = alternating(
+            args.repeats,
+            lambda prompts=prompts: run_engine(runner, prompts, 0),
+            None if reference is None else lambda prompts=prompts: run_transformers(reference, prompts, 0),
+        )
         ours_tps = b * args.prefill_len / ours[0]
         if theirs is None:
             print(f"  {b:>7} {ours_tps:>10.1f}")

@@ -16,7 +16,7 @@ the linear layers), the twin every layer full. fp32, as the CPU serves.
   a system prompt through the scheduler, one first and then the rest together, with the cache and without,
   for both models: the prompt tokens it served and the wall time.
 
-    .venv/bin/python -m loadtests.bench_hybrid [--context 2000] [--batch 32] [--steps 8] [--repeats 3]
+    .venv/bin/python -m batchserve.loadtests.bench_hybrid [--context 2000] [--batch 32] [--steps 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,15 +29,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtests.bench_moe import step_cost_table
-from procs.worker.model_runner import ModelRunner
-from procs.worker.step_probe import GREEDY
-from shared.messages import ForwardBatch
+from batchserve.loadtests.bench_moe import step_cost_table
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.step_probe import GREEDY
+from batchserve.shared.messages import ForwardBatch
 
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-             head_dim=64, linear_num_key_heads=9, linear_num_value_heads=9, linear_key_head_dim=64,
-             linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-5,
-             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    linear_num_key_heads=9,
+    linear_num_value_heads=9,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.02,
+)
 
 
 def build(out_dir: Path, layers: int, hybrid: bool) -> Path:
@@ -69,10 +84,21 @@ def decode_batch(runner: ModelRunner, batch: int, context: int) -> ForwardBatch:
     kv_locs = (pages.reshape(batch, pages_each)[:, context // size] * size + context % size).astype(np.int32)
     ids = ((np.arange(batch) * 7919 + 11) % runner.vocab_size).astype(np.int32)
     empty = np.zeros(0, dtype=np.int32)
-    return ForwardBatch(step=0, slots=list(range(batch)), prefix_lens=[context] * batch, extend_lens=[1] * batch,
-                        sample_lens=[1] * batch, sampling=[GREEDY] * batch, sample_counts=[0] * batch,
-                        input_ids=ids, positions=positions, kv_locs=kv_locs, page_table_slots=empty,
-                        page_table_cols=empty, page_table_pages=empty)
+    return ForwardBatch(
+        step=0,
+        slots=list(range(batch)),
+        prefix_lens=[context] * batch,
+        extend_lens=[1] * batch,
+        sample_lens=[1] * batch,
+        sampling=[GREEDY] * batch,
+        sample_counts=[0] * batch,
+        input_ids=ids,
+        positions=positions,
+        kv_locs=kv_locs,
+        page_table_slots=empty,
+        page_table_cols=empty,
+        page_table_pages=empty,
+    )
 
 
 def decode_rate(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
@@ -85,18 +111,21 @@ def decode_rate(runner: ModelRunner, batch: int, context: int, steps: int) -> fl
     return batch * steps / (time.perf_counter() - started)
 
 
-def shared_prompt_run(runner: ModelRunner, cache: bool, requests: int, shared: int, own: int,
-                      new_tokens: int) -> tuple[float, float]:
+def shared_prompt_run(
+    runner: ModelRunner, cache: bool, requests: int, shared: int, own: int, new_tokens: int
+) -> tuple[float, float]:
     """(share of prompt tokens the prefix cache served, seconds) for `requests` prompts of `shared` common
     tokens and `own` more each, the first alone, then the others together, `new_tokens` each."""
-    from procs.scheduler import Scheduler
-    from procs.scheduler.config import scheduler_config_from_server
-    from shared.config import ServerConfig
-    from shared.messages import RequestParams, StopParams
+    from batchserve.procs.scheduler import Scheduler
+    from batchserve.procs.scheduler.config import scheduler_config_from_server
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.messages import RequestParams, StopParams
 
     info = runner.worker_info()
-    config = scheduler_config_from_server(ServerConfig(model="-", disable_prefix_cache=not cache,
-                                                       max_running_requests=runner.max_running_requests - 1), info)
+    config = scheduler_config_from_server(
+        ServerConfig(model="-", disable_prefix_cache=not cache, max_running_requests=runner.max_running_requests - 1),
+        info,
+    )
     scheduler = Scheduler(config, eos_token_ids=())
     rng = np.random.default_rng(3)
     system = rng.integers(100, 49152, size=shared).tolist()
@@ -113,13 +142,18 @@ def shared_prompt_run(runner: ModelRunner, cache: bool, requests: int, shared: i
 
 def prefix_cache_table(runners: dict[str, ModelRunner]) -> None:
     shared, own, requests = 512, 32, 16
-    print(f"\nprefix cache: {requests} prompts of {shared} shared + {own} own tokens, 16 new tokens each (the first "
-          f"alone, then the rest), through the scheduler")
+    print(
+        f"\nprefix cache: {requests} prompts of {shared} shared + {own} own tokens, 16 new tokens each (the first "
+        f"alone, then the rest), through the scheduler"
+    )
     for name, runner in runners.items():
         for cache in (False, True):
             served, seconds = shared_prompt_run(runner, cache, requests, shared, own, 16)
-            print(f"  {name:>6} cache {'on ' if cache else 'off'}: prompt tokens served from the cache "
-                  f"{100 * served:5.1f}%, {seconds:6.1f} s", flush=True)
+            print(
+                f"  {name:>6} cache {'on ' if cache else 'off'}: prompt tokens served from the cache "
+                f"{100 * served:5.1f}%, {seconds:6.1f} s",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,25 +172,37 @@ def main(argv: list[str] | None = None) -> int:
         runners = {}
         for name in ("full", "hybrid"):
             folder = build(Path(tmp) / name, args.layers, name == "hybrid")
-            runners[name] = ModelRunner(folder, device="cpu", dtype="float32", max_running_requests=max(args.batch, 33),
-                                        kv_capacity_tokens=args.batch * (args.context + 32), max_context=args.context + 64,
-                                        state_snapshots=max(args.batch, 33))
-        print(f"{args.layers} layers, hidden 576, 9 heads of 64 (3 KV heads), fp32; hybrid: 3 Gated DeltaNet layers "
-              f"to 1 full; torch threads {torch.get_num_threads()} (built in {time.perf_counter() - started:.0f} s)")
+            runners[name] = ModelRunner(
+                folder,
+                device="cpu",
+                dtype="float32",
+                max_running_requests=max(args.batch, 33),
+                kv_capacity_tokens=args.batch * (args.context + 32),
+                max_context=args.context + 64,
+                state_snapshots=max(args.batch, 33),
+            )
+        print(
+            f"{args.layers} layers, hidden 576, 9 heads of 64 (3 KV heads), fp32; hybrid: 3 Gated DeltaNet layers "
+            f"to 1 full; torch threads {torch.get_num_threads()} (built in {time.perf_counter() - started:.0f} s)"
+        )
         sizes = {name: bytes_per_request(runner, args.context) for name, runner in runners.items()}
-        print(f"\nbytes per request at {args.context} tokens: full {sizes['full'] / 2**20:.1f} MiB, hybrid "
-              f"{sizes['hybrid'] / 2**20:.1f} MiB (of which state "
-              f"{runners['hybrid'].kv_cache.states.bytes_per_request / 2**20:.2f} MiB; beside it "
-              f"{runners['hybrid'].kv_cache.states.num_snapshots} snapshots for the prefix cache): "
-              f"{sizes['hybrid'] / sizes['full']:.2f}x")
+        print(
+            f"\nbytes per request at {args.context} tokens: full {sizes['full'] / 2**20:.1f} MiB, hybrid "
+            f"{sizes['hybrid'] / 2**20:.1f} MiB (of which state "
+            f"{runners['hybrid'].kv_cache.states.bytes_per_request / 2**20:.2f} MiB; beside it "
+            f"{runners['hybrid'].kv_cache.states.num_snapshots} snapshots for the prefix cache): "
+            f"{sizes['hybrid'] / sizes['full']:.2f}x"
+        )
         rates: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(0 if args.only_step_cost else args.repeats):
             for name, runner in runners.items():
                 rates[name].append(decode_rate(runner, args.batch, args.context, args.steps))
         best = {name: max(r, default=0.0) for name, r in rates.items()}
         if not args.only_step_cost:
-            print(f"decode tokens/s at batch {args.batch}, {args.context} tokens in (best of {args.repeats}): full "
-                  f"{best['full']:.1f}, hybrid {best['hybrid']:.1f}: {best['hybrid'] / best['full']:.2f}x")
+            print(
+                f"decode tokens/s at batch {args.batch}, {args.context} tokens in (best of {args.repeats}): full "
+                f"{best['full']:.1f}, hybrid {best['hybrid']:.1f}: {best['hybrid'] / best['full']:.2f}x"
+            )
         if not args.no_step_cost:
             rng = np.random.default_rng(0)
             step_cost_table(runners, lambda b, n: rng.integers(100, 49152, size=(b, n)).tolist(), args)

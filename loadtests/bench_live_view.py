@@ -8,7 +8,7 @@ closed-loop load run again and again, each round once per viewer in a rotating o
 - `poller`: the page's requests alone (GET /dashboard/snapshot every POLL_S, the JSON parsed), as a
   browser on another machine costs the server.
 
-    .venv/bin/python -m loadtests.bench_live_view --rounds 3 --concurrency 32
+    .venv/bin/python -m batchserve.loadtests.bench_live_view --rounds 3 --concurrency 32
 
 Prints each run with the CPU seconds the server's processes and the viewer used in it, then each viewer's
 mean output tok/s against `closed`'s. Output tok/s of one run moves by several percent on a shared machine;
@@ -23,14 +23,14 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
-from loadtests.bench import bench_once
-from loadtests.browser import WINDOW_SIZE, chromium_driver, chromium_missing, quit_driver
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
+from batchserve.loadtests.bench import bench_once
+from batchserve.loadtests.browser import WINDOW_SIZE, chromium_driver, chromium_missing, quit_driver
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
 
 POLL_S = 2.0  # the page's default refresh (procs/api/webui/dashboard.js)
 
@@ -101,11 +101,15 @@ class NoViewer:
 
 
 VIEWERS: dict[str, Callable[[str], NoViewer | ChromiumViewer | PollerViewer]] = {
-    "closed": NoViewer, "chromium": ChromiumViewer, "poller": PollerViewer}
+    "closed": NoViewer,
+    "chromium": ChromiumViewer,
+    "poller": PollerViewer,
+}
 
 
-def measure(server: ServerProcess, viewer_name: str, args: argparse.Namespace, index: int,
-            work: Path) -> tuple[dict, float, float]:
+def measure(
+    server: ServerProcess, viewer_name: str, args: argparse.Namespace, index: int, work: Path
+) -> tuple[dict, float, float]:
     """One run with `viewer_name` watching: its metrics, and the server's and the viewer's CPU seconds."""
     viewer = VIEWERS[viewer_name](server.base_url)
     try:
@@ -124,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--input-len", default="64:256")
     parser.add_argument("--output-len", default="64:128")
-    parser.add_argument("--window-size", default="x".join(map(str, WINDOW_SIZE)),
-                        help="chromium's window, WxH (the page redraws only the panels on screen)")
+    parser.add_argument(
+        "--window-size",
+        default="x".join(map(str, WINDOW_SIZE)),
+        help="chromium's window, WxH (the page redraws only the panels on screen)",
+    )
     args = parser.parse_args(argv)
     ChromiumViewer.window_size = tuple(int(n) for n in args.window_size.split("x"))
     viewers = args.viewers.split(",")
@@ -134,22 +141,37 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-live-view-"))
     command = [*DEFAULT_SERVE_COMMAND, "--max-running-requests", str(args.concurrency)]
     runs: dict[str, list[tuple[float, float, float]]] = {v: [] for v in viewers}  # tok/s, server CPU s, viewer CPU s
-    with ServerProcess(command, work / "serve.log", cwd=REPO) as server:
-        bench_once(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), 99,
-                   work / "warmup.json")
+    with ServerProcess(command, work / "serve.log") as server:
+        bench_once(
+            server.base_url,
+            argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}),
+            99,
+            work / "warmup.json",
+        )
         index = 0
         for round_ in range(args.rounds):
-            for viewer in viewers[round_ % len(viewers):] + viewers[:round_ % len(viewers)]:
+            for viewer in viewers[round_ % len(viewers) :] + viewers[: round_ % len(viewers)]:
                 metrics, server_cpu, viewer_cpu = measure(server, viewer, args, index, work)
                 runs[viewer].append((metrics["output_throughput"], server_cpu, viewer_cpu))
-                print(f"run {index}: {viewer:8s} output {metrics['output_throughput']:6.1f} tok/s  ITL p99 "
-                      f"{metrics['itl_ms']['p99']:6.1f} ms  completed {metrics['completed']}  CPU s: server "
-                      f"{server_cpu:6.1f} viewer {viewer_cpu:5.2f}", flush=True)
+                print(
+                    f"run {index}: {viewer:8s} output {metrics['output_throughput']:6.1f} tok/s  ITL p99 "
+                    f"{metrics['itl_ms']['p99']:6.1f} ms  completed {metrics['completed']}  CPU s: server "
+                    f"{server_cpu:6.1f} viewer {viewer_cpu:5.2f}",
+                    flush=True,
+                )
                 index += 1
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as page:
-            costs = [line for line in page.read().decode().splitlines() if line.startswith(
-                ("batchserve_live_view_request_seconds_sum", "batchserve_live_view_request_seconds_count",
-                 "batchserve_scheduler_view_build_seconds_total"))]
+            costs = [
+                line
+                for line in page.read().decode().splitlines()
+                if line.startswith(
+                    (
+                        "batchserve_live_view_request_seconds_sum",
+                        "batchserve_live_view_request_seconds_count",
+                        "batchserve_scheduler_view_build_seconds_total",
+                    )
+                )
+            ]
     report(runs)
     print("\n".join(costs))
     return 0
@@ -160,8 +182,10 @@ def report(runs: dict[str, list[tuple[float, float, float]]]) -> None:
     for viewer, rs in runs.items():
         server_s, viewer_s = sum(r[1] for r in rs), sum(r[2] for r in rs)
         against = f"; / closed = {mean[viewer] / mean['closed']:.3f}" if "closed" in mean else ""
-        print(f"{viewer:8s} mean output {mean[viewer]:6.1f} tok/s{against}; the viewer used {viewer_s:.1f} CPU s "
-              f"beside the server's {server_s:.1f} ({viewer_s / (server_s + viewer_s):.2%})")
+        print(
+            f"{viewer:8s} mean output {mean[viewer]:6.1f} tok/s{against}; the viewer used {viewer_s:.1f} CPU s "
+            f"beside the server's {server_s:.1f} ({viewer_s / (server_s + viewer_s):.2%})"
+        )
 
 
 if __name__ == "__main__":

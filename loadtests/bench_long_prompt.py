@@ -7,8 +7,8 @@ being prefilled, `--shorts` short prompts (`--short-len` tokens) at once; every 
 variant, the median over rounds of the shorts' median and slowest TTFT and of the long prompt's TTFT,
 and their ratios to the first variant.
 
-    .venv/bin/python -m loadtests.bench_long_prompt --variant 'fair=' --variant 'chapter=--no-fair-prefill' \\
-        [--rounds 3] [--out loadtests/results/long_prompt_cpu.txt]
+    .venv/bin/python -m batchserve.loadtests.bench_long_prompt --variant 'fair=' \\
+        --variant 'chapter=--no-fair-prefill' [--rounds 3] [--out loadtests/results/long_prompt_cpu.txt]
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtests.client import RequestResult, make_session, send_request
-from loadtests.metrics import ttft
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
-from loadtests.workload import RequestSpec, WordPromptBuilder
+from batchserve.loadtests.client import RequestResult, make_session, send_request
+from batchserve.loadtests.metrics import ttft
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
+from batchserve.loadtests.workload import RequestSpec, WordPromptBuilder
 
 
 @dataclass
@@ -38,13 +38,13 @@ class Round:
     short_ttfts_s: list[float]
 
 
-async def _round(base_url: str, model: str, long_spec: RequestSpec, shorts: list[RequestSpec],
-                 delay_s: float) -> Round:
+async def _round(base_url: str, model: str, long_spec: RequestSpec, shorts: list[RequestSpec], delay_s: float) -> Round:
     async with make_session(600.0) as session:
         long_task = asyncio.create_task(send_request(session, base_url, "completions", model, long_spec))
         await asyncio.sleep(delay_s)
-        short_results = await asyncio.gather(*(send_request(session, base_url, "completions", model, s)
-                                               for s in shorts))
+        short_results = await asyncio.gather(
+            *(send_request(session, base_url, "completions", model, s) for s in shorts)
+        )
         long_result = await long_task
     results: list[RequestResult] = [long_result, *short_results]
     failed = [r.error for r in results if not r.success]
@@ -56,8 +56,9 @@ async def _round(base_url: str, model: str, long_spec: RequestSpec, shorts: list
 def _specs(rng: np.random.Generator, args: argparse.Namespace) -> tuple[RequestSpec, list[RequestSpec]]:
     words = WordPromptBuilder()
     long_spec = RequestSpec(words.build(rng, args.long_len), args.long_len, args.output_len)
-    return long_spec, [RequestSpec(words.build(rng, args.short_len), args.short_len, args.output_len)
-                       for _ in range(args.shorts)]
+    return long_spec, [
+        RequestSpec(words.build(rng, args.short_len), args.short_len, args.output_len) for _ in range(args.shorts)
+    ]
 
 
 def _run_variant(name: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> list[Round]:
@@ -76,15 +77,22 @@ def _run_variant(name: str, flags: list[str], args: argparse.Namespace, log_dir:
 
 
 def _summary(rounds: list[Round]) -> dict[str, float]:
-    return {"shorts p50": statistics.median(statistics.median(r.short_ttfts_s) for r in rounds),
-            "shorts max": statistics.median(max(r.short_ttfts_s) for r in rounds),
-            "long": statistics.median(r.long_ttft_s for r in rounds)}
+    return {
+        "shorts p50": statistics.median(statistics.median(r.short_ttfts_s) for r in rounds),
+        "shorts max": statistics.median(max(r.short_ttfts_s) for r in rounds),
+        "long": statistics.median(r.long_ttft_s for r in rounds),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
-                        help="a server to measure: a name, then the serve flags (the first is the baseline)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        metavar="NAME=FLAGS",
+        help="a server to measure: a name, then the serve flags (the first is the baseline)",
+    )
     parser.add_argument("--model", default="", help="served model (default: the built-in default model)")
     parser.add_argument("--long-len", type=int, default=4096)
     parser.add_argument("--short-len", type=int, default=64)
@@ -105,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         summaries = {name: _summary(_run_variant(name, flags, args, Path(tmp))) for name, flags in variants}
     base = summaries[variants[0][0]]
-    lines = [f"# {shlex.join(['python', '-m', 'loadtests.bench_long_prompt', *(argv or sys.argv[1:])])}",
-             f"# one {args.long_len}-token prompt, then {args.shorts} of {args.short_len} tokens {args.delay:g} s "
-             f"later; {args.output_len} output tokens each; medians over {args.rounds} rounds; TTFT in ms",
-             f"{'variant':<12}{'shorts p50':>12}{'shorts max':>12}{'long':>10}{'x shorts p50':>14}{'x long':>8}"]
+    lines = [
+        f"# {shlex.join(['python', '-m', 'batchserve.loadtests.bench_long_prompt', *(argv or sys.argv[1:])])}",
+        f"# one {args.long_len}-token prompt, then {args.shorts} of {args.short_len} tokens {args.delay:g} s "
+        f"later; {args.output_len} output tokens each; medians over {args.rounds} rounds; TTFT in ms",
+        f"{'variant':<12}{'shorts p50':>12}{'shorts max':>12}{'long':>10}{'x shorts p50':>14}{'x long':>8}",
+    ]
     for name, s in summaries.items():
-        lines.append(f"{name:<12}{s['shorts p50'] * 1000:>12.0f}{s['shorts max'] * 1000:>12.0f}{s['long'] * 1000:>10.0f}"
-                     f"{s['shorts p50'] / base['shorts p50']:>13.2f}x{s['long'] / base['long']:>7.2f}x")
+        lines.append(
+            f"{name:<12}{s['shorts p50'] * 1000:>12.0f}{s['shorts max'] * 1000:>12.0f}{s['long'] * 1000:>10.0f}"
+            f"{s['shorts p50'] / base['shorts p50']:>13.2f}x{s['long'] / base['long']:>7.2f}x"
+        )
     report = "\n".join(lines)
     print(report)
     if args.out:

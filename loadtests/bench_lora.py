@@ -6,7 +6,7 @@ The models are random (a benchmark of speed, not of text): a Llama shaped like t
 (SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocabulary 49152, tied
 embeddings), fp32, and PEFT adapters made on it with `init_lora_weights=False`.
 
-    .venv/bin/python -m loadtests.bench_lora [--batch 16] [--adapters 4] [--rank 16] [--decode-steps 16]
+    .venv/bin/python -m batchserve.loadtests.bench_lora [--batch 16] [--adapters 4] [--rank 16] [--decode-steps 16]
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import argparse
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from loadtests.bench_engine import alternating, run_engine
-from loadtests.bench_moe import SHAPE
-from procs.worker.model_runner import ModelRunner
+from batchserve.loadtests.bench_engine import alternating, run_engine
+from batchserve.loadtests.bench_moe import SHAPE
+from batchserve.procs.worker.model_runner import ModelRunner
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -39,8 +39,9 @@ def build(out_dir: Path, layers: int, adapters: int, rank: int) -> tuple[Path, l
     folders = []
     for i in range(adapters):
         model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
-        peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS,
-                                                init_lora_weights=False))
+        peft = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False)
+        )
         folders.append(out_dir / f"adapter{i}")
         peft.save_pretrained(folders[-1])
     return base, folders
@@ -69,27 +70,48 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         started = time.perf_counter()
         base, folders = build(Path(tmp), args.layers, args.adapters, args.rank)
-        runner = ModelRunner(base, device="cpu", dtype="float32", max_running_requests=max(args.batch, 8),
-                             kv_capacity_tokens=args.batch * (args.prompt_len + args.decode_steps + 32),
-                             max_context=args.prompt_len + args.decode_steps + 64)
+        runner = ModelRunner(
+            base,
+            device="cpu",
+            dtype="float32",
+            max_running_requests=max(args.batch, 8),
+            kv_capacity_tokens=args.batch * (args.prompt_len + args.decode_steps + 32),
+            max_context=args.prompt_len + args.decode_steps + 64,
+        )
         for index, folder in enumerate(folders, 1):
             runner.load_lora_adapter(index, f"adapter{index}", str(folder), max_rank=args.rank)
-        print(f"Llama of the default model's shape, {args.layers} layers, fp32, torch threads {torch.get_num_threads()}; "
-              f"{args.adapters} adapters of rank {args.rank} on all seven projections (built in "
-              f"{time.perf_counter() - started:.0f} s)")
+        print(
+            f"Llama of the default model's shape, {args.layers} layers, fp32, torch threads {torch.get_num_threads()}; "
+            f"{args.adapters} adapters of rank {args.rank} on all seven projections (built in "
+            f"{time.perf_counter() - started:.0f} s)"
+        )
         rng = np.random.default_rng(0)
         prompts = rng.integers(100, 49152, size=(args.batch, args.prompt_len)).tolist()
         run_engine(runner, prompts[:2], 2)  # warm-up
-        lora = lambda: run_engine(runner, prompts, args.decode_steps,
-                                  around_decode=lambda: spread_over(runner, args.batch, args.adapters))
+
+        def lora():
+            return run_engine(
+                runner,
+                prompts,
+                args.decode_steps,
+                around_decode=lambda: spread_over(runner, args.batch, args.adapters),
+            )
+
         base_run, lora_run = alternating(args.repeats, lambda: run_engine(runner, prompts, args.decode_steps), lora)
-        rate = lambda run: args.batch * args.decode_steps / run[1]
-        print(f"decode tokens/s at batch {args.batch} (best of {args.repeats}): base {rate(base_run):.1f}, rows over "
-              f"{args.adapters} adapters {rate(lora_run):.1f}: {rate(lora_run) / rate(base_run):.2f}x")
+
+        def rate(run: tuple) -> float:
+            return args.batch * args.decode_steps / run[1]
+
+        print(
+            f"decode tokens/s at batch {args.batch} (best of {args.repeats}): base {rate(base_run):.1f}, rows over "
+            f"{args.adapters} adapters {rate(lora_run):.1f}: {rate(lora_run) / rate(base_run):.2f}x"
+        )
         if runner.model.fuse_decode_layers:  # the same adapter rows layer by layer, as before they joined the C call
             fused_run, loop_run = alternating(args.repeats, lora, lambda: layer_by_layer(runner, lora))
-            print(f"rows over {args.adapters} adapters: in the one C decode call {rate(fused_run):.1f}, layer by layer "
-                  f"{rate(loop_run):.1f}: {rate(fused_run) / rate(loop_run):.2f}x")
+            print(
+                f"rows over {args.adapters} adapters: in the one C decode call {rate(fused_run):.1f}, layer by layer "
+                f"{rate(loop_run):.1f}: {rate(fused_run) / rate(loop_run):.2f}x"
+            )
     return 0
 
 

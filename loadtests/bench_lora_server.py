@@ -3,7 +3,7 @@ rank-`--rank` PEFT adapters on all seven projections (`--enable-lora --max-loras
 load sent alternately naming the base model and spread over the adapters (request i names adapter i mod N),
 output tok/s of each, `--rounds` times.
 
-    .venv/bin/python -m loadtests.bench_lora_server --rounds 3 --concurrency 16
+    .venv/bin/python -m batchserve.loadtests.bench_lora_server --rounds 3 --concurrency 16
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from loadtests.bench import bench_once
-from loadtests.bench_lora import PROJECTIONS
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess
-from shared.config import DEFAULT_MODEL
-from shared.model import resolve_model
+from batchserve.loadtests.bench import bench_once
+from batchserve.loadtests.bench_lora import PROJECTIONS
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.model import resolve_model
 
 
 def make_adapters(out_dir: Path, count: int, rank: int) -> list[Path]:
@@ -30,8 +30,9 @@ def make_adapters(out_dir: Path, count: int, rank: int) -> list[Path]:
     for i in range(count):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL), dtype=torch.float32)
-        peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS,
-                                                init_lora_weights=False))
+        peft = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False)
+        )
         folders.append(out_dir / f"adapter{i}")
         peft.save_pretrained(folders[-1])
     return folders
@@ -50,20 +51,37 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-lora-server-"))
     folders = make_adapters(work, args.adapters, args.rank)
     names = [f"adapter{i}" for i in range(args.adapters)]
-    command = [*DEFAULT_SERVE_COMMAND, "--enable-lora", "--max-loras", str(args.adapters), "--max-lora-rank",
-               str(args.rank), "--max-running-requests", str(args.concurrency),
-               *(arg for name, folder in zip(names, folders) for arg in ("--lora-modules", f"{name}={folder}"))]
+    command = [
+        *DEFAULT_SERVE_COMMAND,
+        "--enable-lora",
+        "--max-loras",
+        str(args.adapters),
+        "--max-lora-rank",
+        str(args.rank),
+        "--max-running-requests",
+        str(args.concurrency),
+        *(arg for name, folder in zip(names, folders) for arg in ("--lora-modules", f"{name}={folder}")),
+    ]
     results: dict[str, list[float]] = {"base": [], "adapters": []}
-    with ServerProcess(command, work / "serve.log", cwd=REPO) as server:
-        bench_once(server.base_url, argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}), 99,
-                   work / "warmup.json", "--spread-models", ",".join(names))
+    with ServerProcess(command, work / "serve.log") as server:
+        bench_once(
+            server.base_url,
+            argparse.Namespace(**{**vars(args), "num_prompts": args.concurrency}),
+            99,
+            work / "warmup.json",
+            "--spread-models",
+            ",".join(names),
+        )
         for index in range(2 * args.rounds):
             kind = ("base", "adapters")[(index + index // 2) % 2]  # base, adapters, adapters, base, ...
             spread = ",".join(names) if kind == "adapters" else ""
             metrics = bench_once(server.base_url, args, index, work / f"run{index}.json", "--spread-models", spread)
             results[kind].append(metrics["output_throughput"])
-            print(f"run {index}: {kind:8s} output {metrics['output_throughput']:6.1f} tok/s  TPOT p50 "
-                  f"{metrics['tpot_ms']['p50']:6.1f} ms  completed {metrics['completed']}", flush=True)
+            print(
+                f"run {index}: {kind:8s} output {metrics['output_throughput']:6.1f} tok/s  TPOT p50 "
+                f"{metrics['tpot_ms']['p50']:6.1f} ms  completed {metrics['completed']}",
+                flush=True,
+            )
     base, lora = (sum(v) / len(v) for v in (results["base"], results["adapters"]))
     print(f"mean output tok/s: base {base:.1f}, spread over {args.adapters} adapters {lora:.1f}: {lora / base:.3f}x")
     return 0

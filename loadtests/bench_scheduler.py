@@ -18,16 +18,16 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: the checkout seen as batchserve.* (.ci/pythonpath's links)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".ci" / "pythonpath"))
 
-from procs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from shared.messages import ForwardBatch, RequestParams, StepResult, StopParams
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from batchserve.shared.messages import ForwardBatch, RequestParams, StepResult, StopParams
 
 RUNNING = 256
 WAITING = 1000
@@ -54,9 +54,13 @@ class TimedFakeExecutor:
 
 def build(policy: str, page_size: int, max_tokens: int) -> tuple[Scheduler, Callable[[], None]]:
     # Room for every slot's full reservation: the queue waits for slots, not for KV.
-    config = SchedulerConfig(max_running_requests=RUNNING, prefill_budget=8192, page_size=page_size,
-                             kv_capacity_tokens=RUNNING * (128 + max_tokens + page_size),
-                             policy=policy)  # type: ignore[arg-type]
+    config = SchedulerConfig(
+        max_running_requests=RUNNING,
+        prefill_budget=8192,
+        page_size=page_size,
+        kv_capacity_tokens=RUNNING * (128 + max_tokens + page_size),
+        policy=policy,
+    )  # type: ignore[arg-type]
     sched = Scheduler(config, eos_token_ids=(EOS,))
     prompt = list(range(3, 3 + 128))
     counter = [0]
@@ -95,9 +99,11 @@ def run(name: str, policy: str, page_size: int, period: int, steps: int) -> None
         refill()
     assert sched.num_waiting == WAITING
     q = statistics.quantiles([t * 1e6 for t in sched_times], n=100)
-    print(f"{name:<8} scheduler step: median {statistics.median(sched_times) * 1e6:7.1f} us   p90 {q[89]:7.1f} us   "
-          f"p99 {q[98]:7.1f} us   | executor median {statistics.median(exec_times) * 1e6:6.1f} us   "
-          f"| batch {statistics.fmean(sizes):5.1f} requests, {ended / steps:4.1f} finished/step")
+    print(
+        f"{name:<8} scheduler step: median {statistics.median(sched_times) * 1e6:7.1f} us   p90 {q[89]:7.1f} us   "
+        f"p99 {q[98]:7.1f} us   | executor median {statistics.median(exec_times) * 1e6:6.1f} us   "
+        f"| batch {statistics.fmean(sizes):5.1f} requests, {ended / steps:4.1f} finished/step"
+    )
 
 
 def reference_loop(steps: int) -> None:
@@ -114,8 +120,10 @@ def reference_loop(steps: int) -> None:
         for r in reqs:
             r.kv_len += 1
         times.append(time.perf_counter() - t0)
-    print(f"{'ref':<8} bare Python loop over {RUNNING} requests, one attribute update each: "
-          f"median {statistics.median(times) * 1e6:7.1f} us")
+    print(
+        f"{'ref':<8} bare Python loop over {RUNNING} requests, one attribute update each: "
+        f"median {statistics.median(times) * 1e6:7.1f} us"
+    )
 
 
 WORKLOADS = {"decode": ("prefill-first", 1, 0), "churn": ("mixed", 1, 50), "paged": ("mixed", 16, 50)}

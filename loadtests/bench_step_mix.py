@@ -4,7 +4,7 @@ Explains `batchserve bench --compare` results: under `mixed` almost every step o
 carries a new request's prefill next to the running decodes; under `prefill-first` the same
 prefill runs as its own step. Same runner, same process, steps alternated, median of repeats.
 
-    .venv/bin/python -m loadtests.bench_step_mix --running 8,32 --prefill-len 100 --threads 1
+    .venv/bin/python -m batchserve.loadtests.bench_step_mix --running 8,32 --prefill-len 100 --threads 1
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import time
 import numpy as np
 import torch
 
-from loadtests.bench_engine import GREEDY, StaticPlan
-from procs.worker.model_runner import ModelRunner
-from shared.config import DEFAULT_MODEL
-from shared.messages import ForwardBatch
-from shared.model import resolve_model
+from batchserve.loadtests.bench_engine import GREEDY, StaticPlan
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.messages import ForwardBatch
+from batchserve.shared.model import resolve_model
 
 
 def _batch(plan: StaticPlan, rows: list[tuple[int, list[int], int]], pages_for: list[int]) -> ForwardBatch:
@@ -28,9 +28,14 @@ def _batch(plan: StaticPlan, rows: list[tuple[int, list[int], int]], pages_for: 
     i32 = lambda xs: np.asarray(xs, dtype=np.int32)  # noqa: E731
     plan.step += 1
     return ForwardBatch(
-        step=plan.step, slots=[i for i, _, _ in rows], prefix_lens=[p for _, _, p in rows],
-        extend_lens=[len(t) for _, t, _ in rows], sample_lens=[1] * len(rows), sampling=[GREEDY] * len(rows),
-        sample_counts=[0] * len(rows), input_ids=i32([x for _, t, _ in rows for x in t]),
+        step=plan.step,
+        slots=[i for i, _, _ in rows],
+        prefix_lens=[p for _, _, p in rows],
+        extend_lens=[len(t) for _, t, _ in rows],
+        sample_lens=[1] * len(rows),
+        sampling=[GREEDY] * len(rows),
+        sample_counts=[0] * len(rows),
+        input_ids=i32([x for _, t, _ in rows for x in t]),
         positions=i32([p + j for _, t, p in rows for j in range(len(t))]),
         kv_locs=i32([plan._loc(i, p + j) for i, t, p in rows for j in range(len(t))]),
         page_table_slots=i32([i for i in pages_for for _ in plan.pages[i]]),
@@ -53,7 +58,7 @@ def measure(runner: ModelRunner, running: int, prompt_len: int, prefill_len: int
     def decode_rows() -> list[tuple[int, list[int], int]]:
         return [(i, [1], lens[i]) for i in range(running)]
 
-    for r in range(repeats):
+    for _ in range(repeats):
         for kind in ("decode", "prefill", "mixed"):
             if kind == "decode":
                 batch = _batch(plan, decode_rows(), [])
@@ -81,15 +86,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(v) for v in args.running.split(",")]
-    runner = ModelRunner(resolve_model(args.model), device="cpu", dtype="float32",
-                         kv_capacity_tokens=(max(sizes) + 1) * (args.prompt_len + args.prefill_len + 64) + 1024,
-                         max_running_requests=max(sizes) + 1)
+    runner = ModelRunner(
+        resolve_model(args.model),
+        device="cpu",
+        dtype="float32",
+        kv_capacity_tokens=(max(sizes) + 1) * (args.prompt_len + args.prefill_len + 64) + 1024,
+        max_running_requests=max(sizes) + 1,
+    )
     print(f"{'running':>8}{'decode ms':>11}{'prefill ms':>12}{'decode+prefill':>16}{'mixed ms':>10}{'mixed/sum':>11}")
     for n in sizes:
         t = measure(runner, n, args.prompt_len, args.prefill_len, args.repeats)
         both = t["decode"] + t["prefill"]
-        print(f"{n:>8}{t['decode']:>11.1f}{t['prefill']:>12.1f}{both:>16.1f}{t['mixed']:>10.1f}{t['mixed'] / both:>10.2f}x",
-              flush=True)
+        print(
+            f"{n:>8}{t['decode']:>11.1f}{t['prefill']:>12.1f}{both:>16.1f}"
+            f"{t['mixed']:>10.1f}{t['mixed'] / both:>10.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ hidden size, MLP, vocabulary and layers, and the same projection parameter count
 q/k/v and 512 x 576 for o, against 576 x 960 and 576 x 576). `tp1 default model` shows the twin costs
 what the real model does. Two cores: expect no gain; the ratios say what TP costs here.
 
-    .venv/bin/python -m loadtests.bench_tensor_parallel [--rounds 5] [--out loadtests/results/tensor_parallel_cpu.txt]
+    .venv/bin/python -m batchserve.loadtests.bench_tensor_parallel [--rounds 5] \\
+        [--out loadtests/results/tensor_parallel_cpu.txt]
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtests.bench_engine import StaticPlan
-from procs.engine import OfflineEngine
-from procs.worker.model_runner import ModelRunner
-from shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
-from shared.model import resolve_model
+from batchserve.loadtests.bench_engine import StaticPlan
+from batchserve.procs.engine import OfflineEngine
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
+from batchserve.shared.model import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 TWIN_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
@@ -59,8 +60,20 @@ def twin_model(default_dir: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     config = out.parent / "smollm2-135m-heads8-kv4.json"
     config.write_text(json.dumps(fields))
-    subprocess.run([sys.executable, str(REPO / "tests/gpu/random_model.py"), str(out), "--config", str(config),
-                    "--tokenizer-dir", str(default_dir), "--dtype", "float32"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/gpu/random_model.py"),
+            str(out),
+            "--config",
+            str(config),
+            "--tokenizer-dir",
+            str(default_dir),
+            "--dtype",
+            "float32",
+        ],
+        check=True,
+    )
     return out
 
 
@@ -144,7 +157,7 @@ def bench(variants: list[Variant], batch_sizes: list[int], args: argparse.Namesp
             for v in variants:
                 plan, last = state[v.label]
 
-                def decode(runner: ModelRunner) -> None:
+                def decode(runner: ModelRunner, plan: StaticPlan = plan, batch: int = batch, v: Variant = v) -> None:
                     nonlocal last
                     for _ in range(args.round_steps):
                         last = runner.execute(plan.decode(last)).next_token_ids.tolist()
@@ -153,8 +166,12 @@ def bench(variants: list[Variant], batch_sizes: list[int], args: argparse.Namesp
 
                 v.decode.setdefault(batch, []).append(batch * args.round_steps / _timed_steps(v, batch, decode))
                 state[v.label] = (plan, last)
-        print(f"  batch {batch}: " + ", ".join(f"{v.label} {statistics.median(v.decode[batch]):.1f}" for v in variants)
-              + " tokens/s", flush=True)
+        print(
+            f"  batch {batch}: "
+            + ", ".join(f"{v.label} {statistics.median(v.decode[batch]):.1f}" for v in variants)
+            + " tokens/s",
+            flush=True,
+        )
     prompt = [rng.integers(10, 40000, size=args.prefill_len).tolist()]
     plans = {}
     for v in variants:
@@ -164,10 +181,14 @@ def bench(variants: list[Variant], batch_sizes: list[int], args: argparse.Namesp
     for _ in range(args.rounds):
         for v in variants:
             plan = plans[v.label]
-            seconds = _timed_steps(v, "prefill", lambda runner: runner.execute(plan.prefill()))
+            seconds = _timed_steps(v, "prefill", lambda runner, plan=plan: runner.execute(plan.prefill()))
             v.prefill.append(args.prefill_len / seconds)
-    print(f"  prefill {args.prefill_len}: "
-          + ", ".join(f"{v.label} {statistics.median(v.prefill):.0f}" for v in variants) + " tokens/s", flush=True)
+    print(
+        f"  prefill {args.prefill_len}: "
+        + ", ".join(f"{v.label} {statistics.median(v.prefill):.0f}" for v in variants)
+        + " tokens/s",
+        flush=True,
+    )
 
 
 def table(variants: list[Variant], batch_sizes: list[int], args: argparse.Namespace) -> list[str]:
@@ -180,8 +201,10 @@ def table(variants: list[Variant], batch_sizes: list[int], args: argparse.Namesp
     lines.append("")
     lines.append("ratios to tp1 (higher = faster)")
     for batch in batch_sizes:
-        lines.append(f"{f'decode b={batch}':<22}" + "".join(
-            f"{med(v.decode[batch]) / med(base.decode[batch]):>18.2f}" for v in variants))
+        lines.append(
+            f"{f'decode b={batch}':<22}"
+            + "".join(f"{med(v.decode[batch]) / med(base.decode[batch]):>18.2f}" for v in variants)
+        )
     lines.append(f"{'prefill':<22}" + "".join(f"{med(v.prefill) / med(base.prefill):>18.2f}" for v in variants))
     per_layer = next(v for v in variants if v.label == "tp1 per-layer")
     tp2 = next(v for v in variants if v.label == "tp2")
@@ -191,8 +214,10 @@ def table(variants: list[Variant], batch_sizes: list[int], args: argparse.Namesp
         lines.append(f"{f'decode b={batch}':<22}{med(tp2.decode[batch]) / med(per_layer.decode[batch]):>18.2f}")
     lines.append(f"{'prefill':<22}{med(tp2.prefill) / med(per_layer.prefill):>18.2f}")
     lines.append("")
-    lines.append("share of a tp2 step on rank 0 (median over rounds): all-reduce + all-gather (collective_s, "
-                 "waiting for rank 1 included) | step broadcast")
+    lines.append(
+        "share of a tp2 step on rank 0 (median over rounds): all-reduce + all-gather (collective_s, "
+        "waiting for rank 1 included) | step broadcast"
+    )
     for key in [*batch_sizes, "prefill"]:
         name = f"decode b={key}" if key != "prefill" else f"prefill {args.prefill_len}"
         collective, broadcast = med(tp2.collective_share[key]), med(tp2.broadcast_share[key])
@@ -212,17 +237,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-steps", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2,
-                        help="tp1's torch threads; tp2's rank 0 runs threads // 2, its follower cores // 2 "
-                        "(as joining sets it)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="tp1's torch threads; tp2's rank 0 runs threads // 2, its follower cores // 2 (as joining sets it)",
+    )
     parser.add_argument("--out", type=Path, help="also write the command and the table here")
     args = parser.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     default_dir = resolve_model(DEFAULT_MODEL)
     twin = twin_model(default_dir)
     tokens = max(batch_sizes) * (args.prompt_len + args.warmup_steps + args.rounds * args.round_steps + 16)
-    sizes = dict(device="cpu", dtype="float32", kv_capacity_tokens=max(tokens, args.prefill_len + 64),
-                 max_running_requests=max(batch_sizes), max_context=max(args.prompt_len + 256, args.prefill_len + 64))
+    sizes = dict(
+        device="cpu",
+        dtype="float32",
+        kv_capacity_tokens=max(tokens, args.prefill_len + 64),
+        max_running_requests=max(batch_sizes),
+        max_context=max(args.prompt_len + 256, args.prefill_len + 64),
+    )
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     engine = OfflineEngine(ServerConfig(model=str(twin), tensor_parallel_size=2, **sizes))
     engine.runner.broadcast_clock = BroadcastClock(engine.runner)  # type: ignore[attr-defined]
@@ -231,28 +264,36 @@ def main(argv: list[str] | None = None) -> int:
         per_layer = ModelRunner(twin, **sizes)
         per_layer.model.fuse_decode_layers = False
         real = ModelRunner(default_dir, **sizes)
-        print(f"loaded in {time.perf_counter() - started:.1f} s; fused decode path: tp1 "
-              f"{tp1.model.fuse_decode_layers}, tp1 per-layer {per_layer.model.fuse_decode_layers}, tp2 {engine.runner.model.fuse_decode_layers}",
-              flush=True)
-        variants = [Variant("tp1", _plain(tp1, args.threads)),
-                    Variant("tp1 per-layer", _plain(per_layer, args.threads)),
-                    Variant("tp2", _engine(engine, max(1, args.threads // 2))),
-                    Variant("tp1 default model", _plain(real, args.threads))]
+        print(
+            f"loaded in {time.perf_counter() - started:.1f} s; fused decode path: tp1 "
+            f"{tp1.model.fuse_decode_layers}, tp1 per-layer {per_layer.model.fuse_decode_layers}, "
+            f"tp2 {engine.runner.model.fuse_decode_layers}",
+            flush=True,
+        )
+        variants = [
+            Variant("tp1", _plain(tp1, args.threads)),
+            Variant("tp1 per-layer", _plain(per_layer, args.threads)),
+            Variant("tp2", _engine(engine, max(1, args.threads // 2))),
+            Variant("tp1 default model", _plain(real, args.threads)),
+        ]
         bench(variants, batch_sizes, args)
     finally:
         engine.close()
     command = " ".join(argv if argv is not None else sys.argv[1:])
-    header = [f"# .venv/bin/python -m loadtests.bench_tensor_parallel {command}",
-              f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-              f"torch {torch.__version__}; tp1: 1 process x {args.threads} threads; tp2: 2 ranks (gloo) x "
-              f"{max(1, args.threads // 2)} thread",
-              f"# model: {twin} (random twin of {DEFAULT_MODEL}: heads 8/4 instead of 9/3, which do not split over 2 "
-              f"ranks); 'tp1 default model': {default_dir}",
-              f"# decode: {args.rounds} alternating rounds of {args.round_steps} steps after {args.warmup_steps} "
-              f"warm-up, prompts of {args.prompt_len} tokens; prefill: one {args.prefill_len}-token prompt per round; "
-              f"medians; sampling and the step broadcast included",
-              f"# load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after: other work on these "
-              f"cores skews every side, the alternated rounds spread it", ""]
+    header = [
+        f"# .venv/bin/python -m batchserve.loadtests.bench_tensor_parallel {command}",
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}; tp1: 1 process x {args.threads} threads; tp2: 2 ranks (gloo) x "
+        f"{max(1, args.threads // 2)} thread",
+        f"# model: {twin} (random twin of {DEFAULT_MODEL}: heads 8/4 instead of 9/3, which do not split over 2 "
+        f"ranks); 'tp1 default model': {default_dir}",
+        f"# decode: {args.rounds} alternating rounds of {args.round_steps} steps after {args.warmup_steps} "
+        f"warm-up, prompts of {args.prompt_len} tokens; prefill: one {args.prefill_len}-token prompt per round; "
+        f"medians; sampling and the step broadcast included",
+        f"# load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after: other work on these "
+        f"cores skews every side, the alternated rounds spread it",
+        "",
+    ]
     lines = header + table(variants, batch_sizes, args)
     print("\n".join(lines))
     if args.out:

@@ -11,9 +11,18 @@ from pathlib import Path
 CHROMIUM = os.environ.get("BATCHSERVE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("BATCHSERVE_CHROMEDRIVER", "/usr/bin/chromedriver")
 # Chromium's connections to Google's services are refused on a closed network: not tried at all.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps")
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+)
 WINDOW_SIZE = (1400, 1000)  # a laptop's browser window
 
 

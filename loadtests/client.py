@@ -7,15 +7,14 @@ usage chunk (`stream_options.include_usage`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
 
-from loadtests.sse import StreamReader
-from loadtests.workload import RequestSpec
+from batchserve.loadtests.sse import StreamReader
+from batchserve.loadtests.workload import RequestSpec
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINT_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -52,14 +51,16 @@ def build_payload(spec: RequestSpec, endpoint: Endpoint, model: str) -> dict[str
         payload["seed"] = spec.seed
     if endpoint == "chat":
         payload["messages"] = [{"role": role, "content": content} for role, content in spec.history] + [
-            {"role": "user", "content": spec.prompt}]
+            {"role": "user", "content": spec.prompt}
+        ]
     else:
         payload["prompt"] = spec.prompt
     return payload
 
 
-async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: Endpoint, model: str,
-                       spec: RequestSpec) -> RequestResult:
+async def send_request(
+    session: aiohttp.ClientSession, base_url: str, endpoint: Endpoint, model: str, spec: RequestSpec
+) -> RequestResult:
     """Send one streaming request; never raises for server or network errors (they become failures)."""
     url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
     result = RequestResult(send_time=time.perf_counter())
@@ -74,7 +75,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, endpoint: 
             async for raw in resp.content:  # one SSE line at a time
                 if not reader.feed(raw):
                     break
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: a malformed event
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError: a malformed event
         result.error = f"{type(exc).__name__}: {exc}"
         result.end_time = time.perf_counter()
         return result

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from procs.scheduler import Scheduler
-from shared.messages import RequestParams, StopParams
-from shared.slo import DEFAULT_SLOS
+from batchserve.procs.scheduler import Scheduler
+from batchserve.shared.messages import RequestParams, StopParams
+from batchserve.shared.slo import DEFAULT_SLOS
 
 
 def conversation_arguments(description: str) -> argparse.ArgumentParser:
@@ -39,19 +40,36 @@ class ConversationRun:
         """Time to first token, throughput and goodput (the requests meeting both cpu objectives, per second)."""
         slo, done, first = DEFAULT_SLOS["cpu"], self.done, self.first
         good = sum(all(slo.met(first[r], (done[r] - first[r]) / (self.output - 1), done[r]).values()) for r in done)
-        return {"most_running": self.most_running, "ttft_p50_s": float(np.median(list(first.values()))),
-                "elapsed_s": self.elapsed, "out_tok_per_s": len(done) * self.output / self.elapsed, "good": good,
-                "goodput": good / self.elapsed, "preemptions": self.preemptions}
+        return {
+            "most_running": self.most_running,
+            "ttft_p50_s": float(np.median(list(first.values()))),
+            "elapsed_s": self.elapsed,
+            "out_tok_per_s": len(done) * self.output / self.elapsed,
+            "good": good,
+            "goodput": good / self.elapsed,
+            "preemptions": self.preemptions,
+        }
 
 
-def serve_conversations(sched: Scheduler, runner: Any, *, streams: int, prompt: int, output: int, vocab: int,
-                        each_step: Callable[[], None] = lambda: None) -> ConversationRun:
+def serve_conversations(
+    sched: Scheduler,
+    runner: Any,
+    *,
+    streams: int,
+    prompt: int,
+    output: int,
+    vocab: int,
+    each_step: Callable[[], None] = lambda: None,
+) -> ConversationRun:
     """Run the conversations to the end; `each_step` is called after every step (to read the scheduler)."""
     rng = np.random.default_rng(0)
     started = time.perf_counter()
     for i in range(streams):
-        sched.add_request(f"c{i}", rng.integers(3, vocab, prompt).tolist(),
-                          RequestParams(stop=StopParams(max_tokens=output, ignore_eos=True)))
+        sched.add_request(
+            f"c{i}",
+            rng.integers(3, vocab, prompt).tolist(),
+            RequestParams(stop=StopParams(max_tokens=output, ignore_eos=True)),
+        )
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     most_running = preemptions = 0

@@ -4,7 +4,7 @@ It produces no real text: each request gets `max_tokens` chunks "tok0 ", "tok1 "
 fixed delay before the first and between the others, then a usage chunk when
 `stream_options.include_usage` is set. Prompt tokens are counted as whitespace-separated words.
 A prompt containing `FAIL_HTTP` is answered with HTTP 500; one containing `FAIL_STREAM` gets an
-error event after its first chunk. Run it standalone with `python -m loadtests.fake_openai_server`;
+error event after its first chunk. Run it standalone with `python -m batchserve.loadtests.fake_openai_server`;
 it ignores flags it does not know, so `batchserve bench --compare --serve-command` can start it.
 """
 
@@ -36,8 +36,9 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status
+    )
 
 
 def build_app(script: FakeServerScript) -> web.Application:
@@ -61,12 +62,23 @@ def build_app(script: FakeServerScript) -> web.Application:
         if not body.get("stream"):
             await asyncio.sleep(script.ttft_s + script.token_interval_s * max(0, max_tokens - 1))
             out = "".join(f"tok{i} " for i in range(max_tokens))
-            choice = {"index": 0, "finish_reason": "length",
-                      **({"message": {"role": "assistant", "content": out}} if chat else {"text": out})}
-            return web.json_response({"id": "fake", "object": "chat.completion" if chat else "text_completion",
-                                      "choices": [choice],
-                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                                                "total_tokens": prompt_tokens + max_tokens}})
+            choice = {
+                "index": 0,
+                "finish_reason": "length",
+                **({"message": {"role": "assistant", "content": out}} if chat else {"text": out}),
+            }
+            return web.json_response(
+                {
+                    "id": "fake",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": max_tokens,
+                        "total_tokens": prompt_tokens + max_tokens,
+                    },
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
@@ -83,16 +95,28 @@ def build_app(script: FakeServerScript) -> web.Application:
                 await asyncio.sleep(script.token_interval_s)
             piece = f"tok{i} "
             last = i == max_tokens - 1
-            choice = {"index": 0, "finish_reason": "length" if last else None,
-                      **({"delta": {"content": piece}} if chat else {"text": piece})}
+            choice = {
+                "index": 0,
+                "finish_reason": "length" if last else None,
+                **({"delta": {"content": piece}} if chat else {"text": piece}),
+            }
             await send({"id": "fake", "object": kind, "choices": [choice]})
             if "FAIL_STREAM" in text:
                 await send({"error": {"message": "scripted stream failure", "code": 500}})
                 return resp
         if (body.get("stream_options") or {}).get("include_usage"):
-            await send({"id": "fake", "object": kind, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                                  "total_tokens": prompt_tokens + max_tokens}})
+            await send(
+                {
+                    "id": "fake",
+                    "object": kind,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": max_tokens,
+                        "total_tokens": prompt_tokens + max_tokens,
+                    },
+                }
+            )
         await send("[DONE]")
         return resp
 
@@ -124,7 +148,7 @@ class FakeServerThread:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "FakeServerThread":
+    def __enter__(self) -> FakeServerThread:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
         return self

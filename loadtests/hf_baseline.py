@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.client import Endpoint, RequestResult
-from loadtests.workload import RequestSpec
-from procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.loadtests.client import Endpoint, RequestResult
+from batchserve.loadtests.workload import RequestSpec
+from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
 
 
 @dataclass
@@ -134,8 +134,12 @@ class TransformersStaticBatcher:
     def _prompts(self, batch: list[_Pending]) -> Any:
         texts = [p.spec.prompt for p in batch]
         if self.endpoint == "chat":
-            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                        add_generation_prompt=True) for t in texts]
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+                )
+                for t in texts
+            ]
             return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return self.tokenizer(texts, return_tensors="pt", padding=True)
 
@@ -149,8 +153,14 @@ class TransformersStaticBatcher:
                 p.result.prompt_tokens = len(ids)
             longest = max(p.spec.output_len for p in batch)
             with torch.inference_mode():
-                self.model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                    pad_token_id=self.tokenizer.pad_token_id, streamer=_StepTimer(batch, self.tokenizer, prompts))
+                self.model.generate(
+                    **enc,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    streamer=_StepTimer(batch, self.tokenizer, prompts),
+                )
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the benchmark
             for p in batch:
                 if not p.result.success:

@@ -10,7 +10,7 @@
 - Perplexity on a fixed English text (`loadtests/data/english_text.txt`: public-domain passages,
   about a thousand tokens), from the prompt logprobs of each engine.
 
-    .venv/bin/python -m loadtests.int8_accuracy [--model NAME] [--prompts 50] [--tokens 64]
+    .venv/bin/python -m batchserve.loadtests.int8_accuracy [--model NAME] [--prompts 50] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import argparse
 import math
 from pathlib import Path
 
-from loadtests.workload import QUESTIONS
-from procs.engine import Completion, OfflineEngine, request
-from shared.config import DEFAULT_MODEL, ServerConfig
+from batchserve.loadtests.workload import QUESTIONS
+from batchserve.procs.engine import Completion, OfflineEngine, request
+from batchserve.shared.config import DEFAULT_MODEL, ServerConfig
 
 TEXT = Path(__file__).parent / "data" / "english_text.txt"
 GREEDY = {"temperature": 0.0}
@@ -31,25 +31,36 @@ def prompts(count: int) -> list[dict]:
     """Chat questions first, then openings of the fixed text's paragraphs (plain completions)."""
     chats = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
     paragraphs = [p for p in TEXT.read_text().split("\n\n") if p.strip()]
-    openings = [{"prompt": " ".join(p.split()[:12 + 3 * i])} for i, p in enumerate(paragraphs * 3)]
+    openings = [{"prompt": " ".join(p.split()[: 12 + 3 * i])} for i, p in enumerate(paragraphs * 3)]
     return (chats + openings)[:count]
 
 
 def generate(engine: OfflineEngine, items: list[dict], tokens: int) -> list[Completion]:
-    return engine.generate([request(f"p{i}", **item, sampling=GREEDY, stop={"max_tokens": tokens, "ignore_eos": True})
-                            for i, item in enumerate(items)])
+    return engine.generate(
+        [
+            request(f"p{i}", **item, sampling=GREEDY, stop={"max_tokens": tokens, "ignore_eos": True})
+            for i, item in enumerate(items)
+        ]
+    )
 
 
 def teacher_forced_top1(engine: OfflineEngine, sequences: list[list[int]]) -> list[list[int]]:
     """Each sequence's top-1 token after every prefix (positions 1..), from one prefill per sequence."""
-    done = engine.generate([request(f"t{i}", prompt_token_ids=ids, sampling=GREEDY, stop={"max_tokens": 1},
-                                    logits={"prompt_logprobs": 1}) for i, ids in enumerate(sequences)])
+    done = engine.generate(
+        [
+            request(
+                f"t{i}", prompt_token_ids=ids, sampling=GREEDY, stop={"max_tokens": 1}, logits={"prompt_logprobs": 1}
+            )
+            for i, ids in enumerate(sequences)
+        ]
+    )
     return [[p.top_ids[0] for p in c.prompt_logprobs] for c in done]
 
 
 def perplexity(engine: OfflineEngine, ids: list[int]) -> float:
-    done = engine.generate([request("ppl", prompt_token_ids=ids, sampling=GREEDY, stop={"max_tokens": 1},
-                                    logits={"prompt_logprobs": 0})])[0]
+    done = engine.generate(
+        [request("ppl", prompt_token_ids=ids, sampling=GREEDY, stop={"max_tokens": 1}, logits={"prompt_logprobs": 0})]
+    )[0]
     logprobs = [p.logprob for p in done.prompt_logprobs]
     return math.exp(-sum(logprobs) / len(logprobs))
 
@@ -66,8 +77,12 @@ def main() -> None:
     args = parser.parse_args()
 
     items = prompts(args.prompts)
-    engines = {q: OfflineEngine(ServerConfig(model=args.model, quantization=q, max_running_requests=64,
-                                             kv_capacity_tokens=65536)) for q in ("none", "int8")}
+    engines = {
+        q: OfflineEngine(
+            ServerConfig(model=args.model, quantization=q, max_running_requests=64, kv_capacity_tokens=65536)
+        )
+        for q in ("none", "int8")
+    }
     text_ids = list(engines["none"].tokenizer.encode(TEXT.read_text()))
     results = {}
     for name, engine in engines.items():
@@ -84,8 +99,10 @@ def main() -> None:
 
     print(f"model {args.model}; {len(items)} prompts x {args.tokens} greedy tokens; fp32 (none) vs int8")
     print(f"  identical completions                    {sum(p == args.tokens for p in prefixes)} / {len(items)}")
-    print(f"  tokens before the first difference       mean {sum(prefixes) / len(prefixes):.1f}, "
-          f"median {sorted(prefixes)[len(prefixes) // 2]} (of {args.tokens})")
+    print(
+        f"  tokens before the first difference       mean {sum(prefixes) / len(prefixes):.1f}, "
+        f"median {sorted(prefixes)[len(prefixes) // 2]} (of {args.tokens})"
+    )
     print(f"  teacher-forced top-1 agreement           {agree} / {total} = {100 * agree / total:.2f} %")
     print(f"perplexity on {TEXT.name} ({len(text_ids)} tokens)")
     for name, (_, ppl) in results.items():

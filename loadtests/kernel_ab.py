@@ -9,8 +9,8 @@ revision; vec8.h from the working tree.
   the default model's heads, `--rows` requests of about `--context` cached tokens each, in pages
   scattered over a pool of the server's size (as a running server's allocator leaves them).
 
-    .venv/bin/python -m loadtests.kernel_ab linear [--base HEAD] [--rows 1,2,3,8,32] [--rounds 25]
-    .venv/bin/python -m loadtests.kernel_ab attention [--base HEAD] [--rows 1,16,32] [--context 400]
+    .venv/bin/python -m batchserve.loadtests.kernel_ab linear [--base HEAD] [--rows 1,2,3,8,32] [--rounds 25]
+    .venv/bin/python -m batchserve.loadtests.kernel_ab attention [--base HEAD] [--rows 1,16,32] [--context 400]
 """
 
 from __future__ import annotations
@@ -25,16 +25,18 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
-from kernels.panel_linear import pack_panels
-from procs.worker.loader import load_model_config
-from procs.worker.models.base import ModelConfig
-from shared.config import DEFAULT_MODEL
-from shared.model import ModelSpec
+from batchserve.kernels import native
+from batchserve.kernels.panel_linear import pack_panels
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.procs.worker.models.base import ModelConfig
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.model import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
-           "attention": ("paged_decode_attention.c", ("paged_decode_attention",))}
+SOURCES = {
+    "linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
+    "attention": ("paged_decode_attention.c", ("paged_decode_attention",)),
+}
 POOL_TOKENS = 23280  # the default model's KV capacity on a 24 GiB CPU server
 PAGE_SIZE = 16
 
@@ -75,11 +77,21 @@ def linear_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple[st
                 for w, y in zip(weights, outs):
                     k = w.packed.shape[1]
                     if w.scale is not None:
-                        lib.int8_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), w.scale.data_ptr(), None,
-                                        w.out_features, k, y.data_ptr())
+                        lib.int8_linear(
+                            x.data_ptr(),
+                            rows,
+                            k,
+                            w.packed.data_ptr(),
+                            w.scale.data_ptr(),
+                            None,
+                            w.out_features,
+                            k,
+                            y.data_ptr(),
+                        )
                     else:
-                        lib.f32_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k,
-                                       y.data_ptr())
+                        lib.f32_linear(
+                            x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k, y.data_ptr()
+                        )
                 return time.perf_counter() - started
 
             label = f"{'fp32' if quantization == 'none' else quantization} weights, {rows} rows"
@@ -106,10 +118,25 @@ def attention_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple
         def one_pass(lib: ctypes.CDLL, rows=rows, lens=lens, max_pages=max_pages, pages=pages, q=q, out=out) -> float:
             started = time.perf_counter()
             for layer in range(layers):
-                lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_pool[layer].data_ptr(),
-                                           v_pool[layer].data_ptr(), pages.data_ptr(), max_pages, lens.data_ptr(),
-                                           out[layer].data_ptr(), rows, heads, kv_heads, head_dim, PAGE_SIZE,
-                                           head_dim ** -0.5, 0, 0.0, None)  # no window, soft-cap or sinks
+                lib.paged_decode_attention(
+                    q.data_ptr(),
+                    q.stride(0),
+                    k_pool[layer].data_ptr(),
+                    v_pool[layer].data_ptr(),
+                    pages.data_ptr(),
+                    max_pages,
+                    lens.data_ptr(),
+                    out[layer].data_ptr(),
+                    rows,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    PAGE_SIZE,
+                    head_dim**-0.5,
+                    0,
+                    0.0,
+                    None,
+                )  # no window, soft-cap or sinks
             return time.perf_counter() - started
 
         cases.append((f"{rows} requests x ~{args.context} tokens", one_pass, lambda out=out: out.clone()))
@@ -121,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kernel", choices=sorted(SOURCES))
     parser.add_argument("--base", default="HEAD", help="git revision whose kernel source is the baseline")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--rows", default=None,
-                        help="tokens per call (linear, default 1,2,3,8,32) or requests (attention, default 1,16,32)")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="tokens per call (linear, default 1,2,3,8,32) or requests (attention, default 1,16,32)",
+    )
     parser.add_argument("--context", type=int, default=400, help="cached tokens per request (attention)")
     parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args(argv)
@@ -131,16 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     if cc is None:
         parser.error("no C compiler found (set CC)")
     file, functions = SOURCES[args.kernel]
-    base_source = subprocess.run(["git", "show", f"{args.base}:kernels/csrc/{file}"], cwd=ROOT,
-                                 capture_output=True, text=True, check=True).stdout
+    base_source = subprocess.run(
+        ["git", "show", f"{args.base}:kernels/csrc/{file}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(cc, base_source, Path(tmp), "base", functions),
-                "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions)}
+        libs = {
+            "base": build(cc, base_source, Path(tmp), "base", functions),
+            "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions),
+        }
         torch.manual_seed(0)
         config = load_model_config(ModelSpec.resolve(args.model))
         cases = (linear_cases if args.kernel == "linear" else attention_cases)(config, args)
-        print(f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
-              f"fastest of {args.rounds} alternating passes")
+        print(
+            f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
+            f"fastest of {args.rounds} alternating passes"
+        )
         print(f"  {'case':<34} {'base ms':>9} {'tree ms':>9} {'ratio':>7}  same bits")
         for label, one_pass, output in cases:
             best, outputs = {}, {}
@@ -148,10 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name, lib in libs.items():
                     best[name] = min(best.get(name, float("inf")), one_pass(lib))
                     outputs[name] = output()
-            same = all(torch.equal(a, b) for a, b in zip(*(
-                o if isinstance(o, list) else [o] for o in (outputs["base"], outputs["tree"]))))
-            print(f"  {label:<34} {best['base'] * 1e3:>9.2f} {best['tree'] * 1e3:>9.2f} "
-                  f"{best['base'] / best['tree']:>6.2f}x  {same}", flush=True)
+            same = all(
+                torch.equal(a, b)
+                for a, b in zip(*(o if isinstance(o, list) else [o] for o in (outputs["base"], outputs["tree"])))
+            )
+            print(
+                f"  {label:<34} {best['base'] * 1e3:>9.2f} {best['tree'] * 1e3:>9.2f} "
+                f"{best['base'] / best['tree']:>6.2f}x  {same}",
+                flush=True,
+            )
     return 0
 
 

@@ -18,9 +18,9 @@ import time
 
 from locust import HttpUser, constant, events, task
 
-from loadtests.sse import StreamReader
-from loadtests.workload import WORDS
-from shared.config import DEFAULT_MODEL
+from batchserve.loadtests.sse import StreamReader
+from batchserve.loadtests.workload import WORDS
+from batchserve.shared.config import DEFAULT_MODEL
 
 MODEL = os.environ.get("BATCHSERVE_LOCUST_MODEL", DEFAULT_MODEL)
 MAX_TOKENS = int(os.environ.get("BATCHSERVE_LOCUST_MAX_TOKENS", "64"))
@@ -31,8 +31,9 @@ STREAM_NAME = "chat stream"
 
 
 def _report(name: str, seconds: float) -> None:
-    events.request.fire(request_type="SSE", name=name, response_time=seconds * 1000.0, response_length=0,
-                        exception=None, context={})
+    events.request.fire(
+        request_type="SSE", name=name, response_time=seconds * 1000.0, response_length=0, exception=None, context={}
+    )
 
 
 class StreamingChatUser(HttpUser):
@@ -60,8 +61,9 @@ class StreamingChatUser(HttpUser):
         }
         start = time.perf_counter()
         reader = StreamReader()
-        with self.client.post("/v1/chat/completions", json=payload, stream=True, catch_response=True,
-                              name=STREAM_NAME) as resp:
+        with self.client.post(
+            "/v1/chat/completions", json=payload, stream=True, catch_response=True, name=STREAM_NAME
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return

@@ -13,13 +13,14 @@ Failed requests count only in `failed`; they contribute no latencies and no toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from loadtests.client import RequestResult
-from shared.slo import Slo
+from batchserve.loadtests.client import RequestResult
+from batchserve.shared.slo import Slo
 
 PERCENTILES = (50, 90, 99)
 
@@ -35,7 +36,7 @@ class Distribution:
     p99: float | None
 
     @classmethod
-    def of_seconds(cls, samples: Sequence[float]) -> "Distribution":
+    def of_seconds(cls, samples: Sequence[float]) -> Distribution:
         if len(samples) == 0:
             return cls(0, None, None, None, None)
         ms = np.asarray(samples, dtype=np.float64) * 1000.0
@@ -46,8 +47,6 @@ class Distribution:
 def met_slo(slo: Slo, result: RequestResult) -> bool:
     """The request completed and met every objective of `slo`."""
     return result.success and all(slo.met(ttft(result), tpot(result), e2e_latency(result)).values())
-
-
 
 
 @dataclass(frozen=True)

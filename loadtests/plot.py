@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from loadtests.metrics import BenchMetrics
-from loadtests.report import RunRecord
+from batchserve.loadtests.metrics import BenchMetrics
+from batchserve.loadtests.report import RunRecord
 
 PANELS: tuple[tuple[str, Callable[[BenchMetrics], float | None]], ...] = (
     ("output tokens/s", lambda m: m.output_throughput),
@@ -35,8 +35,11 @@ def plot_sweep(records: Sequence[RunRecord], path: Path, title: str = "") -> Non
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, metric) in zip(axes.flat, PANELS):
         for config in configs:
-            points = sorted((inf_at if math.isinf(r.point.value) else r.point.value, metric(r.metrics))
-                            for r in records if r.config == config)
+            points = sorted(
+                (inf_at if math.isinf(r.point.value) else r.point.value, metric(r.metrics))
+                for r in records
+                if r.config == config
+            )
             xs = [x for x, y in points if y is not None]
             ys = [y for x, y in points if y is not None]
             ax.plot(xs, ys, marker="o", label=config)

@@ -10,12 +10,12 @@ import asyncio
 import dataclasses
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
-from loadtests.client import RequestResult
-from loadtests.metrics import BenchMetrics, summarize
-from loadtests.workload import RequestSpec, poisson_arrivals
+from batchserve.loadtests.client import RequestResult
+from batchserve.loadtests.metrics import BenchMetrics, summarize
+from batchserve.loadtests.workload import RequestSpec, poisson_arrivals
 
 Sender = Callable[[RequestSpec], Awaitable[RequestResult]]
 
@@ -85,8 +85,13 @@ class Progress:
         print(f"\r{self.desc}: {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
 
 
-async def run_concurrency(send: Sender, specs: Sequence[RequestSpec], concurrency: int,
-                          progress: Progress | None = None, stagger_s: float = 0.0) -> list[RequestResult]:
+async def run_concurrency(
+    send: Sender,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+    progress: Progress | None = None,
+    stagger_s: float = 0.0,
+) -> list[RequestResult]:
     """Keep `concurrency` requests in flight: a new one is sent as soon as one finishes (stream k
     starts `k * stagger_s` seconds late)."""
     results: list[RequestResult | None] = [None] * len(specs)
@@ -106,8 +111,9 @@ async def run_concurrency(send: Sender, specs: Sequence[RequestSpec], concurrenc
     return [r for r in results if r is not None]
 
 
-async def run_conversations(send: Sender, specs: Sequence[RequestSpec], concurrency: int,
-                            progress: Progress | None = None) -> list[RequestResult]:
+async def run_conversations(
+    send: Sender, specs: Sequence[RequestSpec], concurrency: int, progress: Progress | None = None
+) -> list[RequestResult]:
     """Keep `concurrency` conversations going; each sends its turns one after the other, every turn
     with the history so far (its earlier questions and the answers they got)."""
     chats: dict[int, list[RequestSpec]] = {}
@@ -134,8 +140,9 @@ async def run_conversations(send: Sender, specs: Sequence[RequestSpec], concurre
     return results
 
 
-async def run_rate(send: Sender, specs: Sequence[RequestSpec], request_rate: float, seed: int,
-                   progress: Progress | None = None) -> list[RequestResult]:
+async def run_rate(
+    send: Sender, specs: Sequence[RequestSpec], request_rate: float, seed: int, progress: Progress | None = None
+) -> list[RequestResult]:
     """Send request i at its Poisson arrival time, whatever is still in flight."""
     offsets = poisson_arrivals(len(specs), request_rate, seed)
     start = time.perf_counter()
@@ -152,9 +159,15 @@ async def run_rate(send: Sender, specs: Sequence[RequestSpec], request_rate: flo
     return list(await asyncio.gather(*(one(i) for i in range(len(specs)))))
 
 
-async def measure(send: Sender, specs: Sequence[RequestSpec], point: LoadPoint, seed: int,
-                  warmup: Sequence[RequestSpec] = (), desc: str = "bench",
-                  show_progress: bool = True) -> tuple[BenchMetrics, list[RequestResult]]:
+async def measure(
+    send: Sender,
+    specs: Sequence[RequestSpec],
+    point: LoadPoint,
+    seed: int,
+    warmup: Sequence[RequestSpec] = (),
+    desc: str = "bench",
+    show_progress: bool = True,
+) -> tuple[BenchMetrics, list[RequestResult]]:
     """Warm up (results discarded), then run `specs` at `point` and summarize."""
     if warmup:
         await run_concurrency(send, warmup, min(len(warmup), point.concurrency or len(warmup)))
@@ -163,8 +176,9 @@ async def measure(send: Sender, specs: Sequence[RequestSpec], point: LoadPoint, 
     try:
         if any(spec.conversation is not None for spec in specs):
             if point.concurrency is None:
-                raise ValueError("multi-turn conversations run at a concurrency (conversations in flight), "
-                                 "not at a request rate")
+                raise ValueError(
+                    "multi-turn conversations run at a concurrency (conversations in flight), not at a request rate"
+                )
             results = await run_conversations(send, specs, point.concurrency, progress)
         elif point.concurrency is not None:
             results = await run_concurrency(send, specs, point.concurrency, progress, point.stagger_s)

@@ -10,17 +10,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
-from shared.ports import free_port
+from batchserve.shared.commands import cli_command
+from batchserve.shared.ports import free_port
 
-DEFAULT_SERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "procs.cli", "serve")
-REPO = Path(__file__).resolve().parent.parent  # where `-m procs.cli` resolves without an install
+DEFAULT_SERVE_COMMAND: tuple[str, ...] = tuple(cli_command("serve"))
 
 
 class ServerStartError(RuntimeError):
@@ -32,15 +31,21 @@ class ServerStartError(RuntimeError):
 SERVER_PORT_SPAN = 16
 
 
-
 class ServerProcess:
     """`command` plus `--host 127.0.0.1 --port P`, in its own process group, its output in `log_path`.
 
     Ready when `ready()` says so (by default: `/health` answers 200); a subclass may wait for
     something else."""
 
-    def __init__(self, command: Sequence[str], log_path: Path, health_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 30.0, env: Mapping[str, str] | None = None, cwd: Path | None = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: Path,
+        health_timeout_s: float = 600.0,
+        stop_timeout_s: float = 30.0,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.port = free_port(SERVER_PORT_SPAN)
         self.command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
@@ -54,7 +59,7 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 
@@ -64,20 +69,30 @@ class ServerProcess:
     def start(self) -> None:
         with open(self.log_path, "wb") as log:
             # a new session: the server's child processes share its group, so stop() reaches them all
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=self.env, cwd=self.cwd)
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self.env,
+                cwd=self.cwd,
+            )
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()  # whatever it had started
-                raise ServerStartError(f"server exited with status {self.proc.returncode} before it was ready: "
-                                       f"{' '.join(self.command)}\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"server exited with status {self.proc.returncode} before it was ready: "
+                    f"{' '.join(self.command)}\n{self.log_tail()}"
+                )
             if self.ready():
                 return
             time.sleep(0.2)
         self.stop()
-        raise ServerStartError(f"server not ready after {self.health_timeout_s:.0f}s: "
-                               f"{' '.join(self.command)}\n{self.log_tail()}")
+        raise ServerStartError(
+            f"server not ready after {self.health_timeout_s:.0f}s: {' '.join(self.command)}\n{self.log_tail()}"
+        )
 
     def ready(self) -> bool:
         return self.healthy() and self.serves_a_model()

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs.api.live_view import quantile
+from batchserve.procs.api.live_view import quantile
 
 RUNNING = "batchserve_num_requests_running"
 PREEMPTIONS = "batchserve_preemptions_total"
@@ -45,14 +45,18 @@ class ServerStats:
         """Requests per step: how full the steps ran (a step reads every weight whatever its rows)."""
         return self.step_rows / self.steps if self.steps else None
 
-    def merged(self, other: "ServerStats | None") -> "ServerStats":
+    def merged(self, other: ServerStats | None) -> ServerStats:
         """Pooled over rounds: the higher peak, the preemptions and the histograms added up."""
         if other is None:
             return self
         buckets = tuple((le, a + b) for (le, a), (_, b) in zip(self.itl_buckets, other.itl_buckets))
-        return ServerStats(max(self.peak_running, other.peak_running), self.preemptions + other.preemptions,
-                           buckets or self.itl_buckets or other.itl_buckets, self.steps + other.steps,
-                           self.step_rows + other.step_rows)
+        return ServerStats(
+            max(self.peak_running, other.peak_running),
+            self.preemptions + other.preemptions,
+            buckets or self.itl_buckets or other.itl_buckets,
+            self.steps + other.steps,
+            self.step_rows + other.step_rows,
+        )
 
     def itl_token_ms(self, q: float) -> float | None:
         """The q-quantile of the per-token gaps, ms (Prometheus' `histogram_quantile`); None without any."""
@@ -85,7 +89,7 @@ class ServerStatsProbe:
                 if resp.status != 200:
                     return None
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return None
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
         values = {s.name: s.value for s in samples if s.name in (RUNNING, PREEMPTIONS, STEPS, STEP_ROWS)}
@@ -99,7 +103,7 @@ class ServerStatsProbe:
             if values is not None:
                 self._peak = max(self._peak, values[RUNNING])
 
-    async def __aenter__(self) -> "ServerStatsProbe":
+    async def __aenter__(self) -> ServerStatsProbe:
         self._first = await self._read()
         if self._first is not None:
             self._task = asyncio.create_task(self._poll())
@@ -114,6 +118,8 @@ class ServerStatsProbe:
         last = await self._read()
         if last is not None:
             first = self._first
-            itl = tuple(sorted((float(key[3:]), last[key] - first.get(key, 0.0)) for key in last if key.startswith("le=")))
+            itl = tuple(
+                sorted((float(key[3:]), last[key] - first.get(key, 0.0)) for key in last if key.startswith("le="))
+            )
             counted = {key: int(last.get(key, 0.0) - first.get(key, 0.0)) for key in (PREEMPTIONS, STEPS, STEP_ROWS)}
             self.stats = ServerStats(int(self._peak), counted[PREEMPTIONS], itl, counted[STEPS], counted[STEP_ROWS])

@@ -17,7 +17,7 @@ def sse_data(raw: bytes | str) -> str | None:
     line = (raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw).strip()
     if not line.startswith("data:"):
         return None
-    return line[len("data:"):].strip()
+    return line[len("data:") :].strip()
 
 
 def choice_text(choice: dict[str, Any]) -> str | None:

@@ -9,20 +9,20 @@ import asyncio
 import contextlib
 import functools
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import aiohttp
 
-from loadtests.client import Endpoint, RequestResult, make_session, send_request
-from loadtests.metrics import Slo, summarize
-from loadtests.report import RunRecord, format_run
-from loadtests.runner import LoadPoint, Sender, measure
-from loadtests.server_process import ServerProcess, ServerStartError
-from loadtests.server_stats import ServerStats, ServerStatsProbe
-from loadtests.workload import RequestSpec
+from batchserve.loadtests.client import Endpoint, RequestResult, make_session, send_request
+from batchserve.loadtests.metrics import Slo, summarize
+from batchserve.loadtests.report import RunRecord, format_run
+from batchserve.loadtests.runner import LoadPoint, Sender, measure
+from batchserve.loadtests.server_process import ServerProcess, ServerStartError
+from batchserve.loadtests.server_stats import ServerStats, ServerStatsProbe
+from batchserve.loadtests.workload import RequestSpec
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Plan:
         if not self.num_prompts:
             return self.specs
         start = round * sum(self.num_prompts) + sum(self.num_prompts[:index])
-        return self.specs[start: start + self.num_prompts[index]]
+        return self.specs[start : start + self.num_prompts[index]]
 
 
 SenderFactory = Callable[[aiohttp.ClientSession], Sender]
@@ -68,17 +68,36 @@ Opener = Callable[[], AbstractContextManager[OpenTarget]]
 @contextlib.contextmanager
 def url_target(base_url: str, model: str, endpoint: Endpoint) -> Iterator[OpenTarget]:
     """An already running OpenAI-compatible server (its /metrics is sampled if it is batchserve's)."""
-    yield OpenTarget(lambda session: functools.partial(send_request, session, base_url, endpoint, model),
-                     base_url.rstrip("/") + "/metrics")
+    yield OpenTarget(
+        lambda session: functools.partial(send_request, session, base_url, endpoint, model),
+        base_url.rstrip("/") + "/metrics",
+    )
 
 
 @contextlib.contextmanager
-def server_target(policy: str, serve_command: Sequence[str], model: str, max_batch_size: int,
-                  server_args: Sequence[str], log_dir: Path, health_timeout_s: float, endpoint: Endpoint,
-                  torch_threads: int = 0, label: str = "") -> Iterator[OpenTarget]:
+def server_target(
+    policy: str,
+    serve_command: Sequence[str],
+    model: str,
+    max_batch_size: int,
+    server_args: Sequence[str],
+    log_dir: Path,
+    health_timeout_s: float,
+    endpoint: Endpoint,
+    torch_threads: int = 0,
+    label: str = "",
+) -> Iterator[OpenTarget]:
     """`serve_command` under `policy` on a free port, stopped when the context ends."""
-    command = [*serve_command, "--model", model, "--policy", policy,
-               "--max-running-requests", str(max_batch_size), *server_args]
+    command = [
+        *serve_command,
+        "--model",
+        model,
+        "--policy",
+        policy,
+        "--max-running-requests",
+        str(max_batch_size),
+        *server_args,
+    ]
     label = label or policy
     log_path = _free_log_path(log_dir, f"server-{label.replace('/', '-')}")
     print(f"starting {label} server (log: {log_path})", file=sys.stderr, flush=True)
@@ -98,12 +117,13 @@ def _free_log_path(log_dir: Path, stem: str) -> Path:
 
 
 @contextlib.contextmanager
-def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpoint: Endpoint,
-                        torch_threads: int = 0) -> Iterator[OpenTarget]:
+def transformers_target(
+    model_dir: Path, max_batch_size: int, device: str, endpoint: Endpoint, torch_threads: int = 0
+) -> Iterator[OpenTarget]:
     """The static-batching baseline, in this process."""
     import torch
 
-    from loadtests.hf_baseline import TransformersStaticBatcher
+    from batchserve.loadtests.hf_baseline import TransformersStaticBatcher
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -115,32 +135,50 @@ def transformers_target(model_dir: Path, max_batch_size: int, device: str, endpo
         batcher.close()
 
 
-async def _measure_one(target: OpenTarget, plan: Plan, index: int, round: int, rounds: int,
-                       label: str) -> tuple[list[RequestResult], float, ServerStats | None]:
+async def _measure_one(
+    target: OpenTarget, plan: Plan, index: int, round: int, rounds: int, label: str
+) -> tuple[list[RequestResult], float, ServerStats | None]:
     """One measurement of an opened target: point `index`'s prompts of round `round` (of `rounds`)."""
     point = plan.points[index]
     async with make_session(plan.request_timeout_s) as session:
         probe = ServerStatsProbe(session, target.metrics_url) if target.metrics_url else None
         async with probe or contextlib.nullcontext():
-            metrics, results = await measure(target.sender(session), plan.specs_for(index, round), point, plan.seed,
-                                             warmup=plan.warmup, desc=f"{label} @ {point.label()}",
-                                             show_progress=plan.show_progress)
+            metrics, results = await measure(
+                target.sender(session),
+                plan.specs_for(index, round),
+                point,
+                plan.seed,
+                warmup=plan.warmup,
+                desc=f"{label} @ {point.label()}",
+                show_progress=plan.show_progress,
+            )
     if rounds > 1:
         itl_p99 = "-" if metrics.itl_ms.p99 is None else f"{metrics.itl_ms.p99:.0f}"
-        print(f"{label} @ {point.label()} round {round + 1}/{rounds}: {metrics.output_throughput:.2f} "
-              f"output tok/s, ITL p99 {itl_p99} ms", file=sys.stderr, flush=True)
+        print(
+            f"{label} @ {point.label()} round {round + 1}/{rounds}: {metrics.output_throughput:.2f} "
+            f"output tok/s, ITL p99 {itl_p99} ms",
+            file=sys.stderr,
+            flush=True,
+        )
     return results, metrics.duration_s, probe.stats if probe else None
 
 
-def _record(label: str, point: LoadPoint, results: list[RequestResult], duration: float,
-            server: ServerStats | None, slo: Slo | None) -> RunRecord:
+def _record(
+    label: str,
+    point: LoadPoint,
+    results: list[RequestResult],
+    duration: float,
+    server: ServerStats | None,
+    slo: Slo | None,
+) -> RunRecord:
     turns = sorted({r.turn for r in results if r.turn is not None})
     by_turn = {t: summarize([r for r in results if r.turn == t], duration, slo) for t in turns} if turns else None
     return RunRecord(label, point, summarize(results, duration, slo), server, by_turn)
 
 
-def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,
-                    rounds: int = 1) -> tuple[list[RunRecord], list[str]]:
+def measure_targets(
+    openers: Sequence[tuple[str, Opener]], plan: Plan, rounds: int = 1
+) -> tuple[list[RunRecord], list[str]]:
     """Measure every target at every load point, `rounds` times with the order rotated each round;
     the rounds of one (target, point) are pooled: latencies together, tokens over the summed durations.
 
@@ -175,5 +213,9 @@ def measure_targets(openers: Sequence[tuple[str, Opener]], plan: Plan,
         for label, _ in openers:
             if (label, i) in pooled:
                 print(format_run(_record(label, point, *pooled[(label, i)], plan.slo)), flush=True)
-    return [_record(label, point, *pooled[(label, i)], plan.slo)
-            for i, point in enumerate(plan.points) for label, _ in openers if (label, i) in pooled], errors
+    return [
+        _record(label, point, *pooled[(label, i)], plan.slo)
+        for i, point in enumerate(plan.points)
+        for label, _ in openers
+        if (label, i) in pooled
+    ], errors

@@ -7,11 +7,11 @@ separate seeded Poisson process.
 
 from __future__ import annotations
 
-
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -39,8 +39,10 @@ def spread_over_models(specs: list[RequestSpec], models: list[str]) -> list[Requ
     """Request i names models[i % len(models)] (a conversation: its first turn's), e.g. LoRA adapters."""
     if not models:
         return specs
-    return [replace(s, model=models[(s.conversation if s.conversation is not None else i) % len(models)])
-            for i, s in enumerate(specs)]
+    return [
+        replace(s, model=models[(s.conversation if s.conversation is not None else i) % len(models)])
+        for i, s in enumerate(specs)
+    ]
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class LengthRange:
     high: int  # inclusive
 
     @classmethod
-    def parse(cls, text: str, what: str) -> "LengthRange":
+    def parse(cls, text: str, what: str) -> LengthRange:
         """`"128"` (fixed) or `"64:256"` (uniform, inclusive)."""
         parts = text.split(":")
         try:
@@ -72,8 +74,9 @@ class PromptBuilder(Protocol):
 
 # Common short English words; with a leading space each is one token in the usual BPE vocabularies,
 # so a prompt of n words is about n tokens long.
-WORDS: tuple[str, ...] = tuple(dict.fromkeys(
-    """the of and to in is was for on that with as by at from his it an were are which this be
+WORDS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        """the of and to in is was for on that with as by at from his it an were are which this be
     has had one or first their its after new who they have her she two been other when there all
     during into school time may years more most only over city some world would where later up
     such used many can state about national out known university united then made under film also
@@ -82,7 +85,8 @@ WORDS: tuple[str, ...] = tuple(dict.fromkeys(
     water music book open light field power story right long place small great old land high
     line road night name river early family group round head hand point food young word fire
     church music side table green black white red blue south north east west king party data""".split()
-))
+    )
+)
 
 
 class WordPromptBuilder:
@@ -151,8 +155,9 @@ CHAT_MIX: tuple[ChatClass, ...] = (
 )
 
 
-def chat_workload(num_prompts: int, seed: int, builder: PromptBuilder,
-                  mix: Sequence[ChatClass] = CHAT_MIX) -> list[RequestSpec]:
+def chat_workload(
+    num_prompts: int, seed: int, builder: PromptBuilder, mix: Sequence[ChatClass] = CHAT_MIX
+) -> list[RequestSpec]:
     """`num_prompts` requests whose kind is drawn from `mix` by weight; same seed, same workload."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -170,21 +175,46 @@ def chat_workload(num_prompts: int, seed: int, builder: PromptBuilder,
 
 # Everyday chat questions, answered until the model's EOS: the traffic of clients that send no max_tokens.
 QUESTIONS: tuple[str, ...] = (
-    "What is the capital of France?", "How do I boil an egg?", "Why is the sky blue?",
-    "What are three tips for better sleep?", "Explain photosynthesis to a child.", "What is a prime number?",
-    "Write a haiku about the sea.", "How does a refrigerator keep food cold?", "What is the difference between "
-    "weather and climate?", "Give me a recipe for pancakes.", "What causes the seasons on Earth?",
-    "How do vaccines work?", "Suggest a name for a pet turtle.", "What is machine learning?",
-    "How many continents are there, and what are they?", "Write a short poem about autumn leaves.",
-    "What should I pack for a weekend camping trip?", "How do airplanes stay in the air?",
-    "What is the Pythagorean theorem?", "Explain what a CPU does.", "How can I save money on groceries?",
-    "What is the tallest mountain in the world?", "Describe a cat in three sentences.",
-    "How do I make a good cup of coffee?", "What is the water cycle?", "Why do leaves change colour in autumn?",
-    "What is a black hole?", "Give me three ideas for a rainy day.", "How does the internet work?",
-    "What is the meaning of the word 'ephemeral'?", "How do bees make honey?", "What is inflation?",
-    "Write a limerick about a frog.", "How do I start learning to play the guitar?",
-    "What are the planets in our solar system?", "Why is exercise good for you?", "What is a noun?",
-    "How does a rainbow form?", "Tell me a fun fact about octopuses.", "What is the speed of light?",
+    "What is the capital of France?",
+    "How do I boil an egg?",
+    "Why is the sky blue?",
+    "What are three tips for better sleep?",
+    "Explain photosynthesis to a child.",
+    "What is a prime number?",
+    "Write a haiku about the sea.",
+    "How does a refrigerator keep food cold?",
+    "What is the difference between weather and climate?",
+    "Give me a recipe for pancakes.",
+    "What causes the seasons on Earth?",
+    "How do vaccines work?",
+    "Suggest a name for a pet turtle.",
+    "What is machine learning?",
+    "How many continents are there, and what are they?",
+    "Write a short poem about autumn leaves.",
+    "What should I pack for a weekend camping trip?",
+    "How do airplanes stay in the air?",
+    "What is the Pythagorean theorem?",
+    "Explain what a CPU does.",
+    "How can I save money on groceries?",
+    "What is the tallest mountain in the world?",
+    "Describe a cat in three sentences.",
+    "How do I make a good cup of coffee?",
+    "What is the water cycle?",
+    "Why do leaves change colour in autumn?",
+    "What is a black hole?",
+    "Give me three ideas for a rainy day.",
+    "How does the internet work?",
+    "What is the meaning of the word 'ephemeral'?",
+    "How do bees make honey?",
+    "What is inflation?",
+    "Write a limerick about a frog.",
+    "How do I start learning to play the guitar?",
+    "What are the planets in our solar system?",
+    "Why is exercise good for you?",
+    "What is a noun?",
+    "How does a rainbow form?",
+    "Tell me a fun fact about octopuses.",
+    "What is the speed of light?",
 )
 QUESTION_TEMPERATURE = 0.7  # a usual chat setting; every request carries its own seed
 
@@ -197,8 +227,16 @@ def questions_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(QUESTIONS))
     seeds = rng.integers(0, 2**31 - 1, size=num_prompts)
-    return [RequestSpec(QUESTIONS[order[i % len(QUESTIONS)]], len(QUESTIONS[order[i % len(QUESTIONS)]].split()),
-                        None, QUESTION_TEMPERATURE, int(seeds[i])) for i in range(num_prompts)]
+    return [
+        RequestSpec(
+            QUESTIONS[order[i % len(QUESTIONS)]],
+            len(QUESTIONS[order[i % len(QUESTIONS)]].split()),
+            None,
+            QUESTION_TEMPERATURE,
+            int(seeds[i]),
+        )
+        for i in range(num_prompts)
+    ]
 
 
 EDITS = (
@@ -226,14 +264,16 @@ def editing_workload(num_prompts: int, seed: int) -> list[RequestSpec]:
     return specs
 
 
-def multiturn_workload(conversations: int, turns: int, system_tokens: int, output_len: int, seed: int,
-                       builder: PromptBuilder) -> list[RequestSpec]:
+def multiturn_workload(
+    conversations: int, turns: int, system_tokens: int, output_len: int, seed: int, builder: PromptBuilder
+) -> list[RequestSpec]:
     """`conversations` chats of `turns` questions each behind one shared `system_tokens`-token system
     prompt; every turn resends the whole history (its answers are filled in as the run goes).
     Answers are `output_len` tokens (ignore_eos), greedy, so every target computes the same work."""
     if conversations < 1 or turns < 1 or system_tokens < 0:
-        raise ValueError(f"need conversations >= 1, turns >= 1, system_tokens >= 0; got {conversations}, {turns}, "
-                         f"{system_tokens}")
+        raise ValueError(
+            f"need conversations >= 1, turns >= 1, system_tokens >= 0; got {conversations}, {turns}, {system_tokens}"
+        )
     rng = np.random.default_rng(seed)
     system = builder.build(rng, system_tokens) if system_tokens else ""
     history = (("system", system),) if system else ()
@@ -241,8 +281,16 @@ def multiturn_workload(conversations: int, turns: int, system_tokens: int, outpu
     for c in range(conversations):
         for t in range(turns):
             question = f"{QUESTIONS[int(rng.integers(len(QUESTIONS)))]} {builder.build(rng, 8)}"
-            specs.append(RequestSpec(question, system_tokens + t * (output_len + 20) + 20, output_len,
-                                     conversation=c, turn=t, history=history))
+            specs.append(
+                RequestSpec(
+                    question,
+                    system_tokens + t * (output_len + 20) + 20,
+                    output_len,
+                    conversation=c,
+                    turn=t,
+                    history=history,
+                )
+            )
     return specs
 
 

@@ -10,13 +10,16 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("procs.serve", "start all five processes and serve the OpenAI-compatible API"),
-    "proc": ("procs.launch", "run one process (api, tokenizer, scheduler, worker, detokenizer)"),
-    "router": ("procs.router", "run the gateway (smg) in front of the replicas, as --router and --data-parallel-size say"),
-    "generate": ("procs.generate", "one-shot offline generation for a batch of prompts"),
-    "simulate": ("procs.scheduler.simulate", "run a scheduling scenario through the real scheduler"),
-    "bench": ("loadtests.bench", "benchmark an OpenAI-compatible endpoint (TTFT, ITL, TPOT, throughput)"),
-    "install-systemd": ("procs.install_systemd", "write systemd units and env file for this virtualenv"),
+    "serve": ("batchserve.procs.serve", "start all five processes and serve the OpenAI-compatible API"),
+    "proc": ("batchserve.procs.launch", "run one process (api, tokenizer, scheduler, worker, detokenizer)"),
+    "router": (
+        "batchserve.procs.router",
+        "run the gateway (smg) in front of the replicas, as --router and --data-parallel-size say",
+    ),
+    "generate": ("batchserve.procs.generate", "one-shot offline generation for a batch of prompts"),
+    "simulate": ("batchserve.procs.scheduler.simulate", "run a scheduling scenario through the real scheduler"),
+    "bench": ("batchserve.loadtests.bench", "benchmark an OpenAI-compatible endpoint (TTFT, ITL, TPOT, throughput)"),
+    "install-systemd": ("batchserve.procs.install_systemd", "write systemd units and env file for this virtualenv"),
 }
 
 

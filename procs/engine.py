@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from procs.detokenizer.incremental import IncrementalDetokenizer
-from procs.scheduler.adapter_updates import AdapterHoldingExecutor, WorkerAdapters
-from procs.scheduler.core import Scheduler
-from procs.scheduler.executor import Executor
-from procs.scheduler.config import check_config, scheduler_config_from_server
-from procs.scheduler.step_cost import cost_model_for
-from procs.tokenizer.prompts import PromptTokenizer
-from shared.config import ServerConfig
-from shared.messages import GenerateRequest, RequestParams, TokenizedRequest, TokenLogprobs
-from shared.parallel import RankLayout, with_init_addr
+from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.procs.scheduler.adapter_updates import AdapterHoldingExecutor, WorkerAdapters
+from batchserve.procs.scheduler.config import check_config, scheduler_config_from_server
+from batchserve.procs.scheduler.core import Scheduler
+from batchserve.procs.scheduler.executor import Executor
+from batchserve.procs.scheduler.step_cost import cost_model_for
+from batchserve.procs.tokenizer.prompts import PromptTokenizer
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import GenerateRequest, RequestParams, TokenizedRequest, TokenLogprobs
+from batchserve.shared.parallel import RankLayout, with_init_addr
 
 if TYPE_CHECKING:
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
 FOLLOWER_EXIT_S = 10.0  # how long close() waits for a follower to leave after rank 0's stop
 FAILURE_WAIT_S = 1.0  # how long a failed collective waits to see which follower exited
@@ -86,9 +86,12 @@ class FollowerRanks:
         context = multiprocessing.get_context("spawn")
         self.first_rank = config.node_rank * local_world_size
         self.joining = [context.Event() for _ in range(1, local_world_size)]  # set as each starts to join
-        self.processes = [context.Process(target=follow_rank, args=(config, i, joining),
-                                          name=f"batchserve-worker-rank-{i}", daemon=True)
-                          for i, joining in enumerate(self.joining, 1)]
+        self.processes = [
+            context.Process(
+                target=follow_rank, args=(config, i, joining), name=f"batchserve-worker-rank-{i}", daemon=True
+            )
+            for i, joining in enumerate(self.joining, 1)
+        ]
         for process in self.processes:
             process.start()
 
@@ -101,10 +104,15 @@ class FollowerRanks:
             if failures:
                 raise RankFailure(f"the worker ranks did not start: {'; '.join(failures)}")
             if time.monotonic() > deadline:
-                late = [f"worker rank {self.first_rank + i} (pid {p.pid})" for i, (p, event)
-                        in enumerate(zip(self.processes, self.joining), 1) if not event.is_set()]
-                raise RankFailure(f"the worker ranks did not start: {', '.join(late)} did not reach the group "
-                                  f"within dist_timeout_s {timeout:g} s")
+                late = [
+                    f"worker rank {self.first_rank + i} (pid {p.pid})"
+                    for i, (p, event) in enumerate(zip(self.processes, self.joining), 1)
+                    if not event.is_set()
+                ]
+                raise RankFailure(
+                    f"the worker ranks did not start: {', '.join(late)} did not reach the group "
+                    f"within dist_timeout_s {timeout:g} s"
+                )
             waiting = next((event for event in self.joining if not event.is_set()), None)  # None: set just now
             if waiting is not None:
                 waiting.wait(JOIN_POLL_S)
@@ -115,8 +123,11 @@ class FollowerRanks:
         deadline = time.monotonic() + wait_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
-        return [f"worker rank {self.first_rank + i} (pid {p.pid}) exited with status {p.exitcode}"
-                for i, p in enumerate(self.processes, 1) if p.exitcode is not None]
+        return [
+            f"worker rank {self.first_rank + i} (pid {p.pid}) exited with status {p.exitcode}"
+            for i, p in enumerate(self.processes, 1)
+            if p.exitcode is not None
+        ]
 
     def close(self, timeout: float = FOLLOWER_EXIT_S) -> None:
         """Wait up to `timeout` for the followers to exit (after rank 0's stop, or its group's end), then
@@ -133,8 +144,8 @@ class FollowerRanks:
 def follow_rank(config: ServerConfig, local_rank: int, joining: Any = None) -> None:
     """A follower rank's whole life (the target of `FollowerRanks`' processes); `joining`: an Event it
     sets as it starts to join the group. Its errors are one line on stderr: rank 0 reports them too."""
-    from procs.worker.model_runner import ModelRunner
-    from procs.worker.parallel import TensorParallelError
+    from batchserve.procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.parallel import TensorParallelError
 
     try:
         runner = ModelRunner.from_config(config, local_rank, None if joining is None else joining.set)
@@ -160,16 +171,18 @@ class OfflineEngine:
     def __init__(self, config: ServerConfig) -> None:
         import torch
 
-        from procs.worker.devices import resolve_device
-        from procs.worker.model_runner import ModelRunner
-        from procs.worker.parallel import TensorParallelError, check_local_devices, rank_device
+        from batchserve.procs.worker.devices import resolve_device
+        from batchserve.procs.worker.model_runner import ModelRunner
+        from batchserve.procs.worker.parallel import TensorParallelError, check_local_devices, rank_device
 
         check_config(config)  # unworkable settings: one line now, not after loading the model
         config = with_init_addr(config)  # a free loopback port where all ranks are local
         layout = RankLayout.of(config, 0)  # checks the layout before anything starts
         if layout.rank != 0:
-            raise ValueError(f"node_rank must be 0 for the offline engine (it runs global rank 0), got "
-                             f"{config.node_rank}; start other machines' ranks with `batchserve proc worker`")
+            raise ValueError(
+                f"node_rank must be 0 for the offline engine (it runs global rank 0), got "
+                f"{config.node_rank}; start other machines' ranks with `batchserve proc worker`"
+            )
         # A follower refuses these too, but then rank 0 would see only its exit: refuse here, first.
         check_local_devices(rank_device(resolve_device(config.device), layout), layout)
         self.config = config
@@ -194,8 +207,9 @@ class OfflineEngine:
                 raise RankFailure(f"the worker ranks did not start: {who}({exc})") from exc
             raise
         if self.runner.tp.world_size > 1:  # from here on the followers wait for ticks (step_timeout_s)
-            self._idle_thread = threading.Thread(target=self._tick_while_idle, name="batchserve-rank-ticks",
-                                                 daemon=True)
+            self._idle_thread = threading.Thread(
+                target=self._tick_while_idle, name="batchserve-rank-ticks", daemon=True
+            )
             self._idle_thread.start()
         try:
             self.spec = self.runner.spec
@@ -203,9 +217,11 @@ class OfflineEngine:
             self.prompts = PromptTokenizer.of(self.spec, self.tokenizer)
             self.scheduler = self._scheduler(config)
             # with LoRA, each step's adapter loads and unloads (--max-cpu-loras), as the scheduler process decides them
-            self.executor: Executor = (AdapterHoldingExecutor(self.runner, WorkerAdapters(config),
-                                                              lambda: self.scheduler.requests.values())
-                                       if config.enable_lora else self.runner)
+            self.executor: Executor = (
+                AdapterHoldingExecutor(self.runner, WorkerAdapters(config), lambda: self.scheduler.requests.values())
+                if config.enable_lora
+                else self.runner
+            )
         except BaseException:
             self.close()
             raise
@@ -218,14 +234,14 @@ class OfflineEngine:
         once and only throughput counts, so no step-time bound and no waiting limit. With speculative
         decoding, the worker's probe gives the step-cost model that says which drafts pay, as in `serve`
         (without the server's refits on live steps)."""
-        from procs.worker.step_probe import probe_step_costs
+        from batchserve.procs.worker.step_probe import probe_step_costs
 
         speculative = config.speculative != "off"
         info = self.runner.worker_info(probe_step_costs(self.runner) if speculative else None)
-        sched_config = msgspec.structs.replace(scheduler_config_from_server(config, info), max_step_s=0.0,
-                                               max_waiting=0)
-        return Scheduler(sched_config, eos_token_ids=self.runner.eos_token_ids,
-                         cost=cost_model_for(sched_config, info))
+        sched_config = msgspec.structs.replace(
+            scheduler_config_from_server(config, info), max_step_s=0.0, max_waiting=0
+        )
+        return Scheduler(sched_config, eos_token_ids=self.runner.eos_token_ids, cost=cost_model_for(sched_config, info))
 
     def __enter__(self) -> OfflineEngine:
         return self
@@ -286,7 +302,7 @@ class OfflineEngine:
         (its OOM, say), after which the followers are left inside the step."""
         import torch
 
-        from procs.worker.parallel import CollectiveError
+        from batchserve.procs.worker.parallel import CollectiveError
 
         collective = isinstance(exc, (CollectiveError, torch.distributed.DistError))
         # A broken connection is seen before the follower's process is reaped: give it a moment.
@@ -295,8 +311,10 @@ class OfflineEngine:
         if failures:
             who = "; ".join(failures)
         elif collective:
-            who = (f"no rank of this machine exited: a rank hung past step_timeout_s "
-                   f"{self.config.step_timeout_s:g} s, or another machine's rank failed")
+            who = (
+                f"no rank of this machine exited: a rank hung past step_timeout_s "
+                f"{self.config.step_timeout_s:g} s, or another machine's rank failed"
+            )
         else:
             who = "rank 0's step failed"
         return RankFailure(f"tensor-parallel worker ranks failed: {who} ({type(exc).__name__}: {exc})")
@@ -322,9 +340,15 @@ class OfflineEngine:
                     for rid in live:
                         self.scheduler.abort(rid)
                     raise
-                live[request.rid] = _Generating(Completion(request.rid, ids), IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids=ids, stop=request.params.stop,
-                    skip_special_tokens=request.params.stop.skip_special_tokens))
+                live[request.rid] = _Generating(
+                    Completion(request.rid, ids),
+                    IncrementalDetokenizer(
+                        self.tokenizer,
+                        prompt_ids=ids,
+                        stop=request.params.stop,
+                        skip_special_tokens=request.params.stop.skip_special_tokens,
+                    ),
+                )
             done = [live[r.rid].completion for r in tokenized]
             self._run(live)
         return done
@@ -369,10 +393,12 @@ class OfflineEngine:
         state.completion.finish_reason = "stop" if state.detokenizer.stopped else reason
 
 
-def request(rid: str, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-            **fields: Any) -> GenerateRequest:
+def request(
+    rid: str, *, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, **fields: Any
+) -> GenerateRequest:
     """Build a `GenerateRequest` from plain values (for the CLI and tests); `fields`: any field of its
     `RequestParams` (sampling, stop, logits, constraint, priority, ...) or of its own (tools, ...)."""
     params = {name: fields.pop(name) for name in list(fields) if name in RequestParams.__struct_fields__}
-    return msgspec.convert({"rid": rid, "prompt": prompt, "messages": messages, "params": params, **fields},
-                           GenerateRequest, strict=False)
+    return msgspec.convert(
+        {"rid": rid, "prompt": prompt, "messages": messages, "params": params, **fields}, GenerateRequest, strict=False
+    )

@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from procs.cli import CliError
-from shared.checks import check_sampling as check_sampling_params
-from shared.config import ENGINE_FIELDS, add_config_arguments, config_from_args
-from shared.errors import Refusal
+from batchserve.procs.cli import CliError
+from batchserve.shared.checks import check_sampling as check_sampling_params
+from batchserve.shared.config import ENGINE_FIELDS, add_config_arguments, config_from_args
+from batchserve.shared.errors import Refusal
 
 if TYPE_CHECKING:
-    from procs.engine import OfflineEngine
+    from batchserve.procs.engine import OfflineEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,23 +83,40 @@ def _say_speculation(engine: OfflineEngine) -> None:
     """With speculative decoding, one stderr line of what it did (stdout stays the completions)."""
     method = engine.config.speculative
     if method != "off":
-        print(f"batchserve generate: speculative {method}: {engine.accepted_tokens} of {engine.draft_tokens} "
-              f"proposed tokens accepted", file=sys.stderr)
+        print(
+            f"batchserve generate: speculative {method}: {engine.accepted_tokens} of {engine.draft_tokens} "
+            f"proposed tokens accepted",
+            file=sys.stderr,
+        )
 
 
 def main(args: argparse.Namespace) -> int:
-    from procs.engine import OfflineEngine, RankFailure, request
+    from batchserve.procs.engine import OfflineEngine, RankFailure, request
 
     prompts = read_prompts(args)
     check_sampling(args)
     config = config_from_args(args)
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                "seed": args.seed}
-    stop = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "stop": args.stop,
-            "stop_token_ids": args.stop_token_id}
+    sampling = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+    }
+    stop = {
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "stop": args.stop,
+        "stop_token_ids": args.stop_token_id,
+    }
     requests = [
-        request(f"prompt-{i}", prompt=None if args.chat else p,
-                messages=[{"role": "user", "content": p}] if args.chat else None, sampling=sampling, stop=stop)
+        request(
+            f"prompt-{i}",
+            prompt=None if args.chat else p,
+            messages=[{"role": "user", "content": p}] if args.chat else None,
+            sampling=sampling,
+            stop=stop,
+        )
         for i, p in enumerate(prompts)
     ]
     try:
@@ -112,10 +129,18 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     for prompt, completion in zip(prompts, completions):
         if args.json:
-            print(json.dumps({"prompt": prompt, "token_ids": completion.token_ids, "text": completion.text,
-                              "finish_reason": completion.finish_reason}, ensure_ascii=False))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "token_ids": completion.token_ids,
+                        "text": completion.text,
+                        "finish_reason": completion.finish_reason,
+                    },
+                    ensure_ascii=False,
+                )
+            )
         else:
             print(completion.text if len(prompts) == 1 else f"--- {prompt}\n{completion.text}")
     sys.stdout.flush()
     return 0
-

@@ -26,12 +26,19 @@ from pathlib import Path
 
 import msgspec
 
-from procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
-from procs.cli import CliError
-from procs.launch import START_ORDER
-from shared.config import (ServerConfig, add_config_arguments, config_from_args, env_var, field_default,
-                           field_description, flag_name)
-from shared.parallel import RankLayout, replica_port, replicated
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
+from batchserve.procs.cli import CliError
+from batchserve.procs.launch import START_ORDER
+from batchserve.shared.config import (
+    ServerConfig,
+    add_config_arguments,
+    config_from_args,
+    env_var,
+    field_default,
+    field_description,
+    flag_name,
+)
+from batchserve.shared.parallel import RankLayout, replica_port, replicated
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SOURCE_DIR / "systemd"
@@ -208,9 +215,17 @@ class MachineUnits:
     @property
     def names(self) -> dict[str, str]:
         """The templates' placeholders for the units' names: each unit as named."""
-        return {"@WORKERS@": " ".join(self.workers), "@SERVICES@": " ".join(self.services), "@AT@": "",
-                "@WORKER0@": worker_unit(0), "@PART_OF@": TARGET, "@REPLICA_FLAG@": "",
-                "@WORKER_FLAG@": "--local-rank %i", "@WORKER_INSTANCE@": "local rank", "@INTERNAL_KEY_ENV@": ""}
+        return {
+            "@WORKERS@": " ".join(self.workers),
+            "@SERVICES@": " ".join(self.services),
+            "@AT@": "",
+            "@WORKER0@": worker_unit(0),
+            "@PART_OF@": TARGET,
+            "@REPLICA_FLAG@": "",
+            "@WORKER_FLAG@": "--local-rank %i",
+            "@WORKER_INSTANCE@": "local rank",
+            "@INTERNAL_KEY_ENV@": "",
+        }
 
     def describe(self, config: ServerConfig) -> str:
         first = RankLayout.of(config, 0).rank
@@ -219,10 +234,12 @@ class MachineUnits:
         of = f" of {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
         if self.server:
             return f"This machine runs {ranks}{of} ({', '.join(self.workers)}) and the server's other units.\n"
-        return (f"This machine (node_rank {config.node_rank} of {config.nnodes}) runs only {ranks}{of} "
-                f"({', '.join(self.workers)}); they join global rank 0 at {config.dist_init_addr}, on the "
-                "machine of node_rank 0, which serves the api (start either first: each waits "
-                f"dist_timeout_s={config.dist_timeout_s:g} for the other).\n")
+        return (
+            f"This machine (node_rank {config.node_rank} of {config.nnodes}) runs only {ranks}{of} "
+            f"({', '.join(self.workers)}); they join global rank 0 at {config.dist_init_addr}, on the "
+            "machine of node_rank 0, which serves the api (start either first: each waits "
+            f"dist_timeout_s={config.dist_timeout_s:g} for the other).\n"
+        )
 
 
 @dataclass(frozen=True)
@@ -248,21 +265,32 @@ class ReplicaUnits:
     @property
     def names(self) -> dict[str, str]:
         """The templates' placeholders for the units' names: instance %i of each, replica %i's."""
-        return {"@WORKERS@": replica_unit("worker", "%i"), "@SERVICES@": " ".join(self.services), "@AT@": "@%i",
-                "@WORKER0@": replica_unit("worker", "%i"), "@PART_OF@": replica_target("%i"),
-                "@REPLICA_FLAG@": " --data-parallel-rank %i", "@WORKER_FLAG@": "--data-parallel-rank %i",
-                "@WORKER_INSTANCE@": "replica",
-                "@REPLICA_SERVICES@": " ".join(replica_unit(name, "%i") for name in START_ORDER),
-                "@REPLICA_TARGETS@": " ".join(replica_target(i) for i in range(self.replicas)),
-                "@INTERNAL_KEY_ENV@": f"EnvironmentFile=/{ENV_DIR / INTERNAL_KEY_FILE_NAME}" if self.router else ""}
+        return {
+            "@WORKERS@": replica_unit("worker", "%i"),
+            "@SERVICES@": " ".join(self.services),
+            "@AT@": "@%i",
+            "@WORKER0@": replica_unit("worker", "%i"),
+            "@PART_OF@": replica_target("%i"),
+            "@REPLICA_FLAG@": " --data-parallel-rank %i",
+            "@WORKER_FLAG@": "--data-parallel-rank %i",
+            "@WORKER_INSTANCE@": "replica",
+            "@REPLICA_SERVICES@": " ".join(replica_unit(name, "%i") for name in START_ORDER),
+            "@REPLICA_TARGETS@": " ".join(replica_target(i) for i in range(self.replicas)),
+            "@INTERNAL_KEY_ENV@": f"EnvironmentFile=/{ENV_DIR / INTERNAL_KEY_FILE_NAME}" if self.router else "",
+        }
 
     def describe(self, config: ServerConfig) -> str:
         ports = f"{replica_port(config, 0)}..{replica_port(config, self.replicas - 1)}"
-        router = (f", and {ROUTER_UNIT}: smg ({config.router_policy}) on port {config.port} in front of them"
-                  if self.router else "")
-        return (f"This machine runs {self.replicas} replica(s), {replica_target(0)} .. "
-                f"{replica_target(self.replicas - 1)} (each its worker, scheduler, tokenizer, detokenizer and api: "
-                f"{replica_unit('api', 0)} ..; apis on ports {ports}){router}.\n")
+        router = (
+            f", and {ROUTER_UNIT}: smg ({config.router_policy}) on port {config.port} in front of them"
+            if self.router
+            else ""
+        )
+        return (
+            f"This machine runs {self.replicas} replica(s), {replica_target(0)} .. "
+            f"{replica_target(self.replicas - 1)} (each its worker, scheduler, tokenizer, detokenizer and api: "
+            f"{replica_unit('api', 0)} ..; apis on ports {ports}){router}.\n"
+        )
 
 
 Layout = MachineUnits | ReplicaUnits
@@ -273,17 +301,29 @@ def machine_units(config: ServerConfig) -> Layout:
     layout = RankLayout.of(config, 0)
     if replicated(config):
         return ReplicaUnits(replicas=config.data_parallel_size, router=config.router != "none")
-    return MachineUnits(workers=tuple(worker_unit(i) for i in range(layout.local_world_size)),
-                        server=SERVER_UNITS if config.node_rank == 0 else ())
+    return MachineUnits(
+        workers=tuple(worker_unit(i) for i in range(layout.local_world_size)),
+        server=SERVER_UNITS if config.node_rank == 0 else (),
+    )
 
 
 SINGLE_WORKER = machine_units(ServerConfig())
 
 
-def render_unit(template: str, venv: Path, source: Path = SOURCE_DIR, protect_home: str = "yes",
-                private_tmp: str = "yes", units: Layout = SINGLE_WORKER) -> str:
-    text = (template.replace("@VENV@", str(venv)).replace("@SOURCE@", str(source))
-            .replace("@PROTECT_HOME@", protect_home).replace("@PRIVATE_TMP@", private_tmp))
+def render_unit(
+    template: str,
+    venv: Path,
+    source: Path = SOURCE_DIR,
+    protect_home: str = "yes",
+    private_tmp: str = "yes",
+    units: Layout = SINGLE_WORKER,
+) -> str:
+    text = (
+        template.replace("@VENV@", str(venv))
+        .replace("@SOURCE@", str(source))
+        .replace("@PROTECT_HOME@", protect_home)
+        .replace("@PRIVATE_TMP@", private_tmp)
+    )
     for placeholder, value in units.names.items():
         text = text.replace(placeholder, value)
     left = _PLACEHOLDER.search(text)
@@ -304,11 +344,13 @@ class PlannedFile:
 def render_internal_key_file() -> str:
     """The router's internal key file: a fresh key (`INTERNAL_KEY_ENV`) for the router's and the replicas'
     api units."""
-    return ("# The router's internal key: smg's control-plane key and the key it presents to the replicas'\n"
-            "# apis. Made by `batchserve install-systemd`; no client is given it. Read by\n"
-            "# batchserve-router.service and batchserve-api@.service. For a new one: delete this file, run\n"
-            "# install-systemd again, restart batchserve.target.\n"
-            f"{INTERNAL_KEY_ENV}={new_internal_key()}\n")
+    return (
+        "# The router's internal key: smg's control-plane key and the key it presents to the replicas'\n"
+        "# apis. Made by `batchserve install-systemd`; no client is given it. Read by\n"
+        "# batchserve-router.service and batchserve-api@.service. For a new one: delete this file, run\n"
+        "# install-systemd again, restart batchserve.target.\n"
+        f"{INTERNAL_KEY_ENV}={new_internal_key()}\n"
+    )
 
 
 def machine_config(prefix: Path, layout: dict[str, object], force: bool = False) -> ServerConfig:
@@ -321,35 +363,52 @@ def machine_config(prefix: Path, layout: dict[str, object], force: bool = False)
         from_file = config_from_args(argparse.Namespace(), env=read_env_file(env_path.read_text()) if kept else {})
     except ValueError as exc:
         raise CliError(f"{env_path}: {exc}") from None
-    conflicts = [f"{env_var(name)}={_env_value(getattr(from_file, name))} there, {flag_name(name)} {value}"
-                 for name, value in layout.items() if kept and getattr(from_file, name) != value]
+    conflicts = [
+        f"{env_var(name)}={_env_value(getattr(from_file, name))} there, {flag_name(name)} {value}"
+        for name, value in layout.items()
+        if kept and getattr(from_file, name) != value
+    ]
     if conflicts:
-        raise CliError(f"{env_path} is kept and disagrees with the flags ({'; '.join(conflicts)}): "
-                       "edit it, or --force to replace it")
+        raise CliError(
+            f"{env_path} is kept and disagrees with the flags ({'; '.join(conflicts)}): "
+            "edit it, or --force to replace it"
+        )
     return msgspec.structs.replace(from_file, **layout)
 
 
-def plan_files(prefix: Path, venv: Path, force: bool = False,
-               layout: dict[str, object] | None = None) -> list[PlannedFile]:
+def plan_files(
+    prefix: Path, venv: Path, force: bool = False, layout: dict[str, object] | None = None
+) -> list[PlannedFile]:
     """Every file install-systemd writes, rendered for `venv` and this machine's layout (the env file
     under `prefix` and the `layout` flags, field -> value), under `prefix`."""
     if not TEMPLATE_DIR.is_dir():
-        raise CliError(f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source "
-                       "checkout (pip install -e .)")
+        raise CliError(
+            f"unit templates not found in {TEMPLATE_DIR}: install batchserve from a source checkout (pip install -e .)"
+        )
     layout = layout or {}
     units = machine_units(machine_config(prefix, layout, force))
     protect_home = protect_home_for(venv)
     private_tmp = private_tmp_for(venv)
-    files = [PlannedFile(prefix / UNIT_DIR / name,
-                         render_unit((TEMPLATE_DIR / template).read_text(), venv, SOURCE_DIR, protect_home,
-                                     private_tmp, units),
-                         0o644, keep_existing=False)
-             for name, template in units.templates.items()]
-    files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(layout), 0o644,
-                             keep_existing=not force))
+    files = [
+        PlannedFile(
+            prefix / UNIT_DIR / name,
+            render_unit((TEMPLATE_DIR / template).read_text(), venv, SOURCE_DIR, protect_home, private_tmp, units),
+            0o644,
+            keep_existing=False,
+        )
+        for name, template in units.templates.items()
+    ]
+    files.append(PlannedFile(prefix / ENV_DIR / ENV_FILE_NAME, render_env_file(layout), 0o644, keep_existing=not force))
     if isinstance(units, ReplicaUnits) and units.router:
-        files.append(PlannedFile(prefix / ENV_DIR / INTERNAL_KEY_FILE_NAME, render_internal_key_file(), 0o600,
-                                 keep_existing=True, secret=True))
+        files.append(
+            PlannedFile(
+                prefix / ENV_DIR / INTERNAL_KEY_FILE_NAME,
+                render_internal_key_file(),
+                0o600,
+                keep_existing=True,
+                secret=True,
+            )
+        )
     return files
 
 
@@ -382,18 +441,22 @@ def stop_hint(unit: Path) -> str:
 def check_router_in_venv(config: ServerConfig, venv: Path) -> None:
     """The router's unit runs `batchserve router` from `venv`: smg must be installed there."""
     if config.router == "smg" and not (venv / "bin" / "smg").is_file():
-        raise CliError(f"router smg: smg is not installed in {venv} (install batchserve with its router extra: "
-                       f"{venv}/bin/pip install -e '.[router]' in the checkout)")
+        raise CliError(
+            f"router smg: smg is not installed in {venv} (install batchserve with its router extra: "
+            f"{venv}/bin/pip install -e '.[router]' in the checkout)"
+        )
 
 
 def next_steps(prefix: Path) -> str:
     root = "" if prefix == Path("/") else f"  # (files written under {prefix}; copy them to / first)\n"
-    return (f"Next, as root:\n{root}"
-            "  getent group render >/dev/null || groupadd --system render\n"
-            f"  id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --user-group "
-            f"--home-dir /var/lib/{SERVICE_USER} --shell /usr/sbin/nologin {SERVICE_USER}\n"
-            "  systemctl daemon-reload && systemctl enable --now batchserve.target\n"
-            "Then: systemctl status 'batchserve-*'   journalctl -u 'batchserve-*' -f\n")
+    return (
+        f"Next, as root:\n{root}"
+        "  getent group render >/dev/null || groupadd --system render\n"
+        f"  id -u {SERVICE_USER} >/dev/null 2>&1 || useradd --system --user-group "
+        f"--home-dir /var/lib/{SERVICE_USER} --shell /usr/sbin/nologin {SERVICE_USER}\n"
+        "  systemctl daemon-reload && systemctl enable --now batchserve.target\n"
+        "Then: systemctl status 'batchserve-*'   journalctl -u 'batchserve-*' -f\n"
+    )
 
 
 DESCRIPTION_EPILOG = """\
@@ -401,34 +464,46 @@ Tensor parallelism: the worker unit is a template, batchserve-worker@.service, a
 starts one instance per local rank (batchserve-worker@0.service .. @N-1, N = tensor_parallel_size /
 nnodes). Replicas (data_parallel_size N > 1, or a router): every process's unit is a template whose
 instance I is replica I's (batchserve-api@I.service, ...), batchserve.target starts batchserve@0.target
-.. @N-1 (each a replica's five units) and, with a router, batchserve-router.service. The layout is what PREFIX/etc/batchserve/batchserve.env says when that file is kept (the
-layout flags must then agree with it), else the flags, which are written into the new env file.
-On the machine of node_rank 0 the target also starts scheduler, tokenizer, detokenizer and api; on
-a machine with node_rank > 0 only its worker ranks are installed (they join global rank 0 at
-dist_init_addr, required then). Run install-systemd again after changing the layout, then
-`systemctl daemon-reload && systemctl restart batchserve.target`.
+.. @N-1 (each a replica's five units) and, with a router, batchserve-router.service. The layout is what
+PREFIX/etc/batchserve/batchserve.env says when that file is kept (the layout flags must then agree with
+it), else the flags, which are written into the new env file. On the machine of node_rank 0 the target
+also starts scheduler, tokenizer, detokenizer and api; on a machine with node_rank > 0 only its worker
+ranks are installed (they join global rank 0 at dist_init_addr, required then). Run install-systemd
+again after changing the layout, then `systemctl daemon-reload && systemctl restart batchserve.target`.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = DESCRIPTION_EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--prefix", type=Path, default=Path("/"),
-                        help="root to install under (default: /): units in PREFIX/etc/systemd/system, "
-                             "settings in PREFIX/etc/batchserve/batchserve.env")
-    parser.add_argument("--venv", type=Path, default=Path(sys.prefix),
-                        help="virtualenv whose bin/batchserve the units run (default: this one, %(default)s)")
+    parser.add_argument(
+        "--prefix",
+        type=Path,
+        default=Path("/"),
+        help="root to install under (default: /): units in PREFIX/etc/systemd/system, "
+        "settings in PREFIX/etc/batchserve/batchserve.env",
+    )
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        default=Path(sys.prefix),
+        help="virtualenv whose bin/batchserve the units run (default: this one, %(default)s)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     parser.add_argument("--force", action="store_true", help="overwrite an existing batchserve.env")
-    add_config_arguments(parser.add_argument_group("layout (tensor and data parallelism, router; default: as "
-                                                   "batchserve.env says)"), only=LAYOUT_FIELDS)
+    add_config_arguments(
+        parser.add_argument_group("layout (tensor and data parallelism, router; default: as batchserve.env says)"),
+        only=LAYOUT_FIELDS,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     venv = Path(args.venv).absolute()
     if _UNIT_UNSAFE.search(str(venv)):
-        raise CliError(f"{venv}: a venv path with spaces, quotes, '%', '$' or '\\' would need escaping in "
-                       "ExecStart=; use a plain path (e.g. /opt/batchserve/venv)")
+        raise CliError(
+            f"{venv}: a venv path with spaces, quotes, '%', '$' or '\\' would need escaping in "
+            "ExecStart=; use a plain path (e.g. /opt/batchserve/venv)"
+        )
     executable = venv / "bin" / "batchserve"
     if not executable.is_file():
         raise CliError(f"{executable} does not exist: --venv must be a virtualenv with batchserve installed")
@@ -465,12 +540,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"{verb:<8} {planned.path}")
     under_home = [str(path) for path in code_paths(venv) if needs_home_access(path)]
     if under_home:
-        print(f"note: {', '.join(under_home)} under a home directory: the units use ProtectHome=read-only, "
-              f"and the {SERVICE_USER} user needs read access there (better: a venv outside /home and /root)",
-              file=sys.stderr)
+        print(
+            f"note: {', '.join(under_home)} under a home directory: the units use ProtectHome=read-only, "
+            f"and the {SERVICE_USER} user needs read access there (better: a venv outside /home and /root)",
+            file=sys.stderr,
+        )
     under_tmp = [str(path) for path in code_paths(venv) if needs_host_tmp(path)]
     if under_tmp:
-        print(f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
-              "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)", file=sys.stderr)
+        print(
+            f"note: {', '.join(under_tmp)} under /tmp: the units use PrivateTmp=no so they can see it "
+            "(better: a venv and checkout outside /tmp, e.g. /opt/batchserve)",
+            file=sys.stderr,
+        )
     print(units.describe(config) + next_steps(prefix))
     return 0

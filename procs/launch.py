@@ -20,23 +20,32 @@ from typing import NoReturn
 
 import msgspec
 
-from procs.runtime import StopRequested
-from shared.config import ServerConfig, add_config_arguments, config_from_args
-from shared.logs import setup_logging
-from shared.messages import PROCESS_NAMES
+from batchserve.procs.runtime import StopRequested
+from batchserve.shared.config import ServerConfig, add_config_arguments, config_from_args
+from batchserve.shared.logs import setup_logging
+from batchserve.shared.messages import PROCESS_NAMES
 
 # The processes: name -> module with `run(config: ServerConfig) -> int`, in start order.
-PROCESSES: dict[str, str] = {name: f"procs.{name}.process" for name in PROCESS_NAMES}
+PROCESSES: dict[str, str] = {name: f"batchserve.procs.{name}.process" for name in PROCESS_NAMES}
 START_ORDER = PROCESS_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(PROCESSES), help="which process to run")
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it")
-    parser.add_argument("--local-rank", type=int, default=0, metavar="I",
-                        help="worker only: which of this machine's tensor-parallel ranks to run (default 0; "
-                             "global rank = node_rank * tensor_parallel_size / nnodes + I)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it",
+    )
+    parser.add_argument(
+        "--local-rank",
+        type=int,
+        default=0,
+        metavar="I",
+        help="worker only: which of this machine's tensor-parallel ranks to run (default 0; "
+        "global rank = node_rank * tensor_parallel_size / nnodes + I)",
+    )
     add_config_arguments(parser)
 
 
@@ -79,8 +88,9 @@ def main(args: argparse.Namespace) -> NoReturn:
     except Exception:
         logging.getLogger(f"batchserve.{args.name}").exception("%s process failed", args.name)
         status = 1
-    logging.getLogger("batchserve.process").info("%s stopped", args.name, extra={"fields": {
-        "pid": os.getpid(), "status": status}})
+    logging.getLogger("batchserve.process").info(
+        "%s stopped", args.name, extra={"fields": {"pid": os.getpid(), "status": status}}
+    )
     exit_now(status)
 
 

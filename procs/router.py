@@ -36,13 +36,14 @@ import time
 import urllib.error
 import urllib.request
 
-from procs.api.auth import INTERNAL_KEY_ENV, internal_key, load_api_keys, new_internal_key
-from procs.launch import load_config
-from procs.runtime import die_with_parent
-from shared.config import ServerConfig, add_config_arguments
-from shared.logs import setup_logging
-from shared.parallel import check_parallel_config, local_url, replica_urls, router_metrics_port
-from shared.readiness import notify_ready, notify_stopping
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV, internal_key, load_api_keys, new_internal_key
+from batchserve.procs.launch import load_config
+from batchserve.procs.runtime import die_with_parent
+from batchserve.shared.commands import module_command
+from batchserve.shared.config import ServerConfig, add_config_arguments
+from batchserve.shared.logs import setup_logging
+from batchserve.shared.parallel import check_parallel_config, local_url, replica_urls, router_metrics_port
+from batchserve.shared.readiness import notify_ready, notify_stopping
 
 # smg's checks of each replica's /health: a replica whose api is gone (or answers 503: a dead backend
 # process, a drain) is out of rotation within about interval x failures.
@@ -60,16 +61,21 @@ STOP_GRACE_S = 10.0  # after its drain, how long smg may take to exit before it 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="ServerConfig JSON (as written by `batchserve serve`); env and flags override it",
+    )
     add_config_arguments(parser)
 
 
 def check_router(config: ServerConfig) -> None:
     """ValueError (one line, before anything starts) when the configured router cannot run here."""
     if config.router == "smg" and importlib.util.find_spec("smg") is None:
-        raise ValueError("router smg: the smg package is not installed in this environment "
-                         "(pip install -e '.[router]')")
+        raise ValueError(
+            "router smg: the smg package is not installed in this environment (pip install -e '.[router]')"
+        )
     router_flags(config)
 
 
@@ -82,30 +88,49 @@ def router_flags(config: ServerConfig) -> list[str]:
 
 
 # `smg launch`, taking its keys on stdin (procs/smg_launch.py), from this interpreter's environment.
-SMG_LAUNCH = (sys.executable, "-m", "procs.smg_launch")
+SMG_LAUNCH = tuple(module_command("batchserve.procs.smg_launch"))
 
 
 def smg_args(config: ServerConfig) -> list[str]:
     """`smg launch`'s flags for the gateway in front of the replicas."""
-    return ["--host", config.host, "--port", str(config.port),
-            "--worker-urls", *replica_urls(config),
-            "--policy", config.router_policy,
-            "--health-check-endpoint", "/health",
-            "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S),
-            "--health-failure-threshold", str(HEALTH_FAILURE_THRESHOLD),
-            "--health-success-threshold", "1",
-            "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT_S),
-            "--worker-startup-timeout-secs", str(WORKER_STARTUP_TIMEOUT_S),
-            "--worker-startup-check-interval", "1",
-            "--shutdown-grace-period-secs", str(math.ceil(config.drain_timeout_s)),
-            # its own metrics on the port after the last replica's, on our host only
-            "--prometheus-host", config.host, "--prometheus-port", str(router_metrics_port(config)),
-            # routing needs no tokenizer over HTTP; loading one would fetch the model's from the Hub
-            "--disable-tokenizer-autoload",
-            # its per-request lines and start-up chatter at info would double ours
-            "--log-level", "warn",
-            *(["--log-json"] if config.log_format == "json" else []),
-            *router_flags(config)]  # last: they override ours
+    return [
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--worker-urls",
+        *replica_urls(config),
+        "--policy",
+        config.router_policy,
+        "--health-check-endpoint",
+        "/health",
+        "--health-check-interval-secs",
+        str(HEALTH_CHECK_INTERVAL_S),
+        "--health-failure-threshold",
+        str(HEALTH_FAILURE_THRESHOLD),
+        "--health-success-threshold",
+        "1",
+        "--health-check-timeout-secs",
+        str(HEALTH_CHECK_TIMEOUT_S),
+        "--worker-startup-timeout-secs",
+        str(WORKER_STARTUP_TIMEOUT_S),
+        "--worker-startup-check-interval",
+        "1",
+        "--shutdown-grace-period-secs",
+        str(math.ceil(config.drain_timeout_s)),
+        # its own metrics on the port after the last replica's, on our host only
+        "--prometheus-host",
+        config.host,
+        "--prometheus-port",
+        str(router_metrics_port(config)),
+        # routing needs no tokenizer over HTTP; loading one would fetch the model's from the Hub
+        "--disable-tokenizer-autoload",
+        # its per-request lines and start-up chatter at info would double ours
+        "--log-level",
+        "warn",
+        *(["--log-json"] if config.log_format == "json" else []),
+        *router_flags(config),
+    ]  # last: they override ours
 
 
 def healthy_workers(base_url: str, api_key: str | None = None) -> set[str]:
@@ -155,8 +180,12 @@ class Gateway:
         which it has from there. NO_COLOR: plain log lines for a file or the journal."""
         parent = os.getpid()
         env = {name: value for name, value in os.environ.items() if name != INTERNAL_KEY_ENV}
-        self.proc = subprocess.Popen([*SMG_LAUNCH, *smg_args(self.config)], stdin=subprocess.PIPE,
-                                     env=dict(env, NO_COLOR="1"), preexec_fn=lambda: die_with_parent(parent))
+        self.proc = subprocess.Popen(
+            [*SMG_LAUNCH, *smg_args(self.config)],
+            stdin=subprocess.PIPE,
+            env=dict(env, NO_COLOR="1"),
+            preexec_fn=lambda: die_with_parent(parent),
+        )
         assert self.proc.stdin is not None
         self.proc.stdin.write("".join(f"{key}\n" for key in (self.internal, *self.keys)).encode())
         self.proc.stdin.close()
@@ -180,8 +209,10 @@ class Gateway:
     def _say_ready(self, url: str, healthy: set[str], missing: set[str]) -> None:
         line = f"batchserve router: smg ({self.config.router_policy}) at {url} routes to {' '.join(sorted(healthy))}"
         if missing:
-            line += (f"; not yet healthy: {' '.join(sorted(missing))} (smg keeps checking: it registers a replica "
-                     f"that answers within {WORKER_STARTUP_TIMEOUT_S}s of its start, and routes to it once healthy)")
+            line += (
+                f"; not yet healthy: {' '.join(sorted(missing))} (smg keeps checking: it registers a replica "
+                f"that answers within {WORKER_STARTUP_TIMEOUT_S}s of its start, and routes to it once healthy)"
+            )
         print(line, file=sys.stderr, flush=True)
 
     def _wait(self) -> int:
@@ -216,7 +247,11 @@ def gateway_key(keys: list[str]) -> str:
     if key is None:
         key = new_internal_key()
         if keys:  # smg presents it to the replicas, whose /v1/models would refuse it
-            print(f"batchserve router: {INTERNAL_KEY_ENV} is not set: smg's control plane takes a key made for "
-                  f"this start, which the replicas do not know (give the router and the replicas' apis the same "
-                  f"{INTERNAL_KEY_ENV})", file=sys.stderr, flush=True)
+            print(
+                f"batchserve router: {INTERNAL_KEY_ENV} is not set: smg's control plane takes a key made for "
+                f"this start, which the replicas do not know (give the router and the replicas' apis the same "
+                f"{INTERNAL_KEY_ENV})",
+                file=sys.stderr,
+                flush=True,
+            )
     return key

@@ -9,8 +9,8 @@ import ctypes.util
 import logging
 import os
 import signal
-import sys
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import zmq
 
-from shared.config import ServerConfig
-from shared.ipc import Endpoints, Sender
-from shared.messages import Heartbeat
-from shared.parallel import replica_dir
-from shared.shm import remove_stale_segments
-from shared.readiness import notify_ready, notify_stopping, notify_watchdog, watchdog_enabled
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ipc import Endpoints, Sender
+from batchserve.shared.messages import Heartbeat
+from batchserve.shared.parallel import replica_dir
+from batchserve.shared.readiness import notify_ready, notify_stopping, notify_watchdog, watchdog_enabled
+from batchserve.shared.shm import remove_stale_segments
 
 HEARTBEAT_INTERVAL_S = 1.0
 POLL_INTERVAL_S = 0.1  # how often blocking loops look at the stop flag
@@ -136,8 +136,9 @@ class ProcessRuntime:
         sender.socket.setsockopt(zmq.LINGER, 0)
         try:
             while not self.stopping.is_set():
-                sender.send(Heartbeat(process=self.name, pid=os.getpid(), ready=self._ready.is_set(),
-                                      host=socket.gethostname()))
+                sender.send(
+                    Heartbeat(process=self.name, pid=os.getpid(), ready=self._ready.is_set(), host=socket.gethostname())
+                )
                 self.stopping.wait(HEARTBEAT_INTERVAL_S)
         finally:
             sender.close()

@@ -21,11 +21,11 @@ The router and the replicas' apis share a key made for this start (`INTERNAL_KEY
 environment alone), smg's control-plane key and the one it presents to the replicas (procs/router.py).
 
 SIGINT/SIGTERM: the api (every replica's, and the router) is stopped first (it answers 503 to new
-requests and lets running ones finish for up to `drain_timeout_s`), then the rest. A second signal stops everything at once.
-Before every process is ready, a signal stops them all at once (exit 0). A child that took the same
-signal (Ctrl-C or `kill` reaching every process) and ended as a stop does (`STOP_EXIT_STATUSES`) is part
-of that stop, not a failure. If any process dies on its own, the others are stopped and `serve` exits 1
-naming it.
+requests and lets running ones finish for up to `drain_timeout_s`), then the rest. A second signal stops
+everything at once. Before every process is ready, a signal stops them all at once (exit 0). A child
+that took the same signal (Ctrl-C or `kill` reaching every process) and ended as a stop does
+(`STOP_EXIT_STATUSES`) is part of that stop, not a failure. If any process dies on its own, the others
+are stopped and `serve` exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -46,14 +46,23 @@ from pathlib import Path
 
 import msgspec
 
-from procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
-from procs.launch import START_ORDER
-from procs.router import check_router
-from procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
-from shared.config import ServerConfig, add_config_arguments, config_from_args
-from shared.parallel import (check_parallel_config, local_url, replica_port, replica_urls, replicated,
-                             router_metrics_port, with_init_addr, worker_process_names)
-from shared.shm import remove_segments_of
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
+from batchserve.procs.launch import START_ORDER
+from batchserve.procs.router import check_router
+from batchserve.procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ServerConfig, add_config_arguments, config_from_args
+from batchserve.shared.parallel import (
+    check_parallel_config,
+    local_url,
+    replica_port,
+    replica_urls,
+    replicated,
+    router_metrics_port,
+    with_init_addr,
+    worker_process_names,
+)
+from batchserve.shared.shm import remove_segments_of
 
 BACKEND_STOP_TIMEOUT_S = 10.0
 EXIT_POLL_S = 0.02  # how often the stop looks for exited children
@@ -102,8 +111,9 @@ def launches(config: ServerConfig) -> list[Launch]:
     ranks = [Launch(name, "worker", i) for i, name in enumerate(worker_process_names(config))]
     if config.node_rank > 0:
         return ranks
-    server = [launch for process in START_ORDER
-              for launch in (ranks if process == "worker" else [Launch(process, process)])]
+    server = [
+        launch for process in START_ORDER for launch in (ranks if process == "worker" else [Launch(process, process)])
+    ]
     if not replicated(config):
         return server
     return [dataclasses.replace(launch, replica=i) for i in range(config.data_parallel_size) for launch in server]
@@ -173,9 +183,9 @@ class Supervisor:
         parent = os.getpid()
         config = ["--config", str(self.config_path)]
         if launch.process == "router":
-            command = [sys.executable, "-m", "procs.cli", "router", *config]
+            command = cli_command("router", *config)
         else:
-            command = [sys.executable, "-m", "procs.cli", "proc", launch.process, *config]
+            command = cli_command("proc", launch.process, *config)
         if launch.process == "worker" and self.config.tensor_parallel_size > 1:
             command += ["--local-rank", str(launch.local_rank)]
         if launch.replica is not None:
@@ -204,8 +214,11 @@ class Supervisor:
     def _dead_children(self) -> list[Child]:
         """Children that exited on their own: not those stopped by us, nor, once we were asked to stop,
         those that took the same stop themselves."""
-        return [child for child in self.children.values()
-                if child.popen.poll() is not None and not child.expected_exit and not self._took_the_stop(child)]
+        return [
+            child
+            for child in self.children.values()
+            if child.popen.poll() is not None and not child.expected_exit and not self._took_the_stop(child)
+        ]
 
     def _took_the_stop(self, child: Child) -> bool:
         return self.signals > 0 and child.popen.returncode in STOP_EXIT_STATUSES
@@ -257,8 +270,10 @@ class Supervisor:
         left = set(range(self.config.data_parallel_size)) - self.failed_replicas - replicas
         if not left:
             return False
-        self._report_dead(f"; stopping replica {', '.join(map(str, sorted(replicas)))}, replica "
-                          f"{', '.join(map(str, sorted(left)))} serves on")
+        self._report_dead(
+            f"; stopping replica {', '.join(map(str, sorted(replicas)))}, replica "
+            f"{', '.join(map(str, sorted(left)))} serves on"
+        )
         self.failed_replicas |= replicas  # type: ignore[arg-type]  # None is not among them
         failed = [child for child in self.children.values() if child.launch.replica in replicas]
         self._stop(failed)
@@ -284,23 +299,36 @@ class Supervisor:
         pids = " ".join(f"{c.name}={c.pid}" for c in self.children.values())
         model = self.config.served_model_name or self.config.model
         if self.config.node_rank > 0:
-            return (f"batchserve: serving worker ranks of {model} for node 0 at {self.config.dist_init_addr}, "
-                    f"node {self.config.node_rank} of {self.config.nnodes}, no api here (ready in {seconds:.1f}s; "
-                    f"{pids}; runtime dir {self.runtime_dir})")
+            return (
+                f"batchserve: serving worker ranks of {model} for node 0 at {self.config.dist_init_addr}, "
+                f"node {self.config.node_rank} of {self.config.nnodes}, no api here (ready in {seconds:.1f}s; "
+                f"{pids}; runtime dir {self.runtime_dir})"
+            )
         if replicated(self.config):
             replicas = f"{self.config.data_parallel_size} replica(s) at {' '.join(replica_urls(self.config))}"
-            where = (f"at {local_url(self.config.host, self.config.port)} through {self.config.router} "
-                     f"({self.config.router_policy}) over {replicas}" if self.config.router != "none" else f"on {replicas}")
-            return f"batchserve: serving {model} {where} (ready in {seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})"
-        return (f"batchserve: serving {model} at http://{self.config.host}:{self.config.port} (ready in "
-                f"{seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})")
+            where = (
+                f"at {local_url(self.config.host, self.config.port)} through {self.config.router} "
+                f"({self.config.router_policy}) over {replicas}"
+                if self.config.router != "none"
+                else f"on {replicas}"
+            )
+            return (
+                f"batchserve: serving {model} {where} (ready in {seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})"
+            )
+        return (
+            f"batchserve: serving {model} at http://{self.config.host}:{self.config.port} (ready in "
+            f"{seconds:.1f}s; {pids}; runtime dir {self.runtime_dir})"
+        )
 
     def _group_stopped(self) -> bool:
         """On a machine of worker ranks only: a ready rank exited 0, which a follower does when rank 0
         broadcasts its stop (node 0's server stopping), not a failure."""
         dead = self._dead_children()
-        return (self.config.node_rank > 0 and bool(dead)
-                and all(child.ready and child.popen.returncode == 0 for child in dead))
+        return (
+            self.config.node_rank > 0
+            and bool(dead)
+            and all(child.ready and child.popen.returncode == 0 for child in dead)
+        )
 
     def _report_dead(self, suffix: str) -> bool:
         """Name the children that exited unexpectedly, if any (True: one did). Every one: when a worker
@@ -308,14 +336,23 @@ class Supervisor:
         dead = self._dead_children()
         if not dead:
             return False
-        _say("; ".join(f"the {child.name} process (pid {child.pid}) exited with status "
-                       f"{_describe_status(child.popen.returncode)}" for child in dead) + suffix)
+        _say(
+            "; ".join(
+                f"the {child.name} process (pid {child.pid}) exited with status "
+                f"{_describe_status(child.popen.returncode)}"
+                for child in dead
+            )
+            + suffix
+        )
         return True
 
     def _front(self) -> list[Child]:
         """What clients talk to, stopped first: the router, then every live replica's api."""
-        return [child for child in sorted(self.children.values(), key=_stop_order)
-                if child.launch.process in ("router", "api") and child.popen.poll() is None]
+        return [
+            child
+            for child in sorted(self.children.values(), key=_stop_order)
+            if child.launch.process in ("router", "api") and child.popen.poll() is None
+        ]
 
     def _drain(self) -> int:
         """Stop the router and the apis first (they drain), then the backend; a second signal cuts it short."""
@@ -349,9 +386,13 @@ class Supervisor:
         self._stop(list(self.children.values()))
         if self.stop_seconds:
             every = {**self.retired, **self.children}
-            _say("stopped; seconds from SIGTERM to exit: " + ", ".join(
-                f"{name} {seconds:.2f}{_exit_note(every[name].popen.returncode)}"
-                for name, seconds in self.stop_seconds.items()))
+            _say(
+                "stopped; seconds from SIGTERM to exit: "
+                + ", ".join(
+                    f"{name} {seconds:.2f}{_exit_note(every[name].popen.returncode)}"
+                    for name, seconds in self.stop_seconds.items()
+                )
+            )
         elif self.signals:  # nothing left to stop: each process took the signal itself
             _say(f"stopped; every process had stopped on {self.signal_name} itself")
 
@@ -446,7 +487,7 @@ def check_can_listen(host: str, port: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from procs.scheduler.config import check_config
+    from batchserve.procs.scheduler.config import check_config
 
     config = config_from_args(args)
     check_config(config)  # a bad policy/budget combination: one line now, not after loading the model

@@ -32,19 +32,24 @@ def apply_keys(args: RouterArgs, internal: str, client_keys: list[str]) -> None:
     """Give smg the internal key as its control plane's key (and its workers' key), and every client key
     as a tenant key of the serving routes alone. Keys given in `router_args` are kept beside ours."""
     # (id, name, key, role)
-    args.control_plane_api_keys = [*args.control_plane_api_keys, (CONTROL_KEY_ID, "batchserve router", internal, "admin")]
+    args.control_plane_api_keys = [
+        *args.control_plane_api_keys,
+        (CONTROL_KEY_ID, "batchserve router", internal, "admin"),
+    ]
     if client_keys:
         args.api_key = internal
         # one tenant per key (smg refuses a key given twice), key1.. in the configured order
-        args.tenant_api_keys = [*args.tenant_api_keys,
-                                *((f"key{i}", key) for i, key in enumerate(dict.fromkeys(client_keys), 1))]
+        args.tenant_api_keys = [
+            *args.tenant_api_keys,
+            *((f"key{i}", key) for i, key in enumerate(dict.fromkeys(client_keys), 1)),
+        ]
 
 
 def main(argv: list[str]) -> None:
     args = parse_router_args(argv)
     lines = [line.strip() for line in sys.stdin if line.strip()]
     if not lines:
-        raise SystemExit("procs.smg_launch: expected the router's internal key on stdin")
+        raise SystemExit("batchserve.procs.smg_launch: expected the router's internal key on stdin")
     apply_keys(args, lines[0], lines[1:])
     launch_router(args)
 

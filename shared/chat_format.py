@@ -38,12 +38,13 @@ class ChatFormat:
         return self.reasoning == "harmony"
 
     @classmethod
-    def of(cls, template: str | None) -> "ChatFormat":
+    def of(cls, template: str | None) -> ChatFormat:
         template = template or ""
         takes_tools = "tools" in template
         style: ToolCallStyle = "json" if takes_tools and HERMES_OPEN not in template else "hermes"
-        reasoning: ReasoningFormat = ("harmony" if HARMONY_CHANNEL in template else
-                                      "think" if THINK_CLOSE in template else "")
+        reasoning: ReasoningFormat = (
+            "harmony" if HARMONY_CHANNEL in template else "think" if THINK_CLOSE in template else ""
+        )
         return cls(template_takes_tools=takes_tools, tool_call_style=style, reasoning=reasoning)
 
 

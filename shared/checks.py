@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.errors import Refusal
-from shared.messages import GenerateRequest
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import GenerateRequest
 
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 arrays
-PRIORITY_RANGE = (-2**31, 2**31 - 1)  # a 32-bit integer, as vLLM's (lower first)
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a 32-bit integer, as vLLM's (lower first)
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-                   flag: str = "") -> None:
+def check_sampling(
+    temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None, flag: str = ""
+) -> None:
     """vLLM's ranges; `flag` prefixes the names in messages (`--` for the CLI's flags)."""
     if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails too
         raise Refusal(f"{flag}temperature must be in [0, {MAX_TEMPERATURE:g}] (got {temperature})", "temperature")
@@ -74,8 +75,9 @@ def check_stop(stop: tuple[str, ...], stop_token_ids: tuple[int, ...]) -> None:
         if len(s) > MAX_STOP_CHARS:
             raise Refusal(f"each stop string may be at most {MAX_STOP_CHARS} characters (got {len(s)})", "stop")
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise Refusal(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids (got {len(stop_token_ids)})",
-                      "stop_token_ids")
+        raise Refusal(
+            f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids (got {len(stop_token_ids)})", "stop_token_ids"
+        )
     if any(not 0 <= t <= MAX_TOKEN_ID for t in stop_token_ids):
         raise Refusal(f"stop_token_ids must be in [0, {MAX_TOKEN_ID}]", "stop_token_ids")
 
@@ -173,9 +175,11 @@ def check_prompt_chars(chars: int, limit: int | None, max_context: int, param: s
     """Refuse, before tokenizing, a prompt whose `chars` characters prove it cannot fit (`limit`:
     `max_prompt_chars`)."""
     if limit is not None and chars > limit:
-        raise Refusal(f"This model's maximum context length is {max_context} tokens; this prompt's {chars} "
-                      f"characters are at least {max_context} tokens, which leaves no room for a completion.",
-                      param)
+        raise Refusal(
+            f"This model's maximum context length is {max_context} tokens; this prompt's {chars} "
+            f"characters are at least {max_context} tokens, which leaves no room for a completion.",
+            param,
+        )
 
 
 def prompt_chars(request: GenerateRequest) -> tuple[int, str]:

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
-from shared.shm import ArrayWriter, ShmReader, ShmRef
+from batchserve.shared.shm import ArrayWriter, ShmReader, ShmRef
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import msgspec
 
-from shared.lora import parse_lora_modules
-from shared.slo import Slo
+from batchserve.shared.lora import parse_lora_modules
+from batchserve.shared.slo import Slo
 
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
 Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
@@ -40,8 +40,9 @@ Runner = Literal["auto", "generate", "pooling"]  # the default first
 PoolingOverride = Literal["", "last", "mean", "cls"]
 # smg's routing policies that need nothing but the requests (its manual and passthrough ones need routing
 # keys); cache_aware first, the default: a conversation's turns reach the replica holding its history.
-RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "prefix_hash", "consistent_hashing",
-                       "least_load", "random"]
+RouterPolicy = Literal[
+    "cache_aware", "round_robin", "power_of_two", "prefix_hash", "consistent_hashing", "least_load", "random"
+]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 # their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
 NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
@@ -56,198 +57,366 @@ def _doc(text: str) -> msgspec.Meta:
 
 class ServerConfig(msgspec.Struct, kw_only=True):
     # model
-    model: Annotated[str, _doc("""Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a
-        .gguf file.""")] = DEFAULT_MODEL
-    dtype: Annotated[str, _doc("""Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA),
-        float32, float16, bfloat16.""")] = "auto"
-    quantization: Annotated[Quantization, _doc("""Weights of the linear layers and the LM head: none (as dtype),
+    model: Annotated[
+        str,
+        _doc("""Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a
+        .gguf file."""),
+    ] = DEFAULT_MODEL
+    dtype: Annotated[
+        str,
+        _doc("""Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA),
+        float32, float16, bfloat16."""),
+    ] = "auto"
+    quantization: Annotated[
+        Quantization,
+        _doc("""Weights of the linear layers and the LM head: none (as dtype),
         or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic: a quarter
         of the weight bytes a decode step reads, for a small loss of accuracy; see the README's
-        Performance section).""")] = "none"
-    device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = "auto"
-    runner: Annotated[Runner, _doc("""What the model serves: generate (text: completions, chat, responses),
+        Performance section)."""),
+    ] = "none"
+    device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = (
+        "auto"
+    )
+    runner: Annotated[
+        Runner,
+        _doc("""What the model serves: generate (text: completions, chat, responses),
         pooling (a vector per input: /v1/embeddings; each request one prefill, no KV kept, no prefix
         cache), or auto: pooling for a sentence-transformers folder (modules.json) or a decoder without an
-        LM head (Qwen3Model, LlamaModel, ...), else generate.""")] = "auto"
-    pooling: Annotated[PoolingOverride, _doc("""The pooling runner's pooling, over the model's own (its
+        LM head (Qwen3Model, LlamaModel, ...), else generate."""),
+    ] = "auto"
+    pooling: Annotated[
+        PoolingOverride,
+        _doc("""The pooling runner's pooling, over the model's own (its
         sentence-transformers files; without them a decoder pools its last token): last, mean or cls.
-        Empty = the model's.""")] = ""
+        Empty = the model's."""),
+    ] = ""
     max_context: Annotated[int, _doc("Longest prompt + completion in tokens; 0 = the model's own context length.")] = 0
     # KV cache
     page_size: Annotated[int, _doc("Tokens per KV-cache page.")] = 16
     kv_capacity_tokens: Annotated[int, _doc("KV-cache capacity in tokens; 0 = derived from kv_memory_gb.")] = 0
-    kv_memory_gb: Annotated[float, _doc("""GiB of device memory for the KV cache when kv_capacity_tokens is 0,
+    kv_memory_gb: Annotated[
+        float,
+        _doc("""GiB of device memory for the KV cache when kv_capacity_tokens is 0,
         per worker rank (each caches its share of the KV heads); 0 = on CUDA kv_memory_fraction of the
-        memory free after loading the weights, on CPU 1 GiB.""")] = 0.0
-    kv_memory_fraction: Annotated[float, _doc("""Share of the device memory free after loading the weights that
+        memory free after loading the weights, on CPU 1 GiB."""),
+    ] = 0.0
+    kv_memory_fraction: Annotated[
+        float,
+        _doc("""Share of the device memory free after loading the weights that
         the KV cache takes (CUDA, when neither kv_capacity_tokens nor kv_memory_gb is set); the rest is
-        headroom for activations and CUDA graphs, as the peers' defaults leave.""")] = 0.85
+        headroom for activations and CUDA graphs, as the peers' defaults leave."""),
+    ] = 0.85
     # scheduler
     policy: Annotated[Policy, _doc("Scheduling policy: " + ", ".join(POLICIES) + ".")] = "mixed"
-    scheduling_policy: Annotated[SchedulingPolicy, _doc("""Which waiting request runs first: fcfs (arrival order; a
+    scheduling_policy: Annotated[
+        SchedulingPolicy,
+        _doc("""Which waiting request runs first: fcfs (arrival order; a
         request's priority must then be 0), or priority (a request's `priority`, lower first, then arrival; a
-        waiting request may preempt running ones of a lower priority to be admitted; vLLM's convention).""")] = "fcfs"
+        waiting request may preempt running ones of a lower priority to be admitted; vLLM's convention)."""),
+    ] = "fcfs"
     max_running_requests: Annotated[int, _doc("Most requests decoded together (request-table slots).")] = 64
-    prefill_budget: Annotated[int, _doc("Most prompt tokens prefilled in one step (longer prompts are chunked).")] = 2048
-    max_waiting: Annotated[int, _doc("""Most requests queued before new ones are refused (at most
+    prefill_budget: Annotated[int, _doc("Most prompt tokens prefilled in one step (longer prompts are chunked).")] = (
+        2048
+    )
+    max_waiting: Annotated[
+        int,
+        _doc("""Most requests queued before new ones are refused (at most
         max_running_requests + max_waiting requests are in the server at once; more get 503 and
-        Retry-After); 0 = no limit.""")] = 1024
-    kv_reserve_ratio: Annotated[float, _doc("""Share of a request's remaining max_tokens reserved in the KV cache
+        Retry-After); 0 = no limit."""),
+    ] = 1024
+    kv_reserve_ratio: Annotated[
+        float,
+        _doc("""Share of a request's remaining max_tokens reserved in the KV cache
         at admission (0.01-1, whole percents; rho of procs/scheduler/SCHEDULING.md); below 1 more requests run
         at once, and the newest is preempted (recomputed later) if KV runs out. The default is the measured
-        best for chats without max_tokens (README, Performance).""")] = 0.05
-    disable_prefix_cache: Annotated[bool, _doc("""true: every request computes its whole prompt (no KV shared
-        across requests with a common prefix, e.g. a system prompt or the history of a chat).""")] = False
-    full_sliding_kv: Annotated[bool, _doc("""true: a model that mixes sliding-window and global layers (Gemma 2 / 3,
+        best for chats without max_tokens (README, Performance)."""),
+    ] = 0.05
+    disable_prefix_cache: Annotated[
+        bool,
+        _doc("""true: every request computes its whole prompt (no KV shared
+        across requests with a common prefix, e.g. a system prompt or the history of a chat)."""),
+    ] = False
+    full_sliding_kv: Annotated[
+        bool,
+        _doc("""true: a model that mixes sliding-window and global layers (Gemma 2 / 3,
         gpt-oss) keeps every position's KV in its sliding layers too, and the prefix cache serves it; false:
         its sliding layers keep only a window-sized ring per running request (a fraction of the memory at long
-        contexts: more requests at once), and its prefix cache is off.""")] = False
-    min_prefill_share: Annotated[float, _doc("""Least prefill a step carries while requests wait, as a share
+        contexts: more requests at once), and its prefix cache is off."""),
+    ] = False
+    min_prefill_share: Annotated[
+        float,
+        _doc("""Least prefill a step carries while requests wait, as a share
         (0-1) of the prompt tokens a step of max_step_ms could prefill with no decodes (never below 32
         tokens): admission never stops, and a step runs past max_step_ms by at most that much; once the
         decodes alone take max_step_ms (a slow or busy machine) steps are not bounded (procs/scheduler/SCHEDULING.md
-        6.5).""")] = MIN_PREFILL_SHARE
-    fair_prefill: Annotated[bool, _doc("""true: while other requests wait, a long prompt's chunk takes at most half
+        6.5)."""),
+    ] = MIN_PREFILL_SHARE
+    fair_prefill: Annotated[
+        bool,
+        _doc("""true: while other requests wait, a long prompt's chunk takes at most half
         of a step's prompt tokens, so that short prompts behind it start at once (procs/scheduler/SCHEDULING.md
-        section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission.""")] = True
-    max_step_ms: Annotated[float, _doc("""Longest a step carrying prefill should take, in ms, which bounds
+        section 9); false: the chapter's rule, a prompt's chunks run back to back ahead of every admission."""),
+    ] = True
+    max_step_ms: Annotated[
+        float,
+        _doc("""Longest a step carrying prefill should take, in ms, which bounds
         everyone's inter-token latency (a step-cost model sizes each step's prefill to it; prefill_budget
         stays the cap); 0 (default) = slo's tpot objective if set, else the device's suggested target, CPU
         300, CUDA 100; -1 = no time bound. A lower target trades throughput and time to first token for a
-        steadier stream (README, Performance).""")] = 0.0
-    slo: Annotated[list[str], _doc("""Service-level objectives the server plans for, spelt as `bench --goodput`
+        steadier stream (README, Performance)."""),
+    ] = 0.0
+    slo: Annotated[
+        list[str],
+        _doc("""Service-level objectives the server plans for, spelt as `bench --goodput`
         takes them: ttft:MS tpot:MS (e2el:MS too), or a device's preset, cpu or cuda. The step-time target
         is the tpot objective unless max_step_ms is set; /metrics counts the requests that meet each
-        objective (batchserve_slo_*). Empty = none.""")] = []
-    overlap_schedule: Annotated[OverlapSchedule, _doc("""on: the scheduler plans and sends step N+1 while the
+        objective (batchserve_slo_*). Empty = none."""),
+    ] = []
+    overlap_schedule: Annotated[
+        OverlapSchedule,
+        _doc("""on: the scheduler plans and sends step N+1 while the
         worker runs step N (overlap scheduling, as SGLang), so the worker never waits for the scheduler; a
         request that stops at step N costs one wasted row in step N+1. off: each step is planned once the
         previous step's tokens are back (the chapter's loop). auto: on with a CUDA worker, off on the CPU,
-        where the scheduler's work competes with the model for the same cores.""")] = "auto"
-    enable_lora: Annotated[bool, _doc("""Serve LoRA adapters (`lora_modules`) beside the base model: a request
-        names one in `model`.""")] = False
-    lora_modules: Annotated[list[str], _doc("""The LoRA adapters to load at start, NAME=PATH (a PEFT folder) or
-        vLLM's JSON {"name": ..., "path": ...}; needs enable_lora.""")] = []
-    max_loras: Annotated[int, _doc("""Distinct adapters running at once (so in one step); base-model requests
-        do not count. A request of another adapter waits while that many run.""")] = 4
+        where the scheduler's work competes with the model for the same cores."""),
+    ] = "auto"
+    enable_lora: Annotated[
+        bool,
+        _doc("""Serve LoRA adapters (`lora_modules`) beside the base model: a request
+        names one in `model`."""),
+    ] = False
+    lora_modules: Annotated[
+        list[str],
+        _doc("""The LoRA adapters to load at start, NAME=PATH (a PEFT folder) or
+        vLLM's JSON {"name": ..., "path": ...}; needs enable_lora."""),
+    ] = []
+    max_loras: Annotated[
+        int,
+        _doc("""Distinct adapters running at once (so in one step); base-model requests
+        do not count. A request of another adapter waits while that many run."""),
+    ] = 4
     max_lora_rank: Annotated[int, _doc("An adapter of a higher rank `r` is refused at load.")] = 16
-    max_cpu_loras: Annotated[int, _doc("""Adapters the worker keeps loaded at once (at least max_loras): one more
+    max_cpu_loras: Annotated[
+        int,
+        _doc("""Adapters the worker keeps loaded at once (at least max_loras): one more
         that a request needs is loaded from its folder at admission, in place of the least recently used one
-        no running request holds; 0 = every adapter stays loaded.""")] = 0
-    enable_lora_runtime_updates: Annotated[bool, _doc("""true: POST /v1/load_lora_adapter {"lora_name", "lora_path"}
+        no running request holds; 0 = every adapter stays loaded."""),
+    ] = 0
+    enable_lora_runtime_updates: Annotated[
+        bool,
+        _doc("""true: POST /v1/load_lora_adapter {"lora_name", "lora_path"}
         and /v1/unload_lora_adapter {"lora_name"} (vLLM's) load and unload adapters while serving (an unloaded
-        adapter's requests in flight finish first); needs enable_lora.""")] = False
-    speculative: Annotated[Speculative, _doc("""Speculative decoding: ngram = prompt lookup (each decode row
+        adapter's requests in flight finish first); needs enable_lora."""),
+    ] = False
+    speculative: Annotated[
+        Speculative,
+        _doc("""Speculative decoding: ngram = prompt lookup (each decode row
         also feeds up to num_speculative_tokens tokens found after the last ngram_max..ngram_min tokens'
         latest earlier occurrence in the prompt and output; the model checks them in the same step and keeps
         what it would have sampled anyway, so the output is unchanged and each step may give several
         tokens); draft = a draft model (draft_model) proposes num_speculative_tokens tokens per row, which
         the model accepts by rejection sampling, so the output is distributed as without it (greedy: the
         same tokens); off: one token per step. Needs overlap_schedule off (auto turns it off). A request
-        opts out with "speculative": false.""")] = "off"
-    num_speculative_tokens: Annotated[int, _doc("Most tokens one speculative decode row proposes (k).")] = NUM_SPECULATIVE_TOKENS
-    draft_model: Annotated[str, _doc("""With speculative draft: the draft model (a known name, a Hugging Face folder
+        opts out with "speculative": false."""),
+    ] = "off"
+    num_speculative_tokens: Annotated[int, _doc("Most tokens one speculative decode row proposes (k).")] = (
+        NUM_SPECULATIVE_TOKENS
+    )
+    draft_model: Annotated[
+        str,
+        _doc("""With speculative draft: the draft model (a known name, a Hugging Face folder
         or a .gguf file) with the model's tokenizer, run by the worker beside it, its KV in the same pages
-        (the KV pool's memory holds both).""")] = ""
-    draft_quantization: Annotated[Quantization, _doc("""Weights of the draft model: none, or int8 (as
+        (the KV pool's memory holds both)."""),
+    ] = ""
+    draft_quantization: Annotated[
+        Quantization,
+        _doc("""Weights of the draft model: none, or int8 (as
         quantization; int8 of the served model itself is a draft that agrees with it on most tokens at a
-        quarter of its weight bytes).""")] = "none"
+        quarter of its weight bytes)."""),
+    ] = "none"
     ngram_min: Annotated[int, _doc("Shortest match (in tokens) that prompt lookup proposes from.")] = NGRAM_MIN
     ngram_max: Annotated[int, _doc("Longest match (in tokens) that prompt lookup tries first.")] = NGRAM_MAX
-    step_timeout_s: Annotated[float, _doc("""Seconds a model step may take before the worker counts as hung:
+    step_timeout_s: Annotated[
+        float,
+        _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
         Generous: a long prefill chunk on a CPU takes seconds. With tensor parallelism, also the
-        ranks' collective timeout (then above 2).""")] = 30.0
+        ranks' collective timeout (then above 2)."""),
+    ] = 30.0
     # worker
-    attention_backend: Annotated[str, _doc("""Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or
-        flashinfer (CUDA only).""")] = "auto"
-    disable_cuda_graph: Annotated[bool, _doc("true: run decode steps eagerly instead of replaying CUDA graphs.")] = False
-    cuda_graph_max_bs: Annotated[int, _doc("""Largest decode batch captured as a CUDA graph;
-        0 = max_running_requests.""")] = 0
+    attention_backend: Annotated[
+        str,
+        _doc("""Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or
+        flashinfer (CUDA only)."""),
+    ] = "auto"
+    disable_cuda_graph: Annotated[bool, _doc("true: run decode steps eagerly instead of replaying CUDA graphs.")] = (
+        False
+    )
+    cuda_graph_max_bs: Annotated[
+        int,
+        _doc("""Largest decode batch captured as a CUDA graph;
+        0 = max_running_requests."""),
+    ] = 0
     # tensor parallelism (procs/worker/parallel.py)
-    tensor_parallel_size: Annotated[int, _doc("""Worker ranks the model is split over (tensor parallelism, also
+    tensor_parallel_size: Annotated[
+        int,
+        _doc("""Worker ranks the model is split over (tensor parallelism, also
         --tp): each rank is one worker process on one device (cuda:LOCAL_RANK on a GPU box, a share of the
-        cores on a CPU), all of them one torch.distributed group (NCCL on CUDA, gloo on the CPU).""")] = 1
-    enable_expert_parallel: Annotated[bool, _doc("""Mixture-of-experts models: each of the tensor_parallel_size
+        cores on a CPU), all of them one torch.distributed group (NCCL on CUDA, gloo on the CPU)."""),
+    ] = 1
+    enable_expert_parallel: Annotated[
+        bool,
+        _doc("""Mixture-of-experts models: each of the tensor_parallel_size
         ranks holds whole experts, an even share of them, instead of a share of every expert's intermediate
-        dimension (attention stays split by heads).""")] = False
-    nnodes: Annotated[int, _doc("""Machines the tensor_parallel_size ranks span (each runs
-        tensor_parallel_size / nnodes of them); the machine of node_rank 0 runs the other processes.""")] = 1
-    node_rank: Annotated[int, _doc("""This machine's place among the nnodes (0: the one serving; on the others
-        run only the worker ranks, `batchserve proc worker --local-rank I`).""")] = 0
-    dist_init_addr: Annotated[str, _doc("""HOST:PORT where the worker ranks meet (global rank 0 listens there);
+        dimension (attention stays split by heads)."""),
+    ] = False
+    nnodes: Annotated[
+        int,
+        _doc("""Machines the tensor_parallel_size ranks span (each runs
+        tensor_parallel_size / nnodes of them); the machine of node_rank 0 runs the other processes."""),
+    ] = 1
+    node_rank: Annotated[
+        int,
+        _doc("""This machine's place among the nnodes (0: the one serving; on the others
+        run only the worker ranks, `batchserve proc worker --local-rank I`)."""),
+    ] = 0
+    dist_init_addr: Annotated[
+        str,
+        _doc("""HOST:PORT where the worker ranks meet (global rank 0 listens there);
         required with nnodes > 1. Empty: 127.0.0.1 and a free port chosen by `batchserve serve` (29500
-        for worker ranks started on their own, as under systemd).""")] = ""
-    dist_timeout_s: Annotated[float, _doc("""Seconds the worker ranks wait for each other to join and load the
+        for worker ranks started on their own, as under systemd)."""),
+    ] = ""
+    dist_timeout_s: Annotated[
+        float,
+        _doc("""Seconds the worker ranks wait for each other to join and load the
         model; a rank that does not arrive ends the start with an error. Within a step, the ranks' collectives
-        time out after step_timeout_s.""")] = 600.0
+        time out after step_timeout_s."""),
+    ] = 600.0
     # data parallelism: replicas of the whole server (shared/parallel.py, procs/serve.py, procs/router.py)
-    data_parallel_size: Annotated[int, _doc("""Replicas of the whole server on this machine (data parallelism, also
+    data_parallel_size: Annotated[
+        int,
+        _doc("""Replicas of the whole server on this machine (data parallelism, also
         --dp): each a complete batchserve server (its own api, tokenizer, scheduler, worker and detokenizer) on its
         own device (cuda:I on a GPU box, a share of the cores on a CPU), its api on port + I, or port + 1 + I
-        behind a router. Not with tensor_parallel_size > 1.""")] = 1
-    data_parallel_rank: Annotated[int, _doc("""Which replica a process belongs to (0 .. data_parallel_size - 1):
+        behind a router. Not with tensor_parallel_size > 1."""),
+    ] = 1
+    data_parallel_rank: Annotated[
+        int,
+        _doc("""Which replica a process belongs to (0 .. data_parallel_size - 1):
         it picks the replica's port, device and sockets (runtime_dir/replica-I). Set by `batchserve serve` and
         by the replicas' systemd units (`batchserve-api@I.service`: --data-parallel-rank I), not in the env
-        file.""")] = 0
-    router: Annotated[Router, _doc("""A gateway in front of the replicas: smg (the Shepherd Model Gateway, `pip
+        file."""),
+    ] = 0
+    router: Annotated[
+        Router,
+        _doc("""A gateway in front of the replicas: smg (the Shepherd Model Gateway, `pip
         install -e '.[router]'`) listens on port and sends each request to a replica (port + 1 ..) by
         router_policy, checking each replica's /health; none: no gateway, the replicas serve on port ..
-        port + data_parallel_size - 1.""")] = "none"
-    router_policy: Annotated[RouterPolicy, _doc("""The gateway's routing policy: """ + ", ".join(ROUTER_POLICIES)
-        + """ (smg's). cache_aware sends a request to the replica that served the longest prefix of its text (a
+        port + data_parallel_size - 1."""),
+    ] = "none"
+    router_policy: Annotated[
+        RouterPolicy,
+        _doc(
+            """The gateway's routing policy: """
+            + ", ".join(ROUTER_POLICIES)
+            + """ (smg's). cache_aware sends a request to the replica that served the longest prefix of its text (a
         chat's earlier turns: their KV is in that replica's prefix cache) unless the replicas' loads are too
-        far apart.""")] = "cache_aware"
-    router_args: Annotated[str, _doc("""More flags for the router, appended to the `smg launch` command that
+        far apart."""
+        ),
+    ] = "cache_aware"
+    router_args: Annotated[
+        str,
+        _doc("""More flags for the router, appended to the `smg launch` command that
         `batchserve router` builds (procs/router.py), e.g. '--balance-abs-threshold 8' (smg's defaults suit
         fleets far busier than one machine: cache_aware keeps a request on its prefix's replica until the
-        replicas' loads differ by 64 requests).""")] = ""
+        replicas' loads differ by 64 requests)."""),
+    ] = ""
     # api
     host: Annotated[str, _doc("Address the HTTP api listens on (0.0.0.0 for every interface).")] = "127.0.0.1"
-    port: Annotated[int, _doc("""HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see
-        batchserve-api.service).""")] = 8000
-    served_model_name: Annotated[str, _doc("""Model name reported by /v1/models and expected in requests;
-        empty = model.""")] = ""
-    api_key: Annotated[list[str], _doc("""API keys: /v1/* (and the live view's /dashboard/snapshot) then needs
+    port: Annotated[
+        int,
+        _doc("""HTTP port of the api (below 1024 needs CAP_NET_BIND_SERVICE, see
+        batchserve-api.service)."""),
+    ] = 8000
+    served_model_name: Annotated[
+        str,
+        _doc("""Model name reported by /v1/models and expected in requests;
+        empty = model."""),
+    ] = ""
+    api_key: Annotated[
+        list[str],
+        _doc("""API keys: /v1/* (and the live view's /dashboard/snapshot) then needs
         `Authorization: Bearer <key>` (else 401); /health, /metrics and the web pages' files stay open (the
-        pages ask for a key). None: no authentication.""")] = []
-    api_key_file: Annotated[str, _doc("""A file with one API key per line (blank lines and # comments
-        skipped), read at start; adds to api_key.""")] = ""
-    webui: Annotated[bool, _doc("""Serve the web pages: a chat playground at / and a live view of the scheduler
-        at /dashboard (--no-webui: neither; the JSON of /dashboard/snapshot stays).""")] = True
-    header_timeout_s: Annotated[float, _doc("""Seconds a client may take to send a request's headers; also
-        how long an idle keep-alive connection stays open.""")] = 10.0
+        pages ask for a key). None: no authentication."""),
+    ] = []
+    api_key_file: Annotated[
+        str,
+        _doc("""A file with one API key per line (blank lines and # comments
+        skipped), read at start; adds to api_key."""),
+    ] = ""
+    webui: Annotated[
+        bool,
+        _doc("""Serve the web pages: a chat playground at / and a live view of the scheduler
+        at /dashboard (--no-webui: neither; the JSON of /dashboard/snapshot stays)."""),
+    ] = True
+    header_timeout_s: Annotated[
+        float,
+        _doc("""Seconds a client may take to send a request's headers; also
+        how long an idle keep-alive connection stays open."""),
+    ] = 10.0
     body_timeout_s: Annotated[float, _doc("Seconds a client may take to send a request's body (else 408).")] = 60.0
-    max_connections: Annotated[int, _doc("""Open HTTP connections at most; more are answered 503 at once. The
-        api raises its open-file limit to the hard limit at start.""")] = 10000
-    responses_store: Annotated[str, _doc("""Where the Responses API keeps `store: true` responses (for
+    max_connections: Annotated[
+        int,
+        _doc("""Open HTTP connections at most; more are answered 503 at once. The
+        api raises its open-file limit to the hard limit at start."""),
+    ] = 10000
+    responses_store: Annotated[
+        str,
+        _doc("""Where the Responses API keeps `store: true` responses (for
         previous_response_id and GET / DELETE /v1/responses/{id}): empty = SQLite in the state directory
         ($STATE_DIRECTORY, /var/lib/batchserve under systemd; else ~/.local/state/batchserve), shared by
         the replicas of one machine and kept across restarts; `sqlite:PATH`; `postgresql://...` (a
         PostgreSQL server, for replicas on several machines); or `memory` (this api process only, gone at a
-        restart).""")] = ""
-    responses_ttl_s: Annotated[float, _doc("""Seconds a stored response is kept (OpenAI keeps them 30
-        days).""")] = 30 * 24 * 3600.0
+        restart)."""),
+    ] = ""
+    responses_ttl_s: Annotated[
+        float,
+        _doc("""Seconds a stored response is kept (OpenAI keeps them 30
+        days)."""),
+    ] = 30 * 24 * 3600.0
     # processes
-    runtime_dir: Annotated[str, _doc("""Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY
-        (/run/batchserve under systemd), else a fresh temporary directory.""")] = ""
-    log_format: Annotated[Literal["text", "json"], _doc("""stderr log lines, which journald collects: text, or
-        json for one JSON object per line (request logs included).""")] = "text"
-    drain_timeout_s: Annotated[float, _doc("""Seconds a stopping process waits for in-flight requests; keep
-        below the systemd units' TimeoutStopSec= (45 s).""")] = 30.0
+    runtime_dir: Annotated[
+        str,
+        _doc("""Directory of the processes' sockets; empty = $RUNTIME_DIRECTORY
+        (/run/batchserve under systemd), else a fresh temporary directory."""),
+    ] = ""
+    log_format: Annotated[
+        Literal["text", "json"],
+        _doc("""stderr log lines, which journald collects: text, or
+        json for one JSON object per line (request logs included)."""),
+    ] = "text"
+    drain_timeout_s: Annotated[
+        float,
+        _doc("""Seconds a stopping process waits for in-flight requests; keep
+        below the systemd units' TimeoutStopSec= (45 s)."""),
+    ] = 30.0
 
     def __post_init__(self) -> None:
         if self.slo:
             Slo.parse(self.slo)  # a bad objective is refused at start, named
         if self.responses_store not in ("", "memory") and not self.responses_store.startswith(
-                ("sqlite:", "postgresql://", "postgres://")):
-            raise ValueError(f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH, "
-                             f"postgresql://... or empty (SQLite in the state directory)")
+            ("sqlite:", "postgresql://", "postgres://")
+        ):
+            raise ValueError(
+                f"responses_store {self.responses_store!r}: expected memory, sqlite:PATH, "
+                f"postgresql://... or empty (SQLite in the state directory)"
+            )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras must be 0 (no limit) or at least max_loras ({self.max_loras}), "
-                             f"got {self.max_cpu_loras}")
+            raise ValueError(
+                f"max_cpu_loras must be 0 (no limit) or at least max_loras ({self.max_loras}), got {self.max_cpu_loras}"
+            )
         if self.enable_lora_runtime_updates and not self.enable_lora:
             raise ValueError("enable_lora_runtime_updates needs enable_lora")
         parse_lora_modules(self.lora_modules)  # a malformed entry is refused at start, named
@@ -265,11 +434,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         return msgspec.json.encode(self)
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "ServerConfig":
+    def from_json(cls, data: bytes | str) -> ServerConfig:
         return msgspec.json.decode(data, type=cls)
 
     @classmethod
-    def load(cls, path: str | Path) -> "ServerConfig":
+    def load(cls, path: str | Path) -> ServerConfig:
         return cls.from_json(Path(path).read_bytes())
 
 
@@ -279,18 +448,40 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 # clients' experience, the step-time bound and the waiting limit (offline every prompt is in at once and
 # only throughput counts). Every other field is an engine setting, which `batchserve generate` takes as
 # `serve` does: a new field is one unless named here.
-SERVER_ONLY_FIELDS: frozenset[str] = frozenset({
-    "host", "port", "served_model_name", "api_key", "api_key_file", "webui", "header_timeout_s", "body_timeout_s",
-    "max_connections", "responses_store", "responses_ttl_s",
-    "data_parallel_size", "data_parallel_rank", "router", "router_policy", "router_args",
-    "runtime_dir", "log_format", "drain_timeout_s",
-    "overlap_schedule", "max_step_ms", "min_prefill_share", "max_waiting", "enable_lora_runtime_updates",
-})
+SERVER_ONLY_FIELDS: frozenset[str] = frozenset(
+    {
+        "host",
+        "port",
+        "served_model_name",
+        "api_key",
+        "api_key_file",
+        "webui",
+        "header_timeout_s",
+        "body_timeout_s",
+        "max_connections",
+        "responses_store",
+        "responses_ttl_s",
+        "data_parallel_size",
+        "data_parallel_rank",
+        "router",
+        "router_policy",
+        "router_args",
+        "runtime_dir",
+        "log_format",
+        "drain_timeout_s",
+        "overlap_schedule",
+        "max_step_ms",
+        "min_prefill_share",
+        "max_waiting",
+        "enable_lora_runtime_updates",
+    }
+)
 _unknown = SERVER_ONLY_FIELDS - set(ServerConfig.__struct_fields__)
 if _unknown:  # a renamed field would silently become an engine flag
     raise TypeError(f"SERVER_ONLY_FIELDS names no ServerConfig field: {sorted(_unknown)}")
-ENGINE_FIELDS: tuple[str, ...] = tuple(name for name in ServerConfig.__struct_fields__
-                                       if name not in SERVER_ONLY_FIELDS)
+ENGINE_FIELDS: tuple[str, ...] = tuple(
+    name for name in ServerConfig.__struct_fields__ if name not in SERVER_ONLY_FIELDS
+)
 
 
 def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
@@ -304,7 +495,10 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",), "data_parallel_size": ("--dp",)}  # the peers' short spellings
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("--tp",),
+    "data_parallel_size": ("--dp",),
+}  # the peers' short spellings
 
 
 def field_default(field: msgspec.structs.FieldInfo) -> Any:
@@ -327,15 +521,23 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         if only is not None and field.name not in only:
             continue
         default = field_default(field)
-        help_text = (f"{field_description(field.name).replace('%', '%%')} "
-                     f"(default: {default!r}; env {env_var(field.name)})")
+        help_text = (
+            f"{field_description(field.name).replace('%', '%%')} (default: {default!r}; env {env_var(field.name)})"
+        )
         flags = (flag_name(field.name), *FLAG_ALIASES.get(field.name, ()))
         if isinstance(default, bool):
-            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                *flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif isinstance(default, list):
-            parser.add_argument(*flags, dest=field.name, action="extend", nargs="+", default=None,
-                                help=f"one or more values, repeatable: {help_text}, comma-separated")
+            parser.add_argument(
+                *flags,
+                dest=field.name,
+                action="extend",
+                nargs="+",
+                default=None,
+                help=f"one or more values, repeatable: {help_text}, comma-separated",
+            )
         else:
             parser.add_argument(*flags, dest=field.name, type=type(default), default=None, help=help_text)
 
@@ -345,8 +547,13 @@ def config_table_markdown() -> str:
     rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
     for field in msgspec.structs.fields(ServerConfig):
         default = field_default(field)
-        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default).lower() \
-            if isinstance(default, bool) else str(default)
+        shown = (
+            ",".join(map(str, default))
+            if isinstance(default, list)
+            else str(default).lower()
+            if isinstance(default, bool)
+            else str(default)
+        )
         what = field_description(field.name).replace("|", "\\|")
         rows.append(f"| `{flag_name(field.name)}` | `{env_var(field.name)}` | `{shown}` | {what} |")
     return "\n".join(rows) + "\n"

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import llguidance
 
-from shared.checks import MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS, MAX_REGEX_REPEAT
-from shared.errors import Refusal
+from batchserve.shared.checks import MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS, MAX_REGEX_REPEAT
+from batchserve.shared.errors import Refusal
 
 
 def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
@@ -27,8 +28,8 @@ def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[
     eos = list(eos_token_ids) or None
     if tokenizer_json.is_file():
         return llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos)
-    from transformers import AutoTokenizer  # a slow-only folder: transformers converts it
     from llguidance.hf import from_tokenizer
+    from transformers import AutoTokenizer  # a slow-only folder: transformers converts it
 
     return from_tokenizer(AutoTokenizer.from_pretrained(model_dir), n_vocab=vocab_size, eos_token=eos)
 
@@ -52,8 +53,9 @@ def _repeat_ops() -> tuple[Any, ...]:
     if _REPEATS is None:
         from re import _constants as c  # type: ignore[attr-defined]
 
-        _REPEATS = tuple(getattr(c, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
-                         if hasattr(c, name))
+        _REPEATS = tuple(
+            getattr(c, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(c, name)
+        )
     return _REPEATS
 
 
@@ -93,8 +95,10 @@ def _check_repeats(items: Any, outer: int, param: str) -> None:
                 raise Refusal(f"{param}: a repetition bound may be at most {MAX_REGEX_REPEAT} (got {bound})", param)
             product = outer * max(bound, 1)
             if outer > 1 and bound > 1 and product > MAX_NESTED_REPEAT:
-                raise Refusal(f"{param}: nested repetitions may multiply to at most {MAX_NESTED_REPEAT} "
-                              f"(these reach {product})", param)
+                raise Refusal(
+                    f"{param}: nested repetitions may multiply to at most {MAX_NESTED_REPEAT} (these reach {product})",
+                    param,
+                )
             _check_repeats(sub, product, param)
         elif op == c.SUBPATTERN:
             _check_repeats(av[-1], outer, param)

@@ -29,8 +29,8 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
-from shared.codec import Decoder, Encoder
-from shared.messages import (
+from batchserve.shared.codec import Decoder, Encoder
+from batchserve.shared.messages import (
     AbortRequest,
     AdapterUpdate,
     BackendFailure,
@@ -45,8 +45,8 @@ from shared.messages import (
     TokenizedRequest,
     WorkerInfo,
 )
-from shared.shm import ArrayWriter, ShmReader
-from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
+from batchserve.shared.shm import ArrayWriter, ShmReader
+from batchserve.shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 T = TypeVar("T")
 
@@ -72,10 +72,14 @@ class Endpoints:
     api: str
 
     @classmethod
-    def in_dir(cls, runtime_dir: str | os.PathLike[str]) -> "Endpoints":
+    def in_dir(cls, runtime_dir: str | os.PathLike[str]) -> Endpoints:
         d = Path(runtime_dir)
-        return cls(**{name: f"ipc://{d / (name + '.sock')}" for name in
-                      ("tokenizer", "scheduler", "worker", "steps", "detokenizer", "api")})
+        return cls(
+            **{
+                name: f"ipc://{d / (name + '.sock')}"
+                for name in ("tokenizer", "scheduler", "worker", "steps", "detokenizer", "api")
+            }
+        )
 
 
 def _configure(sock: zmq.Socket, kind: int) -> None:
@@ -110,8 +114,9 @@ class Sender(Generic[T]):
 class Receiver(Generic[T]):
     """A PULL socket that decodes messages of `type` (shared-memory arrays through `reader`)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, type: Any, *, bind: bool = True,
-                 reader: ShmReader | None = None):
+    def __init__(
+        self, ctx: zmq.Context, address: str, type: Any, *, bind: bool = True, reader: ShmReader | None = None
+    ):
         self.socket = _open(ctx, zmq.PULL, address, bind)
         self.decoder: Decoder[T] = Decoder(type, reader if reader is not None else ShmReader())
 
@@ -152,8 +157,9 @@ class AsyncSender(Generic[T]):
 class AsyncReceiver(Generic[T]):
     """`Receiver` for asyncio code (the api)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, type: Any, *, bind: bool = True,
-                 reader: ShmReader | None = None):
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, type: Any, *, bind: bool = True, reader: ShmReader | None = None
+    ):
         self.socket = _open(ctx, zmq.PULL, address, bind)
         self.decoder: Decoder[T] = Decoder(type, reader if reader is not None else ShmReader())
 

@@ -14,8 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import ModelLoadError
-
+from batchserve.shared.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class LoraModule:
 def held_at_start(modules: list[LoraModule], max_cpu_loras: int) -> list[LoraModule]:
     """The adapters the worker loads at start (the first `max_cpu_loras`; 0: all), which the scheduler counts
     as held (`procs.scheduler.adapter_updates`): the others load when a request needs them."""
-    return modules[:max_cpu_loras or None]
+    return modules[: max_cpu_loras or None]
 
 
 def parse_lora_modules(items: list[str]) -> list[LoraModule]:
@@ -39,8 +38,9 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
                 raw = json.loads(item)
                 module = LoraModule(str(raw["name"]), str(raw["path"]))
             except (ValueError, KeyError, TypeError):
-                raise ValueError(f"lora_modules entry {item!r}: expected NAME=PATH or "
-                                 f'{{"name": ..., "path": ...}}') from None
+                raise ValueError(
+                    f'lora_modules entry {item!r}: expected NAME=PATH or {{"name": ..., "path": ...}}'
+                ) from None
         else:
             name, sep, path = item.partition("=")
             if not sep or not name.strip() or not path.strip():
@@ -54,8 +54,15 @@ def parse_lora_modules(items: list[str]) -> list[LoraModule]:
 
 
 # PEFT's module names -> (the fused projection of our layer that holds it, its part in the fusion)
-PROJECTIONS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-               "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+PROJECTIONS = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
 PREFIX = "base_model.model.model.layers."
 # an adapter trained on a multimodal checkpoint's text model (Qwen3.5's released ones): its decoder's layers
 MULTIMODAL_PREFIX = "base_model.model.model.language_model.layers."
@@ -76,7 +83,7 @@ def served_projections(raw_config: dict) -> frozenset[str]:
 def tensor_name(name: str) -> str:
     """A tensor of adapter_model.safetensors under the name of a text decoder's (a multimodal checkpoint's
     language model renamed, as the model's own weights are)."""
-    return PREFIX + name[len(MULTIMODAL_PREFIX):] if name.startswith(MULTIMODAL_PREFIX) else name
+    return PREFIX + name[len(MULTIMODAL_PREFIX) :] if name.startswith(MULTIMODAL_PREFIX) else name
 
 
 @dataclass(frozen=True)
@@ -94,11 +101,20 @@ class AdapterConfig:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_config.json ({exc})") from None
-        refuse = lambda field, why: ModelLoadError(f"LoRA adapter {path}: {field} {why}")
+
+        def refuse(field: str, why: str) -> ModelLoadError:
+            return ModelLoadError(f"LoRA adapter {path}: {field} {why}")
+
         if raw.get("peft_type", "LORA") != "LORA":
             raise refuse("peft_type", f"{raw['peft_type']!r} is not served (LORA is)")
-        for field in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "layers_to_transform",
-                      "layer_replication"):
+        for field in (
+            "modules_to_save",
+            "rank_pattern",
+            "alpha_pattern",
+            "target_parameters",
+            "layers_to_transform",
+            "layer_replication",
+        ):
             if raw.get(field):
                 raise refuse(field, f"{raw[field]!r} is not served (adapters of the seven projections only)")
         if raw.get("use_dora"):
@@ -107,11 +123,17 @@ class AdapterConfig:
             raise refuse("bias", f"{raw.get('bias')!r} is not served (none is)")
         targets = raw.get("target_modules") or []
         if isinstance(targets, str) or set(targets) - set(PROJECTIONS):
-            raise refuse("target_modules", f"{targets!r}: only {', '.join(PROJECTIONS)} are served "
-                                           f"(not lm_head, embeddings or a regular expression)")
+            raise refuse(
+                "target_modules",
+                f"{targets!r}: only {', '.join(PROJECTIONS)} are served "
+                f"(not lm_head, embeddings or a regular expression)",
+            )
         if set(targets) - served:
-            raise refuse("target_modules", f"{sorted(set(targets) - served)}: this model's MLPs are mixtures of experts, "
-                                           f"whose LoRA is not served (adapters of {', '.join(sorted(served))} are)")
+            raise refuse(
+                "target_modules",
+                f"{sorted(set(targets) - served)}: this model's MLPs are mixtures of experts, "
+                f"whose LoRA is not served (adapters of {', '.join(sorted(served))} are)",
+            )
         rank = int(raw["r"])
         if not 1 <= rank <= max_rank:
             raise refuse("r", f"{rank} is above --max-lora-rank {max_rank}")
@@ -135,6 +157,9 @@ def check_adapter(folder: str | Path, max_rank: int, served: frozenset[str] = fr
     served = re.compile(rf"{re.escape(PREFIX)}\d+\.(self_attn|mlp)\.({modules})\.lora_[AB]\.weight")
     unserved = sorted(name for name in names if not served.fullmatch(tensor_name(name)))
     if unserved or not names:
-        raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(unserved[:3])}"
-                             if unserved else f"LoRA adapter {folder}: adapter_model.safetensors holds no tensors")
+        raise ModelLoadError(
+            f"LoRA adapter {folder}: tensors of no served projection: {', '.join(unserved[:3])}"
+            if unserved
+            else f"LoRA adapter {folder}: adapter_model.safetensors holds no tensors"
+        )
     return config

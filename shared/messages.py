@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from shared.step_features import StepShape
-from shared.scheduler_view import SchedulerView
+from batchserve.shared.scheduler_view import SchedulerView
+from batchserve.shared.step_features import StepShape
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,8 +65,9 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_plain(self) -> bool:
         """Nothing to adjust or report: the worker keeps no state for the slot."""
-        return (not self.adjusts_logits and self.logprobs is None and self.prompt_logprobs is None
-                and self.grammar is None)
+        return (
+            not self.adjusts_logits and self.logprobs is None and self.prompt_logprobs is None and self.grammar is None
+        )
 
     @property
     def needs_output_ids(self) -> bool:
@@ -258,9 +259,9 @@ class OutputConstraint(msgspec.Struct, frozen=True, kw_only=True):
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True):
     """A pooling request (the pooling runner, `/v1/embeddings`): one prefill, whose pooled final hidden
-    states are its answer (`TokenDelta.pooled`) in place of generated tokens: its `stop.max_tokens` is 0,
-    and the one row it samples, its prompt's last, gives its vector (SCHEDULING.md section 11). The api
-finishes the vector (a Matryoshka cut, normalisation, an activation), so only the input's cut is here."""
+        states are its answer (`TokenDelta.pooled`) in place of generated tokens: its `stop.max_tokens` is 0,
+        and the one row it samples, its prompt's last, gives its vector (SCHEDULING.md section 11). The api
+    finishes the vector (a Matryoshka cut, normalisation, an activation), so only the input's cut is here."""
 
     truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens run (the tokenizer cuts)
 

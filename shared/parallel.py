@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from shared.config import ServerConfig
-from shared.ports import free_port
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ports import free_port
 
 STANDALONE_INIT_ADDR = "127.0.0.1:29500"  # where ranks started on their own meet by default (torch's MASTER_PORT)
 # While idle, rank 0 broadcasts a tick this often (`procs.worker.rank_steps`): the followers' wait for the
@@ -40,11 +40,18 @@ class RankLayout:
         check_parallel_config(config)
         local_world = config.tensor_parallel_size // config.nnodes
         if not 0 <= local_rank < local_world:
-            raise ValueError(f"--local-rank {local_rank}: this machine runs worker ranks 0..{local_world - 1} "
-                             f"(tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} nodes)")
-        return cls(rank=config.node_rank * local_world + local_rank, world_size=config.tensor_parallel_size,
-                   local_rank=local_rank, local_world_size=local_world, replica=config.data_parallel_rank,
-                   replicas=config.data_parallel_size)
+            raise ValueError(
+                f"--local-rank {local_rank}: this machine runs worker ranks 0..{local_world - 1} "
+                f"(tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} nodes)"
+            )
+        return cls(
+            rank=config.node_rank * local_world + local_rank,
+            world_size=config.tensor_parallel_size,
+            local_rank=local_rank,
+            local_world_size=local_world,
+            replica=config.data_parallel_rank,
+            replicas=config.data_parallel_size,
+        )
 
     @property
     def picks_device(self) -> bool:
@@ -83,9 +90,11 @@ def check_parallel_config(config: ServerConfig) -> None:
     check_replicas(config)
     # A tick can be a poll late: twice the interval leaves an idle follower's wait room for one.
     if tp > 1 and config.step_timeout_s <= 2 * TICK_INTERVAL_S:
-        raise ValueError(f"step_timeout_s must be > {2 * TICK_INTERVAL_S:g} with tensor_parallel_size > 1 (it "
-                         f"bounds the other ranks' wait for rank 0's idle ticks, sent every {TICK_INTERVAL_S:g} s), "
-                         f"got {config.step_timeout_s:g}")
+        raise ValueError(
+            f"step_timeout_s must be > {2 * TICK_INTERVAL_S:g} with tensor_parallel_size > 1 (it "
+            f"bounds the other ranks' wait for rank 0's idle ticks, sent every {TICK_INTERVAL_S:g} s), "
+            f"got {config.step_timeout_s:g}"
+        )
 
 
 def split_init_addr(address: str) -> tuple[str, int]:
@@ -124,12 +133,16 @@ def check_replicas(config: ServerConfig) -> None:
     # One replica's ranks meet at dist_init_addr and take cuda:0..tp-1; replicas of several ranks each
     # would need their own meeting point and devices, which nothing here gives them (nor tests).
     if size > 1 and config.tensor_parallel_size > 1:
-        raise ValueError(f"data_parallel_size {size} with tensor_parallel_size {config.tensor_parallel_size} is "
-                         "not supported: run one `batchserve serve --tp N` per replica (--device, --port) and put "
-                         "a router in front of them")
+        raise ValueError(
+            f"data_parallel_size {size} with tensor_parallel_size {config.tensor_parallel_size} is "
+            "not supported: run one `batchserve serve --tp N` per replica (--device, --port) and put "
+            "a router in front of them"
+        )
     if replicated(config) and config.port == 0:
-        raise ValueError("port 0 (any free port) cannot be used with data_parallel_size > 1 or a router: the "
-                         "replicas' ports follow from port")
+        raise ValueError(
+            "port 0 (any free port) cannot be used with data_parallel_size > 1 or a router: the "
+            "replicas' ports follow from port"
+        )
     highest = router_metrics_port(config) if config.router != "none" else replica_port(config, size - 1)
     if highest > 65535:
         raise ValueError(f"port {config.port}: the replicas' ports (and the router's metrics port) would pass 65535")

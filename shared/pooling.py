@@ -30,24 +30,36 @@ from typing import Any, Literal, get_args
 import msgspec
 import numpy as np
 
-from shared.errors import ModelLoadError, Refusal
+from batchserve.shared.errors import ModelLoadError, Refusal
 
 PoolingType = Literal["last", "mean", "cls"]
 POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
 # sentence-transformers' pooling modes that this server runs, by its 1_Pooling/config.json key
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-_ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                         "pooling_mode_weightedmean_tokens")
+_ST_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
 # sentence-transformers 6 spells the mode as one string
 _ST_MODE_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
 # Encoders (bidirectional: an input runs whole in one step), which pool their first token ([CLS]) by default.
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 # Cross-encoders: an encoder and a classification head on its [CLS], scoring a pair of texts as one input.
-CROSS_ENCODER_ARCHITECTURES = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification",
-                               "RobertaForSequenceClassification")
+CROSS_ENCODER_ARCHITECTURES = (
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+    "RobertaForSequenceClassification",
+)
 # Models without an LM head, as their checkpoints name them: served by the pooling runner only.
-HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", *ENCODER_ARCHITECTURES,
-                          *CROSS_ENCODER_ARCHITECTURES)
+HEADLESS_ARCHITECTURES = (
+    "LlamaModel",
+    "MistralModel",
+    "Qwen2Model",
+    "Qwen3Model",
+    *ENCODER_ARCHITECTURES,
+    *CROSS_ENCODER_ARCHITECTURES,
+)
 # A cross-encoder's activation on its logit, by sentence-transformers' `activation_fn` (its default for one
 # label: sigmoid)
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
@@ -79,19 +91,26 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
             return
         hidden_size = self.hidden_size
         if dimensions < 1 or (hidden_size and dimensions > hidden_size):
-            raise Refusal(f"dimensions must be between 1 and the model's embedding size {hidden_size}, "
-                          f"got {dimensions}", "dimensions")
+            raise Refusal(
+                f"dimensions must be between 1 and the model's embedding size {hidden_size}, got {dimensions}",
+                "dimensions",
+            )
         if self.matryoshka is False:
-            raise Refusal("this model does not support matryoshka representations: its vectors cannot be cut to "
-                          "`dimensions` (config.json has neither matryoshka_dimensions nor is_matryoshka)",
-                          "dimensions")
+            raise Refusal(
+                "this model does not support matryoshka representations: its vectors cannot be cut to "
+                "`dimensions` (config.json has neither matryoshka_dimensions nor is_matryoshka)",
+                "dimensions",
+            )
         if isinstance(self.matryoshka, tuple) and dimensions not in self.matryoshka:
-            raise Refusal(f"dimensions {dimensions} is not one this model was trained for: "
-                          f"{', '.join(map(str, self.matryoshka))}", "dimensions")
+            raise Refusal(
+                f"dimensions {dimensions} is not one this model was trained for: "
+                f"{', '.join(map(str, self.matryoshka))}",
+                "dimensions",
+            )
 
 
 def runner_for(runner: str, model_dir: Path, architecture: str) -> str:
-    """"generate" or "pooling": `runner` unless "auto" (see the module's rule)."""
+    """ "generate" or "pooling": `runner` unless "auto" (see the module's rule)."""
     if runner != "auto":
         return runner
     if (model_dir / "modules.json").is_file() or architecture in HEADLESS_ARCHITECTURES:  # cross-encoders too
@@ -112,15 +131,26 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
     if override:
         if override not in POOLING_TYPES:
             raise ModelLoadError(f"--pooling {override!r}: one of {', '.join(POOLING_TYPES)} expected")
-        return PoolerConfig(pooling=override, normalize=normalize, matryoshka=matryoshka,  # type: ignore[arg-type]
-                            source="--pooling", hidden_size=hidden)
+        return PoolerConfig(
+            pooling=override,
+            normalize=normalize,
+            matryoshka=matryoshka,  # type: ignore[arg-type]
+            source="--pooling",
+            hidden_size=hidden,
+        )
     if not modules:
         encoder = (raw_config.get("architectures") or [""])[0] in ENCODER_ARCHITECTURES
-        return PoolerConfig(pooling="cls" if encoder else "last", normalize=True, matryoshka=matryoshka,
-                            hidden_size=hidden)
+        return PoolerConfig(
+            pooling="cls" if encoder else "last", normalize=True, matryoshka=matryoshka, hidden_size=hidden
+        )
     pooling = _st_pooling(model_dir / modules.get("Pooling", "1_Pooling"))
-    return PoolerConfig(pooling=pooling, normalize=normalize, matryoshka=matryoshka,  # type: ignore[arg-type]
-                        source="modules.json", hidden_size=hidden)
+    return PoolerConfig(
+        pooling=pooling,
+        normalize=normalize,
+        matryoshka=matryoshka,  # type: ignore[arg-type]
+        source="modules.json",
+        hidden_size=hidden,
+    )
 
 
 def _cross_encoder(model_dir: Path, raw: dict[str, Any], override: str) -> PoolerConfig:
@@ -132,8 +162,14 @@ def _cross_encoder(model_dir: Path, raw: dict[str, Any], override: str) -> Poole
         raise ModelLoadError(f"{where}: a cross-encoder scores with one label, this one has {labels}")
     if override:
         raise ModelLoadError(f"--pooling {override}: a cross-encoder's head reads its [CLS] token, as trained")
-    return PoolerConfig(pooling="cls", normalize=False, kind="classify", activation=_st_activation(model_dir, raw),
-                        source="cross-encoder", hidden_size=int(raw.get("hidden_size") or 0))
+    return PoolerConfig(
+        pooling="cls",
+        normalize=False,
+        kind="classify",
+        activation=_st_activation(model_dir, raw),
+        source="cross-encoder",
+        hidden_size=int(raw.get("hidden_size") or 0),
+    )
 
 
 def _decoder_reranker(model_dir: Path, folder: str, override: str) -> PoolerConfig:
@@ -144,12 +180,19 @@ def _decoder_reranker(model_dir: Path, folder: str, override: str) -> PoolerConf
     path = model_dir / folder / "config.json"
     try:
         config = json.loads(path.read_text())
-        tokens = (int(config["true_token_id"]),) + (() if config.get("false_token_id") is None
-                                                     else (int(config["false_token_id"]),))
+        tokens = (int(config["true_token_id"]),) + (
+            () if config.get("false_token_id") is None else (int(config["false_token_id"]),)
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{path}: the LogitScore module's token ids cannot be read ({exc})") from None
-    return PoolerConfig(pooling="last", normalize=False, kind="classify", activation=_st_activation(model_dir, {}),
-                        logit_tokens=tokens, source="modules.json")
+    return PoolerConfig(
+        pooling="last",
+        normalize=False,
+        kind="classify",
+        activation=_st_activation(model_dir, {}),
+        logit_tokens=tokens,
+        source="modules.json",
+    )
 
 
 def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Literal["sigmoid", "identity"]:
@@ -159,7 +202,9 @@ def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Literal["sigmoid", "
     saved = json.loads(st_config.read_text()) if st_config.is_file() else raw.get("sentence_transformers") or {}
     name = saved.get("activation_fn") or "torch.nn.modules.activation.Sigmoid"
     if name not in ACTIVATIONS:
-        raise ModelLoadError(f"{model_dir}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})")
+        raise ModelLoadError(
+            f"{model_dir}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})"
+        )
     return ACTIVATIONS[name]  # type: ignore[return-value]
 
 
@@ -176,8 +221,10 @@ def _st_modules(model_dir: Path) -> dict[str, str]:
         raise ModelLoadError(f"{path}: not a sentence-transformers module list ({exc})") from None
     unknown = sorted(set(modules) - {"Transformer", "Pooling", "Normalize", "LogitScore"})
     if unknown:
-        raise ModelLoadError(f"{path}: sentence-transformers module(s) {', '.join(unknown)} are not run by this "
-                             f"server (it runs Transformer, Pooling, Normalize and LogitScore)")
+        raise ModelLoadError(
+            f"{path}: sentence-transformers module(s) {', '.join(unknown)} are not run by this "
+            f"server (it runs Transformer, Pooling, Normalize and LogitScore)"
+        )
     if "Pooling" not in modules and "LogitScore" not in modules:
         raise ModelLoadError(f"{path} has no Pooling module: say how to pool with --pooling")
     return modules
@@ -191,19 +238,23 @@ def _st_pooling(folder: Path) -> str:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: the Pooling module's config cannot be read ({exc})") from None
     if config.get("include_prompt") is False:
-        raise ModelLoadError(f"{path}: include_prompt false (an instruction left out of the mean) is not run by "
-                             f"this server")
+        raise ModelLoadError(
+            f"{path}: include_prompt false (an instruction left out of the mean) is not run by this server"
+        )
     if isinstance(config.get("pooling_mode"), str):
         name = config["pooling_mode"]
         if name not in _ST_MODE_NAMES:
-            raise ModelLoadError(f"{path}: pooling_mode {name!r} is not run by this server "
-                                 f"(it runs {', '.join(_ST_MODE_NAMES)})")
+            raise ModelLoadError(
+                f"{path}: pooling_mode {name!r} is not run by this server (it runs {', '.join(_ST_MODE_NAMES)})"
+            )
         return _ST_MODE_NAMES[name]
     chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
     other = [key for key in _ST_UNSUPPORTED_MODES if config.get(key)]
     if other or len(chosen) != 1:
-        raise ModelLoadError(f"{path}: exactly one of {', '.join(_ST_MODES)} expected "
-                             f"(got {', '.join(other + [k for k in _ST_MODES if config.get(k)]) or 'none'})")
+        raise ModelLoadError(
+            f"{path}: exactly one of {', '.join(_ST_MODES)} expected "
+            f"(got {', '.join(other + [k for k in _ST_MODES if config.get(k)]) or 'none'})"
+        )
     return chosen[0]
 
 
@@ -214,14 +265,16 @@ def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | bool:
     return bool(raw.get("is_matryoshka", False))
 
 
-def pooler_for(model_dir: Path, architecture: str, raw_config: dict[str, Any], runner: str,
-               override: str = "") -> PoolerConfig | None:
+def pooler_for(
+    model_dir: Path, architecture: str, raw_config: dict[str, Any], runner: str, override: str = ""
+) -> PoolerConfig | None:
     """The pooling rule the worker serves the model with, None for the generate runner; ModelLoadError for
     a decoder without an LM head asked to generate, or a pooling override on the generate runner."""
     if runner_for(runner, model_dir, architecture) == "generate":
         if architecture in HEADLESS_ARCHITECTURES:
-            raise ModelLoadError(f"{architecture} has no LM head, so it cannot generate: serve it with --runner "
-                                 f"pooling (/v1/embeddings)")
+            raise ModelLoadError(
+                f"{architecture} has no LM head, so it cannot generate: serve it with --runner pooling (/v1/embeddings)"
+            )
         if override:
             raise ModelLoadError(f"--pooling {override} needs the pooling runner (--runner pooling)")
         return None

@@ -48,26 +48,37 @@ class RopeConfig:
         if kind not in ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {kind!r} in {where} (supported: {', '.join(ROPE_TYPES)})")
         positions = int(raw.get("max_position_embeddings") or 8192)
-        original = int(raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                        or positions)
+        original = int(
+            raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or positions
+        )
         fields: dict[str, Any] = dict(
-            theta=float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0), kind=kind,
+            theta=float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+            kind=kind,
             partial_rotary_factor=float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0),
-            original_max_position_embeddings=original, max_position_embeddings=positions)
+            original_max_position_embeddings=original,
+            max_position_embeddings=positions,
+        )
         try:
             if kind in ("linear", "llama3", "yarn", "dynamic"):
                 fields["factor"] = float(params["factor"] or positions / original)
             if kind == "llama3":
-                fields.update(low_freq_factor=float(params["low_freq_factor"]),
-                              high_freq_factor=float(params["high_freq_factor"]))
+                fields.update(
+                    low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"])
+                )
             if kind == "yarn":
-                fields.update(beta_fast=float(params.get("beta_fast") or 32),
-                              beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)), mscale=params.get("mscale"),
-                              mscale_all_dim=params.get("mscale_all_dim"))
+                fields.update(
+                    beta_fast=float(params.get("beta_fast") or 32),
+                    beta_slow=float(params.get("beta_slow") or 1),
+                    truncate=bool(params.get("truncate", True)),
+                    mscale=params.get("mscale"),
+                    mscale_all_dim=params.get("mscale_all_dim"),
+                )
             if kind == "longrope":
-                fields.update(factor=float(params.get("factor") or positions / original),
-                              short_factor=tuple(map(float, params["short_factor"])),
-                              long_factor=tuple(map(float, params["long_factor"])))
+                fields.update(
+                    factor=float(params.get("factor") or positions / original),
+                    short_factor=tuple(map(float, params["short_factor"])),
+                    long_factor=tuple(map(float, params["long_factor"])),
+                )
             if kind in ("yarn", "longrope") and params.get("attention_factor") is not None:
                 fields["attention_factor"] = float(params["attention_factor"])
         except (KeyError, TypeError, ValueError) as e:
@@ -87,8 +98,9 @@ class RopeConfig:
     @property
     def served_positions(self) -> int:
         """The positions the model serves: its own, or with dynamic NTK `factor` times them (as vLLM's)."""
-        return int(self.max_position_embeddings * self.factor) if self.kind == "dynamic" else \
-            self.max_position_embeddings
+        return (
+            int(self.max_position_embeddings * self.factor) if self.kind == "dynamic" else self.max_position_embeddings
+        )
 
     @property
     def switch_length(self) -> int:

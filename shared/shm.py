@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.liveness import pid_gone
+from batchserve.shared.liveness import pid_gone
 
 SEGMENT_PREFIX = "batchserve"
 _ALIGN = 64  # cache-line aligned allocations

@@ -31,8 +31,10 @@ class Slo:
             name, sep, value = item.partition(":")
             field = f"{name}_ms"
             if not sep or name not in OBJECTIVES or field in limits:
-                raise ValueError(f"objective {item!r}: expected ttft:MS, tpot:MS or e2el:MS, each once, "
-                                 f"or one of {', '.join(DEFAULT_SLOS)}")
+                raise ValueError(
+                    f"objective {item!r}: expected ttft:MS, tpot:MS or e2el:MS, each once, "
+                    f"or one of {', '.join(DEFAULT_SLOS)}"
+                )
             try:
                 limits[field] = float(value)
             except ValueError:

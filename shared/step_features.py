@@ -23,17 +23,23 @@ class StepShape(msgspec.Struct, frozen=True, array_like=True):
     chunked: float = 0.0  # linear-attention layers' chunked-form tokens (`linear_chunked_tokens`)
 
     def __add__(self, other: StepShape) -> StepShape:
-        return StepShape(self.tokens + other.tokens, self.rows + other.rows, self.pairs + other.pairs,
-                         self.chunked + other.chunked)
+        return StepShape(
+            self.tokens + other.tokens, self.rows + other.rows, self.pairs + other.pairs, self.chunked + other.chunked
+        )
 
 
-def step_shape(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,
-               windows: Sequence[int] = ()) -> StepShape:
+def step_shape(
+    prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray, windows: Sequence[int] = ()
+) -> StepShape:
     """The shape of a step whose rows feed `extend_lens` tokens after `prefix_lens` cached ones, in a model
     whose layers have `windows` (`layer_cost_windows`)."""
     n = np.asarray(extend_lens, dtype=np.float64)
-    return StepShape(float(n.sum()), float(np.count_nonzero(n)), attention_pairs(prefix_lens, n, windows),
-                     linear_chunked_tokens(n, windows))
+    return StepShape(
+        float(n.sum()),
+        float(np.count_nonzero(n)),
+        attention_pairs(prefix_lens, n, windows),
+        linear_chunked_tokens(n, windows),
+    )
 
 
 def linear_chunked_tokens(extend_lens: np.ndarray, windows: Sequence[int]) -> float:
@@ -47,8 +53,9 @@ def linear_chunked_tokens(extend_lens: np.ndarray, windows: Sequence[int]) -> fl
     return float(chunks.sum()) * LINEAR_ATTENTION_CHUNK * linear / len(windows)
 
 
-def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray,
-                    windows: Sequence[int] = ()) -> float:
+def attention_pairs(
+    prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequence[int] | np.ndarray, windows: Sequence[int] = ()
+) -> float:
     """Query-key pairs attention computes, per layer on average: a request feeding n tokens after p cached
     ones pairs its i-th new token (i = 1..n) with p + i keys, n * (p + (n + 1) / 2) in all (a decode row:
     its whole context); in a layer with a sliding window W, with min(p + i, W) keys; in a linear-attention
@@ -77,8 +84,9 @@ def attention_pairs(prefix_lens: Sequence[int] | np.ndarray, extend_lens: Sequen
 STATE_PASSES = 3
 
 
-def layer_cost_windows(windows: Sequence[int], linear_layers: Sequence[int], num_layers: int, state_bytes: int,
-                       key_bytes: int) -> tuple[int, ...]:
+def layer_cost_windows(
+    windows: Sequence[int], linear_layers: Sequence[int], num_layers: int, state_bytes: int, key_bytes: int
+) -> tuple[int, ...]:
     """Each layer's window as the step-cost model counts attention pairs (`attention_pairs`): its sliding
     window (0: none), and for a hybrid model's linear-attention layer -K, K the keys whose K/V reads cost
     what its state's passes do (`state_bytes` per request and layer, `key_bytes` a token's K and V in one

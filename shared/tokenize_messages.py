@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.messages import GenerateRequest
+from batchserve.shared.messages import GenerateRequest
 
 
 class TokenizeQuery(msgspec.Struct, tag=True, kw_only=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.ranges import concat_ranges
+from batchserve.shared.ranges import concat_ranges
 
 
 def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, firsts: np.ndarray, lens: np.ndarray) -> np.ndarray:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
-from procs.api.engine_client import PromptTokens
-from procs.tokenizer.prompts import settle_max_tokens
-from shared.checks import check_prompt_size
-from shared.errors import Refusal
-from shared.messages import GenerateRequest, RequestRejected, SchedulerStats, TextDelta, TokenLogprob, TopLogprob, Usage
+from batchserve.procs.api.engine_client import PromptTokens
+from batchserve.procs.tokenizer.prompts import settle_max_tokens
+from batchserve.shared.checks import check_prompt_size
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import (
+    GenerateRequest,
+    RequestRejected,
+    SchedulerStats,
+    TextDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 
 class FakeEngine:
@@ -34,12 +42,22 @@ class FakeEngine:
     `generate` settles max_tokens as the tokenizer does (its default, or its refusal).
     """
 
-    def __init__(self, tokens: list[str] | None = None, *, delay: float = 0.0, first_delay: float = 0.0,
-                 reject: tuple[int, str, str | None] | None = None, model_name: str = "fake-model",
-                 max_context: int = 128, fail_with: Exception | None = None,
-                 fail_after: int | None = None, fail_suffix: str = "",
-                 tokens_of: Callable[[GenerateRequest], list[str]] | None = None,
-                 max_prompt_chars: int | None = None, vocab_size: int = 50_000) -> None:
+    def __init__(
+        self,
+        tokens: list[str] | None = None,
+        *,
+        delay: float = 0.0,
+        first_delay: float = 0.0,
+        reject: tuple[int, str, str | None] | None = None,
+        model_name: str = "fake-model",
+        max_context: int = 128,
+        fail_with: Exception | None = None,
+        fail_after: int | None = None,
+        fail_suffix: str = "",
+        tokens_of: Callable[[GenerateRequest], list[str]] | None = None,
+        max_prompt_chars: int | None = None,
+        vocab_size: int = 50_000,
+    ) -> None:
         self.tokens = ["Hello", ",", " world", "!"] if tokens is None else tokens
         self.tokens_of = tokens_of  # per request, instead of `tokens`
         self.delay = delay
@@ -77,10 +95,15 @@ class FakeEngine:
             prompt_tokens = self._prompt_tokens(request)
             try:
                 check_prompt_size(request, self.max_prompt_chars, self.max_context)
-                max_tokens = settle_max_tokens(prompt_tokens, request.params.stop.max_tokens, request.max_tokens_param,
-                                               self.max_context, chat=request.messages is not None,
-                                               prompt_param="messages" if request.messages is not None else "prompt",
-                                               min_tokens=request.params.logits.min_tokens)
+                max_tokens = settle_max_tokens(
+                    prompt_tokens,
+                    request.params.stop.max_tokens,
+                    request.max_tokens_param,
+                    self.max_context,
+                    chat=request.messages is not None,
+                    prompt_param="messages" if request.messages is not None else "prompt",
+                    min_tokens=request.params.logits.min_tokens,
+                )
             except Refusal as exc:
                 yield RequestRejected(rid=request.rid, status=exc.status, message=exc.message, param=exc.param)
                 return
@@ -105,19 +128,24 @@ class FakeEngine:
                     return
                 last = i == n - 1
                 delta = TextDelta(
-                    rid=request.rid, text=tokens[i], token_ids=[100 + i],
+                    rid=request.rid,
+                    text=tokens[i],
+                    token_ids=[100 + i],
                     finish_reason=reason if last else None,
                     usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
-                    if last else None,
-                    logprobs=[] if request.params.logits.logprobs is None else [
-                        self.token_logprob(tokens[i], i, request.params.logits.logprobs)],
+                    if last
+                    else None,
+                    logprobs=[]
+                    if request.params.logits.logprobs is None
+                    else [self.token_logprob(tokens[i], i, request.params.logits.logprobs)],
                 )
                 if i == 0 and request.params.logits.prompt_logprobs is not None:
                     words = self.prompt_words(request)
                     delta.prompt_text = "".join(word for word, _ in words)
                     k = request.params.logits.prompt_logprobs
-                    delta.prompt_logprobs = [self.prompt_logprob(word, token_id, p, k)
-                                             for p, (word, token_id) in enumerate(words)]
+                    delta.prompt_logprobs = [
+                        self.prompt_logprob(word, token_id, p, k) for p, (word, token_id) in enumerate(words)
+                    ]
                 yield delta
         finally:
             self.closed.append(request.rid)
@@ -142,14 +170,28 @@ class FakeEngine:
             return [(f"<{t}>", t) for t in request.prompt_token_ids]
         return [(word, 1000 + p) for p, word in enumerate(re.findall(r"\s*\S+", request.prompt or ""))]
 
-    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
-                       add_generation_prompt: bool, continue_final_message: bool,
-                       return_token_strs: bool) -> PromptTokens:
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        *,
+        add_special_tokens: bool | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        return_token_strs: bool,
+    ) -> PromptTokens:
         self._check_serving()
         check_prompt_size(request, self.max_prompt_chars, self.max_context)
-        self.tokenize_calls.append((request, {
-            "add_special_tokens": add_special_tokens, "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message, "return_token_strs": return_token_strs}))
+        self.tokenize_calls.append(
+            (
+                request,
+                {
+                    "add_special_tokens": add_special_tokens,
+                    "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message,
+                    "return_token_strs": return_token_strs,
+                },
+            )
+        )
         if request.messages is not None:
             words = [(w, 1000 + p) for p, w in enumerate(" ".join(m.content or "" for m in request.messages).split())]
         else:

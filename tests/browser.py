@@ -7,14 +7,16 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
 
-from loadtests.browser import chromium_driver as start_chromium, chromium_missing
-from shared.ports import free_port
+from batchserve.loadtests.browser import chromium_driver as start_chromium
+from batchserve.loadtests.browser import chromium_missing
+from batchserve.shared.ports import free_port
 
 # Where a test saves its screenshots for a person to look at (default: pytest's temporary folder).
 SCREENSHOT_DIR_ENV = "BATCHSERVE_SCREENSHOT_DIR"

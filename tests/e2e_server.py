@@ -11,19 +11,32 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess, free_port
-from loadtests.sse import StreamReader
-from shared.liveness import pid_gone
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, REPO, ServerProcess, free_port
+from batchserve.loadtests.sse import StreamReader
+from batchserve.shared.liveness import pid_gone
 
-__all__ = ["REPO", "ReplicatedServer", "Server", "free_port", "http", "metric", "pid_alive", "reference_greedy", "start_server", "stream",
-           "wait_until"]
+__all__ = [
+    "REPO",
+    "ReplicatedServer",
+    "Server",
+    "free_port",
+    "http",
+    "metric",
+    "pid_alive",
+    "reference_greedy",
+    "start_server",
+    "stream",
+    "wait_until",
+]
 
 SERVING_LINE = re.compile(r"batchserve: serving .* at (http://\S+) .*?; (worker=\d+ .*?api=\d+);")
 RUNTIME_DIR = re.compile(r"runtime dir (\S+)\)")
 # `serve --data-parallel-size N [--router R]`: the gateway's URL (with a router), the replicas' URLs, and
 # every child's pid, named NAME@REPLICA (and `router`).
-REPLICATED_LINE = re.compile(r"batchserve: serving \S+ (?:at (http://\S+) through .*? )?(?:over|on) \d+ "
-                             r"replica\(s\) at ((?:http://\S+ )+)\(ready in \S+; (.*?); runtime dir (\S+)\)")
+REPLICATED_LINE = re.compile(
+    r"batchserve: serving \S+ (?:at (http://\S+) through .*? )?(?:over|on) \d+ "
+    r"replica\(s\) at ((?:http://\S+ )+)\(ready in \S+; (.*?); runtime dir (\S+)\)"
+)
 
 
 class Server(ServerProcess):
@@ -31,8 +44,13 @@ class Server(ServerProcess):
     reported ready): then `url`, `pids` (by process name) and `runtime_dir` are set."""
 
     def __init__(self, model: str | Path, log_path: Path, *args: str, startup_timeout: float = 240):
-        super().__init__([*DEFAULT_SERVE_COMMAND, "--model", str(model), *args], log_path,
-                         health_timeout_s=startup_timeout, stop_timeout_s=60, cwd=REPO)
+        super().__init__(
+            [*DEFAULT_SERVE_COMMAND, "--model", str(model), *args],
+            log_path,
+            health_timeout_s=startup_timeout,
+            stop_timeout_s=60,
+            cwd=REPO,
+        )
         self.url = ""
         self.pids: dict[str, int] = {}
         self.runtime_dir: Path | None = None
@@ -94,8 +112,9 @@ def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
 
 def stream(url: str, body: dict, timeout: float = 120) -> tuple[str, str | None, list[dict]]:
     """POST a streaming request; return (joined text, finish_reason, chunks)."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
     reader = StreamReader()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
@@ -126,19 +145,21 @@ def pid_alive(pid: int) -> bool:
     return not pid_gone(pid)
 
 
-def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = False,
-                     **config: object) -> list[list[int]]:
+def reference_greedy(
+    model: str | Path, prompts: list[list[int]], max_tokens: int, *, ignore_eos: bool = False, **config: object
+) -> list[list[int]]:
     """Each prompt's greedy tokens, run alone through `OfflineEngine` (the scheduler core and the worker
     core in one process, no sockets)."""
-    from procs.engine import OfflineEngine
-    from shared.config import ServerConfig
-    from shared.messages import GenerateRequest, RequestParams, SamplingParams, StopParams
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.messages import GenerateRequest, RequestParams, SamplingParams, StopParams
 
     engine = OfflineEngine(ServerConfig(model=str(model), **config))
     outputs = []
     for i, prompt in enumerate(prompts):
-        params = RequestParams(sampling=SamplingParams(temperature=0.0),
-                               stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        params = RequestParams(
+            sampling=SamplingParams(temperature=0.0), stop=StopParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        )
         req = GenerateRequest(rid=f"ref-{i}", prompt_token_ids=list(prompt), params=params)
         outputs.append(engine.generate([req])[0].token_ids)
     return outputs
@@ -147,9 +168,15 @@ def reference_greedy(model: str | Path, prompts: list[list[int]], max_tokens: in
 async def stream_completion(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[str, str | None, Any]:
     """(text, finish_reason, usage) of one greedy streamed completion through an `openai.AsyncOpenAI`
     client, generating `max_tokens` tokens (ignore_eos)."""
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, finish, usage = [], None, None
     async for chunk in stream:
         for choice in chunk.choices:

@@ -9,19 +9,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
-
 from e2e_server import REPO, free_port, start_server
-from shared.config import ServerConfig
-from shared.shm import SEGMENT_PREFIX
+
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.shm import SEGMENT_PREFIX
 
 PROCESSES = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
 
@@ -72,8 +72,9 @@ class Stack:
         config.write_text(json.dumps(raw))
         out = open(log, "ab")
         for name in PROCESSES:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "procs.cli", "proc", name, "--config", str(config)],
-                                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                [*cli_command("proc", name), "--config", str(config)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            )
         self.pids = {name: p.pid for name, p in self.procs.items()}
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
@@ -139,14 +140,15 @@ async def stream_until_end(session: aiohttp.ClientSession, url: str, body: dict,
                 line = raw.decode().strip()
                 if line.startswith("data: "):
                     record.events.append((time.monotonic(), line[6:]))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         record.error = type(exc).__name__
     finally:
         record.ended_at = time.monotonic()
 
 
-async def streams_through_fault(url: str, body: dict, records: list[StreamRecord], inject: Callable[[], None],
-                                *, timeout: float = 60) -> tuple[float, float | None]:
+async def streams_through_fault(
+    url: str, body: dict, records: list[StreamRecord], inject: Callable[[], None], *, timeout: float = 60
+) -> tuple[float, float | None]:
     """Stream `body` once per record; once every stream has 2 chunks, `inject()` the fault, then wait for
     /health to turn from 200 (within 30 s) and for every stream to end. Returns (when the fault was
     injected, when /health turned or None), as `time.monotonic()`."""
@@ -154,8 +156,7 @@ async def streams_through_fault(url: str, body: dict, records: list[StreamRecord
         tasks = [asyncio.create_task(stream_until_end(session, url, body, r)) for r in records]
         deadline = time.monotonic() + timeout
         while any(r.chunks < 2 for r in records):
-            assert time.monotonic() < deadline and not any(t.done() for t in tasks), \
-                [r.terminal() for r in records]
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), [r.terminal() for r in records]
             await asyncio.sleep(0.01)
         fault_at = time.monotonic()
         inject()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.messages import ForwardBatch, SamplingParams, SlotStart
+from batchserve.shared.messages import ForwardBatch, SamplingParams, SlotStart
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -23,9 +23,16 @@ class _Request:
     adapter: int = 0  # its LoRA adapter in the worker (0: the base model)
 
 
-def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, chunk: int | None = None,
-                    arrival_gap: int = 0, max_batch_tokens: int | None = None,
-                    adapters: list[int] | None = None) -> list[list[int]]:
+def generate_greedy(
+    runner,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    chunk: int | None = None,
+    arrival_gap: int = 0,
+    max_batch_tokens: int | None = None,
+    adapters: list[int] | None = None,
+) -> list[list[int]]:
     """Greedy-generate `max_new_tokens` per prompt through `runner.execute`.
 
     chunk: prefill at most this many tokens of a request per step (None: whole prompt at once).
@@ -36,7 +43,9 @@ def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, ch
     page_size = runner.page_size
     free_pages = list(range(runner.kv_cache.num_pages - 1, 0, -1))
     free_slots = list(range(runner.max_running_requests - 1, -1, -1))
-    requests = [_Request(p, i * arrival_gap, adapter=(adapters or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
+    requests = [
+        _Request(p, i * arrival_gap, adapter=(adapters or [0] * len(prompts))[i]) for i, p in enumerate(prompts)
+    ]
     step = 0
     while any(len(r.output) < max_new_tokens for r in requests):
         rows = step_rows(requests, step, [max_new_tokens] * len(requests), free_slots, chunk)
@@ -58,8 +67,9 @@ def generate_greedy(runner, prompts: list[list[int]], max_new_tokens: int, *, ch
     return [r.output for r in requests]
 
 
-def step_rows(requests: list[_Request], step: int, new_tokens: list[int], free_slots: list[int],
-              chunk: int | None = None) -> list[tuple[_Request, list[int], bool]]:
+def step_rows(
+    requests: list[_Request], step: int, new_tokens: list[int], free_slots: list[int], chunk: int | None = None
+) -> list[tuple[_Request, list[int], bool]]:
     """(request, tokens it feeds, whether it samples) for each request that has arrived and still
     wants tokens (`new_tokens[i]` for request i): its next prefill chunk, or its last output token."""
     rows: list[tuple[_Request, list[int], bool]] = []
@@ -70,7 +80,7 @@ def step_rows(requests: list[_Request], step: int, new_tokens: list[int], free_s
             r.slot = free_slots.pop()
         if r.fed < len(r.prompt):
             n = len(r.prompt) - r.fed if chunk is None else min(chunk, len(r.prompt) - r.fed)
-            rows.append((r, r.prompt[r.fed:r.fed + n], r.fed + n == len(r.prompt)))
+            rows.append((r, r.prompt[r.fed : r.fed + n], r.fed + n == len(r.prompt)))
         else:
             rows.append((r, [r.output[-1]], True))
     return rows
@@ -91,16 +101,24 @@ def _plan(step: int, rows, page_size: int, free_pages: list[int]) -> ForwardBatc
             input_ids.append(token)
             positions.append(pos)
             kv_locs.append(r.pages[col] * page_size + pos % page_size)
-    i32 = lambda xs: np.asarray(xs, dtype=np.int32)
+
+    def i32(xs: list[int]) -> np.ndarray:
+        return np.asarray(xs, dtype=np.int32)
+
     starts = [SlotStart(slot=r.slot, prompt_len=len(r.prompt), adapter=r.adapter) for r, _, _ in rows if r.fed == 0]
     return ForwardBatch(
-        step=step, slot_starts=starts,
+        step=step,
+        slot_starts=starts,
         slots=[r.slot for r, _, _ in rows],
         prefix_lens=[r.fed for r, _, _ in rows],
         extend_lens=[len(t) for _, t, _ in rows],
         sample_lens=[int(s) for _, _, s in rows],  # a row's third field: whether it samples, or how many positions
         sampling=[GREEDY] * len(rows),
         sample_counts=[len(r.output) for r, _, _ in rows],
-        input_ids=i32(input_ids), positions=i32(positions), kv_locs=i32(kv_locs),
-        page_table_slots=i32(pt_slots), page_table_cols=i32(pt_cols), page_table_pages=i32(pt_pages),
+        input_ids=i32(input_ids),
+        positions=i32(positions),
+        kv_locs=i32(kv_locs),
+        page_table_slots=i32(pt_slots),
+        page_table_cols=i32(pt_cols),
+        page_table_pages=i32(pt_pages),
     )

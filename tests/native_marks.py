@@ -3,6 +3,6 @@ without one the engine falls back to torch, which the other tests cover)."""
 
 import pytest
 
-from kernels import native
+from batchserve.kernels import native
 
 requires_native_kernels = pytest.mark.skipif(not native.available(), reason="no C compiler: C kernels not built")

@@ -9,14 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from conftest import build_tiny_model
 
 ST_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 
 
-def build_st_embedder(out_dir: Path, arch: str = "qwen3", *, pooling: str = "last", normalize: bool = True,
-                      headless: bool = False, **config: Any) -> Path:
+def build_st_embedder(
+    out_dir: Path,
+    arch: str = "qwen3",
+    *,
+    pooling: str = "last",
+    normalize: bool = True,
+    headless: bool = False,
+    **config: Any,
+) -> Path:
     """A random `arch` decoder (`build_tiny_model`, its words `w3..`) as a sentence-transformers embedder;
     `headless`: saved without its LM head as transformers' `Qwen3Model` names it (no `model.` prefix), as
     Qwen3-Embedding's checkpoint is. Its tokenizer pads on the left and has no chat template (a text is
@@ -37,16 +43,25 @@ def build_st_embedder(out_dir: Path, arch: str = "qwen3", *, pooling: str = "las
 
 def write_st_files(out_dir: Path, pooling: str, normalize: bool) -> Path:
     """sentence-transformers' files beside a model: modules.json, the Pooling module's config, Normalize or not."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out_dir / "modules.json").write_text(json.dumps(modules))
     (out_dir / "1_Pooling").mkdir(exist_ok=True)
     hidden = json.loads((out_dir / "config.json").read_text())["hidden_size"]
-    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": hidden, **{key: mode == pooling for mode, key in ST_MODES.items()},
-         "pooling_mode_max_tokens": False, "include_prompt": True}))
+    (out_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": hidden,
+                **{key: mode == pooling for mode, key in ST_MODES.items()},
+                "pooling_mode_max_tokens": False,
+                "include_prompt": True,
+            }
+        )
+    )
     (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
     return out_dir
 
@@ -62,10 +77,18 @@ def write_wordpiece_tokenizer(out_dir: Path, vocab_size: int, token_types: bool 
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                            sep_token="[SEP]", mask_token="[MASK]", model_input_names=names).save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=names,
+    ).save_pretrained(out_dir)
 
 
 def build_encoder(out_dir: Path, arch: str = "bert", *, head: str = "", seed: int = 0, **config: Any) -> Path:
@@ -76,9 +99,19 @@ def build_encoder(out_dir: Path, arch: str = "bert", *, head: str = "", seed: in
 
     name = {"bert": "Bert", "xlm_roberta": "XLMRoberta"}[arch]
     positions = 128 + (2 if arch == "xlm_roberta" else 0)  # a RoBERTa's first position is padding_idx + 1
-    fields = {**dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                     max_position_embeddings=positions, initializer_range=0.2, pad_token_id=0 if arch == "bert" else 1),
-              **config}
+    fields = {
+        **dict(
+            vocab_size=320,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=positions,
+            initializer_range=0.2,
+            pad_token_id=0 if arch == "bert" else 1,
+        ),
+        **config,
+    }
     torch.manual_seed(seed)
     cls = getattr(transformers, name + ("ForSequenceClassification" if head else "Model"))
     model = cls(getattr(transformers, name + "Config")(**fields)).eval()
@@ -122,12 +155,15 @@ def build_decoder_reranker(out_dir: Path) -> Path:
         "<s>system\nJudge whether the Document meets the requirements based on the Query. Answer yes or no.</s>\n"
         "<s>user\n<Query>: {{ messages | selectattr('role', 'eq', 'query') | map(attribute='content') | first }}\n"
         "<Document>: {{ messages | selectattr('role', 'eq', 'document') | map(attribute='content') | first }}"
-        "</s>\n<s>assistant\n")
+        "</s>\n<s>assistant\n"
+    )
     tokenizer.pad_token, tokenizer.padding_side = "<unk>", "left"
     tokenizer.save_pretrained(base)
     ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no")]
     assert ids[0] != ids[1]
-    modules = [Transformer(str(base), transformer_task="text-generation"),
-               LogitScore(true_token_id=ids[0], false_token_id=ids[1])]
+    modules = [
+        Transformer(str(base), transformer_task="text-generation"),
+        LogitScore(true_token_id=ids[0], false_token_id=ids[1]),
+    ]
     CrossEncoder(modules=modules, device="cpu").save(str(out_dir))
     return out_dir

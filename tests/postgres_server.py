@@ -27,8 +27,11 @@ class PostgresServer:
         return f"postgresql://postgres@/postgres?host={self.directory / 'socket'}&port={PORT}"
 
     def stop(self) -> None:
-        subprocess.run([*self.prefix, str(self.bin_dir / "pg_ctl"), "-D", str(self.directory / "data"), "-m", "immediate",
-                        "stop"], capture_output=True, timeout=60)
+        subprocess.run(
+            [*self.prefix, str(self.bin_dir / "pg_ctl"), "-D", str(self.directory / "data"), "-m", "immediate", "stop"],
+            capture_output=True,
+            timeout=60,
+        )
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -48,9 +51,22 @@ def start_postgres() -> tuple[PostgresServer | None, str]:
         shutil.chown(directory / "socket", "postgres")
         prefix = ["runuser", "-u", "postgres", "--"]
     data = str(directory / "data")
-    steps = [[str(bin_dir / "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
-             [str(bin_dir / "pg_ctl"), "-D", data, "-w", "-t", "60", "-l", str(directory / "log"), "-o",
-              f"-p {PORT} -k {directory / 'socket'} -c listen_addresses=''", "start"]]
+    steps = [
+        [str(bin_dir / "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
+        [
+            str(bin_dir / "pg_ctl"),
+            "-D",
+            data,
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(directory / "log"),
+            "-o",
+            f"-p {PORT} -k {directory / 'socket'} -c listen_addresses=''",
+            "start",
+        ],
+    ]
     for step in steps:
         done = subprocess.run([*prefix, *step], capture_output=True, text=True, timeout=120)
         if done.returncode:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from procs.scheduler import Scheduler, SchedulerConfig, StepOutput
-from shared.messages import FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, StopParams
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig, StepOutput
+from batchserve.shared.messages import FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, StopParams
 
 EOS = 2
 FIRST_TOKEN = 100  # the k-th sampled token (0-based) of every request is FIRST_TOKEN + k, unless EOS
@@ -108,10 +108,13 @@ class AuditingExecutor:
                 self.slot_rid[slot] = rid
                 self.written[rid] = 0
                 self.fill[rid] = self.jobs[rid].prompt() + self.sampled.get(rid, [])
-        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
-                                   batch.page_table_pages.tolist()):
+        for slot, col, page in zip(
+            batch.page_table_slots.tolist(), batch.page_table_cols.tolist(), batch.page_table_pages.tolist()
+        ):
             rid = self.slot_rid[slot]
-            assert 1 <= page < self.scheduler.num_pool_pages, f"page {page} outside 1..{self.scheduler.num_pool_pages - 1}"
+            assert 1 <= page < self.scheduler.num_pool_pages, (
+                f"page {page} outside 1..{self.scheduler.num_pool_pages - 1}"
+            )
             assert page not in self.page_owner, f"page {page} given to {rid} while {self.page_owner[page]} holds it"
             assert (slot, col) not in self.page_table, f"page-table entry ({slot}, {col}) overwritten"
             assert col < self.scheduler.max_pages_per_request
@@ -134,11 +137,12 @@ class AuditingExecutor:
             sampled = self.sampled.setdefault(rid, [])
             fill = self.fill[rid]
             if p >= len(fill):  # prompt done: a decode feeding back the last sampled token
-                assert e == batch.sample_lens[i] == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], \
+                assert e == batch.sample_lens[i] == 1 and batch.input_ids[sl].tolist() == [sampled[-1]], (
                     f"{rid}: bad decode input"
+                )
             else:
                 assert p + e <= len(fill)
-                assert batch.input_ids[sl].tolist() == fill[p:p + e], f"{rid}: prefill fed the wrong tokens"
+                assert batch.input_ids[sl].tolist() == fill[p : p + e], f"{rid}: prefill fed the wrong tokens"
                 assert batch.sample_lens[i] == int(p + e == len(fill))
             self.written[rid] = p + e
             assert batch.sample_counts[i] == len(sampled)
@@ -173,8 +177,9 @@ class KVContentExecutor:
         return EOS if k + 1 == self.outputs[rid] else FIRST_TOKEN + k
 
     def execute(self, batch: ForwardBatch, owners: list[str] | None = None) -> StepResult:
-        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
-                                   batch.page_table_pages.tolist()):
+        for slot, col, page in zip(
+            batch.page_table_slots.tolist(), batch.page_table_cols.tolist(), batch.page_table_pages.tolist()
+        ):
             self.page_table[(slot, col)] = page
         for start in batch.slot_starts:  # a state restored from a snapshot, or zeros
             self.slot_state[start.slot] = list(self.snapshots[start.restore_state]) if start.restore_state >= 0 else []
@@ -189,7 +194,7 @@ class KVContentExecutor:
             offset += e
             assert batch.positions[part].tolist() == list(range(p, p + e))
             fed = [self.last_sampled[slot] if t == FUTURE_TOKEN else t for t in batch.input_ids[part].tolist()]
-            assert fed == seq[p:p + e], f"{rid}: fed the wrong tokens"
+            assert fed == seq[p : p + e], f"{rid}: fed the wrong tokens"
             assert batch.sample_counts[i] == len(sampled)
             for q, loc in zip(range(p, p + e), batch.kv_locs[part].tolist()):
                 assert loc == self.page_table[(slot, q // self.P)] * self.P + q % self.P
@@ -235,11 +240,11 @@ def audit_references(sched: Scheduler) -> None:
         tree_pages.append(node.page)
         stack.extend(node.children.values())
     assert referenced == cache.num_referenced and len(tree_pages) == cache.num_pages
-    free = set(sched.allocator._free[:sched.allocator.num_free].tolist())
+    free = set(sched.allocator._free[: sched.allocator.num_free].tolist())
     own: list[int] = []
     for request in admitted:
         slot = request.slot
-        row = sched.table.page_table[slot, :sched.table.num_pages[slot]].tolist()
+        row = sched.table.page_table[slot, : sched.table.num_pages[slot]].tolist()
         shared = {n.page for n in request.cache_path}
         own += [p for p in row if p not in shared]
         assert sum(p in shared for p in row) == sched.table.shared_pages[slot]
@@ -277,9 +282,15 @@ def draw_jobs(draw, *, arrivals: int, prompts: int, outputs: int, limits: int, c
 
     jobs = []
     for i in range(draw(st.integers(1, 10))):
-        job = Job(rid=f"r{i}", arrival_step=draw(st.integers(0, arrivals)), input_tokens=draw(st.integers(1, prompts)),
-                  output_tokens=draw(st.integers(1, outputs)), max_tokens=draw(st.none() | st.integers(1, limits)),
-                  ignore_eos=draw(st.booleans()), stop_after=draw(st.none() | st.integers(1, outputs)))
+        job = Job(
+            rid=f"r{i}",
+            arrival_step=draw(st.integers(0, arrivals)),
+            input_tokens=draw(st.integers(1, prompts)),
+            output_tokens=draw(st.integers(1, outputs)),
+            max_tokens=draw(st.none() | st.integers(1, limits)),
+            ignore_eos=draw(st.booleans()),
+            stop_after=draw(st.none() | st.integers(1, outputs)),
+        )
         if draw(st.integers(0, 3)) == 0:  # a cancel or a client gone, at any step
             job.cancel_before_step = job.arrival_step + draw(st.integers(0, cancel_within))
         jobs.append(job)
@@ -334,8 +345,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
                     ex.forget(j.rid)
         if step > last_arrival and all(b.ended for b in books.values()) and not cancelled_now:
             break
-        assert sched.has_unfinished() == (bool(cancelled_now) or any(
-            not b.ended and b.job.arrival_step <= step for b in books.values()))
+        assert sched.has_unfinished() == (
+            bool(cancelled_now) or any(not b.ended and b.job.arrival_step <= step for b in books.values())
+        )
 
         # What procs/scheduler/SCHEDULING.md says about the head of the queue, from the driver's own books.
         live_admitted = sorted((b for b in books.values() if b.admitted and not b.ended), key=lambda b: b.admit_seq)
@@ -344,9 +356,11 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         head = books[waiting[0]] if waiting else None
         head_fits = head is not None and reservation(head, percent, P) + reserved <= usable_pages
         # The decode set is in admission order (SCHEDULING.md 2); with fair prefill, in prefill-completion order.
-        decodable = [b.job.rid for b in sorted(live_admitted, key=lambda b: b.filled_seq)
-                     if b.prefilled == b.fill_len] if config.fair_prefill else \
-            [b.job.rid for b in live_admitted if b.prefilled == b.fill_len]
+        decodable = (
+            [b.job.rid for b in sorted(live_admitted, key=lambda b: b.filled_seq) if b.prefilled == b.fill_len]
+            if config.fair_prefill
+            else [b.job.rid for b in live_admitted if b.prefilled == b.fill_len]
+        )
         chunking = [b.job.rid for b in live_admitted if b.prefilled < b.fill_len]
 
         out = sched.step(ex)
@@ -354,8 +368,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         assert out.step == step
 
         # Step 3b: victims are the most recently admitted, and none of this step's admissions.
-        assert out.preempted == [b.job.rid for b in reversed(live_admitted)][:len(out.preempted)], (
-            f"step {step}: preempted {out.preempted}, not the most recently admitted first")
+        assert out.preempted == [b.job.rid for b in reversed(live_admitted)][: len(out.preempted)], (
+            f"step {step}: preempted {out.preempted}, not the most recently admitted first"
+        )
         if percent == 100:
             assert not out.preempted, "the worst-case reservation never preempts"
         prefill_rids = [rid for rid, _ in out.prefill]
@@ -383,7 +398,8 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
             should = free_slots > 0 and budget_left > 0 and head_fits
             assert (head.job.rid in prefill_rids) == should, (
                 f"step {step}: head {head.job.rid} admitted={head.job.rid in prefill_rids}, expected {should} "
-                f"(free slots {free_slots}, budget left {budget_left}, fits {head_fits})")
+                f"(free slots {free_slots}, budget left {budget_left}, fits {head_fits})"
+            )
         if config.policy == "fixed":
             if admitted_now:
                 assert not live_admitted, "fixed: nobody joins a running group"
@@ -398,7 +414,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
             b.fill_len = b.job.input_tokens + b.generated
             b.preemptions += 1
             ex.forget(rid)
-            before = [w for w in waiting if books[w].first_admit_seq >= 0 and books[w].first_admit_seq < b.first_admit_seq]
+            before = [
+                w for w in waiting if books[w].first_admit_seq >= 0 and books[w].first_admit_seq < b.first_admit_seq
+            ]
             waiting.insert(len(before), rid)
         for rid, n in out.prefill:
             b = books[rid]

@@ -1,8 +1,9 @@
 """An independent, deliberately plain implementation of procs/scheduler/SCHEDULING.md (token positions, page size 1).
 
-Sections 1-5, 8, 9, 10 (adapters) and 11 (pooling: max_tokens 0; an encoder's whole prompts). It shares no code with `procs.scheduler`: one object per request, lists instead of tables, every
-quantity recomputed from its definition each time. The tests compare its traces with those of
-`batchserve simulate` on random scenarios; where they differ, one of the two misreads the spec.
+Sections 1-5, 8, 9, 10 (adapters) and 11 (pooling: max_tokens 0; an encoder's whole prompts). It shares no
+code with `procs.scheduler`: one object per request, lists instead of tables, every quantity recomputed from
+its definition each time. The tests compare its traces with those of `batchserve simulate` on random
+scenarios; where they differ, one of the two misreads the spec.
 """
 
 from __future__ import annotations
@@ -46,9 +47,19 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
     by_priority = cfg.get("scheduling_policy", "fcfs") == "priority"
     fair = cfg.get("fair_prefill", False)
     pooling, whole = cfg.get("pooling", False), cfg.get("whole_prompts", False)  # section 11
-    reqs = [_Req(r["id"], r["arrival_step"], r["input_tokens"], r["output_tokens"],
-                 0 if pooling else r.get("max_tokens") or r["output_tokens"], prompt_len=r["input_tokens"],
-                 priority=r.get("priority", 0), adapter=r.get("adapter", 0)) for r in scenario["requests"]]
+    reqs = [
+        _Req(
+            r["id"],
+            r["arrival_step"],
+            r["input_tokens"],
+            r["output_tokens"],
+            0 if pooling else r.get("max_tokens") or r["output_tokens"],
+            prompt_len=r["input_tokens"],
+            priority=r.get("priority", 0),
+            adapter=r.get("adapter", 0),
+        )
+        for r in scenario["requests"]
+    ]
     by_id = {r.id: r for r in reqs}
     cancels = scenario.get("cancels", [])
     waiting: list[_Req] = []
@@ -105,8 +116,11 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             head = waiting[0]
             live = [r for r in reqs if r.state == "admitted"]
             if not fits(head, live):
-                candidates = sorted((r for r in live if r.priority > head.priority),
-                                    key=lambda r: (r.priority, r.admitted_at), reverse=True)
+                candidates = sorted(
+                    (r for r in live if r.priority > head.priority),
+                    key=lambda r: (r.priority, r.admitted_at),
+                    reverse=True,
+                )
                 for k in range(1, len(candidates) + 1):
                     if fits(head, [r for r in live if r not in candidates[:k]]):
                         for victim in candidates[:k]:
@@ -116,7 +130,7 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
 
         admitted = sorted((r for r in reqs if r.state == "admitted"), key=lambda r: r.admitted_at)
 
-        def plan_prefill(budget: int, admit: bool) -> list[list[Any]]:
+        def plan_prefill(budget: int, admit: bool, admitted: list[_Req] = admitted) -> list[list[Any]]:
             nonlocal admissions
             half = budget - budget // 2  # section 9: what an item others could follow may take
             admit = admit and bool(waiting)
@@ -155,7 +169,9 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
                 budget -= extra
             return [(r, n) for r, n in items]
 
-        def decodable() -> list[_Req]:  # in admission order; with fair prefill, in the order prefills completed
+        def decodable(
+            admitted: list[_Req] = admitted,
+        ) -> list[_Req]:  # in admission order; with fair prefill, in the order prefills completed
             ready = [r for r in admitted if r.prefilled == r.prompt_len]
             return sorted(ready, key=lambda r: r.filled_at) if fair else ready
 
@@ -198,8 +214,13 @@ def reference_trace(scenario: dict[str, Any], policy: str) -> list[dict[str, Any
             if r.generated >= r.output_tokens or r.generated >= r.max_tokens:
                 r.state = "finished"
                 finished.append(r.id)
-        record: dict[str, Any] = {"step": step, "prefill": [[r.id, n] for r, n in prefill],
-                                  "decode": [r.id for r in decode], "finished": finished, "cancelled": cancelled}
+        record: dict[str, Any] = {
+            "step": step,
+            "prefill": [[r.id, n] for r, n in prefill],
+            "decode": [r.id for r in decode],
+            "finished": finished,
+            "cancelled": cancelled,
+        }
         if preempted:
             record["preempted"] = preempted
         trace.append(record)

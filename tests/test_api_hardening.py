@@ -13,13 +13,13 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from procs.api.server import start_api
-from shared.config import ServerConfig
-from shared.ports import free_port
 from test_api_app import sse_events
+
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.server import start_api
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ports import free_port
 
 
 def run(coro, timeout: float = 60):
@@ -42,14 +42,17 @@ async def serving(engine: FakeEngine, **fields):
 DEEP = b'{"prompt": "x", "user": ' + b"[" * 1000 + b"]" * 1000 + b"}"
 
 
-@pytest.mark.parametrize("body, content_type, param, words", [
-    (DEEP, "application/json", None, "nests"),
-    (b'{"prompt": "x", "temperature": 1e9}', "application/json", "temperature", "temperature must be in [0, 2]"),
-    (b'{"prompt": "x", "temperature": 2.5}', "application/json", "temperature", "temperature"),
-    (b'{"prompt": "x"}', "text/plain", None, "Content-Type must be application/json"),
-    (b'{"prompt": "x"}', "application/x-www-form-urlencoded", None, "Content-Type"),
-    (b'{"prompt": "a \\ud800 b"}', "application/json", None, "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "body, content_type, param, words",
+    [
+        (DEEP, "application/json", None, "nests"),
+        (b'{"prompt": "x", "temperature": 1e9}', "application/json", "temperature", "temperature must be in [0, 2]"),
+        (b'{"prompt": "x", "temperature": 2.5}', "application/json", "temperature", "temperature"),
+        (b'{"prompt": "x"}', "text/plain", None, "Content-Type must be application/json"),
+        (b'{"prompt": "x"}', "application/x-www-form-urlencoded", None, "Content-Type"),
+        (b'{"prompt": "a \\ud800 b"}', "application/json", None, "lone surrogate"),
+    ],
+)
 def test_bad_input_gets_400_naming_the_problem(body, content_type, param, words):
     async def go():
         engine = FakeEngine()
@@ -72,6 +75,7 @@ def test_temperature_two_is_still_fine():
 
 
 # ------------------------------------------------------------------ a stream cut by a backend failure
+
 
 def test_a_stream_the_engine_fails_ends_with_abort_an_error_and_done():
     async def go():
@@ -103,6 +107,7 @@ def test_the_openai_client_raises_on_the_error_event():
 
 
 # ------------------------------------------------------------------ API keys
+
 
 def test_api_keys_through_the_openai_client(tmp_path):
     key_file = tmp_path / "keys"
@@ -137,12 +142,15 @@ def test_unreadable_key_file_is_a_startup_error(tmp_path):
 
 # ------------------------------------------------------------------ slow clients and many connections
 
+
 def test_a_body_that_does_not_arrive_gets_408():
     async def go():
         async with serving(FakeEngine(), body_timeout_s=0.5) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{")
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n{"
+            )
             start = time.monotonic()
             answer = await asyncio.wait_for(reader.readuntil(b"}}"), 10)  # the end of the error body
             writer.close()
@@ -183,7 +191,9 @@ def test_connections_beyond_the_cap_get_503_at_once():
                     return refused, resp.status
 
     refused, health_after = run(go())
-    assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused and b"too many open connections" in refused
+    assert (
+        refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused and b"too many open connections" in refused
+    )
     assert health_after == 200
 
 
@@ -215,21 +225,26 @@ def test_health_answers_under_a_slowloris_of_5000_connections():
 
 # ------------------------------------------------------------------ no field silently ignored
 
-@pytest.mark.parametrize("endpoint, field, value", [
-    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
-    ("chat/completions", "function_call", "auto"),
-    ("chat/completions", "tool_choice", "required"),  # without tools
-    ("completions", "suffix", "!"),
-    ("completions", "best_of", 2),
-    ("chat/completions", "best_of", 3),
-])
+
+@pytest.mark.parametrize(
+    "endpoint, field, value",
+    [
+        ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+        ("chat/completions", "function_call", "auto"),
+        ("chat/completions", "tool_choice", "required"),  # without tools
+        ("completions", "suffix", "!"),
+        ("completions", "best_of", 2),
+        ("chat/completions", "best_of", 3),
+    ],
+)
 def test_fields_not_implemented_are_refused_naming_them(endpoint, field, value):
     async def go():
         body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
         async with TestClient(TestServer(create_app(FakeEngine(), ServerConfig()))) as client:
             refused = await client.post(f"/v1/{endpoint}", json={**body, field: value})
-            neutral = {"functions": [], "function_call": "none", "tool_choice": "none", "suffix": None,
-                       "best_of": 1}[field]
+            neutral = {"functions": [], "function_call": "none", "tool_choice": "none", "suffix": None, "best_of": 1}[
+                field
+            ]
             accepted = await client.post(f"/v1/{endpoint}", json={**body, field: neutral, "user": "unknown-ok"})
             return refused.status, await refused.json(), accepted.status
 

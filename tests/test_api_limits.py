@@ -13,17 +13,26 @@ import json
 import random
 
 import pytest
-
 from api_fake_engine import FakeEngine
 from test_api_app import api
-from procs.tokenizer import prompts as prompts_module
-from procs.tokenizer.prompts import PromptTokenizer
-from shared.checks import (MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS, MAX_REGEX_REPEAT, MAX_STOP_CHARS,
-                           MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS, max_prompt_chars, max_token_chars)
-from shared.config import DEFAULT_MODEL
-from shared.errors import Refusal
-from shared.grammar import check_json_schema, check_lark, check_regex
-from shared.messages import ChatMessage, GenerateRequest, RequestParams, StopParams
+
+from batchserve.procs.tokenizer import prompts as prompts_module
+from batchserve.procs.tokenizer.prompts import PromptTokenizer
+from batchserve.shared.checks import (
+    MAX_GRAMMAR_CHARS,
+    MAX_NESTED_REPEAT,
+    MAX_REGEX_CHARS,
+    MAX_REGEX_REPEAT,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    max_prompt_chars,
+    max_token_chars,
+)
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.errors import Refusal
+from batchserve.shared.grammar import check_json_schema, check_lark, check_regex
+from batchserve.shared.messages import ChatMessage, GenerateRequest, RequestParams, StopParams
 
 NESTED = "((a{1,1000}){1,1000}){1,1000}"
 
@@ -90,26 +99,36 @@ def test_regex_repetition_bounds_are_refused_naming_the_field():
 
 def test_schema_and_grammar_limits_name_their_field():
     schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": NESTED}}}
-    refused(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
-            "response_format")
+    refused(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), "response_format"
+    )
     refused(chat(guided_json=schema), "guided_json")
     refused(chat(guided_json={"type": "object", "patternProperties": {"b{99999}": {}}}), "guided_json")
     big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_GRAMMAR_CHARS // 20)}}
     assert "131072 characters" in refused(chat(guided_json=big), "guided_json")
     refused(chat(guided_grammar=f"start: /{NESTED}/"), "guided_grammar")
     refused(chat(guided_grammar=f'start: "a"~{MAX_REGEX_REPEAT + 1}'), "guided_grammar")
-    refused(chat(guided_grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6))),
-            "guided_grammar")
+    refused(
+        chat(guided_grammar="start: " + " | ".join(f'"w{i}"' for i in range(MAX_GRAMMAR_CHARS // 6))), "guided_grammar"
+    )
     accepted(chat(guided_grammar='start: "a"~3 /[0-9]{1,5}/'))
     accepted(chat(guided_json={"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}))
 
 
 def test_a_forced_tool_schema_is_checked_an_offered_one_is_not():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"z": {"type": "string", "pattern": NESTED}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"z": {"type": "string", "pattern": NESTED}}},
+            },
+        }
+    ]
     refused(chat(tools=tools, tool_choice="required"), "tools[0].function.parameters")
-    refused(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}),
-            "tools[0].function.parameters")
+    refused(
+        chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), "tools[0].function.parameters"
+    )
     accepted(chat(tools=tools))  # tool_choice auto: nothing is compiled from it
 
 
@@ -137,13 +156,29 @@ def test_a_prompt_whose_length_proves_it_cannot_fit_never_reaches_the_engine():
     status, body = run(post(engine, "/v1/completions", {"prompt": ["short", "b" * (limit + 1)]}))
     assert status == 400 and body["error"]["param"] == "prompt[1]"
     assert run(post(engine, "/v1/completions", {"prompt": "a" * limit, "max_tokens": 1}))[0] == 200
-    status, body = run(post(engine, "/v1/chat/completions", {"messages": [
-        {"role": "system", "content": "s" * 600}, {"role": "user", "content": "u" * 401}]}))
+    status, body = run(
+        post(
+            engine,
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": "s" * 600}, {"role": "user", "content": "u" * 401}]},
+        )
+    )
     assert status == 400 and body["error"]["param"] == "messages"
     # assistant turns are not counted: a template may leave parts of them out
-    status, _ = run(post(engine, "/v1/chat/completions", {"max_tokens": 1, "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 5000},
-        {"role": "user", "content": "again"}]}))
+    status, _ = run(
+        post(
+            engine,
+            "/v1/chat/completions",
+            {
+                "max_tokens": 1,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "x" * 5000},
+                    {"role": "user", "content": "again"},
+                ],
+            },
+        )
+    )
     assert status == 200
 
 
@@ -165,8 +200,11 @@ def test_the_character_bound_of_tokenizers():
     bpe = models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "ab")])
     assert max_token_chars(spec(bpe, normalizers.NFC())) == 4 * len("<|a_long_special_token|>")
     # normalizers and pre-tokenizers that drop text, a fused unknown run, other models: no bound
-    for normalizer, pre_tokenizer in [(normalizers.Strip(), None), (normalizers.BertNormalizer(), None),
-                                      (None, pre_tokenizers.WhitespaceSplit())]:
+    for normalizer, pre_tokenizer in [
+        (normalizers.Strip(), None),
+        (normalizers.BertNormalizer(), None),
+        (None, pre_tokenizers.WhitespaceSplit()),
+    ]:
         bpe = models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "ab")])
         assert max_token_chars(spec(bpe, normalizer, pre_tokenizer)) is None
     assert max_token_chars(spec(models.BPE(vocab=vocab, merges=[], unk_token="a", fuse_unk=True))) is None
@@ -179,7 +217,7 @@ def test_the_character_bound_of_tokenizers():
 
 @pytest.fixture(scope="module")
 def default_tokenizer():
-    from shared.model import ModelSpec
+    from batchserve.shared.model import ModelSpec
 
     return ModelSpec.resolve(DEFAULT_MODEL).load_tokenizer()
 
@@ -218,10 +256,11 @@ def test_no_prompt_that_fits_is_refused_by_the_piecewise_count(which, default_to
     """The measurement behind the piecewise count: on prose near the context (small pieces, so that
     every text is counted in many pieces), a refusal only ever comes for a text whose whole
     tokenization does not fit, and an accepted text's ids are those of tokenizing it whole."""
-    from shared.model import load_tokenizer
+    from batchserve.shared.model import load_tokenizer
 
-    tokenizer = (default_tokenizer if which == "default"
-                 else load_tokenizer(tiny_model_dir("llama", with_tokenizer="bytes")))
+    tokenizer = (
+        default_tokenizer if which == "default" else load_tokenizer(tiny_model_dir("llama", with_tokenizer="bytes"))
+    )
     monkeypatch.setattr(prompts_module, "PIECE_CHARS_PER_TOKEN", 1)  # pieces of `context` characters
     rng = random.Random(7)
     words = open(prompts_module.__file__).read().split() + ["naïve", "Ünïcode", "漢字", "-", "3.14", "it's"]
@@ -249,8 +288,14 @@ def server(tiny_model_dir, tmp_path_factory):
     from e2e_server import start_server
 
     model = tiny_model_dir("llama", with_tokenizer="bytes")
-    srv = start_server(model, tmp_path_factory.mktemp("limits") / "serve.log", "--kv-capacity-tokens", "2048",
-                       "--max-running-requests", "4")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("limits") / "serve.log",
+        "--kv-capacity-tokens",
+        "2048",
+        "--max-running-requests",
+        "4",
+    )
     yield srv
     srv.stop()
 
@@ -266,13 +311,17 @@ def test_limits_through_the_openai_package(client):
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2,
-                                  stop=[f"s{i}" for i in range(40)])
+        client.completions.create(
+            model=client.models.list().data[0].id, prompt="hi", max_tokens=2, stop=[f"s{i}" for i in range(40)]
+        )
     assert info.value.status_code == 400 and info.value.body["param"] == "stop"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=2,
-                                       messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"guided_regex": NESTED})
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"guided_regex": NESTED},
+        )
     assert info.value.body["param"] == "guided_regex"
 
 
@@ -284,8 +333,9 @@ def test_a_10_mb_prompt_gets_its_400_from_the_api_and_the_server_serves_on(clien
         client.completions.create(model=model, prompt="hello world " * 850_000, max_tokens=2)
     assert info.value.body["param"] == "prompt" and "maximum context length" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, max_tokens=2,
-                                       messages=[{"role": "user", "content": "hello world " * 850_000}])
+        client.chat.completions.create(
+            model=model, max_tokens=2, messages=[{"role": "user", "content": "hello world " * 850_000}]
+        )
     assert info.value.body["param"] == "messages"
     # near the limit and fitting: served (the tiny model's context is 512 tokens, its longest token 6
     # characters, so the api refuses texts of more than 511 * 6 characters)
@@ -294,8 +344,8 @@ def test_a_10_mb_prompt_gets_its_400_from_the_api_and_the_server_serves_on(clien
 
 
 def test_the_zmq_engine_client_refuses_a_long_prompt_without_sending_it(tmp_path):
-    from procs.api.engine_client_zmq import ZmqEngineClient
-    from shared.ipc import Endpoints
+    from batchserve.procs.api.engine_client_zmq import ZmqEngineClient
+    from batchserve.shared.ipc import Endpoints
 
     async def go():
         engine = ZmqEngineClient(Endpoints.in_dir(tmp_path), "m", 512, max_prompt_chars=100)
@@ -303,9 +353,13 @@ def test_the_zmq_engine_client_refuses_a_long_prompt_without_sending_it(tmp_path
         try:
             events = [e async for e in engine.generate(GenerateRequest(rid="r", prompt="x" * 101))]
             with pytest.raises(Refusal) as info:
-                await engine.tokenize(GenerateRequest(rid="t", messages=[ChatMessage(role="user", content="y" * 101)]),
-                                      add_special_tokens=None, add_generation_prompt=True,
-                                      continue_final_message=False, return_token_strs=False)
+                await engine.tokenize(
+                    GenerateRequest(rid="t", messages=[ChatMessage(role="user", content="y" * 101)]),
+                    add_special_tokens=None,
+                    add_generation_prompt=True,
+                    continue_final_message=False,
+                    return_token_strs=False,
+                )
         finally:
             await engine.close()
         return events, info.value

@@ -10,14 +10,14 @@ import re
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from api_fake_engine import FakeEngine
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from procs.api.metrics import PROTOCOL_ALIASES
-from shared.config import ServerConfig
-from shared.logs import JsonFormatter, TextFormatter, log_event, setup_logging
-from shared.messages import SchedulerStats
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.metrics import PROTOCOL_ALIASES
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.logs import JsonFormatter, TextFormatter, log_event, setup_logging
+from batchserve.shared.messages import SchedulerStats
 
 
 def run(coro):
@@ -40,12 +40,21 @@ def value(page: dict, name: str, **labels) -> float:
 def test_gauges_routers_read_with_their_protocol_names_and_the_queue_time():
     """The Inference Extension's gauges (waiting, running, KV utilization as a fraction), ours and their
     vLLM-named aliases alike, and the queue-time histogram from the scheduler's stats."""
+
     async def go():
         engine = FakeEngine()
         async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
             before = samples(await (await client.get("/metrics")).text())
-            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=1024,
-                                             kv_total_tokens=4096, kv_request_pages_max=17, queue_times=[0.5, 2.0]))
+            engine.push_stats(
+                SchedulerStats(
+                    num_running=3,
+                    num_waiting=5,
+                    kv_used_tokens=1024,
+                    kv_total_tokens=4096,
+                    kv_request_pages_max=17,
+                    queue_times=[0.5, 2.0],
+                )
+            )
             after = samples(await (await client.get("/metrics")).text())
         return before, after
 
@@ -64,12 +73,14 @@ def test_gauges_routers_read_with_their_protocol_names_and_the_queue_time():
 def test_expert_load_as_an_imbalance_histogram_not_a_series_per_expert():
     """Tokens routed per MoE layer and expert become one histogram (busiest / mean, per layer and interval)
     and one gauge (the worst layer), whatever the number of layers and experts."""
+
     async def go():
         engine = FakeEngine()
         async with TestClient(TestServer(create_app(engine, ServerConfig()))) as client:
             load = np.array([[4, 4, 4, 4], [10, 2, 2, 2], [0, 0, 0, 0]])  # balanced, skewed, an idle layer
-            engine.push_stats(SchedulerStats(num_running=1, num_waiting=0, kv_used_tokens=0, kv_total_tokens=16,
-                                             expert_load=load))
+            engine.push_stats(
+                SchedulerStats(num_running=1, num_waiting=0, kv_used_tokens=0, kv_total_tokens=16, expert_load=load)
+            )
             return await (await client.get("/metrics")).text()
 
     text = run(go())
@@ -109,34 +120,65 @@ def test_metrics_move_after_requests_and_stats():
             resp = await client.get("/metrics")
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
             before = samples(await resp.text())
-            for path, body in [("/v1/completions", {"prompt": "a b c", "stream": True}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}],
-                                                         "max_tokens": 2}),
-                               ("/v1/completions", {"prompt": "x", "top_k": 0})]:  # the last one: a 400
+            for path, body in [
+                ("/v1/completions", {"prompt": "a b c", "stream": True}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}),
+                ("/v1/completions", {"prompt": "x", "top_k": 0}),
+            ]:  # the last one: a 400
                 await (await client.post(path, json=body)).read()
-            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
-                                             kv_total_tokens=4096, batch_sizes=[1, 3, 3], preemptions=2,
-                                             kv_reserve_ratio=0.05, steps_target_out_of_reach=4,
-                                             spec_drafts=3, spec_draft_tokens=12, spec_accepted_tokens=7))
-            engine.push_stats(SchedulerStats(num_running=3, num_waiting=5, kv_used_tokens=640,
-                                             kv_total_tokens=4096, preemptions=1, kv_reserve_ratio=0.05))
+            engine.push_stats(
+                SchedulerStats(
+                    num_running=3,
+                    num_waiting=5,
+                    kv_used_tokens=640,
+                    kv_total_tokens=4096,
+                    batch_sizes=[1, 3, 3],
+                    preemptions=2,
+                    kv_reserve_ratio=0.05,
+                    steps_target_out_of_reach=4,
+                    spec_drafts=3,
+                    spec_draft_tokens=12,
+                    spec_accepted_tokens=7,
+                )
+            )
+            engine.push_stats(
+                SchedulerStats(
+                    num_running=3,
+                    num_waiting=5,
+                    kv_used_tokens=640,
+                    kv_total_tokens=4096,
+                    preemptions=1,
+                    kv_reserve_ratio=0.05,
+                )
+            )
             after = samples(await (await client.get("/metrics")).text())
         return before, after
 
     before, after = run(go())
-    for name in ("batchserve_num_requests_running", "batchserve_num_requests_waiting",
-                 "batchserve_kv_cache_used_tokens", "batchserve_kv_cache_total_tokens",
-                 "batchserve_api_requests_in_flight", "batchserve_prompt_tokens_total",
-                 "batchserve_generation_tokens_total", "batchserve_time_to_first_token_seconds_count",
-                 "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
-                 "batchserve_batch_size_count", "batchserve_preemptions_total",
-                 "batchserve_step_target_out_of_reach_total", "batchserve_spec_decode_num_drafts_total",
-                 "batchserve_spec_decode_num_draft_tokens_total", "batchserve_spec_decode_num_accepted_tokens_total"):
+    for name in (
+        "batchserve_num_requests_running",
+        "batchserve_num_requests_waiting",
+        "batchserve_kv_cache_used_tokens",
+        "batchserve_kv_cache_total_tokens",
+        "batchserve_api_requests_in_flight",
+        "batchserve_prompt_tokens_total",
+        "batchserve_generation_tokens_total",
+        "batchserve_time_to_first_token_seconds_count",
+        "batchserve_inter_token_latency_seconds_count",
+        "batchserve_e2e_request_latency_seconds_count",
+        "batchserve_batch_size_count",
+        "batchserve_preemptions_total",
+        "batchserve_step_target_out_of_reach_total",
+        "batchserve_spec_decode_num_drafts_total",
+        "batchserve_spec_decode_num_draft_tokens_total",
+        "batchserve_spec_decode_num_accepted_tokens_total",
+    ):
         assert value(before, name) == 0, name
     assert value(after, "batchserve_preemptions_total") == 3  # counts add up across stats messages
     assert value(after, "batchserve_step_target_out_of_reach_total") == 4
-    assert [value(after, f"batchserve_spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens",
-                                                                             "accepted_tokens")] == [3, 12, 7]
+    assert [
+        value(after, f"batchserve_spec_decode_num_{n}_total") for n in ("drafts", "draft_tokens", "accepted_tokens")
+    ] == [3, 12, 7]
     assert value(after, "batchserve_spec_decode_mean_acceptance_length") == pytest.approx(1 + 7 / 3)
     assert value(after, "batchserve_kv_reserve_ratio") == 0.05
     assert value(after, "batchserve_num_requests_running") == 3
@@ -182,11 +224,14 @@ def _request_log_records(engine: FakeEngine, requests: list[tuple[str, dict]]) -
 
 
 def test_request_log_one_line_per_request_in_both_formats():
-    records = _request_log_records(FakeEngine(delay=0.001), [
-        ("/v1/completions", {"prompt": "a b c", "stream": True}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-        ("/v1/completions", {"prompt": ""}),
-    ])
+    records = _request_log_records(
+        FakeEngine(delay=0.001),
+        [
+            ("/v1/completions", {"prompt": "a b c", "stream": True}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+            ("/v1/completions", {"prompt": ""}),
+        ],
+    )
     assert len(records) == 3
     ok, cut, bad = (json.loads(JsonFormatter().format(r)) for r in records)
     assert ok["logger"] == "batchserve.requests" and ok["level"] == "INFO" and ok["message"] == "request"
@@ -231,6 +276,7 @@ def test_slo_attainment_counts_the_requests_meeting_each_objective():
     """With --slo the api judges every finished request by its own clock: here each token takes 30 ms
     (TPOT 30 ms) after a first token at about 30 ms, so a 20 ms tpot objective fails and a 10 s ttft
     objective holds; the streamed and the whole answer count alike."""
+
     async def go():
         engine = FakeEngine(["a", "b", "c", "d"], delay=0.03)
         config = ServerConfig(slo=["ttft:10000", "tpot:20"])
@@ -243,8 +289,10 @@ def test_slo_attainment_counts_the_requests_meeting_each_objective():
     page = run(go())
     assert value(page, "batchserve_slo_requests_total") == 2
     assert value(page, "batchserve_slo_met_requests_total", objective="ttft") == 2
-    assert (page.get(("batchserve_slo_met_requests_total", (("objective", "tpot"),)), 0.0),
-            page.get(("batchserve_slo_met_requests_total", (("objective", "all"),)), 0.0)) == (0.0, 0.0)
+    assert (
+        page.get(("batchserve_slo_met_requests_total", (("objective", "tpot"),)), 0.0),
+        page.get(("batchserve_slo_met_requests_total", (("objective", "all"),)), 0.0),
+    ) == (0.0, 0.0)
     assert value(page, "batchserve_slo_attainment_ratio", objective="ttft") == 1.0
     assert value(page, "batchserve_slo_attainment_ratio", objective="tpot") == 0.0
     assert value(page, "batchserve_slo_attainment_ratio", objective="all") == 0.0

@@ -10,12 +10,12 @@ from contextlib import asynccontextmanager
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from shared.config import ServerConfig
-from shared.messages import LogitsParams
 from test_api_app import _raw_post, sse_events
+
+from batchserve.procs.api.app import create_app
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import LogitsParams
 
 CHAT = [{"role": "user", "content": "hi there"}]
 SETTLED_BY_THE_TOKENIZER = {"max_tokens", "min_tokens"}
@@ -42,7 +42,7 @@ async def raw_api(engine: FakeEngine, config: ServerConfig | None = None):
 
 def by_choice(tokens_per_choice: dict[str, list[str]]):
     """A FakeEngine `tokens_of`: tokens by the rid's choice suffix ("-0", "-1", ...)."""
-    return lambda request: tokens_per_choice[request.rid[request.rid.rindex("-"):]]
+    return lambda request: tokens_per_choice[request.rid[request.rid.rindex("-") :]]
 
 
 def expected_seed(seed: int, j: int) -> int:
@@ -52,41 +52,44 @@ def expected_seed(seed: int, j: int) -> int:
 # ------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("endpoint, fields, param", [
-    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
-    ("chat", {"presence_penalty": -2.1}, "presence_penalty"),
-    ("completions", {"frequency_penalty": 3}, "frequency_penalty"),
-    ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-    ("chat", {"extra_body": {"repetition_penalty": -1.0}}, "repetition_penalty"),
-    ("completions", {"extra_body": {"min_tokens": -1}}, "min_tokens"),
-    ("completions", {"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
-    ("chat", {"max_completion_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),
-    ("completions", {"logit_bias": {"a": 1}}, "logit_bias"),
-    ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
-    ("completions", {"logit_bias": {"+5": 1}}, "logit_bias"),
-    ("completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
-    ("chat", {"logit_bias": {"2147483648": 1}}, "logit_bias"),
-    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
-    ("completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-    ("completions", {"logprobs": 6}, "logprobs"),
-    ("completions", {"logprobs": -1}, "logprobs"),
-    ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"echo": True, "max_tokens": -1}, "max_tokens"),
-    ("completions", {"echo": True, "max_tokens": 0, "extra_body": {"min_tokens": 1}}, "min_tokens"),
-    ("completions", {"suffix": "!"}, "suffix"),
-    ("completions", {"n": 0}, "n"),
-    ("chat", {"n": 129}, "n"),
-    ("completions", {"n": 3, "best_of": 2}, "best_of"),
-    ("completions", {"best_of": 4}, "best_of"),
-    ("completions", {"prompt": [[1], "a"]}, "prompt[1]"),
-    ("completions", {"prompt": ["a", ""]}, "prompt[1]"),
-    ("completions", {"prompt": [[1, 2], [3, -4]]}, "prompt[1]"),
-    ("completions", {"prompt": [[1], []]}, "prompt[1]"),
-])
+@pytest.mark.parametrize(
+    "endpoint, fields, param",
+    [
+        ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("chat", {"presence_penalty": -2.1}, "presence_penalty"),
+        ("completions", {"frequency_penalty": 3}, "frequency_penalty"),
+        ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ("chat", {"extra_body": {"repetition_penalty": -1.0}}, "repetition_penalty"),
+        ("completions", {"extra_body": {"min_tokens": -1}}, "min_tokens"),
+        ("completions", {"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+        ("chat", {"max_completion_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),
+        ("completions", {"logit_bias": {"a": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"+5": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"2147483648": 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ("completions", {"logprobs": 6}, "logprobs"),
+        ("completions", {"logprobs": -1}, "logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"echo": True, "max_tokens": -1}, "max_tokens"),
+        ("completions", {"echo": True, "max_tokens": 0, "extra_body": {"min_tokens": 1}}, "min_tokens"),
+        ("completions", {"suffix": "!"}, "suffix"),
+        ("completions", {"n": 0}, "n"),
+        ("chat", {"n": 129}, "n"),
+        ("completions", {"n": 3, "best_of": 2}, "best_of"),
+        ("completions", {"best_of": 4}, "best_of"),
+        ("completions", {"prompt": [[1], "a"]}, "prompt[1]"),
+        ("completions", {"prompt": ["a", ""]}, "prompt[1]"),
+        ("completions", {"prompt": [[1, 2], [3, -4]]}, "prompt[1]"),
+        ("completions", {"prompt": [[1], []]}, "prompt[1]"),
+    ],
+)
 def test_bad_values_of_the_new_fields_are_400_naming_them(endpoint, fields, param):
     async def go():
         engine = FakeEngine()
@@ -110,19 +113,36 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine():
         engine = FakeEngine()
         async with openai_api(engine) as client:
             await client.completions.create(
-                model="fake-model", prompt="x", max_tokens=10, presence_penalty=0.5, frequency_penalty=-0.5,
-                logit_bias={"5": -100, "7": 2.5}, extra_body={"repetition_penalty": 1.2, "min_tokens": 3})
+                model="fake-model",
+                prompt="x",
+                max_tokens=10,
+                presence_penalty=0.5,
+                frequency_penalty=-0.5,
+                logit_bias={"5": -100, "7": 2.5},
+                extra_body={"repetition_penalty": 1.2, "min_tokens": 3},
+            )
             await client.chat.completions.create(
-                model="fake-model", messages=CHAT, presence_penalty=-2, frequency_penalty=2,
-                logit_bias={"0": 100, "2147483647": -100}, extra_body={"min_tokens": 4})
+                model="fake-model",
+                messages=CHAT,
+                presence_penalty=-2,
+                frequency_penalty=2,
+                logit_bias={"0": 100, "2147483647": -100},
+                extra_body={"min_tokens": 4},
+            )
             await client.completions.create(model="fake-model", prompt="x", extra_body={"min_tokens": 40})
         return engine.requests
 
     completion, chat, no_max_tokens = run(go())
-    assert completion.params.logits == LogitsParams(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
-                                                    min_tokens=3, logit_bias={5: -100.0, 7: 2.5})
-    assert chat.params.logits == LogitsParams(presence_penalty=-2.0, frequency_penalty=2.0, min_tokens=4,
-                                       logit_bias={0: 100.0, 2147483647: -100.0})
+    assert completion.params.logits == LogitsParams(
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_tokens=3,
+        logit_bias={5: -100.0, 7: 2.5},
+    )
+    assert chat.params.logits == LogitsParams(
+        presence_penalty=-2.0, frequency_penalty=2.0, min_tokens=4, logit_bias={0: 100.0, 2147483647: -100.0}
+    )
     assert no_max_tokens.params.logits.min_tokens == 40  # no max_tokens given: nothing to compare with
 
 
@@ -153,12 +173,12 @@ def test_n_choices_whole(endpoint):
         engine = FakeEngine(tokens_of=by_choice(tokens), first_delay=0.05)
         async with openai_api(engine) as client:
             if endpoint == "chat":
-                out = await client.chat.completions.create(model="fake-model", messages=CHAT, n=3, max_tokens=3,
-                                                           seed=7)
+                out = await client.chat.completions.create(model="fake-model", messages=CHAT, n=3, max_tokens=3, seed=7)
                 texts = [c.message.content for c in out.choices]
             else:
-                out = await client.completions.create(model="fake-model", prompt="one two", n=3, max_tokens=3,
-                                                      seed=7, best_of=3)
+                out = await client.completions.create(
+                    model="fake-model", prompt="one two", n=3, max_tokens=3, seed=7, best_of=3
+                )
                 texts = [c.text for c in out.choices]
         return out, texts, engine
 
@@ -193,9 +213,11 @@ def test_choice_seeds_are_distinct_and_n1_is_unchanged():
     assert seeds_7[0] == 7 and seeds_8[0] == 8 and not set(seeds_7) & set(seeds_8)
     assert all(0 <= s < 2**63 for s in seeds_7 + seeds_8)
     # n=1: rid and seed as given
-    assert requests[8].params.sampling.seed == 7 and "-" not in requests[8].rid[len("cmpl-"):]
-    assert [(r.rid, r.params.sampling.seed) for r in requests[9:]] == [(f"{unseeded_id}-0", None),
-                                                                        (f"{unseeded_id}-1", None)]
+    assert requests[8].params.sampling.seed == 7 and "-" not in requests[8].rid[len("cmpl-") :]
+    assert [(r.rid, r.params.sampling.seed) for r in requests[9:]] == [
+        (f"{unseeded_id}-0", None),
+        (f"{unseeded_id}-1", None),
+    ]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -207,11 +229,12 @@ def test_n_choices_streamed(endpoint):
         async with openai_api(engine) as client:
             if endpoint == "chat":
                 stream = await client.chat.completions.create(
-                    model="fake-model", messages=CHAT, n=3, stream=True, stream_options={"include_usage": True})
+                    model="fake-model", messages=CHAT, n=3, stream=True, stream_options={"include_usage": True}
+                )
             else:
                 stream = await client.completions.create(
-                    model="fake-model", prompt="one two three", n=3, stream=True,
-                    stream_options={"include_usage": True})
+                    model="fake-model", prompt="one two three", n=3, stream=True, stream_options={"include_usage": True}
+                )
             chunks = [chunk async for chunk in stream]
         return chunks, engine
 
@@ -242,8 +265,10 @@ def test_n_choices_stream_ends_with_one_usage_chunk_and_one_done():
     async def go():
         engine = FakeEngine(delay=0.001)
         async with raw_api(engine) as client:
-            resp = await client.post("/v1/chat/completions", json={
-                "messages": CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+            resp = await client.post(
+                "/v1/chat/completions",
+                json={"messages": CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            )
             return sse_events(await resp.text())
 
     events = run(go())
@@ -272,8 +297,7 @@ def test_a_choice_failing_mid_stream_ends_the_whole_stream():
     async def go():
         engine = FakeEngine(["tok"] * 20, delay=0.01, fail_after=2, fail_suffix="-1")
         async with raw_api(engine) as client:
-            resp = await client.post("/v1/completions", json={"prompt": "x", "n": 3, "stream": True,
-                                                               "max_tokens": 20})
+            resp = await client.post("/v1/completions", json={"prompt": "x", "n": 3, "stream": True, "max_tokens": 20})
             events = sse_events(await resp.text())
         await asyncio.sleep(0.1)
         return events, engine
@@ -293,8 +317,9 @@ def test_disconnect_aborts_every_choice(stream):
     async def go():
         engine = FakeEngine(["tok"] * 100, delay=0.02)
         async with raw_api(engine) as client:
-            reader, writer = await _raw_post(client.host, client.port, "/v1/chat/completions",
-                                             {"messages": CHAT, "n": 3, "stream": stream})
+            reader, writer = await _raw_post(
+                client.host, client.port, "/v1/chat/completions", {"messages": CHAT, "n": 3, "stream": stream}
+            )
             if stream:
                 await reader.readuntil(b"data: ")
             else:
@@ -355,37 +380,50 @@ def test_n_counts_toward_the_in_flight_cap():
 
 
 def chat_entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+    }
 
 
-CHAT_LOGPROBS = [chat_entry("Hello", -0.25, [("Hello", -0.25), ("alt1", -1.25)]),
-                 chat_entry(",", -0.5, [(",", -0.5), ("alt1", -1.5)]),
-                 chat_entry(" world", -0.75, [(" world", -0.75), ("alt1", -1.75)]),
-                 chat_entry("!", -1.0, [("!", -1.0), ("alt1", -2.0)])]
+CHAT_LOGPROBS = [
+    chat_entry("Hello", -0.25, [("Hello", -0.25), ("alt1", -1.25)]),
+    chat_entry(",", -0.5, [(",", -0.5), ("alt1", -1.5)]),
+    chat_entry(" world", -0.75, [(" world", -0.75), ("alt1", -1.75)]),
+    chat_entry("!", -1.0, [("!", -1.0), ("alt1", -2.0)]),
+]
 
 
 def test_chat_logprobs_whole_and_streamed():
     async def go():
         engine = FakeEngine(["Hello", ",", " world", "!", "é"], delay=0.001)
         async with openai_api(engine) as client:
-            whole = await client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4,
-                                                         logprobs=True, top_logprobs=2)
+            whole = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2
+            )
             plain = await client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4)
             zero = await client.chat.completions.create(model="fake-model", messages=CHAT, logprobs=True)
-            stream = await client.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4,
-                                                          logprobs=True, top_logprobs=2, stream=True)
+            stream = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2, stream=True
+            )
             chunks = [c async for c in stream]
         return whole, plain, zero, chunks
 
     whole, plain, zero, chunks = run(go())
     assert whole.choices[0].logprobs.model_dump() == {"content": CHAT_LOGPROBS, "refusal": None}
     assert plain.choices[0].logprobs is None
-    assert zero.choices[0].logprobs.content[4].model_dump() == {"token": "é", "logprob": -1.25,
-                                                                "bytes": [0xC3, 0xA9], "top_logprobs": []}
+    assert zero.choices[0].logprobs.content[4].model_dump() == {
+        "token": "é",
+        "logprob": -1.25,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [],
+    }
     content_chunks = [c.choices[0] for c in chunks if c.choices[0].delta.content]
-    assert [c.logprobs.model_dump() for c in content_chunks] == [{"content": [e], "refusal": None}
-                                                                 for e in CHAT_LOGPROBS]
+    assert [c.logprobs.model_dump() for c in content_chunks] == [
+        {"content": [e], "refusal": None} for e in CHAT_LOGPROBS
+    ]
     assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].logprobs is None  # role, finish
 
 
@@ -393,8 +431,12 @@ COMPLETION_LOGPROBS = {
     "tokens": ["Hello", ",", " world", "!"],
     "token_logprobs": [-0.25, -0.5, -0.75, -1.0],
     # as vLLM's: the top alternatives and the token itself
-    "top_logprobs": [{"Hello": -0.25, "alt1": -1.25}, {",": -0.5, "alt1": -1.5}, {" world": -0.75, "alt1": -1.75},
-                     {"!": -1.0, "alt1": -2.0}],
+    "top_logprobs": [
+        {"Hello": -0.25, "alt1": -1.25},
+        {",": -0.5, "alt1": -1.5},
+        {" world": -0.75, "alt1": -1.75},
+        {"!": -1.0, "alt1": -2.0},
+    ],
     "text_offset": [0, 5, 6, 12],
 }
 
@@ -454,8 +496,14 @@ def test_echo_without_logprobs():
 ECHO_LOGPROBS = {
     "tokens": ["Say", " hello", "Hello", ",", " world", "!"],
     "token_logprobs": [None, -1.0, -0.25, -0.5, -0.75, -1.0],
-    "top_logprobs": [None, {" p1": -0.5, " hello": -1.0}, {"Hello": -0.25}, {",": -0.5}, {" world": -0.75},
-                     {"!": -1.0}],
+    "top_logprobs": [
+        None,
+        {" p1": -0.5, " hello": -1.0},
+        {"Hello": -0.25},
+        {",": -0.5},
+        {" world": -0.75},
+        {"!": -1.0},
+    ],
     "text_offset": [0, 3, 9, 14, 15, 21],
 }
 
@@ -465,8 +513,9 @@ def test_echo_with_logprobs_whole_and_streamed():
         engine = FakeEngine(delay=0.001)
         async with openai_api(engine) as client:
             whole = await client.completions.create(model="fake-model", prompt="Say hello", echo=True, logprobs=1)
-            stream = await client.completions.create(model="fake-model", prompt="Say hello", echo=True, logprobs=1,
-                                                     stream=True)
+            stream = await client.completions.create(
+                model="fake-model", prompt="Say hello", echo=True, logprobs=1, stream=True
+            )
             chunks = [c.choices[0] async for c in stream]
         return whole, chunks
 
@@ -485,9 +534,17 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(stream):
     async def go():
         engine = FakeEngine(delay=0.001)
         async with raw_api(engine) as client:
-            resp = await client.post("/v1/completions", json={
-                "prompt": "Say hello", "echo": True, "max_tokens": 0, "logprobs": 1, "stream": stream,
-                **({"stream_options": {"include_usage": True}} if stream else {})})
+            resp = await client.post(
+                "/v1/completions",
+                json={
+                    "prompt": "Say hello",
+                    "echo": True,
+                    "max_tokens": 0,
+                    "logprobs": 1,
+                    "stream": stream,
+                    **({"stream_options": {"include_usage": True}} if stream else {}),
+                },
+            )
             assert resp.status == 200
             body = sse_events(await resp.text()) if stream else await resp.json()
         return body, engine
@@ -531,11 +588,19 @@ def test_lm_eval_loglikelihood_request_and_parsing():
     """lm-evaluation-harness's `local-completions` loglikelihood path: a batch of token-id prompts, echo,
     max_tokens 1, logprobs 1; it reads `token_logprobs[ctxlen:-1]` and `top_logprobs[ctxlen:-1]` of the
     choices sorted by index (one per prompt)."""
+
     async def go():
         engine = FakeEngine()
         async with openai_api(engine) as client:
-            out = await client.completions.create(model="fake-model", prompt=[[1, 2, 3], [4, 5]], temperature=0,
-                                                  max_tokens=1, logprobs=1, echo=True, seed=1234)
+            out = await client.completions.create(
+                model="fake-model",
+                prompt=[[1, 2, 3], [4, 5]],
+                temperature=0,
+                max_tokens=1,
+                logprobs=1,
+                echo=True,
+                seed=1234,
+            )
         return out.model_dump(), engine
 
     out, engine = run(go())
@@ -548,8 +613,9 @@ def test_lm_eval_loglikelihood_request_and_parsing():
     for choice, ctxlen in zip(choices, [1, 1]):  # as lm_eval.models.openai_completions.parse_logprobs
         logprobs = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
         tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
-        greedy = all(tok == max(top.values()) for tok, top in
-                     zip(choice["logprobs"]["token_logprobs"][ctxlen:-1], tops))
+        greedy = all(
+            tok == max(top.values()) for tok, top in zip(choice["logprobs"]["token_logprobs"][ctxlen:-1], tops)
+        )
         results.append((logprobs, greedy))
     assert results == [(-3.0, False), (-1.0, False)]
     assert out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 2
@@ -566,8 +632,12 @@ def test_a_batch_of_text_prompts_with_n_choices():
     assert [(c.index, c.text) for c in out.choices] == [(0, "AB"), (1, "AB"), (2, "CD EF"), (3, "CD EF")]
     assert [r.rid for r in engine.requests][:1] == [f"{out.id}-0"]
     by_rid = {r.rid: r for r in engine.requests}
-    assert [by_rid[f"{out.id}-{i}"].params.sampling.seed for i in range(4)] == [3, expected_seed(3, 1), 3,
-                                                                          expected_seed(3, 1)]
+    assert [by_rid[f"{out.id}-{i}"].params.sampling.seed for i in range(4)] == [
+        3,
+        expected_seed(3, 1),
+        3,
+        expected_seed(3, 1),
+    ]
     for leader, follower in ((0, 1), (2, 3)):  # each prompt prefilled once
         assert engine.log.index(f"submit {out.id}-{follower}") > engine.log.index(f"event {out.id}-{leader}")
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4

@@ -11,12 +11,12 @@ import base64
 import aiohttp
 import numpy as np
 from aiohttp.test_utils import TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from shared.config import ServerConfig
-from shared.messages import TextDelta, Usage
-from shared.pooling import PoolerConfig
+
+from batchserve.procs.api.app import create_app
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import TextDelta, Usage
+from batchserve.shared.pooling import PoolerConfig
 
 EMBEDDER = PoolerConfig(pooling="mean", normalize=False, matryoshka=True, hidden_size=3)
 CROSS_ENCODER = PoolerConfig(pooling="cls", normalize=False, kind="classify", activation="sigmoid")
@@ -30,18 +30,27 @@ class PoolingEngine(FakeEngine):
         words = len((request.prompt or "").split()) + len(request.prompt_token_ids or [])
         pair = len((request.prompt_pair or "").split())
         vector = np.asarray([words, pair, 1.0], dtype="<f4").tobytes()
-        yield TextDelta(rid=request.rid, text="", token_ids=[], finish_reason="stop", pooled=vector,
-                        usage=Usage(prompt_tokens=words + pair, completion_tokens=0, total_tokens=words + pair))
+        yield TextDelta(
+            rid=request.rid,
+            text="",
+            token_ids=[],
+            finish_reason="stop",
+            pooled=vector,
+            usage=Usage(prompt_tokens=words + pair, completion_tokens=0, total_tokens=words + pair),
+        )
 
 
-def run(pooler: PoolerConfig | None, calls, config: ServerConfig = ServerConfig()):
+def run(pooler: PoolerConfig | None, calls, config: ServerConfig | None = None):
+    config = config or ServerConfig()
     engine = PoolingEngine()
 
     async def go():
         async with TestServer(create_app(engine, config, pooler=pooler)) as server, aiohttp.ClientSession() as http:
+
             async def post(path: str, body: dict, **headers) -> tuple[int, dict]:
                 async with http.post(server.make_url(path), json=body, headers=headers) as response:
                     return response.status, await response.json()
+
             return await calls(post)
 
     return engine, asyncio.run(asyncio.wait_for(go(), timeout=30))
@@ -49,8 +58,10 @@ def run(pooler: PoolerConfig | None, calls, config: ServerConfig = ServerConfig(
 
 def test_embeddings_requests_and_answers():
     async def calls(post):
-        return (await post("/v1/embeddings", {"input": ["a b c", "d"], "priority": 0, "truncate_prompt_tokens": 5}),
-                await post("/v1/embeddings", {"input": [7, 8], "encoding_format": "base64", "dimensions": 2}))
+        return (
+            await post("/v1/embeddings", {"input": ["a b c", "d"], "priority": 0, "truncate_prompt_tokens": 5}),
+            await post("/v1/embeddings", {"input": [7, 8], "encoding_format": "base64", "dimensions": 2}),
+        )
 
     engine, ((status, body), (status64, body64)) = run(EMBEDDER, calls)
     assert status == 200 and [d["embedding"] for d in body["data"]] == [[3, 0, 1], [1, 0, 1]]
@@ -65,9 +76,11 @@ def test_embeddings_requests_and_answers():
 
 def test_cross_encoder_scores_and_ranks():
     async def calls(post):
-        return (await post("/v1/score", {"text_1": "q", "text_2": ["a b", "a b c d", "a"]}),
-                await post("/v2/rerank", {"query": "q", "documents": ["a b", "a b c d", "a"], "top_n": 2}),
-                await post("/v1/embeddings", {"input": "a"}))
+        return (
+            await post("/v1/score", {"text_1": "q", "text_2": ["a b", "a b c d", "a"]}),
+            await post("/v2/rerank", {"query": "q", "documents": ["a b", "a b c d", "a"], "top_n": 2}),
+            await post("/v1/embeddings", {"input": "a"}),
+        )
 
     engine, ((status, score), (_, rerank), (refused, error)) = run(CROSS_ENCODER, calls)
     assert status == 200
@@ -95,9 +108,15 @@ def test_the_runner_decides_the_endpoints():
 
 def test_api_keys_guard_the_pooling_paths():
     async def calls(post):
-        without = [await post(path, body) for path, body in (
-            ("/v1/embeddings", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"}),
-            ("/rerank", {"query": "a", "documents": ["b"]}), ("/v2/rerank", {"query": "a", "documents": ["b"]}))]
+        without = [
+            await post(path, body)
+            for path, body in (
+                ("/v1/embeddings", {"input": "a"}),
+                ("/score", {"text_1": "a", "text_2": "b"}),
+                ("/rerank", {"query": "a", "documents": ["b"]}),
+                ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+            )
+        ]
         with_key = await post("/v1/embeddings", {"input": "a"}, Authorization="Bearer sk-1")
         return without, with_key
 

@@ -18,19 +18,25 @@ from typing import Literal
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from pydantic import BaseModel, Field
-
 from api_fake_engine import FakeEngine
 from e2e_server import start_server
-from procs.api.app import HANDLERS_KEY, create_app
-from shared.chat_format import ReasoningFormat
-from shared.config import ServerConfig
-from shared.messages import ChatMessage, ToolCall, ToolFunction
+from pydantic import BaseModel, Field
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
-         {"type": "function", "name": "get_time"}]
+from batchserve.procs.api.app import HANDLERS_KEY, create_app
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import ChatMessage, ToolCall, ToolFunction
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    {"type": "function", "name": "get_time"},
+]
 
 
 def run(coro, timeout: float = 30):
@@ -46,7 +52,7 @@ async def api(engine: FakeEngine, *, reasoning: ReasoningFormat = ""):
 
 
 def pieces(text: str, size: int = 3) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
+    return [text[i : i + size] for i in range(0, len(text), size)]
 
 
 def hermes(name: str, arguments: dict) -> str:
@@ -72,17 +78,26 @@ def test_text_input_and_instructions_become_a_chat_and_the_response_echoes_the_r
     async def go():
         engine = FakeEngine()
         async with api(engine) as client:
-            out = await client.responses.create(model="fake-model", input="hi there", instructions="Be brief.",
-                                                max_output_tokens=10, temperature=0.5, top_p=0.9,
-                                                metadata={"team": "a"}, user="u1",
-                                                extra_body={"stop": ["x"], "include_stop_str_in_output": True})
+            out = await client.responses.create(
+                model="fake-model",
+                input="hi there",
+                instructions="Be brief.",
+                max_output_tokens=10,
+                temperature=0.5,
+                top_p=0.9,
+                metadata={"team": "a"},
+                user="u1",
+                extra_body={"stop": ["x"], "include_stop_str_in_output": True},
+            )
         return out, engine.requests
 
     out, (request,) = run(go())
     # vLLM's sampling extras reach the engine by name, as chat takes them
     assert (request.params.stop.stop, request.params.stop.include_stop_str_in_output) == (("x",), True)
-    assert request.messages == [ChatMessage(role="system", content="Be brief."),
-                                ChatMessage(role="user", content="hi there")]
+    assert request.messages == [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="hi there"),
+    ]
     assert (request.params.stop.max_tokens, request.max_tokens_param) == (10, "max_output_tokens")
     assert (request.params.sampling.temperature, request.params.sampling.top_p) == (0.5, 0.9)
     assert out.id.startswith("resp_") and out.object == "response" and out.status == "completed"
@@ -101,11 +116,19 @@ def test_message_items_calls_and_call_outputs_become_chat_messages():
     arguments = json.dumps({"city": "Paris"})
     items = [
         {"role": "developer", "content": "Use tools."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather"},
-                                                        {"type": "input_text", "text": "in Paris?"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "in Paris?"}],
+        },
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
-        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}],
+        },
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments},
         {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
@@ -123,16 +146,24 @@ def test_message_items_calls_and_call_outputs_become_chat_messages():
     assert request.messages == [
         ChatMessage(role="system", content="Use tools."),
         ChatMessage(role="user", content="Weather\nin Paris?"),  # text parts joined as chat joins them
-        ChatMessage(role="assistant", content="Let me look.", tool_calls=[
-            ToolCall(id="call_1", name="get_weather", arguments=arguments),
-            ToolCall(id="call_2", name="get_time", arguments="{}")]),
+        ChatMessage(
+            role="assistant",
+            content="Let me look.",
+            tool_calls=[
+                ToolCall(id="call_1", name="get_weather", arguments=arguments),
+                ToolCall(id="call_2", name="get_time", arguments="{}"),
+            ],
+        ),
         ChatMessage(role="tool", content="sunny", tool_call_id="call_1", name="get_weather"),
         ChatMessage(role="tool", content="noon", tool_call_id="call_2", name="get_time"),
-        ChatMessage(role="assistant", content=None,
-                    tool_calls=[ToolCall(id="call_3", name="get_time", arguments="{}")]),
+        ChatMessage(
+            role="assistant", content=None, tool_calls=[ToolCall(id="call_3", name="get_time", arguments="{}")]
+        ),
     ]
-    assert request.tools == [ToolFunction(name="get_weather", description="Weather of a city", parameters=WEATHER),
-                             ToolFunction(name="get_time")]
+    assert request.tools == [
+        ToolFunction(name="get_weather", description="Weather of a city", parameters=WEATHER),
+        ToolFunction(name="get_time"),
+    ]
 
 
 def test_tool_choice_text_format_and_extras_reach_the_engine():
@@ -143,14 +174,23 @@ def test_tool_choice_text_format_and_extras_reach_the_engine():
         async with api(engine) as client:
             create = client.responses.create
             await create(model="fake-model", input="x", tools=TOOLS, tool_choice="required")
-            await create(model="fake-model", input="x", tools=TOOLS,
-                         tool_choice={"type": "function", "name": "get_time"})
+            await create(
+                model="fake-model", input="x", tools=TOOLS, tool_choice={"type": "function", "name": "get_time"}
+            )
             await create(model="fake-model", input="x", tools=TOOLS, tool_choice="none")
-            await create(model="fake-model", input="x", text={"format": {"type": "json_schema", "name": "A",
-                                                                          "schema": schema, "strict": True}})
+            await create(
+                model="fake-model",
+                input="x",
+                text={"format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}},
+            )
             await create(model="fake-model", input="x", text={"format": {"type": "json_object"}})
-            await create(model="fake-model", input="x", text={"format": {"type": "text"}}, reasoning={"effort": "low"},
-                         extra_body={"seed": 7, "top_k": 5, "stop": ["w9"], "chat_template_kwargs": {"a": 1}})
+            await create(
+                model="fake-model",
+                input="x",
+                text={"format": {"type": "text"}},
+                reasoning={"effort": "low"},
+                extra_body={"seed": 7, "top_k": 5, "stop": ["w9"], "chat_template_kwargs": {"a": 1}},
+            )
         return engine.requests
 
     required, named, none, json_schema, json_object, plain = run(go())
@@ -182,7 +222,11 @@ def test_a_tool_call_answer_is_a_function_call_item_whole_and_streamed():
     message, call = whole.output
     assert message.type == "message" and message.content[0].text == "Sure. "
     assert (call.type, call.name, json.loads(call.arguments), call.status) == (
-        "function_call", "get_weather", {"city": "Paris"}, "completed")
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
+        "completed",
+    )
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
@@ -197,8 +241,9 @@ def test_an_answer_of_calls_only_has_no_message_item():
 
     async def go():
         async with api(FakeEngine(pieces(text))) as client:
-            whole = await client.responses.create(model="fake-model", input="time?", tools=TOOLS,
-                                                  tool_choice="required")
+            whole = await client.responses.create(
+                model="fake-model", input="time?", tools=TOOLS, tool_choice="required"
+            )
             events = await events_of(client, input="time?", tools=TOOLS, tool_choice="required")
         return whole, events
 
@@ -224,7 +269,8 @@ def test_a_thinking_model_answers_with_a_reasoning_item():
     assert whole.usage.output_tokens_details.reasoning_tokens == 9
     kinds = [e.type for e in events]
     assert "response.reasoning_text.delta" in kinds and kinds.index("response.reasoning_text.done") < kinds.index(
-        "response.output_text.delta")
+        "response.output_text.delta"
+    )
     streamed = events[-1].response
     assert [i.type for i in streamed.output] == ["reasoning", "message"]
     assert streamed.output[0].content[0].text == "Paris is in France." and streamed.output_text == "Paris."
@@ -243,9 +289,16 @@ def test_stream_events_in_order_with_sequence_numbers_and_no_done():
         events.append(payload)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-        *["response.output_text.delta"] * 4, "response.output_text.done", "response.content_part.done",
-        "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 4,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello, world!"
     item_id = events[2]["item"]["id"]
@@ -275,15 +328,20 @@ def test_the_sdk_stream_helper_and_max_output_tokens_cut_is_incomplete():
 def test_logprobs_when_included():
     async def go():
         async with api(FakeEngine()) as client:
-            whole = await client.responses.create(model="fake-model", input="hi", top_logprobs=2,
-                                                  include=["message.output_text.logprobs"])
+            whole = await client.responses.create(
+                model="fake-model", input="hi", top_logprobs=2, include=["message.output_text.logprobs"]
+            )
             events = await events_of(client, input="hi", top_logprobs=2, include=["message.output_text.logprobs"])
         return whole, events
 
     whole, events = run(go())
     logprobs = whole.output[0].content[0].logprobs
-    assert [(lp.token, lp.logprob) for lp in logprobs] == [("Hello", -0.25), (",", -0.5), (" world", -0.75),
-                                                           ("!", -1.0)]
+    assert [(lp.token, lp.logprob) for lp in logprobs] == [
+        ("Hello", -0.25),
+        (",", -0.5),
+        (" world", -0.75),
+        ("!", -1.0),
+    ]
     assert [len(lp.top_logprobs) for lp in logprobs] == [2, 2, 2, 2] and logprobs[0].bytes == list(b"Hello")
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert [[lp.token for lp in e.logprobs] for e in deltas] == [["Hello"], [","], [" world"], ["!"]]
@@ -308,8 +366,11 @@ def test_a_client_gone_mid_stream_is_aborted_once_and_not_stored():
         async with TestServer(app) as server:
             reader, writer = await asyncio.open_connection(server.host, server.port)
             body = json.dumps({"input": "x", "stream": True}).encode()
-            writer.write(f"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            writer.write(
+                f"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             await reader.readuntil(b"response.output_text.delta")  # a token is out
             writer.close()
             await writer.wait_closed()
@@ -343,11 +404,16 @@ def test_previous_response_id_continues_the_conversation_and_get_and_delete_work
         async with api(engine) as client:
             first = await client.responses.create(model="fake-model", input="w5", instructions="Be brief.")
             second = await client.responses.create(model="fake-model", input="w6", previous_response_id=first.id)
-            streamed = [e async for e in await client.responses.create(
-                model="fake-model", input="w7", previous_response_id=second.id, stream=True)]
+            streamed = [
+                e
+                async for e in await client.responses.create(
+                    model="fake-model", input="w7", previous_response_id=second.id, stream=True
+                )
+            ]
             third = await client.responses.retrieve(streamed[-1].response.id)
-            fourth = await client.responses.create(model="fake-model", input="w8", previous_response_id=third.id,
-                                                   store=False)
+            fourth = await client.responses.create(
+                model="fake-model", input="w8", previous_response_id=third.id, store=False
+            )
             with pytest.raises(openai.BadRequestError) as unstored:
                 await client.responses.create(model="fake-model", input="w9", previous_response_id=fourth.id)
             got = await client.responses.retrieve(first.id)
@@ -360,12 +426,20 @@ def test_previous_response_id_continues_the_conversation_and_get_and_delete_work
 
     requests, first, second, third, got, unstored = run(go())
     answer = ChatMessage(role="assistant", content="Hello, world!")
-    assert requests[1].messages == [ChatMessage(role="user", content="w5"), answer,
-                                    ChatMessage(role="user", content="w6")]  # instructions are not carried over
-    assert requests[3].messages == [ChatMessage(role="user", content="w5"), answer,
-                                    ChatMessage(role="user", content="w6"), answer,
-                                    ChatMessage(role="user", content="w7"), answer,
-                                    ChatMessage(role="user", content="w8")]
+    assert requests[1].messages == [
+        ChatMessage(role="user", content="w5"),
+        answer,
+        ChatMessage(role="user", content="w6"),
+    ]  # instructions are not carried over
+    assert requests[3].messages == [
+        ChatMessage(role="user", content="w5"),
+        answer,
+        ChatMessage(role="user", content="w6"),
+        answer,
+        ChatMessage(role="user", content="w7"),
+        answer,
+        ChatMessage(role="user", content="w8"),
+    ]
     assert second.previous_response_id == first.id and third.previous_response_id == second.id
     assert got.model_dump() == first.model_dump()
     assert (unstored.param, unstored.code) == ("previous_response_id", "previous_response_not_found")
@@ -375,15 +449,23 @@ def test_input_items_carry_over_but_instructions_do_not():
     async def go():
         engine = FakeEngine()
         async with api(engine) as client:
-            first = await client.responses.create(model="fake-model", instructions="Be brief.", input=[
-                {"role": "developer", "content": "Speak French."}, {"role": "user", "content": "w5"}])
-            await client.responses.create(model="fake-model", input="w6", previous_response_id=first.id,
-                                          instructions="Be long.")
+            first = await client.responses.create(
+                model="fake-model",
+                instructions="Be brief.",
+                input=[{"role": "developer", "content": "Speak French."}, {"role": "user", "content": "w5"}],
+            )
+            await client.responses.create(
+                model="fake-model", input="w6", previous_response_id=first.id, instructions="Be long."
+            )
         return engine.requests[1].messages
 
-    assert run(go()) == [ChatMessage(role="system", content="Be long."),
-                         ChatMessage(role="system", content="Speak French."), ChatMessage(role="user", content="w5"),
-                         ChatMessage(role="assistant", content="Hello, world!"), ChatMessage(role="user", content="w6")]
+    assert run(go()) == [
+        ChatMessage(role="system", content="Be long."),
+        ChatMessage(role="system", content="Speak French."),
+        ChatMessage(role="user", content="w5"),
+        ChatMessage(role="assistant", content="Hello, world!"),
+        ChatMessage(role="user", content="w6"),
+    ]
 
 
 def test_a_stored_call_continues_with_its_output():
@@ -392,16 +474,22 @@ def test_a_stored_call_continues_with_its_output():
         async with api(engine) as client:
             asked = await client.responses.create(model="fake-model", input="time?", tools=TOOLS)
             (call,) = asked.output
-            answer = await client.responses.create(model="fake-model", previous_response_id=asked.id, tools=TOOLS,
-                                                   input=[{"type": "function_call_output", "call_id": call.call_id,
-                                                           "output": "12:00"}])
+            answer = await client.responses.create(
+                model="fake-model",
+                previous_response_id=asked.id,
+                tools=TOOLS,
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}],
+            )
         return engine.requests[1].messages, call, answer
 
     messages, call, answer = run(go())
-    assert messages == [ChatMessage(role="user", content="time?"),
-                        ChatMessage(role="assistant", content=None,
-                                    tool_calls=[ToolCall(id=call.call_id, name="get_time", arguments="{}")]),
-                        ChatMessage(role="tool", content="12:00", tool_call_id=call.call_id, name="get_time")]
+    assert messages == [
+        ChatMessage(role="user", content="time?"),
+        ChatMessage(
+            role="assistant", content=None, tool_calls=[ToolCall(id=call.call_id, name="get_time", arguments="{}")]
+        ),
+        ChatMessage(role="tool", content="12:00", tool_call_id=call.call_id, name="get_time"),
+    ]
     assert answer.output_text == "noon"
 
 
@@ -414,10 +502,14 @@ BAD = [
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "message", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user"}]}, "input[0].content"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0].type"),
-    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
-     "input[1].call_id"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+        "input[0].content[0].type",
+    ),
+    (
+        {"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[1].call_id",
+    ),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
@@ -475,8 +567,11 @@ def test_bad_inputs_are_400_naming_the_field():
         return engine.requests, answers
 
     requests, answers = run(go())
-    wrong = [(fields, status, param, message) for (fields, expected), (status, param, message) in zip(BAD, answers)
-             if (status, param) != (400, expected)]
+    wrong = [
+        (fields, status, param, message)
+        for (fields, expected), (status, param, message) in zip(BAD, answers)
+        if (status, param) != (400, expected)
+    ]
     assert wrong == []
     # The api refuses all but max_output_tokens (its range, the context) and min_tokens against it, which
     # the tokenizer settles (the fake engine as the tokenizer does): those reach the engine, refused there.
@@ -527,8 +622,14 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = start_server(model, tmp_path_factory.mktemp("responses") / "serve.log", "--kv-capacity-tokens", "8192",
-                       "--max-running-requests", "8")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("responses") / "serve.log",
+        "--kv-capacity-tokens",
+        "8192",
+        "--max-running-requests",
+        "8",
+    )
     yield srv
     srv.stop()
 
@@ -539,8 +640,9 @@ def client(server):
 
 
 def chat_text(client: openai.OpenAI, model, messages: list[dict], **fields) -> str:
-    out = client.chat.completions.create(model=str(model), messages=messages, temperature=0,
-                                         max_completion_tokens=E2E_TOKENS, **fields)
+    out = client.chat.completions.create(
+        model=str(model), messages=messages, temperature=0, max_completion_tokens=E2E_TOKENS, **fields
+    )
     return out.choices[0].message.content
 
 
@@ -548,19 +650,34 @@ def test_greedy_answers_equal_chat_completions_whole_and_streamed(client, model)
     question = "the quick brown fox"
     cases = [
         ({"input": question}, [{"role": "user", "content": question}]),
-        ({"input": question, "instructions": "answer as JSON"},
-         [{"role": "system", "content": "answer as JSON"}, {"role": "user", "content": question}]),
-        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": question}]},
-                    {"role": "assistant", "content": "ok"}, {"role": "user", "content": "the lazy dog"}]},
-         [{"role": "user", "content": question}, {"role": "assistant", "content": "ok"},
-          {"role": "user", "content": "the lazy dog"}]),
+        (
+            {"input": question, "instructions": "answer as JSON"},
+            [{"role": "system", "content": "answer as JSON"}, {"role": "user", "content": question}],
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": question}]},
+                    {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": "the lazy dog"},
+                ]
+            },
+            [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "the lazy dog"},
+            ],
+        ),
     ]
     for fields, messages in cases:
         expected = chat_text(client, model, messages)
         whole = client.responses.create(model=str(model), temperature=0, max_output_tokens=E2E_TOKENS, **fields)
         assert whole.output_text == expected, fields
-        events = list(client.responses.create(model=str(model), temperature=0, max_output_tokens=E2E_TOKENS,
-                                              stream=True, **fields))
+        events = list(
+            client.responses.create(
+                model=str(model), temperature=0, max_output_tokens=E2E_TOKENS, stream=True, **fields
+            )
+        )
         assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
         assert [e.sequence_number for e in events] == list(range(len(events)))
         assert events[-1].type in ("response.completed", "response.incomplete")
@@ -571,15 +688,21 @@ def test_greedy_answers_equal_chat_completions_whole_and_streamed(client, model)
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client, model):
-    out = client.responses.create(model=str(model), input="the quick brown fox", max_output_tokens=3,
-                                  extra_body={"ignore_eos": True})
+    out = client.responses.create(
+        model=str(model), input="the quick brown fox", max_output_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.usage.output_tokens == 3
 
 
 def test_parse_with_a_pydantic_model_is_held_to_its_schema(client, model):
-    done = client.responses.parse(model=str(model), input='{"name": "Ada", "age": 36, "ok": true}', text_format=Reply,
-                                  temperature=0, max_output_tokens=80)
+    done = client.responses.parse(
+        model=str(model),
+        input='{"name": "Ada", "age": 36, "ok": true}',
+        text_format=Reply,
+        temperature=0,
+        max_output_tokens=80,
+    )
     assert done.status == "completed"
     assert isinstance(done.output_parsed, Reply)  # pydantic validated the grammar's output
     assert Reply.model_validate_json(done.output_text) == done.output_parsed
@@ -588,33 +711,72 @@ def test_parse_with_a_pydantic_model_is_held_to_its_schema(client, model):
 def test_a_function_call_round_trip(client, model):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}]
     question = [{"role": "user", "content": "the quick brown fox"}]
-    asked = client.responses.create(model=str(model), input=question, tools=tools, tool_choice="required",
-                                    max_output_tokens=80, temperature=0)
+    asked = client.responses.create(
+        model=str(model), input=question, tools=tools, tool_choice="required", max_output_tokens=80, temperature=0
+    )
     calls = [item for item in asked.output if item.type == "function_call"]
     assert asked.status == "completed" and len(calls) == 1
     call = calls[0]
     assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
     result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}
     # the client keeps the conversation ...
-    follow_up = client.responses.create(model=str(model), input=[*question, *asked.output, result], tools=tools,
-                                        tool_choice="none", max_output_tokens=E2E_TOKENS, temperature=0)
+    follow_up = client.responses.create(
+        model=str(model),
+        input=[*question, *asked.output, result],
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=E2E_TOKENS,
+        temperature=0,
+    )
     # ... or the server does
-    stored = client.responses.create(model=str(model), previous_response_id=asked.id, input=[result], tools=tools,
-                                     tool_choice="none", max_output_tokens=E2E_TOKENS, temperature=0)
+    stored = client.responses.create(
+        model=str(model),
+        previous_response_id=asked.id,
+        input=[result],
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=E2E_TOKENS,
+        temperature=0,
+    )
     assert follow_up.output_text == stored.output_text
-    expected = chat_text(client, model, [*question, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": result["output"]}],
+    expected = chat_text(
+        client,
+        model,
+        [
+            *question,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": result["output"]},
+        ],
         tools=[{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}],
-        tool_choice="none")
+        tool_choice="none",
+    )
     assert follow_up.output_text == expected
     assert client.responses.retrieve(stored.id).output_text == stored.output_text
 
 
 def test_errors_from_the_engine_name_the_responses_fields(client, model):
     with pytest.raises(openai.BadRequestError) as bad_schema:
-        client.responses.create(model=str(model), input="x", text={"format": {
-            "type": "json_schema", "name": "A", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}})
+        client.responses.create(
+            model=str(model),
+            input="x",
+            text={
+                "format": {
+                    "type": "json_schema",
+                    "name": "A",
+                    "schema": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                }
+            },
+        )
     assert bad_schema.value.param == "text.format"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.responses.create(model=str(model), input="the quick brown fox " * 600)

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from shared.ports import free_port
+from batchserve.shared.ports import free_port
 
 TESTS_DIR = Path(__file__).parent
 
@@ -22,9 +22,9 @@ SCRIPT = textwrap.dedent("""
     import uvloop
     sys.path.insert(0, {tests!r})
     from api_fake_engine import FakeEngine
-    from procs.api.server import start_api
-    from shared.config import ServerConfig
-    from shared.logs import setup_logging
+    from batchserve.procs.api.server import start_api
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.logs import setup_logging
 
     class LifecycleEngine(FakeEngine):
         async def start(self):
@@ -53,9 +53,14 @@ def _get(url: str, data: bytes | None = None) -> tuple[int, bytes]:
 
 def test_start_api_serves_on_uvloop_and_stops_cleanly():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(tests=str(TESTS_DIR), port=port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=TESTS_DIR.parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT.format(tests=str(TESTS_DIR), port=port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS_DIR.parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 20
         while True:

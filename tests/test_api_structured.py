@@ -15,21 +15,23 @@ import pydantic
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from procs.api.chat_output import ChatOutputStream, parse_whole
-from shared.chat_format import ReasoningFormat
-from shared.config import ServerConfig
-from shared.messages import ChatMessage, OutputConstraint, ToolCall, ToolFunction
 from test_api_app import sse_events
+
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.chat_output import ChatOutputStream, parse_whole
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import ChatMessage, OutputConstraint, ToolCall, ToolFunction
 
 CHAT = [{"role": "user", "content": "hi there"}]
 CALL_ID_RE = re.compile(r"call_[0-9a-f]{24}")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
-    {"type": "function",
-     "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "get_time"}},
 ]
 
@@ -41,6 +43,7 @@ def run(coro, timeout: float = 20):
 @asynccontextmanager
 async def openai_api(engine: FakeEngine, *, reasoning: ReasoningFormat = "", sent: list | None = None):
     """The app and an openai client; `sent` collects the JSON bodies the client posts."""
+
     @web.middleware
     async def record(request: web.Request, handler):
         if sent is not None and request.method == "POST":
@@ -62,7 +65,7 @@ async def raw_api(engine: FakeEngine, *, reasoning: ReasoningFormat = ""):
 
 def pieces(text: str, size: int = 3) -> list[str]:
     """`text` as engine deltas of `size` characters: markup arrives split across deltas."""
-    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
 def hermes(name: str, arguments: dict) -> str:
@@ -81,15 +84,19 @@ def test_response_format_and_guided_fields_reach_the_engine():
             chat = client.chat.completions.create
             await chat(model="fake-model", messages=CHAT, response_format={"type": "json_object"})
             await chat(model="fake-model", messages=CHAT, response_format={"type": "text"})
-            await chat(model="fake-model", messages=CHAT, response_format={
-                "type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}})
+            await chat(
+                model="fake-model",
+                messages=CHAT,
+                response_format={"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}},
+            )
             await chat(model="fake-model", messages=CHAT, extra_body={"guided_json": schema})
             await chat(model="fake-model", messages=CHAT, extra_body={"guided_json": json.dumps(schema)})
             await chat(model="fake-model", messages=CHAT, extra_body={"guided_regex": r"\d+"})
             await chat(model="fake-model", messages=CHAT, extra_body={"guided_choice": ["yes", "no"]})
             await chat(model="fake-model", messages=CHAT, extra_body={"guided_grammar": 'start: "a"+'})
-            await client.completions.create(model="fake-model", prompt="x", extra_body={
-                "response_format": {"type": "json_object"}})
+            await client.completions.create(
+                model="fake-model", prompt="x", extra_body={"response_format": {"type": "json_object"}}
+            )
             await client.completions.create(model="fake-model", prompt="x", extra_body={"guided_choice": ["a"]})
             await client.completions.create(model="fake-model", prompt=["x", "y"], extra_body={"guided_regex": "b"})
             await chat(model="fake-model", messages=CHAT)
@@ -144,8 +151,11 @@ BAD = [
     ("chat", {"response_format": "json"}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "A"}}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": [1]}}},
-     "response_format"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": [1]}}},
+        "response_format",
+    ),
     ("completions", {"response_format": {"type": "json_schema", "json_schema": []}}, "response_format"),
     ("chat", {"guided_json": "{not json"}, "guided_json"),
     ("chat", {"guided_json": [1, 2]}, "guided_json"),
@@ -162,8 +172,11 @@ BAD = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name"),
     ("chat", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ("chat", {"tools": TOOLS + [{"type": "function", "function": {"name": "get_time"}}]}, "tools[2].function.name"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
-     "tools[0].function.parameters"),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+        "tools[0].function.parameters",
+    ),
     ("chat", {"tools": "all"}, "tools"),
     ("chat", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
@@ -172,23 +185,59 @@ BAD = [
     ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ("chat", {"tools": TOOLS, "tool_choice": {"type": "custom", "function": {"name": "get_time"}}}, "tool_choice"),
     ("chat", {"tools": TOOLS, "tool_choice": 1}, "tool_choice"),
-    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "tool_choice"),
-    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
-              "guided_regex": "a"}, "tool_choice"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    (
+        "chat",
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "guided_regex": "a"},
+        "tool_choice",
+    ),
     ("chat", {"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ("chat", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
-    ("chat", {"messages": [{"role": "user", "content": "a", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
-    ("chat", {"messages": [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].id"),
-    ("chat", {"messages": [{"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "web", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
-    ("chat", {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "sunny"}]},
-     "messages[1].tool_call_id"),
+    (
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "a",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls",
+    ),
+    (
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].id",
+    ),
+    (
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "web", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].type",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "sunny"}]},
+        "messages[1].tool_call_id",
+    ),
 ]
 
 
@@ -197,7 +246,7 @@ def test_bad_structured_output_and_tool_fields_are_400_naming_them():
         engine = FakeEngine()
         answers = []
         async with raw_api(engine) as client:
-            for endpoint, fields, param in BAD:
+            for endpoint, fields, _param in BAD:
                 path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
                 body = {"messages": CHAT} if endpoint == "chat" else {"prompt": "x"}
                 resp = await client.post(path, json={**body, **fields})
@@ -213,8 +262,13 @@ def test_a_refusal_through_the_openai_client():
     async def go():
         async with openai_api(FakeEngine()) as client:
             with pytest.raises(openai.BadRequestError) as info:
-                await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS,
-                                                     tool_choice="required", response_format={"type": "json_object"})
+                await client.chat.completions.create(
+                    model="fake-model",
+                    messages=CHAT,
+                    tools=TOOLS,
+                    tool_choice="required",
+                    response_format={"type": "json_object"},
+                )
         return info.value
 
     error = run(go())
@@ -223,12 +277,14 @@ def test_a_refusal_through_the_openai_client():
 
 def test_an_engine_rejection_of_the_schema_names_its_field():
     """The tokenizer compiles the constraint and answers a bad one with a 400 naming its `param`."""
+
     async def go():
         engine = FakeEngine(reject=(400, "guided_regex: unclosed group", "guided_regex"))
         async with openai_api(engine) as client:
             with pytest.raises(openai.BadRequestError) as info:
-                await client.chat.completions.create(model="fake-model", messages=CHAT,
-                                                     extra_body={"guided_regex": "(a"})
+                await client.chat.completions.create(
+                    model="fake-model", messages=CHAT, extra_body={"guided_regex": "(a"}
+                )
         return info.value
 
     assert run(go()).param == "guided_regex"
@@ -244,19 +300,35 @@ def test_tools_and_tool_choice_reach_the_engine():
             chat = client.chat.completions.create
             await chat(model="fake-model", messages=CHAT, tools=TOOLS)
             await chat(model="fake-model", messages=CHAT, tools=TOOLS, tool_choice="none")
-            await chat(model="fake-model", messages=CHAT, tools=TOOLS, tool_choice="required",
-                       parallel_tool_calls=False)
-            await chat(model="fake-model", messages=CHAT, tools=TOOLS,
-                       tool_choice={"type": "function", "function": {"name": "get_time"}})
-            await chat(model="fake-model", messages=CHAT, tool_choice="none",
-                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-            await chat(model="fake-model", messages=CHAT, tools=TOOLS, tool_choice="auto",
-                       response_format={"type": "json_object"})  # not forced: allowed
+            await chat(
+                model="fake-model", messages=CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False
+            )
+            await chat(
+                model="fake-model",
+                messages=CHAT,
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+            )
+            await chat(
+                model="fake-model",
+                messages=CHAT,
+                tool_choice="none",
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            await chat(
+                model="fake-model",
+                messages=CHAT,
+                tools=TOOLS,
+                tool_choice="auto",
+                response_format={"type": "json_object"},
+            )  # not forced: allowed
         return engine.requests
 
     auto, none, required, named, plain, auto_json = run(go())
-    functions = [ToolFunction(name="get_weather", description="Weather of a city", parameters=WEATHER),
-                 ToolFunction(name="get_time")]
+    functions = [
+        ToolFunction(name="get_weather", description="Weather of a city", parameters=WEATHER),
+        ToolFunction(name="get_time"),
+    ]
     assert functions[1].parameters == {"type": "object", "properties": {}}
     assert (auto.tools, auto.tool_choice, auto.forced_tool) == (functions, "auto", None)
     assert (none.tools, none.tool_choice, none.forced_tool) == (functions, "none", None)
@@ -271,9 +343,14 @@ def test_messages_with_tool_calls_and_tool_results_reach_the_engine():
     arguments = json.dumps({"city": "Paris"})
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}},
-            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "name": "get_time", "content": [{"type": "text", "text": "noon"}]},
         {"role": "assistant", "content": "Sunny at noon.", "tool_calls": []},
@@ -287,9 +364,14 @@ def test_messages_with_tool_calls_and_tool_results_reach_the_engine():
 
     assert run(go()) == [
         ChatMessage(role="user", content="Weather in Paris?"),
-        ChatMessage(role="assistant", content=None, tool_calls=[
-            ToolCall(id="call_1", name="get_weather", arguments=arguments),
-            ToolCall(id="call_2", name="get_time", arguments="{}")]),
+        ChatMessage(
+            role="assistant",
+            content=None,
+            tool_calls=[
+                ToolCall(id="call_1", name="get_weather", arguments=arguments),
+                ToolCall(id="call_2", name="get_time", arguments="{}"),
+            ],
+        ),
         ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
         ChatMessage(role="tool", content="noon", tool_call_id="call_2", name="get_time"),
         ChatMessage(role="assistant", content="Sunny at noon."),
@@ -304,30 +386,74 @@ TIME_CALL = ("get_time", {})
 # (engine text, engine finish ("stop": the tokens all fit, "length": cut), content, calls, finish_reason)
 TOOL_OUTPUTS = {
     "hermes": (hermes(*WEATHER_CALL), "stop", None, [WEATHER_CALL], "tool_calls"),
-    "hermes, two calls": (hermes(*WEATHER_CALL) + "\n" + hermes(*TIME_CALL), "stop", None,
-                          [WEATHER_CALL, TIME_CALL], "tool_calls"),
-    "hermes, tight": ('<tool_call>{"name":"get_time","arguments":{}}</tool_call>', "stop", None, [TIME_CALL],
-                      "tool_calls"),
-    "llama json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "stop", None, [WEATHER_CALL],
-                   "tool_calls"),
+    "hermes, two calls": (
+        hermes(*WEATHER_CALL) + "\n" + hermes(*TIME_CALL),
+        "stop",
+        None,
+        [WEATHER_CALL, TIME_CALL],
+        "tool_calls",
+    ),
+    "hermes, tight": (
+        '<tool_call>{"name":"get_time","arguments":{}}</tool_call>',
+        "stop",
+        None,
+        [TIME_CALL],
+        "tool_calls",
+    ),
+    "llama json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "stop",
+        None,
+        [WEATHER_CALL],
+        "tool_calls",
+    ),
     "python tag": ('<|python_tag|>{"name": "get_time", "arguments": {}}', "stop", None, [TIME_CALL], "tool_calls"),
-    "content and a call": ("Let me check.\n" + hermes(*WEATHER_CALL), "stop", "Let me check.\n", [WEATHER_CALL],
-                           "tool_calls"),
+    "content and a call": (
+        "Let me check.\n" + hermes(*WEATHER_CALL),
+        "stop",
+        "Let me check.\n",
+        [WEATHER_CALL],
+        "tool_calls",
+    ),
     "call then content": (hermes(*TIME_CALL) + "\nDone <3", "stop", "\nDone <3", [TIME_CALL], "tool_calls"),
-    "malformed block": ("<tool_call>{name: get_time}</tool_call>", "stop", "<tool_call>{name: get_time}</tool_call>",
-                        [], "stop"),
-    "unknown function": ('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', "stop",
-                         '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', [], "stop"),
-    "a good and a bad block": (hermes(*TIME_CALL) + '<tool_call>{"name": 1}</tool_call>', "stop",
-                               '<tool_call>{"name": 1}</tool_call>', [TIME_CALL], "tool_calls"),
+    "malformed block": (
+        "<tool_call>{name: get_time}</tool_call>",
+        "stop",
+        "<tool_call>{name: get_time}</tool_call>",
+        [],
+        "stop",
+    ),
+    "unknown function": (
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        "stop",
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        [],
+        "stop",
+    ),
+    "a good and a bad block": (
+        hermes(*TIME_CALL) + '<tool_call>{"name": 1}</tool_call>',
+        "stop",
+        '<tool_call>{"name": 1}</tool_call>',
+        [TIME_CALL],
+        "tool_calls",
+    ),
     "plain text": ("Hello <b>world</b>, a < b", "stop", "Hello <b>world</b>, a < b", [], "stop"),
     "a json answer": ('{"city": "Paris"}', "stop", '{"city": "Paris"}', [], "stop"),
-    "cut off in a block": ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', "length",
-                           '<tool_call>\n{"name": "get_weather", "arguments": {"ci', [], "length"),
-    "cut off after a call": (hermes(*TIME_CALL) + "\n<tool_call>{", "length", "\n<tool_call>{", [TIME_CALL],
-                             "length"),
-    "cut off llama json": ('{"name": "get_weather", "parameters": {"ci', "length",
-                           '{"name": "get_weather", "parameters": {"ci', [], "length"),
+    "cut off in a block": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+        "length",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+        [],
+        "length",
+    ),
+    "cut off after a call": (hermes(*TIME_CALL) + "\n<tool_call>{", "length", "\n<tool_call>{", [TIME_CALL], "length"),
+    "cut off llama json": (
+        '{"name": "get_weather", "parameters": {"ci',
+        "length",
+        '{"name": "get_weather", "parameters": {"ci',
+        [],
+        "length",
+    ),
 }
 
 
@@ -353,8 +479,9 @@ def test_tool_calls_in_whole_answers(case):
     async def go():
         engine = fake_for(text, finish)
         async with openai_api(engine) as client:
-            return await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS,
-                                                        max_tokens=len(pieces(text)))
+            return await client.chat.completions.create(
+                model="fake-model", messages=CHAT, tools=TOOLS, max_tokens=len(pieces(text))
+            )
 
     out = run(go())
     (choice,) = out.choices
@@ -395,8 +522,9 @@ def test_tool_calls_streamed(case, size):
     async def go():
         engine = fake_for(text, finish, size)
         async with openai_api(engine) as client:
-            stream = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS, stream=True,
-                                                          max_tokens=len(pieces(text, size)))
+            stream = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, tools=TOOLS, stream=True, max_tokens=len(pieces(text, size))
+            )
             return [chunk async for chunk in stream]
 
     got = accumulate(run(go()))
@@ -422,8 +550,12 @@ def test_tool_call_stream_shape():
     (call_delta,) = [d for d in deltas if "tool_calls" in d]
     (call,) = call_delta["tool_calls"]
     assert CALL_ID_RE.fullmatch(call["id"])
-    assert call == {"index": 0, "id": call["id"], "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert call == {
+        "index": 0,
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
     assert "".join(d.get("content", "") for d in deltas) == "Sure."
     assert "<" not in "".join(d.get("content", "") for d in deltas)  # the markup never leaked as content
     assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
@@ -463,8 +595,9 @@ def test_without_tools_or_with_tool_choice_none_the_text_is_content():
         engine = FakeEngine(pieces(text))
         async with openai_api(engine) as client:
             plain = await client.chat.completions.create(model="fake-model", messages=CHAT)
-            none = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS,
-                                                        tool_choice="none")
+            none = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, tools=TOOLS, tool_choice="none"
+            )
         return plain, none
 
     for out in run(go()):
@@ -476,11 +609,12 @@ def test_n_choices_parse_their_own_calls():
     texts = {"-0": pieces(hermes(*TIME_CALL)), "-1": pieces("No call needed.")}
 
     async def go():
-        engine = FakeEngine(tokens_of=lambda r: texts[r.rid[r.rid.rindex("-"):]])
+        engine = FakeEngine(tokens_of=lambda r: texts[r.rid[r.rid.rindex("-") :]])
         async with openai_api(engine) as client:
             whole = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS, n=2)
-            stream = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS, n=2,
-                                                          stream=True)
+            stream = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, tools=TOOLS, n=2, stream=True
+            )
             chunks = [c async for c in stream]
         return whole, chunks
 
@@ -488,8 +622,9 @@ def test_n_choices_parse_their_own_calls():
     assert calls_of(whole.choices[0].message.tool_calls) == [TIME_CALL] and whole.choices[0].message.content is None
     assert whole.choices[1].message.content == "No call needed." and whole.choices[1].message.tool_calls is None
     assert [c.finish_reason for c in whole.choices] == ["tool_calls", "stop"]
-    for index, (content, calls, finish) in enumerate([(None, [TIME_CALL], "tool_calls"),
-                                                      ("No call needed.", [], "stop")]):
+    for index, (content, calls, finish) in enumerate(
+        [(None, [TIME_CALL], "tool_calls"), ("No call needed.", [], "stop")]
+    ):
         got = accumulate([c for c in chunks if c.choices[0].index == index])
         assert got["content"] == content and got["finish"] == finish
         assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == calls
@@ -502,8 +637,9 @@ def test_held_back_text_keeps_its_logprobs():
     async def go():
         engine = FakeEngine(tokens)
         async with openai_api(engine) as client:
-            stream = await client.chat.completions.create(model="fake-model", messages=CHAT, tools=TOOLS, stream=True,
-                                                          logprobs=True)
+            stream = await client.chat.completions.create(
+                model="fake-model", messages=CHAT, tools=TOOLS, stream=True, logprobs=True
+            )
             return [c async for c in stream]
 
     chunks = run(go())
@@ -515,13 +651,21 @@ def test_held_back_text_keeps_its_logprobs():
 
 # (text, engine finish, whole: (reasoning, content), streamed: (reasoning, content))
 REASONING_OUTPUTS = {
-    "think then answer": ("<think>\nParis is in France.\n</think>\n\nParis.", "stop",
-                          ("\nParis is in France.\n", "Paris."), ("\nParis is in France.\n", "Paris.")),
+    "think then answer": (
+        "<think>\nParis is in France.\n</think>\n\nParis.",
+        "stop",
+        ("\nParis is in France.\n", "Paris."),
+        ("\nParis is in France.\n", "Paris."),
+    ),
     "leading space": ("  <think>hmm</think>Paris.", "stop", ("hmm", "Paris."), ("hmm", "Paris.")),
     "no thinking": ("Paris.", "stop", (None, "Paris."), (None, "Paris.")),
     # the template opened the block in the prompt: only whole answers can tell
-    "closing tag only": ("It is Paris.</think>\nParis.", "stop", ("It is Paris.", "Paris."),
-                         (None, "It is Paris.</think>\nParis.")),
+    "closing tag only": (
+        "It is Paris.</think>\nParis.",
+        "stop",
+        ("It is Paris.", "Paris."),
+        (None, "It is Paris.</think>\nParis."),
+    ),
     "cut off while thinking": ("<think>Paris is", "length", ("Paris is", ""), ("Paris is", None)),
     "a lone <": ("<3 Paris", "stop", (None, "<3 Paris"), (None, "<3 Paris")),
 }
@@ -536,8 +680,9 @@ def test_reasoning_whole_and_streamed(case):
         for stream in (False, True):
             engine = fake_for(text, finish, 2)
             async with openai_api(engine, reasoning="think") as client:
-                out = await client.chat.completions.create(model="fake-model", messages=CHAT, stream=stream,
-                                                           max_tokens=len(pieces(text, 2)))
+                out = await client.chat.completions.create(
+                    model="fake-model", messages=CHAT, stream=stream, max_tokens=len(pieces(text, 2))
+                )
                 results.append([c async for c in out] if stream else out)
         return results
 
@@ -605,7 +750,7 @@ PARSER_TEXTS = [
     "a <tool_call> never closed",
     "<tool_call>" + hermes(*TIME_CALL),
     "<think>x</think>  " + hermes(*TIME_CALL) + " and <tool_call>{}</tool_call>",
-    "<think>\n</think>\n\n{\"name\": \"get_time\", \"arguments\": {}}",
+    '<think>\n</think>\n\n{"name": "get_time", "arguments": {}}',
     "<thinking> is not a tag",
     "<|python_tag|> not json",
 ]
@@ -614,9 +759,9 @@ PARSER_TEXTS = [
 ANALYSIS = "<|channel|>analysis<|message|>The user wants Paris' weather.<|end|>"
 HARMONY_TEXTS = [
     ANALYSIS + "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
-    ANALYSIS + '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-               '{"city": "Paris"}<|call|>',
-    ANALYSIS + '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}',  # <|call|> a stop
+    ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris"}<|call|>',
+    ANALYSIS + "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}",  # <|call|> a stop
     "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
     'to=functions.get_time<|message|>{"tz": "CET"}<|call|>',
     ANALYSIS + "<|start|>assistant<|channel|>final<|message|>a <| b <|en",  # cut off by the length
@@ -627,8 +772,9 @@ HARMONY_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("text, reasoning", [(t, r) for t in PARSER_TEXTS for r in ("", "think")]
-                         + [(t, "harmony") for t in HARMONY_TEXTS])
+@pytest.mark.parametrize(
+    "text, reasoning", [(t, r) for t in PARSER_TEXTS for r in ("", "think")] + [(t, "harmony") for t in HARMONY_TEXTS]
+)
 def test_every_split_of_a_stream_gives_the_whole_answer(text, reasoning):
     names = frozenset({"get_weather", "get_time"})
     whole, whole_finish = parse_whole(text, "stop", tool_names=names, reasoning=reasoning)

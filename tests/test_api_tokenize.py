@@ -8,7 +8,6 @@ import asyncio
 import json
 
 import pytest
-
 from api_fake_engine import FakeEngine
 from test_api_app import api
 
@@ -22,6 +21,7 @@ def post(engine: FakeEngine, path: str, body: object, **kw) -> tuple[int, dict]:
         async with api(engine) as client:
             resp = await client.post(path, json=body, **kw) if "data" not in kw else await client.post(path, **kw)
             return resp.status, await resp.json()
+
     return run(go())
 
 
@@ -35,19 +35,31 @@ def test_tokenize_a_prompt_shape_and_defaults():
     assert body == {"count": 3, "max_model_len": 128, "tokens": [1, 1000, 1001], "token_strs": None}
     ((request, options),) = engine.tokenize_calls
     assert request.prompt == "Say hello" and request.messages is None
-    assert options == {"add_special_tokens": None, "add_generation_prompt": True, "continue_final_message": False,
-                       "return_token_strs": False}
-    status, body = post(engine, "/tokenize", {"prompt": "Say hello", "add_special_tokens": False,
-                                              "return_token_strs": True})
+    assert options == {
+        "add_special_tokens": None,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "return_token_strs": False,
+    }
+    status, body = post(
+        engine, "/tokenize", {"prompt": "Say hello", "add_special_tokens": False, "return_token_strs": True}
+    )
     assert body["tokens"] == [1000, 1001] and body["token_strs"] == ["Say", " hello"]
 
 
 def test_tokenize_a_chat_passes_the_template_options_and_tools():
     engine = FakeEngine()
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    status, body = post(engine, "/tokenize", {
-        "messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c"}],
-        "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}, "tools": tools})
+    status, body = post(
+        engine,
+        "/tokenize",
+        {
+            "messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c"}],
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "tools": tools,
+        },
+    )
     assert status == 200, body
     ((request, options),) = engine.tokenize_calls
     assert [m.role for m in request.messages] == ["user", "assistant"] and [t.name for t in request.tools] == ["f"]
@@ -57,18 +69,27 @@ def test_tokenize_a_chat_passes_the_template_options_and_tools():
     assert body["tokens"] == [1000, 1001, 1002]  # a chat adds no special tokens beyond its template's
 
 
-@pytest.mark.parametrize("body,param", [
-    ({}, "prompt"),
-    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "messages"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": 5}, "prompt"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "y"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "y"}], "add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message"),
-    ({"messages": [{"role": "user", "content": "y"}], "chat_template_kwargs": []}, "chat_template_kwargs"),
-    ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "prompt"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "messages"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "y"}]}, "messages[0].role"),
+        (
+            {
+                "messages": [{"role": "user", "content": "y"}],
+                "add_generation_prompt": True,
+                "continue_final_message": True,
+            },
+            "continue_final_message",
+        ),
+        ({"messages": [{"role": "user", "content": "y"}], "chat_template_kwargs": []}, "chat_template_kwargs"),
+        ({"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ],
+)
 def test_tokenize_bad_inputs_are_400_naming_the_field(body, param):
     engine = FakeEngine()
     status, answer = post(engine, "/tokenize", body)
@@ -92,8 +113,10 @@ def test_detokenize_and_its_bad_inputs():
 
 def test_unknown_model_unhealthy_engine_and_bodies():
     engine = FakeEngine()
-    for path, body in [("/tokenize", {"model": "other", "prompt": "x"}),
-                       ("/detokenize", {"model": "other", "tokens": [1]})]:
+    for path, body in [
+        ("/tokenize", {"model": "other", "prompt": "x"}),
+        ("/detokenize", {"model": "other", "tokens": [1]}),
+    ]:
         status, answer = post(engine, path, body)
         assert status == 404 and answer["error"]["code"] == "model_not_found"
     status, answer = post(engine, "/tokenize", None, data=b"{not json", headers={"Content-Type": "application/json"})
@@ -127,16 +150,22 @@ def model(tiny_model_dir):
 def server(model, tmp_path_factory):
     from e2e_server import start_server
 
-    srv = start_server(model, tmp_path_factory.mktemp("tokenize") / "serve.log", "--kv-capacity-tokens", "2048",
-                       "--max-running-requests", "4")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("tokenize") / "serve.log",
+        "--kv-capacity-tokens",
+        "2048",
+        "--max-running-requests",
+        "4",
+    )
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def prompts(model):
-    from procs.tokenizer.prompts import PromptTokenizer
-    from shared.model import ModelSpec
+    from batchserve.procs.tokenizer.prompts import PromptTokenizer
+    from batchserve.shared.model import ModelSpec
 
     return PromptTokenizer.of(ModelSpec.resolve(model))
 
@@ -152,7 +181,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_tokenize_equals_what_generation_feeds(server, prompts):
     from openai import OpenAI
-    from shared.messages import ChatMessage, GenerateRequest
+
+    from batchserve.shared.messages import ChatMessage, GenerateRequest
 
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
@@ -186,6 +216,13 @@ def test_detokenize_round_trip_and_bad_ids_on_a_real_server(server, prompts):
     assert status == 400 and body["error"]["param"] == "tokens"
     status, body = call(server, "/tokenize", {"prompt": "the quick brown fox " * 500_000})
     assert status == 400 and body["error"]["param"] == "prompt"
-    status, body = call(server, "/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": json.loads(
-        '[{"type": "function", "function": {"name": "f"}}]'), "chat_template_kwargs": {"tools": []}})
+    status, body = call(
+        server,
+        "/tokenize",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": json.loads('[{"type": "function", "function": {"name": "f"}}]'),
+            "chat_template_kwargs": {"tools": []},
+        },
+    )
     assert status == 400 and body["error"]["param"] == "chat_template_kwargs"

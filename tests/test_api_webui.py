@@ -10,15 +10,15 @@ import urllib.parse
 from contextlib import asynccontextmanager
 
 from aiohttp.test_utils import TestClient, TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from procs.api.live_view import LiveView, quantile
-from procs.api.metrics import ApiMetrics
-from procs.api.webui import WEBUI_DIR, webui_files
-from shared.config import ServerConfig
-from shared.messages import SchedulerStats
-from shared.scheduler_view import KvView, RequestView, SchedulerView, StepView
+
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.live_view import LiveView, quantile
+from batchserve.procs.api.metrics import ApiMetrics
+from batchserve.procs.api.webui import WEBUI_DIR, webui_files
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import SchedulerStats
+from batchserve.shared.scheduler_view import KvView, RequestView, SchedulerView, StepView
 
 
 def run(coro):
@@ -32,12 +32,33 @@ async def api(config: ServerConfig | None = None, engine: FakeEngine | None = No
 
 
 def _view(rids: list[str]) -> SchedulerView:
-    requests = [RequestView(rid=rid, status="running", slot=i, prompt_tokens=5, prefilled=5, generated=3, max_tokens=9,
-                            kv_pages=2, kv_reserved_pages=4, cached_tokens=0, priority=0, adapter=0, waited_s=0.5)
-                for i, rid in enumerate(rids)]
-    return SchedulerView(requests=requests, num_waiting=0, slots_total=4, slots_used=len(rids),
-                         kv=KvView(page_size=16, total=64, used=2 * len(rids), free=64 - 2 * len(rids), reserved=4 * len(rids)),
-                         steps=[StepView(7, 0, len(rids), len(rids), 12.5, 11.0, -1)], build_ms=0.25)
+    requests = [
+        RequestView(
+            rid=rid,
+            status="running",
+            slot=i,
+            prompt_tokens=5,
+            prefilled=5,
+            generated=3,
+            max_tokens=9,
+            kv_pages=2,
+            kv_reserved_pages=4,
+            cached_tokens=0,
+            priority=0,
+            adapter=0,
+            waited_s=0.5,
+        )
+        for i, rid in enumerate(rids)
+    ]
+    return SchedulerView(
+        requests=requests,
+        num_waiting=0,
+        slots_total=4,
+        slots_used=len(rids),
+        kv=KvView(page_size=16, total=64, used=2 * len(rids), free=64 - 2 * len(rids), reserved=4 * len(rids)),
+        steps=[StepView(7, 0, len(rids), len(rids), 12.5, 11.0, -1)],
+        build_ms=0.25,
+    )
 
 
 def test_the_pages_and_their_files_are_served_with_a_csp():
@@ -52,6 +73,7 @@ def test_the_pages_and_their_files_are_served_with_a_csp():
                 resp = await client.get(f"/ui/{name}")
                 assert resp.status == 200, name
                 assert await resp.read() == (WEBUI_DIR / name).read_bytes()
+
     run(go())
 
 
@@ -67,17 +89,29 @@ async def _raw_get(client: TestClient, target: str) -> tuple[int, bytes]:
 
 def test_nothing_outside_the_package_folder_is_served():
     served = {body for body, _ in webui_files().values()}
+
     async def go():
         async with api() as client:
-            for name in ("../webui.py", "..%2fwebui.py", "%2e%2e%2fapp.py", "..%2f..%2f..%2fpyproject.toml",
-                         "..%5c..%5capp.py", "%2fetc%2fpasswd", "nope.js", "..", "%2e%2e", "webui",
-                         urllib.parse.quote("../../shared/config.py", safe="")):
+            for name in (
+                "../webui.py",
+                "..%2fwebui.py",
+                "%2e%2e%2fapp.py",
+                "..%2f..%2f..%2fpyproject.toml",
+                "..%5c..%5capp.py",
+                "%2fetc%2fpasswd",
+                "nope.js",
+                "..",
+                "%2e%2e",
+                "webui",
+                urllib.parse.quote("../../shared/config.py", safe=""),
+            ):
                 status, body = await _raw_get(client, f"/ui/{name}")
                 assert status == 404 or body in served, name  # a dot segment may resolve to a page, never a file
                 assert b"import " not in body and b"[tool." not in body and b"root:" not in body, name
             for target in ("/../pyproject.toml", "/dashboard/../../procs/api/app.py", "/%2e%2e/pyproject.toml"):
                 status, body = await _raw_get(client, target)
                 assert b"import " not in body and b"[project]" not in body, target
+
     run(go())
 
 
@@ -87,6 +121,7 @@ def test_no_webui_turns_the_pages_off_but_not_the_data():
             for path in ("/", "/dashboard", "/ui/chat.js"):
                 assert (await client.get(path)).status == 404, path
             assert (await client.get("/dashboard/snapshot")).status == 200
+
     run(go())
 
 
@@ -99,6 +134,7 @@ def test_with_api_keys_the_pages_load_and_the_data_needs_a_key():
             assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
             resp = await client.get("/dashboard/snapshot", headers={"Authorization": "Bearer sesame"})
             assert resp.status == 200
+
     run(go())
 
 
@@ -108,10 +144,26 @@ def test_the_snapshot_holds_the_latest_view_and_its_cost_is_in_metrics():
         async with api(engine=engine) as client:
             empty = await (await client.get("/dashboard/snapshot")).json()
             assert empty["scheduler"] is None and empty["steps"] == []
-            engine.push_stats(SchedulerStats(num_running=2, num_waiting=0, kv_used_tokens=64, kv_total_tokens=1024,
-                                             preemptions=1, view=_view(["a", "b"])))
-            engine.push_stats(SchedulerStats(num_running=1, num_waiting=0, kv_used_tokens=32, kv_total_tokens=1024,
-                                             preemptions=2, view=_view(["b"])))
+            engine.push_stats(
+                SchedulerStats(
+                    num_running=2,
+                    num_waiting=0,
+                    kv_used_tokens=64,
+                    kv_total_tokens=1024,
+                    preemptions=1,
+                    view=_view(["a", "b"]),
+                )
+            )
+            engine.push_stats(
+                SchedulerStats(
+                    num_running=1,
+                    num_waiting=0,
+                    kv_used_tokens=32,
+                    kv_total_tokens=1024,
+                    preemptions=2,
+                    view=_view(["b"]),
+                )
+            )
             snap = await (await client.get("/dashboard/snapshot")).json()
             assert [r["rid"] for r in snap["scheduler"]["requests"]] == ["b"]
             assert snap["steps"] == [[7, 0, 2, 2, 12.5, 11.0, -1], [7, 0, 1, 1, 12.5, 11.0, -1]]
@@ -119,6 +171,7 @@ def test_the_snapshot_holds_the_latest_view_and_its_cost_is_in_metrics():
             metrics = await (await client.get("/metrics")).text()
             assert "batchserve_live_view_request_seconds_count 2.0" in metrics
             assert "batchserve_scheduler_view_build_seconds_total 0.0005" in metrics
+
     run(go())
 
 

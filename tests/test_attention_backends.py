@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.attention import AttentionMetadata, create_backend
-from kernels.kv_cache import KVCache
 from native_marks import requires_native_kernels
+
+from batchserve.kernels.attention import AttentionMetadata, create_backend
+from batchserve.kernels.kv_cache import KVCache
 
 HEADS, KV_HEADS = 4, 2
 
@@ -50,10 +50,18 @@ LAYOUTS = {
 @pytest.mark.parametrize("dim", [8, 40])
 def test_a_step_matches_naive_attention(page_size, backend_name, layout, window, softcap, dim):
     torch.manual_seed(0)
-    cache = KVCache(num_layers=2, num_kv_heads=KV_HEADS, head_dim=dim, page_size=page_size, num_pages=200,
-                    max_running_requests=8, max_pages_per_request=64, dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, dim, dim ** -0.5, windows=(0, window),
-                             softcap=softcap)
+    cache = KVCache(
+        num_layers=2,
+        num_kv_heads=KV_HEADS,
+        head_dim=dim,
+        page_size=page_size,
+        num_pages=200,
+        max_running_requests=8,
+        max_pages_per_request=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    backend = create_backend(backend_name, cache, HEADS, KV_HEADS, dim, dim**-0.5, windows=(0, window), softcap=softcap)
     rows = LAYOUTS[layout]
     padded_slot = 7
     free_pages = torch.randperm(199).add(1).tolist()
@@ -66,7 +74,7 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
             kv_locs.append(0)
             continue
         pages = [free_pages.pop() for _ in range(-(-total // page_size))]
-        cache.page_table[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        cache.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         keys, values = torch.randn(total, KV_HEADS, dim), torch.randn(total, KV_HEADS, dim)
         history[slot] = (keys, values)
         locs = [pages[p // page_size] * page_size + p % page_size for p in range(total)]
@@ -77,8 +85,14 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
     q = torch.randn(num_tokens, HEADS, dim)
     k = torch.cat([history[s][0][p:] if s in history else torch.randn(1, KV_HEADS, dim) for s, p, _ in rows])
     v = torch.cat([history[s][1][p:] if s in history else torch.randn(1, KV_HEADS, dim) for s, p, _ in rows])
-    backend.plan(AttentionMetadata(slots=[r[0] for r in rows], prefix_lens=[r[1] for r in rows],
-                                   extend_lens=[r[2] for r in rows], kv_locs=torch.tensor(kv_locs)))
+    backend.plan(
+        AttentionMetadata(
+            slots=[r[0] for r in rows],
+            prefix_lens=[r[1] for r in rows],
+            extend_lens=[r[2] for r in rows],
+            kv_locs=torch.tensor(kv_locs),
+        )
+    )
     # the fused decoder call takes the step whole where the cpu backend attends every row in C
     paged = backend.paged_rows()
     assert (paged is not None) == (backend_name == "cpu")
@@ -89,8 +103,8 @@ def test_a_step_matches_naive_attention(page_size, backend_name, layout, window,
     for slot, prefix, extend in rows:
         if slot in history:
             keys, values = history[slot]
-            expected = _naive(q[start:start + extend], keys, values, prefix, window, softcap)
-            torch.testing.assert_close(out[start:start + extend], expected, atol=1e-5, rtol=1e-5)
+            expected = _naive(q[start : start + extend], keys, values, prefix, window, softcap)
+            torch.testing.assert_close(out[start : start + extend], expected, atol=1e-5, rtol=1e-5)
         start += extend
     assert torch.isfinite(out).all()
 
@@ -103,15 +117,24 @@ def _check_chunk_layout(paged, rows, cache) -> None:
         starts[start] = (slot, prefix)
         start += extend
     width = paged.pages.shape[1]
-    for first, length in ([] if paged.chunks is None else paged.chunks.tolist()):
+    for first, length in [] if paged.chunks is None else paged.chunks.tolist():
         slot, prefix = starts[first]
-        expected = cache.page_table[slot, :-(-(prefix + length) // cache.page_size)].long()
-        assert torch.equal(paged.pages.view(-1)[first * width:first * width + len(expected)], expected)
-        assert paged.lens[first:first + length].tolist() == list(range(prefix + 1, prefix + length + 1))
+        expected = cache.page_table[slot, : -(-(prefix + length) // cache.page_size)].long()
+        assert torch.equal(paged.pages.view(-1)[first * width : first * width + len(expected)], expected)
+        assert paged.lens[first : first + length].tolist() == list(range(prefix + 1, prefix + length + 1))
 
 
 def test_unknown_backend_is_a_clear_error():
-    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=4, page_size=2, num_pages=3, max_running_requests=1,
-                    max_pages_per_request=2, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        page_size=2,
+        num_pages=3,
+        max_running_requests=1,
+        max_pages_per_request=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         create_backend("nope", cache, 1, 1, 4, 0.5)

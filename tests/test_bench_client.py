@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.client import make_session, send_request
-from loadtests.fake_openai_server import FakeServerScript, FakeServerThread
-from loadtests.runner import LoadPoint, measure
-from loadtests.targets import Plan, measure_targets, url_target
-from loadtests.workload import WORDS, LengthRange, RequestSpec, WordPromptBuilder, random_workload
-from procs.cli import main as cli_main
+from batchserve.loadtests.client import make_session, send_request
+from batchserve.loadtests.fake_openai_server import FakeServerScript, FakeServerThread
+from batchserve.loadtests.runner import LoadPoint, measure
+from batchserve.loadtests.targets import Plan, measure_targets, url_target
+from batchserve.loadtests.workload import WORDS, LengthRange, RequestSpec, WordPromptBuilder, random_workload
+from batchserve.procs.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +129,27 @@ def write_tiny_word_model(out: Path) -> Path:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}assistant {% endif %}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
@@ -148,13 +160,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def test_transformers_baseline_static_batches(tiny_model):
-    from loadtests.hf_baseline import TransformersStaticBatcher
+    from batchserve.loadtests.hf_baseline import TransformersStaticBatcher
 
     specs = random_workload(6, LengthRange(3, 8), LengthRange(2, 7), seed=1, builder=WordPromptBuilder())
     batcher = TransformersStaticBatcher(tiny_model, batch_size=3, endpoint="completions", device="cpu")
     try:
-        m, results = asyncio.run(measure(batcher.send, specs, LoadPoint(request_rate=math.inf), seed=0,
-                                         show_progress=False))
+        m, results = asyncio.run(
+            measure(batcher.send, specs, LoadPoint(request_rate=math.inf), seed=0, show_progress=False)
+        )
     finally:
         batcher.close()
     assert (m.completed, m.failed) == (6, 0)
@@ -178,8 +191,8 @@ def test_transformers_baseline_times_a_chunk_per_token_as_a_server_streams_it(tm
     import torch
     from transformers import AutoTokenizer
 
-    from loadtests.client import RequestResult
-    from loadtests.hf_baseline import _Pending, _StepTimer
+    from batchserve.loadtests.client import RequestResult
+    from batchserve.loadtests.hf_baseline import _Pending, _StepTimer
     from tests.conftest import write_byte_tokenizer
 
     write_byte_tokenizer(tmp_path)
@@ -207,13 +220,41 @@ def test_transformers_baseline_times_a_chunk_per_token_as_a_server_streams_it(tm
 def test_cli_compare_runs_every_policy_and_writes_json_and_plot(tmp_path, tiny_model, capsys):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     with FakeServerThread() as other:
-        status = cli_main([
-            "bench", "--compare", "--serve-command", f"{shlex.quote(sys.executable)} -m loadtests.fake_openai_server --token-interval-ms 1",
-            "--model", str(tiny_model), "--endpoint", "chat", "--num-prompts", "3,6", "--input-len", "3:6",
-            "--output-len", "2:5", "--concurrency", "1,3", "--max-batch-size", "3", "--warmup", "1",
-            "--compare-url", f"other={other.base_url}", "--output", str(out), "--plot", str(plot),
-            "--no-progress", "--log-dir", str(tmp_path / "logs"), "--torch-threads", "1",
-        ])
+        status = cli_main(
+            [
+                "bench",
+                "--compare",
+                "--serve-command",
+                f"{shlex.quote(sys.executable)} -P -m batchserve.loadtests.fake_openai_server --token-interval-ms 1",
+                "--model",
+                str(tiny_model),
+                "--endpoint",
+                "chat",
+                "--num-prompts",
+                "3,6",
+                "--input-len",
+                "3:6",
+                "--output-len",
+                "2:5",
+                "--concurrency",
+                "1,3",
+                "--max-batch-size",
+                "3",
+                "--warmup",
+                "1",
+                "--compare-url",
+                f"other={other.base_url}",
+                "--output",
+                str(out),
+                "--plot",
+                str(plot),
+                "--no-progress",
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--torch-threads",
+                "1",
+            ]
+        )
     assert status == 0
     doc = json.loads(out.read_text())
     configs = ["mixed", "prefill-first", "fixed", "other", "transformers"]
@@ -244,20 +285,41 @@ def test_each_target_is_open_alone_for_each_of_its_measurements():
             with url_target(url, "fake", "completions") as target:
                 yield target
             events.append(("close", name))
+
         return open_target
 
     specs = [RequestSpec(prompt=f"p{i}", input_len=2, output_len=2) for i in range(4)]
-    plan = Plan(specs, [], [LoadPoint(concurrency=1), LoadPoint(concurrency=2)], 0, "completions",
-                show_progress=False, num_prompts=[1, 1])
+    plan = Plan(
+        specs,
+        [],
+        [LoadPoint(concurrency=1), LoadPoint(concurrency=2)],
+        0,
+        "completions",
+        show_progress=False,
+        num_prompts=[1, 1],
+    )
     with FakeServerThread() as server:
-        records, errors = measure_targets([("a", opener("a", server.base_url)), ("b", opener("b", server.base_url))],
-                                          plan, rounds=2)
+        records, errors = measure_targets(
+            [("a", opener("a", server.base_url)), ("b", opener("b", server.base_url))], plan, rounds=2
+        )
     assert not errors
-    one_point = [("open", "a"), ("close", "a"), ("open", "b"), ("close", "b"),  # round 1
-                 ("open", "b"), ("close", "b"), ("open", "a"), ("close", "a")]  # round 2, rotated
+    one_point = [
+        ("open", "a"),
+        ("close", "a"),
+        ("open", "b"),
+        ("close", "b"),  # round 1
+        ("open", "b"),
+        ("close", "b"),
+        ("open", "a"),
+        ("close", "a"),
+    ]  # round 2, rotated
     assert events == one_point * 2
-    assert [(r.config, r.point.concurrency, r.metrics.completed) for r in records] == \
-        [("a", 1, 2), ("b", 1, 2), ("a", 2, 2), ("b", 2, 2)]  # the rounds pooled
+    assert [(r.config, r.point.concurrency, r.metrics.completed) for r in records] == [
+        ("a", 1, 2),
+        ("b", 1, 2),
+        ("a", 2, 2),
+        ("b", 2, 2),
+    ]  # the rounds pooled
 
 
 def test_cli_user_errors_are_one_line(capsys):
@@ -274,11 +336,34 @@ def test_cli_user_errors_are_one_line(capsys):
 def test_cli_reports_a_server_that_never_gets_healthy_and_keeps_the_rest(tmp_path, capsys):
     out = tmp_path / "bench.json"
     with FakeServerThread() as other:
-        status = cli_main(["bench", "--compare", "--no-transformers", "--policies", "mixed", "--tokenizer", "words",
-                           "--serve-command", f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)'",
-                           "--num-prompts", "2", "--input-len", "3", "--output-len", "2", "--log-dir", str(tmp_path),
-                           "--compare-url", other.base_url, "--output", str(out), "--no-progress",
-                           "--rounds", "2"])
+        status = cli_main(
+            [
+                "bench",
+                "--compare",
+                "--no-transformers",
+                "--policies",
+                "mixed",
+                "--tokenizer",
+                "words",
+                "--serve-command",
+                f"{shlex.quote(sys.executable)} -c 'import sys; sys.exit(3)'",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "3",
+                "--output-len",
+                "2",
+                "--log-dir",
+                str(tmp_path),
+                "--compare-url",
+                other.base_url,
+                "--output",
+                str(out),
+                "--no-progress",
+                "--rounds",
+                "2",
+            ]
+        )
     assert status == 2
     assert "mixed: server exited with status 3" in capsys.readouterr().err
     doc = json.loads(out.read_text())
@@ -291,10 +376,34 @@ def test_multiturn_conversations_resend_their_history_turn_after_turn(tmp_path, 
     script = FakeServerScript(ttft_s=0.01, token_interval_s=0.001)
     out = tmp_path / "bench.json"
     with FakeServerThread(script) as server:
-        status = cli_main(["bench", "--base-url", server.base_url, "--model", "fake", "--tokenizer", "words",
-                           "--workload", "multiturn", "--num-prompts", "3", "--turns", "3", "--system-tokens", "40",
-                           "--output-len", "4", "--concurrency", "2", "--warmup", "1", "--output", str(out),
-                           "--no-progress"])
+        status = cli_main(
+            [
+                "bench",
+                "--base-url",
+                server.base_url,
+                "--model",
+                "fake",
+                "--tokenizer",
+                "words",
+                "--workload",
+                "multiturn",
+                "--num-prompts",
+                "3",
+                "--turns",
+                "3",
+                "--system-tokens",
+                "40",
+                "--output-len",
+                "4",
+                "--concurrency",
+                "2",
+                "--warmup",
+                "1",
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
     assert status == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert run["metrics"]["completed"] == 9 and set(run["by_turn"]) == {"0", "1", "2"}

@@ -1,7 +1,7 @@
 """bench_engine's token comparison: generate's min_new_tokens bans EOS, the engine does not, so the
 two agree up to the engine's EOS."""
 
-from loadtests.bench_engine import same_greedy_tokens
+from batchserve.loadtests.bench_engine import same_greedy_tokens
 
 
 def test_tokens_agree_up_to_the_engines_eos() -> None:

@@ -5,14 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadtests.client import RequestResult
-from loadtests.metrics import Distribution, e2e_latency, inter_token_latencies, summarize, tpot, ttft
+from batchserve.loadtests.client import RequestResult
+from batchserve.loadtests.metrics import Distribution, e2e_latency, inter_token_latencies, summarize, tpot, ttft
 
 
-def result(send: float, chunks: list[float], end: float, prompt: int = 10, output: int | None = None,
-           success: bool = True) -> RequestResult:
-    return RequestResult(success=success, send_time=send, chunk_times=chunks, end_time=end, prompt_tokens=prompt,
-                         output_tokens=len(chunks) if output is None else output, usage_reported=True)
+def result(
+    send: float, chunks: list[float], end: float, prompt: int = 10, output: int | None = None, success: bool = True
+) -> RequestResult:
+    return RequestResult(
+        success=success,
+        send_time=send,
+        chunk_times=chunks,
+        end_time=end,
+        prompt_tokens=prompt,
+        output_tokens=len(chunks) if output is None else output,
+        usage_reported=True,
+    )
 
 
 def test_per_request_definitions():
@@ -66,7 +74,7 @@ def test_empty_and_all_failed_runs_report_no_latencies():
 
 
 def test_goodput_counts_requests_meeting_every_objective():
-    from loadtests.metrics import Slo
+    from batchserve.loadtests.metrics import Slo
 
     slo = Slo.parse(["ttft:200", "tpot:100"])
     fast = result(0.0, [0.1, 0.15, 0.2], 0.2)  # TTFT 100 ms, TPOT 50 ms: good
@@ -82,7 +90,7 @@ def test_goodput_counts_requests_meeting_every_objective():
 
 
 def test_goodput_objectives_parse_as_vllm_spells_them():
-    from shared.slo import DEFAULT_SLOS, Slo
+    from batchserve.shared.slo import DEFAULT_SLOS, Slo
 
     assert Slo.parse(["ttft:2000", "tpot:100", "e2el:9000"]) == Slo(2000.0, 100.0, 9000.0)
     assert Slo.parse(["cpu"]) == DEFAULT_SLOS["cpu"]

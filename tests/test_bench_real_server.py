@@ -5,18 +5,27 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
-from procs.cli import main as cli_main
 from test_locust_user import run_locust
+
+from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
+from batchserve.procs.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
 def real_server(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama", with_tokenizer=True)
     log = tmp_path_factory.mktemp("bench-real") / "serve.log"
-    command = [*DEFAULT_SERVE_COMMAND, "--model", str(model), "--kv-capacity-tokens", "4096",
-               "--max-running-requests", "8", "--prefill-budget", "256"]
+    command = [
+        *DEFAULT_SERVE_COMMAND,
+        "--model",
+        str(model),
+        "--kv-capacity-tokens",
+        "4096",
+        "--max-running-requests",
+        "8",
+        "--prefill-budget",
+        "256",
+    ]
     with ServerProcess(command, log, health_timeout_s=240) as server:
         yield server, model
 
@@ -24,10 +33,32 @@ def real_server(tiny_model_dir, tmp_path_factory):
 def test_bench_against_the_real_server(real_server, tmp_path):
     server, model = real_server
     out = tmp_path / "bench.json"
-    status = cli_main(["bench", "--base-url", server.base_url, "--model", str(model), "--tokenizer", str(model),
-                       "--endpoint", "completions", "--num-prompts", "6", "--input-len", "4:12",
-                       "--output-len", "3:6", "--concurrency", "3", "--warmup", "1", "--output", str(out),
-                       "--no-progress"])
+    status = cli_main(
+        [
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--model",
+            str(model),
+            "--tokenizer",
+            str(model),
+            "--endpoint",
+            "completions",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "4:12",
+            "--output-len",
+            "3:6",
+            "--concurrency",
+            "3",
+            "--warmup",
+            "1",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert status == 0, server.log_tail()
     (run,) = json.loads(out.read_text())["runs"]
     m = run["metrics"]
@@ -51,11 +82,36 @@ def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tm
     with 5 % all four questions run at once."""
     model = tiny_model_dir("llama", with_tokenizer=True)
     out = tmp_path / "bench.json"
-    status = cli_main(["bench", "--compare", "--policies", "mixed", "--no-transformers", "--model", str(model),
-                       "--workload", "questions", "--num-prompts", "4", "--concurrency", "4", "--warmup", "0",
-                       "--server-args", "--kv-capacity-tokens 1024 --page-size 16",
-                       "--variant", "whole=--kv-reserve-ratio 1", "--variant", "five=--kv-reserve-ratio 0.05",
-                       "--log-dir", str(tmp_path), "--output", str(out), "--no-progress"])
+    status = cli_main(
+        [
+            "bench",
+            "--compare",
+            "--policies",
+            "mixed",
+            "--no-transformers",
+            "--model",
+            str(model),
+            "--workload",
+            "questions",
+            "--num-prompts",
+            "4",
+            "--concurrency",
+            "4",
+            "--warmup",
+            "0",
+            "--server-args",
+            "--kv-capacity-tokens 1024 --page-size 16",
+            "--variant",
+            "whole=--kv-reserve-ratio 1",
+            "--variant",
+            "five=--kv-reserve-ratio 0.05",
+            "--log-dir",
+            str(tmp_path),
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert status == 0, (tmp_path / "server-five.log").read_text()[-3000:]
     runs = {run["config"]: run for run in json.loads(out.read_text())["runs"]}
     assert set(runs) == {"whole", "five"}

@@ -7,14 +7,16 @@ import math
 
 import pytest
 
-from loadtests.metrics import BenchMetrics, Distribution
-from loadtests.plot import plot_sweep
-from loadtests.report import RunRecord, format_ratios, format_table, ratio_rows, write_json
-from loadtests.runner import LoadPoint
+from batchserve.loadtests.metrics import BenchMetrics, Distribution
+from batchserve.loadtests.plot import plot_sweep
+from batchserve.loadtests.report import RunRecord, format_ratios, format_table, ratio_rows, write_json
+from batchserve.loadtests.runner import LoadPoint
 
 
 def metrics(out_tps: float, ttft: float, itl: float) -> BenchMetrics:
-    d = lambda v: Distribution(10, v, v, v * 1.5, v * 2)  # noqa: E731
+    def d(v: float) -> Distribution:
+        return Distribution(10, v, v, v * 1.5, v * 2)
+
     return BenchMetrics(10, 0, 1.0, 100, int(out_tps), 10.0, 100.0, out_tps, d(ttft), d(itl), d(itl), d(ttft + itl))
 
 
@@ -57,12 +59,14 @@ def test_plot_writes_a_png_with_an_infinite_rate(tmp_path):
 def test_goodput_columns_appear_when_objectives_were_measured(tmp_path):
     import dataclasses
 
-    from loadtests.metrics import Slo
-    from loadtests.report import format_run
+    from batchserve.loadtests.metrics import Slo
+    from batchserve.loadtests.report import format_run
 
     slo = Slo(ttft_ms=100.0)
-    good = [dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, slo=slo, good_requests=n, goodput=n / 1.0))
-            for r, n in zip(RECORDS, (8, 4, 6, 2))]
+    good = [
+        dataclasses.replace(r, metrics=dataclasses.replace(r.metrics, slo=slo, good_requests=n, goodput=n / 1.0))
+        for r, n in zip(RECORDS, (8, 4, 6, 2))
+    ]
     assert "goodput" not in format_table(RECORDS)
     table = format_table(good)
     assert "good %" in table and "80.0" in table and "8.00" in table
@@ -78,7 +82,7 @@ def test_goodput_columns_appear_when_objectives_were_measured(tmp_path):
 def test_server_itl_quantiles_come_from_the_histogram_and_pool_over_rounds():
     """Per-token gaps as the api's histogram counted them over a run: 90 in (0.2, 0.25], 10 in (0.3, 0.4];
     two rounds pooled bucket by bucket, so their quantiles are the pooled histogram's."""
-    from loadtests.server_stats import ServerStats
+    from batchserve.loadtests.server_stats import ServerStats
 
     buckets = ((0.2, 0.0), (0.25, 90.0), (0.3, 90.0), (0.4, 100.0), (float("inf"), 100.0))
     one = ServerStats(4, 0, buckets)

@@ -7,10 +7,18 @@ import math
 import numpy as np
 import pytest
 
-from loadtests.runner import LoadPoint
-from loadtests.targets import Plan
-from loadtests.workload import (CHAT_MIX, WORDS, LengthRange, TokenizerPromptBuilder, WordPromptBuilder,
-                                chat_workload, poisson_arrivals, random_workload)
+from batchserve.loadtests.runner import LoadPoint
+from batchserve.loadtests.targets import Plan
+from batchserve.loadtests.workload import (
+    CHAT_MIX,
+    WORDS,
+    LengthRange,
+    TokenizerPromptBuilder,
+    WordPromptBuilder,
+    chat_workload,
+    poisson_arrivals,
+    random_workload,
+)
 
 
 def test_same_seed_same_workload_different_seed_different():
@@ -85,8 +93,8 @@ def test_poisson_arrivals_have_the_asked_rate_and_are_seeded():
 
 
 def test_questions_send_no_max_tokens_and_a_seed_each():
-    from loadtests.client import build_payload
-    from loadtests.workload import QUESTION_TEMPERATURE, QUESTIONS, questions_workload
+    from batchserve.loadtests.client import build_payload
+    from batchserve.loadtests.workload import QUESTION_TEMPERATURE, QUESTIONS, questions_workload
 
     specs = questions_workload(len(QUESTIONS) + 5, seed=0)
     assert specs == questions_workload(len(QUESTIONS) + 5, seed=0) != questions_workload(len(QUESTIONS) + 5, seed=1)
@@ -96,8 +104,9 @@ def test_questions_send_no_max_tokens_and_a_seed_each():
     payload = build_payload(specs[0], "chat", "m")
     assert "max_tokens" not in payload and "ignore_eos" not in payload
     assert payload["seed"] == specs[0].seed and payload["temperature"] == QUESTION_TEMPERATURE
-    fixed = build_payload(random_workload(1, LengthRange(4, 4), LengthRange(7, 7), 0, WordPromptBuilder())[0],
-                          "completions", "m")
+    fixed = build_payload(
+        random_workload(1, LengthRange(4, 4), LengthRange(7, 7), 0, WordPromptBuilder())[0], "completions", "m"
+    )
     assert fixed["max_tokens"] == 7 and fixed["ignore_eos"] is True and "seed" not in fixed
 
 
@@ -126,7 +135,7 @@ def test_rounds_get_their_own_prompts():
 
 
 def test_editing_prompts_hold_a_passage_and_end_at_eos():
-    from loadtests.workload import EDITS, editing_workload
+    from batchserve.loadtests.workload import EDITS, editing_workload
 
     specs = editing_workload(12, seed=0)
     assert specs == editing_workload(12, seed=0) != editing_workload(12, seed=1)

@@ -18,16 +18,16 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import aiohttp
 import pytest
-
 from e2e_server import REPO, free_port, http, pid_alive, start_server, stream, wait_until
 from fault_injection import StreamRecord, segments_of, stream_until_end
-from shared.config import DEFAULT_MODEL
+
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import DEFAULT_MODEL
 
 WITHIN_S = 5.0  # the issue's bound on each process's exit after the drain's end
 PROCESSES = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
@@ -65,16 +65,20 @@ def stop_record(log: str) -> dict[str, tuple[float, str]]:
 
 
 def stopped_lines(log: str) -> dict[str, tuple[datetime, str]]:
-    return {message.split()[0]: (at, message) for at, logger, message in log_records(log)
-            if logger == "batchserve.process" and re.match(r"\S+ stopped pid=", message)}
+    return {
+        message.split()[0]: (at, message)
+        for at, logger, message in log_records(log)
+        if logger == "batchserve.process" and re.match(r"\S+ stopped pid=", message)
+    }
 
 
 def assert_clean_stop(log: str) -> dict[str, float]:
     """Every process stopped by itself with status 0 within `WITHIN_S` of the drain's end; returns each
     one's seconds after it (from its "stopped" line)."""
     assert "did not stop; killing it" not in log, log[-3000:]
-    drained = [at for at, logger, message in log_records(log)
-               if logger == "batchserve.api" and message.startswith("drained ")]
+    drained = [
+        at for at, logger, message in log_records(log) if logger == "batchserve.api" and message.startswith("drained ")
+    ]
     assert len(drained) == 1, log[-3000:]
     stopped = stopped_lines(log)
     assert sorted(stopped) == sorted(PROCESSES), log[-3000:]
@@ -103,8 +107,10 @@ def test_the_ready_line_is_printed_once_when_a_request_gets_a_200(model, tmp_pat
         assert http(f"{server.url}/health")[0] == 200
         log = server.log()
         assert log.count(SERVING_LINE) == 1, log
-        before = log[:log.index(SERVING_LINE)]
-        ready = {message.split()[0] for _, logger, message in log_records(before) if re.match(r"\S+ ready pid=", message)}
+        before = log[: log.index(SERVING_LINE)]
+        ready = {
+            message.split()[0] for _, logger, message in log_records(before) if re.match(r"\S+ ready pid=", message)
+        }
         assert ready == set(PROCESSES), before
         assert "listening" not in log  # the api listens (answering 503) long before it is ready
     finally:
@@ -130,12 +136,18 @@ def test_a_busy_server_ends_every_stream_and_stops_by_itself(slow_model, tmp_pat
     """Streams in flight at the stop either finish within the drain timeout or are cut off by it with
     the terminal events; either way every process then stops by itself."""
     max_tokens, drain_timeout = (100, 60) if drain == "finish" else (400, 1)
-    server = start_server(slow_model, tmp_path / "serve.log", "--kv-capacity-tokens", "8192",
-                          "--drain-timeout-s", str(drain_timeout))
+    server = start_server(
+        slow_model, tmp_path / "serve.log", "--kv-capacity-tokens", "8192", "--drain-timeout-s", str(drain_timeout)
+    )
     pids = list(server.pids.values())
     records = [StreamRecord() for _ in range(3)]
-    body = {"model": str(slow_model), "prompt": "w5 w6 w7", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
+    body = {
+        "model": str(slow_model),
+        "prompt": "w5 w6 w7",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def streams_through_stop() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -154,8 +166,12 @@ def test_a_busy_server_ends_every_stream_and_stops_by_itself(slow_model, tmp_pat
     ends = sorted({r.terminal() for r in records})
     if drain == "finish":
         assert ends == ["completed + [DONE]"], ends
-        finishes = [json.loads(data)["choices"][0]["finish_reason"] for r in records for _, data in r.events
-                    if data.startswith("{") and json.loads(data)["choices"]]
+        finishes = [
+            json.loads(data)["choices"][0]["finish_reason"]
+            for r in records
+            for _, data in r.events
+            if data.startswith("{") and json.loads(data)["choices"]
+        ]
         assert finishes.count("length") == len(records)
     else:
         assert len(ends) == 1 and ends[0].startswith("finish_reason abort + error"), ends
@@ -164,7 +180,7 @@ def test_a_busy_server_ends_every_stream_and_stops_by_itself(slow_model, tmp_pat
 
 
 def serve_command(model: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "procs.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    return [*cli_command("serve"), "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
 
 
 def test_a_taken_port_is_one_line_before_anything_starts(model):
@@ -175,8 +191,9 @@ def test_a_taken_port_is_one_line_before_anything_starts(model):
         done = subprocess.run(serve_command(model, port), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stdout == ""
-    assert done.stderr.splitlines() == [f"batchserve serve: error: cannot listen on 127.0.0.1:{port}: "
-                                        f"Address already in use"], done.stderr
+    assert done.stderr.splitlines() == [
+        f"batchserve serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ], done.stderr
 
 
 def children_of(pid: int) -> list[int]:
@@ -192,11 +209,15 @@ def test_a_port_taken_after_the_check_fails_the_api_and_the_others_stop_by_thems
     port = free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log, socket.socket() as taken:
-        proc = subprocess.Popen(serve_command(model, port), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            serve_command(model, port), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            assert wait_until(lambda: len(children_of(proc.pid)) == len(PROCESSES) or proc.poll() is not None,
-                              timeout=60, interval=0.002)
+            assert wait_until(
+                lambda: len(children_of(proc.pid)) == len(PROCESSES) or proc.poll() is not None,
+                timeout=60,
+                interval=0.002,
+            )
             pids = children_of(proc.pid)
             taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             taken.bind(("127.0.0.1", port))
@@ -232,10 +253,10 @@ def test_the_default_model_answers_the_readme_example_and_stops_by_itself(tmp_pa
     server = start_server(DEFAULT_MODEL, tmp_path / "serve.log", "--kv-capacity-tokens", "8192", startup_timeout=600)
     try:
         assert server.log().count(SERVING_LINE) == 1
-        text, finish, _ = stream(server.url + url[url.index("/v1/"):], body)
+        text, finish, _ = stream(server.url + url[url.index("/v1/") :], body)
         assert "Paris" in text and finish == "stop", (text, finish)
         url, body = README_SCHEMA_CURL.search(readme).groups()
-        status, answer = http(server.url + url[url.index("/v1/"):], json.loads(body))
+        status, answer = http(server.url + url[url.index("/v1/") :], json.loads(body))
         assert status == 200, answer
         assert json.loads(answer["choices"][0]["message"]["content"]) == {"city": "Paris", "country": "France"}
         server.proc.send_signal(signal.SIGTERM)

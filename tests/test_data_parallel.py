@@ -17,14 +17,22 @@ import msgspec
 import pytest
 import torch
 
-from procs import serve
-from procs.api.auth import INTERNAL_KEY_ENV, accepted_keys
-from procs.router import SMG_LAUNCH, smg_args
-from procs.runtime import resolve_runtime_dir
-from procs.worker.parallel import join, rank_device
-from shared.config import ROUTER_POLICIES, ServerConfig
-from shared.parallel import (RankLayout, check_parallel_config, replica_dir, replica_port, replica_urls, replicated,
-                             router_metrics_port)
+from batchserve.procs import serve
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV, accepted_keys
+from batchserve.procs.router import SMG_LAUNCH, smg_args
+from batchserve.procs.runtime import resolve_runtime_dir
+from batchserve.procs.worker.parallel import join, rank_device
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ROUTER_POLICIES, ServerConfig
+from batchserve.shared.parallel import (
+    RankLayout,
+    check_parallel_config,
+    replica_dir,
+    replica_port,
+    replica_urls,
+    replicated,
+    router_metrics_port,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 TWO = ServerConfig(port=8000, data_parallel_size=2)
@@ -72,14 +80,19 @@ def test_a_replica_worker_takes_its_share_of_the_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"data_parallel_size": 0}, "data_parallel_size must be >= 1, got 0"),
-    ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank must be in [0, data_parallel_size=2)"),
-    ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data_parallel_size 2 with tensor_parallel_size 2 is not "
-                                                           "supported"),
-    ({"data_parallel_size": 2, "port": 0}, "port 0 (any free port) cannot be used with data_parallel_size > 1"),
-    ({"data_parallel_size": 4, "router": "smg", "port": 65532}, "would pass 65535"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"data_parallel_size": 0}, "data_parallel_size must be >= 1, got 0"),
+        ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank must be in [0, data_parallel_size=2)"),
+        (
+            {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            "data_parallel_size 2 with tensor_parallel_size 2 is not supported",
+        ),
+        ({"data_parallel_size": 2, "port": 0}, "port 0 (any free port) cannot be used with data_parallel_size > 1"),
+        ({"data_parallel_size": 4, "router": "smg", "port": 65532}, "would pass 65535"),
+    ],
+)
 def test_a_replica_layout_that_cannot_run_is_refused(fields, message):
     with pytest.raises(ValueError) as info:
         check_parallel_config(ServerConfig(**fields))
@@ -87,32 +100,52 @@ def test_a_replica_layout_that_cannot_run_is_refused(fields, message):
 
 
 def test_serve_refuses_a_bad_layout_in_one_line_before_starting_anything(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "procs.cli", "serve", "--dp", "2", "--tp", "2",
-                             "--runtime-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60,
-                            cwd=REPO)
+    result = subprocess.run(
+        [*cli_command("serve"), "--dp", "2", "--tp", "2", "--runtime-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "data_parallel_size 2 with tensor_parallel_size 2" in result.stderr
     assert not (tmp_path / "run").exists()
-    result = subprocess.run([sys.executable, "-m", "procs.cli", "serve", "--router-policy", "fastest"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = subprocess.run(
+        [*cli_command("serve"), "--router-policy", "fastest"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert result.returncode == 2 and "router_policy" in result.stderr, result.stderr
 
 
 def test_serve_starts_each_replicas_five_processes_then_the_router():
     keys = [launch.key for launch in serve.launches(ROUTED)]
-    assert keys == ["worker@0", "scheduler@0", "tokenizer@0", "detokenizer@0", "api@0",
-                    "worker@1", "scheduler@1", "tokenizer@1", "detokenizer@1", "api@1"]
+    assert keys == [
+        "worker@0",
+        "scheduler@0",
+        "tokenizer@0",
+        "detokenizer@0",
+        "api@0",
+        "worker@1",
+        "scheduler@1",
+        "tokenizer@1",
+        "detokenizer@1",
+        "api@1",
+    ]
     assert [launch.key for launch in serve.launches(ServerConfig())] == [
-        "worker", "scheduler", "tokenizer", "detokenizer", "api"]  # one server: named as before
+        "worker",
+        "scheduler",
+        "tokenizer",
+        "detokenizer",
+        "api",
+    ]  # one server: named as before
     assert serve.listen_ports(ROUTED) == [8001, 8002, 8000, 8003]
     assert serve.listen_ports(TWO) == [8000, 8001]
 
 
 def test_the_gateway_command_line():
-    assert SMG_LAUNCH == (sys.executable, "-m", "procs.smg_launch")
+    assert SMG_LAUNCH == (sys.executable, "-P", "-m", "batchserve.procs.smg_launch")
     command = smg_args(ROUTED)
     at = command.index("--worker-urls")
-    assert command[at + 1: at + 3] == replica_urls(ROUTED)
+    assert command[at + 1 : at + 3] == replica_urls(ROUTED)
     assert command[command.index("--policy") + 1] == "cache_aware"
     assert command[command.index("--health-check-endpoint") + 1] == "/health"
     assert command[command.index("--port") + 1] == "8000"
@@ -130,7 +163,12 @@ def test_smg_reads_the_gateway_command_line_and_knows_our_policies():
     assert set(ROUTER_POLICIES) <= set(COMMON_POLICY_CHOICES)
     for policy in ("cache_aware", "round_robin"):
         args = launch_router.parse_router_args(smg_args(msgspec.structs.replace(ROUTED, router_policy=policy)))
-        assert (args.worker_urls, args.policy, args.port, args.host) == (replica_urls(ROUTED), policy, 8000, "127.0.0.1")
+        assert (args.worker_urls, args.policy, args.port, args.host) == (
+            replica_urls(ROUTED),
+            policy,
+            8000,
+            "127.0.0.1",
+        )
         assert args.health_check_endpoint == "/health" and args.disable_tokenizer_autoload
         assert args.prometheus_port == 8003 and args.log_level == "warn"
 
@@ -138,7 +176,9 @@ def test_smg_reads_the_gateway_command_line_and_knows_our_policies():
 def test_smg_gets_every_client_key_as_a_tenant_key_and_the_internal_key_for_its_control_plane():
     """procs/smg_launch.py against smg's own RouterArgs: no client key is smg's `--api-key` (which opens its
     control plane and which it presents to the replicas); the internal key is, and its control plane's."""
-    smg_launch = pytest.importorskip("procs.smg_launch", reason="smg is not installed (pip install -e '.[router]')")
+    smg_launch = pytest.importorskip(
+        "batchserve.procs.smg_launch", reason="smg is not installed (pip install -e '.[router]')"
+    )
     from smg.launch_router import parse_router_args
 
     args = parse_router_args(smg_args(ROUTED))
@@ -159,10 +199,12 @@ def test_a_replicas_api_accepts_the_internal_key_beside_the_client_keys():
     assert accepted_keys(ServerConfig(), env={INTERNAL_KEY_ENV: "internal"}) == ()  # an open server stays open
 
 
-STAND_IN = ("import os, sys, time\n"
-            "open(f'/dev/shm/batchserve-{os.getpid()}-stand-in', 'w').close()\n"
-            "print('up', flush=True)\n"
-            "time.sleep(600)\n")
+STAND_IN = (
+    "import os, sys, time\n"
+    "open(f'/dev/shm/batchserve-{os.getpid()}-stand-in', 'w').close()\n"
+    "print('up', flush=True)\n"
+    "time.sleep(600)\n"
+)
 
 
 def stand_in(launch: serve.Launch) -> serve.Child:
@@ -176,8 +218,9 @@ def test_a_failed_replica_is_cleaned_up_at_once_and_never_signalled_again(tmp_pa
     """Once a replica's process died and `serve` stopped that replica, its processes' shared memory is gone
     at once and they leave `children`: the final stop signals only the live replica's process groups, and
     removes no segment by a retired pid (which may be another process's by then)."""
-    supervisor = serve.Supervisor(msgspec.structs.replace(ROUTED, runtime_dir=str(tmp_path)), tmp_path,
-                                  owns_runtime_dir=False)
+    supervisor = serve.Supervisor(
+        msgspec.structs.replace(ROUTED, runtime_dir=str(tmp_path)), tmp_path, owns_runtime_dir=False
+    )
     children = [stand_in(serve.Launch(name, name, replica=i)) for i in (0, 1) for name in ("worker", "api")]
     supervisor.children = {child.name: child for child in children}
     live, failed = children[:2], children[2:]

@@ -24,20 +24,33 @@ from typing import Literal
 import aiohttp
 import openai
 import pytest
-from pydantic import BaseModel, Field
-
 from e2e_server import ReplicatedServer, http, metric, wait_until
 from fault_injection import StreamRecord, health, stream_until_end
-from procs.api.auth import INTERNAL_KEY_ENV
-from procs.api.metrics import PROTOCOL_ALIASES
-from procs.router import healthy_workers
+from pydantic import BaseModel, Field
 
-pytest.importorskip("smg", reason="smg is not installed: `pip install -e '.[router]'` installs the gateway "
-                                  "(its wheel, smg==1.13.0) that these tests run in front of the replicas")
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV
+from batchserve.procs.api.metrics import PROTOCOL_ALIASES
+from batchserve.procs.router import healthy_workers
+
+pytest.importorskip(
+    "smg",
+    reason="smg is not installed: `pip install -e '.[router]'` installs the gateway "
+    "(its wheel, smg==1.13.0) that these tests run in front of the replicas",
+)
 
 KEYS = ("k1", "k2")
-FLAGS = ("--kv-capacity-tokens", "4096", "--max-running-requests", "16", "--drain-timeout-s", "5",
-         "--api-key", KEYS[0], "--api-key", KEYS[1])
+FLAGS = (
+    "--kv-capacity-tokens",
+    "4096",
+    "--max-running-requests",
+    "16",
+    "--drain-timeout-s",
+    "5",
+    "--api-key",
+    KEYS[0],
+    "--api-key",
+    KEYS[1],
+)
 SYSTEM = " ".join(f"item {i}" for i in range(40))  # ~300 tokens: whole pages for the prefix cache
 GONE_WITHIN_S = 15.0  # a dead replica out of the gateway's rotation: its health checks, every second
 
@@ -49,8 +62,15 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = ReplicatedServer(model, tmp_path_factory.mktemp("data-parallel") / "serve.log",
-                           "--data-parallel-size", "2", "--router", "smg", *FLAGS)
+    srv = ReplicatedServer(
+        model,
+        tmp_path_factory.mktemp("data-parallel") / "serve.log",
+        "--data-parallel-size",
+        "2",
+        "--router",
+        "smg",
+        *FLAGS,
+    )
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log_tail()
@@ -61,8 +81,9 @@ def client(url: str, key: str = KEYS[0]) -> openai.OpenAI:
 
 
 def chat(url: str, model: Path, messages: list[dict], key: str = KEYS[0], **kw):
-    return client(url, key).chat.completions.create(model=str(model), messages=messages, temperature=0,
-                                                    max_tokens=kw.pop("max_tokens", 16), **kw)
+    return client(url, key).chat.completions.create(
+        model=str(model), messages=messages, temperature=0, max_tokens=kw.pop("max_tokens", 16), **kw
+    )
 
 
 class Reply(BaseModel):
@@ -86,20 +107,27 @@ def test_chat_stream_n_and_structured_output_through_the_gateway(server, model):
     whole = chat(server.url, model, messages, extra_body={"ignore_eos": True})
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 16
     for url in server.replica_urls:  # the same weights everywhere: greedy answers agree
-        assert chat(url, model, messages, extra_body={"ignore_eos": True}).choices[0].message.content == \
-            whole.choices[0].message.content
+        assert (
+            chat(url, model, messages, extra_body={"ignore_eos": True}).choices[0].message.content
+            == whole.choices[0].message.content
+        )
     text, finish = [], None
     for chunk in chat(server.url, model, messages, stream=True, extra_body={"ignore_eos": True}):
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert ("".join(text), finish) == (whole.choices[0].message.content, "length")
-    several = client(server.url).completions.create(model=str(model), prompt="jumps over", n=3, max_tokens=8,
-                                                    temperature=0.9, seed=5)
+    several = client(server.url).completions.create(
+        model=str(model), prompt="jumps over", n=3, max_tokens=8, temperature=0.9, seed=5
+    )
     assert [c.index for c in several.choices] == [0, 1, 2] and several.usage.completion_tokens == 24
     parsed = client(server.url).chat.completions.parse(
-        model=str(model), messages=[{"role": "user", "content": '{"name": "Ada", "age": 36, "ok": true}'}],
-        response_format=Reply, temperature=0, max_tokens=80)
+        model=str(model),
+        messages=[{"role": "user", "content": '{"name": "Ada", "age": 36, "ok": true}'}],
+        response_format=Reply,
+        temperature=0,
+        max_tokens=80,
+    )
     assert parsed.choices[0].finish_reason == "stop"
     assert isinstance(parsed.choices[0].message.parsed, Reply)  # pydantic validated it against the schema
 
@@ -111,8 +139,14 @@ def test_new_request_fields_pass_the_gateway(server, model):
     texts = {}
     for url in (server.url, server.replica_urls[0]):
         for skip in (True, False):
-            reply = chat(url, model, messages, max_tokens=3, reasoning_effort="low",
-                         extra_body={"ignore_eos": True, "skip_special_tokens": skip, "logit_bias": {"1": 100}})
+            reply = chat(
+                url,
+                model,
+                messages,
+                max_tokens=3,
+                reasoning_effort="low",
+                extra_body={"ignore_eos": True, "skip_special_tokens": skip, "logit_bias": {"1": 100}},
+            )
             texts[url, skip] = reply.choices[0].message.content
     assert texts[server.url, False] == texts[server.replica_urls[0], False] == "<s>" * 3
     assert texts[server.url, True] == texts[server.replica_urls[0], True] == ""
@@ -155,8 +189,12 @@ def test_only_the_internal_key_opens_smgs_control_plane(server):
 
 
 def http_status(url: str, method: str, headers: dict[str, str], body: dict | None = None) -> int:
-    request = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json", **headers},
-                                     data=json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(
+        url,
+        method=method,
+        headers={"Content-Type": "application/json", **headers},
+        data=json.dumps(body).encode() if body is not None else None,
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status
@@ -168,11 +206,15 @@ def test_a_conversations_next_turn_reaches_the_replica_holding_its_history(serve
     """cache_aware: a turn's text starts with the previous turn's, so smg sends it where that went, and
     that replica's prefix cache has its KV. Several conversations, so that each replica serves some."""
     for i in range(4):
-        history = [{"role": "system", "content": f"conversation {i}: {SYSTEM}"},
-                   {"role": "user", "content": "the quick brown fox"}]
+        history = [
+            {"role": "system", "content": f"conversation {i}: {SYSTEM}"},
+            {"role": "user", "content": "the quick brown fox"},
+        ]
         first = chat(server.url, model, history)
-        history += [{"role": "assistant", "content": first.choices[0].message.content},
-                    {"role": "user", "content": "jumps over the lazy dog"}]
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "jumps over the lazy dog"},
+        ]
         second = chat(server.url, model, history)
         assert first.usage.prompt_tokens > 250
         # every whole page of the first turn's prompt: the last partial page stays private
@@ -187,8 +229,9 @@ def test_stored_responses_chain_across_the_replicas_through_the_gateway(server, 
     /v1/responses/{id} itself, from its own history, which holds nothing for HTTP workers: 404 there."""
     gateway, rid, ids = client(server.url), None, []
     for i in range(20):
-        response = gateway.responses.create(model=str(model), input=f"turn {i}", previous_response_id=rid,
-                                            max_output_tokens=3, temperature=0)
+        response = gateway.responses.create(
+            model=str(model), input=f"turn {i}", previous_response_id=rid, max_output_tokens=3, temperature=0
+        )
         assert response.store and response.status in ("completed", "incomplete")
         rid = response.id
         ids.append(rid)
@@ -211,9 +254,14 @@ def test_each_replica_exports_the_gauges_routers_read(server):
         status, page = http(f"{url}/metrics")
         assert status == 200
         names = {line.split("{")[0].split(" ")[0] for line in str(page).splitlines() if not line.startswith("#")}
-        for name in (*PROTOCOL_ALIASES, *PROTOCOL_ALIASES.values(), "batchserve_time_to_first_token_seconds_count",
-                     "batchserve_inter_token_latency_seconds_count", "batchserve_e2e_request_latency_seconds_count",
-                     "batchserve_request_queue_time_seconds_count"):
+        for name in (
+            *PROTOCOL_ALIASES,
+            *PROTOCOL_ALIASES.values(),
+            "batchserve_time_to_first_token_seconds_count",
+            "batchserve_inter_token_latency_seconds_count",
+            "batchserve_e2e_request_latency_seconds_count",
+            "batchserve_request_queue_time_seconds_count",
+        ):
             assert name in names, (url, name)
         assert 0 <= metric(url, "vllm:kv_cache_usage_perc") <= 1
         assert metric(url, "batchserve_request_queue_time_seconds_count") > 0  # requests have been through both
@@ -235,12 +283,17 @@ def segments(pid: int) -> list[Path]:
     return list(Path("/dev/shm").glob(f"batchserve-{pid}-*"))
 
 
-async def streams_until_a_replica_dies(server: ReplicatedServer, bodies: list[dict], records: list[StreamRecord]) -> int:
+async def streams_until_a_replica_dies(
+    server: ReplicatedServer, bodies: list[dict], records: list[StreamRecord]
+) -> int:
     """Stream each body through the gateway; once every stream has 2 chunks, SIGKILL the worker of the
     replica serving the most of them; wait for every stream to end. Returns that replica."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                     headers={"Authorization": f"Bearer {KEYS[0]}"}) as session:
-        tasks = [asyncio.create_task(stream_until_end(session, server.url, body, r)) for body, r in zip(bodies, records)]
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), headers={"Authorization": f"Bearer {KEYS[0]}"}
+    ) as session:
+        tasks = [
+            asyncio.create_task(stream_until_end(session, server.url, body, r)) for body, r in zip(bodies, records)
+        ]
         deadline = time.monotonic() + 60
         while any(r.chunks < 2 for r in records):
             assert time.monotonic() < deadline and not any(t.done() for t in tasks), [r.terminal() for r in records]
@@ -259,8 +312,10 @@ def test_each_replica_serves_the_web_pages_of_its_own_scheduler(server, model):
             with urllib.request.urlopen(url + page, timeout=30) as resp:
                 assert resp.status == 200 and b"/ui/" in resp.read()
         req = urllib.request.Request(url + "/dashboard/snapshot", headers={"Authorization": f"Bearer {KEYS[0]}"})
-        def view() -> dict | None:
+
+        def view(req: urllib.request.Request = req) -> dict | None:
             return json.loads(urllib.request.urlopen(req, timeout=30).read())["scheduler"]
+
         assert wait_until(view, 10) and view()["slots_total"] == 16
     for page in ("/", "/dashboard", "/dashboard/snapshot"):
         try:
@@ -276,8 +331,16 @@ def test_a_killed_replica_ends_its_streams_and_leaves_the_rotation(server, model
     serves on; smg takes it out of rotation when its /health fails, and sends every new request to the
     other replica."""
     # distinct prompts, so that the gateway spreads them (no common prefix to follow)
-    bodies = [{"model": str(model), "prompt": f"{i} the quick brown fox", "max_tokens": 400, "ignore_eos": True,
-               "temperature": 0} for i in range(6)]
+    bodies = [
+        {
+            "model": str(model),
+            "prompt": f"{i} the quick brown fox",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        for i in range(6)
+    ]
     records = [StreamRecord() for _ in bodies]
     assert all(segments(server.pids[f"worker@{i}"]) for i in (0, 1))  # the workers' step buffers
     victim = asyncio.run(streams_until_a_replica_dies(server, bodies, records))

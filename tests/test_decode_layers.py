@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.decode_layers import DecodeLayers
-from procs.scheduler import Scheduler, SchedulerConfig
-from shared.messages import RequestParams, SamplingParams, StopParams
+from batchserve.kernels import native
+from batchserve.kernels.decode_layers import DecodeLayers
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.shared.messages import RequestParams, SamplingParams, StopParams
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
 
@@ -20,14 +20,21 @@ PROMPTS = {"a": [5, 6, 7], "b": list(range(10, 50)), "c": [42], "d": list(range(
 LIMITS = {"a": 9, "b": 4, "c": 12, "d": 6}
 
 
-def run(model_dir, *, fuse: bool, quantization: str = "none", adapter_folders: tuple = (),
-        adapters: dict[str, int] | None = None) -> tuple[dict[str, list[int]], list[torch.Tensor], int, int]:
+def run(
+    model_dir,
+    *,
+    fuse: bool,
+    quantization: str = "none",
+    adapter_folders: tuple = (),
+    adapters: dict[str, int] | None = None,
+) -> tuple[dict[str, list[int]], list[torch.Tensor], int, int]:
     """`adapter_folders`: PEFT folders loaded as LoRA adapters 1, 2..; `adapters`: each request's (rid -> index).
     Returns the tokens, every step's logits, the fused calls and the steps."""
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512,
-                         quantization=quantization)
+    runner = ModelRunner(
+        model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512, quantization=quantization
+    )
     for index, folder in enumerate(adapter_folders, 1):
         runner.load_lora_adapter(index, f"adapter{index}", str(folder), max_rank=16)
     model = runner.model
@@ -48,12 +55,25 @@ def run(model_dir, *, fuse: bool, quantization: str = "none", adapter_folders: t
         return fused_run(self, *args, **kwargs)
 
     model.lm_head_logits = recording_lm_head
-    sched = Scheduler(SchedulerConfig(max_running_requests=3, prefill_budget=16, page_size=runner.page_size,
-                                      kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
+    sched = Scheduler(
+        SchedulerConfig(
+            max_running_requests=3,
+            prefill_budget=16,
+            page_size=runner.page_size,
+            kv_capacity_tokens=runner.kv_capacity_tokens,
+        ),
+        eos_token_ids=(),
+    )
     for rid, prompt in PROMPTS.items():  # three at once: "d" joins when the first one leaves
-        sched.add_request(rid, prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
-                                                     stop=StopParams(max_tokens=LIMITS[rid], ignore_eos=True),
-                                                     adapter=(adapters or {}).get(rid, 0)))
+        sched.add_request(
+            rid,
+            prompt,
+            RequestParams(
+                sampling=SamplingParams(temperature=0.0),
+                stop=StopParams(max_tokens=LIMITS[rid], ignore_eos=True),
+                adapter=(adapters or {}).get(rid, 0),
+            ),
+        )
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
     steps = 0
     with pytest.MonkeyPatch.context() as patch:
@@ -65,8 +85,15 @@ def run(model_dir, *, fuse: bool, quantization: str = "none", adapter_folders: t
     return tokens, logits, fused_calls, steps
 
 
-ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": dict(mlp_only_layers=[0]),
-         "qwen3_moe": dict(norm_topk_prob=True), "olmoe": dict(clip_qkv=2.0)}
+ARCHS = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mixtral": {},
+    "qwen2_moe": dict(mlp_only_layers=[0]),
+    "qwen3_moe": dict(norm_topk_prob=True),
+    "olmoe": dict(clip_qkv=2.0),
+}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -90,8 +117,9 @@ def test_lora_rows_in_the_one_call_give_the_python_loops_logits_bit_for_bit(tiny
     from test_lora_worker import ADAPTERS, make_adapter
 
     model_dir = tiny_model_dir("llama")
-    folders = tuple(make_adapter(model_dir, tmp_path / name, seed, **config)
-                    for seed, (name, config) in enumerate(ADAPTERS.items()))
+    folders = tuple(
+        make_adapter(model_dir, tmp_path / name, seed, **config) for seed, (name, config) in enumerate(ADAPTERS.items())
+    )
     lora = dict(adapter_folders=folders, adapters={"a": 1, "b": 0, "c": 2, "d": 1})
     loop_tokens, loop_logits, _, _ = run(model_dir, fuse=False, quantization=quantization, **lora)
     fused_tokens, fused_logits, fused_calls, steps = run(model_dir, fuse=True, quantization=quantization, **lora)
@@ -104,13 +132,17 @@ def test_lora_rows_in_the_one_call_give_the_python_loops_logits_bit_for_bit(tiny
 
 
 def test_mismatched_activations_are_refused(tiny_model_dir):
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir("llama"), device="cpu", max_running_requests=2, kv_capacity_tokens=256)
     layers = runner.model._decode_layers_on(runner.attention)
     hidden, head_dim = runner.config.hidden_size, runner.config.head_dim
     h, cos = torch.zeros(2, hidden), torch.zeros(2, head_dim)
-    locs, lens, pages = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
+    locs, lens, pages = (
+        torch.zeros(2, dtype=torch.int64),
+        torch.ones(2, dtype=torch.int64),
+        torch.zeros(2, 1, dtype=torch.int64),
+    )
     with pytest.raises(ValueError, match="residual"):
         layers.run(h, torch.zeros(2, hidden + 1), cos, cos, locs, pages, lens)
     with pytest.raises(ValueError, match="int64"):

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from procs.detokenizer.incremental import IncrementalDetokenizer
-from procs.detokenizer.stop_strings import StopStringMatcher
-from shared.messages import RequestParams, StopParams
+from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.procs.detokenizer.stop_strings import StopStringMatcher
+from batchserve.shared.messages import RequestParams, StopParams
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -240,9 +240,7 @@ def test_numpy_ids_are_accepted() -> None:
     ids = BYTE_BPE.encode(MULTILINGUAL).ids
     detok = IncrementalDetokenizer(BYTE_BPE, prompt_ids=np.array(ids[:3], dtype=np.int32))
     text = "".join(detok.add(np.array([i], dtype=np.int32)).text for i in ids[3:])
-    assert text + detok.add(np.array([], dtype=np.int32)).text + detok.finish() == BYTE_BPE.decode(
-        ids[3:]
-    )
+    assert text + detok.add(np.array([], dtype=np.int32)).text + detok.finish() == BYTE_BPE.decode(ids[3:])
 
 
 # --- stop strings -----------------------------------------------------------------------------
@@ -392,16 +390,22 @@ def test_unsupported_tokenizer_is_a_type_error() -> None:
 
 
 def test_logprobs_get_token_texts_and_the_prompt_its_text() -> None:
-    from procs.detokenizer.process import Detokenizers
-    from shared.messages import TokenDelta, TokenLogprobs
+    from batchserve.procs.detokenizer.process import Detokenizers
+    from batchserve.shared.messages import TokenDelta, TokenLogprobs
 
     tok = _train_byte_level_bpe()
     ids = tok.encode("hello world").ids
     gen = tok.encode(" again").ids
     detok = Detokenizers(tok)
-    first = TokenDelta(rid="r", token_ids=gen[:1], prompt_tokens=len(ids), completion_tokens=1,
-                       logprobs=[TokenLogprobs(gen[0], -0.5, [gen[0], ids[0]], [-0.5, -2.0])],
-                       prompt_ids=ids, prompt_logprobs=[TokenLogprobs(t, -1.0 - i, [], []) for i, t in enumerate(ids[1:])])
+    first = TokenDelta(
+        rid="r",
+        token_ids=gen[:1],
+        prompt_tokens=len(ids),
+        completion_tokens=1,
+        logprobs=[TokenLogprobs(gen[0], -0.5, [gen[0], ids[0]], [-0.5, -2.0])],
+        prompt_ids=ids,
+        prompt_logprobs=[TokenLogprobs(t, -1.0 - i, [], []) for i, t in enumerate(ids[1:])],
+    )
     out, abort = detok.handle(first)
     assert out is not None and not abort
     assert out.prompt_text == "hello world"
@@ -410,31 +414,42 @@ def test_logprobs_get_token_texts_and_the_prompt_its_text() -> None:
     (entry,) = out.logprobs
     assert (entry.token, entry.token_id, entry.logprob) == (tok.decode(gen[:1]), gen[0], -0.5)
     assert [(t.token, t.token_id, t.logprob) for t in entry.top] == [
-        (tok.decode([gen[0]]), gen[0], -0.5), (tok.decode([ids[0]]), ids[0], -2.0)]
-    last, _ = detok.handle(TokenDelta(rid="r", token_ids=gen[1:2], finish_reason="length", prompt_tokens=len(ids),
-                                      completion_tokens=2))
+        (tok.decode([gen[0]]), gen[0], -0.5),
+        (tok.decode([ids[0]]), ids[0], -2.0),
+    ]
+    last, _ = detok.handle(
+        TokenDelta(rid="r", token_ids=gen[1:2], finish_reason="length", prompt_tokens=len(ids), completion_tokens=2)
+    )
     assert last is not None and last.logprobs == [] and last.prompt_text is None and last.usage is not None
 
 
 def _delta_scheduler():
-    from procs.scheduler import Scheduler, SchedulerConfig
+    from batchserve.procs.scheduler import Scheduler, SchedulerConfig
 
     return Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64))
 
 
 def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
-    from procs.scheduler.core import StepOutput
-    from shared.messages import LogitsParams, TokenLogprobs
+    from batchserve.procs.scheduler.core import StepOutput
+    from batchserve.shared.messages import LogitsParams, TokenLogprobs
 
     sched = _delta_scheduler()
     prompt = np.array([5, 6, 7], dtype=np.int32)
-    sched.add_request("a", prompt, RequestParams(stop=StopParams(max_tokens=4),
-                                                 logits=LogitsParams(logprobs=1, prompt_logprobs=0)))
+    sched.add_request(
+        "a", prompt, RequestParams(stop=StopParams(max_tokens=4), logits=LogitsParams(logprobs=1, prompt_logprobs=0))
+    )
     sched.add_request("b", prompt, RequestParams(stop=StopParams(max_tokens=4)))
     lp = TokenLogprobs(9, -0.1, [9], [-0.1])
     plp = [TokenLogprobs(6, -3.0, [], []), TokenLogprobs(7, -2.0, [], [])]
-    first = sched.token_deltas(StepOutput(step=0, new_tokens=[("a", 9), ("b", 4)], token_counts=[1, 1],
-                                          logprobs={"a": [lp]}, prompt_logprobs={"a": plp}))
+    first = sched.token_deltas(
+        StepOutput(
+            step=0,
+            new_tokens=[("a", 9), ("b", 4)],
+            token_counts=[1, 1],
+            logprobs={"a": [lp]},
+            prompt_logprobs={"a": plp},
+        )
+    )
     a, b = first
     assert (a.logprobs, a.prompt_ids, a.prompt_logprobs) == ([lp], [5, 6, 7], plp)
     assert (b.logprobs, b.prompt_ids, b.prompt_logprobs) == ([], [], [])
@@ -443,18 +458,22 @@ def test_token_deltas_carry_logprobs_and_prompt_logprobs_once() -> None:
 
 
 def test_prompt_logprobs_survive_a_request_that_ends_with_its_first_token() -> None:
-    from shared.messages import ForwardBatch, LogitsParams, StepResult, TokenLogprobs
+    from batchserve.shared.messages import ForwardBatch, LogitsParams, StepResult, TokenLogprobs
 
     plp = [TokenLogprobs(6, -3.0, [4], [-1.0])]
 
     class Worker:
         def execute(self, batch: ForwardBatch) -> StepResult:
-            return StepResult(step=batch.step, next_token_ids=np.array([9], dtype=np.int32),
-                              prompt_logprobs=[(batch.slots[0], plp)])
+            return StepResult(
+                step=batch.step, next_token_ids=np.array([9], dtype=np.int32), prompt_logprobs=[(batch.slots[0], plp)]
+            )
 
     sched = _delta_scheduler()
-    sched.add_request("a", np.array([5, 6], dtype=np.int32), RequestParams(stop=StopParams(max_tokens=1),
-                                                                           logits=LogitsParams(prompt_logprobs=1)))
+    sched.add_request(
+        "a",
+        np.array([5, 6], dtype=np.int32),
+        RequestParams(stop=StopParams(max_tokens=1), logits=LogitsParams(prompt_logprobs=1)),
+    )
     out = sched.step(Worker())
     assert out.finished == ["a"] and not sched.has_unfinished()
     (only,) = sched.token_deltas(out)

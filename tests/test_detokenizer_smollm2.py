@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from procs.detokenizer.incremental import IncrementalDetokenizer
-from shared.messages import StopParams
+from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.shared.messages import StopParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = "Bonjour! 你好，世界。こんにちは 🤖🚀 emoji, naïve Ørsted, 한국어 done."
@@ -70,9 +70,7 @@ def test_stop_string_inside_multilingual_text(tok) -> None:
 @given(data=st.data())
 def test_random_ids_concatenate_to_full_decode(tok, partial_char_ids, data) -> None:
     vocab = tok.backend_tokenizer.get_vocab_size()
-    ids = data.draw(
-        st.lists(st.one_of(st.sampled_from(partial_char_ids), st.integers(0, vocab - 1)), max_size=30)
-    )
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(partial_char_ids), st.integers(0, vocab - 1)), max_size=30))
     expected = tok.decode(ids, skip_special_tokens=True)
     detok = IncrementalDetokenizer(tok)
     emitted = ""

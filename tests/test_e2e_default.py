@@ -7,9 +7,9 @@ import asyncio
 
 import aiohttp
 import pytest
-
 from e2e_server import http, reference_greedy, start_server, stream
-from shared.config import DEFAULT_MODEL
+
+from batchserve.shared.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -19,16 +19,22 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("e2e-default") / "serve.log",
-                       "--kv-capacity-tokens", str(CONFIG["kv_capacity_tokens"]),
-                       "--max-running-requests", str(CONFIG["max_running_requests"]), startup_timeout=600)
+    srv = start_server(
+        DEFAULT_MODEL,
+        tmp_path_factory.mktemp("e2e-default") / "serve.log",
+        "--kv-capacity-tokens",
+        str(CONFIG["kv_capacity_tokens"]),
+        "--max-running-requests",
+        str(CONFIG["max_running_requests"]),
+        startup_timeout=600,
+    )
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from shared.model import load_tokenizer
+    from batchserve.shared.model import load_tokenizer
 
     return load_tokenizer(DEFAULT_MODEL)
 
@@ -74,11 +80,11 @@ def test_concurrent_requests_match_their_solo_outputs(server, expected):
 
 def test_chat_completion_with_the_models_template(server, tokenizer):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    status, out = http(f"{server.url}/v1/chat/completions",
-                       {"messages": messages, "max_tokens": 12, "temperature": 0})
+    status, out = http(f"{server.url}/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0})
     assert status == 200, out
-    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                           add_special_tokens=False)
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     assert out["usage"]["prompt_tokens"] == len(ids)
     expected_ids = reference_greedy(DEFAULT_MODEL, [ids], 12, **CONFIG)[0]
     assert out["choices"][0]["message"]["content"] == tokenizer.decode(expected_ids, skip_special_tokens=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-
 from e2e_server import http, metric, start_server, wait_until
 from pooling_models import build_st_embedder, st_vectors, words
 
@@ -20,14 +19,25 @@ TEXTS = [words(5, 0), words(30, 40), words(90, 100), words(2, 250)]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_st_embedder(tmp_path_factory.mktemp("embedder") / "model", pooling="mean",
-                             matryoshka_dimensions=[16, 32])
+    return build_st_embedder(
+        tmp_path_factory.mktemp("embedder") / "model", pooling="mean", matryoshka_dimensions=[16, 32]
+    )
 
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = start_server(model, tmp_path_factory.mktemp("e2e-emb") / "serve.log", "--kv-capacity-tokens", "1024",
-                       "--max-running-requests", "4", "--prefill-budget", "32", "--max-context", "128")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("e2e-emb") / "serve.log",
+        "--kv-capacity-tokens",
+        "1024",
+        "--max-running-requests",
+        "4",
+        "--prefill-budget",
+        "32",
+        "--max-context",
+        "128",
+    )
     yield srv
     srv.stop()
 
@@ -57,15 +67,21 @@ def test_vectors_through_the_openai_package(client, model):
 
 
 def test_refusals_name_the_field(client, server, model):
-    cases = [({"input": ""}, "input"), ({"input": [TEXTS[0], ""]}, "input[1]"), ({"input": []}, "input"),
-             ({"input": words(200, 0)}, "input"), ({"input": [TEXTS[0], words(200, 0)]}, "input[1]"),
-             ({"input": TEXTS[0], "dimensions": 24}, "dimensions"),
-             ({"input": TEXTS[0], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]
+    cases = [
+        ({"input": ""}, "input"),
+        ({"input": [TEXTS[0], ""]}, "input[1]"),
+        ({"input": []}, "input"),
+        ({"input": words(200, 0)}, "input"),
+        ({"input": [TEXTS[0], words(200, 0)]}, "input[1]"),
+        ({"input": TEXTS[0], "dimensions": 24}, "dimensions"),
+        ({"input": TEXTS[0], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ]
     for body, param in cases:
         status, answer = http(f"{server.url}/v1/embeddings", {"model": str(model), **body})
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
-    status, answer = http(f"{server.url}/v1/embeddings", {"model": str(model), "input": words(200, 0),
-                                                           "truncate_prompt_tokens": 128})
+    status, answer = http(
+        f"{server.url}/v1/embeddings", {"model": str(model), "input": words(200, 0), "truncate_prompt_tokens": 128}
+    )
     assert status == 200 and answer["usage"]["prompt_tokens"] == 128
     with pytest.raises(openai.BadRequestError, match="it answers /v1/embeddings, not /v1/completions"):
         client.completions.create(model=str(model), prompt="w5", max_tokens=2)
@@ -76,7 +92,9 @@ def test_refusals_name_the_field(client, server, model):
 
 
 def test_metrics_and_kv_after_the_requests(client, server, model):
-    prompt_tokens = lambda: metric(server.url, "batchserve_prompt_tokens_total")
+    def prompt_tokens() -> float:
+        return metric(server.url, "batchserve_prompt_tokens_total")
+
     before = prompt_tokens()
     client.embeddings.create(model=str(model), input=TEXTS)
     assert prompt_tokens() - before == 5 + 30 + 90 + 2

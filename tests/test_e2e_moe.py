@@ -6,9 +6,8 @@ model; `/metrics` shows the experts' load as one imbalance histogram."""
 from __future__ import annotations
 
 import pytest
-from openai import OpenAI
-
 from e2e_server import metric, start_server, wait_until
+from openai import OpenAI
 from test_model_equivalence import transformers_greedy
 
 MAX_TOKENS = 12
@@ -41,27 +40,49 @@ def test_greedy_output_is_transformers_streamed_or_not(client, model):
     expected = transformers_greedy(model, PROMPTS, MAX_TOKENS)
     for prompt, tokens in zip(PROMPTS, expected):
         visible = [t for t in tokens if t not in SPECIAL]
-        done = client.completions.create(model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True})
+        done = client.completions.create(
+            model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert words_to_ids(done.choices[0].text) == visible
-        chunks = client.completions.create(model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=str(model),
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         assert words_to_ids("".join(c.choices[0].text for c in chunks if c.choices)) == visible
 
 
 def test_chat_n_choices_and_logprobs(client, model):
-    chat = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                          max_tokens=MAX_TOKENS, temperature=0.9, n=3, seed=7, logprobs=True,
-                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=str(model),
+        messages=[{"role": "user", "content": "w5 w6 w7"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.9,
+        n=3,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert len(chat.choices) == 3 and chat.usage.completion_tokens == 3 * MAX_TOKENS
     for choice in chat.choices:
         entries = choice.logprobs.content
         assert len(entries) == MAX_TOKENS
         assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
         assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries)
-    streamed = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                              max_tokens=MAX_TOKENS, temperature=0.9, n=2, seed=7, stream=True,
-                                              extra_body={"ignore_eos": True})
+    streamed = client.chat.completions.create(
+        model=str(model),
+        messages=[{"role": "user", "content": "w5 w6 w7"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.9,
+        n=2,
+        seed=7,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = {0: "", 1: ""}
     for chunk in streamed:
         for choice in chunk.choices:

@@ -9,7 +9,6 @@ import asyncio
 import aiohttp
 import openai
 import pytest
-
 from e2e_server import metric, start_server, wait_until
 
 SYSTEM = " ".join(f"w{3 + i % 300}" for i in range(300))  # a 300-token system prompt
@@ -33,8 +32,12 @@ def servers(model, tmp_path_factory):
 def _chat(url: str, model: str, question: str, **kw):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     return client.chat.completions.create(
-        model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        max_tokens=12, temperature=0, **kw)
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=12,
+        temperature=0,
+        **kw,
+    )
 
 
 def test_the_second_chat_with_a_system_prompt_is_mostly_cached(servers, model):
@@ -59,11 +62,17 @@ def test_the_second_chat_with_a_system_prompt_is_mostly_cached(servers, model):
 
 def test_a_disconnect_storm_leaves_no_referenced_page(servers, model):
     cached, _ = servers
-    body = {"model": str(model), "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "w5"}],
-            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {
+        "model": str(model),
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "w5"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def storm():
         async with aiohttp.ClientSession() as session:
+
             async def one(i: int) -> None:
                 async with session.post(f"{cached.url}/v1/chat/completions", json=body) as resp:
                     n = 0
@@ -72,10 +81,16 @@ def test_a_disconnect_storm_leaves_no_referenced_page(servers, model):
                         if n > i % 5:
                             break
                     resp.close()
+
             await asyncio.gather(*(one(i) for i in range(30)))
 
     asyncio.run(storm())
-    assert wait_until(lambda: metric(cached.url, "batchserve_prefix_cache_referenced_pages") == 0
-                      and metric(cached.url, "batchserve_kv_cache_used_tokens") == 0
-                      and metric(cached.url, "batchserve_num_requests_running") == 0, timeout=30)
+    assert wait_until(
+        lambda: (
+            metric(cached.url, "batchserve_prefix_cache_referenced_pages") == 0
+            and metric(cached.url, "batchserve_kv_cache_used_tokens") == 0
+            and metric(cached.url, "batchserve_num_requests_running") == 0
+        ),
+        timeout=30,
+    )
     assert metric(cached.url, "batchserve_prefix_cache_pages") > 0  # what was computed stays cached

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-
 from e2e_server import http, start_server
 from pooling_models import build_decoder_reranker, build_encoder, words
 
@@ -25,8 +24,16 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = start_server(model, tmp_path_factory.mktemp("e2e-rerank") / "serve.log", "--kv-capacity-tokens", "1024",
-                       "--max-running-requests", "4", "--prefill-budget", "64")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("e2e-rerank") / "serve.log",
+        "--kv-capacity-tokens",
+        "1024",
+        "--max-running-requests",
+        "4",
+        "--prefill-budget",
+        "64",
+    )
     yield srv
     srv.stop()
 
@@ -60,29 +67,34 @@ def test_rerank_ranks_best_first(server, model, reference):
     answer = client.post("/rerank", cast_to=object, body={"query": QUERY, "documents": DOCUMENTS, "top_n": 1})
     assert answer["results"][0]["index"] == order[0]
     for path in ("/rerank", "/v2/rerank"):
-        status, top = http(f"{server.url}{path}", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2,
-                                                   "return_documents": False})
+        status, top = http(
+            f"{server.url}{path}", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": False}
+        )
         assert status == 200 and [r["index"] for r in top["results"]] == order[:2]
         assert all("document" not in r for r in top["results"])
 
 
 def test_refusals_name_the_field(server, model):
-    cases = [("/v1/rerank", {"query": "", "documents": DOCUMENTS}, "query"),
-             ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
-             ("/v1/rerank", {"query": QUERY, "documents": [DOCUMENTS[0], ""]}, "documents[1]"),
-             ("/v1/rerank", {"query": QUERY, "documents": [words(80, 0)]}, "documents[0]"),
-             ("/v1/score", {"text_1": [QUERY] * 3, "text_2": DOCUMENTS}, "text_2"),
-             ("/v1/score", {"text_1": QUERY, "text_2": [DOCUMENTS[0], ""]}, "text_2[1]"),
-             ("/v1/embeddings", {"input": QUERY}, "model"),
-             ("/v1/completions", {"prompt": QUERY, "max_tokens": 2}, "model")]
+    cases = [
+        ("/v1/rerank", {"query": "", "documents": DOCUMENTS}, "query"),
+        ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
+        ("/v1/rerank", {"query": QUERY, "documents": [DOCUMENTS[0], ""]}, "documents[1]"),
+        ("/v1/rerank", {"query": QUERY, "documents": [words(80, 0)]}, "documents[0]"),
+        ("/v1/score", {"text_1": [QUERY] * 3, "text_2": DOCUMENTS}, "text_2"),
+        ("/v1/score", {"text_1": QUERY, "text_2": [DOCUMENTS[0], ""]}, "text_2[1]"),
+        ("/v1/embeddings", {"input": QUERY}, "model"),
+        ("/v1/completions", {"prompt": QUERY, "max_tokens": 2}, "model"),
+    ]
     for path, body, param in cases:
         status, answer = http(f"{server.url}{path}", {"model": str(model), **body})
         assert status == 400 and answer["error"]["param"] == param, (path, body, answer)
-    status, answer = http(f"{server.url}/v1/rerank", {"query": QUERY, "documents": [words(80, 0)],
-                                                      "truncate_prompt_tokens": 64})
+    status, answer = http(
+        f"{server.url}/v1/rerank", {"query": QUERY, "documents": [words(80, 0)], "truncate_prompt_tokens": 64}
+    )
     assert status == 200 and answer["usage"]["prompt_tokens"] == 64  # the document cut to fit
-    status, answer = http(f"{server.url}/v1/rerank", {"query": words(70, 0), "documents": [DOCUMENTS[0]],
-                                                      "truncate_prompt_tokens": 64})  # the query alone is longer
+    status, answer = http(
+        f"{server.url}/v1/rerank", {"query": words(70, 0), "documents": [DOCUMENTS[0]], "truncate_prompt_tokens": 64}
+    )  # the query alone is longer
     assert status == 400 and answer["error"]["param"] == "truncate_prompt_tokens", answer
 
 
@@ -94,15 +106,28 @@ def test_a_decoder_reranker_ranks_as_sentence_transformers(tmp_path):
     model = build_decoder_reranker(tmp_path / "reranker")
     documents = ["the lazy dog jumps over the fox", "b", "the quick brown fox jumps over the lazy dog " * 3]
     reference = CrossEncoder(str(model), device="cpu").predict([("the quick fox", d) for d in documents])
-    server = start_server(model, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--prefill-budget", "32",
-                          "--max-running-requests", "4", "--max-context", "512")
+    server = start_server(
+        model,
+        tmp_path / "serve.log",
+        "--kv-capacity-tokens",
+        "1024",
+        "--prefill-budget",
+        "32",
+        "--max-running-requests",
+        "4",
+        "--max-context",
+        "512",
+    )
     try:
         status, body = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": documents})
         refused = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a " * 600]})
-        cut = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a " * 600],
-                                               "truncate_prompt_tokens": 250})
-        too_short = http(f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a b c"],
-                                                     "truncate_prompt_tokens": 5})
+        cut = http(
+            f"{server.url}/v1/rerank",
+            {"query": "the quick fox", "documents": ["a " * 600], "truncate_prompt_tokens": 250},
+        )
+        too_short = http(
+            f"{server.url}/v1/rerank", {"query": "the quick fox", "documents": ["a b c"], "truncate_prompt_tokens": 5}
+        )
     finally:
         server.stop()
     assert status == 200, body

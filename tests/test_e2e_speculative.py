@@ -1,14 +1,14 @@
 """End to end with `--speculative ngram` and `--speculative draft` (the model drafting for itself):
-`batchserve serve` on a tiny random model, called through the `openai` package as users do. Greedy output is token for token plain decoding's (`OfflineEngine`
-without speculation), streamed or not; usage reports the draft tokens as OpenAI reports a predicted
-output's; a request that opts out gets no drafts; `/metrics` counts them."""
+`batchserve serve` on a tiny random model, called through the `openai` package as users do. Greedy output is
+token for token plain decoding's (`OfflineEngine` without speculation), streamed or not; usage reports the
+draft tokens as OpenAI reports a predicted output's; a request that opts out gets no drafts; `/metrics`
+counts them."""
 
 from __future__ import annotations
 
 import pytest
-from openai import OpenAI
-
 from e2e_server import metric, reference_greedy, start_server
+from openai import OpenAI
 
 MAX_TOKENS = 40
 # Repetitive prompts: a random model soon loops, and prompt lookup finds the loop.
@@ -25,15 +25,16 @@ def model(tiny_model_dir):
     return tiny_model_dir("llama", with_tokenizer=True, seed=5)
 
 
-METHOD_FLAGS = {"ngram": ["--speculative", "ngram", "--ngram-min", "1"],
-                "draft": ["--speculative", "draft", "--draft-model"]}  # + the model itself
+METHOD_FLAGS = {
+    "ngram": ["--speculative", "ngram", "--ngram-min", "1"],
+    "draft": ["--speculative", "draft", "--draft-model"],
+}  # + the model itself
 
 
 @pytest.fixture(scope="module", params=list(METHOD_FLAGS))
 def server(request, model, tmp_path_factory):
     flags = METHOD_FLAGS[request.param] + ([str(model)] if request.param == "draft" else [])
-    srv = start_server(model, tmp_path_factory.mktemp("e2e-spec") / "serve.log", "--kv-capacity-tokens", "4096",
-                       *flags)
+    srv = start_server(model, tmp_path_factory.mktemp("e2e-spec") / "serve.log", "--kv-capacity-tokens", "4096", *flags)
     yield srv
     srv.stop()
 
@@ -44,8 +45,9 @@ def client(server):
 
 
 def complete(client, model, prompt, **extra):
-    return client.completions.create(model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, **extra})
+    return client.completions.create(
+        model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True, **extra}
+    )
 
 
 def test_greedy_output_is_plain_decodings_and_usage_counts_the_drafts(server, client, model):
@@ -59,9 +61,15 @@ def test_greedy_output_is_plain_decodings_and_usage_counts_the_drafts(server, cl
         assert details is not None and details.accepted_prediction_tokens is not None
         assert details.rejected_prediction_tokens is not None
         accepted += details.accepted_prediction_tokens
-        streamed = client.completions.create(model=str(model), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+        streamed = client.completions.create(
+            model=str(model),
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text = "".join(c.choices[0].text for c in streamed if c.choices)
         assert words_to_ids(text) == words_to_ids(done.choices[0].text)
     assert accepted > 0
@@ -76,6 +84,11 @@ def test_a_request_that_opts_out_gets_the_same_text_without_drafts(client, model
     assert plain.choices[0].text == speculated.choices[0].text
     assert plain.usage.completion_tokens_details is None
     assert speculated.usage.completion_tokens_details.accepted_prediction_tokens > 0
-    chat = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "w5 w6 w5 w6"}],
-                                          max_tokens=16, temperature=0, extra_body={"speculative": False})
+    chat = client.chat.completions.create(
+        model=str(model),
+        messages=[{"role": "user", "content": "w5 w6 w5 w6"}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"speculative": False},
+    )
     assert chat.usage.completion_tokens_details is None

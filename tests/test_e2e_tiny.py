@@ -13,7 +13,6 @@ import random
 
 import aiohttp
 import pytest
-
 from e2e_server import http, metric, reference_greedy, start_server, stream, wait_until
 
 MAX_TOKENS = 12
@@ -36,8 +35,16 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    srv = start_server(model, tmp_path_factory.mktemp("e2e") / "serve.log", "--kv-capacity-tokens", "4096",
-                       "--max-running-requests", "16", "--prefill-budget", "512")
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("e2e") / "serve.log",
+        "--kv-capacity-tokens",
+        "4096",
+        "--max-running-requests",
+        "16",
+        "--prefill-budget",
+        "512",
+    )
     yield srv
     srv.stop()
 
@@ -48,8 +55,7 @@ def reference(model):
 
 
 def completion_body(model, prompt, **kw):
-    return {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **kw}
+    return {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **kw}
 
 
 def test_non_streamed_and_streamed_greedy_match_the_in_process_engine(server, model, reference):
@@ -59,9 +65,12 @@ def test_non_streamed_and_streamed_greedy_match_the_in_process_engine(server, mo
         choice = body["choices"][0]
         assert words_to_ids(choice["text"]) == visible(expected), ("whole", prompt, choice["text"])
         assert choice["finish_reason"] == "length"
-        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": MAX_TOKENS,
-                                 "total_tokens": len(prompt) + MAX_TOKENS,
-                                 "prompt_tokens_details": {"cached_tokens": 0}}  # each prompt's first time
+        assert body["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": MAX_TOKENS,
+            "total_tokens": len(prompt) + MAX_TOKENS,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }  # each prompt's first time
         text, finish, _ = stream(f"{server.url}/v1/completions", completion_body(model, prompt))
         assert words_to_ids(text) == visible(expected) and finish == "length", ("stream", prompt, text)
 
@@ -71,8 +80,13 @@ def test_text_prompt_and_chat_go_through_the_tokenizer(server, model):
     expected = visible(reference_greedy(model, [[5, 6, 7]], MAX_TOKENS, ignore_eos=True, kv_capacity_tokens=4096)[0])
     status, body = http(f"{server.url}/v1/completions", completion_body(model, "w5 w6 w7"))
     assert status == 200 and words_to_ids(body["choices"][0]["text"]) == expected
-    chat = {"model": str(model), "messages": [{"role": "user", "content": "w5 w6 w7"}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
+    chat = {
+        "model": str(model),
+        "messages": [{"role": "user", "content": "w5 w6 w7"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, body = http(f"{server.url}/v1/chat/completions", chat)
     assert status == 200, body
     assert words_to_ids(body["choices"][0]["message"]["content"]) == expected
@@ -99,8 +113,9 @@ def test_sixteen_concurrent_streams_complete_and_match_their_solo_outputs(server
 
     async def main():
         async with aiohttp.ClientSession() as session:
-            return await asyncio.gather(*[
-                _stream_async(session, f"{server.url}/v1/completions", completion_body(model, p)) for p in prompts])
+            return await asyncio.gather(
+                *[_stream_async(session, f"{server.url}/v1/completions", completion_body(model, p)) for p in prompts]
+            )
 
     results = asyncio.run(main())
     for i, (text, finish) in enumerate(results):
@@ -128,9 +143,13 @@ def test_fifty_clients_disconnecting_at_random_leave_nothing_running(server, mod
             await asyncio.gather(*[client(session, i) for i in range(50)])
 
     asyncio.run(main())
-    assert wait_until(lambda: metric(server.url, "batchserve_num_requests_running") == 0
-                      and metric(server.url, "batchserve_kv_cache_used_tokens") == 0, timeout=20), \
-        (metric(server.url, "batchserve_num_requests_running"), metric(server.url, "batchserve_kv_cache_used_tokens"))
+    assert wait_until(
+        lambda: (
+            metric(server.url, "batchserve_num_requests_running") == 0
+            and metric(server.url, "batchserve_kv_cache_used_tokens") == 0
+        ),
+        timeout=20,
+    ), (metric(server.url, "batchserve_num_requests_running"), metric(server.url, "batchserve_kv_cache_used_tokens"))
     # and the server still answers
     status, _ = http(f"{server.url}/v1/completions", completion_body(model, [5, 6, 7]))
     assert status == 200
@@ -151,21 +170,28 @@ def test_stop_string_finishes_with_stop_and_stops_generation(server, model, refe
     assert finish == "stop" and words_to_ids(text) == expected[:cut]
     # vLLM's include_stop_str_in_output: the text ends with the stop string
     kept = http(f"{server.url}/v1/completions", {**body, "include_stop_str_in_output": True})[1]["choices"][0]
-    assert kept["finish_reason"] == "stop" and words_to_ids(kept["text"]) == expected[:cut + 1]
+    assert kept["finish_reason"] == "stop" and words_to_ids(kept["text"]) == expected[: cut + 1]
     assert wait_until(lambda: metric(server.url, "batchserve_num_requests_running") == 0)
 
 
-@pytest.mark.parametrize("endpoint, body, param", [
-    ("completions", {"prompt": ""}, "prompt"),
-    ("completions", {"prompt": [5] * 600}, "prompt"),  # longer than the 512-token context
-    ("completions", {"prompt": [5] * 500, "max_tokens": 100}, "max_tokens"),  # prompt + max_tokens > context
-    ("completions", {"prompt": " ".join(["w9"] * 600)}, "prompt"),  # too long once tokenized
-    ("completions", {"prompt": "w5 w6", "max_tokens": 511}, "max_tokens"),
-    ("completions", {"prompt": [5, 100000]}, "prompt"),  # outside the vocabulary
-    ("chat/completions", {"messages": []}, "messages"),
-    ("completions", {"prompt": "w5", "max_tokens": 0}, "max_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "w5"}], "priority": 3}, "priority"),  # fcfs server
-])
+@pytest.mark.parametrize(
+    "endpoint, body, param",
+    [
+        ("completions", {"prompt": ""}, "prompt"),
+        ("completions", {"prompt": [5] * 600}, "prompt"),  # longer than the 512-token context
+        ("completions", {"prompt": [5] * 500, "max_tokens": 100}, "max_tokens"),  # prompt + max_tokens > context
+        ("completions", {"prompt": " ".join(["w9"] * 600)}, "prompt"),  # too long once tokenized
+        ("completions", {"prompt": "w5 w6", "max_tokens": 511}, "max_tokens"),
+        ("completions", {"prompt": [5, 100000]}, "prompt"),  # outside the vocabulary
+        ("chat/completions", {"messages": []}, "messages"),
+        ("completions", {"prompt": "w5", "max_tokens": 0}, "max_tokens"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "w5"}], "priority": 3},
+            "priority",
+        ),  # fcfs server
+    ],
+)
 def test_bad_inputs_get_400_naming_the_field(server, model, endpoint, body, param):
     status, out = http(f"{server.url}/v1/{endpoint}", {"model": str(model), **body})
     assert status == 400, out

@@ -13,9 +13,9 @@ import time
 
 import zmq
 
-from procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient
-from shared.ipc import Endpoints, Sender
-from shared.messages import BackendFailure, GenerateRequest, Heartbeat, RequestRejected
+from batchserve.procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient
+from batchserve.shared.ipc import Endpoints, Sender
+from batchserve.shared.messages import BackendFailure, GenerateRequest, Heartbeat, RequestRejected
 
 
 def _sleeper() -> subprocess.Popen:

@@ -16,13 +16,20 @@ import time
 
 import aiohttp
 import pytest
-
 from e2e_server import http, pid_alive
 from fault_injection import PROCESSES, Stack, StreamRecord, segments_of, stream_until_end, streams_through_fault
 
 FAULTS = [(name, "kill") for name in PROCESSES] + [("worker", "stop")]
-FLAGS = ("--kv-capacity-tokens", "8192", "--max-running-requests", "8", "--step-timeout-s", "2",
-         "--drain-timeout-s", "5")
+FLAGS = (
+    "--kv-capacity-tokens",
+    "8192",
+    "--max-running-requests",
+    "8",
+    "--step-timeout-s",
+    "2",
+    "--drain-timeout-s",
+    "5",
+)
 STREAMS = 4
 TERMINAL_WITHIN_S = 2.0
 
@@ -35,19 +42,22 @@ def slow_model(tiny_model_dir):
 
 def _fault_run(stack: Stack, process: str, how: str) -> dict:
     records = [StreamRecord() for _ in range(STREAMS)]
-    body = {"model": str(stack.model), "prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0}
+    body = {"model": str(stack.model), "prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
-    fault_at, down_at = asyncio.run(streams_through_fault(stack.url, body, records,
-                                                          lambda: stack.inject(process, how)))
+    fault_at, down_at = asyncio.run(streams_through_fault(stack.url, body, records, lambda: stack.inject(process, how)))
     pids = list(stack.pids.values())
     status = stack.stop()
-    row = {"mode": stack.mode, "fault": f"{how} {process}", "clients": sorted({r.terminal() for r in records}),
-           "health_503_after_s": None if down_at is None else round(down_at - fault_at, 2),
-           "terminal_after_503_s": None if down_at is None else round(max(r.ended_at for r in records) - down_at, 2),
-           "serve_exit": status, "processes_left": [p for p in pids if pid_alive(p)],
-           "segments_left": segments_of(pids) if stack.mode == "serve" else None,
-           "runtime_dir_left": bool(stack.runtime_dir and stack.runtime_dir.exists()) if stack.mode == "serve" else None}
+    row = {
+        "mode": stack.mode,
+        "fault": f"{how} {process}",
+        "clients": sorted({r.terminal() for r in records}),
+        "health_503_after_s": None if down_at is None else round(down_at - fault_at, 2),
+        "terminal_after_503_s": None if down_at is None else round(max(r.ended_at for r in records) - down_at, 2),
+        "serve_exit": status,
+        "processes_left": [p for p in pids if pid_alive(p)],
+        "segments_left": segments_of(pids) if stack.mode == "serve" else None,
+        "runtime_dir_left": bool(stack.runtime_dir and stack.runtime_dir.exists()) if stack.mode == "serve" else None,
+    }
     if path := os.environ.get("BATCHSERVE_FAULT_TABLE"):
         with open(path, "a") as out:
             out.write(json.dumps(row) + "\n")
@@ -102,9 +112,14 @@ def test_streams_cut_by_the_drain_timeout_end_with_abort_and_an_error(slow_model
     signalled_at = asyncio.run(main())
     pids = list(stack.pids.values())
     assert stack.procs["serve"].wait(30) == 0
-    row = {"mode": "serve", "fault": "SIGTERM, drain timeout 1 s", "clients": sorted({r.terminal() for r in records}),
-           "terminal_after_signal_s": round(max(r.ended_at for r in records) - signalled_at, 2),
-           "processes_left": [p for p in pids if pid_alive(p)], "segments_left": segments_of(pids)}
+    row = {
+        "mode": "serve",
+        "fault": "SIGTERM, drain timeout 1 s",
+        "clients": sorted({r.terminal() for r in records}),
+        "terminal_after_signal_s": round(max(r.ended_at for r in records) - signalled_at, 2),
+        "processes_left": [p for p in pids if pid_alive(p)],
+        "segments_left": segments_of(pids),
+    }
     if path := os.environ.get("BATCHSERVE_FAULT_TABLE"):
         with open(path, "a") as out:
             out.write(json.dumps(row) + "\n")

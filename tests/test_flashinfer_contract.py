@@ -49,18 +49,19 @@ import inspect
 import math
 import sys
 import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-import kernels.attention.flashinfer as flashinfer_backend_module
-from kernels.attention import AttentionMetadata, create_backend
-from kernels.attention.torch_backend import MAX_DECODE_ROW_TOKENS
-from kernels.kv_cache import KVCache
+import batchserve.kernels.attention.flashinfer as flashinfer_backend_module
+from batchserve.kernels.attention import AttentionMetadata, create_backend
+from batchserve.kernels.attention.torch_backend import MAX_DECODE_ROW_TOKENS
+from batchserve.kernels.kv_cache import KVCache
 
 FLASHINFER_VERSION = "0.7.4"  # the version the signatures below are transcribed from; the gpu extra pins it
 
@@ -78,47 +79,150 @@ TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(ato
 # Transcribed from the wrappers' definitions (see the module docstring); bodies unused, only bound against.
 
 
-def _decode_init(float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
-                 backend="auto", jit_args=None, jit_kwargs=None): ...
+def _decode_init(
+    float_workspace_buffer,
+    kv_layout="NHD",
+    use_cuda_graph=False,
+    use_tensor_cores=False,
+    paged_kv_indptr_buffer=None,
+    paged_kv_indices_buffer=None,
+    paged_kv_last_page_len_buffer=None,
+    backend="auto",
+    jit_args=None,
+    jit_kwargs=None,
+): ...
 
 
 # plan() takes `*deprecated_positional_args, **kwargs` after page_size and forwards them to `_plan_impl`,
 # whose optional arguments are keyword-only: positional use is deprecated, so the contract is keywords.
-def _decode_plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                 pos_encoding_mode="NONE", window_left=-1, window_right=0, logits_soft_cap=None,
-                 q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
-                 rope_scale=None, rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None,
-                 fixed_split_size=None, disable_split_kv=False, q_len_per_req=1, is_causal=None,
-                 use_token_head_sf=False): ...
+def _decode_plan(
+    indptr,
+    indices,
+    last_page_len,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    *,
+    pos_encoding_mode="NONE",
+    window_left=-1,
+    window_right=0,
+    logits_soft_cap=None,
+    q_data_type="float16",
+    kv_data_type=None,
+    o_data_type=None,
+    data_type=None,
+    sm_scale=None,
+    rope_scale=None,
+    rope_theta=None,
+    non_blocking=True,
+    block_tables=None,
+    seq_lens=None,
+    fixed_split_size=None,
+    disable_split_kv=False,
+    q_len_per_req=1,
+    is_causal=None,
+    use_token_head_sf=False,
+): ...
 
 
-def _decode_run(q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-                return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
-                skip_softmax_threshold_scale_factor=None, kv_cache_sf=None): ...
+def _decode_run(
+    q,
+    paged_kv_cache,
+    *args,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse=None,
+    return_lse=False,
+    enable_pdl=None,
+    window_left=None,
+    sinks=None,
+    q_len_per_req=None,
+    skip_softmax_threshold_scale_factor=None,
+    kv_cache_sf=None,
+): ...
 
 
-def _prefill_init(float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None,
-                  variant_owns_mask=False, max_total_num_rows=None): ...
+def _prefill_init(
+    float_workspace_buffer,
+    kv_layout="NHD",
+    use_cuda_graph=False,
+    qo_indptr_buf=None,
+    paged_kv_indptr_buf=None,
+    paged_kv_indices_buf=None,
+    paged_kv_last_page_len_buf=None,
+    custom_mask_buf=None,
+    mask_indptr_buf=None,
+    backend="auto",
+    jit_args=None,
+    jit_kwargs=None,
+    variant_owns_mask=False,
+    max_total_num_rows=None,
+): ...
 
 
-def _prefill_plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                  num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
-                  packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
-                  sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
-                  q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-                  prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
-                  max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-                  max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
-                  disable_split_kv=False, uniform_q_len=None, use_token_head_sf=False): ...
+def _prefill_plan(
+    qo_indptr,
+    paged_kv_indptr,
+    paged_kv_indices,
+    paged_kv_last_page_len,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim_qk,
+    page_size,
+    head_dim_vo=None,
+    custom_mask=None,
+    packed_custom_mask=None,
+    causal=False,
+    pos_encoding_mode="NONE",
+    use_fp16_qk_reduction=False,
+    sm_scale=None,
+    window_left=-1,
+    logits_soft_cap=None,
+    rope_scale=None,
+    rope_theta=None,
+    q_data_type="float16",
+    kv_data_type=None,
+    o_data_type=None,
+    non_blocking=True,
+    prefix_len_ptr=None,
+    token_pos_in_items_ptr=None,
+    token_pos_in_items_len=0,
+    max_item_len_ptr=None,
+    seq_lens=None,
+    seq_lens_q=None,
+    block_tables=None,
+    max_token_per_sequence=None,
+    max_sequence_kv=None,
+    fixed_split_size=None,
+    disable_split_kv=False,
+    uniform_q_len=None,
+    use_token_head_sf=False,
+): ...
 
 
-def _prefill_run(q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-                 return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None,
-                 sinks=None, kv_cache_sf=None, skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
-                 uses_spcompress=None): ...
+def _prefill_run(
+    q,
+    paged_kv_cache,
+    *args,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    lse=None,
+    return_lse=False,
+    lse_base="log2",
+    lse_layout="NH",
+    enable_pdl=None,
+    window_left=None,
+    sinks=None,
+    kv_cache_sf=None,
+    skip_softmax_threshold_scale_factor=None,
+    use_fp16_softmax=None,
+    uses_spcompress=None,
+): ...
 
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
@@ -195,8 +299,9 @@ class TorchOnFakeDevice:
 # -- the fake flashinfer module -------------------------------------------------------------------------
 
 
-def check_page_lists(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int,
-                     what: str) -> None:
+def check_page_lists(
+    indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, what: str
+) -> None:
     """kv_layout.rst's page-table layout: int32 CSR lists, 1 <= last_page_len <= page_size."""
     for name, tensor in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
         require(isinstance(tensor, torch.Tensor) and tensor.dim() == 1, f"{what}: {name} must be a 1-D tensor")
@@ -206,8 +311,9 @@ def check_page_lists(indptr: torch.Tensor, indices: torch.Tensor, last_page_len:
     starts = indptr.tolist()
     require(starts[0] == 0, f"{what}: indptr must start at 0")
     require(all(b > a for a, b in zip(starts, starts[1:])), f"{what}: every request needs >= 1 page: {starts}")
-    require(indices.shape[0] == starts[-1],
-            f"{what}: indices has {indices.shape[0]} entries, indptr[-1] = {starts[-1]}")
+    require(
+        indices.shape[0] == starts[-1], f"{what}: indices has {indices.shape[0]} entries, indptr[-1] = {starts[-1]}"
+    )
     lens = last_page_len.tolist()
     require(all(1 <= n <= page_size for n in lens), f"{what}: last_page_len outside [1, {page_size}]: {lens}")
 
@@ -252,13 +358,15 @@ class FakeWrapper:
     init_signature: Callable
     plan_signature: Callable
     run_signature: Callable
-    flashinfer: "FakeFlashInfer"
+    flashinfer: FakeFlashInfer
 
     def __init__(self, *args, **kwargs) -> None:
         self.init_args = bind(self.init_signature, f"{type(self).__name__}()", args, kwargs)
         workspace = self.init_args["float_workspace_buffer"]
-        require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8,
-                "float_workspace_buffer must be a uint8 tensor")
+        require(
+            isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8,
+            "float_workspace_buffer must be a uint8 tensor",
+        )
         require(workspace.data_ptr() % 16 == 0, "float_workspace_buffer must be 16-byte aligned")
         require(self.flashinfer.device.owns(workspace), "float_workspace_buffer must be on the GPU")
         require(self.init_args["kv_layout"] == "NHD", "the pool is [pages, page_size, kv_heads, head_dim]: NHD")
@@ -271,18 +379,35 @@ class FakeWrapper:
     def planned(self) -> Plan | None:
         return self.plans[-1] if self.plans else None
 
-    def _record_plan(self, args: dict[str, Any], qo_indptr: list[int], indptr, indices, last_page_len,
-                     head_dim: int, causal: bool) -> None:
+    def _record_plan(
+        self, args: dict[str, Any], qo_indptr: list[int], indptr, indices, last_page_len, head_dim: int, causal: bool
+    ) -> None:
         num_qo_heads, num_kv_heads, page_size = args["num_qo_heads"], args["num_kv_heads"], args["page_size"]
         require(num_qo_heads % num_kv_heads == 0, "num_qo_heads must be a multiple of num_kv_heads")
         require(args["pos_encoding_mode"] in POS_ENCODING_MODES, f"pos_encoding_mode {args['pos_encoding_mode']!r}")
-        q_dtype = as_dtype(args["q_data_type"] if args["q_data_type"] is not None else args.get("data_type"),
-                           "q_data_type")
+        q_dtype = as_dtype(
+            args["q_data_type"] if args["q_data_type"] is not None else args.get("data_type"), "q_data_type"
+        )
         kv_value = args["kv_data_type"] if args["kv_data_type"] is not None else args.get("data_type")
         kv_dtype = q_dtype if kv_value is None else as_dtype(kv_value, "kv_data_type")
         sm_scale = args["sm_scale"] if args["sm_scale"] is not None else 1.0 / math.sqrt(head_dim)
-        self.plans.append(Plan(args, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                               head_dim, page_size, causal, sm_scale, q_dtype, kv_dtype))
+        self.plans.append(
+            Plan(
+                args,
+                qo_indptr,
+                indptr,
+                indices,
+                last_page_len,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim,
+                page_size,
+                causal,
+                sm_scale,
+                q_dtype,
+                kv_dtype,
+            )
+        )
 
     def run(self, *args, **kwargs) -> torch.Tensor:
         call = bind(self.run_signature, f"{type(self).__name__}.run()", args, kwargs)
@@ -296,8 +421,10 @@ class FakeWrapper:
         k_cache, v_cache = kv
         pool_shape = (k_cache.shape[0], plan.page_size, plan.num_kv_heads, plan.head_dim)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            require(cache.dim() == 4 and tuple(cache.shape) == pool_shape,
-                    f"{name} must be NHD {pool_shape}, got {tuple(cache.shape)}")
+            require(
+                cache.dim() == 4 and tuple(cache.shape) == pool_shape,
+                f"{name} must be NHD {pool_shape}, got {tuple(cache.shape)}",
+            )
             require(cache.dtype == plan.kv_dtype, f"{name} is {cache.dtype}, kv_data_type {plan.kv_dtype}")
         require(q.dtype == plan.q_dtype, f"q is {q.dtype}, q_data_type {plan.q_dtype}")
         require(q.is_contiguous(), "q must be contiguous")
@@ -330,8 +457,10 @@ class FakeDecodeWrapper(FakeWrapper):
                 require(self.flashinfer.device.owns(buffer), f"{name} must be on the GPU")
                 self.buffers[name] = buffer
             self.fixed_batch_size = len(a["paged_kv_last_page_len_buffer"])
-            require(len(a["paged_kv_indptr_buffer"]) == self.fixed_batch_size + 1,
-                    "The size of paged_kv_indptr_buffer should be batch_size + 1")
+            require(
+                len(a["paged_kv_indptr_buffer"]) == self.fixed_batch_size + 1,
+                "The size of paged_kv_indptr_buffer should be batch_size + 1",
+            )
             # what a captured graph reads: the buffers' memory, fixed for the wrapper's lifetime
             self.buffer_memory = {name: (b.data_ptr(), b.numel()) for name, b in self.buffers.items()}
 
@@ -342,15 +471,19 @@ class FakeDecodeWrapper(FakeWrapper):
         batch = last_page_len.shape[0]
         require(a["q_len_per_req"] == 1, "one query token per request")
         if self.use_cuda_graph:
-            require(batch == self.fixed_batch_size,
-                    f"The batch size should be fixed in cudagraph mode: {batch} != {self.fixed_batch_size}")
+            require(
+                batch == self.fixed_batch_size,
+                f"The batch size should be fixed in cudagraph mode: {batch} != {self.fixed_batch_size}",
+            )
             indices_buffer = self.buffers["paged_kv_indices_buffer"]
-            require(len(indices) <= len(indices_buffer),
-                    "The size of indices should be less than or equal to the allocated buffer")
+            require(
+                len(indices) <= len(indices_buffer),
+                "The size of indices should be less than or equal to the allocated buffer",
+            )
             # flashinfer copies the lists into the construction buffers, which the graph's kernels read
             self.buffers["paged_kv_indptr_buffer"].copy_(indptr)
             self.buffers["paged_kv_last_page_len_buffer"].copy_(last_page_len)
-            indices_buffer[:len(indices)].copy_(indices)
+            indices_buffer[: len(indices)].copy_(indices)
             indptr = self.buffers["paged_kv_indptr_buffer"]
             last_page_len = self.buffers["paged_kv_last_page_len_buffer"]
             indices = _PrefixView(indices_buffer, indptr)
@@ -364,7 +497,7 @@ class _PrefixView:
         self.buffer, self.indptr = buffer, indptr
 
     def tolist(self) -> list[int]:
-        return self.buffer[:int(self.indptr[-1])].tolist()
+        return self.buffer[: int(self.indptr[-1])].tolist()
 
 
 class FakePrefillWrapper(FakeWrapper):
@@ -390,7 +523,7 @@ class FakePrefillWrapper(FakeWrapper):
         require(a["custom_mask"] is None and a["packed_custom_mask"] is None, "the causal flag, not a custom mask")
         self._record_plan(a, qo, indptr, indices, last_page_len, a["head_dim_qk"], causal=a["causal"])
         plan = self.planned
-        for (pages, kv_len), q_len in zip(plan.page_lists(), (b - a_ for a_, b in zip(qo, qo[1:]))):
+        for (_pages, kv_len), q_len in zip(plan.page_lists(), (b - a_ for a_, b in zip(qo, qo[1:]))):
             require(q_len <= kv_len, f"a request's {q_len} queries must be the last of its {kv_len} KV tokens")
 
 
@@ -410,8 +543,9 @@ class FakeFlashInfer:
         return [w for w in self.wrappers if w.kind == kind and getattr(w, "use_cuda_graph", False) == graph]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What flashinfer computes from a plan: each request's queries against its pages' first kv_len tokens,
     causal masks aligned to the end of the KV (flashinfer's convention), a query at i seeing keys from
     i - window_left on (window_left >= 0), scores soft-capped with `logits_soft_cap`, float32 softmax; and
@@ -463,14 +597,23 @@ def make_cache(dtype: torch.dtype, seed: int = 0, ring_pages: int = 0) -> KVCach
     """A CPU pool full of random K/V (the cached prefixes, and stale data elsewhere) and a page table
     giving each slot its own shuffled pages; the same seed gives the same cache. `ring_pages`: layer 0
     (the sliding one) keeps its KV in rings of that many pages."""
-    cache = KVCache(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=HEAD_DIM, page_size=PAGE_SIZE,
-                    num_pages=NUM_PAGES, max_running_requests=MAX_RUNNING,
-                    max_pages_per_request=MAX_PAGES_PER_REQUEST, dtype=dtype, device=torch.device("cpu"),
-                    ring_layers=(0,) if ring_pages else (), ring_pages=ring_pages)
+    cache = KVCache(
+        num_layers=NUM_LAYERS,
+        num_kv_heads=2,
+        head_dim=HEAD_DIM,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_running_requests=MAX_RUNNING,
+        max_pages_per_request=MAX_PAGES_PER_REQUEST,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        ring_layers=(0,) if ring_pages else (),
+        ring_pages=ring_pages,
+    )
     generator = torch.Generator().manual_seed(seed)
     for pool in (*cache.k, *cache.v):
         pool.copy_(torch.randn(pool.shape, generator=generator))
-    pages = torch.randperm(NUM_PAGES - 1, generator=generator)[:MAX_RUNNING * MAX_PAGES_PER_REQUEST] + 1
+    pages = torch.randperm(NUM_PAGES - 1, generator=generator)[: MAX_RUNNING * MAX_PAGES_PER_REQUEST] + 1
     cache.page_table.copy_(pages.view(MAX_RUNNING, MAX_PAGES_PER_REQUEST).to(torch.int32))
     return cache
 
@@ -478,20 +621,30 @@ def make_cache(dtype: torch.dtype, seed: int = 0, ring_pages: int = 0) -> KVCach
 def metadata_for(cache: KVCache, requests: Sequence[Request], num_padding: int = 0) -> AttentionMetadata:
     """The step's metadata as the worker builds it; padded decode rows (graph sizes) write to page 0."""
     table = cache.page_table.tolist()
-    kv_locs = [table[r.slot][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-               for r in requests for pos in range(r.prefix_len, r.prefix_len + r.extend_len)]
+    kv_locs = [
+        table[r.slot][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        for r in requests
+        for pos in range(r.prefix_len, r.prefix_len + r.extend_len)
+    ]
     return AttentionMetadata(
         slots=[r.slot for r in requests] + [0] * num_padding,
         prefix_lens=[r.prefix_len for r in requests] + [0] * num_padding,
         extend_lens=[r.extend_len for r in requests] + [1] * num_padding,
-        kv_locs=torch.tensor(kv_locs + [0] * num_padding, dtype=torch.int64), num_padding=num_padding)
+        kv_locs=torch.tensor(kv_locs + [0] * num_padding, dtype=torch.int64),
+        num_padding=num_padding,
+    )
 
 
 def layer_inputs(num_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int):
     """Per layer: q [T, H, D], k and v [T, KVH, D]."""
     generator = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn((num_tokens, heads, HEAD_DIM), generator=generator).to(dtype)
-                  for heads in (num_heads, num_kv_heads, num_kv_heads)) for _ in range(NUM_LAYERS)]
+    return [
+        tuple(
+            torch.randn((num_tokens, heads, HEAD_DIM), generator=generator).to(dtype)
+            for heads in (num_heads, num_kv_heads, num_kv_heads)
+        )
+        for _ in range(NUM_LAYERS)
+    ]
 
 
 # -- the two backends over the same batch ---------------------------------------------------------------
@@ -526,8 +679,15 @@ def flashinfer_backend(monkeypatch, cache: KVCache, num_heads: int, num_kv_heads
     return create_backend("flashinfer", cache, num_heads, num_kv_heads, HEAD_DIM, SCALE, windows), fake
 
 
-def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(), softcap: float = 0.0,
-                  ring_pages: int = 0, causal: bool = True) -> Backends:
+def make_backends(
+    monkeypatch,
+    dtype: torch.dtype,
+    num_heads: int = 4,
+    windows=(),
+    softcap: float = 0.0,
+    ring_pages: int = 0,
+    causal: bool = True,
+) -> Backends:
     flashinfer_cache, torch_cache = make_cache(dtype, ring_pages=ring_pages), make_cache(dtype, ring_pages=ring_pages)
     fake = install_fake_flashinfer(monkeypatch, flashinfer_cache)
     backend = create_backend("flashinfer", flashinfer_cache, num_heads, 2, HEAD_DIM, SCALE, windows, softcap, causal)
@@ -535,8 +695,14 @@ def make_backends(monkeypatch, dtype: torch.dtype, num_heads: int = 4, windows=(
     return Backends(backend, fake, flashinfer_cache, reference, torch_cache, num_heads)
 
 
-def run_step(backends: Backends, requests: Sequence[Request], num_padding: int = 0, graph: bool = False,
-             seed: int = 1, sinks: torch.Tensor | None = None) -> AttentionMetadata:
+def run_step(
+    backends: Backends,
+    requests: Sequence[Request],
+    num_padding: int = 0,
+    graph: bool = False,
+    seed: int = 1,
+    sinks: torch.Tensor | None = None,
+) -> AttentionMetadata:
     """Plan both backends for the batch and run every layer (with `sinks` [layers, heads], attention sinks);
     outputs go to `backends.outputs`."""
     flashinfer_metadata = metadata_for(backends.flashinfer_cache, requests, num_padding)
@@ -545,11 +711,13 @@ def run_step(backends: Backends, requests: Sequence[Request], num_padding: int =
     backends.torch_backend.plan(torch_metadata)
     backends.outputs = []
     dtype = backends.flashinfer_cache.dtype
-    for layer, (q, k, v) in enumerate(layer_inputs(flashinfer_metadata.num_tokens, backends.num_heads,
-                                                   backends.num_kv_heads, dtype, seed)):
+    for layer, (q, k, v) in enumerate(
+        layer_inputs(flashinfer_metadata.num_tokens, backends.num_heads, backends.num_kv_heads, dtype, seed)
+    ):
         sink = None if sinks is None else sinks[layer]
-        backends.outputs.append((backends.flashinfer.forward(q, k, v, layer, sink),
-                                 backends.torch_backend.forward(q, k, v, layer, sink)))
+        backends.outputs.append(
+            (backends.flashinfer.forward(q, k, v, layer, sink), backends.torch_backend.forward(q, k, v, layer, sink))
+        )
     return torch_metadata
 
 
@@ -571,12 +739,12 @@ def torch_page_lists(backend, metadata: AttentionMetadata, page_size: int) -> li
         else:
             chunk = next(prefills)
             if chunk.pages is None:
-                locs = metadata.kv_locs[chunk.start:chunk.start + chunk.length].tolist()
+                locs = metadata.kv_locs[chunk.start : chunk.start + chunk.length].tolist()
                 assert [loc % page_size for loc in locs] == [i % page_size for i in range(len(locs))]
                 row, kv_len = [loc // page_size for loc in locs[::page_size]], len(locs)
             else:
                 row, kv_len = chunk.pages.tolist(), chunk.mask.shape[1]
-        lists.append((row[:-(-kv_len // page_size)], kv_len))
+        lists.append((row[: -(-kv_len // page_size)], kv_len))
     return lists
 
 
@@ -585,7 +753,11 @@ def assert_documented_plan(plan: Plan, backends: Backends, metadata: AttentionMe
     cache = backends.flashinfer_cache
     args = plan.arguments
     assert (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size) == (
-        backends.num_heads, backends.num_kv_heads, HEAD_DIM, PAGE_SIZE)
+        backends.num_heads,
+        backends.num_kv_heads,
+        HEAD_DIM,
+        PAGE_SIZE,
+    )
     assert args["pos_encoding_mode"] == "NONE"  # the model rotates q/k itself
     assert plan.q_dtype == plan.kv_dtype == cache.dtype
     assert args["o_data_type"] is None  # output in q's dtype
@@ -602,9 +774,10 @@ def assert_outputs_match(backends: Backends, rows: slice = slice(None)) -> None:
     tolerance = TOLERANCE[backends.flashinfer_cache.dtype]
     for layer, (got, want) in enumerate(backends.outputs):
         assert got.shape == want.shape and got.dtype == want.dtype, f"layer {layer}"
-        torch.testing.assert_close(got[rows], want[rows], **tolerance, msg=lambda m: f"layer {layer}: {m}")
-    for ours, theirs in zip((*backends.flashinfer_cache.k, *backends.flashinfer_cache.v),
-                            (*backends.torch_cache.k, *backends.torch_cache.v)):
+        torch.testing.assert_close(got[rows], want[rows], **tolerance, msg=lambda m, layer=layer: f"layer {layer}: {m}")
+    for ours, theirs in zip(
+        (*backends.flashinfer_cache.k, *backends.flashinfer_cache.v), (*backends.torch_cache.k, *backends.torch_cache.v)
+    ):
         assert torch.equal(ours, theirs), "the two backends wrote different K/V into the pool"
 
 
@@ -735,7 +908,7 @@ def test_ring_layers_match_the_torch_backend(monkeypatch, batch, graph):
     planned = {w.planned.arguments["window_left"]: w.planned for w in backends.fake.wrappers if w.plans}
     for window_left, rows in ((2, ring), (-1, table)):
         for request, (pages, kv_len) in zip(BATCHES[batch], planned[window_left].page_lists()):
-            assert pages == rows[request.slot][:len(pages)] and kv_len == request.prefix_len + request.extend_len
+            assert pages == rows[request.slot][: len(pages)] and kv_len == request.prefix_len + request.extend_len
     ring_locs = backends.flashinfer_cache.ring_locs(metadata.slots, metadata.prefix_lens, metadata.extend_lens)
     assert ring_locs.max() < backends.flashinfer_cache.pool_pages(0) * PAGE_SIZE
     assert not np.array_equal(ring_locs, metadata.kv_locs.numpy())
@@ -749,7 +922,7 @@ def test_cuda_graph_buffers_are_fixed_at_init_and_rewritten_in_place(monkeypatch
     backends.flashinfer.init_cuda_graphs(GRAPH_SIZES)
     graph_wrappers = {w.fixed_batch_size: w for w in backends.fake.of_kind("decode", graph=True)}
     assert sorted(graph_wrappers) == GRAPH_SIZES
-    for size, wrapper in graph_wrappers.items():
+    for _size, wrapper in graph_wrappers.items():
         assert wrapper.workspace is backends.fake.of_kind("decode")[0].workspace
         assert wrapper.init_args["use_tensor_cores"] is False
         # room for the largest plan: every row of the largest size at the most pages a request may hold
@@ -772,8 +945,8 @@ def test_cuda_graph_buffers_are_fixed_at_init_and_rewritten_in_place(monkeypatch
         assert plan.kv_indptr is wrapper.buffers["paged_kv_indptr_buffer"]
         lists = plan.page_lists()
         # (d) padded rows: the dummy page 0 holding one token
-        assert lists[len(requests):] == [([0], 1)] * padding
-        assert plan.last_page_len[len(requests):].tolist() == [1] * padding
+        assert lists[len(requests) :] == [([0], 1)] * padding
+        assert plan.last_page_len[len(requests) :].tolist() == [1] * padding
         # real rows (and padding) as the torch backend reads them
         assert lists == torch_page_lists(backends.torch_backend, metadata, PAGE_SIZE)
         assert_documented_plan(plan, backends, metadata, prefill=False)
@@ -803,23 +976,41 @@ def fake_decode_wrapper(monkeypatch) -> FakeDecodeWrapper:
     return fake.of_kind("decode")[0]
 
 
-def decode_plan_call(indptr=(0, 2, 3), indices=(5, 6, 9), last_page_len=(3, 1), index_dtype=torch.int32,
-                     shape=(4, 2, HEAD_DIM, PAGE_SIZE), positional_options=(), **keywords):
+def decode_plan_call(
+    indptr=(0, 2, 3),
+    indices=(5, 6, 9),
+    last_page_len=(3, 1),
+    index_dtype=torch.int32,
+    shape=(4, 2, HEAD_DIM, PAGE_SIZE),
+    positional_options=(),
+    **keywords,
+):
     """(args, kwargs) of a documented decode plan() call, give or take the changes asked for."""
     lists = [torch.tensor(values, dtype=index_dtype) for values in (indptr, indices, last_page_len)]
     return (*lists, *shape, *positional_options), dict(q_data_type=torch.float16, **keywords)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(q_datatype=torch.float16), "unexpected keyword"),
-    (dict(shape=(4, 2, HEAD_DIM)), "page_size"),
-    (dict(positional_options=("NONE",)), "too many positional"),  # deprecated in 0.7.4
-    (dict(index_dtype=torch.int64), "int32"),
-    (dict(last_page_len=(3, 0)), "last_page_len"),
-    (dict(last_page_len=(3, 5)), "last_page_len"),
-    (dict(indices=(5, 6)), "indptr"),
-], ids=["misspelled-keyword", "missing-page-size", "positional-option", "int64-lists", "empty-last-page",
-        "last-page-over-page-size", "indices-short-of-indptr"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q_datatype=torch.float16), "unexpected keyword"),
+        (dict(shape=(4, 2, HEAD_DIM)), "page_size"),
+        (dict(positional_options=("NONE",)), "too many positional"),  # deprecated in 0.7.4
+        (dict(index_dtype=torch.int64), "int32"),
+        (dict(last_page_len=(3, 0)), "last_page_len"),
+        (dict(last_page_len=(3, 5)), "last_page_len"),
+        (dict(indices=(5, 6)), "indptr"),
+    ],
+    ids=[
+        "misspelled-keyword",
+        "missing-page-size",
+        "positional-option",
+        "int64-lists",
+        "empty-last-page",
+        "last-page-over-page-size",
+        "indices-short-of-indptr",
+    ],
+)
 def test_the_fake_rejects_contract_violations(monkeypatch, change, message):
     wrapper = fake_decode_wrapper(monkeypatch)
     args, kwargs = decode_plan_call()

@@ -12,14 +12,20 @@ import shutil
 
 import pytest
 import torch
-
 from model_batches import generate_greedy
-from model_references import (assert_chunked_logits_close, greedy_references, run_scheduled, scheduled_prompts,
-                              small_runner, torch_only)
-from procs.worker.loader import load_model_config
-from shared.model import ModelLoadError, ModelSpec
-from procs.worker.model_runner import ModelRunner
+from model_references import (
+    assert_chunked_logits_close,
+    greedy_references,
+    run_scheduled,
+    scheduled_prompts,
+    small_runner,
+    torch_only,
+)
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.model import ModelLoadError, ModelSpec
 
 NEW_TOKENS = 20
 PROMPT_LENS = (25, 4, 13, 9)
@@ -28,9 +34,14 @@ MODELS = {
     "gemma2": dict(arch="gemma2", attn_logit_softcapping=1.0, final_logit_softcapping=2.0, **TINY),
     "gemma2-default-caps": dict(arch="gemma2", query_pre_attn_scalar=16, **TINY),
     "gemma3": dict(arch="gemma3", **TINY),
-    "gemma3-rope-scaling": dict(arch="gemma3", rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **TINY),
+    "gemma3-rope-scaling": dict(
+        arch="gemma3",
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+        **TINY,
+    ),
     # Gemma 3 4B+'s checkpoint: served as its text model, the vision tower's tensors skipped
     "gemma3-multimodal": dict(arch="gemma3_mm", **TINY),
 }
@@ -49,7 +60,7 @@ def references(tiny_model_dir):
 def test_configs_are_read_as_transformers_reads_them(tiny_model_dir):
     gemma2 = load_model_config(ModelSpec.resolve(tiny_model_dir(**MODELS["gemma2"])))
     assert (gemma2.windows, gemma2.attn_softcap, gemma2.final_softcap) == ((8, 0), 1.0, 2.0)
-    assert gemma2.attention_scale == 256 ** -0.5 and gemma2.norm_offset == 1.0 and gemma2.local_rope is None
+    assert gemma2.attention_scale == 256**-0.5 and gemma2.norm_offset == 1.0 and gemma2.local_rope is None
     gemma3 = load_model_config(ModelSpec.resolve(tiny_model_dir(**MODELS["gemma3-rope-scaling"])))
     assert (gemma3.attn_softcap, gemma3.final_softcap, gemma3.qk_norm) == (0.0, 0.0, "head")
     assert (gemma3.rope.kind, gemma3.rope.factor, gemma3.rope.theta) == ("linear", 4.0, 100000.0)
@@ -82,7 +93,10 @@ def test_chunks_longer_than_a_ring_match_transformers(tiny_model_dir, model, mon
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (47, 30, 19)]
     expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
-    runner = lambda: small_runner(model_dir, rings=True, ring_step_tokens=16)
+
+    def runner():
+        return small_runner(model_dir, rings=True, ring_step_tokens=16)
+
     assert runner().kv_cache.ring_pages == 7
     assert generate_greedy(runner(), prompts, NEW_TOKENS, chunk=18, arrival_gap=2) == expected
     with torch_only(monkeypatch):
@@ -135,8 +149,15 @@ def test_a_window_as_long_as_the_context_keeps_the_local_rope(tiny_model_dir):
     model_dir = tiny_model_dir(**overrides)
     prompts = _prompts()
     expected = transformers_greedy(model_dir, prompts, NEW_TOKENS)
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                         max_running_requests=8, max_context=64)
+    runner = ModelRunner(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        kv_capacity_tokens=2048,
+        max_running_requests=8,
+        max_context=64,
+    )
     assert runner.config.windows == () and runner.config.local_rope_layers == (0,)
     assert generate_greedy(runner, prompts, NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
@@ -154,8 +175,10 @@ def test_a_length_following_rope_beside_the_local_one_is_refused(tiny_model_dir,
     model_dir = tmp_path / "gemma3-dynamic"
     shutil.copytree(tiny_model_dir(**MODELS["gemma3"]), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config["rope_parameters"] = {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+    config["rope_parameters"] = {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="a rope that follows the length"):
         small_runner(model_dir)

@@ -10,12 +10,12 @@ import re
 import sys
 
 import pytest
-
-from procs.cli import main as cli_main
-from procs.engine import OfflineEngine, request
-from shared.config import SERVER_ONLY_FIELDS, ServerConfig, config_from_args
-from shared.errors import Refusal
 from test_model_equivalence import transformers_greedy_text
+
+from batchserve.procs.cli import main as cli_main
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import SERVER_ONLY_FIELDS, ServerConfig, config_from_args
+from batchserve.shared.errors import Refusal
 
 PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33"]
 NEW_TOKENS = 12
@@ -32,15 +32,25 @@ def reference(model_dir):
 
 
 def _greedy_requests(**stop):
-    return [request(f"r{i}", prompt=p, sampling={"temperature": 0},
-                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, **stop}) for i, p in enumerate(PROMPTS)]
+    return [
+        request(
+            f"r{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, **stop}
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 @pytest.mark.parametrize("policy", ["prefill-first", "mixed", "fixed"])
 def test_offline_engine_matches_transformers_under_every_policy(model_dir, reference, policy):
     # A budget of 8 chunks the 14-token prompt; 2 slots make requests wait and join mid-stream.
-    config = ServerConfig(model=str(model_dir), policy=policy, prefill_budget=8, max_running_requests=2,
-                          page_size=4, kv_capacity_tokens=256)
+    config = ServerConfig(
+        model=str(model_dir),
+        policy=policy,
+        prefill_budget=8,
+        max_running_requests=2,
+        page_size=4,
+        kv_capacity_tokens=256,
+    )
     completions = OfflineEngine(config).generate(_greedy_requests())
     assert [c.token_ids for c in completions] == reference
     assert all(c.finish_reason == "length" for c in completions)
@@ -51,12 +61,20 @@ def test_stop_string_ends_text_and_generation(model_dir, reference):
     full = engine.generate(_greedy_requests())[0]
     stop_word = full.text.split()[3]  # the 4th generated word
     first = full.text.split().index(stop_word)
-    stopped = engine.generate([request("s", prompt=PROMPTS[0], sampling={"temperature": 0},
-                                       stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, "stop": [stop_word]})])[0]
+    stopped = engine.generate(
+        [
+            request(
+                "s",
+                prompt=PROMPTS[0],
+                sampling={"temperature": 0},
+                stop={"max_tokens": NEW_TOKENS, "ignore_eos": True, "stop": [stop_word]},
+            )
+        ]
+    )[0]
     assert stopped.finish_reason == "stop"
     assert stop_word not in stopped.text
     assert stopped.text.split() == full.text.split()[:first]
-    assert stopped.token_ids == full.token_ids[:first + 1]  # generation stopped within the matching step
+    assert stopped.token_ids == full.token_ids[: first + 1]  # generation stopped within the matching step
     assert engine.scheduler.kv_used_tokens == 0 and not engine.scheduler.has_unfinished()
 
 
@@ -74,8 +92,21 @@ def test_a_refused_request_queues_none_of_its_call(model_dir, reference):
 
 
 def test_generate_cli_json_lines(model_dir, reference, capsys):
-    args = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-tokens", str(NEW_TOKENS),
-            "--ignore-eos", "--json", "--page-size", "4", "--kv-capacity-tokens", "512"]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--json",
+        "--page-size",
+        "4",
+        "--kv-capacity-tokens",
+        "512",
+    ]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     assert cli_main(args) == 0
@@ -88,28 +119,54 @@ def test_generate_cli_json_lines(model_dir, reference, capsys):
 def test_generate_cli_prompts_file_and_chat(model_dir, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps(p) for p in PROMPTS[:2]) + "\n")
-    assert cli_main(["generate", "--model", str(model_dir), "--prompts-file", str(prompts_file), "--chat",
-                     "--temperature", "0", "--max-tokens", "3", "--json", "--kv-capacity-tokens", "512"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--prompts-file",
+                str(prompts_file),
+                "--chat",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "3",
+                "--json",
+                "--kv-capacity-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == PROMPTS[:2]
     assert all(1 <= len(line["token_ids"]) <= 3 for line in lines)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ([], "no prompts"),
-    (["--prompt", "w5", "--max-tokens", "0"], "--max-tokens"),
-    (["--prompt", "w5", "--top-p", "0"], "--top-p"),
-    (["--prompt", "w5", "--policy", "lifo"], "policy"),
-    (["--prompts-file", "/nonexistent/prompts.jsonl"], "--prompts-file"),
-    (["--prompt", "w5", "--max-tokens", "100000"], "max_tokens"),
-    # tensor-parallel layouts that cannot run: refused before any rank starts
-    (["--prompt", "w5", "--tp", "2", "--nnodes", "3"], "nnodes must be >= 1 and divide tensor_parallel_size 2"),
-    (["--prompt", "w5", "--tp", "2", "--nnodes", "2"], "dist_init_addr HOST:PORT is required with nnodes > 1"),
-    (["--prompt", "w5", "--tensor-parallel-size", "2", "--dist-init-addr", "nohost"],
-     "dist_init_addr must be HOST:PORT"),
-    (["--prompt", "w5", "--step-timeout-s", "0"], "step_timeout_s must be > 0"),
-    (["--prompt", "w5", "--tp", "2", "--step-timeout-s", "1"], "step_timeout_s must be > 2 with tensor_parallel_size > 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "no prompts"),
+        (["--prompt", "w5", "--max-tokens", "0"], "--max-tokens"),
+        (["--prompt", "w5", "--top-p", "0"], "--top-p"),
+        (["--prompt", "w5", "--policy", "lifo"], "policy"),
+        (["--prompts-file", "/nonexistent/prompts.jsonl"], "--prompts-file"),
+        (["--prompt", "w5", "--max-tokens", "100000"], "max_tokens"),
+        # tensor-parallel layouts that cannot run: refused before any rank starts
+        (["--prompt", "w5", "--tp", "2", "--nnodes", "3"], "nnodes must be >= 1 and divide tensor_parallel_size 2"),
+        (["--prompt", "w5", "--tp", "2", "--nnodes", "2"], "dist_init_addr HOST:PORT is required with nnodes > 1"),
+        (
+            ["--prompt", "w5", "--tensor-parallel-size", "2", "--dist-init-addr", "nohost"],
+            "dist_init_addr must be HOST:PORT",
+        ),
+        (["--prompt", "w5", "--step-timeout-s", "0"], "step_timeout_s must be > 0"),
+        (
+            ["--prompt", "w5", "--tp", "2", "--step-timeout-s", "1"],
+            "step_timeout_s must be > 2 with tensor_parallel_size > 1",
+        ),
+    ],
+)
 def test_generate_cli_bad_input_is_one_line(model_dir, capsys, extra, message):
     status = cli_main(["generate", "--model", str(model_dir), "--kv-capacity-tokens", "512", *extra])
     err = capsys.readouterr().err
@@ -132,7 +189,7 @@ def _config_flags(module) -> dict[str, tuple[str, ...]]:
 
 
 def test_generate_takes_every_engine_flag_serve_takes():
-    from procs import generate, serve
+    from batchserve.procs import generate, serve
 
     serve_flags, generate_flags = _config_flags(serve), _config_flags(generate)
     engine_of_serve = {name: flags for name, flags in serve_flags.items() if name not in SERVER_ONLY_FIELDS}
@@ -145,9 +202,29 @@ def test_generate_takes_every_engine_flag_serve_takes():
 def test_generate_cli_speculative_ngram_gives_the_greedy_tokens(model_dir, reference, capsys):
     """Prompt lookup verified by the model keeps greedy output unchanged; the stderr line shows that the
     flags reached the engine: drafts were proposed (single-token matches: some are found)."""
-    args = ["generate", "--model", str(model_dir), "--temperature", "0", "--max-tokens", str(NEW_TOKENS),
-            "--ignore-eos", "--json", "--page-size", "4", "--kv-capacity-tokens", "512",
-            "--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "2"]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--json",
+        "--page-size",
+        "4",
+        "--kv-capacity-tokens",
+        "512",
+        "--speculative",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--ngram-min",
+        "1",
+        "--ngram-max",
+        "2",
+    ]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     assert cli_main(args) == 0
@@ -161,10 +238,23 @@ def test_generate_cli_speculative_ngram_gives_the_greedy_tokens(model_dir, refer
 
 
 def test_generate_cli_speculative_flags_reach_the_engine_config(monkeypatch):
-    from procs.cli import build_parser
+    from batchserve.procs.cli import build_parser
 
     monkeypatch.setattr(sys, "argv", ["batchserve", "generate"])  # build_parser adds argv[1]'s arguments
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative", "ngram",
-                                      "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "2"])
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            "3",
+            "--ngram-min",
+            "1",
+            "--ngram-max",
+            "2",
+        ]
+    )
     config = config_from_args(args, env={})
     assert (config.speculative, config.num_speculative_tokens, config.ngram_min, config.ngram_max) == ("ngram", 3, 1, 2)

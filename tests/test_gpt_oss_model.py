@@ -14,21 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from kernels.moe import ClampedSwiGLU
 from model_batches import generate_greedy
 from model_references import assert_chunked_logits_close, run_scheduled, scheduled_prompts, small_runner, torch_only
-from procs.worker.loader import load_model_config
-from procs.worker.model_runner import ModelRunner
-from procs.worker.models import mxfp4
-from shared.model import ModelLoadError, ModelSpec
+from safetensors.torch import load_file, save_file
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+from batchserve.kernels.moe import ClampedSwiGLU
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.models import mxfp4
+from batchserve.shared.model import ModelLoadError, ModelSpec
 
 NEW_TOKENS = 20
 PROMPT_LENS = (25, 4, 13, 9)
-YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+}
 TINY = dict(arch="gpt_oss", sliding_window=8, rope_parameters=YARN, max_position_embeddings=128, swiglu_limit=1.0)
 
 
@@ -143,15 +150,22 @@ def test_other_quantizations_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="quant_method 'gptq'"):
         load_model_config(ModelSpec.resolve(model_dir))
     with pytest.raises(ModelLoadError, match="--quantization int8"):
-        ModelRunner(tiny_model_dir(**TINY), device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=256,
-                    max_running_requests=2, quantization="int8")
+        ModelRunner(
+            tiny_model_dir(**TINY),
+            device="cpu",
+            dtype="float32",
+            page_size=4,
+            kv_capacity_tokens=256,
+            max_running_requests=2,
+            quantization="int8",
+        )
 
 
 def test_config_defaults_are_transformers():
     """A config.json without a key means what transformers' GptOssConfig makes of it."""
     from transformers import GptOssConfig
 
-    from procs.worker.models.gpt_oss import DEFAULT_ROPE, GPT_OSS_DEFAULTS
+    from batchserve.procs.worker.models.gpt_oss import DEFAULT_ROPE, GPT_OSS_DEFAULTS
 
     fields = {f: getattr(GptOssConfig, f, None) for f in GPT_OSS_DEFAULTS if f != "rope_theta"}
     assert fields == {f: v for f, v in GPT_OSS_DEFAULTS.items() if f != "rope_theta"}

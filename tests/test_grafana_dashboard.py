@@ -9,11 +9,11 @@ import re
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from shared.config import ServerConfig
-from shared.messages import SchedulerStats
+
+from batchserve.procs.api.app import create_app
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import SchedulerStats
 
 DASHBOARD = Path(__file__).parents[1] / "systemd" / "grafana" / "batchserve-dashboard.json"
 METRIC_NAME = re.compile(r"\b(batchserve_[a-z0-9_]+|vllm:[a-z_]+)")
@@ -21,13 +21,17 @@ METRIC_NAME = re.compile(r"\b(batchserve_[a-z0-9_]+|vllm:[a-z_]+)")
 
 def _exposed_sample_names() -> set[str]:
     """Sample names in /metrics once requests have ended (a labelled counter shows only once counted)."""
+
     async def go() -> str:
         engine = FakeEngine()
         async with TestClient(TestServer(create_app(engine, ServerConfig(slo=["ttft:500", "tpot:100"])))) as client:
             assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"})).status == 200
-            assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "n": 0})).status == 400
+            assert (
+                await client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "n": 0})
+            ).status == 400
             engine.push_stats(SchedulerStats(num_running=1, num_waiting=0, kv_used_tokens=16, kv_total_tokens=64))
             return await (await client.get("/metrics")).text()
+
     text = asyncio.run(go())
     return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
 

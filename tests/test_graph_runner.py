@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-
-from kernels import native
-from kernels.decode_layers import DecodeLayers
-from kernels.attention import AttentionMetadata, create_backend, resolve_backend_name
-from kernels.attention.flashinfer import page_lists
 from model_batches import GREEDY, generate_greedy
-from procs.worker.graph_runner import capture_sizes
-from procs.worker.model_runner import ModelRunner
-from shared.config import ServerConfig
-from shared.messages import ForwardBatch
+
+from batchserve.kernels import native
+from batchserve.kernels.attention import AttentionMetadata, create_backend, resolve_backend_name
+from batchserve.kernels.attention.flashinfer import page_lists
+from batchserve.kernels.decode_layers import DecodeLayers
+from batchserve.procs.worker.graph_runner import capture_sizes
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import ForwardBatch
 
 MAX_RUNNING = 10
 PAGE_SIZE = 4
@@ -29,8 +29,14 @@ def make_runner(model_dir, **kwargs) -> ModelRunner:
     """A CPU runner that takes the padded path (which CUDA graphs replay) for decode steps."""
     kwargs.setdefault("max_running_requests", MAX_RUNNING)
     kwargs.setdefault("pad_decode", True)
-    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=PAGE_SIZE,
-                       kv_capacity_tokens=PAGE_SIZE * PAGES_PER_REQUEST * MAX_RUNNING, **kwargs)
+    return ModelRunner(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        page_size=PAGE_SIZE,
+        kv_capacity_tokens=PAGE_SIZE * PAGES_PER_REQUEST * MAX_RUNNING,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +79,18 @@ def i32(values) -> np.ndarray:
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], slots: list[int]) -> list[Request]:
-    requests = [Request(slot, list(range(1 + PAGES_PER_REQUEST * i, 1 + PAGES_PER_REQUEST * (i + 1))))
-                for i, slot in enumerate(slots)]
+    requests = [
+        Request(slot, list(range(1 + PAGES_PER_REQUEST * i, 1 + PAGES_PER_REQUEST * (i + 1))))
+        for i, slot in enumerate(slots)
+    ]
     batch = ForwardBatch(
-        step=0, slots=list(slots), prefix_lens=[0] * len(slots), extend_lens=[len(p) for p in prompts],
-        sample_lens=[1] * len(slots), sampling=[GREEDY] * len(slots), sample_counts=[0] * len(slots),
+        step=0,
+        slots=list(slots),
+        prefix_lens=[0] * len(slots),
+        extend_lens=[len(p) for p in prompts],
+        sample_lens=[1] * len(slots),
+        sampling=[GREEDY] * len(slots),
+        sample_counts=[0] * len(slots),
         input_ids=i32([t for p in prompts for t in p]),
         positions=i32([i for p in prompts for i in range(len(p))]),
         kv_locs=i32([r.kv_loc(i) for r, p in zip(requests, prompts) for i in range(len(p))]),
@@ -94,11 +107,19 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], slots: list[int]) -> 
 def decode_batch(requests: list[Request], step: int = 1, sample_lens: list[int] | None = None) -> ForwardBatch:
     n = len(requests)
     return ForwardBatch(
-        step=step, slots=[r.slot for r in requests], prefix_lens=[r.fed for r in requests], extend_lens=[1] * n,
-        sample_lens=sample_lens or [1] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
-        input_ids=i32([r.last_token for r in requests]), positions=i32([r.fed for r in requests]),
+        step=step,
+        slots=[r.slot for r in requests],
+        prefix_lens=[r.fed for r in requests],
+        extend_lens=[1] * n,
+        sample_lens=sample_lens or [1] * n,
+        sampling=[GREEDY] * n,
+        sample_counts=[1] * n,
+        input_ids=i32([r.last_token for r in requests]),
+        positions=i32([r.fed for r in requests]),
         kv_locs=i32([r.kv_loc(r.fed) for r in requests]),
-        page_table_slots=i32([]), page_table_cols=i32([]), page_table_pages=i32([]),
+        page_table_slots=i32([]),
+        page_table_cols=i32([]),
+        page_table_pages=i32([]),
     )
 
 
@@ -115,10 +136,18 @@ def eager_logits(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
 # -- buckets ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_bs, sizes", [
-    (1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (10, [1, 2, 4, 8, 10]), (16, [1, 2, 4, 8, 16]),
-    (17, [1, 2, 4, 8, 16, 17]), (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
-])
+@pytest.mark.parametrize(
+    "max_bs, sizes",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (10, [1, 2, 4, 8, 10]),
+        (16, [1, 2, 4, 8, 16]),
+        (17, [1, 2, 4, 8, 16, 17]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    ],
+)
 def test_capture_sizes(max_bs, sizes):
     assert capture_sizes(max_bs) == sizes
 
@@ -185,11 +214,19 @@ def wide_batch(requests: list[Request], widths: list[int]) -> ForwardBatch:
     owners = [r for r, k in zip(requests, widths) for _ in range(k)]
     n = len(requests)
     return ForwardBatch(
-        step=1, slots=[r.slot for r in requests], prefix_lens=[r.fed for r in requests], extend_lens=list(widths),
-        sample_lens=list(widths), sampling=[GREEDY] * n, sample_counts=[1] * n,
-        input_ids=i32([t for row in rows for t in row]), positions=i32(positions),
+        step=1,
+        slots=[r.slot for r in requests],
+        prefix_lens=[r.fed for r in requests],
+        extend_lens=list(widths),
+        sample_lens=list(widths),
+        sampling=[GREEDY] * n,
+        sample_counts=[1] * n,
+        input_ids=i32([t for row in rows for t in row]),
+        positions=i32(positions),
         kv_locs=i32([r.kv_loc(p) for r, p in zip(owners, positions)]),
-        page_table_slots=i32([]), page_table_cols=i32([]), page_table_pages=i32([]),
+        page_table_slots=i32([]),
+        page_table_cols=i32([]),
+        page_table_pages=i32([]),
     )
 
 
@@ -241,11 +278,19 @@ def test_padding_writes_and_reads_only_the_dummy_page(model_dir, batch_size, fus
     outputs = []
     if runner.model.fuse_decode_layers:
         run = DecodeLayers.run
-        spy = lambda self, *args, **kwargs: outputs.append(run(self, *args, **kwargs)) or outputs[-1]
+
+        def spy(self, *args, **kwargs):
+            outputs.append(run(self, *args, **kwargs))
+            return outputs[-1]
+
         patched = (DecodeLayers, "run", spy)
     else:
         forward = runner.attention.forward
-        spy_forward = lambda q, k, v, layer, sinks=None: outputs.append(forward(q, k, v, layer, sinks)) or outputs[-1]
+
+        def spy_forward(q, k, v, layer, sinks=None):
+            outputs.append(forward(q, k, v, layer, sinks))
+            return outputs[-1]
+
         patched = (runner.attention, "forward", spy_forward)
     before = [t.clone() for t in (*cache.k_flat, *cache.v_flat)]
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
@@ -267,8 +312,13 @@ def test_page_lists_for_padded_decode():
     page_table = torch.zeros((4, 3), dtype=torch.int32)
     page_table[2] = torch.tensor([7, 3, 9], dtype=torch.int32)
     page_table[1] = torch.tensor([5, 0, 0], dtype=torch.int32)
-    metadata = AttentionMetadata(slots=[2, 1, 0, 0], prefix_lens=[8, 3, 0, 0], extend_lens=[1, 1, 1, 1],
-                                 kv_locs=torch.zeros(4, dtype=torch.int64), num_padding=2)
+    metadata = AttentionMetadata(
+        slots=[2, 1, 0, 0],
+        prefix_lens=[8, 3, 0, 0],
+        extend_lens=[1, 1, 1, 1],
+        kv_locs=torch.zeros(4, dtype=torch.int64),
+        num_padding=2,
+    )
     pages = page_lists(metadata, page_table, page_size=4)
     assert pages.indptr.tolist() == [0, 3, 4, 5, 6]
     assert pages.indices.tolist() == [7, 3, 9, 5, 0, 0]
@@ -278,8 +328,9 @@ def test_page_lists_for_padded_decode():
 
 def test_page_lists_for_mixed_prefill_and_decode():
     page_table = torch.tensor([[4, 6, 0], [2, 0, 0]], dtype=torch.int32)
-    metadata = AttentionMetadata(slots=[1, 0], prefix_lens=[0, 5], extend_lens=[3, 4],
-                                 kv_locs=torch.zeros(7, dtype=torch.int64))
+    metadata = AttentionMetadata(
+        slots=[1, 0], prefix_lens=[0, 5], extend_lens=[3, 4], kv_locs=torch.zeros(7, dtype=torch.int64)
+    )
     pages = page_lists(metadata, page_table, page_size=4)
     assert pages.indptr.tolist() == [0, 1, 4]
     assert pages.indices.tolist() == [2, 4, 6, 0]
@@ -291,15 +342,26 @@ def test_page_lists_for_mixed_prefill_and_decode():
 
 def test_disable_cuda_graph_runs_plain_eager(model_dir, eager_runner):
     assert eager_runner.graph_runner is None
-    config = ServerConfig(model=str(model_dir), device="cpu", page_size=PAGE_SIZE, kv_capacity_tokens=256,
-                          max_running_requests=MAX_RUNNING, disable_cuda_graph=True)
+    config = ServerConfig(
+        model=str(model_dir),
+        device="cpu",
+        page_size=PAGE_SIZE,
+        kv_capacity_tokens=256,
+        max_running_requests=MAX_RUNNING,
+        disable_cuda_graph=True,
+    )
     assert ModelRunner.from_config(config).graph_runner is None
 
 
 def test_cpu_decode_runs_unpadded_by_default(model_dir):
     """Nothing is captured on CPU, so padding would only cost: decode takes the plain eager path."""
-    config = ServerConfig(model=str(model_dir), device="cpu", page_size=PAGE_SIZE, kv_capacity_tokens=256,
-                          max_running_requests=MAX_RUNNING)
+    config = ServerConfig(
+        model=str(model_dir),
+        device="cpu",
+        page_size=PAGE_SIZE,
+        kv_capacity_tokens=256,
+        max_running_requests=MAX_RUNNING,
+    )
     assert ModelRunner.from_config(config).graph_runner is None
     assert make_runner(model_dir, pad_decode=None).graph_runner is None
 

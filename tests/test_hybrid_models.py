@@ -12,17 +12,23 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from kernels import native
-from kernels.gated_delta import causal_conv1d_step, gated_delta_step
 from model_batches import generate_greedy
-from model_references import chunked_logits, greedy_references, run_scheduled, scheduled_prompts, small_runner, \
-    torch_only
-from procs.worker.loader import load_model_config
-from procs.worker.model_runner import ModelRunner
-from shared.model import ModelSpec
+from model_references import (
+    chunked_logits,
+    greedy_references,
+    run_scheduled,
+    scheduled_prompts,
+    small_runner,
+    torch_only,
+)
+from safetensors.torch import load_file, save_file
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+from batchserve.kernels import native
+from batchserve.kernels.gated_delta import causal_conv1d_step, gated_delta_step
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.model import ModelSpec
 
 NEW_TOKENS = 12
 MODELS = {
@@ -64,8 +70,15 @@ def test_torch_only_and_padded_decode_match_transformers(references, monkeypatch
     model_dir, expected = references("qwen3_5")
     with torch_only(monkeypatch):
         assert generate_greedy(small_runner(model_dir), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                         max_running_requests=8, pad_decode=True)
+    runner = ModelRunner(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        kv_capacity_tokens=2048,
+        max_running_requests=8,
+        pad_decode=True,
+    )
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
 
@@ -80,8 +93,9 @@ def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
 
     model_dir, prompt = tiny_model_dir(**MODELS[model]), _prompts()[0]
     with torch.inference_mode():
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                         experts_implementation="eager").eval()
+        reference = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, experts_implementation="eager"
+        ).eval()
         single = reference(torch.tensor([prompt])).logits[0].double()
         double = reference.double()(torch.tensor([prompt])).logits[0]
     ours = chunked_logits(small_runner(model_dir), prompt, chunk=5).double()
@@ -103,15 +117,24 @@ def test_multimodal_checkpoint_serves_its_text_model(tiny_model_dir, tmp_path):
     text_config, a vision tower and an MTP head beside it, both skipped."""
     source = tiny_model_dir(**MODELS["qwen3_5"])
     config = json.loads((source / "config.json").read_text())
-    tensors = {("model.language_model." + name[len("model."):] if name.startswith("model.") else name): t
-               for name, t in load_file(source / "model.safetensors").items()}
+    tensors = {
+        ("model.language_model." + name[len("model.") :] if name.startswith("model.") else name): t
+        for name, t in load_file(source / "model.safetensors").items()
+    }
     tensors.update({"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(4, 4)})
     tmp_path.mkdir(exist_ok=True)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": {k: v for k, v in config.items() if k != "architectures"},
-        "vision_config": {"depth": 1}, "tie_word_embeddings": False}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "model_type": "qwen3_5",
+                "text_config": {k: v for k, v in config.items() if k != "architectures"},
+                "vision_config": {"depth": 1},
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     expected = transformers_greedy(source, _prompts(), NEW_TOKENS)
     assert generate_greedy(small_runner(tmp_path), _prompts(), NEW_TOKENS, **SCHEDULES["mixed"]) == expected
 
@@ -127,8 +150,8 @@ def test_scheduled_requests_match_transformers(tiny_model_dir):
 
 
 def test_without_state_snapshots_the_prefix_cache_is_off(tiny_model_dir):
-    from procs.engine import OfflineEngine
-    from shared.config import ServerConfig
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.config import ServerConfig
 
     model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["qwen3_next"])
     engine = OfflineEngine(ServerConfig(model=str(model_dir), disable_prefix_cache=True, kv_capacity_tokens=256))
@@ -136,8 +159,8 @@ def test_without_state_snapshots_the_prefix_cache_is_off(tiny_model_dir):
 
 
 def test_speculation_is_refused(tiny_model_dir):
-    from procs.engine import OfflineEngine
-    from shared.config import ServerConfig
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.config import ServerConfig
 
     model_dir = tiny_model_dir(with_tokenizer=True, **MODELS["qwen3_5"])
     with pytest.raises(ValueError, match="linear-attention layers keep one state per request"):
@@ -151,12 +174,16 @@ def test_c_decode_step_equals_the_torch_step_in_place_on_the_pool():
     generator = torch.Generator().manual_seed(0)
     rows, key_heads, value_heads, dk, dv = 5, 2, 6, 16, 8
     mixed = torch.randn(rows, 2 * key_heads * dk + value_heads * dv, generator=generator)
-    g, beta = -torch.rand(rows, value_heads, generator=generator) * 3, torch.rand(rows, value_heads, generator=generator)
+    g, beta = (
+        -torch.rand(rows, value_heads, generator=generator) * 3,
+        torch.rand(rows, value_heads, generator=generator),
+    )
     pool = torch.randn(9, value_heads, dk, dv, generator=generator)
     slots = torch.tensor([7, 0, 3, 8, 1])
     q, k, v = mixed.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=1)
-    expected, states = gated_delta_step(q.view(rows, key_heads, dk), k.view(rows, key_heads, dk),
-                                        v.view(rows, value_heads, dv), g, beta, pool[slots])
+    expected, states = gated_delta_step(
+        q.view(rows, key_heads, dk), k.view(rows, key_heads, dk), v.view(rows, value_heads, dv), g, beta, pool[slots]
+    )
     untouched = pool[[2, 4, 5, 6]].clone()
     got = native.gated_delta_decode(mixed, g, beta, pool, slots, key_heads)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -169,7 +196,10 @@ def test_c_convolution_step_equals_the_torch_step_in_place_on_the_pool():
     generator = torch.Generator().manual_seed(1)
     rows, channels, taps = 4, 24, 4
     x = torch.randn(rows, channels + 5, generator=generator)[:, :channels]  # rows strided, as a split leaves them
-    weight, pool = torch.randn(channels, taps, generator=generator), torch.randn(6, channels, taps - 1, generator=generator)
+    weight, pool = (
+        torch.randn(channels, taps, generator=generator),
+        torch.randn(6, channels, taps - 1, generator=generator),
+    )
     slots = torch.tensor([5, 0, 2, 3])
     expected, windows = causal_conv1d_step(x, weight, pool[slots])
     got = native.causal_conv1d_decode(x, weight, pool, slots)

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import zmq
 
-from procs import launch
-from procs.detokenizer.process import Detokenizers
-from procs.scheduler import Scheduler, SchedulerConfig, ScriptedExecutor, StepOutput
-from procs.tokenizer.prompts import PromptTokenizer
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
-from shared.messages import (
+from batchserve.procs import launch
+from batchserve.procs.detokenizer.process import Detokenizers
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig, ScriptedExecutor, StepOutput
+from batchserve.procs.tokenizer.prompts import PromptTokenizer
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.ipc import Endpoints, Receiver, SchedulerInbox, Sender
+from batchserve.shared.messages import (
     PROMPT_TAIL_TOKENS,
     AbortRequest,
     ChatMessage,
@@ -36,8 +36,8 @@ from shared.messages import (
     TokenizedRequest,
     WorkerInfo,
 )
-from shared.readiness import notify, notify_ready
-from shared.shm import SharedRing
+from batchserve.shared.readiness import notify, notify_ready
+from batchserve.shared.shm import SharedRing
 
 
 def test_typed_sockets_carry_a_union_in_order_with_prompt_ids_in_shared_memory(tmp_path):
@@ -107,8 +107,8 @@ class WordTokenizer:
         return " ".join(m["content"] for m in messages) + " w99"
 
 
-def request(max_tokens: int | None = None, stop: StopParams = StopParams(), **kw) -> GenerateRequest:
-    stop = msgspec.structs.replace(stop, max_tokens=max_tokens)
+def request(max_tokens: int | None = None, stop: StopParams | None = None, **kw) -> GenerateRequest:
+    stop = msgspec.structs.replace(stop or StopParams(), max_tokens=max_tokens)
     return GenerateRequest(rid="r", **kw, params=RequestParams(stop=stop))
 
 
@@ -131,8 +131,14 @@ def test_prompt_checks_name_the_field():
         (request(prompt="w1 w2", max_tokens=9), "max_tokens"),
         (request(prompt="w1 w2", max_tokens=0), "max_tokens"),
         # the refusal names the field the client sent
-        (request(messages=[ChatMessage(role="user", content="w3")], max_tokens=9,
-                 max_tokens_param="max_completion_tokens"), "max_completion_tokens"),
+        (
+            request(
+                messages=[ChatMessage(role="user", content="w3")],
+                max_tokens=9,
+                max_tokens_param="max_completion_tokens",
+            ),
+            "max_completion_tokens",
+        ),
         (request(prompt="w1", max_tokens=2, stop=StopParams(stop_token_ids=(5, 100))), "stop_token_ids"),
     ]
     for req, param in cases:
@@ -142,8 +148,9 @@ def test_prompt_checks_name_the_field():
 
 
 def _delta_scheduler() -> Scheduler:
-    return Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=128),
-                     eos_token_ids=(2,))
+    return Scheduler(
+        SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=128), eos_token_ids=(2,)
+    )
 
 
 def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
@@ -152,15 +159,23 @@ def test_token_deltas_first_carries_stop_strings_and_last_carries_the_reason():
     stop = StopParams(max_tokens=2, stop=("x",))
     sched.add_request("a", np.arange(20, dtype=np.int32), RequestParams(stop=stop))
     first = sched.token_deltas(sched.step(executor))
-    assert first == [TokenDelta(rid="a", token_ids=[100], prompt_tokens=20, completion_tokens=1, stop=stop,
-                                prompt_tail=list(range(20 - PROMPT_TAIL_TOKENS, 20)))]
+    assert first == [
+        TokenDelta(
+            rid="a",
+            token_ids=[100],
+            prompt_tokens=20,
+            completion_tokens=1,
+            stop=stop,
+            prompt_tail=list(range(20 - PROMPT_TAIL_TOKENS, 20)),
+        )
+    ]
     last = sched.token_deltas(sched.step(executor))
-    assert last == [TokenDelta(rid="a", token_ids=[101], finish_reason="length", prompt_tokens=20,
-                               completion_tokens=2)]
+    assert last == [TokenDelta(rid="a", token_ids=[101], finish_reason="length", prompt_tokens=20, completion_tokens=2)]
     assert not sched.has_unfinished()  # forgotten, its final delta built from the step's record of it
     # an abort of a request never seen still closes it downstream
     assert sched.token_deltas(StepOutput(step=2, cancelled=["zzz"])) == [
-        TokenDelta(rid="zzz", token_ids=[], finish_reason="abort")]
+        TokenDelta(rid="zzz", token_ids=[], finish_reason="abort")
+    ]
 
 
 def test_an_aborted_request_closes_with_its_counts_and_its_first_delta_may_be_the_abort():
@@ -177,7 +192,8 @@ def test_an_aborted_request_closes_with_its_counts_and_its_first_delta_may_be_th
     deltas = sched.token_deltas(sched.step(executor))
     assert deltas[-2:] == [
         TokenDelta(rid="a", token_ids=[], finish_reason="abort", prompt_tokens=6, completion_tokens=2),
-        TokenDelta(rid="q", token_ids=[], finish_reason="abort", prompt_tokens=1, stop=q_stop, prompt_tail=[3])]
+        TokenDelta(rid="q", token_ids=[], finish_reason="abort", prompt_tokens=1, stop=q_stop, prompt_tail=[3]),
+    ]
 
 
 def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_model_dir):
@@ -185,8 +201,16 @@ def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_mod
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama", with_tokenizer=True))
     d = Detokenizers(tok)
-    out, abort = d.handle(TokenDelta(rid="a", token_ids=[5], prompt_tokens=3, completion_tokens=1,
-                                     stop=StopParams(stop=("w7",)), prompt_tail=[3, 4]))
+    out, abort = d.handle(
+        TokenDelta(
+            rid="a",
+            token_ids=[5],
+            prompt_tokens=3,
+            completion_tokens=1,
+            stop=StopParams(stop=("w7",)),
+            prompt_tail=[3, 4],
+        )
+    )
     assert out.finish_reason is None and not abort
     out, abort = d.handle(TokenDelta(rid="a", token_ids=[6, 7, 8], prompt_tokens=3, completion_tokens=4))
     assert abort and out.finish_reason == "stop" and "w7" not in out.text and "w6" in out.text
@@ -197,20 +221,21 @@ def test_detokenizer_stop_string_finishes_once_and_aborts_the_scheduler(tiny_mod
     assert d.active == {} and d.stopped == set()
     # a request that ends by length gets its held-back text and usage
     d.handle(TokenDelta(rid="b", token_ids=[5], prompt_tokens=1, completion_tokens=1, stop=StopParams(stop=("w55",))))
-    out, abort = d.handle(TokenDelta(rid="b", token_ids=[], finish_reason="length", prompt_tokens=1,
-                                     completion_tokens=1))
+    out, abort = d.handle(
+        TokenDelta(rid="b", token_ids=[], finish_reason="length", prompt_tokens=1, completion_tokens=1)
+    )
     assert out.finish_reason == "length" and not abort and out.usage.total_tokens == 2
 
 
 def test_serve_refuses_an_unworkable_policy_before_starting_anything(capsys):
-    from procs.cli import main
+    from batchserve.procs.cli import main
 
     assert main(["serve", "--policy", "mixed", "--prefill-budget", "8", "--max-running-requests", "16"]) == 2
     assert "prefill_budget" in capsys.readouterr().err
 
 
 def test_the_watchdog_is_fed_only_under_a_systemd_watchdog(tmp_path, monkeypatch):
-    from procs.runtime import ProcessRuntime
+    from batchserve.procs.runtime import ProcessRuntime
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(tmp_path / "notify"))
@@ -238,7 +263,7 @@ def test_the_watchdog_is_fed_only_under_a_systemd_watchdog(tmp_path, monkeypatch
 
 
 def test_the_runtime_dir_is_made_private_even_if_it_exists(tmp_path):
-    from procs.runtime import resolve_runtime_dir
+    from batchserve.procs.runtime import resolve_runtime_dir
 
     loose = tmp_path / "run"
     loose.mkdir(mode=0o755)
@@ -248,7 +273,7 @@ def test_the_runtime_dir_is_made_private_even_if_it_exists(tmp_path):
 
 
 def test_api_keys_from_flags_and_environment():
-    from shared.config import add_config_arguments, config_from_args
+    from batchserve.shared.config import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -259,17 +284,25 @@ def test_api_keys_from_flags_and_environment():
 
 
 def _one_token_batch(step: int) -> ForwardBatch:
-    return ForwardBatch(step=step, slots=[0], prefix_lens=[0], extend_lens=[1], sample_lens=[1],
-                        sampling=[SamplingParams()], sample_counts=[0],
-                        **{name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0, dtype=np.int32)
-                           for name in ("input_ids", "positions", "kv_locs", "page_table_slots", "page_table_cols",
-                                        "page_table_pages")})
+    return ForwardBatch(
+        step=step,
+        slots=[0],
+        prefix_lens=[0],
+        extend_lens=[1],
+        sample_lens=[1],
+        sampling=[SamplingParams()],
+        sample_counts=[0],
+        **{
+            name: np.zeros(1 if name in ("input_ids", "positions", "kv_locs") else 0, dtype=np.int32)
+            for name in ("input_ids", "positions", "kv_locs", "page_table_slots", "page_table_cols", "page_table_pages")
+        },
+    )
 
 
 def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
-    from procs.runtime import ProcessRuntime
-    from procs.scheduler.remote_worker import RemoteWorker, WorkerStalled
-    from shared.messages import StepResult
+    from batchserve.procs.runtime import ProcessRuntime
+    from batchserve.procs.scheduler.remote_worker import RemoteWorker, WorkerStalled
+    from batchserve.shared.messages import StepResult
 
     rt = ProcessRuntime("scheduler", ServerConfig(runtime_dir=str(tmp_path)))
     try:
@@ -288,9 +321,9 @@ def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
 def test_a_dead_worker_ends_the_wait_at_once(tmp_path, stopping):
     """A killed worker's step never comes back: the wait ends as soon as its process is gone, not after
     the step timeout (running) or the stop's grace for the step in flight (stopping)."""
-    from procs.runtime import ProcessRuntime
-    from procs.scheduler.remote_worker import WORKER_STOP_GRACE_S, RemoteWorker, WorkerGone, WorkerStalled
-    from shared.messages import StepResult
+    from batchserve.procs.runtime import ProcessRuntime
+    from batchserve.procs.scheduler.remote_worker import WORKER_STOP_GRACE_S, RemoteWorker, WorkerGone, WorkerStalled
+    from batchserve.shared.messages import StepResult
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

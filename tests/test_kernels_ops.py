@@ -6,13 +6,23 @@ import platform
 
 import pytest
 import torch
+from native_marks import requires_native_kernels
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kernels import native
-from kernels.ops import (add_rms_norm, apply_rotary, apply_rotary_torch, linear, onednn_linear_available,
-                         pack_linear_weight, rms_norm, rms_norm_torch, silu_and_mul, silu_and_mul_torch)
-from kernels.panel_linear import PanelWeight
-from native_marks import requires_native_kernels
+from batchserve.kernels import native
+from batchserve.kernels.ops import (
+    add_rms_norm,
+    apply_rotary,
+    apply_rotary_torch,
+    linear,
+    onednn_linear_available,
+    pack_linear_weight,
+    rms_norm,
+    rms_norm_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
+from batchserve.kernels.panel_linear import PanelWeight
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 130])
@@ -69,7 +79,7 @@ def test_torch_silu_and_mul_matches_the_unfused_formula() -> None:
 @pytest.mark.parametrize("rows,dim", [(1, 576), (33, 64), (600, 100), (3, 7)])
 def test_native_rms_norm_is_within_a_few_ulp_of_torch(rows: int, dim: int) -> None:
     torch.manual_seed(rows)
-    x = (torch.randn(rows, dim + 5) * 3)[:, 2:dim + 2]
+    x = (torch.randn(rows, dim + 5) * 3)[:, 2 : dim + 2]
     weight = torch.randn(dim)
     out = rms_norm(x, weight, 1e-6)
     assert native.applies_to(x) and out.is_contiguous()
@@ -91,7 +101,7 @@ def test_native_add_rms_norm_adds_exactly_and_norms_within_a_few_ulp(rows: int, 
 @pytest.mark.parametrize("rows,half", [(1, 1536), (5, 8), (300, 203)])
 def test_native_silu_and_mul_is_close_to_torch(rows: int, half: int) -> None:
     torch.manual_seed(half)
-    gate_up = torch.randn(rows, 2 * half + 3)[:, :2 * half] * 8  # strided rows
+    gate_up = torch.randn(rows, 2 * half + 3)[:, : 2 * half] * 8  # strided rows
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's clamp range, and zeros
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), rtol=3e-7, atol=1e-7)
 
@@ -101,7 +111,7 @@ def test_native_silu_and_mul_is_close_to_torch(rows: int, half: int) -> None:
 def test_native_rotary_is_bit_identical_to_torch(rows: int, heads: int, head_dim: int) -> None:
     torch.manual_seed(rows)
     qkv = torch.randn(rows, (heads + 2) * head_dim)
-    x = qkv[:, :heads * head_dim].view(rows, heads, head_dim)  # strided rows, as q|k inside the qkv output
+    x = qkv[:, : heads * head_dim].view(rows, heads, head_dim)  # strided rows, as q|k inside the qkv output
     angles = torch.rand(rows, head_dim // 2) * 100
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_torch(x, cos, sin))
@@ -114,7 +124,10 @@ def test_native_kv_write_matches_index_copy() -> None:
     k, v = kv[:, :3], kv[:, 3:]
     locs = torch.tensor([23, 4, 5, 0, 17])
     native.write_kv(pool_k, pool_v, locs, k, v)
-    expected_k, expected_v = torch.zeros(24, 3, 8).index_copy_(0, locs, k), torch.zeros(24, 3, 8).index_copy_(0, locs, v)
+    expected_k, expected_v = (
+        torch.zeros(24, 3, 8).index_copy_(0, locs, k),
+        torch.zeros(24, 3, 8).index_copy_(0, locs, v),
+    )
     assert torch.equal(pool_k.flatten(0, 1), expected_k) and torch.equal(pool_v.flatten(0, 1), expected_v)
     with pytest.raises(ValueError, match="outside the pool"):
         native.write_kv(pool_k, pool_v, torch.tensor([0, 1, 2, 3, 24]), k, v)
@@ -132,5 +145,7 @@ def test_native_ops_refuse_what_they_cannot_take() -> None:
         native.rotary(torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))
     # the dispatching ops take the torch form for what the kernels do not cover
     x = torch.randn(4, 6, dtype=torch.float64)
-    assert torch.equal(rms_norm(x, torch.ones(6, dtype=torch.float64), 1e-6),
-                       rms_norm_torch(x, torch.ones(6, dtype=torch.float64), 1e-6))
+    assert torch.equal(
+        rms_norm(x, torch.ones(6, dtype=torch.float64), 1e-6),
+        rms_norm_torch(x, torch.ones(6, dtype=torch.float64), 1e-6),
+    )

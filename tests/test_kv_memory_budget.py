@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from procs.worker.kv_cache import CPU_KV_MEMORY_GB, GIB, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for
-from shared.config import ServerConfig
+from batchserve.procs.worker.kv_cache import (
+    CPU_KV_MEMORY_GB,
+    GIB,
+    kv_bytes_per_token,
+    kv_memory_budget_gb,
+    num_pages_for,
+)
+from batchserve.shared.config import ServerConfig
 
 CUDA = torch.device("cuda", 0)
 
@@ -18,6 +24,7 @@ def fake_mem_get_info(free_gib: float, total_gib: float = 141.0):
     def mem_get_info(device):
         calls.append(device)
         return int(free_gib * GIB), int(total_gib * GIB)
+
     return mem_get_info, calls
 
 
@@ -51,7 +58,7 @@ def test_fraction_out_of_range_is_refused(fraction):
 def test_config_flags_reach_the_fields():
     import argparse
 
-    from shared.config import add_config_arguments, config_from_args
+    from batchserve.shared.config import add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERED = ("procs", "kernels", "shared")
 PROCESS_PACKAGES = frozenset({"api", "tokenizer", "scheduler", "worker", "detokenizer"})
 # What every process runs on (`ProcessRuntime`), and the error type of the CLI's subcommands.
-PROCESS_SUPPORT = frozenset({"procs.runtime", "procs.cli"})
+PROCESS_SUPPORT = frozenset({"batchserve.procs.runtime", "batchserve.procs.cli"})
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Import:
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["batchserve", *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 MODULES: dict[str, Path] = {module_name(p): p for top in LAYERED for p in sorted((ROOT / top).rglob("*.py"))}
@@ -49,7 +49,8 @@ def _resolve(name: str, attribute: str | None) -> str | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _statement_imports(module: str, node: ast.stmt, runs: bool) -> list[Import]:
@@ -87,12 +88,12 @@ IMPORTS = [imp for module in MODULES for imp in imports_of(module)]
 
 
 def _process_package(module: str) -> str | None:
-    parts = module.split(".")
+    parts = module.split(".")[1:]  # without the leading "batchserve"
     return parts[1] if parts[0] == "procs" and len(parts) > 1 and parts[1] in PROCESS_PACKAGES else None
 
 
 def _breaks_floor(imp: Import) -> bool:
-    top, target = imp.importer.split(".")[0], imp.module.split(".")[0]
+    top, target = imp.importer.split(".")[1], imp.module.split(".")[1]
     if top == "shared":
         return target != "shared"
     if top == "kernels":
@@ -106,8 +107,15 @@ def _breaks_floor(imp: Import) -> bool:
 
 
 def test_the_scan_sees_the_project():
-    assert {"shared.messages", "kernels.attention", "procs.scheduler.core", "procs.api.app"} <= set(MODULES)
-    assert any(imp.importer == "procs.api.app" and imp.module == "shared.config" for imp in IMPORTS)
+    assert {
+        "batchserve.shared.messages",
+        "batchserve.kernels.attention",
+        "batchserve.procs.scheduler.core",
+        "batchserve.procs.api.app",
+    } <= set(MODULES)
+    assert any(
+        imp.importer == "batchserve.procs.api.app" and imp.module == "batchserve.shared.config" for imp in IMPORTS
+    )
 
 
 def test_no_import_reaches_up_or_across_processes():
@@ -115,17 +123,20 @@ def test_no_import_reaches_up_or_across_processes():
     assert broken == []
 
 
-@pytest.mark.parametrize("importer,module,expected", [
-    ("shared.config", "procs.launch", True),
-    ("shared.config", "kernels.native", True),
-    ("kernels.attention.base", "procs.worker.kv_cache", True),
-    ("procs.tokenizer.process", "procs.scheduler.core", True),
-    ("procs.api.engine_client_zmq", "procs.launch", True),
-    ("procs.runtime", "procs.worker.process", True),
-    ("procs.worker.model_runner", "kernels.attention", False),
-    ("procs.tokenizer.process", "procs.runtime", False),
-    ("procs.serve", "procs.scheduler.core", False),
-])
+@pytest.mark.parametrize(
+    "importer,module,expected",
+    [
+        ("batchserve.shared.config", "batchserve.procs.launch", True),
+        ("batchserve.shared.config", "batchserve.kernels.native", True),
+        ("batchserve.kernels.attention.base", "batchserve.procs.worker.kv_cache", True),
+        ("batchserve.procs.tokenizer.process", "batchserve.procs.scheduler.core", True),
+        ("batchserve.procs.api.engine_client_zmq", "batchserve.procs.launch", True),
+        ("batchserve.procs.runtime", "batchserve.procs.worker.process", True),
+        ("batchserve.procs.worker.model_runner", "batchserve.kernels.attention", False),
+        ("batchserve.procs.tokenizer.process", "batchserve.procs.runtime", False),
+        ("batchserve.procs.serve", "batchserve.procs.scheduler.core", False),
+    ],
+)
 def test_the_floor_rule_itself(importer, module, expected):
     assert _breaks_floor(Import(importer, module, 1, True)) is expected
 
@@ -145,7 +156,7 @@ def test_no_import_cycle():
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shared import model as loader
-from procs.worker.loader import load_model_config
-from shared.model import ModelLoadError, ModelSpec, load_tokenizer, resolve_model
-from procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared import model as loader
+from batchserve.shared.model import ModelLoadError, ModelSpec, load_tokenizer, resolve_model
 
 
 def test_hf_folder_resolves_to_itself(tiny_model_dir):
@@ -150,8 +150,9 @@ def test_gguf_folder_is_converted_once(tmp_path, monkeypatch):
     (folder / "model.gguf").symlink_to(_installed_gguf())
     converted = resolve_model(folder)
     assert converted.parent == tmp_path / "cache" / "models"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
-        {p.name for p in converted.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in converted.iterdir()
+    }
     spec = ModelSpec.resolve(converted)
     config = load_model_config(spec)
     assert (spec.architecture, config.num_layers, config.vocab_size) == ("LlamaForCausalLM", 30, 49152)

@@ -9,21 +9,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtests.fake_openai_server import FakeServerScript, FakeServerThread
+from batchserve.loadtests.fake_openai_server import FakeServerScript, FakeServerThread
 
 LOCUSTFILE = Path(__file__).resolve().parents[1] / "loadtests" / "locustfile.py"
 USERS = 2
 
 
-def run_locust(host: str, out_dir: Path, max_requests: int,
-               model: str = "fake") -> tuple[int, dict[str, dict[str, Any]], str]:
+def run_locust(
+    host: str, out_dir: Path, max_requests: int, model: str = "fake"
+) -> tuple[int, dict[str, dict[str, Any]], str]:
     """Run headless (127.0.0.1 only; users, run time and requests bounded); stats per entry name."""
-    env = {**os.environ, "BATCHSERVE_LOCUST_MAX_TOKENS": "8", "BATCHSERVE_LOCUST_PROMPT_WORDS": "6",
-           "BATCHSERVE_LOCUST_MAX_REQUESTS": str(max_requests), "BATCHSERVE_LOCUST_MODEL": model}
+    env = {
+        **os.environ,
+        "BATCHSERVE_LOCUST_MAX_TOKENS": "8",
+        "BATCHSERVE_LOCUST_PROMPT_WORDS": "6",
+        "BATCHSERVE_LOCUST_MAX_REQUESTS": str(max_requests),
+        "BATCHSERVE_LOCUST_MODEL": model,
+    }
     stats_file = out_dir / "stats"
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(USERS),
-               "--spawn-rate", str(USERS), "--run-time", "20s", "--stop-timeout", "5", "--host", host,
-               "--only-summary", "--json-file", str(stats_file), "--loglevel", "WARNING"]
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--users",
+        str(USERS),
+        "--spawn-rate",
+        str(USERS),
+        "--run-time",
+        "20s",
+        "--stop-timeout",
+        "5",
+        "--host",
+        host,
+        "--only-summary",
+        "--json-file",
+        str(stats_file),
+        "--loglevel",
+        "WARNING",
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=out_dir)
     stats = json.loads(stats_file.with_suffix(".json").read_text())
     return proc.returncode, {entry["name"]: entry for entry in stats}, proc.stdout + proc.stderr

@@ -14,17 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from procs.engine import OfflineEngine, request
-from procs.worker.logits_state import SlotLogitsState
-from procs.worker.sample_rows import SampleRows
-from shared.config import ServerConfig
-from shared.messages import LogitsParams, RequestParams, SlotStart
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.procs.worker.logits_state import SlotLogitsState
+from batchserve.procs.worker.sample_rows import SampleRows
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import LogitsParams, RequestParams, SlotStart
 
 VOCAB = 50
 
 
-def reference_adjust(logits: torch.Tensor, params: LogitsParams, prompt: list[int], output: list[int],
-                     banned: list[int]) -> torch.Tensor:
+def reference_adjust(
+    logits: torch.Tensor, params: LogitsParams, prompt: list[int], output: list[int], banned: list[int]
+) -> torch.Tensor:
     """The formulas, one token at a time (the order LogitsParams documents)."""
     x = logits.clone().double()
     for t in set(prompt) | set(output):
@@ -61,8 +62,11 @@ def test_adjusted_rows_equal_the_reference_token_by_token(params):
     torch.manual_seed(1)
     state = SlotLogitsState(4, VOCAB, torch.device("cpu"))
     prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
-    state.start(SlotStart(slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output,
-                          min_tokens_banned=banned))
+    state.start(
+        SlotStart(
+            slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output, min_tokens_banned=banned
+        )
+    )
     state.start(SlotStart(slot=1))
     rng = np.random.default_rng(1)
     for _ in range(6):
@@ -99,8 +103,9 @@ def test_each_position_of_a_row_sees_the_proposed_tokens_before_it_as_generated(
     d1 .. dj were generated (same bits), and recording its 3 tokens leaves the state 3 steps leave."""
     torch.manual_seed(2)
     prompt, output, banned = [1, 2, 2, 5, 9], [5, 6], [0, 9]
-    start = SlotStart(slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output,
-                      min_tokens_banned=banned)
+    start = SlotStart(
+        slot=3, params=RequestParams(logits=params), prompt_ids=prompt, output_ids=output, min_tokens_banned=banned
+    )
     wide, single = SlotLogitsState(4, VOCAB, torch.device("cpu")), SlotLogitsState(4, VOCAB, torch.device("cpu"))
     for state in (wide, single):
         state.start(start)
@@ -109,19 +114,21 @@ def test_each_position_of_a_row_sees_the_proposed_tokens_before_it_as_generated(
     for _ in range(2):
         raw = torch.randn(4, VOCAB) * 3
         # a width-1 row of slot 1, then slot 3's width-3 row
-        rows = SampleRows.build(np.array([1, 3]), np.array([1, len(output)]), np.array([1, 3]),
-                                np.array([8, t0, *proposed]))
+        rows = SampleRows.build(
+            np.array([1, 3]), np.array([1, len(output)]), np.array([1, 3]), np.array([8, t0, *proposed])
+        )
         logits = raw.clone()
         wide.adjust_(logits, rows)
         expected = raw.clone()
         single.adjust_(expected[:2], one_each(np.array([1, 3]), np.array([1, len(output)])))
         for j, token in enumerate(proposed, start=1):
             single.record(one_each(np.array([3]), np.array([len(output) + j - 1])), torch.tensor([token]))
-            single.adjust_(expected[1 + j:2 + j], one_each(np.array([3]), np.array([len(output) + j])))
+            single.adjust_(expected[1 + j : 2 + j], one_each(np.array([3]), np.array([len(output) + j])))
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         for j in range(3):
-            torch.testing.assert_close(logits[1 + j], reference_adjust(raw[1 + j], params, prompt,
-                                                                       output + proposed[:j], banned))
+            torch.testing.assert_close(
+                logits[1 + j], reference_adjust(raw[1 + j], params, prompt, output + proposed[:j], banned)
+            )
         sampled = [*proposed, last]  # the proposals were the model's choices (teacher forcing)
         wide.record(rows, torch.tensor([4, *sampled]))
         single.record(one_each(np.array([1, 3]), np.array([1, len(output) + 2])), torch.tensor([4, last]))
@@ -167,14 +174,28 @@ def engine(model_dir, **overrides) -> OfflineEngine:
 
 
 def _requests(logits: dict, sampling=None, n=NEW_TOKENS, prompts=PROMPTS, prefix="r"):
-    return [request(f"{prefix}{i}", prompt=p, sampling=sampling or {"temperature": 0},
-                    stop={"max_tokens": n, "ignore_eos": True}, logits=logits) for i, p in enumerate(prompts)]
+    return [
+        request(
+            f"{prefix}{i}",
+            prompt=p,
+            sampling=sampling or {"temperature": 0},
+            stop={"max_tokens": n, "ignore_eos": True},
+            logits=logits,
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
-@pytest.mark.parametrize("logits", [
-    {"frequency_penalty": 1.5}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.8},
-    {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5},
-], ids=["frequency", "presence", "repetition", "all"])
+@pytest.mark.parametrize(
+    "logits",
+    [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 1.5},
+        {"repetition_penalty": 1.8},
+        {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    ],
+    ids=["frequency", "presence", "repetition", "all"],
+)
 def test_penalized_greedy_equals_transformers_with_the_same_formulas(model_dir, hf, logits):
     params = LogitsParams(**logits)
     expected = [hf_penalized_greedy(hf, p, params, NEW_TOKENS) for p in PROMPTS]
@@ -188,14 +209,17 @@ def test_logit_bias_bans_and_min_tokens_hold_the_stop(model_dir):
     eng = engine(model_dir)
     plain = eng.generate(_requests({}))
     banned = {t for c in plain for t in c.token_ids[:3]}
-    biased = eng.generate(_requests({"logit_bias": {t: -100.0 for t in banned}}, sampling={"temperature": 1.0, "seed": 3}))
+    biased = eng.generate(
+        _requests({"logit_bias": {t: -100.0 for t in banned}}, sampling={"temperature": 1.0, "seed": 3})
+    )
     assert all(not banned & set(c.token_ids) for c in biased)
     # The 4th greedy token as a stop token: it ends the request at 4 tokens, unless min_tokens holds it back.
     stop_token = plain[0].token_ids[3]
     stop = {"max_tokens": 30, "stop_token_ids": [stop_token]}
     early = eng.generate([request("s", prompt=PROMPTS[0], sampling={"temperature": 0}, stop=stop)])[0]
-    held = eng.generate([request("m", prompt=PROMPTS[0], sampling={"temperature": 0}, stop=stop,
-                                 logits={"min_tokens": 20})])[0]
+    held = eng.generate(
+        [request("m", prompt=PROMPTS[0], sampling={"temperature": 0}, stop=stop, logits={"min_tokens": 20})]
+    )[0]
     assert len(early.token_ids) <= 4
     assert len(held.token_ids) >= 20 and stop_token not in held.token_ids[:19]
     assert eng.scheduler.kv_used_tokens == 0
@@ -232,7 +256,7 @@ def test_seeded_penalized_output_ignores_batch_and_preemption(model_dir):
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused_naming_it(model_dir):
-    from shared.errors import Refusal
+    from batchserve.shared.errors import Refusal
 
     eng = engine(model_dir)
     vocab = eng.prompts.vocab_size

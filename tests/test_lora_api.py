@@ -11,15 +11,16 @@ import asyncio
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from shared.config import ServerConfig
 from test_lora_engine import PROMPTS, setup  # noqa: F401 (the adapters and PEFT's tokens, a module fixture)
 from test_lora_worker import NEW_TOKENS
 
-CONFIG = ServerConfig(enable_lora=True, lora_modules=["sql=/adapters/sql", "chat=/adapters/chat"],
-                      responses_store="memory")
+from batchserve.procs.api.app import create_app
+from batchserve.shared.config import ServerConfig
+
+CONFIG = ServerConfig(
+    enable_lora=True, lora_modules=["sql=/adapters/sql", "chat=/adapters/chat"], responses_store="memory"
+)
 
 
 def run(coro):
@@ -30,12 +31,16 @@ def test_model_names_an_adapter_on_every_endpoint():
     engine = FakeEngine(["ok"])
 
     async def go():
-        async with TestServer(create_app(engine, CONFIG)) as server, openai.AsyncOpenAI(
-                base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client:
+        async with (
+            TestServer(create_app(engine, CONFIG)) as server,
+            openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client,
+        ):
             models = [(m.id, getattr(m, "parent", None)) for m in (await client.models.list()).data]
             completion = await client.completions.create(model="sql", prompt="hi", max_tokens=2)
             chat = await client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
-            base = await client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+            base = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}]
+            )
             response = await client.responses.create(model="chat", input="hi")
             with pytest.raises(openai.NotFoundError, match="serves `fake-model`, `sql`, `chat`"):
                 await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -65,19 +70,30 @@ def test_serve_with_two_adapters_answers_as_peft(setup, tmp_path):  # noqa: F811
 
     base, folders, expected = setup
     modules = [f"{name}={folder}" for name, folder in folders.items()]
-    server = start_server(base, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--enable-lora",
-                          "--lora-modules", *modules)
+    server = start_server(
+        base, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--enable-lora", "--lora-modules", *modules
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-        got = {name: [client.completions.create(model=name if name != "base" else str(base), prompt=p,
-                                                max_tokens=NEW_TOKENS, temperature=0,
-                                                extra_body={"ignore_eos": True})
-                      for p in PROMPTS[:2]] for name in ("a", "base", "b")}
+        got = {
+            name: [
+                client.completions.create(
+                    model=name if name != "base" else str(base),
+                    prompt=p,
+                    max_tokens=NEW_TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                for p in PROMPTS[:2]
+            ]
+            for name in ("a", "base", "b")
+        }
     finally:
         assert server.stop() == 0
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     for name, completions in got.items():
-        assert [c.choices[0].text.strip() for c in completions] == [tokenizer.decode(t).strip()
-                                                                     for t in expected[name][:2]], name
+        assert [c.choices[0].text.strip() for c in completions] == [
+            tokenizer.decode(t).strip() for t in expected[name][:2]
+        ], name

@@ -7,10 +7,10 @@ tests/scenarios/max_loras.json)."""
 from __future__ import annotations
 
 import pytest
-
-from shared.config import ServerConfig
 from test_lora_worker import ADAPTERS, NEW_TOKENS, make_adapter, peft_greedy
 from test_model_equivalence import transformers_greedy
+
+from batchserve.shared.config import ServerConfig
 
 PROMPTS = ["w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20", "w40 w41 w42", "w100 w101 w102 w103 w104 w105"]
 
@@ -20,29 +20,54 @@ def setup(tiny_model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     base = tiny_model_dir("llama", with_tokenizer=True)
-    folders = {name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
-               for seed, (name, config) in enumerate(ADAPTERS.items())}
+    folders = {
+        name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
     ids = [AutoTokenizer.from_pretrained(base).encode(p) for p in PROMPTS]
-    expected = {"base": transformers_greedy(base, ids, NEW_TOKENS),
-                **{name: peft_greedy(base, folder, ids) for name, folder in folders.items()}}
+    expected = {
+        "base": transformers_greedy(base, ids, NEW_TOKENS),
+        **{name: peft_greedy(base, folder, ids) for name, folder in folders.items()},
+    }
     return base, folders, expected
 
 
 def engine_for(base, folders, **config):
-    from procs.engine import OfflineEngine
+    from batchserve.procs.engine import OfflineEngine
 
     modules = [f"{name}={folder}" for name, folder in folders.items()]
-    return OfflineEngine(ServerConfig(model=str(base), enable_lora=True, lora_modules=modules, page_size=4,
-                                      kv_capacity_tokens=512, max_running_requests=4, **config))
+    return OfflineEngine(
+        ServerConfig(
+            model=str(base),
+            enable_lora=True,
+            lora_modules=modules,
+            page_size=4,
+            kv_capacity_tokens=512,
+            max_running_requests=4,
+            **config,
+        )
+    )
 
 
 def generate(engine, jobs: list[tuple[int, int]]) -> list[list[int]]:
     """Greedy token ids of (prompt index, adapter) jobs, run together."""
-    from procs.engine import request
+    from batchserve.procs.engine import request
 
-    return [c.token_ids for c in engine.generate([
-        request(f"r{i}", prompt=PROMPTS[p], adapter=adapter, sampling={"temperature": 0},
-                stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, (p, adapter) in enumerate(jobs)])]
+    return [
+        c.token_ids
+        for c in engine.generate(
+            [
+                request(
+                    f"r{i}",
+                    prompt=PROMPTS[p],
+                    adapter=adapter,
+                    sampling={"temperature": 0},
+                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True},
+                )
+                for i, (p, adapter) in enumerate(jobs)
+            ]
+        )
+    ]
 
 
 def test_adapters_mixed_with_the_base_model_equal_peft(setup):
@@ -105,19 +130,22 @@ def test_attention_adapters_on_a_mixture_of_experts_equal_peft(tiny_model_dir, t
 
     from transformers import AutoTokenizer
 
-    from procs.engine import OfflineEngine
-    from shared.model import ModelLoadError
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.model import ModelLoadError
 
     base = tiny_model_dir(arch, with_tokenizer=True)
-    folder = make_adapter(base, tmp_path / "attention", 0, r=4, lora_alpha=8,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    folder = make_adapter(
+        base, tmp_path / "attention", 0, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
     ids = [AutoTokenizer.from_pretrained(base).encode(p) for p in PROMPTS]
     adapted, plain = peft_greedy(base, folder, ids), transformers_greedy(base, ids, NEW_TOKENS)
     assert generate(engine_for(base, {"a": folder}), [(0, 1), (1, 0), (2, 1)]) == [adapted[0], plain[1], adapted[2]]
     experts = tmp_path / "experts"
     experts.mkdir()
-    (experts / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                             "target_modules": ["q_proj", "gate_proj"]}))
+    (experts / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "gate_proj"]})
+    )
     with pytest.raises(ModelLoadError, match=r"target_modules \['gate_proj'\]: this model's MLPs are mixtures of"):
-        OfflineEngine(ServerConfig(model=str(base), enable_lora=True, lora_modules=[f"e={experts}"],
-                                   kv_capacity_tokens=512))
+        OfflineEngine(
+            ServerConfig(model=str(base), enable_lora=True, lora_modules=[f"e={experts}"], kv_capacity_tokens=512)
+        )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_lora_engine import PROMPTS, engine_for
 from test_lora_worker import ADAPTERS, NEW_TOKENS, make_adapter, peft_greedy
 from test_model_equivalence import transformers_greedy
@@ -26,27 +25,43 @@ def prompt_ids(base) -> list[list[int]]:
 
 def expected_tokens(base, folders: dict) -> dict[str, list[list[int]]]:
     ids = prompt_ids(base)
-    expected = {"base": transformers_greedy(base, ids, NEW_TOKENS),
-                **{name: peft_greedy(base, folder, ids) for name, folder in folders.items()}}
+    expected = {
+        "base": transformers_greedy(base, ids, NEW_TOKENS),
+        **{name: peft_greedy(base, folder, ids) for name, folder in folders.items()},
+    }
     assert all(expected[name] != expected["base"] for name in folders)  # the adapters matter
     return expected
 
 
 def generate(base, engine, jobs: list[tuple[int, int]]) -> list[list[int]]:
     """Greedy token ids of (prompt index, adapter) jobs, run together."""
-    from procs.engine import request
+    from batchserve.procs.engine import request
 
     ids = prompt_ids(base)
-    return [c.token_ids for c in engine.generate([
-        request(f"r{i}", prompt_token_ids=ids[p], adapter=adapter, sampling={"temperature": 0},
-                stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, (p, adapter) in enumerate(jobs)])]
+    return [
+        c.token_ids
+        for c in engine.generate(
+            [
+                request(
+                    f"r{i}",
+                    prompt_token_ids=ids[p],
+                    adapter=adapter,
+                    sampling={"temperature": 0},
+                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True},
+                )
+                for i, (p, adapter) in enumerate(jobs)
+            ]
+        )
+    ]
 
 
 @pytest.fixture(scope="module")
 def qwen3_5(tiny_model_dir, tmp_path_factory):
     base = tiny_model_dir("qwen3_5", with_tokenizer=True)
-    folders = {name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
-               for seed, (name, config) in enumerate(ADAPTERS.items())}
+    folders = {
+        name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
     return base, folders, expected_tokens(base, folders)
 
 
@@ -83,8 +98,10 @@ def test_an_adapter_of_a_multimodal_checkpoints_text_model_loads_as_the_same(qwe
     renamed.mkdir()
     (renamed / "adapter_config.json").write_text((folders["a"] / "adapter_config.json").read_text())
     tensors = load_file(folders["a"] / "adapter_model.safetensors")
-    save_file({k.replace("model.model.layers.", "model.model.language_model.layers."): v for k, v in tensors.items()},
-              renamed / "adapter_model.safetensors")
+    save_file(
+        {k.replace("model.model.layers.", "model.model.language_model.layers."): v for k, v in tensors.items()},
+        renamed / "adapter_model.safetensors",
+    )
     assert generate(base, engine_for(base, {"a": renamed}), [(0, 1), (1, 0)]) == [expected["a"][0], expected["base"][1]]
 
 
@@ -98,7 +115,7 @@ def test_attention_adapters_on_a_hybrid_mixture_of_experts_equal_peft(tiny_model
 
 
 def test_the_gated_query_split_keeps_each_heads_query_then_gate():
-    from procs.worker.models.qwen3_next import split_query_gate
+    from batchserve.procs.worker.models.qwen3_next import split_query_gate
 
     rows = torch.arange(2 * 2 * 3).reshape(2 * 2 * 3, 1)  # 2 heads of head_dim 3: q0 g0 q1 g1
     query, gate = split_query_gate(rows, 3)
@@ -108,13 +125,15 @@ def test_the_gated_query_split_keeps_each_heads_query_then_gate():
 def test_an_adapter_of_the_linear_layers_own_projections_is_refused_naming_target_modules(qwen3_5, tmp_path):
     import json
 
-    from procs.engine import OfflineEngine
-    from shared.config import ServerConfig
-    from shared.model import ModelLoadError
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.model import ModelLoadError
 
     base = qwen3_5[0]
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                              "target_modules": ["q_proj", "in_proj_qkv"]}))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "in_proj_qkv"]})
+    )
     with pytest.raises(ModelLoadError, match=r"target_modules \['q_proj', 'in_proj_qkv'\]: only q_proj"):
-        OfflineEngine(ServerConfig(model=str(base), enable_lora=True, lora_modules=[f"x={tmp_path}"],
-                                   kv_capacity_tokens=512))
+        OfflineEngine(
+            ServerConfig(model=str(base), enable_lora=True, lora_modules=[f"x={tmp_path}"], kv_capacity_tokens=512)
+        )

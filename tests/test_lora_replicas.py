@@ -11,13 +11,12 @@ model list, at the costs its test states. Skipped where smg's wheel is not insta
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-
 from e2e_server import ReplicatedServer
 from test_lora_worker import ADAPTERS, make_adapter
 
@@ -27,8 +26,11 @@ KEY = "k1"
 
 
 def post(url: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as answer:
             return answer.status, answer.read().decode()
@@ -48,14 +50,29 @@ def answer(url: str, model: str) -> str:
 def test_a_runtime_load_and_unload_through_the_gateway_reach_every_replica(tiny_model_dir, tmp_path):
     base = tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
     folder = make_adapter(base, tmp_path / "adapter", 0, **ADAPTERS["a"])
-    server = ReplicatedServer(base, tmp_path / "serve.log", "--data-parallel-size", "2", "--router", "smg",
-                              "--kv-capacity-tokens", "2048", "--api-key", KEY, "--enable-lora",
-                              "--enable-lora-runtime-updates", "--lora-modules", f"static={folder}")
+    server = ReplicatedServer(
+        base,
+        tmp_path / "serve.log",
+        "--data-parallel-size",
+        "2",
+        "--router",
+        "smg",
+        "--kv-capacity-tokens",
+        "2048",
+        "--api-key",
+        KEY,
+        "--enable-lora",
+        "--enable-lora-runtime-updates",
+        "--lora-modules",
+        f"static={folder}",
+    )
     server.start()
     try:
         # smg 1.13 knows no such route: the gateway answers 404 itself, and the update goes to a replica
         at_gateway = post(f"{server.url}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folder)})
-        loaded = post(f"{server.replica_urls[1]}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folder)})
+        loaded = post(
+            f"{server.replica_urls[1]}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folder)}
+        )
         listed = [models(url) for url in server.replica_urls]
         texts = [answer(url, "tuned") for url in server.replica_urls]
         static = [answer(url, "static") for url in server.replica_urls]
@@ -84,14 +101,22 @@ def test_a_runtime_load_and_unload_through_the_gateway_reach_every_replica(tiny_
 def ended(url: str) -> float:
     """Requests a replica has ended (every finish reason), from its /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as page:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in page.read().decode().splitlines()
-                   if line.startswith("batchserve_request_success_total{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in page.read().decode().splitlines()
+            if line.startswith("batchserve_request_success_total{")
+        )
 
 
 def chat(url: str, model: str) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the fox"}], max_tokens=8,
-                                          temperature=0).choices[0].message.content
+    return (
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "the fox"}], max_tokens=8, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
 
 
 def test_the_gateways_openai_backend_routes_adapters_by_each_replicas_model_list(tiny_model_dir, tmp_path):
@@ -105,10 +130,24 @@ def test_the_gateways_openai_backend_routes_adapters_by_each_replicas_model_list
     base = tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
     folder = make_adapter(base, tmp_path / "adapter", 0, **ADAPTERS["a"])
     other = make_adapter(base, tmp_path / "other", 1, **ADAPTERS["b"])
-    server = ReplicatedServer(base, tmp_path / "serve.log", "--data-parallel-size", "2", "--router", "smg",
-                              "--kv-capacity-tokens", "2048", "--api-key", KEY, "--enable-lora",
-                              "--enable-lora-runtime-updates", "--lora-modules", f"static={folder}",
-                              "--router-args", "--backend openai")
+    server = ReplicatedServer(
+        base,
+        tmp_path / "serve.log",
+        "--data-parallel-size",
+        "2",
+        "--router",
+        "smg",
+        "--kv-capacity-tokens",
+        "2048",
+        "--api-key",
+        KEY,
+        "--enable-lora",
+        "--enable-lora-runtime-updates",
+        "--lora-modules",
+        f"static={folder}",
+        "--router-args",
+        "--backend openai",
+    )
     server.start()
     try:
         direct = {name: chat(server.replica_urls[0], name) for name in ("static", str(base))}

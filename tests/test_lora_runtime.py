@@ -17,16 +17,16 @@ import numpy as np
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-
 from api_fake_engine import FakeEngine
-from procs.api.app import create_app
-from procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
-from procs.scheduler.request import Status
-from shared.config import ServerConfig
-from shared.lora import PREFIX
-from shared.messages import AdapterUpdate, ForwardBatch, SchedulerStats, SlotStart
 from test_lora_engine import PROMPTS, engine_for, generate, setup  # noqa: F401 (setup: a module fixture)
 from test_lora_worker import NEW_TOKENS
+
+from batchserve.procs.api.app import create_app
+from batchserve.procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
+from batchserve.procs.scheduler.request import Status
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.lora import PREFIX
+from batchserve.shared.messages import AdapterUpdate, ForwardBatch, SchedulerStats, SlotStart
 
 CONFIG = ServerConfig(enable_lora=True, enable_lora_runtime_updates=True, lora_modules=["sql=/adapters/sql"])
 
@@ -36,8 +36,9 @@ def fake_adapter(folder, rank: int = 4, **config) -> str:
     from safetensors.numpy import save_file
 
     folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8,
-                                                            "target_modules": ["q_proj"], **config}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj"], **config})
+    )
     pair = {f"{PREFIX}0.self_attn.q_proj.lora_{part}.weight": np.zeros((4, 4), dtype=np.float32) for part in "AB"}
     save_file(pair, str(folder / "adapter_model.safetensors"))
     return str(folder)
@@ -57,8 +58,11 @@ def test_load_and_unload_at_run_time(tmp_path):
     good = fake_adapter(tmp_path / "good")
 
     async def go():
-        async with TestServer(create_app(engine, CONFIG)) as server, aiohttp.ClientSession() as http, \
-                openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client:
+        async with (
+            TestServer(create_app(engine, CONFIG)) as server,
+            aiohttp.ClientSession() as http,
+            openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="x", max_retries=0) as client,
+        ):
             load, unload = server.make_url("/v1/load_lora_adapter"), server.make_url("/v1/unload_lora_adapter")
             answers = [await post(http, load, {"lora_name": "new", "lora_path": good})]
             models = [m.id for m in (await client.models.list()).data]
@@ -79,17 +83,23 @@ def test_load_and_unload_at_run_time(tmp_path):
     assert answers[2] == (200, "Success: LoRA adapter 'new' removed successfully.")
     assert answers[3][0] == 404 and "cannot be found" in answers[3][1]
     assert answers[4][0] == 200
-    assert engine.adapter_updates == [AdapterUpdate(index=2, name="new", path=good), AdapterUpdate(index=2, name="new"),
-                                      AdapterUpdate(index=3, name="new", path=good)]
+    assert engine.adapter_updates == [
+        AdapterUpdate(index=2, name="new", path=good),
+        AdapterUpdate(index=2, name="new"),
+        AdapterUpdate(index=3, name="new", path=good),
+    ]
     assert [r.params.adapter for r in engine.requests] == [2]
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"rank": 32}, "r 32 is above --max-lora-rank 16"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"target_modules": ["lm_head"]}, "target_modules"),
-    ({"target_modules": ["k_proj"]}, "tensors of no served projection"),  # q_proj's tensors, k_proj targeted
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"rank": 32}, "r 32 is above --max-lora-rank 16"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["lm_head"]}, "target_modules"),
+        ({"target_modules": ["k_proj"]}, "tensors of no served projection"),  # q_proj's tensors, k_proj targeted
+    ],
+)
 def test_a_folder_is_checked_before_it_is_loaded(tmp_path, config, message):
     engine = FakeEngine(["ok"])
     rank = config.pop("rank", 4)
@@ -98,9 +108,15 @@ def test_a_folder_is_checked_before_it_is_loaded(tmp_path, config, message):
     async def go():
         async with TestServer(create_app(engine, CONFIG)) as server, aiohttp.ClientSession() as http:
             url = server.make_url("/v1/load_lora_adapter")
-            return [await post(http, url, body) for body in (
-                {"lora_name": "bad", "lora_path": folder}, {"lora_name": "x", "lora_path": str(tmp_path / "none")},
-                {"lora_name": "fake-model", "lora_path": folder}, {"lora_name": "x"})]
+            return [
+                await post(http, url, body)
+                for body in (
+                    {"lora_name": "bad", "lora_path": folder},
+                    {"lora_name": "x", "lora_path": str(tmp_path / "none")},
+                    {"lora_name": "fake-model", "lora_path": folder},
+                    {"lora_name": "x"},
+                )
+            ]
 
     (bad, missing, base, no_path) = run(go())
     assert bad[0] == 400 and message in bad[1] and '"param":"lora_path"' in bad[1]
@@ -112,8 +128,11 @@ def test_a_folder_is_checked_before_it_is_loaded(tmp_path, config, message):
 def test_the_endpoints_need_the_flag_and_the_key(tmp_path):
     async def go(config):
         async with TestServer(create_app(FakeEngine(), config)) as server, aiohttp.ClientSession() as http:
-            return await post(http, server.make_url("/v1/load_lora_adapter"),
-                              {"lora_name": "new", "lora_path": fake_adapter(tmp_path / f"f{id(config)}")})
+            return await post(
+                http,
+                server.make_url("/v1/load_lora_adapter"),
+                {"lora_name": "new", "lora_path": fake_adapter(tmp_path / f"f{id(config)}")},
+            )
 
     assert run(go(ServerConfig(enable_lora=True)))[0] == 404
     assert run(go(ServerConfig(enable_lora=True, enable_lora_runtime_updates=True, api_key=["k"])))[0] == 401
@@ -129,10 +148,22 @@ class _Request:
 def _batch(*adapters: int) -> ForwardBatch:
     """A batch whose slot starts name these adapters (what `WorkerAdapters.due` reads of it)."""
     empty = np.zeros(0, dtype=np.int32)
-    return ForwardBatch(step=0, slots=[], prefix_lens=[], extend_lens=[], sample_lens=[], sampling=[],
-                        sample_counts=[], input_ids=empty, positions=empty, kv_locs=empty, page_table_slots=empty,
-                        page_table_cols=empty, page_table_pages=empty,
-                        slot_starts=[SlotStart(slot=i, adapter=a) for i, a in enumerate(adapters)])
+    return ForwardBatch(
+        step=0,
+        slots=[],
+        prefix_lens=[],
+        extend_lens=[],
+        sample_lens=[],
+        sampling=[],
+        sample_counts=[],
+        input_ids=empty,
+        positions=empty,
+        kv_locs=empty,
+        page_table_slots=empty,
+        page_table_cols=empty,
+        page_table_pages=empty,
+        slot_starts=[SlotStart(slot=i, adapter=a) for i, a in enumerate(adapters)],
+    )
 
 
 def test_an_unload_waits_for_the_adapters_last_request():
@@ -145,19 +176,26 @@ def test_an_unload_waits_for_the_adapters_last_request():
     assert adapters.due(_batch(1), [_Request(1, Status.RUNNING)]) == [unload]
     assert list(adapters.held) == [3, 1]  # a admitted last
     assert adapters_in_use(waiting + [_Request(0, Status.RUNNING), _Request(3, Status.PREFILLING)]) == {
-        "running_adapters": [1, 3], "waiting_adapters": [2]}
+        "running_adapters": [1, 3],
+        "waiting_adapters": [2],
+    }
 
 
 def test_the_worker_holds_at_most_max_cpu_loras_the_least_recently_admitted_out():
     config = ServerConfig(enable_lora=True, lora_modules=["a=/a", "b=/b", "c=/c"], max_loras=1, max_cpu_loras=2)
     adapters = WorkerAdapters(config)
     assert list(adapters.held) == [1, 2]  # as the worker loads them at start
-    load = lambda i, name: AdapterUpdate(index=i, name=name, path=f"/{name}")
+
+    def load(i: int, name: str) -> AdapterUpdate:
+        return AdapterUpdate(index=i, name=name, path=f"/{name}")
+
     assert adapters.due(_batch(1), []) == []  # a is held: used, so b is now the least recent
     assert adapters.due(_batch(3), [_Request(1, Status.RUNNING)]) == [AdapterUpdate(index=2, name="b"), load(3, "c")]
     # b again: a runs, so c (the least recent that no admitted request holds) makes room
     assert adapters.due(_batch(2), [_Request(1, Status.RUNNING), _Request(3, Status.WAITING)]) == [
-        AdapterUpdate(index=3, name="c"), load(2, "b")]
+        AdapterUpdate(index=3, name="c"),
+        load(2, "b"),
+    ]
     assert list(adapters.held) == [1, 2]
     with pytest.raises(ValueError, match="max_cpu_loras must be 0 .no limit. or at least max_loras .4."):
         ServerConfig(enable_lora=True, max_cpu_loras=2)
@@ -179,10 +217,22 @@ def test_the_lora_requests_info_gauge_names_the_running_and_waiting_adapters():
     engine = FakeEngine()
 
     async def go():
-        async with TestServer(create_app(engine, ServerConfig(enable_lora=True, lora_modules=["sql=/a", "chat=/b"],
-                                                              max_loras=2))) as server, aiohttp.ClientSession() as http:
-            engine._listener(SchedulerStats(num_running=1, num_waiting=1, kv_used_tokens=0, kv_total_tokens=1,
-                                            running_adapters=[2], waiting_adapters=[1, 2]))
+        async with (
+            TestServer(
+                create_app(engine, ServerConfig(enable_lora=True, lora_modules=["sql=/a", "chat=/b"], max_loras=2))
+            ) as server,
+            aiohttp.ClientSession() as http,
+        ):
+            engine._listener(
+                SchedulerStats(
+                    num_running=1,
+                    num_waiting=1,
+                    kv_used_tokens=0,
+                    kv_total_tokens=1,
+                    running_adapters=[2],
+                    waiting_adapters=[1, 2],
+                )
+            )
             async with http.get(server.make_url("/metrics")) as page:
                 return await page.text()
 
@@ -198,13 +248,20 @@ def test_serve_loads_an_adapter_at_run_time_and_unloads_it_after_its_requests(se
 
     base, folders, expected = setup
     decode = AutoTokenizer.from_pretrained(base).decode
-    server = start_server(base, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--enable-lora",
-                          "--enable-lora-runtime-updates")
+    server = start_server(
+        base, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--enable-lora", "--enable-lora-runtime-updates"
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-        ask = lambda name: client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=NEW_TOKENS,
-                                                     temperature=0, extra_body={"ignore_eos": True})
-        assert http(f"{server.url}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folders["a"])})[0] == 200
+
+        def ask(name: str):
+            return client.completions.create(
+                model=name, prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+
+        assert (
+            http(f"{server.url}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folders["a"])})[0] == 200
+        )
         first = ask("tuned").choices[0].text
         long = dict(model="tuned", prompt=PROMPTS[1], max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
         reference = client.completions.create(**long).choices[0].text
@@ -224,7 +281,9 @@ def test_serve_loads_an_adapter_at_run_time_and_unloads_it_after_its_requests(se
             ask("tuned")
         in_flight.join(timeout=120)
         # the same name, other weights: none of the first load's cached KV may serve it
-        assert http(f"{server.url}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folders["b"])})[0] == 200
+        assert (
+            http(f"{server.url}/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(folders["b"])})[0] == 200
+        )
         second = ask("tuned").choices[0].text
     finally:
         assert server.stop() == 0
@@ -239,13 +298,18 @@ def test_a_runtime_load_is_checked_against_what_the_model_serves(tmp_path, tiny_
     import msgspec
 
     config = msgspec.structs.replace(CONFIG, model=str(tiny_model_dir("qwen3_moe", with_tokenizer=True)))
-    experts, attention = fake_adapter(tmp_path / "experts", target_modules=["gate_proj"]), fake_adapter(tmp_path / "attn")
+    experts, attention = (
+        fake_adapter(tmp_path / "experts", target_modules=["gate_proj"]),
+        fake_adapter(tmp_path / "attn"),
+    )
 
     async def go():
         async with TestServer(create_app(FakeEngine(["ok"]), config)) as server, aiohttp.ClientSession() as http:
             load = server.make_url("/v1/load_lora_adapter")
-            return (await post(http, load, {"lora_name": "e", "lora_path": experts}),
-                    await post(http, load, {"lora_name": "a", "lora_path": attention}))
+            return (
+                await post(http, load, {"lora_name": "e", "lora_path": experts}),
+                await post(http, load, {"lora_name": "a", "lora_path": attention}),
+            )
 
     (status, body), (ok, _) = run(go())
     assert status == 400 and "mixtures of experts" in body and '"lora_path"' in body

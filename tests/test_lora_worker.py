@@ -12,17 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from model_batches import generate_greedy
 from model_references import torch_only
-from procs.worker.model_runner import ModelRunner
-from shared.model import ModelLoadError
 from test_model_equivalence import SCHEDULES, transformers_greedy
+
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.model import ModelLoadError
 
 NEW_TOKENS = 10
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTERS = {"a": dict(r=4, lora_alpha=8, target_modules=ALL, use_rslora=True),
-            "b": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])}
+ADAPTERS = {
+    "a": dict(r=4, lora_alpha=8, target_modules=ALL, use_rslora=True),
+    "b": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]),
+}
 
 
 def _prompts() -> list[list[int]]:
@@ -52,25 +54,34 @@ def peft_greedy(base: Path, adapter: Path, prompts: list[list[int]]) -> list[lis
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in prompts]
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory):
     base = tiny_model_dir("llama")
-    folders = {name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
-               for seed, (name, config) in enumerate(ADAPTERS.items())}
+    folders = {
+        name: make_adapter(base, tmp_path_factory.mktemp(f"lora-{name}"), seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items())
+    }
     prompts = _prompts()
-    expected = {"base": transformers_greedy(base, prompts, NEW_TOKENS),
-                **{name: peft_greedy(base, folder, prompts) for name, folder in folders.items()}}
+    expected = {
+        "base": transformers_greedy(base, prompts, NEW_TOKENS),
+        **{name: peft_greedy(base, folder, prompts) for name, folder in folders.items()},
+    }
     assert expected["a"] != expected["base"] and expected["b"] != expected["base"]  # the adapters matter
     return base, folders, prompts, expected
 
 
 def runner_with_adapters(base: Path, folders: dict[str, Path], **kwargs) -> ModelRunner:
-    runner = ModelRunner(base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                         max_running_requests=8, **kwargs)
+    runner = ModelRunner(
+        base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048, max_running_requests=8, **kwargs
+    )
     for index, (name, folder) in enumerate(folders.items(), 1):
         runner.load_lora_adapter(index, name, str(folder), max_rank=16)
     return runner
@@ -111,11 +122,17 @@ def test_padded_decode_steps_mix_adapter_and_base_rows(setup):
     assert padded.lora_steps > 0 and set(padded.steps_per_size) <= set(padded.batch_sizes)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("use_dora", True, "use_dora true"), ("modules_to_save", ["lm_head"], "modules_to_save"),
-    ("bias", "all", "bias 'all'"), ("target_modules", ["lm_head"], "target_modules"),
-    ("rank_pattern", {"q_proj": 2}, "rank_pattern"), ("r", 64, "r 64 is above --max-lora-rank 16"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("use_dora", True, "use_dora true"),
+        ("modules_to_save", ["lm_head"], "modules_to_save"),
+        ("bias", "all", "bias 'all'"),
+        ("target_modules", ["lm_head"], "target_modules"),
+        ("rank_pattern", {"q_proj": 2}, "rank_pattern"),
+        ("r", 64, "r 64 is above --max-lora-rank 16"),
+    ],
+)
 def test_what_peft_would_run_otherwise_is_refused_naming_the_field(setup, tmp_path, field, value, message):
     base, folders, _, _ = setup
     folder = tmp_path / "bad"
@@ -123,8 +140,9 @@ def test_what_peft_would_run_otherwise_is_refused_naming_the_field(setup, tmp_pa
     config = json.loads((folders["a"] / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
     (folder / "adapter_model.safetensors").write_bytes((folders["a"] / "adapter_model.safetensors").read_bytes())
-    runner = ModelRunner(base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=256,
-                         max_running_requests=2)
+    runner = ModelRunner(
+        base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=256, max_running_requests=2
+    )
     with pytest.raises(ModelLoadError, match=message):
         runner.load_lora_adapter(1, "bad", str(folder), max_rank=16)
 
@@ -133,14 +151,15 @@ def test_a_step_that_loads_an_adapter_reports_the_load_apart_from_its_cost(setup
     """The load is one-off work (`StepResult.setup_s`): the scheduler's step-cost fit leaves it out."""
     import msgspec
 
-    from procs.worker.step_probe import probe_batch
-    from shared.messages import AdapterUpdate
+    from batchserve.procs.worker.step_probe import probe_batch
+    from batchserve.shared.messages import AdapterUpdate
 
     base, folders, _, _ = setup
     runner = runner_with_adapters(base, {})
     runner.enable_lora(16)
     batch = probe_batch(runner, [0], [4])
-    loading = runner.execute(msgspec.structs.replace(batch, adapter_updates=[
-        AdapterUpdate(index=1, name="a", path=str(folders["a"]))]))
+    loading = runner.execute(
+        msgspec.structs.replace(batch, adapter_updates=[AdapterUpdate(index=1, name="a", path=str(folders["a"]))])
+    )
     assert loading.setup_s > 0 and 1 in runner.lora.adapters
     assert runner.execute(probe_batch(runner, [0], [4])).setup_s == 0.0

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_batches import generate_greedy
-from shared.model import load_tokenizer, resolve_model
-from procs.worker.model_runner import ModelRunner
-from shared.config import DEFAULT_MODEL
+
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.model import load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,12 @@ NEW_TOKENS = 24
 def default_model():
     model_dir = resolve_model(DEFAULT_MODEL)  # converts the GGUF once into the cache dir
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for c in CHATS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for c in CHATS
+    ]
     runner = ModelRunner(DEFAULT_MODEL, device="cpu", page_size=16, kv_capacity_tokens=4096, max_running_requests=8)
     return model_dir, tokenizer, [list(p) for p in prompts], runner
 
@@ -40,9 +44,10 @@ def test_default_model_matches_transformers(default_model):
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                     do_sample=False)
-            expected.append(out[0, len(prompt):].tolist())  # ends at EOS, or after NEW_TOKENS tokens
+            out = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            expected.append(out[0, len(prompt) :].tolist())  # ends at EOS, or after NEW_TOKENS tokens
     got = generate_greedy(runner, prompts, NEW_TOKENS, chunk=16, arrival_gap=2)
     assert [_until_eos(g, runner.eos_token_ids) for g in got] == expected
 
@@ -50,7 +55,7 @@ def test_default_model_matches_transformers(default_model):
 def _until_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
     for i, token in enumerate(tokens):
         if token in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 

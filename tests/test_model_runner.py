@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from model_batches import GREEDY, _plan, _Request, generate_greedy
-from procs.scheduler import Scheduler, SchedulerConfig
-from procs.worker.kv_cache import GIB, kv_bytes_per_token, num_pages_for
-from procs.worker import model_runner
-from procs.worker.model_runner import ModelRunner
-from shared.messages import (
+
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.procs.worker import model_runner
+from batchserve.procs.worker.kv_cache import GIB, kv_bytes_per_token, num_pages_for
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.messages import (
     FUTURE_TOKEN,
     PLAIN_LOGITS,
     LogitsParams,
@@ -25,8 +25,14 @@ from shared.messages import (
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    return ModelRunner(tiny_model_dir("llama"), device="cpu", page_size=4, kv_capacity_tokens=256,
-                       max_running_requests=4, max_context=64)
+    return ModelRunner(
+        tiny_model_dir("llama"),
+        device="cpu",
+        page_size=4,
+        kv_capacity_tokens=256,
+        max_running_requests=4,
+        max_context=64,
+    )
 
 
 def _prefill(prompts, page_size, slots=None, free_pages=None):
@@ -57,15 +63,18 @@ def test_page_table_updates_are_applied(runner):
     assert runner.kv_cache.page_table[2, cols].tolist() == batch.page_table_pages.tolist()
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda b: setattr(b, "kv_locs", b.kv_locs[:-1]), "disagree"),
-    (lambda b: b.kv_locs.__setitem__(0, 10 ** 6), "kv_locs out of range"),
-    (lambda b: b.input_ids.__setitem__(0, 10 ** 6), "token id out of range"),
-    (lambda b: setattr(b, "slots", [9]), "slot out of range"),
-    (lambda b: setattr(b, "sample_lens", []), "differ in length"),
-    (lambda b: setattr(b, "page_table_pages", np.asarray([10 ** 6], dtype=np.int32)), "page out of range"),
-    (lambda b: b.positions.__setitem__(0, 64), "position out of range"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda b: setattr(b, "kv_locs", b.kv_locs[:-1]), "disagree"),
+        (lambda b: b.kv_locs.__setitem__(0, 10**6), "kv_locs out of range"),
+        (lambda b: b.input_ids.__setitem__(0, 10**6), "token id out of range"),
+        (lambda b: setattr(b, "slots", [9]), "slot out of range"),
+        (lambda b: setattr(b, "sample_lens", []), "differ in length"),
+        (lambda b: setattr(b, "page_table_pages", np.asarray([10**6], dtype=np.int32)), "page out of range"),
+        (lambda b: b.positions.__setitem__(0, 64), "position out of range"),
+    ],
+)
 def test_malformed_batch_is_rejected(runner, corrupt, message, monkeypatch):
     monkeypatch.setattr(model_runner, "DEBUG_CHECKS", True)  # the per-step checks run only when debugging
     _, batch = _prefill([[5, 6, 7]], runner.page_size)
@@ -115,8 +124,9 @@ def _generate(runner, prompts, params, steps):
 
 def test_greedy_unaffected_by_stale_slots_and_pages(tiny_model_dir):
     """Slots and pages recycled from finished requests (stale page-table rows) change nothing."""
-    runner = ModelRunner(tiny_model_dir("qwen3"), device="cpu", page_size=2, kv_capacity_tokens=96,
-                         max_running_requests=2)
+    runner = ModelRunner(
+        tiny_model_dir("qwen3"), device="cpu", page_size=2, kv_capacity_tokens=96, max_running_requests=2
+    )
     prompts = [[7, 8, 9, 10, 11, 12, 13], [40, 41], [50, 51, 52, 53, 54]]
     first = generate_greedy(runner, prompts[:2], 12)
     again = generate_greedy(runner, prompts[:2], 12)
@@ -131,15 +141,27 @@ PROMPT = [5, 9, 11, 17, 23, 29]  # 6 tokens: a row of 3 after it crosses a page 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
 # token 40 is sampled while its bias outweighs its frequency penalty: 3 times, the last two in the row of 3,
 # whose last position must then see it counted twice more
-PENALIZED = LogitsParams(frequency_penalty=40.0, presence_penalty=0.5, repetition_penalty=1.3, min_tokens=5,
-                         logit_bias={40: 100.0}, logprobs=2)
+PENALIZED = LogitsParams(
+    frequency_penalty=40.0,
+    presence_penalty=0.5,
+    repetition_penalty=1.3,
+    min_tokens=5,
+    logit_bias={40: 100.0},
+    logprobs=2,
+)
 
 
 @pytest.fixture
 def fresh(tiny_model_dir):
     """A runner of its own: no slot keeps another test's logits state."""
-    return ModelRunner(tiny_model_dir("llama"), device="cpu", page_size=4, kv_capacity_tokens=256,
-                       max_running_requests=4, max_context=64)
+    return ModelRunner(
+        tiny_model_dir("llama"),
+        device="cpu",
+        page_size=4,
+        kv_capacity_tokens=256,
+        max_running_requests=4,
+        max_context=64,
+    )
 
 
 def _run(runner, rows, free, *, step=1, sampling=GREEDY, starts=()):
@@ -162,15 +184,22 @@ def _kv(runner, request, positions):
     return [t[locs] for t in (*runner.kv_cache.k_flat, *runner.kv_cache.v_flat)]
 
 
-@pytest.mark.parametrize("sampling, logits", [(GREEDY, None), (SEEDED, None), (SEEDED, PENALIZED)],
-                         ids=["greedy", "seeded", "penalized"])
+@pytest.mark.parametrize(
+    "sampling, logits", [(GREEDY, None), (SEEDED, None), (SEEDED, PENALIZED)], ids=["greedy", "seeded", "penalized"]
+)
 def test_a_decode_row_of_three_tokens_returns_what_three_single_steps_do(fresh, sampling, logits):
     """Teacher forcing: a row feeding [last token, the next two tokens single steps chose] samples
     exactly those steps' tokens, position j as the step at sample count + j, and writes their KV."""
     free = list(range(fresh.kv_cache.num_pages - 1, 0, -1))
     single, wide = _Request(PROMPT, 0, slot=0), _Request(PROMPT, 0, slot=1)
-    starts = [] if logits is None else [SlotStart(slot=r.slot, prompt_ids=PROMPT, min_tokens_banned=[2],
-                                                  params=RequestParams(logits=logits)) for r in (single, wide)]
+    starts = (
+        []
+        if logits is None
+        else [
+            SlotStart(slot=r.slot, prompt_ids=PROMPT, min_tokens_banned=[2], params=RequestParams(logits=logits))
+            for r in (single, wide)
+        ]
+    )
     _run(fresh, [(single, PROMPT, 1), (wide, PROMPT, 1)], free, step=0, sampling=sampling, starts=starts)
     logprobs = [_run(fresh, [(single, single.output[-1:], 1)], free, sampling=sampling).logprobs for _ in range(3)]
     result = _run(fresh, [(wide, single.output[:3], 3)], free, sampling=sampling)
@@ -202,10 +231,13 @@ def test_rows_of_three_mixed_with_single_decodes_and_prefill_chunks(fresh):
     assert prefill.output == expected_chunked and wide.output == expected
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda b: setattr(b, "sample_lens", [4]),  # more positions than tokens fed
-    lambda b: setattr(b, "sample_lens", [2]),  # a prefill chunk samples at most its last token
-])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda b: setattr(b, "sample_lens", [4]),  # more positions than tokens fed
+        lambda b: setattr(b, "sample_lens", [2]),  # a prefill chunk samples at most its last token
+    ],
+)
 def test_sample_lens_beyond_the_rules_are_rejected(runner, corrupt, monkeypatch):
     monkeypatch.setattr(model_runner, "DEBUG_CHECKS", True)
     _, batch = _prefill([[5, 6, 7]], runner.page_size)
@@ -226,8 +258,10 @@ def _serve(runner, requests, max_tokens, drafts=None):
     """Run (prompt, sampling, logits) requests through the scheduler on `runner` to the end; with
     `drafts` (rid -> its tokens of an earlier run), each decoding request is given the next two of
     them as a draft before every step. Returns (rid -> tokens, steps)."""
-    sched = Scheduler(SchedulerConfig(max_running_requests=4, prefill_budget=8, kv_capacity_tokens=256, page_size=4),
-                      eos_token_ids=(2,))
+    sched = Scheduler(
+        SchedulerConfig(max_running_requests=4, prefill_budget=8, kv_capacity_tokens=256, page_size=4),
+        eos_token_ids=(2,),
+    )
     outputs: dict[str, list[int]] = {}
     for i, (prompt, sampling, logits) in enumerate(requests):
         stop = StopParams(max_tokens=max_tokens, ignore_eos=True)
@@ -238,7 +272,7 @@ def _serve(runner, requests, max_tokens, drafts=None):
         for rid, tokens in outputs.items():
             room = max_tokens - len(tokens) - 2  # a draft row stays below the limit
             if drafts is not None and tokens and room > 0:
-                sched.set_draft(rid, drafts[rid][len(tokens):len(tokens) + min(2, room)])
+                sched.set_draft(rid, drafts[rid][len(tokens) : len(tokens) + min(2, room)])
         out = sched.step(runner)
         for rid, token in out.new_tokens:
             outputs[rid].append(token)
@@ -249,8 +283,11 @@ def _serve(runner, requests, max_tokens, drafts=None):
 def test_scheduler_drafts_of_the_models_own_tokens_change_no_output(fresh):
     """Through the scheduler: drafts that are what the model generates run rows of 3 (fewer steps)
     beside chunked prefills, and every request's tokens stay those of the plain run."""
-    requests = [(PROMPT, GREEDY, PLAIN_LOGITS), ([31, 37, 41, 43, 47, 53, 59, 61, 67, 71], SEEDED, PLAIN_LOGITS),
-                ([12, 13], SEEDED, LogitsParams(frequency_penalty=0.7, repetition_penalty=1.2, min_tokens=4))]
+    requests = [
+        (PROMPT, GREEDY, PLAIN_LOGITS),
+        ([31, 37, 41, 43, 47, 53, 59, 61, 67, 71], SEEDED, PLAIN_LOGITS),
+        ([12, 13], SEEDED, LogitsParams(frequency_penalty=0.7, repetition_penalty=1.2, min_tokens=4)),
+    ]
     plain, plain_steps = _serve(fresh, requests, 10)
     drafted, drafted_steps = _serve(fresh, requests, 10, drafts=plain)
     assert drafted == plain and drafted_steps < plain_steps

@@ -11,34 +11,42 @@ import json
 import math
 
 import pytest
-
-from procs.cli import main as cli_main
-from procs.engine import OfflineEngine, request as make_request
-from shared.config import ServerConfig
 from test_model_equivalence import transformers_greedy_text
 
-PROMPTS = ["the quick brown fox", "Ada", '{"name": "Ada", "age": 36}', "jumps over the lazy dog the quick brown",
-           "the lazy dog the lazy dog the lazy"]
+from batchserve.procs.cli import main as cli_main
+from batchserve.procs.engine import OfflineEngine
+from batchserve.procs.engine import request as make_request
+from batchserve.shared.config import ServerConfig
+
+PROMPTS = [
+    "the quick brown fox",
+    "Ada",
+    '{"name": "Ada", "age": 36}',
+    "jumps over the lazy dog the quick brown",
+    "the lazy dog the lazy dog the lazy",
+]
 NEW_TOKENS = 16
 GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
 def model(request, tiny_model_dir):
-    model_dir = tiny_model_dir(request.param, with_tokenizer="bytes", seed=7,
-                               norm_topk_prob=request.param == "qwen3_moe")
+    model_dir = tiny_model_dir(
+        request.param, with_tokenizer="bytes", seed=7, norm_topk_prob=request.param == "qwen3_moe"
+    )
     return model_dir, transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS)
 
 
 def engine(model_dir, **fields) -> OfflineEngine:
-    config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=16,
-                  max_running_requests=4)
+    config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=16, max_running_requests=4)
     return OfflineEngine(ServerConfig(**{**config, **fields}))
 
 
 def greedy(n: int = NEW_TOKENS, **fields) -> list:
-    return [make_request(f"r{i}", prompt=p, sampling=GREEDY, stop={"max_tokens": n, "ignore_eos": True}, **fields)
-            for i, p in enumerate(PROMPTS)]
+    return [
+        make_request(f"r{i}", prompt=p, sampling=GREEDY, stop={"max_tokens": n, "ignore_eos": True}, **fields)
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 @pytest.mark.parametrize("policy", ["prefill-first", "mixed", "fixed"])
@@ -78,11 +86,22 @@ def test_speculation_keeps_greedy_output_and_accepts_drafts(model, method):
 
 def test_structured_output_holds(model):
     model_dir, _ = model
-    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
-              "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
-    reqs = [make_request(f"j{seed}", prompt=PROMPTS[0], sampling={"temperature": 1.0, "seed": seed},
-                         stop={"max_tokens": 48}, constraint={"kind": "json_schema", "spec": json.dumps(schema)})
-            for seed in range(4)]
+    schema = {
+        "type": "object",
+        "required": ["name", "age"],
+        "additionalProperties": False,
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    }
+    reqs = [
+        make_request(
+            f"j{seed}",
+            prompt=PROMPTS[0],
+            sampling={"temperature": 1.0, "seed": seed},
+            stop={"max_tokens": 48},
+            constraint={"kind": "json_schema", "spec": json.dumps(schema)},
+        )
+        for seed in range(4)
+    ]
     done = engine(model_dir).generate(reqs)
     assert any(c.finish_reason == "stop" for c in done)
     for completion in done:
@@ -113,8 +132,8 @@ def test_logprobs_and_prompt_logprobs_are_the_models(model):
 def test_int8_weights_cover_the_experts(model):
     import torch
 
-    from kernels.panel_linear import StackedPanels
-    from procs.worker.models.moe import SparseMoeBlock
+    from batchserve.kernels.panel_linear import StackedPanels
+    from batchserve.procs.worker.models.moe import SparseMoeBlock
 
     model_dir, reference = model
     eng = engine(model_dir, quantization="int8")
@@ -127,16 +146,48 @@ def test_int8_weights_cover_the_experts(model):
 
 def test_batchserve_generate_runs_it(model, capsys):
     model_dir, reference = model
-    assert cli_main(["generate", "--model", str(model_dir), "--prompt", PROMPTS[0], "--max-tokens", str(NEW_TOKENS),
-                     "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                PROMPTS[0],
+                "--max-tokens",
+                str(NEW_TOKENS),
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == reference[0]
 
 
 def test_bench_engine_runs_it(model, capsys):
-    from loadtests import bench_engine
+    from batchserve.loadtests import bench_engine
 
     model_dir, _ = model
-    assert bench_engine.main(["--model", str(model_dir), "--only-decode", "--batch-sizes", "1,4", "--decode-steps",
-                              "4", "--repeats", "1", "--prompt-len", "8"]) == 0
+    assert (
+        bench_engine.main(
+            [
+                "--model",
+                str(model_dir),
+                "--only-decode",
+                "--batch-sizes",
+                "1,4",
+                "--decode-steps",
+                "4",
+                "--repeats",
+                "1",
+                "--prompt-len",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "decode tokens/s" in out and " 4/4" in out  # the same tokens as transformers on every row

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from model_batches import generate_greedy
 from native_marks import requires_native_kernels
-from procs.worker.model_runner import ModelRunner
-from shared.model import ModelLoadError
+from safetensors.torch import load_file, save_file
 from test_model_equivalence import SCHEDULES, _prompts, assert_last_token_logits_close, transformers_greedy
 from test_panel_linear import unpacked
+
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared.model import ModelLoadError
 
 NEW_TOKENS = 24
 MODELS = {
@@ -32,8 +32,9 @@ MODELS = {
     "qwen2_moe": dict(arch="qwen2_moe"),  # a shared expert; norm_topk_prob false, transformers' default
     "qwen2_moe-fused-dense-layer": dict(arch="qwen2_moe", fused_experts=True, mlp_only_layers=[1], norm_topk_prob=True),
     "qwen3_moe": dict(arch="qwen3_moe", norm_topk_prob=True),  # as published checkpoints set it
-    "qwen3_moe-fused-sparse-step": dict(arch="qwen3_moe", fused_experts=True, decoder_sparse_step=2,
-                                        num_hidden_layers=3),
+    "qwen3_moe-fused-sparse-step": dict(
+        arch="qwen3_moe", fused_experts=True, decoder_sparse_step=2, num_hidden_layers=3
+    ),
     "olmoe-clipped": dict(arch="olmoe", clip_qkv=1.5),
     "olmoe-fused": dict(arch="olmoe", fused_experts=True, norm_topk_prob=True),
 }
@@ -54,8 +55,9 @@ def references(tiny_model_dir):
 
 
 def _runner(model_dir: Path, **kwargs) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048,
-                       max_running_requests=8, **kwargs)
+    return ModelRunner(
+        model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048, max_running_requests=8, **kwargs
+    )
 
 
 @pytest.mark.parametrize("schedule", ["packed", "mixed"])
@@ -76,7 +78,7 @@ def test_greedy_matches_transformers_at_batch_1(references):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_torch_only_path_matches_transformers(references, model, monkeypatch):
     """Without the C kernels the experts run on torch._grouped_mm over tokens sorted by expert."""
-    from kernels import native
+    from batchserve.kernels import native
 
     model_dir, prompts, expected = references(model)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
@@ -102,8 +104,8 @@ def test_last_token_logits_close_to_transformers(tiny_model_dir, model):
 
 
 def test_sparse_and_dense_layers_as_the_config_places_them(tiny_model_dir):
-    from procs.worker.models.layers import GatedMLP
-    from procs.worker.models.moe import SparseMoeBlock
+    from batchserve.procs.worker.models.layers import GatedMLP
+    from batchserve.procs.worker.models.moe import SparseMoeBlock
 
     layers = _runner(tiny_model_dir(**MODELS["qwen3_moe-fused-sparse-step"])).model.layers
     assert [type(layer.mlp) for layer in layers] == [GatedMLP, SparseMoeBlock, GatedMLP]
@@ -112,18 +114,26 @@ def test_sparse_and_dense_layers_as_the_config_places_them(tiny_model_dir):
     assert layers[0].mlp.shared is not None
 
 
-@pytest.mark.parametrize("module,arch_defaults", [
-    ("mixtral", ["CONFIG_DEFAULTS"]), ("qwen_moe", ["QWEN2_MOE_DEFAULTS", "QWEN3_MOE_DEFAULTS"]),
-    ("olmoe", ["CONFIG_DEFAULTS"])])
+@pytest.mark.parametrize(
+    "module,arch_defaults",
+    [
+        ("mixtral", ["CONFIG_DEFAULTS"]),
+        ("qwen_moe", ["QWEN2_MOE_DEFAULTS", "QWEN3_MOE_DEFAULTS"]),
+        ("olmoe", ["CONFIG_DEFAULTS"]),
+    ],
+)
 def test_config_defaults_are_transformers(module, arch_defaults):
     """A config.json without a key means what transformers' config class makes of it (never a guess)."""
     import importlib
 
     import transformers
 
-    classes = {"CONFIG_DEFAULTS": {"mixtral": "MixtralConfig", "olmoe": "OlmoeConfig"}.get(module),
-               "QWEN2_MOE_DEFAULTS": "Qwen2MoeConfig", "QWEN3_MOE_DEFAULTS": "Qwen3MoeConfig"}
-    mod = importlib.import_module(f"procs.worker.models.{module}")
+    classes = {
+        "CONFIG_DEFAULTS": {"mixtral": "MixtralConfig", "olmoe": "OlmoeConfig"}.get(module),
+        "QWEN2_MOE_DEFAULTS": "Qwen2MoeConfig",
+        "QWEN3_MOE_DEFAULTS": "Qwen3MoeConfig",
+    }
+    mod = importlib.import_module(f"batchserve.procs.worker.models.{module}")
     for name in arch_defaults:
         config_class = getattr(transformers, classes[name])
         fields = {f: getattr(config_class, f, None) for f in getattr(mod, name)}
@@ -157,18 +167,32 @@ def test_a_missing_or_misshapen_expert_tensor_is_named(tiny_model_dir, tmp_path)
         name = "model.layers.0.mlp.experts.3.down_proj.weight"
         w[name] = w[name][:, :16].contiguous()
 
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.experts\.3\.down_proj\.weight has shape "
-                                             r"\(64, 16\), expected \(64, 32\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"model\.layers\.0\.mlp\.experts\.3\.down_proj\.weight has shape "
+        r"\(64, 16\), expected \(64, 32\)",
+    ):
         _runner(_edited(src, tmp_path / "misshapen", tensors=shrink))
     fused = tiny_model_dir("mixtral", fused_experts=True)
-    with pytest.raises(ModelLoadError, match=r"mlp\.experts\.gate_up_proj has shape \(7, 96, 64\), expected "
-                                             r"\(8, 96, 64\)"):
-        _runner(_edited(fused, tmp_path / "fused", tensors=lambda w: w.update(
-            {"model.layers.0.mlp.experts.gate_up_proj": w["model.layers.0.mlp.experts.gate_up_proj"][:7]})))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"mlp\.experts\.gate_up_proj has shape \(7, 96, 64\), expected "
+        r"\(8, 96, 64\)",
+    ):
+        _runner(
+            _edited(
+                fused,
+                tmp_path / "fused",
+                tensors=lambda w: w.update(
+                    {"model.layers.0.mlp.experts.gate_up_proj": w["model.layers.0.mlp.experts.gate_up_proj"][:7]}
+                ),
+            )
+        )
 
 
-@pytest.mark.parametrize("field,value", [("scoring_func", "sigmoid"), ("topk_group", 2), ("n_group", 4),
-                                         ("routed_scaling_factor", 2.5)])
+@pytest.mark.parametrize(
+    "field,value", [("scoring_func", "sigmoid"), ("topk_group", 2), ("n_group", 4), ("routed_scaling_factor", 2.5)]
+)
 def test_a_router_setting_the_block_does_not_implement_is_named(tiny_model_dir, tmp_path, field, value):
     edited = _edited(tiny_model_dir("qwen2_moe"), tmp_path / field, config=lambda raw: raw.update({field: value}))
     with pytest.raises(ModelLoadError, match=f"unsupported MoE router setting {field}={value!r}"):
@@ -190,8 +214,11 @@ def test_a_quantized_checkpoint_is_refused_by_its_method(tiny_model_dir, tmp_pat
 def _random_experts(count: int, hidden: int, inter: int, bias: bool, generator: torch.Generator):
     gate_up = torch.randn(count, 2 * inter, hidden, generator=generator) * 0.2
     down = torch.randn(count, hidden, inter, generator=generator) * 0.2
-    biases = (torch.randn(count, 2 * inter, generator=generator), torch.randn(count, hidden, generator=generator)) \
-        if bias else (None, None)
+    biases = (
+        (torch.randn(count, 2 * inter, generator=generator), torch.randn(count, hidden, generator=generator))
+        if bias
+        else (None, None)
+    )
     return gate_up, down, biases
 
 
@@ -200,8 +227,8 @@ def _random_experts(count: int, hidden: int, inter: int, bias: bool, generator: 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("first,count", [(0, 8), (2, 3)])
 def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
-    from kernels.moe import Experts, NativeMoeBlock, count_load, experts_forward, pack_experts, route
-    from kernels.panel_linear import pack_panels
+    from batchserve.kernels.moe import Experts, NativeMoeBlock, count_load, experts_forward, pack_experts, route
+    from batchserve.kernels.panel_linear import pack_panels
 
     generator = torch.Generator().manual_seed(3)
     experts_total, hidden, inter, top_k, rows = 8, 48, 24, 2, 37
@@ -211,8 +238,7 @@ def test_the_c_block_equals_the_torch_path(first, count, bias, quantization):
     x = torch.randn(rows, hidden, generator=generator)
     packed = pack_experts(gate_up, down, gate_up_bias, down_bias, first=first, quantization=quantization)
     load = torch.zeros(experts_total, dtype=torch.int64)
-    block = NativeMoeBlock(pack_panels(router), router_bias, packed, None, top_k=top_k, renormalize=True,
-                           load=load)
+    block = NativeMoeBlock(pack_panels(router), router_bias, packed, None, top_k=top_k, renormalize=True, load=load)
     got = block(x)
     if quantization == "int8":  # the reference on the weights the panels stand for
         gate_up = torch.stack([unpacked(packed.gate_up.expert(e)) for e in range(count)])
@@ -238,7 +264,8 @@ def test_a_gguf_file_serves_the_models_tokens(tiny_model_dir, tmp_path, monkeypa
     always renormalises the top k (transformers says so for GGUF files), as published Qwen3-MoE configs do;
     its qwen2moe never does, as Qwen1.5-MoE's config says."""
     from gguf_files import write_moe_gguf
-    from shared.model import resolve_model
+
+    from batchserve.shared.model import resolve_model
 
     monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
     hf = tiny_model_dir(arch, with_tokenizer="bytes", fused_experts=True, norm_topk_prob=renormalize)

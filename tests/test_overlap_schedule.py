@@ -18,10 +18,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from procs.scheduler import POLICIES, LaunchedStep, Scheduler, SchedulerConfig, StepOutput
 from scheduler_harness import EOS, FIRST_TOKEN, Job, KVContentExecutor, audit_references, draw_jobs, pages
-from shared.messages import FUTURE_TOKEN, RequestParams, SamplingParams, StepResult
+
+from batchserve.procs.scheduler import POLICIES, LaunchedStep, Scheduler, SchedulerConfig, StepOutput
+from batchserve.shared.messages import FUTURE_TOKEN, RequestParams, SamplingParams, StepResult
 
 
 class OverlappedDriver:
@@ -55,8 +55,9 @@ class OverlappedDriver:
             self.complete_oldest()
 
 
-def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 5000,
-                   priorities: dict[str, int] | None = None) -> OverlappedDriver:
+def run_overlapped(
+    config: SchedulerConfig, jobs: list[Job], max_turns: int = 5000, priorities: dict[str, int] | None = None
+) -> OverlappedDriver:
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {j.rid: j.prompt() for j in jobs}, {j.rid: j.output_tokens for j in jobs})
     limits = {j.rid: j.limit for j in jobs}
@@ -71,8 +72,11 @@ def run_overlapped(config: SchedulerConfig, jobs: list[Job], max_turns: int = 50
     for turn in range(max_turns):
         for job in jobs:
             if job.arrival_step == turn:
-                sched.add_request(job.rid, job.prompt(), RequestParams(stop=job.stop_params(),
-                                                                       priority=(priorities or {}).get(job.rid, 0)))
+                sched.add_request(
+                    job.rid,
+                    job.prompt(),
+                    RequestParams(stop=job.stop_params(), priority=(priorities or {}).get(job.rid, 0)),
+                )
             if job.cancel_before_step == turn and job.arrival_step <= turn and sched.abort(job.rid):
                 cancelled.add(job.rid)
         if turn > max(j.arrival_step for j in jobs) and not sched.has_unfinished() and not driver.in_flight:
@@ -119,10 +123,15 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     jobs = draw_jobs(draw, arrivals=15, prompts=40, outputs=12, limits=15, cancel_within=12)
     largest = max(pages(j.input_tokens + j.limit, page_size) for j in jobs)
     config = SchedulerConfig(
-        max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 40)),
-        kv_capacity_tokens=(largest + draw(st.integers(0, 3 * largest))) * page_size, page_size=page_size,
-        policy=policy, prefix_cache=draw(st.booleans()), fair_prefill=draw(st.booleans()),
-        kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])))
+        max_running_requests=slots,
+        prefill_budget=draw(st.integers(slots + 1, slots + 40)),
+        kv_capacity_tokens=(largest + draw(st.integers(0, 3 * largest))) * page_size,
+        page_size=page_size,
+        policy=policy,
+        prefix_cache=draw(st.booleans()),
+        fair_prefill=draw(st.booleans()),
+        kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])),
+    )
     return config, jobs
 
 
@@ -158,30 +167,40 @@ def test_a_decode_launched_before_its_token_is_back_is_fed_the_future_token() ->
 
 
 def test_a_request_that_stops_while_its_next_step_runs_is_released_at_once_and_its_extra_row_dropped() -> None:
-    sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64),
-                      eos_token_ids=(EOS,))
+    sched = Scheduler(
+        SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64), eos_token_ids=(EOS,)
+    )
     sched.add_request("A", [5, 6, 7], RequestParams(stop=Job("A", 0, 3, 9).stop_params()))
     first, second = sched.launch(), sched.launch()
     out = sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([EOS], np.int32)))
     assert out.finished == ["A"] and out.finish_reasons == {"A": "stop"}
     assert sched.num_running == 0 and sched.kv_used_tokens == 0
-    late = sched.complete(second, StepResult(step=second.batch.step, next_token_ids=np.asarray([FIRST_TOKEN], np.int32)))
+    late = sched.complete(
+        second, StepResult(step=second.batch.step, next_token_ids=np.asarray([FIRST_TOKEN], np.int32))
+    )
     assert late.new_tokens == [] and late.finished == [] and not sched.has_unfinished()
 
 
 def test_a_request_aborted_while_its_prompt_logprobs_are_computed_is_dropped_with_them() -> None:
     """Overlap scheduling: the client goes while its last chunk runs; the step's prompt logprobs come back
     for a slot the request no longer holds, and are dropped (they used to be looked up by its slot now)."""
-    from shared.messages import LogitsParams, StopParams, TokenLogprobs
+    from batchserve.shared.messages import LogitsParams, StopParams, TokenLogprobs
 
     sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64))
-    sched.add_request("a", list(range(3, 11)), RequestParams(stop=StopParams(max_tokens=4),
-                                                             logits=LogitsParams(prompt_logprobs=0)))
+    sched.add_request(
+        "a", list(range(3, 11)), RequestParams(stop=StopParams(max_tokens=4), logits=LogitsParams(prompt_logprobs=0))
+    )
     first = sched.launch()
     assert sched.abort("a")
     entry = TokenLogprobs(token_id=3, logprob=0.0, top_ids=[], top_logprobs=[])
-    out = sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([5], np.int32),
-                                           prompt_logprobs=[(first.batch.slots[0], [entry] * 7)]))
+    out = sched.complete(
+        first,
+        StepResult(
+            step=first.batch.step,
+            next_token_ids=np.asarray([5], np.int32),
+            prompt_logprobs=[(first.batch.slots[0], [entry] * 7)],
+        ),
+    )
     assert out.new_tokens == [] and out.prompt_logprobs == {}
     assert sched.launch().out.cancelled == ["a"] and not sched.has_unfinished()
 
@@ -192,22 +211,29 @@ def test_a_request_at_its_token_limit_is_not_launched_again() -> None:
     first, second = sched.launch(), sched.launch()  # its 1st and 2nd (last) token
     assert sched.launch().batch is None  # nothing left to launch until the last token is back
     sched.complete(first, StepResult(step=first.batch.step, next_token_ids=np.asarray([FIRST_TOKEN], np.int32)))
-    out = sched.complete(second, StepResult(step=second.batch.step, next_token_ids=np.asarray([FIRST_TOKEN + 1], np.int32)))
+    out = sched.complete(
+        second, StepResult(step=second.batch.step, next_token_ids=np.asarray([FIRST_TOKEN + 1], np.int32))
+    )
     assert out.finish_reasons == {"A": "length"} and not sched.has_unfinished()
 
 
 def test_preempting_with_a_step_in_flight_drains_it_first() -> None:
     # Two requests on estimates (rho 0.01) in a pool that cannot hold both to the end.
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=32, kv_capacity_tokens=24, page_size=4,
-                             kv_reserve_ratio=0.01)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=32, kv_capacity_tokens=24, page_size=4, kv_reserve_ratio=0.01
+    )
     jobs = [Job("A", 0, 8, 12, ignore_eos=True), Job("B", 0, 8, 12, ignore_eos=True)]
     driver = run_overlapped(config, jobs)
     assert any(out.preempted for out in driver.outputs) and driver.drains > 0
 
 
 def test_launch_refuses_to_preempt_with_steps_in_flight_and_no_drain() -> None:
-    sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=32, kv_capacity_tokens=24,
-                                      page_size=4, kv_reserve_ratio=0.01), eos_token_ids=(EOS,))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_running_requests=2, prefill_budget=32, kv_capacity_tokens=24, page_size=4, kv_reserve_ratio=0.01
+        ),
+        eos_token_ids=(EOS,),
+    )
     for rid in "AB":
         stop = Job(rid, 0, 8, 12, ignore_eos=True).stop_params()
         sched.add_request(rid, list(range(3, 11)), RequestParams(stop=stop))
@@ -218,8 +244,9 @@ def test_launch_refuses_to_preempt_with_steps_in_flight_and_no_drain() -> None:
 
 # ------------------------------------------------------------------ the real model, one step late
 
+
 def test_the_model_gives_the_same_greedy_tokens_launched_ahead_as_step_by_step(tiny_model_dir) -> None:
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
     model_dir = tiny_model_dir()
     prompts = {f"r{i}": list(range(10 + i, 10 + i + 5 + 3 * i)) for i in range(5)}
@@ -228,8 +255,15 @@ def test_the_model_gives_the_same_greedy_tokens_launched_ahead_as_step_by_step(t
     def tokens(overlap: bool) -> dict[str, list[int]]:
         torch.manual_seed(0)
         runner = ModelRunner(model_dir, device="cpu", max_running_requests=4, kv_capacity_tokens=512)
-        sched = Scheduler(SchedulerConfig(max_running_requests=4, prefill_budget=24, page_size=runner.page_size,
-                                          kv_capacity_tokens=runner.kv_capacity_tokens), eos_token_ids=())
+        sched = Scheduler(
+            SchedulerConfig(
+                max_running_requests=4,
+                prefill_budget=24,
+                page_size=runner.page_size,
+                kv_capacity_tokens=runner.kv_capacity_tokens,
+            ),
+            eos_token_ids=(),
+        )
         for rid, prompt in prompts.items():
             stop = Job(rid, 0, 1, 99, max_tokens=limits[rid], ignore_eos=True).stop_params()
             sched.add_request(rid, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop))
@@ -255,19 +289,20 @@ def test_the_model_gives_the_same_greedy_tokens_launched_ahead_as_step_by_step(t
 
 # ------------------------------------------------------------------ the server, both ways
 
+
 @pytest.mark.parametrize("flags", [("--overlap-schedule", "on"), ("--overlap-schedule", "off")], ids=["on", "off"])
 def test_the_server_streams_the_in_process_engines_tokens_with_and_without_overlap(tiny_model_dir, tmp_path, flags):
     import asyncio
 
     import aiohttp
-
     from e2e_server import reference_greedy, start_server
 
     model = tiny_model_dir("llama", with_tokenizer=True)
     prompts = [[5, 6, 7], [100, 3, 250, 17, 9], [42], [7] * 40, list(range(3, 60))]
     limits = [12, 3, 1, 20, 7]
-    reference = [reference_greedy(model, [p], n, ignore_eos=True, kv_capacity_tokens=4096)[0]
-                 for p, n in zip(prompts, limits)]
+    reference = [
+        reference_greedy(model, [p], n, ignore_eos=True, kv_capacity_tokens=4096)[0] for p, n in zip(prompts, limits)
+    ]
     server = start_server(model, tmp_path / "serve.log", "--kv-capacity-tokens", "4096", *flags)
 
     async def completion(session: aiohttp.ClientSession, prompt: list[int], limit: int) -> list[int]:
@@ -290,9 +325,9 @@ def test_the_server_streams_the_in_process_engines_tokens_with_and_without_overl
 
 
 def test_auto_overlaps_with_a_cuda_worker_only() -> None:
-    from procs.scheduler.config import overlap_schedule
-    from shared.config import ServerConfig
-    from shared.messages import WorkerInfo
+    from batchserve.procs.scheduler.config import overlap_schedule
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.messages import WorkerInfo
 
     def overlaps(setting: str, device: str) -> bool:
         info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, device_type=device)
@@ -306,8 +341,9 @@ def test_auto_overlaps_with_a_cuda_worker_only() -> None:
 def test_a_head_that_preempts_while_steps_run_drains_them_first() -> None:
     """The path above, pinned: C (priority 0) arrives while A and B (priority 1) hold both slots with
     two steps in flight; it preempts B, which needs B's tokens known, so the pipeline drains first."""
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64,
-                             scheduling_policy="priority")
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=16, kv_capacity_tokens=64, scheduling_policy="priority"
+    )
     jobs = [Job("a", 0, 4, 10), Job("b", 0, 4, 10), Job("c", 3, 4, 3)]
     driver = run_overlapped(config, jobs, priorities={"a": 1, "b": 1, "c": 0})
     assert driver.drains >= 1

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from e2e_server import http, reference_greedy, start_server
+from native_marks import requires_native_kernels
 from safetensors.torch import load_file, save_file
 
-from e2e_server import http, reference_greedy, start_server
-from kernels import native
-from kernels.panel_linear import PanelWeight, pack_panels
-from kernels.ops import linear, pack_linear_weight
-from native_marks import requires_native_kernels
-from procs.cli import main as cli_main
-from procs.worker.devices import check_quantization
+from batchserve.kernels import native
+from batchserve.kernels.ops import linear, pack_linear_weight
+from batchserve.kernels.panel_linear import PanelWeight, pack_panels
+from batchserve.procs.cli import main as cli_main
+from batchserve.procs.worker.devices import check_quantization
 
 pytestmark = requires_native_kernels
 
@@ -35,15 +35,16 @@ def unpacked(weight: PanelWeight) -> torch.Tensor:
     out = weight.packed.permute(0, 2, 1).reshape(panels * width, in_features).float()
     if weight.scale is not None:
         out = out * weight.scale[:, None]
-    return out[:weight.out_features]
+    return out[: weight.out_features]
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 # (229, 320): two threads even for one row, 15 panels split 7 + 8, blocks of 6 panels ending mid-range
 @pytest.mark.parametrize("out_features,in_features", [(37, 20), (16, 64), (96, 40), (200, 33), (229, 320)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_fp64_on_the_weight_it_packs(quantization: str, out_features: int, in_features: int,
-                                                     with_bias: bool) -> None:
+def test_kernel_matches_fp64_on_the_weight_it_packs(
+    quantization: str, out_features: int, in_features: int, with_bias: bool
+) -> None:
     torch.manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
@@ -52,8 +53,9 @@ def test_kernel_matches_fp64_on_the_weight_it_packs(quantization: str, out_featu
         assert torch.equal(unpacked(packed), weight)
     for rows in [*range(1, 14), 31]:
         x = torch.randn(rows, in_features)
-        expected = torch.nn.functional.linear(x.double(), unpacked(packed).double(),
-                                              None if bias is None else bias.double())
+        expected = torch.nn.functional.linear(
+            x.double(), unpacked(packed).double(), None if bias is None else bias.double()
+        )
         torch.testing.assert_close(linear(x, packed, bias), expected.float(), rtol=1e-5, atol=1e-4)
 
 
@@ -73,14 +75,15 @@ def test_rounding_is_per_output_channel_within_half_a_step() -> None:
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("out_features,in_features", [(70, 48), (229, 320)])  # one thread; two
-def test_each_row_is_what_it_is_alone_whatever_the_batch(quantization: str, out_features: int,
-                                                         in_features: int) -> None:
+def test_each_row_is_what_it_is_alone_whatever_the_batch(
+    quantization: str, out_features: int, in_features: int
+) -> None:
     """The kernel sums every output in one order over the inputs for any batch size, so a request's
     tokens do not depend on the others in its step (fbgemm's dynamic int8 shares one activation scale)."""
     torch.manual_seed(1)
     quantized = pack_panels(torch.randn(out_features, in_features), quantization)
     x = torch.randn(13, in_features) * torch.logspace(-2, 2, 13)[:, None]  # one row with outliers changes nothing
-    alone = torch.cat([linear(x[i:i + 1], quantized) for i in range(13)])
+    alone = torch.cat([linear(x[i : i + 1], quantized) for i in range(13)])
     for rows in range(1, 14):
         assert torch.equal(linear(x[:rows], quantized), alone[:rows])
 
@@ -102,8 +105,17 @@ def test_an_avx2_build_gives_this_cpus_bits(tmp_path) -> None:
             if packed.scale is None:
                 avx2.f32_linear(x.data_ptr(), rows, 320, packed.packed.data_ptr(), None, 229, 320, narrow.data_ptr())
             else:
-                avx2.int8_linear(x.data_ptr(), rows, 320, packed.packed.data_ptr(), packed.scale.data_ptr(), None,
-                                 229, 320, narrow.data_ptr())
+                avx2.int8_linear(
+                    x.data_ptr(),
+                    rows,
+                    320,
+                    packed.packed.data_ptr(),
+                    packed.scale.data_ptr(),
+                    None,
+                    229,
+                    320,
+                    narrow.data_ptr(),
+                )
             assert torch.equal(linear(x, packed), narrow), (quantization, rows)
 
 
@@ -156,8 +168,9 @@ def write_int8_grid_model(source: Path, target: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def grid_model(tiny_model_dir, tmp_path_factory) -> Path:
-    return write_int8_grid_model(tiny_model_dir("qwen2", with_tokenizer=True, seed=5),
-                                 tmp_path_factory.mktemp("int8") / "model")
+    return write_int8_grid_model(
+        tiny_model_dir("qwen2", with_tokenizer=True, seed=5), tmp_path_factory.mktemp("int8") / "model"
+    )
 
 
 PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(3, 40))]
@@ -170,14 +183,16 @@ def test_engine_on_int8_grid_weights_gives_the_fp32_tokens(grid_model) -> None:
 
 
 def test_server_with_int8_streams_the_offline_int8_tokens(grid_model, tmp_path) -> None:
-    expected = reference_greedy(grid_model, PROMPTS[:2], 8, ignore_eos=True, kv_capacity_tokens=1024,
-                                quantization="int8")
-    server = start_server(grid_model, tmp_path / "serve.log", "--kv-capacity-tokens", "1024",
-                          "--quantization", "int8")
+    expected = reference_greedy(
+        grid_model, PROMPTS[:2], 8, ignore_eos=True, kv_capacity_tokens=1024, quantization="int8"
+    )
+    server = start_server(grid_model, tmp_path / "serve.log", "--kv-capacity-tokens", "1024", "--quantization", "int8")
     try:
         for prompt, tokens in zip(PROMPTS[:2], expected):
-            status, body = http(f"{server.url}/v1/completions", {
-                "model": str(grid_model), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            status, body = http(
+                f"{server.url}/v1/completions",
+                {"model": str(grid_model), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             assert status == 200, body
             words = re.findall(r"w(\d+)", body["choices"][0]["text"])  # the tiny tokenizer's token t is "w<t>"
             assert [int(w) for w in words] == [t for t in tokens if t > 2]

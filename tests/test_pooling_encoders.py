@@ -11,12 +11,12 @@ import json
 
 import numpy as np
 import pytest
-
 from pooling_models import build_encoder, st_vectors, words, write_st_files
-from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
-from shared.errors import ModelLoadError, Refusal
-from shared.pooling import finish_vector, read_pooler
+
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import ModelLoadError, Refusal
+from batchserve.shared.pooling import finish_vector, read_pooler
 
 TEXTS = [words(5, 10), words(17, 40), words(41, 90), words(1, 200), words(60, 7), words(30, 150)]
 
@@ -45,8 +45,9 @@ def vectors(eng: OfflineEngine, texts: list[str]) -> np.ndarray:
     return np.stack([finish_vector(c.pooled, None, True) for c in done])
 
 
-@pytest.mark.parametrize("arch,pooling,backend", [("bert", "mean", "cpu"), ("bert", "cls", "torch"),
-                                                  ("xlm_roberta", "mean", "torch")])
+@pytest.mark.parametrize(
+    "arch,pooling,backend", [("bert", "mean", "cpu"), ("bert", "cls", "torch"), ("xlm_roberta", "mean", "torch")]
+)
 def test_vectors_equal_sentence_transformers(encoders, arch, pooling, backend):
     model_dir = encoders(arch, pooling)
     reference = st_vectors(model_dir, TEXTS)
@@ -77,8 +78,9 @@ def test_truncation_keeps_the_special_tokens(encoders):
     model_dir = encoders("bert", "cls")
     done = engine(model_dir).generate([request("cut", prompt=TEXTS[1], pooling={"truncate_prompt_tokens": 8})])
     last_words = " ".join(TEXTS[1].split()[-6:])
-    np.testing.assert_allclose(finish_vector(done[0].pooled, None, True), st_vectors(model_dir, [last_words])[0],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        finish_vector(done[0].pooled, None, True), st_vectors(model_dir, [last_words])[0], atol=1e-4
+    )
     with pytest.raises(Refusal, match="truncate_prompt_tokens 1 is fewer than the tokens this input keeps") as refused:
         engine(model_dir).generate([request("tiny", prompt=TEXTS[1], pooling={"truncate_prompt_tokens": 1})])
     assert refused.value.param == "truncate_prompt_tokens"
@@ -101,8 +103,9 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, arch):
     pooler = read_pooler(model_dir, json.loads((model_dir / "config.json").read_text()))
     assert (pooler.kind, pooler.pooling, pooler.activation) == ("classify", "cls", "sigmoid")
     pairs = [(words(4, 10), words(9, 50)), (words(4, 10), words(30, 80)), (words(12, 3), words(2, 200))]
-    done = engine(model_dir).generate([request(f"r{i}", prompt=a, prompt_pair=b, pooling={})
-                                       for i, (a, b) in enumerate(pairs)])
+    done = engine(model_dir).generate(
+        [request(f"r{i}", prompt=a, prompt_pair=b, pooling={}) for i, (a, b) in enumerate(pairs)]
+    )
     scores = [pooler.score(float(finish_vector(c.pooled, None, False)[0])) for c in done]
     np.testing.assert_allclose(scores, CrossEncoder(str(model_dir), device="cpu").predict(pairs), atol=1e-4)
 
@@ -113,8 +116,9 @@ def test_cross_encoder_files(tmp_path):
     with pytest.raises(ModelLoadError, match="a cross-encoder scores with one label, this one has 2"):
         read_pooler(model_dir, raw)
     raw.update(id2label={"0": "LABEL_0"})
-    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(
-        {"activation_fn": "torch.nn.modules.linear.Identity", "model_type": "CrossEncoder"}))
+    (model_dir / "config_sentence_transformers.json").write_text(
+        json.dumps({"activation_fn": "torch.nn.modules.linear.Identity", "model_type": "CrossEncoder"})
+    )
     assert read_pooler(model_dir, raw).score(-3.5) == -3.5  # the raw logit
     with pytest.raises(ModelLoadError, match="a cross-encoder's head reads its .CLS. token"):
         read_pooler(model_dir, raw, "mean")
@@ -122,12 +126,14 @@ def test_cross_encoder_files(tmp_path):
 
 def test_remote_code_models_are_refused_in_one_line(tmp_path):
     """nomic-embed-text and gte-v1.5 define their architecture in their own folder (auto_map)."""
-    from procs.worker.loader import load_model_config
-    from shared.model import ModelSpec
+    from batchserve.procs.worker.loader import load_model_config
+    from batchserve.shared.model import ModelSpec
 
     model_dir = build_encoder(tmp_path / "nomic")
     raw = json.loads((model_dir / "config.json").read_text())
     raw.update(architectures=["NomicBertModel"], auto_map={"AutoModel": "modeling_hf_nomic_bert.NomicBertModel"})
     (model_dir / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="NomicBertModel is defined by code in its own folder .* trust_remote_code"):
+    with pytest.raises(
+        ModelLoadError, match="NomicBertModel is defined by code in its own folder .* trust_remote_code"
+    ):
         load_model_config(ModelSpec.resolve(model_dir))

@@ -14,7 +14,6 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-
 from e2e_server import ReplicatedServer, http
 from pooling_models import build_st_embedder, words
 
@@ -25,12 +24,28 @@ KEY = "k1"
 
 def test_embeddings_through_the_gateway_and_scores_at_the_replicas(tmp_path):
     model = build_st_embedder(tmp_path / "model", pooling="mean")
-    server = ReplicatedServer(model, tmp_path / "serve.log", "--data-parallel-size", "2", "--router", "smg",
-                              "--kv-capacity-tokens", "1024", "--max-running-requests", "4", "--api-key", KEY)
+    server = ReplicatedServer(
+        model,
+        tmp_path / "serve.log",
+        "--data-parallel-size",
+        "2",
+        "--router",
+        "smg",
+        "--kv-capacity-tokens",
+        "1024",
+        "--max-running-requests",
+        "4",
+        "--api-key",
+        KEY,
+    )
     server.start()
     try:
-        embed = lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0).embeddings.create(
-            model=str(model), input=[words(5, 0), words(9, 30)])
+
+        def embed(url: str):
+            return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0).embeddings.create(
+                model=str(model), input=[words(5, 0), words(9, 30)]
+            )
+
         through = [embed(server.url) for _ in range(4)]  # round the replicas
         direct = [embed(url) for url in server.replica_urls]
         body = {"model": str(model), "query": words(3, 0), "documents": [words(5, 0), words(4, 90)]}
@@ -51,8 +66,11 @@ def test_embeddings_through_the_gateway_and_scores_at_the_replicas(tmp_path):
 
 
 def http_with_key(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as answer:
             return answer.status, json.loads(answer.read())

@@ -1,10 +1,10 @@
-"""shared.ports: a free port is drawn from below the ephemeral range, where connect() never lands."""
+"""batchserve.shared.ports: a free port is drawn from below the ephemeral range, where connect() never lands."""
 
 from __future__ import annotations
 
 import socket
 
-from shared import ports
+from batchserve.shared import ports
 
 
 def test_a_free_port_lies_below_the_ephemeral_range_and_binds():

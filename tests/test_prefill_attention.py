@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
+from batchserve.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
 
@@ -27,7 +27,7 @@ def _reference(q, k_pool, v_pool, pages, prefix, window=0, softcap=0.0, sinks=No
     kv_heads, total = k_pool.shape[2], prefix + length
     keys = k_pool[pages].reshape(-1, kv_heads, dim)[:total].repeat_interleave(heads // kv_heads, dim=1).double()
     values = v_pool[pages].reshape(-1, kv_heads, dim)[:total].repeat_interleave(heads // kv_heads, dim=1).double()
-    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * dim ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * dim**-0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     query, key = torch.arange(prefix, total)[:, None], torch.arange(total)[None, :]
@@ -58,8 +58,9 @@ def test_a_chunk_matches_the_reference(case: str) -> None:
     prefix, length, heads, kv_heads, dim, page_size, window, softcap, sink = CASES[case]
     q, k_pool, v_pool, pages = _pool(prefix, length, heads, kv_heads, dim, page_size)
     sinks = torch.randn(heads) if sink else None
-    out = native.paged_prefill_attention(q, k_pool, v_pool, pages, prefix, dim ** -0.5, window=window,
-                                         softcap=softcap, sinks=sinks)
+    out = native.paged_prefill_attention(
+        q, k_pool, v_pool, pages, prefix, dim**-0.5, window=window, softcap=softcap, sinks=sinks
+    )
     expected = _reference(q, k_pool, v_pool, pages, prefix, window, softcap, sinks)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -70,8 +71,8 @@ def test_strided_rows_in_and_out() -> None:
     wide_q = torch.randn(25, 4 + 2, 32)
     wide_q[:, :4] = q
     out = torch.zeros(30, 4, 32)
-    native.paged_prefill_attention(wide_q[:, :4], k_pool, v_pool, pages, 17, 32 ** -0.5, out=out[3:28])
-    assert torch.equal(out[3:28], native.paged_prefill_attention(q, k_pool, v_pool, pages, 17, 32 ** -0.5))
+    native.paged_prefill_attention(wide_q[:, :4], k_pool, v_pool, pages, 17, 32**-0.5, out=out[3:28])
+    assert torch.equal(out[3:28], native.paged_prefill_attention(q, k_pool, v_pool, pages, 17, 32**-0.5))
     assert not out[:3].any() and not out[28:].any()
 
 
@@ -92,11 +93,30 @@ def test_an_avx2_build_gives_this_cpus_bits(tmp_path) -> None:
         prefix, length, heads, kv_heads, dim, page_size, window, softcap, sink = CASES[case]
         q, k_pool, v_pool, pages = _pool(prefix, length, heads, kv_heads, dim, page_size, seed=4)
         sinks = torch.randn(heads) if sink else None
-        wide = native.paged_prefill_attention(q, k_pool, v_pool, pages, prefix, dim ** -0.5, window=window,
-                                              softcap=softcap, sinks=sinks)
+        wide = native.paged_prefill_attention(
+            q, k_pool, v_pool, pages, prefix, dim**-0.5, window=window, softcap=softcap, sinks=sinks
+        )
         narrow = torch.empty_like(wide)
-        assert avx2.paged_prefill_attention(
-            q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), prefix, length,
-            narrow.data_ptr(), narrow.stride(0), heads, kv_heads, dim, page_size, dim ** -0.5, window, softcap,
-            None if sinks is None else sinks.data_ptr()) == 0
+        assert (
+            avx2.paged_prefill_attention(
+                q.data_ptr(),
+                q.stride(0),
+                k_pool.data_ptr(),
+                v_pool.data_ptr(),
+                pages.data_ptr(),
+                prefix,
+                length,
+                narrow.data_ptr(),
+                narrow.stride(0),
+                heads,
+                kv_heads,
+                dim,
+                page_size,
+                dim**-0.5,
+                window,
+                softcap,
+                None if sinks is None else sinks.data_ptr(),
+            )
+            == 0
+        )
         assert torch.equal(wide, narrow), case

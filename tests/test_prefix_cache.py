@@ -1,10 +1,10 @@
 """The prefix cache in the scheduler: a radix tree over full KV pages, shared by reference count.
 
-The strongest check is `KVContentExecutor` (tests/scheduler_harness.py): a fake worker that remembers, for every KV position of
-the pool, which token at which position was written there, and before every step verifies that each
-request's whole context (through its page table, shared pages included) holds exactly its own
-tokens. Random workloads with shared prefixes, tight pools, preemption and cancels run through it
-while the tree's reference counts are audited against the requests that hold them.
+The strongest check is `KVContentExecutor` (tests/scheduler_harness.py): a fake worker that remembers, for
+every KV position of the pool, which token at which position was written there, and before every step
+verifies that each request's whole context (through its page table, shared pages included) holds exactly its
+own tokens. Random workloads with shared prefixes, tight pools, preemption and cancels run through it while
+the tree's reference counts are audited against the requests that hold them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
-from procs.scheduler.prefix_cache import PrefixCache
 from scheduler_harness import EOS, KVContentExecutor, audit_references
-from shared.messages import RequestParams, StopParams
 
+from batchserve.procs.scheduler import POLICIES, Scheduler, SchedulerConfig
+from batchserve.procs.scheduler.prefix_cache import PrefixCache
+from batchserve.shared.messages import RequestParams, StopParams
 
 # ------------------------------------------------------------------ the tree on its own
+
 
 def _ids(*values: int) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
@@ -65,7 +65,10 @@ def test_state_snapshots_serve_the_deepest_kept_node_least_recently_used_out_fir
     a, _ = cache.insert(cache.root(), keys[0], page=10)
     b, _ = cache.insert(a, keys[1], page=11)
     c, _ = cache.insert(b, keys[2], page=12)
-    served = lambda pages: cache.with_state(cache.match(tokens, pages))
+
+    def served(pages: int):
+        return cache.with_state(cache.match(tokens, pages))
+
     assert cache.match(tokens, 3) == [a, b, c] and served(3) == []  # full-layer KV alone never serves
     assert snapshots.take(a) == 0 and snapshots.take(c) == 1
     assert served(3) == [a, b, c] and served(2) == [a]  # b keeps no state
@@ -119,7 +122,9 @@ def shared_prefix_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]
     page_size = draw(st.sampled_from((1, 2, 4, 16)))
     policy = draw(st.sampled_from(POLICIES))
     slots = draw(st.integers(1, 6))
-    bases = [[draw(st.integers(3, 60)) for _ in range(draw(st.integers(0, 40)))] for _ in range(draw(st.integers(1, 3)))]
+    bases = [
+        [draw(st.integers(3, 60)) for _ in range(draw(st.integers(0, 40)))] for _ in range(draw(st.integers(1, 3)))
+    ]
     jobs = []
     for i in range(draw(st.integers(1, 10))):
         prompt = draw(st.sampled_from(bases)) + [draw(st.integers(3, 60)) for _ in range(draw(st.integers(1, 12)))]
@@ -128,13 +133,18 @@ def shared_prefix_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]
             job.cancel_before = job.arrival + draw(st.integers(0, 25))
         jobs.append(job)
     largest = max(-(-(len(j.prompt) + j.outputs) // page_size) for j in jobs)
-    config = SchedulerConfig(max_running_requests=slots, prefill_budget=draw(st.integers(slots + 1, slots + 30)),
-                             kv_capacity_tokens=(largest + draw(st.integers(0, 2 * largest))) * page_size,
-                             page_size=page_size, policy=policy, prefix_cache=True,
-                             kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])),
-                             # a hybrid model's: a cached prefix serves only from a snapshot of its state
-                             # (KVContentExecutor checks each slot's state against its request's context)
-                             **draw(st.sampled_from([{}, dict(recurrent_state=True, state_snapshots=2)])))
+    config = SchedulerConfig(
+        max_running_requests=slots,
+        prefill_budget=draw(st.integers(slots + 1, slots + 30)),
+        kv_capacity_tokens=(largest + draw(st.integers(0, 2 * largest))) * page_size,
+        page_size=page_size,
+        policy=policy,
+        prefix_cache=True,
+        kv_reserve_ratio=draw(st.sampled_from([1.0, 0.5, 0.1, 0.01])),
+        # a hybrid model's: a cached prefix serves only from a snapshot of its state
+        # (KVContentExecutor checks each slot's state against its request's context)
+        **draw(st.sampled_from([{}, dict(recurrent_state=True, state_snapshots=2)])),
+    )
     return config, jobs
 
 
@@ -145,8 +155,9 @@ def test_shared_prefixes_keep_every_kv_position_right_and_references_exact(workl
 
 
 def test_a_later_request_starts_after_the_cached_prefix_and_reads_pages_it_did_not_write():
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
-                             prefix_cache=True)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=4, prefix_cache=True
+    )
     system = list(range(10, 22))  # 12 tokens: 3 full pages
     first, second = Job("A", 0, system + [5, 6], 3), Job("B", 6, system + [7], 2)
     sched, ex = run(config, [first, second])
@@ -154,8 +165,9 @@ def test_a_later_request_starts_after_the_cached_prefix_and_reads_pages_it_did_n
 
 
 def test_a_whole_prompt_in_the_cache_still_computes_its_last_token():
-    config = SchedulerConfig(max_running_requests=1, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
-                             prefix_cache=True)
+    config = SchedulerConfig(
+        max_running_requests=1, prefill_budget=64, kv_capacity_tokens=64, page_size=4, prefix_cache=True
+    )
     prompt = list(range(10, 18))  # exactly 2 pages
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {"A": prompt, "B": prompt}, {"A": 2, "B": 2})
@@ -169,8 +181,9 @@ def test_a_whole_prompt_in_the_cache_still_computes_its_last_token():
 
 
 def test_an_abort_mid_prefill_caches_only_completed_pages():
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=6, kv_capacity_tokens=64, page_size=4,
-                             prefix_cache=True)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=6, kv_capacity_tokens=64, page_size=4, prefix_cache=True
+    )
     sched = Scheduler(config, eos_token_ids=(EOS,))
     prompt = list(range(10, 30))  # 20 tokens, chunks of 6
     ex = KVContentExecutor(sched, {"A": prompt}, {"A": 5})
@@ -184,8 +197,14 @@ def test_an_abort_mid_prefill_caches_only_completed_pages():
 
 
 def test_disconnect_storm_leaves_no_referenced_page():
-    config = SchedulerConfig(max_running_requests=8, prefill_budget=16, kv_capacity_tokens=512, page_size=4,
-                             prefix_cache=True, policy="mixed")
+    config = SchedulerConfig(
+        max_running_requests=8,
+        prefill_budget=16,
+        kv_capacity_tokens=512,
+        page_size=4,
+        prefix_cache=True,
+        policy="mixed",
+    )
     system = list(range(10, 30))
     jobs = [Job(f"r{i}", i % 3, system + [40 + i], 30, cancel_before=2 + i) for i in range(12)]
     sched, _ = run(config, jobs)
@@ -200,8 +219,13 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
 
     import msgspec
 
-    from procs.scheduler.simulate import (load_scenario, run_scenario, scenario_scheduler,
-                                          scheduler_config_from_scenario, trace_record)
+    from batchserve.procs.scheduler.simulate import (
+        load_scenario,
+        run_scenario,
+        scenario_scheduler,
+        scheduler_config_from_scenario,
+        trace_record,
+    )
 
     def normal(trace: list[dict]) -> list[dict]:
         return [{**s, "finished": sorted(s["finished"]), "cancelled": sorted(s["cancelled"])} for s in trace]
@@ -209,8 +233,12 @@ def test_with_nothing_to_share_the_cache_changes_no_trace():
     for path in sorted((Path(__file__).parent / "scenarios").glob("*.json")):
         scenario = load_scenario(path)
         preempts = any("preempted" in step for trace in scenario.expected.values() for step in trace)
-        if (any(r.shared_prefix for r in scenario.requests) or preempts or scenario.config.sliding_window
-                or scenario.config.pooling):
+        if (
+            any(r.shared_prefix for r in scenario.requests)
+            or preempts
+            or scenario.config.sliding_window
+            or scenario.config.pooling
+        ):
             continue  # (a sliding window gives pages back, pooling needs every token: no prefix cache with them)
         for policy, expected in scenario.expected.items():
             config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, policy), prefix_cache=True)
@@ -227,7 +255,12 @@ def test_a_recompute_after_preemption_mostly_hits_the_cache():
 
     import msgspec
 
-    from procs.scheduler.simulate import load_scenario, run_scenario, scheduler_config_from_scenario, trace_record
+    from batchserve.procs.scheduler.simulate import (
+        load_scenario,
+        run_scenario,
+        scheduler_config_from_scenario,
+        trace_record,
+    )
 
     scenario = load_scenario(Path(__file__).parent / "scenarios" / "preemption.json")
     config = msgspec.structs.replace(scheduler_config_from_scenario(scenario, "prefill-first"), prefix_cache=True)
@@ -238,8 +271,14 @@ def test_a_recompute_after_preemption_mostly_hits_the_cache():
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_preempted_requests_recompute_from_the_cache(page_size):
-    config = SchedulerConfig(max_running_requests=3, prefill_budget=64, kv_capacity_tokens=48, page_size=page_size,
-                             prefix_cache=True, kv_reserve_ratio=0.05)
+    config = SchedulerConfig(
+        max_running_requests=3,
+        prefill_budget=64,
+        kv_capacity_tokens=48,
+        page_size=page_size,
+        prefix_cache=True,
+        kv_reserve_ratio=0.05,
+    )
     jobs = [Job(f"r{i}", 0, list(range(10 + i, 22 + i)), 20) for i in range(3)]
     sched, _ = run(config, jobs)
     assert sched.kv.hit_tokens > 0  # the recomputes found their own earlier pages
@@ -250,8 +289,14 @@ def test_with_a_draft_model_a_released_request_leaves_its_last_kv_token_out(spec
     """A draft model is fed the last token of a row accepted whole only with the request's next row, so a
     request released after such a row has that position's target KV but not the draft's: its page stays
     out of the cache (a later request would read the draft KV there as written)."""
-    config = SchedulerConfig(max_running_requests=1, prefill_budget=64, kv_capacity_tokens=64, page_size=4,
-                             prefix_cache=True, speculative=speculative)
+    config = SchedulerConfig(
+        max_running_requests=1,
+        prefill_budget=64,
+        kv_capacity_tokens=64,
+        page_size=4,
+        prefix_cache=True,
+        speculative=speculative,
+    )
     prompt = list(range(10, 16))  # 6 tokens; 3 outputs leave KV for 8 positions: 2 full pages
     sched = Scheduler(config, eos_token_ids=(EOS,))
     ex = KVContentExecutor(sched, {"A": prompt}, {"A": 3})

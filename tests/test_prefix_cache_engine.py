@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import ServerConfig
 
 NEW_TOKENS = 16
 
@@ -19,8 +19,9 @@ def _prompts(prefix_words: int) -> list[str]:
 
 
 def _run(model_dir, prompts: list[str], **fields) -> tuple[list[list[int]], OfflineEngine]:
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), kv_capacity_tokens=2048, max_running_requests=4,
-                                        prefill_budget=64, **fields))
+    engine = OfflineEngine(
+        ServerConfig(model=str(model_dir), kv_capacity_tokens=2048, max_running_requests=4, prefill_budget=64, **fields)
+    )
     greedy = {"temperature": 0}
     stop = {"max_tokens": NEW_TOKENS, "ignore_eos": True}
     first = engine.generate([request("first", prompt=prompts[0], sampling=greedy, stop=stop)])  # fills the cache
@@ -50,12 +51,31 @@ def test_concurrent_requests_with_one_prefix_share_its_pages(tiny_model_dir):
     pages the first has already finished."""
     model_dir = tiny_model_dir("llama", with_tokenizer=True, seed=11)
     prompts = _prompts(40)
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), kv_capacity_tokens=2048, max_running_requests=4,
-                                        prefill_budget=24, page_size=4, policy="mixed"))
+    engine = OfflineEngine(
+        ServerConfig(
+            model=str(model_dir),
+            kv_capacity_tokens=2048,
+            max_running_requests=4,
+            prefill_budget=24,
+            page_size=4,
+            policy="mixed",
+        )
+    )
     greedy, stop = {"temperature": 0}, {"max_tokens": NEW_TOKENS, "ignore_eos": True}
     together = engine.generate([request(f"c{i}", prompt=p, sampling=greedy, stop=stop) for i, p in enumerate(prompts)])
-    plain = OfflineEngine(ServerConfig(model=str(model_dir), kv_capacity_tokens=2048, max_running_requests=4,
-                                       prefill_budget=24, page_size=4, policy="mixed", disable_prefix_cache=True))
-    assert [c.token_ids for c in together] == [c.token_ids for c in plain.generate(
-        [request(f"c{i}", prompt=p, sampling=greedy, stop=stop) for i, p in enumerate(prompts)])]
+    plain = OfflineEngine(
+        ServerConfig(
+            model=str(model_dir),
+            kv_capacity_tokens=2048,
+            max_running_requests=4,
+            prefill_budget=24,
+            page_size=4,
+            policy="mixed",
+            disable_prefix_cache=True,
+        )
+    )
+    assert [c.token_ids for c in together] == [
+        c.token_ids
+        for c in plain.generate([request(f"c{i}", prompt=p, sampling=greedy, stop=stop) for i, p in enumerate(prompts)])
+    ]
     assert engine.scheduler.kv.hit_tokens > 0

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import draft_sample, filtered_scores, rejection_sample, sample_batch
-from shared.messages import SamplingParams
-from shared.verification import accepted_lengths
+from batchserve.kernels.sampling import draft_sample, filtered_scores, rejection_sample, sample_batch
+from batchserve.shared.messages import SamplingParams
+from batchserve.shared.verification import accepted_lengths
 
 VOCAB = 8
 DRAWS = 200_000
@@ -44,8 +44,9 @@ def test_rejection_sampling_is_distributed_as_the_target(seed):
     g = torch.Generator().manual_seed(100 + seed)
     proposed = torch.multinomial(q, DRAWS, replacement=True, generator=g)
     uniform = torch.rand(DRAWS, generator=g)
-    tokens = rejection_sample(p.expand(DRAWS, VOCAB), q.expand(DRAWS, VOCAB), proposed, uniform,
-                              log_exponential((DRAWS, VOCAB), g))
+    tokens = rejection_sample(
+        p.expand(DRAWS, VOCAB), q.expand(DRAWS, VOCAB), proposed, uniform, log_exponential((DRAWS, VOCAB), g)
+    )
     plain = torch.multinomial(p, DRAWS, replacement=True, generator=g)
     spec_kl = kl(torch.bincount(tokens, minlength=VOCAB), p)
     plain_kl = kl(torch.bincount(plain, minlength=VOCAB), p)
@@ -71,8 +72,9 @@ def test_a_row_of_positions_keeps_each_accepted_token_distributed_as_its_target(
     target = torch.stack([p1, p2, p3]).repeat(DRAWS, 1)
     draft = torch.stack([q1, q2, torch.zeros(VOCAB)]).repeat(DRAWS, 1)
     proposed = torch.stack([d1, d2, torch.full((DRAWS,), -1)], dim=1).reshape(-1)
-    tokens = rejection_sample(target, draft, proposed, torch.rand(3 * DRAWS, generator=g),
-                              log_exponential((3 * DRAWS, VOCAB), g))
+    tokens = rejection_sample(
+        target, draft, proposed, torch.rand(3 * DRAWS, generator=g), log_exponential((3 * DRAWS, VOCAB), g)
+    )
     fed = torch.stack([torch.zeros(DRAWS, dtype=torch.long), d1, d2], dim=1).reshape(-1)
     firsts = np.arange(DRAWS, dtype=np.int64) * 3
     kept = accepted_lengths(tokens.numpy(), fed.numpy(), firsts, np.full(DRAWS, 3, dtype=np.int64))
@@ -91,8 +93,13 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
     p, _ = distributions(6)
     g = torch.Generator().manual_seed(8)
     proposed = torch.multinomial(p, 1000, replacement=True, generator=g)
-    tokens = rejection_sample(p.expand(1000, VOCAB), p.expand(1000, VOCAB), proposed,
-                              torch.rand(1000, generator=g), log_exponential((1000, VOCAB), g))
+    tokens = rejection_sample(
+        p.expand(1000, VOCAB),
+        p.expand(1000, VOCAB),
+        proposed,
+        torch.rand(1000, generator=g),
+        log_exponential((1000, VOCAB), g),
+    )
     assert torch.equal(tokens, proposed)
 
 
@@ -101,8 +108,11 @@ def test_seeded_draws_depend_on_seed_and_count_only():
     distribution is the model's proposes exactly the model's token), the same in any batch; it is then
     verified by an exact match, never by rejection."""
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=6),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=0.8, seed=6),
+        SamplingParams(temperature=0.0),
+    ]
     tokens, probs = draft_sample(logits, params, [4, 4, 4])
     again, _ = draft_sample(logits[:2].flip(0), params[:2][::-1], [4, 4])
     assert tokens[:2].tolist() == again.flip(0).tolist()

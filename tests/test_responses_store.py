@@ -12,21 +12,21 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
-
 from api_fake_engine import FakeEngine
 from postgres_server import start_postgres
-from procs.api.app import HANDLERS_KEY, create_app
-from procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
-from procs.api.responses_store import MemoryResponseStore, UnavailableResponseStore, owner_of, state_dir
-from procs.api.stored_response import ResponseStoreError
-from shared.config import ServerConfig
+
+from batchserve.procs.api.app import HANDLERS_KEY, create_app
+from batchserve.procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
+from batchserve.procs.api.responses_store import MemoryResponseStore, UnavailableResponseStore, owner_of, state_dir
+from batchserve.procs.api.stored_response import ResponseStoreError
+from batchserve.shared.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,14 @@ def database(request, tmp_path) -> Callable[..., SqliteResponseStore | PostgresR
     """A factory of stores on one database (each call: another connection, as another replica's or a
     restart's), emptied first."""
     if request.param == "sqlite":
-        return lambda ttl_s=3600.0, **limits: SqliteResponseStore(tmp_path / "r.sqlite3", ttl_s=ttl_s, **_limits(limits))
+        return lambda ttl_s=3600.0, **limits: SqliteResponseStore(
+            tmp_path / "r.sqlite3", ttl_s=ttl_s, **_limits(limits)
+        )
     url = request.getfixturevalue("postgres").url
-    make = lambda ttl_s=3600.0, **limits: PostgresResponseStore(url, ttl_s=ttl_s, **_limits(limits))
+
+    def make(ttl_s: float = 3600.0, **limits: int) -> PostgresResponseStore:
+        return PostgresResponseStore(url, ttl_s=ttl_s, **_limits(limits))
+
     make()._sql("DELETE FROM responses")
     return make
 
@@ -105,7 +110,9 @@ def test_an_expired_response_is_neither_served_nor_kept(database):
 
 @pytest.mark.parametrize("memory", [False, True])
 def test_the_limits_push_out_the_least_recently_used(database, memory):
-    store = MemoryResponseStore(max_entries=3, max_bytes=10_000) if memory else database(max_entries=3, max_bytes=10_000)
+    store = (
+        MemoryResponseStore(max_entries=3, max_bytes=10_000) if memory else database(max_entries=3, max_bytes=10_000)
+    )
     for i in range(3):
         assert store.put(f"r{i}", "", {"id": f"r{i}"}, [])
     store.get("r0", "")  # used: r1 is now the oldest
@@ -179,8 +186,11 @@ def test_two_keys_cannot_see_each_others_responses(kind, tmp_path, request):
     config = ServerConfig(api_key=["k1", "k2"], responses_store=store_spec(kind, tmp_path, request))
 
     async def go():
-        async with served(config, ["one"]) as server, client_of(server, "k1") as mine, \
-                client_of(server, "k2") as theirs:
+        async with (
+            served(config, ["one"]) as server,
+            client_of(server, "k1") as mine,
+            client_of(server, "k2") as theirs,
+        ):
             first = await mine.responses.create(model="fake-model", input="hi")
             assert (await mine.responses.retrieve(first.id)).output_text == "one"
             with pytest.raises(openai.NotFoundError):
@@ -262,8 +272,13 @@ def test_the_whole_server_restarted_still_chains_and_reads_its_responses(tiny_mo
         server = start_server(model, tmp_path / f"serve-{run_index}.log", *flags)
         try:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-            response = client.responses.create(model=str(model), input=f"turn {run_index}", max_output_tokens=4,
-                                               temperature=0, previous_response_id=ids[-1] if ids else None)
+            response = client.responses.create(
+                model=str(model),
+                input=f"turn {run_index}",
+                max_output_tokens=4,
+                temperature=0,
+                previous_response_id=ids[-1] if ids else None,
+            )
             ids.append(response.id)
             assert [client.responses.retrieve(rid).id for rid in ids] == ids
         finally:

@@ -12,20 +12,23 @@ import json
 
 import pytest
 import torch
-
-from kernels.rope import RotaryTables, dynamic_inv_freq, inv_freq
 from model_batches import generate_greedy
 from model_references import small_runner, torch_only
-from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
-from shared.model import ModelSpec
-from shared.rope import RopeConfig
 from test_model_equivalence import SCHEDULES, transformers_greedy, transformers_greedy_text
+
+from batchserve.kernels.rope import RotaryTables, dynamic_inv_freq, inv_freq
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.model import ModelSpec
+from batchserve.shared.rope import RopeConfig
 
 NEW_TOKENS = 24
 PROMPT_LENS = (20, 40, 9, 33, 31)
-DYNAMIC = dict(arch="llama", max_position_embeddings=32,
-               rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+DYNAMIC = dict(
+    arch="llama",
+    max_position_embeddings=32,
+    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+)
 
 
 def _prompts() -> list[list[int]]:
@@ -87,14 +90,28 @@ def test_preempted_requests_keep_their_frequencies(tiny_model_dir):
     model_dir = tiny_model_dir(with_tokenizer=True, **DYNAMIC)
     prompts = [" ".join(f"w{10 + i}" for i in range(34)), " ".join(f"w{60 + i}" for i in range(36))]
     expected = [transformers_greedy_text(model_dir, [prompt], 20)[0] for prompt in prompts]
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=2,
-                                        kv_capacity_tokens=96, kv_reserve_ratio=0.05, prefill_budget=16))
+    engine = OfflineEngine(
+        ServerConfig(
+            model=str(model_dir),
+            page_size=4,
+            max_running_requests=2,
+            kv_capacity_tokens=96,
+            kv_reserve_ratio=0.05,
+            prefill_budget=16,
+        )
+    )
     rope, lengths = engine.runner.model.rope, set()
     rows = rope.rows
     rope.rows = lambda positions, prompt_lens: lengths.update(prompt_lens.tolist()) or rows(positions, prompt_lens)
-    got = [c.token_ids for c in engine.generate([request(f"r{i}", prompt=p, sampling={"temperature": 0},
-                                                         stop={"max_tokens": 20, "ignore_eos": True})
-                                                 for i, p in enumerate(prompts)])]
+    got = [
+        c.token_ids
+        for c in engine.generate(
+            [
+                request(f"r{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": 20, "ignore_eos": True})
+                for i, p in enumerate(prompts)
+            ]
+        )
+    ]
     assert got == expected and engine.preemptions > 0
     assert lengths == {len(engine.tokenizer.encode(p)) for p in prompts}  # never a recompute's longer prompt
 
@@ -103,17 +120,37 @@ def test_the_prefix_cache_shares_long_prompts_only_at_their_length(tiny_model_di
     """A long prompt's keys follow its length: a longer prompt with the same start computes its own, one of
     the same length reuses them; short prompts share as ever."""
     model_dir = tiny_model_dir(with_tokenizer=True, **DYNAMIC)
-    words = lambda n, first: " ".join(f"w{first + i}" for i in range(n))
-    rounds = [[words(36, 10)], [words(36, 10) + " w200"], [words(35, 10) + " w201"], [words(16, 60)],
-              [words(16, 60) + " w202"]]
+
+    def words(n: int, first: int) -> str:
+        return " ".join(f"w{first + i}" for i in range(n))
+
+    rounds = [
+        [words(36, 10)],
+        [words(36, 10) + " w200"],
+        [words(35, 10) + " w201"],
+        [words(16, 60)],
+        [words(16, 60) + " w202"],
+    ]
     expected = [transformers_greedy_text(model_dir, prompts, 8)[0] for prompts in rounds]
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), page_size=4, max_running_requests=2,
-                                        kv_capacity_tokens=512))
+    engine = OfflineEngine(
+        ServerConfig(model=str(model_dir), page_size=4, max_running_requests=2, kv_capacity_tokens=512)
+    )
     kv, got, hits = engine.scheduler.kv, [], []
     for i, prompts in enumerate(rounds):
         before = kv.hit_tokens
-        got += [c.token_ids for c in engine.generate([request(f"r{i}", prompt=prompts[0], sampling={
-            "temperature": 0}, stop={"max_tokens": 8, "ignore_eos": True})])]
+        got += [
+            c.token_ids
+            for c in engine.generate(
+                [
+                    request(
+                        f"r{i}",
+                        prompt=prompts[0],
+                        sampling={"temperature": 0},
+                        stop={"max_tokens": 8, "ignore_eos": True},
+                    )
+                ]
+            )
+        ]
         hits.append(kv.hit_tokens - before)
     assert got == expected
     assert hits[1] == 0 and hits[2] >= 32 and hits[4] >= 16  # 37 tokens: its own; 36: the first's; short: shared

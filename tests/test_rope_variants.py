@@ -14,14 +14,14 @@ import json
 import numpy as np
 import pytest
 import torch
-
-from kernels.rope import RotaryTables, attention_factor, inv_freq
 from model_batches import generate_greedy
-from procs.engine import OfflineEngine, request
-from shared.model import ModelLoadError
-from shared.rope import RopeConfig
 from model_references import greedy_references, small_runner, torch_only
 from test_model_equivalence import SCHEDULES, transformers_greedy_text
+
+from batchserve.kernels.rope import RotaryTables, attention_factor, inv_freq
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.model import ModelLoadError
+from batchserve.shared.rope import RopeConfig
 
 ORIGINAL = 32  # the original context every model here extends
 NEW_TOKENS = 24
@@ -37,23 +37,54 @@ def _factors(n: int, seed: int) -> list[float]:
 
 
 def _longrope(pairs: int) -> dict:
-    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _factors(pairs, 1),
-            "long_factor": _factors(pairs, 2)}
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": _factors(pairs, 1),
+        "long_factor": _factors(pairs, 2),
+    }
 
 
 EXTENDED = dict(max_position_embeddings=128)
 MODELS = {
-    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(8),
-                          **EXTENDED),
-    "phi3-longrope-partial": dict(arch="phi3", original_max_position_embeddings=ORIGINAL, partial_rotary_factor=0.75,
-                                  rope_parameters={**_longrope(6), "partial_rotary_factor": 0.75}, **EXTENDED),
-    "phi3-partial": dict(arch="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                       "partial_rotary_factor": 0.5}),
-    "llama-yarn": dict(arch="llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                      "original_max_position_embeddings": ORIGINAL}, **EXTENDED),
-    "qwen3-yarn-mscale": dict(arch="qwen3", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
-        "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False, "beta_fast": 8.0, "beta_slow": 2.0}, **EXTENDED),
+    "phi3-longrope": dict(
+        arch="phi3", original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(8), **EXTENDED
+    ),
+    "phi3-longrope-partial": dict(
+        arch="phi3",
+        original_max_position_embeddings=ORIGINAL,
+        partial_rotary_factor=0.75,
+        rope_parameters={**_longrope(6), "partial_rotary_factor": 0.75},
+        **EXTENDED,
+    ),
+    "phi3-partial": dict(
+        arch="phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    ),
+    "llama-yarn": dict(
+        arch="llama",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+        **EXTENDED,
+    ),
+    "qwen3-yarn-mscale": dict(
+        arch="qwen3",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "truncate": False,
+            "beta_fast": 8.0,
+            "beta_slow": 2.0,
+        },
+        **EXTENDED,
+    ),
 }
 
 
@@ -119,6 +150,7 @@ def test_longrope_regime_follows_the_prompt_and_the_position(tiny_model_dir):
 
 # ------------------------------------------------------------------ through the scheduler
 
+
 def _words(n: int, first: int) -> str:
     return " ".join(f"w{first + i}" for i in range(n))
 
@@ -143,8 +175,12 @@ def test_requests_growing_past_the_switch_are_recomputed_as_transformers_does(se
 
 
 def _generate(engine: OfflineEngine, prompts: list[str], first: int = 0) -> list[list[int]]:
-    requests = [request(f"r{first + i}", prompt=p, sampling={"temperature": 0},
-                        stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, p in enumerate(prompts)]
+    requests = [
+        request(
+            f"r{first + i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}
+        )
+        for i, p in enumerate(prompts)
+    ]
     return [c.token_ids for c in engine.generate(requests)]
 
 
@@ -167,21 +203,30 @@ def test_preempted_requests_keep_their_regime(served, prefix_cache):
     """Recomputed from prompt + generated tokens (a prompt past the original context now), a short
     request's keys keep the short factors before the switch: the same tokens as alone."""
     model_dir, prompts, expected = served
-    engine = OfflineEngine(_config(model_dir, page_size=4, kv_capacity_tokens=96, kv_reserve_ratio=0.05,
-                                       max_running_requests=4, prefill_budget=16,
-                                       disable_prefix_cache=not prefix_cache))
+    engine = OfflineEngine(
+        _config(
+            model_dir,
+            page_size=4,
+            kv_capacity_tokens=96,
+            kv_reserve_ratio=0.05,
+            max_running_requests=4,
+            prefill_budget=16,
+            disable_prefix_cache=not prefix_cache,
+        )
+    )
     assert _generate(engine, prompts) == expected
     assert engine.preemptions > 0
 
 
 def _config(model_dir, **fields):
-    from shared.config import ServerConfig
+    from batchserve.shared.config import ServerConfig
 
     base = dict(kv_capacity_tokens=2048, max_running_requests=4, prefill_budget=64)
     return ServerConfig(model=str(model_dir), **{**base, **fields})
 
 
 # ------------------------------------------------------------------ refusals
+
 
 def test_unsupported_or_malformed_rope_is_refused_naming_it(tiny_model_dir, tmp_path):
     raw = {"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 2.0}}
@@ -213,16 +258,18 @@ def test_phi3_checkpoint_problems_are_refused(tiny_model_dir, tmp_path):
 def test_draft_rows_end_before_the_switch():
     """A short request's speculative row stops at the last position before the switch (the request is
     recomputed there); a long one's is not held back."""
-    from procs.scheduler import Scheduler, SchedulerConfig
-    from shared.messages import RequestParams, StopParams
     from test_scheduler_sliding_window import WindowExecutor
 
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=32, kv_capacity_tokens=128, rope_switch_length=8,
-                             speculative="ngram")
+    from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+    from batchserve.shared.messages import RequestParams, StopParams
+
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=32, kv_capacity_tokens=128, rope_switch_length=8, speculative="ngram"
+    )
     sched = Scheduler(config, eos_token_ids=(2,))
     prompts = {"short": list(range(3, 9)), "long": list(range(20, 30))}
     for rid, prompt in prompts.items():
         sched.add_request(rid, prompt, RequestParams(stop=StopParams(max_tokens=20, ignore_eos=True)))
-    sched.step(WindowExecutor(sched, prompts, 10 ** 9))  # both prompts in: KV 6 and 10
+    sched.step(WindowExecutor(sched, prompts, 10**9))  # both prompts in: KV 6 and 10
     room = {rid: sched.planner.draft_room(sched.requests[rid].slot) for rid in prompts}
     assert room == {"short": 8 - 1 - 6, "long": 20 - 1 - 2}

@@ -14,24 +14,25 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from aiohttp import web
-
 from api_fake_engine import FakeEngine
-from loadtests.server_process import REPO, free_port
-from procs.api.app import create_app
-from procs.api.auth import INTERNAL_KEY_ENV
-from procs.router import REST_WAIT_S, healthy_workers
-from shared.config import ServerConfig
-from shared.parallel import replica_port, replica_urls
+
+from batchserve.loadtests.server_process import REPO, free_port
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV
+from batchserve.procs.router import REST_WAIT_S, healthy_workers
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.parallel import replica_port, replica_urls
 
 pytest.importorskip("smg", reason="smg is not installed: `pip install -e '.[router]'` installs the gateway")
 
@@ -80,10 +81,24 @@ class Gateway:
         self.log_path = run_dir / "router.log"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(run_dir / "notify.sock"))
-        command = [sys.executable, "-m", "procs.cli", "router", "--host", "127.0.0.1", "--port", str(config.port),
-                   "--dp", str(config.data_parallel_size), "--router", "smg", *(f"--api-key={key}" for key in KEYS)]
-        env = {**os.environ, INTERNAL_KEY_ENV: INTERNAL, "NOTIFY_SOCKET": str(run_dir / "notify.sock"),
-               "PYTHONUNBUFFERED": "1"}
+        command = [
+            *cli_command("router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(config.port),
+            "--dp",
+            str(config.data_parallel_size),
+            "--router",
+            "smg",
+            *(f"--api-key={key}" for key in KEYS),
+        ]
+        env = {
+            **os.environ,
+            INTERNAL_KEY_ENV: INTERNAL,
+            "NOTIFY_SOCKET": str(run_dir / "notify.sock"),
+            "PYTHONUNBUFFERED": "1",
+        }
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.started = time.monotonic()
@@ -94,7 +109,7 @@ class Gateway:
         while time.monotonic() - self.started < timeout_s and self.proc.poll() is None:
             try:
                 message = self.notify.recv(4096).decode()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if "READY=1" in message.split("\n"):
                 return time.monotonic() - self.started
@@ -115,8 +130,9 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Replica, ServerConfig, float | None]]:
-    config = ServerConfig(host="127.0.0.1", port=free_port(span=4), data_parallel_size=2, router="smg",
-                          api_key=list(KEYS))
+    config = ServerConfig(
+        host="127.0.0.1", port=free_port(span=4), data_parallel_size=2, router="smg", api_key=list(KEYS)
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv(INTERNAL_KEY_ENV, INTERNAL)  # as `serve` and the units give it to the replicas' apis
         replica = Replica(config)  # replica 0; nothing listens at replica 1's port
@@ -132,8 +148,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, R
 
 def call(url: str, method: str = "GET", key: str | None = None, body: dict | None = None) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(url, method=method, headers=headers,
-                                     data=json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(
+        url, method=method, headers=headers, data=json.dumps(body).encode() if body is not None else None
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             text = response.read().decode()
@@ -143,8 +160,12 @@ def call(url: str, method: str = "GET", key: str | None = None, body: dict | Non
 
 
 def chat(url: str, key: str | None) -> tuple[int, Any]:
-    return call(f"{url}/v1/chat/completions", "POST", key,
-                {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    return call(
+        f"{url}/v1/chat/completions",
+        "POST",
+        key,
+        {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
 
 
 def test_the_router_is_ready_with_one_replica_while_the_other_never_answers(setup):

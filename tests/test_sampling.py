@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import sample_batch
-from shared.messages import SamplingParams
+from batchserve.kernels.sampling import sample_batch
+from batchserve.shared.messages import SamplingParams
 
 VOCAB = 8
 DRAWS = 20_000
@@ -92,13 +92,9 @@ def test_seeded_request_ignores_batch_neighbours_and_row() -> None:
             for count in range(12):
                 n_before = layout * 2
                 others = torch.randn(len(neighbours), 500, generator=gen)
-                logits = torch.cat(
-                    [others[:n_before], target_logits.unsqueeze(0), others[n_before:]]
-                )
+                logits = torch.cat([others[:n_before], target_logits.unsqueeze(0), others[n_before:]])
                 params = neighbours[:n_before] + [target] + neighbours[n_before:]
-                counts = [count + 100 * layout] * n_before + [count] + [7] * (
-                    len(neighbours) - n_before
-                )
+                counts = [count + 100 * layout] * n_before + [count] + [7] * (len(neighbours) - n_before)
                 tokens.append(int(sample_batch(logits, params, counts)[n_before]))
             sequences.append(tokens)
         assert sequences[0] == sequences[1] == sequences[2]
@@ -115,7 +111,7 @@ def test_one_requests_consecutive_positions_sample_as_single_steps() -> None:
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=42)] * 4 + [SamplingParams(temperature=1.0, seed=3)] * 2
     counts = [9, 10, 11, 12, 0, 1]
     together = sample_batch(logits, params, counts).tolist()
-    assert together == [int(sample_batch(logits[i:i + 1], params[i:i + 1], counts[i:i + 1])) for i in range(6)]
+    assert together == [int(sample_batch(logits[i : i + 1], params[i : i + 1], counts[i : i + 1])) for i in range(6)]
 
 
 def test_different_seeds_give_different_draws(row: torch.Tensor) -> None:
@@ -182,9 +178,7 @@ def test_one_seeded_request_over_its_steps_matches_softmax(row: torch.Tensor) ->
 
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 2.5])
 @pytest.mark.parametrize("seed", [None, 8])
-def test_temperature_scales_the_distribution(
-    row: torch.Tensor, temperature: float, seed: int | None
-) -> None:
+def test_temperature_scales_the_distribution(row: torch.Tensor, temperature: float, seed: int | None) -> None:
     torch.manual_seed(7)
     logits = row.unsqueeze(0).expand(DRAWS, -1).contiguous()
     params = [SamplingParams(temperature=temperature, seed=seed)] * DRAWS

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from procs.scheduler import ExecutorError, Scheduler, SchedulerConfig, SchedulerConfigError, ScriptedExecutor
 from scheduler_harness import EOS, FIRST_TOKEN, Job, run_and_check
-from shared.errors import Refusal
-from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
+
+from batchserve.procs.scheduler import ExecutorError, Scheduler, SchedulerConfig, SchedulerConfigError, ScriptedExecutor
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -22,27 +22,58 @@ class Recorder:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         self.batches.append(batch)
-        ids = self.tokens.pop(0) if self.tokens else [
-            FIRST_TOKEN + c + j for c, n in zip(batch.sample_counts, batch.sample_lens) for j in range(n)]
+        ids = (
+            self.tokens.pop(0)
+            if self.tokens
+            else [FIRST_TOKEN + c + j for c, n in zip(batch.sample_counts, batch.sample_lens) for j in range(n)]
+        )
         return StepResult(step=batch.step, next_token_ids=np.asarray(ids, dtype=np.int32))
 
 
-def make(policy: str = "prefill-first", *, slots: int = 4, budget: int = 64, capacity: int = 256, page_size: int = 1,
-         max_context: int = 0, max_waiting: int = 0, eos: tuple[int, ...] = (EOS,)) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_running_requests=slots, prefill_budget=budget, kv_capacity_tokens=capacity,
-                                     page_size=page_size, policy=policy, max_context=max_context,  # type: ignore[arg-type]
-                                     max_waiting=max_waiting), eos_token_ids=eos)
+def make(
+    policy: str = "prefill-first",
+    *,
+    slots: int = 4,
+    budget: int = 64,
+    capacity: int = 256,
+    page_size: int = 1,
+    max_context: int = 0,
+    max_waiting: int = 0,
+    eos: tuple[int, ...] = (EOS,),
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_running_requests=slots,
+            prefill_budget=budget,
+            kv_capacity_tokens=capacity,
+            page_size=page_size,
+            policy=policy,
+            max_context=max_context,  # type: ignore[arg-type]
+            max_waiting=max_waiting,
+        ),
+        eos_token_ids=eos,
+    )
 
 
 def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
     sched = make(budget=3, page_size=4, capacity=32)
-    sched.add_request("A", [10, 11, 12, 13, 14], RequestParams(sampling=SamplingParams(temperature=0.5, seed=7),
-                                                               stop=StopParams(max_tokens=3)))
+    sched.add_request(
+        "A",
+        [10, 11, 12, 13, 14],
+        RequestParams(sampling=SamplingParams(temperature=0.5, seed=7), stop=StopParams(max_tokens=3)),
+    )
     rec = Recorder()
 
     out = sched.step(rec)  # first chunk: 3 tokens into page 1, samples nothing
     b = rec.batches[-1]
-    assert (b.step, b.slots, b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == (0, [0], [0], [3], [0], [0])
+    assert (b.step, b.slots, b.prefix_lens, b.extend_lens, b.sample_lens, b.sample_counts) == (
+        0,
+        [0],
+        [0],
+        [3],
+        [0],
+        [0],
+    )
     assert b.sampling == [SamplingParams(temperature=0.5, seed=7)]
     assert b.input_ids.tolist() == [10, 11, 12] and b.positions.tolist() == [0, 1, 2]
     assert b.kv_locs.tolist() == [4, 5, 6]
@@ -84,13 +115,16 @@ def test_mixed_batch_puts_decodes_first_and_reports_batch_order() -> None:
     assert out.new_tokens == [("A", FIRST_TOKEN + 1), ("B", FIRST_TOKEN)]
 
 
-@pytest.mark.parametrize(("stop", "tokens", "n", "reason"), [
-    (StopParams(max_tokens=5), [[FIRST_TOKEN], [EOS]], 2, "stop"),
-    (StopParams(max_tokens=5, ignore_eos=True), [[FIRST_TOKEN], [EOS], [EOS], [7], [8]], 5, "length"),
-    (StopParams(max_tokens=5, ignore_eos=True, stop_token_ids=(42,)), [[EOS], [42]], 2, "stop"),
-    (StopParams(max_tokens=2), [[FIRST_TOKEN], [7]], 2, "length"),
-    (StopParams(max_tokens=2), [[FIRST_TOKEN], [EOS]], 2, "stop"),  # EOS as the last allowed token: stop
-])
+@pytest.mark.parametrize(
+    ("stop", "tokens", "n", "reason"),
+    [
+        (StopParams(max_tokens=5), [[FIRST_TOKEN], [EOS]], 2, "stop"),
+        (StopParams(max_tokens=5, ignore_eos=True), [[FIRST_TOKEN], [EOS], [EOS], [7], [8]], 5, "length"),
+        (StopParams(max_tokens=5, ignore_eos=True, stop_token_ids=(42,)), [[EOS], [42]], 2, "stop"),
+        (StopParams(max_tokens=2), [[FIRST_TOKEN], [7]], 2, "length"),
+        (StopParams(max_tokens=2), [[FIRST_TOKEN], [EOS]], 2, "stop"),  # EOS as the last allowed token: stop
+    ],
+)
 def test_stop_conditions(stop: StopParams, tokens: list[list[int]], n: int, reason: str) -> None:
     sched = make()
     sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=stop))
@@ -114,14 +148,17 @@ def test_context_limit_finishes_with_length() -> None:
     assert sched.max_pages_per_request == 6
 
 
-@pytest.mark.parametrize(("prompt", "stop", "message"), [
-    ([], StopParams(), "the prompt is empty"),
-    ([[1, 2]], StopParams(), "one-dimensional"),
-    ([1.5, 2.0], StopParams(), "must be integers"),
-    ([1, -4], StopParams(), "in [0, 2**31)"),
-    (["a"], StopParams(), "must be integers"),
-    (list(range(250)), StopParams(max_tokens=7), "can never fit in the KV cache of 256 tokens"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "stop", "message"),
+    [
+        ([], StopParams(), "the prompt is empty"),
+        ([[1, 2]], StopParams(), "one-dimensional"),
+        ([1.5, 2.0], StopParams(), "must be integers"),
+        ([1, -4], StopParams(), "in [0, 2**31)"),
+        (["a"], StopParams(), "must be integers"),
+        (list(range(250)), StopParams(max_tokens=7), "can never fit in the KV cache of 256 tokens"),
+    ],
+)
 def test_requests_that_could_never_run_are_rejected(prompt: list, stop: StopParams, message: str) -> None:
     sched = make()
     with pytest.raises(Refusal) as info:
@@ -136,8 +173,9 @@ def test_duplicate_ids_are_rejected_until_the_first_one_ends() -> None:
     with pytest.raises(Refusal, match="already queued or running"):
         sched.add_request("A", [3], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1)))
     assert sched.step(Recorder()).finished == ["A"]
-    sched.add_request("A", np.array([3, 4], dtype=np.int64), RequestParams(sampling=GREEDY,
-                                                                           stop=StopParams(max_tokens=1)))
+    sched.add_request(
+        "A", np.array([3, 4], dtype=np.int64), RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=1))
+    )
 
 
 def test_a_full_server_answers_503_counting_running_and_waiting() -> None:
@@ -242,22 +280,26 @@ def test_scripted_executor_emits_eos_as_the_nth_token() -> None:
 
 
 def test_long_prompts_grow_the_page_table_and_stay_consistent() -> None:
-    config = SchedulerConfig(max_running_requests=3, prefill_budget=50, kv_capacity_tokens=2000, page_size=1,
-                             policy="mixed")
+    config = SchedulerConfig(
+        max_running_requests=3, prefill_budget=50, kv_capacity_tokens=2000, page_size=1, policy="mixed"
+    )
     jobs = [Job(f"r{i}", arrival_step=i, input_tokens=300 + 7 * i, output_tokens=20 + i) for i in range(5)]
     run_and_check(config, jobs)
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
-    ({"prefill_budget": 0}, "prefill_budget must be >= 1"),
-    ({"kv_capacity_tokens": 0}, "kv_capacity_tokens must be >= 1"),
-    ({"page_size": 0}, "page_size must be >= 1"),
-    ({"page_size": 16, "kv_capacity_tokens": 8}, "at least one page"),
-    ({"max_context": -1}, "max_context must be >= 0"),
-    ({"policy": "lifo"}, "policy must be one of"),
-    ({"policy": "mixed", "prefill_budget": 4, "max_running_requests": 4}, "prefill_budget > max_running_requests"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
+        ({"prefill_budget": 0}, "prefill_budget must be >= 1"),
+        ({"kv_capacity_tokens": 0}, "kv_capacity_tokens must be >= 1"),
+        ({"page_size": 0}, "page_size must be >= 1"),
+        ({"page_size": 16, "kv_capacity_tokens": 8}, "at least one page"),
+        ({"max_context": -1}, "max_context must be >= 0"),
+        ({"policy": "lifo"}, "policy must be one of"),
+        ({"policy": "mixed", "prefill_budget": 4, "max_running_requests": 4}, "prefill_budget > max_running_requests"),
+    ],
+)
 def test_unworkable_configs_are_refused(fields: dict, message: str) -> None:
     values = {"max_running_requests": 2, "prefill_budget": 8, "kv_capacity_tokens": 64, **fields}
     with pytest.raises(SchedulerConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from procs.scheduler import Scheduler, SchedulerConfig
-from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 EOS = 2
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,8 +28,9 @@ class Scripted:
 
 
 def make(policy: str = "prefill-first", budget: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=budget, kv_capacity_tokens=64, page_size=4,
-                             policy=policy)  # type: ignore[arg-type]
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=budget, kv_capacity_tokens=64, page_size=4, policy=policy
+    )  # type: ignore[arg-type]
     return Scheduler(config, eos_token_ids=(EOS,))
 
 
@@ -124,7 +125,7 @@ def test_a_draft_waits_for_its_last_token_under_overlap() -> None:
 
 
 def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_is_dropped() -> None:
-    from shared.messages import TokenLogprobs
+    from batchserve.shared.messages import TokenLogprobs
 
     sched = make()
     sched.add_request("A", [3, 4], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
@@ -136,8 +137,12 @@ def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_i
     assert launched.batch.sample_lens == [3, 1]
     assert sched.abort("B")  # while its row runs
     lps = [TokenLogprobs(t, -float(i), [], []) for i, t in enumerate([101, 102, 103, 201])]
-    result = StepResult(step=launched.batch.step, next_token_ids=np.asarray([101, 102, 103, 201], dtype=np.int32),
-                        logprob_rows=[0, 1, 2, 3], logprobs=lps)
+    result = StepResult(
+        step=launched.batch.step,
+        next_token_ids=np.asarray([101, 102, 103, 201], dtype=np.int32),
+        logprob_rows=[0, 1, 2, 3],
+        logprobs=lps,
+    )
     out = sched.complete(launched, result)
     assert out.new_tokens == [("A", 101), ("A", 102), ("A", 103)] and out.logprobs == {"A": lps[:3]}
 
@@ -145,8 +150,9 @@ def test_logprobs_follow_the_positions_and_a_row_whose_request_ended_in_flight_i
 def test_a_row_that_ends_early_caches_only_the_tokens_its_request_kept() -> None:
     """EOS inside a row the verification accepted whole: the row's KV past it is rolled back, so the
     prefix cache files exactly the request's own tokens under its pages."""
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=1,
-                             prefix_cache=True)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=64, kv_capacity_tokens=64, page_size=1, prefix_cache=True
+    )
     sched = Scheduler(config, eos_token_ids=(EOS,))
     sched.add_request("A", [3, 4, 5, 6], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=10)))
     sched.step(Scripted([100]))
@@ -167,8 +173,9 @@ def test_a_row_that_ends_early_caches_only_the_tokens_its_request_kept() -> None
 
 
 def test_drafts_are_dropped_before_they_would_cost_a_preemption() -> None:
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=16, page_size=4,
-                             kv_reserve_ratio=0.05)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=64, kv_capacity_tokens=16, page_size=4, kv_reserve_ratio=0.05
+    )
     sched = Scheduler(config, eos_token_ids=(EOS,))
     sched.add_request("A", [3, 4, 5, 6, 7, 8, 9], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=8)))
     sched.add_request("B", [13, 14, 15, 16, 17, 18, 19], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=8)))
@@ -181,8 +188,9 @@ def test_drafts_are_dropped_before_they_would_cost_a_preemption() -> None:
 
 
 def test_proposed_drafts_count_in_the_decode_load_the_step_time_bound_sizes_with() -> None:
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=256, page_size=4,
-                             speculative="ngram", ngram_min=1)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=64, kv_capacity_tokens=256, page_size=4, speculative="ngram", ngram_min=1
+    )
     sched = Scheduler(config, eos_token_ids=(EOS,))
     sched.add_request("A", [5, 6, 7, 8, 5, 6, 7, 8, 5], RequestParams(sampling=GREEDY, stop=StopParams(max_tokens=20)))
     sched.step(Scripted([6]))

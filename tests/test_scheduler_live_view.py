@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import msgspec
 
-from procs.scheduler import Scheduler, SchedulerConfig
-from procs.scheduler.executor import ScriptedExecutor
-from procs.scheduler.live_view import StepLog, build_view
-from shared.messages import RequestParams, SchedulerStats, StopParams
-from shared.scheduler_view import WAITING_SHOWN
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.procs.scheduler.executor import ScriptedExecutor
+from batchserve.procs.scheduler.live_view import StepLog, build_view
+from batchserve.shared.messages import RequestParams, SchedulerStats, StopParams
+from batchserve.shared.scheduler_view import WAITING_SHOWN
 
 PAGE = 4
 
 
 def _scheduler(requests: int, *, slots: int = 2, prompt: int = 6, max_tokens: int = 5) -> Scheduler:
-    config = SchedulerConfig(max_running_requests=slots, prefill_budget=8, kv_capacity_tokens=64, page_size=PAGE,
-                             scheduling_policy="priority")
+    config = SchedulerConfig(
+        max_running_requests=slots,
+        prefill_budget=8,
+        kv_capacity_tokens=64,
+        page_size=PAGE,
+        scheduling_policy="priority",
+    )
     sched = Scheduler(config, eos_token_ids=[2], clock=lambda: 10.0)
     for i in range(requests):
-        sched.add_request(f"r{i}", list(range(3, 3 + prompt)), RequestParams(stop=StopParams(max_tokens=max_tokens),
-                                                                            priority=i))
+        sched.add_request(
+            f"r{i}", list(range(3, 3 + prompt)), RequestParams(stop=StopParams(max_tokens=max_tokens), priority=i)
+        )
     return sched
 
 
@@ -35,7 +41,11 @@ def test_the_view_shows_admitted_requests_by_slot_then_the_queue_in_order():
     view = build_view(sched, log.take(), now=12.5)
 
     assert [(r.rid, r.status, r.slot) for r in view.requests] == [
-        ("r0", "running", 0), ("r1", "running", 1), ("r2", "waiting", -1), ("r3", "waiting", -1)]
+        ("r0", "running", 0),
+        ("r1", "running", 1),
+        ("r2", "waiting", -1),
+        ("r3", "waiting", -1),
+    ]
     r0, r1, r2, _ = view.requests
     assert (r0.prompt_tokens, r0.prefilled, r0.generated, r0.max_tokens) == (6, 6, 2, 5)
     assert (r1.prefilled, r1.generated) == (6, 2)
@@ -47,7 +57,11 @@ def test_the_view_shows_admitted_requests_by_slot_then_the_queue_in_order():
     assert view.kv.used == sum(r.kv_pages for r in view.requests)
     assert view.kv.reserved == sum(r.kv_reserved_pages for r in view.requests)
     assert view.kv.used + view.kv.free == view.kv.total == 16
-    assert [(s.step, s.prefill_tokens, s.decode_rows, s.batch_size) for s in view.steps] == [(0, 8, 0, 2), (1, 4, 0, 1), (2, 0, 2, 2)]
+    assert [(s.step, s.prefill_tokens, s.decode_rows, s.batch_size) for s in view.steps] == [
+        (0, 8, 0, 2),
+        (1, 4, 0, 1),
+        (2, 0, 2, 2),
+    ]
     assert all(s.step_ms == 20.0 and s.prefill_cap == -1 for s in view.steps)
     assert log.take() == []  # a step is shown once
 

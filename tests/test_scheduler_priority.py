@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from procs.scheduler import POLICIES, Scheduler, SchedulerConfig
-from shared.errors import Refusal
-from shared.messages import RequestParams, StopParams
 from spec_reference import reference_trace
 from test_scheduler_preemption import scenarios, simulate
+
+from batchserve.procs.scheduler import POLICIES, Scheduler, SchedulerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import RequestParams, StopParams
 
 
 @st.composite
@@ -31,8 +31,9 @@ def priority_scenarios(draw: st.DrawFn) -> dict[str, Any]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(priority_scenarios(), st.sampled_from(POLICIES))
-def test_random_priority_scenarios_trace_like_the_independent_implementation(document: dict[str, Any],
-                                                                             policy: str) -> None:
+def test_random_priority_scenarios_trace_like_the_independent_implementation(
+    document: dict[str, Any], policy: str
+) -> None:
     assert simulate(document, policy) == reference_trace(document, policy)
 
 
@@ -63,8 +64,9 @@ def test_priority_needs_the_priority_policy_and_a_32_bit_value() -> None:
         Scheduler(config).add_request("a", [5, 6], RequestParams(stop=stop, priority=1))
     assert fcfs.value.param == "priority" and fcfs.value.status == 400
     Scheduler(config).add_request("a", [5, 6], RequestParams(stop=stop, priority=0))
-    prio = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=8, kv_capacity_tokens=64,
-                                     scheduling_policy="priority"))
+    prio = Scheduler(
+        SchedulerConfig(max_running_requests=2, prefill_budget=8, kv_capacity_tokens=64, scheduling_policy="priority")
+    )
     with pytest.raises(Refusal, match="32-bit") as big:
         prio.add_request("a", [5, 6], RequestParams(stop=stop, priority=2**31))
     assert big.value.param == "priority"

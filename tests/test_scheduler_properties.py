@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from procs.scheduler import POLICIES, SchedulerConfig
 from scheduler_harness import Job, draw_jobs, pages, run_and_check
+
+from batchserve.procs.scheduler import POLICIES, SchedulerConfig
 
 PAGE_SIZES = (1, 2, 4, 8, 16)
 
@@ -31,9 +31,15 @@ def workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, list[Job]]:
     capacity_tokens = capacity_pages * page_size + draw(st.integers(0, page_size - 1))  # rounded down to pages
     # recurrent_state (a hybrid model): every row must continue what its slot computed since the request's
     # (re-)admission there, which the harness checks of every row (prefix == positions written in the slot)
-    config = SchedulerConfig(max_running_requests=slots, prefill_budget=budget, kv_capacity_tokens=capacity_tokens,
-                             page_size=page_size, policy=policy, fair_prefill=draw(st.booleans()),
-                             recurrent_state=draw(st.booleans()))
+    config = SchedulerConfig(
+        max_running_requests=slots,
+        prefill_budget=budget,
+        kv_capacity_tokens=capacity_tokens,
+        page_size=page_size,
+        policy=policy,
+        fair_prefill=draw(st.booleans()),
+        recurrent_state=draw(st.booleans()),
+    )
     return config, jobs
 
 

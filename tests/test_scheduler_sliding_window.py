@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from procs.scheduler import Scheduler, SchedulerConfig
 from scheduler_harness import EOS, FIRST_TOKEN, pages
-from shared.messages import ForwardBatch, RequestParams, StepResult, StopParams
+
+from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.shared.messages import ForwardBatch, RequestParams, StepResult, StopParams
 
 
 class WindowExecutor:
@@ -26,8 +26,9 @@ class WindowExecutor:
         self.sampled: dict[str, list[int]] = {}
 
     def execute(self, batch: ForwardBatch) -> StepResult:
-        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
-                                   batch.page_table_pages.tolist()):
+        for slot, col, page in zip(
+            batch.page_table_slots.tolist(), batch.page_table_cols.tolist(), batch.page_table_pages.tolist()
+        ):
             self.page_table[(slot, col)] = page
         out, offset = [], 0
         for i, slot in enumerate(batch.slots):
@@ -38,7 +39,7 @@ class WindowExecutor:
             t = self.sched.table
             held, limit = int(t.num_pages[slot] - t.dropped_pages[slot]), pages(self.window + self.P + e - 1, self.P)
             assert held <= limit, f"{rid} holds {held} pages while feeding {e} tokens at {p}, more than {limit}"
-            for q, loc in zip(range(p, p + e), batch.kv_locs[offset:offset + e].tolist()):
+            for q, loc in zip(range(p, p + e), batch.kv_locs[offset : offset + e].tolist()):
                 self.kv[loc] = (seq[q], q)
             for q in range(max(0, p - self.window + 1), p):  # the window of the step's first token
                 page = self.page_table[(slot, q // self.P)]
@@ -63,13 +64,14 @@ def run(config: SchedulerConfig, jobs: list[tuple[int, int, int]]) -> tuple[int,
     """jobs: (arrival step, prompt tokens, output tokens); returns the most running at once and the preemptions."""
     sched = Scheduler(config, eos_token_ids=(EOS,))
     prompts = {f"r{i}": list(range(3 + 50 * i, 3 + 50 * i + n)) for i, (_, n, _) in enumerate(jobs)}
-    executor = WindowExecutor(sched, prompts, config.sliding_window or 10 ** 9)
+    executor = WindowExecutor(sched, prompts, config.sliding_window or 10**9)
     most = preempted = 0
     for step in range(2000):
         for i, (arrival, _, outputs) in enumerate(jobs):
             if arrival == step:
-                sched.add_request(f"r{i}", prompts[f"r{i}"], RequestParams(stop=StopParams(max_tokens=outputs,
-                                                                                             ignore_eos=True)))
+                sched.add_request(
+                    f"r{i}", prompts[f"r{i}"], RequestParams(stop=StopParams(max_tokens=outputs, ignore_eos=True))
+                )
         if step > max(a for a, _, _ in jobs) and not sched.has_unfinished():
             break
         preempted += len(sched.step(executor).preempted)
@@ -81,12 +83,24 @@ def run(config: SchedulerConfig, jobs: list[tuple[int, int, int]]) -> tuple[int,
 
 
 @settings(max_examples=60, deadline=None)
-@given(window=st.integers(1, 12), page_size=st.sampled_from([1, 2, 4]), budget=st.integers(5, 16),
-       policy=st.sampled_from(["prefill-first", "mixed", "fixed"]), ratio=st.sampled_from([0.05, 0.5, 1.0]),
-       jobs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=8))
+@given(
+    window=st.integers(1, 12),
+    page_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(5, 16),
+    policy=st.sampled_from(["prefill-first", "mixed", "fixed"]),
+    ratio=st.sampled_from([0.05, 0.5, 1.0]),
+    jobs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=8),
+)
 def test_pages_out_of_the_window_go_back(window, page_size, budget, policy, ratio, jobs):
-    config = SchedulerConfig(max_running_requests=4, prefill_budget=budget, kv_capacity_tokens=160,
-                             page_size=page_size, policy=policy, kv_reserve_ratio=ratio, sliding_window=window)
+    config = SchedulerConfig(
+        max_running_requests=4,
+        prefill_budget=budget,
+        kv_capacity_tokens=160,
+        page_size=page_size,
+        policy=policy,
+        kv_reserve_ratio=ratio,
+        sliding_window=window,
+    )
     run(config, jobs)
 
 
@@ -103,12 +117,17 @@ def test_a_window_runs_more_requests_at_once():
 def test_windowed_requests_are_preempted_and_recomputed():
     """Short prompts, long outputs, a 5 % estimate: the running requests outgrow the pool before their
     windows cap them, the newest is preempted and recomputed (its window's KV checked again)."""
-    config = SchedulerConfig(max_running_requests=4, prefill_budget=8, kv_capacity_tokens=24, page_size=2,
-                             kv_reserve_ratio=0.05, sliding_window=8, max_context=64)
+    config = SchedulerConfig(
+        max_running_requests=4,
+        prefill_budget=8,
+        kv_capacity_tokens=24,
+        page_size=2,
+        kv_reserve_ratio=0.05,
+        sliding_window=8,
+        max_context=64,
+    )
     _, preempted = run(config, [(0, 2, 30)] * 6)
     assert preempted > 0
-
-
 
 
 def test_a_request_a_recompute_could_not_fit_is_refused_on_arrival():
@@ -116,10 +135,11 @@ def test_a_request_a_recompute_could_not_fit_is_refused_on_arrival():
     recompute must fit the pool, or the request would wait forever (and the queue behind it)."""
     import pytest
 
-    from shared.errors import Refusal
+    from batchserve.shared.errors import Refusal
 
-    config = SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=32, page_size=4,
-                             sliding_window=8, max_context=128)
+    config = SchedulerConfig(
+        max_running_requests=2, prefill_budget=64, kv_capacity_tokens=32, page_size=4, sliding_window=8, max_context=128
+    )
     sched = Scheduler(config, eos_token_ids=(EOS,))
     with pytest.raises(Refusal, match="can never fit"):
         sched.add_request("long", [5] * 4, RequestParams(stop=StopParams(max_tokens=100)))

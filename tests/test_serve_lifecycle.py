@@ -9,14 +9,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
-
 from e2e_server import REPO, http, pid_alive, start_server, wait_until
+
+from batchserve.shared.commands import cli_command
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,7 @@ def test_killing_the_worker_stops_serve_with_an_error_and_no_orphans(model, tmp_
         assert server.proc.wait(timeout=30) != 0
         assert f"the worker process (pid {server.pids['worker']}) exited" in server.log()
         assert "did not stop; killing it" not in server.log()  # the others stopped by themselves
-        assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10), \
-            [p for p in pids if pid_alive(p)]
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10), [p for p in pids if pid_alive(p)]
         assert shm_segments_of(pids) == []
         assert server.runtime_dir is not None and not server.runtime_dir.exists()
     finally:
@@ -48,14 +47,22 @@ def test_killing_the_worker_stops_serve_with_an_error_and_no_orphans(model, tmp_
 def test_sigterm_drains_running_requests_and_refuses_new_ones(model, tmp_path):
     server = start_server(model, tmp_path / "serve.log", "--kv-capacity-tokens", "4096", "--drain-timeout-s", "60")
     pids = set(server.pids.values())
-    body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": str(model),
+        "prompt": [5, 6, 7],
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks: list[dict] = []
     first_chunk = threading.Event()
 
     def long_stream():
-        req = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{server.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as resp:
             for line in resp:
                 line = line.decode().strip()
@@ -126,12 +133,17 @@ def test_sigint_while_starting_says_stopped_and_exits_0(model, tmp_path, reaches
     signal before serve looks (serve is held with SIGSTOP meanwhile), the order that read as a crash."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "procs.cli", "serve", "--model", str(model), "--port", "0",
-                                 "--kv-capacity-tokens", "2048"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [*cli_command("serve"), "--model", str(model), "--port", "0", "--kv-capacity-tokens", "2048"],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        assert wait_until(lambda: sum(map(_runs_a_process, _children_of(proc.pid))) == 5, timeout=60), \
+        assert wait_until(lambda: sum(map(_runs_a_process, _children_of(proc.pid))) == 5, timeout=60), (
             log_path.read_text()
+        )
         children = _children_of(proc.pid)
         if reaches == "every process":
             os.kill(proc.pid, signal.SIGSTOP)

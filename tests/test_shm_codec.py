@@ -8,8 +8,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from shared.codec import Decoder, Encoder
-from shared.messages import (
+from batchserve.shared.codec import Decoder, Encoder
+from batchserve.shared.messages import (
     AbortRequest,
     ForwardBatch,
     RequestParams,
@@ -17,16 +17,24 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.shm import DoubleBuffer, SharedRing, ShmReader, remove_segments_of, segment_name
+from batchserve.shared.shm import DoubleBuffer, SharedRing, ShmReader, remove_segments_of, segment_name
 
 
 def make_batch(step: int, n: int) -> ForwardBatch:
     ids = np.arange(step, step + n, dtype=np.int32)
     return ForwardBatch(
-        step=step, slots=[0], prefix_lens=[0], extend_lens=[n], sample_lens=[1],
-        sampling=[SamplingParams(temperature=0.0)], sample_counts=[0],
-        input_ids=ids, positions=np.arange(n, dtype=np.int32), kv_locs=ids + 100,
-        page_table_slots=np.zeros(1, np.int32), page_table_cols=np.zeros(1, np.int32),
+        step=step,
+        slots=[0],
+        prefix_lens=[0],
+        extend_lens=[n],
+        sample_lens=[1],
+        sampling=[SamplingParams(temperature=0.0)],
+        sample_counts=[0],
+        input_ids=ids,
+        positions=np.arange(n, dtype=np.int32),
+        kv_locs=ids + 100,
+        page_table_slots=np.zeros(1, np.int32),
+        page_table_cols=np.zeros(1, np.int32),
         page_table_pages=np.array([step + 1], np.int32),
     )
 
@@ -42,8 +50,12 @@ def assert_same_batch(a: ForwardBatch, b: ForwardBatch) -> None:
 
 def test_inline_round_trip_of_every_array_dtype_and_shape():
     enc, dec = Encoder(), Decoder(StepResult)
-    for array in (np.arange(5, dtype=np.int32), np.zeros((0,), np.int64), np.ones((2, 3), np.float32),
-                  np.arange(6, dtype=np.int16)[::2]):  # non-contiguous input
+    for array in (
+        np.arange(5, dtype=np.int32),
+        np.zeros((0,), np.int64),
+        np.ones((2, 3), np.float32),
+        np.arange(6, dtype=np.int16)[::2],
+    ):  # non-contiguous input
         out = dec.decode(enc.encode(StepResult(step=3, next_token_ids=array)))
         assert out.step == 3 and out.next_token_ids.dtype == array.dtype
         assert out.next_token_ids.shape == array.shape and (out.next_token_ids == array).all()
@@ -170,7 +182,7 @@ def test_stale_segments_of_dead_processes_are_removed_and_live_ones_kept():
     import sys
     from pathlib import Path
 
-    from shared.shm import remove_stale_segments
+    from batchserve.shared.shm import remove_stale_segments
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

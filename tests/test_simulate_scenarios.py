@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from procs.cli import main as cli_main
-from procs.scheduler.simulate import load_scenario, run_scenario, scenario_scheduler, scheduler_config_from_scenario
+from batchserve.procs.cli import main as cli_main
+from batchserve.procs.scheduler.simulate import (
+    load_scenario,
+    run_scenario,
+    scenario_scheduler,
+    scheduler_config_from_scenario,
+)
 
 HERE = Path(__file__).resolve().parent
 LOCAL = HERE / "scenarios"
@@ -30,8 +35,7 @@ def _scenario_files() -> dict[str, Path]:
     return files
 
 
-CASES = [(path, policy) for path in _scenario_files().values()
-         for policy in json.loads(path.read_text())["expected"]]
+CASES = [(path, policy) for path in _scenario_files().values() for policy in json.loads(path.read_text())["expected"]]
 
 
 def _normalise(trace: list[dict]) -> list[dict]:
@@ -41,12 +45,20 @@ def _normalise(trace: list[dict]) -> list[dict]:
 def test_the_shared_scenarios_are_all_covered() -> None:
     names = {p.name for p, _ in CASES}
     assert {"figure3.json", "figure8.json", "chunked.json", "admission.json"} <= names
-    assert {"cancels.json", "paged_admission.json", "idle_and_last_cancel.json", "preemption.json",
-            "prefix_cache.json"} <= names
+    assert {
+        "cancels.json",
+        "paged_admission.json",
+        "idle_and_last_cancel.json",
+        "preemption.json",
+        "prefix_cache.json",
+    } <= names
 
 
-@pytest.mark.skipif(not any(d.is_dir() for d in ORIGINALS), reason=f"{TEAM} is absent (a checkout without the "
-                    "team folder beside it): no originals to compare tests/scenarios/ with")
+@pytest.mark.skipif(
+    not any(d.is_dir() for d in ORIGINALS),
+    reason=f"{TEAM} is absent (a checkout without the "
+    "team folder beside it): no originals to compare tests/scenarios/ with",
+)
 def test_the_copies_match_their_originals() -> None:
     """Every file in both tests/scenarios/ and a folder of originals is byte for byte the original;
     files only in tests/scenarios/ are our own additions."""
@@ -121,42 +133,81 @@ def test_table_shows_cancellations_and_idle_steps(capsys: pytest.CaptureFixture[
     assert lines[-1].split() == ["7", "Idle", "3", "/", "2", "B"]
 
 
-@pytest.mark.parametrize(("document", "message"), [
-    ('{"config": {"max_running_requests": 2, "prefill_budget": "x", "kv_capacity_tokens": 5}, "requests": []}',
-     "$.config.prefill_budget"),
-    ('{"config": {"max_running_requests": 0, "prefill_budget": 4, "kv_capacity_tokens": 5}, "requests": []}',
-     "$.config.max_running_requests"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 5, "budget": 1},'
-     ' "requests": []}', "budget"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
-     ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3}]}', "output_tokens"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
-     ' "requests": [{"id": "A", "arrival_step": -1, "input_tokens": 3, "output_tokens": 1}]}',
-     "$.requests[0].arrival_step"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50}, "requests": ['
-     '{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1},'
-     '{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1}]}', "$.requests[1].id"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
-     ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1}],'
-     ' "cancels": [{"id": "Z", "before_step": 1}]}', "$.cancels[0].id"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
-     ' "requests": [{"id": "A", "arrival_step": 3, "input_tokens": 3, "output_tokens": 1}],'
-     ' "cancels": [{"id": "A", "before_step": 1}]}', "$.cancels[0].before_step"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 5},'
-     ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 3}]}',
-     "can never fit in the KV cache of 5 tokens - at `$.requests[0]`"),
-    ('{"config": {"max_running_requests": 4, "prefill_budget": 4, "kv_capacity_tokens": 50, "policy": "mixed"},'
-     ' "requests": []}', "prefill_budget > max_running_requests"),
-    ('{"config": {"max_running_requests": 4, "prefill_budget": 9, "kv_capacity_tokens": 50, "policy": "lifo"},'
-     ' "requests": []}', "$.config.policy"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50, "kv_reserve_ratio": 0},'
-     ' "requests": []}', "kv_reserve_ratio must be in (0, 1]"),
-    ('{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50,'
-     ' "kv_reserve_ratio": 0.125}, "requests": []}', "whole number of percents"),
-    ('{"config": ', "not valid JSON"),
-])
-def test_bad_scenarios_exit_2_with_the_field_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                   document: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            '{"config": {"max_running_requests": 2, "prefill_budget": "x", "kv_capacity_tokens": 5}, "requests": []}',
+            "$.config.prefill_budget",
+        ),
+        (
+            '{"config": {"max_running_requests": 0, "prefill_budget": 4, "kv_capacity_tokens": 5}, "requests": []}',
+            "$.config.max_running_requests",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 5, "budget": 1},'
+            ' "requests": []}',
+            "budget",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
+            ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3}]}',
+            "output_tokens",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
+            ' "requests": [{"id": "A", "arrival_step": -1, "input_tokens": 3, "output_tokens": 1}]}',
+            "$.requests[0].arrival_step",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50}, "requests": ['
+            '{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1},'
+            '{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1}]}',
+            "$.requests[1].id",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
+            ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 1}],'
+            ' "cancels": [{"id": "Z", "before_step": 1}]}',
+            "$.cancels[0].id",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50},'
+            ' "requests": [{"id": "A", "arrival_step": 3, "input_tokens": 3, "output_tokens": 1}],'
+            ' "cancels": [{"id": "A", "before_step": 1}]}',
+            "$.cancels[0].before_step",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 5},'
+            ' "requests": [{"id": "A", "arrival_step": 0, "input_tokens": 3, "output_tokens": 3}]}',
+            "can never fit in the KV cache of 5 tokens - at `$.requests[0]`",
+        ),
+        (
+            '{"config": {"max_running_requests": 4, "prefill_budget": 4, "kv_capacity_tokens": 50, "policy": "mixed"},'
+            ' "requests": []}',
+            "prefill_budget > max_running_requests",
+        ),
+        (
+            '{"config": {"max_running_requests": 4, "prefill_budget": 9, "kv_capacity_tokens": 50, "policy": "lifo"},'
+            ' "requests": []}',
+            "$.config.policy",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50,'
+            ' "kv_reserve_ratio": 0}, "requests": []}',
+            "kv_reserve_ratio must be in (0, 1]",
+        ),
+        (
+            '{"config": {"max_running_requests": 1, "prefill_budget": 4, "kv_capacity_tokens": 50,'
+            ' "kv_reserve_ratio": 0.125}, "requests": []}',
+            "whole number of percents",
+        ),
+        ('{"config": ', "not valid JSON"),
+    ],
+)
+def test_bad_scenarios_exit_2_with_the_field_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], document: str, message: str
+) -> None:
     path = tmp_path / "bad.json"
     path.write_text(document)
     assert cli_main(["simulate", str(path)]) == 2

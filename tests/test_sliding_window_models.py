@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_batches import generate_greedy
 from model_references import assert_chunked_logits_close, greedy_references, small_runner, torch_only
-from procs.engine import OfflineEngine, request
-from procs.worker.loader import load_model_config
-from shared.config import ServerConfig
-from shared.model import ModelLoadError, ModelSpec
 from test_model_equivalence import SCHEDULES, transformers_greedy_text
+
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.procs.worker.loader import load_model_config
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.model import ModelLoadError, ModelSpec
 
 NEW_TOKENS = 20
 PROMPT_LENS = (30, 5, 13, 9, 21)
@@ -26,12 +26,12 @@ MODELS = {
     "mistral": (dict(arch="mistral", sliding_window=8), (8, 8)),
     "mixtral": (dict(arch="mixtral", sliding_window=10), (10, 10)),
     "phi3": (dict(arch="phi3", sliding_window=9), (9, 9)),
-    "qwen3_moe": (dict(arch="qwen3_moe", use_sliding_window=True, sliding_window=12, norm_topk_prob=True),
-                  (12, 12)),
-    "qwen2-layer-types": (dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                          (0, 8)),
-    "qwen2_moe-layer-types": (dict(arch="qwen2_moe", use_sliding_window=True, sliding_window=8, max_window_layers=2),
-                              (8, 0)),
+    "qwen3_moe": (dict(arch="qwen3_moe", use_sliding_window=True, sliding_window=12, norm_topk_prob=True), (12, 12)),
+    "qwen2-layer-types": (dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), (0, 8)),
+    "qwen2_moe-layer-types": (
+        dict(arch="qwen2_moe", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+        (8, 0),
+    ),
 }
 
 
@@ -42,8 +42,9 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
-    return greedy_references(tiny_model_dir, {name: overrides for name, (overrides, _) in MODELS.items()},
-                             lambda _: _prompts(), NEW_TOKENS)
+    return greedy_references(
+        tiny_model_dir, {name: overrides for name, (overrides, _) in MODELS.items()}, lambda _: _prompts(), NEW_TOKENS
+    )
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -89,13 +90,14 @@ def test_every_position_logits_close_over_chunks(tiny_model_dir, model):
 
 # ------------------------------------------------------------------ through the scheduler
 
+
 def _words(n: int, first: int) -> str:
     return " ".join(f"w{first + i}" for i in range(n))
 
 
 GEMMA2_MIXED = dict(arch="gemma2", head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 SERVED = {  # all layers sliding; sliding beside full (the word tokenizer needs a non-Qwen model type), in rings
-    "mistral": (MODELS["mistral"][0], {}),     # or keeping every position
+    "mistral": (MODELS["mistral"][0], {}),  # or keeping every position
     "gemma2-rings": (GEMMA2_MIXED, {}),
     "gemma2-full": (GEMMA2_MIXED, {"full_sliding_kv": True}),
 }
@@ -110,20 +112,36 @@ def served(tiny_model_dir, request):
 
 
 def _generate(engine: OfflineEngine, prompts: list[str]) -> list[list[int]]:
-    return [c.token_ids for c in engine.generate([
-        request(f"r{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True})
-        for i, p in enumerate(prompts)])]
+    return [
+        c.token_ids
+        for c in engine.generate(
+            [
+                request(
+                    f"r{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
+    ]
 
 
-@pytest.mark.parametrize("fields", [
-    dict(prefill_budget=6, policy="mixed"),  # chunks shorter than the window
-    dict(kv_capacity_tokens=48, kv_reserve_ratio=0.05, prefill_budget=16),  # preemption and recompute
-    dict(speculative="ngram", num_speculative_tokens=3),  # decode rows several tokens wide
-], ids=["chunked", "preempted", "ngram"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(prefill_budget=6, policy="mixed"),  # chunks shorter than the window
+        dict(kv_capacity_tokens=48, kv_reserve_ratio=0.05, prefill_budget=16),  # preemption and recompute
+        dict(speculative="ngram", num_speculative_tokens=3),  # decode rows several tokens wide
+    ],
+    ids=["chunked", "preempted", "ngram"],
+)
 def test_scheduled_requests_match_transformers(served, fields):
     model_dir, prompts, expected, settings = served
-    config = ServerConfig(model=str(model_dir), page_size=4, max_running_requests=5,
-                          **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **settings, **fields})
+    config = ServerConfig(
+        model=str(model_dir),
+        page_size=4,
+        max_running_requests=5,
+        **{"kv_capacity_tokens": 2048, "prefill_budget": 64, **settings, **fields},
+    )
     engine = OfflineEngine(config)
     kv = engine.scheduler.kv
     dropped = []
@@ -138,7 +156,7 @@ def test_scheduled_requests_match_transformers(served, fields):
     else:
         assert kv.hit_tokens >= 24 - 4 and sum(dropped) == 0
     if "kv_reserve_ratio" in fields and not kv.window:  # a window's pages fit here (test_scheduler_sliding_window
-        assert engine.preemptions > 0                     # preempts windowed requests)
+        assert engine.preemptions > 0  # preempts windowed requests)
 
 
 def test_windows_without_layers_are_refused(tiny_model_dir, tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from procs.engine import OfflineEngine, request
-from shared.config import DEFAULT_MODEL, ServerConfig
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import DEFAULT_MODEL, ServerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -17,19 +17,33 @@ CHATS = [
     "Fix the spelling: Teh cat sat on teh mat and lookd at teh dog.",
 ]
 NEW_TOKENS = 40
-METHODS = {"ngram": {"speculative": "ngram"},
-           "draft": {"speculative": "draft", "draft_model": DEFAULT_MODEL, "draft_quantization": "int8",
-                     "num_speculative_tokens": 4}}
+METHODS = {
+    "ngram": {"speculative": "ngram"},
+    "draft": {
+        "speculative": "draft",
+        "draft_model": DEFAULT_MODEL,
+        "draft_quantization": "int8",
+        "num_speculative_tokens": 4,
+    },
+}
 
 
 def engine(**overrides) -> OfflineEngine:
-    return OfflineEngine(ServerConfig(model=DEFAULT_MODEL, device="cpu", kv_capacity_tokens=4096,
-                                      max_running_requests=4, **overrides))
+    return OfflineEngine(
+        ServerConfig(model=DEFAULT_MODEL, device="cpu", kv_capacity_tokens=4096, max_running_requests=4, **overrides)
+    )
 
 
 def chats():
-    return [request(f"c{i}", messages=[{"role": "user", "content": c}], sampling={"temperature": 0},
-                    stop={"max_tokens": NEW_TOKENS}) for i, c in enumerate(CHATS)]
+    return [
+        request(
+            f"c{i}",
+            messages=[{"role": "user", "content": c}],
+            sampling={"temperature": 0},
+            stop={"max_tokens": NEW_TOKENS},
+        )
+        for i, c in enumerate(CHATS)
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,17 @@ import json
 
 import pytest
 
-from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import ServerConfig
 
 # Repetitive prompts: a random model's greedy output soon loops, and prompt lookup finds the loop.
-PROMPTS = ["w5 w9 w11 w5 w9 w11 w5 w9", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w3 w4 w5 w6",
-           "w100 w200 w300 w31 w32 w33", "w40 w41 w40 w41 w40"]
+PROMPTS = [
+    "w5 w9 w11 w5 w9 w11 w5 w9",
+    "w7",
+    "w3 w4 w5 w6 w7 w8 w9 w10 w3 w4 w5 w6",
+    "w100 w200 w300 w31 w32 w33",
+    "w40 w41 w40 w41 w40",
+]
 NEW_TOKENS = 40
 
 
@@ -34,9 +39,16 @@ METHODS = ["ngram", "draft"]
 
 def engine(model_dir, speculative: str, **overrides) -> OfflineEngine:
     """`speculative` "draft": the draft model is `overrides["draft_model"]`, by default the model itself."""
-    config = dict(model=str(model_dir), page_size=4, kv_capacity_tokens=2048, prefill_budget=32,
-                  max_running_requests=5, speculative=speculative, num_speculative_tokens=4,
-                  ngram_min=1)  # single-token matches too: more drafts, right and wrong
+    config = dict(
+        model=str(model_dir),
+        page_size=4,
+        kv_capacity_tokens=2048,
+        prefill_budget=32,
+        max_running_requests=5,
+        speculative=speculative,
+        num_speculative_tokens=4,
+        ngram_min=1,
+    )  # single-token matches too: more drafts, right and wrong
     if speculative == "draft":
         config["draft_model"] = str(model_dir)
     eng = OfflineEngine(ServerConfig(**{**config, **overrides}))
@@ -48,8 +60,17 @@ def engine(model_dir, speculative: str, **overrides) -> OfflineEngine:
 
 
 def requests(sampling: dict, logits: dict | None = None, n: int = NEW_TOKENS, **fields):
-    return [request(f"r{i}", prompt=p, sampling=sampling, stop={"max_tokens": n, "ignore_eos": True},
-                    logits=logits or {}, **fields) for i, p in enumerate(PROMPTS)]
+    return [
+        request(
+            f"r{i}",
+            prompt=p,
+            sampling=sampling,
+            stop={"max_tokens": n, "ignore_eos": True},
+            logits=logits or {},
+            **fields,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def both(model_dir, reqs, method: str = "ngram", **overrides):
@@ -95,8 +116,15 @@ def test_seeded_sampling_with_a_draft_model_draws_plain_decodings_tokens(model_d
     """A seeded request's draft draws with the noise the model samples the same position with, and is
     verified by an exact match: its tokens are plain decoding's, whatever the draft (one that agrees
     gets most drafts accepted, one that does not few)."""
-    reqs = [request(f"s{i}", prompt=p, sampling={"temperature": 0.9, "top_p": 0.95, "seed": 10 + i},
-                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        request(
+            f"s{i}",
+            prompt=p,
+            sampling={"temperature": 0.9, "top_p": 0.95, "seed": 10 + i},
+            stop={"max_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     for draft, least in ((model_dir, 0.9), (tiny_model_dir("llama", with_tokenizer=True, seed=6), 0.0)):
         plain, spec, eng = both(model_dir, reqs, "draft", draft_model=str(draft))
         assert_same(plain, spec)
@@ -108,8 +136,10 @@ def test_unseeded_sampling_with_a_draft_model_accepts_by_rejection_sampling(mode
     is checked in test_rejection_sampler.py): a draft that is the model itself is accepted nearly
     always; one that disagrees mostly not; every request still gets its tokens."""
     reqs = requests({"temperature": 0.8})
-    for draft, accepted in ((model_dir, lambda a, d: a > 0.9 * d), (tiny_model_dir("llama", with_tokenizer=True,
-                                                                                   seed=6), lambda a, d: a < 0.5 * d)):
+    for draft, accepted in (
+        (model_dir, lambda a, d: a > 0.9 * d),
+        (tiny_model_dir("llama", with_tokenizer=True, seed=6), lambda a, d: a < 0.5 * d),
+    ):
         eng = engine(model_dir, "draft", draft_model=str(draft))
         done = eng.generate(reqs)
         assert all(len(c.token_ids) == NEW_TOKENS for c in done)
@@ -118,7 +148,7 @@ def test_unseeded_sampling_with_a_draft_model_accepts_by_rejection_sampling(mode
 
 
 def test_a_draft_model_must_share_the_vocabulary(model_dir, tiny_model_dir):
-    from shared.model import ModelLoadError
+    from batchserve.shared.model import ModelLoadError
 
     other = tiny_model_dir("llama", with_tokenizer=True, seed=6, vocab_size=300)
     with pytest.raises(ModelLoadError, match="vocabulary"):
@@ -128,18 +158,31 @@ def test_a_draft_model_must_share_the_vocabulary(model_dir, tiny_model_dir):
 def test_seeded_sampling_draws_the_same_tokens(model_dir):
     """A seeded position's noise is a function of (seed, sample count): verification keeps exactly the
     positions plain decoding would have sampled, so the stream is the same one."""
-    reqs = [request(f"s{i}", prompt=p, sampling={"temperature": 0.7, "seed": 10 + i},
-                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        request(
+            f"s{i}",
+            prompt=p,
+            sampling={"temperature": 0.7, "seed": 10 + i},
+            stop={"max_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     plain, spec, eng = both(model_dir, reqs)
     assert_same(plain, spec)
     assert eng.draft_tokens > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("logits", [
-    {"repetition_penalty": 1.3}, {"frequency_penalty": 0.6, "presence_penalty": 0.4},
-    {"logit_bias": {"10": -100.0, "11": 5.0}}, {"min_tokens": 30},
-], ids=["repetition", "frequency-presence", "logit-bias", "min-tokens"])
+@pytest.mark.parametrize(
+    "logits",
+    [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.6, "presence_penalty": 0.4},
+        {"logit_bias": {"10": -100.0, "11": 5.0}},
+        {"min_tokens": 30},
+    ],
+    ids=["repetition", "frequency-presence", "logit-bias", "min-tokens"],
+)
 def test_logits_processing_sees_exactly_the_accepted_tokens(model_dir, logits, method):
     plain, spec, eng = both(model_dir, requests({"temperature": 0}, logits), method)
     assert_same(plain, spec)
@@ -163,8 +206,9 @@ def test_preempted_speculative_requests_are_unchanged(model_dir, page_size, meth
     """A pool too small for every output: requests are preempted and recomputed from their kept tokens."""
     reqs = requests({"temperature": 0}, n=24)
     plain = engine(model_dir, "off").generate(reqs)
-    tight = engine(model_dir, method, page_size=page_size, kv_capacity_tokens=64, kv_reserve_ratio=0.05,
-                   prefill_budget=8)
+    tight = engine(
+        model_dir, method, page_size=page_size, kv_capacity_tokens=64, kv_reserve_ratio=0.05, prefill_budget=8
+    )
     assert_same(plain, tight.generate(reqs))
     assert tight.preemptions > 0 and tight.accepted_tokens > 0
     assert tight.scheduler.kv_used_tokens == 0
@@ -186,14 +230,31 @@ def byte_model_dir(tiny_model_dir):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_grammar_constrained_output_is_unchanged_and_valid(byte_model_dir, method):
-    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "colour", "n"],
-              "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]},
-                             "n": {"type": "integer"}}}
-    reqs = [request(f"g{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": 60},
-                    constraint={"kind": "json_schema", "spec": json.dumps(schema)})
-            for i, p in enumerate(["the quick brown fox", '{"ok": true, "colour": "red", "n": 1}', "abc abc abc"])]
-    reqs += [request("regex", prompt="yes no yes no yes", sampling={"temperature": 0}, stop={"max_tokens": 40},
-                     constraint={"kind": "regex", "spec": "((yes|no) ){6}"})]
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["ok", "colour", "n"],
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+    }
+    reqs = [
+        request(
+            f"g{i}",
+            prompt=p,
+            sampling={"temperature": 0},
+            stop={"max_tokens": 60},
+            constraint={"kind": "json_schema", "spec": json.dumps(schema)},
+        )
+        for i, p in enumerate(["the quick brown fox", '{"ok": true, "colour": "red", "n": 1}', "abc abc abc"])
+    ]
+    reqs += [
+        request(
+            "regex",
+            prompt="yes no yes no yes",
+            sampling={"temperature": 0},
+            stop={"max_tokens": 40},
+            constraint={"kind": "regex", "spec": "((yes|no) ){6}"},
+        )
+    ]
     plain, spec, eng = both(byte_model_dir, reqs, method, kv_capacity_tokens=4096, prefill_budget=64)
     assert_same(plain, spec)
     for c in spec[:3]:

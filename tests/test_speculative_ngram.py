@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from procs.scheduler.ngram import MAX_PAUSE, NgramProposer, pause_after
-from procs.worker.sample_rows import SampleRows
+from batchserve.procs.scheduler.ngram import MAX_PAUSE, NgramProposer, pause_after
+from batchserve.procs.worker.sample_rows import SampleRows
 
 
 def tokens(*ids: int) -> np.ndarray:
@@ -39,8 +39,7 @@ def test_no_match_below_the_shortest_n_proposes_nothing() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 4),
-       st.integers(1, 6))
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 4), st.integers(1, 6))
 def test_the_proposal_is_what_followed_the_latest_occurrence_of_the_longest_suffix(history, a, b, k) -> None:
     """Against a plain search, for every history."""
     min_n, max_n = min(a, b), max(a, b)
@@ -49,9 +48,9 @@ def test_the_proposal_is_what_followed_the_latest_occurrence_of_the_longest_suff
     for n in range(max_n, min_n - 1, -1):
         if n >= len(history):
             continue
-        hits = [s for s in range(len(history) - n) if history[s:s + n] == history[-n:]]
+        hits = [s for s in range(len(history) - n) if history[s : s + n] == history[-n:]]
         if hits:
-            expected = history[hits[-1] + n:hits[-1] + n + k]
+            expected = history[hits[-1] + n : hits[-1] + n + k]
             break
     assert NgramProposer(k, min_n, max_n).propose(h, 99).tolist() == expected
 
@@ -64,8 +63,12 @@ def test_back_off_doubles_up_to_its_cap() -> None:
 def rows(*rows: list[int]) -> SampleRows:
     """Rows of fed tokens (the last token, then the proposal), slots 0, 1, ..."""
     lens = np.asarray([len(r) for r in rows], dtype=np.int64)
-    return SampleRows.build(np.arange(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64), lens,
-                            np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
+    return SampleRows.build(
+        np.arange(len(rows), dtype=np.int64),
+        np.zeros(len(rows), dtype=np.int64),
+        lens,
+        np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]),
+    )
 
 
 def test_verification_keeps_each_position_while_the_token_before_it_was_proposed() -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from procs.scheduler import POLICIES, Scheduler, SchedulerConfig, StepOutput
-from procs.scheduler.config import SchedulerConfigError, check_config
-from procs.worker.sample_rows import SampleRows
 from scheduler_harness import audit_references
-from shared.config import ServerConfig
-from shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
+
+from batchserve.procs.scheduler import POLICIES, Scheduler, SchedulerConfig, StepOutput
+from batchserve.procs.scheduler.config import SchedulerConfigError, check_config
+from batchserve.procs.worker.sample_rows import SampleRows
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import ForwardBatch, RequestParams, SamplingParams, StepResult, StopParams
 
 EOS = 2
 WRONG = 1  # what the model says after a fed token that was not the request's own
@@ -28,8 +28,17 @@ class Job:
     """A request whose k-th token copies its prompt, except a detour every `detour` tokens, and which
     says EOS as token `eos_at` (0-based) unless `ignore_eos`."""
 
-    def __init__(self, index: int, prompt_len: int, max_tokens: int, eos_at: int, detour: int,
-                 ignore_eos: bool = False, arrival: int = 0, speculative: bool = True) -> None:
+    def __init__(
+        self,
+        index: int,
+        prompt_len: int,
+        max_tokens: int,
+        eos_at: int,
+        detour: int,
+        ignore_eos: bool = False,
+        arrival: int = 0,
+        speculative: bool = True,
+    ) -> None:
         self.rid = f"r{index}"
         self.prompt = [3 + 50 * index + j for j in range(prompt_len)]
         self.max_tokens, self.eos_at, self.detour = max_tokens, eos_at, detour
@@ -66,8 +75,9 @@ class CopyModel:
         return self.page_table[(slot, q // self.P)] * self.P + q % self.P
 
     def execute(self, batch: ForwardBatch) -> StepResult:
-        for slot, col, page in zip(batch.page_table_slots.tolist(), batch.page_table_cols.tolist(),
-                                   batch.page_table_pages.tolist()):
+        for slot, col, page in zip(
+            batch.page_table_slots.tolist(), batch.page_table_cols.tolist(), batch.page_table_pages.tolist()
+        ):
             self.page_table[(slot, col)] = page
         out: list[int] = []
         owners: list[str] = []
@@ -78,12 +88,12 @@ class CopyModel:
             job, kept = self.jobs[rid], self.kept[rid]
             seq = job.prompt + kept
             p, e, n = batch.prefix_lens[i], batch.extend_lens[i], batch.sample_lens[i]
-            fed = batch.input_ids[offset:offset + e].tolist()
+            fed = batch.input_ids[offset : offset + e].tolist()
             offset += e
             for q in range(p):
                 assert self.kv.get(self.loc(slot, q)) == (seq[q], q), f"{rid}: KV at {q} is not its own token"
             known = min(e, len(seq) - p)  # prefill feeds known tokens only; a decode row its last token first
-            assert fed[:known] == seq[p:p + known], f"{rid}: fed the wrong tokens"
+            assert fed[:known] == seq[p : p + known], f"{rid}: fed the wrong tokens"
             for q, token in zip(range(p, p + e), fed):
                 self.kv[self.loc(slot, q)] = (token, q)
             if n == e and p == len(seq) - 1:  # a decode row: its last token, then its draft
@@ -91,7 +101,7 @@ class CopyModel:
                 assert n == 1 or len(kept) + n < job.max_tokens, f"{rid}: a draft row reaching its token limit"
             assert batch.sample_counts[i] == len(kept)
             for j in range(n):
-                fed_before = fed[e - n + 1:e - n + 1 + j]  # the proposed tokens before this position
+                fed_before = fed[e - n + 1 : e - n + 1 + j]  # the proposed tokens before this position
                 right = fed_before == [job.token(len(kept) + m) for m in range(j)]
                 out.append(job.token(len(kept) + j) if right else WRONG)
             if n:
@@ -100,13 +110,15 @@ class CopyModel:
         rows = SampleRows.of_batch(batch)
         accepted = rows.accepted(tokens)
         for rid, first, count in zip(owners, rows.firsts.tolist(), accepted.tolist()):
-            self.kept[rid] += tokens[first:first + count].tolist()
-        return StepResult(step=batch.step, next_token_ids=tokens,
-                          accepted_lens=accepted.tolist() if rows.width > 1 else [])
+            self.kept[rid] += tokens[first : first + count].tolist()
+        return StepResult(
+            step=batch.step, next_token_ids=tokens, accepted_lens=accepted.tolist() if rows.width > 1 else []
+        )
 
 
-def run(config: SchedulerConfig, jobs: list[Job], max_steps: int = 3000) -> tuple[Scheduler, CopyModel,
-                                                                                   list[StepOutput]]:
+def run(
+    config: SchedulerConfig, jobs: list[Job], max_steps: int = 3000
+) -> tuple[Scheduler, CopyModel, list[StepOutput]]:
     sched = Scheduler(config, eos_token_ids=(EOS,))
     model = CopyModel(sched, {j.rid: j for j in jobs})
     outputs = []
@@ -133,17 +145,39 @@ def results(outputs: list[StepOutput]) -> dict[str, tuple[list[int], str]]:
 
 
 def workload() -> list[Job]:
-    return [Job(0, 12, 40, 30, 7), Job(1, 5, 25, 99, 5, arrival=1), Job(2, 20, 33, 99, 9, ignore_eos=True),
-            Job(3, 3, 12, 8, 4, arrival=4), Job(4, 9, 50, 44, 8, arrival=6), Job(5, 16, 6, 99, 3, arrival=9),
-            Job(6, 7, 30, 99, 6, arrival=2, speculative=False)]
+    return [
+        Job(0, 12, 40, 30, 7),
+        Job(1, 5, 25, 99, 5, arrival=1),
+        Job(2, 20, 33, 99, 9, ignore_eos=True),
+        Job(3, 3, 12, 8, 4, arrival=4),
+        Job(4, 9, 50, 44, 8, arrival=6),
+        Job(5, 16, 6, 99, 3, arrival=9),
+        Job(6, 7, 30, 99, 6, arrival=2, speculative=False),
+    ]
 
 
-def config(policy: str, speculative: str, *, prefix_cache: bool = False, capacity: int = 2048,
-           page_size: int = 4, reserve: float = 1.0) -> SchedulerConfig:
-    return SchedulerConfig(max_running_requests=4, prefill_budget=32, kv_capacity_tokens=capacity,
-                           page_size=page_size, policy=policy, prefix_cache=prefix_cache,  # type: ignore[arg-type]
-                           kv_reserve_ratio=reserve, speculative=speculative,  # type: ignore[arg-type]
-                           num_speculative_tokens=4, ngram_min=2, ngram_max=3)
+def config(
+    policy: str,
+    speculative: str,
+    *,
+    prefix_cache: bool = False,
+    capacity: int = 2048,
+    page_size: int = 4,
+    reserve: float = 1.0,
+) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running_requests=4,
+        prefill_budget=32,
+        kv_capacity_tokens=capacity,
+        page_size=page_size,
+        policy=policy,
+        prefix_cache=prefix_cache,  # type: ignore[arg-type]
+        kv_reserve_ratio=reserve,
+        speculative=speculative,  # type: ignore[arg-type]
+        num_speculative_tokens=4,
+        ngram_min=2,
+        ngram_max=3,
+    )
 
 
 def assert_nothing_held(sched: Scheduler) -> None:
@@ -189,8 +223,11 @@ def test_a_rejection_frees_the_pages_past_the_kept_tokens() -> None:
     job = Job(0, 8, 20, 99, 3)  # a detour every third token: drafts are cut short
     sched = Scheduler(config("prefill-first", "ngram", page_size=1), eos_token_ids=(EOS,))
     model = CopyModel(sched, {job.rid: job})
-    sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
-                                                         stop=StopParams(max_tokens=job.max_tokens)))
+    sched.add_request(
+        job.rid,
+        job.prompt,
+        RequestParams(sampling=SamplingParams(temperature=0.0), stop=StopParams(max_tokens=job.max_tokens)),
+    )
     rejected = 0
     while sched.has_unfinished():
         out = sched.step(model)
@@ -207,8 +244,11 @@ def test_a_step_with_drafts_must_complete_before_the_next_launch() -> None:
     sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
     job = Job(0, 6, 20, 99, 50)
     model = CopyModel(sched, {job.rid: job})
-    sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
-                                                         stop=StopParams(max_tokens=job.max_tokens)))
+    sched.add_request(
+        job.rid,
+        job.prompt,
+        RequestParams(sampling=SamplingParams(temperature=0.0), stop=StopParams(max_tokens=job.max_tokens)),
+    )
     while True:
         launched = sched.launch()
         b = launched.batch
@@ -224,18 +264,26 @@ def test_a_step_with_drafts_must_complete_before_the_next_launch() -> None:
 
 def test_settings_are_checked() -> None:
     with pytest.raises(SchedulerConfigError, match="ngram_min"):
-        SchedulerConfig(max_running_requests=1, prefill_budget=8, kv_capacity_tokens=64, speculative="ngram",
-                        ngram_min=3, ngram_max=2)
+        SchedulerConfig(
+            max_running_requests=1,
+            prefill_budget=8,
+            kv_capacity_tokens=64,
+            speculative="ngram",
+            ngram_min=3,
+            ngram_max=2,
+        )
     with pytest.raises(SchedulerConfigError, match="num_speculative_tokens"):
         SchedulerConfig(max_running_requests=1, prefill_budget=8, kv_capacity_tokens=64, num_speculative_tokens=0)
     with pytest.raises(SchedulerConfigError, match="speculative must be"):
-        SchedulerConfig(max_running_requests=1, prefill_budget=8, kv_capacity_tokens=64,
-                        speculative="eagle")  # type: ignore[arg-type]
+        SchedulerConfig(max_running_requests=1, prefill_budget=8, kv_capacity_tokens=64, speculative="eagle")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="overlap"):
         check_config(ServerConfig(speculative="ngram", overlap_schedule="on"))
     check_config(ServerConfig(speculative="ngram"))
-    for bad in (ServerConfig(speculative="draft"), ServerConfig(draft_model="m"),
-                ServerConfig(speculative="ngram", draft_model="m")):
+    for bad in (
+        ServerConfig(speculative="draft"),
+        ServerConfig(draft_model="m"),
+        ServerConfig(speculative="ngram", draft_model="m"),
+    ):
         with pytest.raises(ValueError, match="draft_model"):
             check_config(bad)
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
@@ -245,13 +293,17 @@ def test_settings_are_checked() -> None:
 
 def test_drafts_that_do_not_pay_back_off_and_none_is_proposed_when_none_can_pay() -> None:
     """`min_acceptance`: the server's break-even share of accepted draft tokens (its step-cost model)."""
+
     def drafts(min_acceptance: float) -> tuple[int, list[StepOutput]]:
         job = Job(0, 30, 60, 99, 4)  # a detour every fourth token: a 4-token draft gets 2 of 4 at best
         sched = Scheduler(config("prefill-first", "ngram"), eos_token_ids=(EOS,))
         sched.planner.min_acceptance = min_acceptance
         model = CopyModel(sched, {job.rid: job})
-        sched.add_request(job.rid, job.prompt, RequestParams(sampling=SamplingParams(temperature=0.0),
-                                                             stop=StopParams(max_tokens=job.max_tokens)))
+        sched.add_request(
+            job.rid,
+            job.prompt,
+            RequestParams(sampling=SamplingParams(temperature=0.0), stop=StopParams(max_tokens=job.max_tokens)),
+        )
         outputs = []
         while sched.has_unfinished():
             outputs.append(sched.step(model))

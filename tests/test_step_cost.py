@@ -9,21 +9,22 @@ import math
 import numpy as np
 import pytest
 
-from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.core import Scheduler
-from procs.scheduler.executor import ScriptedExecutor
-from procs.scheduler.config import DEFAULT_MAX_STEP_MS, check_config, step_target_s
-from procs.scheduler.step_cost import CostWeights, StepCostModel
-from procs.scheduler.step_time_cap import MIN_PREFILL_TOKENS, StepTimeCap
-from shared.config import ServerConfig
-from shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
-from shared.step_features import StepShape, attention_pairs, experts_read, step_shape
+from batchserve.procs.scheduler.config import DEFAULT_MAX_STEP_MS, SchedulerConfig, check_config, step_target_s
+from batchserve.procs.scheduler.core import Scheduler
+from batchserve.procs.scheduler.executor import ScriptedExecutor
+from batchserve.procs.scheduler.step_cost import CostWeights, StepCostModel
+from batchserve.procs.scheduler.step_time_cap import MIN_PREFILL_TOKENS, StepTimeCap
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
+from batchserve.shared.step_features import StepShape, attention_pairs, experts_read, step_shape
 
 TRUE = CostWeights(step=0.004, token=0.0015, row=0.0005, pairs_1k=0.0002)  # seconds
 
 
 def seconds(shape: StepShape, weights: CostWeights = TRUE) -> float:
-    return weights.step + weights.token * shape.tokens + weights.row * shape.rows + weights.pairs_1k * shape.pairs / 1000
+    return (
+        weights.step + weights.token * shape.tokens + weights.row * shape.rows + weights.pairs_1k * shape.pairs / 1000
+    )
 
 
 def decodes(rows: int, context: float = 300.0) -> StepShape:
@@ -40,8 +41,17 @@ def scaled(weights: CostWeights, by: float) -> CostWeights:
 
 
 def probe(weights: CostWeights = TRUE) -> list[tuple[StepShape, float]]:
-    shapes = [step_shape(p, e) for p, e in [([0], [32]), ([0], [256]), ([0], [1024]), ([256], [1]),
-                                            ([256] * 16, [1] * 16), ([256] * 16 + [0], [1] * 16 + [100])]]
+    shapes = [
+        step_shape(p, e)
+        for p, e in [
+            ([0], [32]),
+            ([0], [256]),
+            ([0], [1024]),
+            ([256], [1]),
+            ([256] * 16, [1] * 16),
+            ([256] * 16 + [0], [1] * 16 + [100]),
+        ]
+    ]
     return [(shape, seconds(shape, weights)) for shape in shapes]
 
 
@@ -50,7 +60,10 @@ def test_probe_fit_recovers_the_costs_and_sizes_prefill_to_the_target():
     assert model.weights.vector() == pytest.approx(TRUE.vector(), rel=1e-6, abs=1e-12)
     load = decodes(16)
     n = model.max_prefill_tokens(0.3, load, 0, 2048)
-    within = lambda k: seconds(load + chunk(k)) <= 0.3
+
+    def within(k: int) -> bool:
+        return seconds(load + chunk(k)) <= 0.3
+
     assert within(n) and not within(n + 1)
     assert model.max_prefill_tokens(10.0, load, 0, 2048) == 2048  # the cap holds
     assert model.max_prefill_tokens(0.001, load, 0, 2048) == 0  # decodes alone overrun
@@ -94,8 +107,10 @@ def moe_seconds(shape: StepShape) -> float:
 def test_an_moe_models_steps_are_predicted_from_the_experts_they_read():
     """A decode step of 1 token reads 2 of 8 experts, one of 16 nearly all: the cost bends, which a fit
     in tokens alone cannot follow; with the expert term the probe's fit predicts every batch size."""
-    shapes = [step_shape(p, e) for p, e in [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 4, [1] * 4),
-                                            ([256] * 16, [1] * 16)]]
+    shapes = [
+        step_shape(p, e)
+        for p, e in [([0], [32]), ([0], [256]), ([256], [1]), ([256] * 4, [1] * 4), ([256] * 16, [1] * 16)]
+    ]
     costs = [(shape, moe_seconds(shape)) for shape in shapes]
     moe, linear = StepCostModel(costs, MOE), StepCostModel(costs)
     assert moe.weights.vector() == pytest.approx(MOE_TRUE.vector(), rel=1e-6, abs=1e-12)
@@ -112,8 +127,9 @@ def test_an_moe_models_steps_are_predicted_from_the_experts_they_read():
 def test_the_scheduler_prefills_no_more_than_it_is_given():
     config = SchedulerConfig(max_running_requests=4, prefill_budget=64, kv_capacity_tokens=1024, policy="mixed")
     sched = Scheduler(config)
-    sched.add_request("long", np.arange(3, 103), RequestParams(sampling=SamplingParams(temperature=0),
-                                                               stop=StopParams(max_tokens=2)))
+    sched.add_request(
+        "long", np.arange(3, 103), RequestParams(sampling=SamplingParams(temperature=0), stop=StopParams(max_tokens=2))
+    )
     executor = ScriptedExecutor(lambda slot: 10)
     chunks, prefixes = [], []
     while sched.has_unfinished():
@@ -145,8 +161,8 @@ def test_the_bound_is_on_by_default_with_a_suggested_target_per_device():
 
 
 def test_a_real_probe_fits(tiny_model_dir):
-    from procs.worker.model_runner import ModelRunner
-    from procs.worker.step_probe import probe_step_costs
+    from batchserve.procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.step_probe import probe_step_costs
 
     runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
     costs = probe_step_costs(runner)
@@ -210,7 +226,7 @@ def test_a_busy_start_probe_is_soon_replaced_and_its_overruns_do_not_stretch_lat
     cap = StepTimeCap(model, 0.3, 0.0, 2048)
     rng = np.random.default_rng(3)
     ran = []
-    for step in range(60):
+    for _ in range(60):
         load = decodes(int(rng.integers(4, 17)))
         shape = load + chunk(cap.prompt_tokens(Load(load)) or 0)
         actual = seconds(shape) * float(rng.lognormal(0.0, 0.03))
@@ -248,7 +264,10 @@ def test_a_step_carries_what_fits_beside_its_decodes_and_never_less_than_the_flo
     floor = int(0.25 * alone)
     assert cap.floor_tokens(0.3) == floor > MIN_PREFILL_TOKENS
     few = cap.prompt_tokens(Load(decodes(4)))
-    within = lambda k: seconds(decodes(4) + chunk(k)) <= 0.3
+
+    def within(k: int) -> bool:
+        return seconds(decodes(4) + chunk(k)) <= 0.3
+
     assert within(few) and not within(few + 1) and few > floor  # the target, filled
     rows = 130  # decodes that leave room for less than the floor (and less than its own floor)
     assert seconds(decodes(rows)) < 0.3 and model.max_prefill_tokens(0.3, decodes(rows), 0, 4096) < MIN_PREFILL_TOKENS
@@ -271,8 +290,8 @@ def test_an_unreachable_target_bounds_nothing(caplog):
         cap.prompt_tokens(Load(load, waiting=False))
     assert cap.steps_out_of_reach == 3
     assert [r.getMessage() for r in caplog.records].count(
-        "the step-time target is out of reach: the decodes alone take longer, so steps are not bounded while "
-        "they do") == 1
+        "the step-time target is out of reach: the decodes alone take longer, so steps are not bounded while they do"
+    ) == 1
 
 
 def test_the_prefill_share_is_checked():
@@ -294,7 +313,10 @@ def test_a_draft_must_win_more_tokens_than_it_costs():
         share = model.min_acceptance(decodes(rows))
         k = 4
         base = rows / seconds(decodes(rows))
-        with_draft = lambda accepted: (rows + accepted) / seconds(decodes(rows) + StepShape(k, 0, k * 300.0))
+
+        def with_draft(accepted: float, rows: int = rows, k: int = k) -> float:
+            return (rows + accepted) / seconds(decodes(rows) + StepShape(k, 0, k * 300.0))
+
         assert with_draft(k * share * 1.05) > base > with_draft(k * share * 0.95)
     assert model.min_acceptance(decodes(1)) < 0.5 < model.min_acceptance(decodes(64))
     assert model.min_acceptance(StepShape()) == 0.0
@@ -320,15 +342,20 @@ def test_attention_pairs_count_each_layers_window():
     import random
 
     def brute(prefix_lens, extend_lens, windows):
-        return sum(min(p + i, w) if w else p + i for w in windows for p, n in zip(prefix_lens, extend_lens)
-                   for i in range(1, n + 1)) / len(windows)
+        return sum(
+            min(p + i, w) if w else p + i
+            for w in windows
+            for p, n in zip(prefix_lens, extend_lens)
+            for i in range(1, n + 1)
+        ) / len(windows)
 
     rng = random.Random(0)
     for _ in range(300):
         prefix_lens, extend_lens = [rng.randint(0, 40) for _ in range(3)], [rng.randint(1, 20) for _ in range(3)]
         windows = [rng.choice([0, 1, 5, 16, 50]) for _ in range(rng.randint(1, 4))]
-        assert attention_pairs(prefix_lens, extend_lens, windows) == pytest.approx(brute(prefix_lens, extend_lens,
-                                                                                         windows))
+        assert attention_pairs(prefix_lens, extend_lens, windows) == pytest.approx(
+            brute(prefix_lens, extend_lens, windows)
+        )
     assert attention_pairs([1000], [1], [256]) == 256 and attention_pairs([1000], [1], [256, 0]) == (256 + 1001) / 2
     model = StepCostModel([(decodes(8, 12), 0.01), (decodes(64, 14), 0.05), (chunk(256), 0.2)], windows=(8, 0))
     assert model.shape([100], [2]).pairs == attention_pairs([100], [2], (8, 0))

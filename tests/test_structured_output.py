@@ -14,22 +14,33 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from kernels.sampling import apply_token_bitmask_
-from procs.engine import OfflineEngine, request
-from procs.tokenizer.tools import template_inputs
-from procs.worker.grammar_masks import SlotGrammars
-from procs.worker.sample_rows import SampleRows
-from shared.chat_format import ChatFormat
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.messages import GenerateRequest
-from shared.model import ModelSpec
+from batchserve.kernels.sampling import apply_token_bitmask_
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.procs.tokenizer.tools import template_inputs
+from batchserve.procs.worker.grammar_masks import SlotGrammars
+from batchserve.procs.worker.sample_rows import SampleRows
+from batchserve.shared.chat_format import ChatFormat
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import GenerateRequest
+from batchserve.shared.model import ModelSpec
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "colour", "n"],
-          "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}}}
-WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                          "required": ["city"], "additionalProperties": False}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["ok", "colour", "n"],
+    "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 CLOCK = {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
 
 
@@ -48,14 +59,29 @@ def eng(model_dir):
     return engine(model_dir)
 
 
-def constrained(rid: str, kind: str, spec: str = "", *, seed: int | None = None, max_tokens: int = 48,
-                prompt: str = "the quick brown fox", **fields) -> GenerateRequest:
+def constrained(
+    rid: str,
+    kind: str,
+    spec: str = "",
+    *,
+    seed: int | None = None,
+    max_tokens: int = 48,
+    prompt: str = "the quick brown fox",
+    **fields,
+) -> GenerateRequest:
     sampling = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
-    return request(rid, prompt=prompt, sampling=sampling, stop={"max_tokens": max_tokens},
-                   constraint={"kind": kind, "spec": spec}, **fields)
+    return request(
+        rid,
+        prompt=prompt,
+        sampling=sampling,
+        stop={"max_tokens": max_tokens},
+        constraint={"kind": kind, "spec": spec},
+        **fields,
+    )
 
 
 # ------------------------------------------------------------------------------------------- the kernel
+
 
 def test_bitmask_masks_exactly_the_disallowed_tokens():
     torch.manual_seed(0)
@@ -131,8 +157,9 @@ def test_positions_after_a_proposal_the_grammar_rejects_are_unconstrained(spec):
     ids, rejected = tokenizer.tokenize_str("abxxy"), tokenizer.tokenize_str("q")[0]
     grammars = slot_grammars(spec, (0, None))
     start = allowed(grammars, single_row(0))[0]
-    masks = allowed(grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]),
-                                               np.array([9, ids[0], rejected])))
+    masks = allowed(
+        grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]), np.array([9, ids[0], rejected]))
+    )
     assert torch.equal(masks[0], start) and not masks[1].all() and masks[2].all()
     assert torch.equal(allowed(grammars, single_row(0))[0], start)  # the matcher itself did not move
 
@@ -146,8 +173,9 @@ def test_a_grammar_starts_within_a_row_after_its_after_token(spec):
     reference.accept(np.array([0]), [ids[0]])
     second = allowed(reference, single_row(0))[0]
     grammars = slot_grammars(spec, (0, think_close))
-    masks = allowed(grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]),
-                                               np.array([9, think_close, ids[0]])))
+    masks = allowed(
+        grammars, SampleRows.build(np.array([0]), np.array([0]), np.array([3]), np.array([9, think_close, ids[0]]))
+    )
     assert masks[0].all() and torch.equal(masks[1], first) and torch.equal(masks[2], second)
     grammars.accept(np.array([0, 0, 0]), [think_close, ids[0], ids[1]])
     reference.accept(np.array([0]), [ids[1]])
@@ -156,13 +184,17 @@ def test_a_grammar_starts_within_a_row_after_its_after_token(spec):
 
 # ------------------------------------------------------------------------------- compiling and refusing
 
-@pytest.mark.parametrize("kind, spec, param", [
-    ("json_schema", '{"type": 3}', "response_format"),
-    ("json_schema", "not json", "guided_json"),
-    ("regex", "a[b", "guided_regex"),
-    ("choice", "[]", "guided_choice"),
-    ("lark", "start: undefined_rule", "guided_grammar"),
-])
+
+@pytest.mark.parametrize(
+    "kind, spec, param",
+    [
+        ("json_schema", '{"type": 3}', "response_format"),
+        ("json_schema", "not json", "guided_json"),
+        ("regex", "a[b", "guided_regex"),
+        ("choice", "[]", "guided_choice"),
+        ("lark", "start: undefined_rule", "guided_grammar"),
+    ],
+)
 def test_a_bad_grammar_is_a_400_naming_its_field(eng, kind, spec, param):
     with pytest.raises(Refusal) as info:
         eng.tokenize(request("x", prompt="fox", constraint={"kind": kind, "spec": spec, "param": param}))
@@ -185,11 +217,16 @@ def test_structured_output_needs_a_tokenizer_llguidance_reads(tiny_model_dir):
 
 # ------------------------------------------------------------------------------------- end to end
 
+
 def test_every_kind_of_constraint_holds_on_a_random_model(eng):
     lark = 'start: "say " WORD "!"\nWORD: /[a-z]{2,5}/'
-    reqs = [constrained("schema", "json_schema", json.dumps(SCHEMA)), constrained("object", "json_object"),
-            constrained("regex", "regex", "(yes|no)-[0-9]{3}"), constrained("choice", "choice", '["left", "right"]'),
-            constrained("lark", "lark", lark)]
+    reqs = [
+        constrained("schema", "json_schema", json.dumps(SCHEMA)),
+        constrained("object", "json_object"),
+        constrained("regex", "regex", "(yes|no)-[0-9]{3}"),
+        constrained("choice", "choice", '["left", "right"]'),
+        constrained("lark", "lark", lark),
+    ]
     schema, obj, regex, choice, lark_out = eng.generate(reqs)
     assert all(c.finish_reason == "stop" for c in (schema, regex, choice, lark_out))
     value = json.loads(schema.text)
@@ -209,11 +246,14 @@ def test_sampled_constrained_output_is_valid_for_every_seed(eng):
 
 
 def test_constrained_and_free_requests_in_one_batch_leave_each_other_alone(model_dir):
-    free = [request(f"f{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": 16, "ignore_eos": True})
-            for i, p in enumerate(["the lazy dog", "fox jumps"])]
+    free = [
+        request(f"f{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": 16, "ignore_eos": True})
+        for i, p in enumerate(["the lazy dog", "fox jumps"])
+    ]
     bound = [constrained("g0", "json_schema", json.dumps(SCHEMA)), constrained("g1", "regex", "[a-c]{20}", seed=5)]
-    alone = [c.token_ids for c in engine(model_dir).generate(free)] + \
-            [c.token_ids for c in engine(model_dir).generate(bound)]
+    alone = [c.token_ids for c in engine(model_dir).generate(free)] + [
+        c.token_ids for c in engine(model_dir).generate(bound)
+    ]
     mixed_engine = engine(model_dir)
     mixed = mixed_engine.generate([free[0], bound[0], free[1], bound[1]])
     assert [c.token_ids for c in (mixed[0], mixed[2], mixed[1], mixed[3])] == alone  # 4 slots: one batch
@@ -232,11 +272,32 @@ def test_a_preempted_constrained_request_replays_its_tokens_through_the_grammar(
 def test_required_tool_choice_forces_one_valid_call_in_the_prompted_format(eng):
     tools = [WEATHER, CLOCK]
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    required = eng.generate([request(f"t{s}", messages=msgs, sampling={"temperature": 1.0, "seed": s},
-                                     stop={"max_tokens": 80}, tools=tools, tool_choice="required")
-                             for s in range(3)])
-    named = eng.generate([request("n", messages=msgs, sampling={"temperature": 0}, stop={"max_tokens": 80},
-                                  tools=tools, tool_choice="required", forced_tool="get_weather")])[0]
+    required = eng.generate(
+        [
+            request(
+                f"t{s}",
+                messages=msgs,
+                sampling={"temperature": 1.0, "seed": s},
+                stop={"max_tokens": 80},
+                tools=tools,
+                tool_choice="required",
+            )
+            for s in range(3)
+        ]
+    )
+    named = eng.generate(
+        [
+            request(
+                "n",
+                messages=msgs,
+                sampling={"temperature": 0},
+                stop={"max_tokens": 80},
+                tools=tools,
+                tool_choice="required",
+                forced_tool="get_weather",
+            )
+        ]
+    )[0]
     for c in [*required, named]:
         assert c.finish_reason == "stop"
         assert c.text.startswith("<tool_call>\n") and c.text.endswith("\n</tool_call>")
@@ -258,17 +319,27 @@ def test_a_thinking_model_thinks_freely_then_answers_in_the_grammar(tiny_model_d
 
     def ask(rid: str, seed: int, **fields) -> GenerateRequest:
         # the bias makes </think> the first token wherever nothing masks it
-        return request(rid, messages=chat, sampling={"temperature": 1.0, "seed": seed}, stop={"max_tokens": 24},
-                       constraint={"kind": "regex", "spec": "(yes|no)!"}, logits={"logit_bias": {think_close: 100.0}},
-                       **fields)
+        return request(
+            rid,
+            messages=chat,
+            sampling={"temperature": 1.0, "seed": seed},
+            stop={"max_tokens": 24},
+            constraint={"kind": "regex", "spec": "(yes|no)!"},
+            logits={"logit_bias": {think_close: 100.0}},
+            **fields,
+        )
 
     thinking = [ask(f"t{s}", s) for s in range(4)]
     solo = [eng.generate([r])[0] for r in thinking]
     for c in solo:
         assert c.token_ids[0] == think_close  # thinking is free: the grammar does not hold it back
         assert c.finish_reason == "stop" and eng.tokenizer.decode(c.token_ids[1:-1]) in ("yes!", "no!")
-    crowded = engine(tiny_model_dir("llama", with_tokenizer="thinking", seed=3, max_position_embeddings=2048),
-                     kv_capacity_tokens=96, kv_reserve_ratio=0.05, page_size=1)
+    crowded = engine(
+        tiny_model_dir("llama", with_tokenizer="thinking", seed=3, max_position_embeddings=2048),
+        kv_capacity_tokens=96,
+        kv_reserve_ratio=0.05,
+        page_size=1,
+    )
     assert [c.token_ids for c in crowded.generate(thinking)] == [c.token_ids for c in solo]
     assert crowded.preemptions > 0  # the replay found </think> and restarted the grammar after it
     # thinking off: the template closes the block in the prompt, and the grammar holds from the first token
@@ -278,11 +349,18 @@ def test_a_thinking_model_thinks_freely_then_answers_in_the_grammar(tiny_model_d
 
 # ---------------------------------------------------------------------------------- chat templates
 
+
 def chat_request(**fields) -> GenerateRequest:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]},
-                {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}],
+        },
+        {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"},
+    ]
     return request("c", messages=messages, **fields)
 
 
@@ -290,13 +368,19 @@ def test_templates_without_tools_get_hermes_instructions_and_turns():
     messages, extra = template_inputs(chat_request(tools=[WEATHER]), ChatFormat.of("{{ m['content'] }}"))
     assert extra == {}
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
-    assert messages[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in messages[0]["content"]
-    assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert (
+        messages[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in messages[0]["content"]
+    )
+    assert (
+        messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
     assert messages[3]["content"] == '<tool_response>\n{"temp": 21}\n</tool_response>'
 
 
 def test_templates_with_tools_get_them_and_the_calls_as_objects():
-    qwen_like = "{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>{% for m in messages %}{{ m.content }}{% endfor %}"
+    qwen_like = (
+        "{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     fmt = ChatFormat.of(qwen_like)
     assert fmt.template_takes_tools and fmt.tool_call_style == "hermes"
     messages, extra = template_inputs(chat_request(tools=[WEATHER]), fmt)
@@ -319,8 +403,9 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_override_ours(eng):
     with pytest.raises(Refusal) as info:
         eng.tokenize(request("k", messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tools": []}))
     assert info.value.param == "chat_template_kwargs"
-    assert eng.tokenize(request("k2", messages=[{"role": "user", "content": "hi"}],
-                                chat_template_kwargs={"enable_thinking": False})).prompt_ids.size
+    assert eng.tokenize(
+        request("k2", messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"enable_thinking": False})
+    ).prompt_ids.size
 
 
 def test_an_unconstrained_engine_never_builds_the_grammar_tokenizer(model_dir):

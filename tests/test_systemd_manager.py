@@ -34,15 +34,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
-from procs import install_systemd as inst
-from procs.api.auth import INTERNAL_KEY_ENV
-from procs.router import healthy_workers
-from shared.ports import free_port
+from batchserve.procs import install_systemd as inst
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV
+from batchserve.procs.router import healthy_workers
+from batchserve.shared.ports import free_port
 
 SYSTEMD = Path("/lib/systemd/systemd")
 DROPPED_KEYS = ("User=", "Group=", "SupplementaryGroups=")
@@ -50,7 +50,8 @@ START_LIMIT_S = 300.0
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not SYSTEMD.exists() or shutil.which("unshare") is None or shutil.which("systemctl") is None,
-    reason="needs root, systemd, systemctl and unshare to run a private systemd user manager")
+    reason="needs root, systemd, systemctl and unshare to run a private systemd user manager",
+)
 
 
 class UserManager:
@@ -60,9 +61,12 @@ class UserManager:
         self.base = base
         self.env = {
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "XDG_RUNTIME_DIR": str(base / "xdg"), "XDG_CONFIG_HOME": str(base / "config"),
-            "XDG_CACHE_HOME": str(base / "cache"), "XDG_STATE_HOME": str(base / "state"),
-            "XDG_DATA_HOME": str(base / "data"), "HOME": str(base / "home"),
+            "XDG_RUNTIME_DIR": str(base / "xdg"),
+            "XDG_CONFIG_HOME": str(base / "config"),
+            "XDG_CACHE_HOME": str(base / "cache"),
+            "XDG_STATE_HOME": str(base / "state"),
+            "XDG_DATA_HOME": str(base / "data"),
+            "HOME": str(base / "home"),
         }
         for key in ("XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME", "HOME"):
             Path(self.env[key]).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -72,17 +76,24 @@ class UserManager:
         # A fresh /run for the manager alone: /run/systemd/system marks "booted with systemd"; the
         # inaccessible nodes are what PID 1 creates at boot and what ProtectHome=,
         # ProtectKernelTunables=, ... mount over the paths they hide.
-        boot = ("mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system /run/systemd/inaccessible && "
-                "cd /run/systemd/inaccessible && touch reg && mkdir dir && mknod chr c 0 0 && mknod blk b 0 0 && "
-                f"mkfifo fifo && {sys.executable} -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"sock\")' && "
-                "chmod 0000 reg dir chr blk fifo sock && cd / && "
-                f"exec {SYSTEMD} --user --log-target=console --log-level=notice")
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", boot],
-                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        boot = (
+            "mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system /run/systemd/inaccessible && "
+            "cd /run/systemd/inaccessible && touch reg && mkdir dir && mknod chr c 0 0 && mknod blk b 0 0 && "
+            f"mkfifo fifo && {sys.executable} -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"sock\")' && "
+            "chmod 0000 reg dir chr blk fifo sock && cd / && "
+            f"exec {SYSTEMD} --user --log-target=console --log-level=notice"
+        )
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", boot],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def systemctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["systemctl", "--user", "--no-pager", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            ["systemctl", "--user", "--no-pager", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def wait_up(self, timeout_s: float = 20) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -98,8 +109,10 @@ class UserManager:
 
     def journal(self) -> str:
         status = self.systemctl("status", "batchserve-*", "-n", "30").stdout
-        logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}\n"
-                       for p in sorted((self.base / "logs").glob("*.log")))
+        logs = "".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}\n"
+            for p in sorted((self.base / "logs").glob("*.log"))
+        )
         return f"{status}\n{logs}--- manager\n{(self.base / 'manager.log').read_text(errors='replace')[-3000:]}"
 
     def close(self) -> None:
@@ -129,9 +142,11 @@ def complete(port: int) -> dict:
             with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
                 model_id = json.load(response)["data"][0]["id"]
             request = urllib.request.Request(
-                f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                data=json.dumps({"model": model_id, "prompt": "w5 w6 w7", "max_tokens": 3,
-                                 "temperature": 0}).encode())
+                f"{base}/v1/completions",
+                method="POST",
+                headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": model_id, "prompt": "w5 w6 w7", "max_tokens": 3, "temperature": 0}).encode(),
+            )
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.load(response)
         except urllib.error.HTTPError as exc:
@@ -144,8 +159,9 @@ def main_pids(manager: UserManager, services: list[str]) -> dict[str, str]:
     return {name: manager.show(name, "MainPID")["MainPID"] for name in services}
 
 
-def wait_all_active(manager: UserManager, services: list[str], timeout_s: float,
-                    previous: dict[str, str] | None = None) -> dict[str, str]:
+def wait_all_active(
+    manager: UserManager, services: list[str], timeout_s: float, previous: dict[str, str] | None = None
+) -> dict[str, str]:
     """Every service active/running (with a MainPID other than `previous`'s, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -164,15 +180,21 @@ def start_server(run_base: Path, model: Path, *layout: str) -> tuple[UserManager
     the port clients call). Skips where no manager runs."""
     prefix = run_base / "root"
     batchserve = Path(sys.prefix) / "bin" / "batchserve"
-    installed = subprocess.run([str(batchserve), "install-systemd", "--prefix", str(prefix), *layout],
-                               capture_output=True, text=True, timeout=60)
+    installed = subprocess.run(
+        [str(batchserve), "install-systemd", "--prefix", str(prefix), *layout],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert installed.returncode == 0, installed.stderr
     model = shutil.copytree(model, run_base / "model")
     port = free_port(span=8)
     env_file = prefix / inst.ENV_DIR / inst.ENV_FILE_NAME
     with env_file.open("a") as f:
-        f.write(f"BATCHSERVE_MODEL={model}\nBATCHSERVE_PORT={port}\nBATCHSERVE_DEVICE=cpu\n"
-                f"BATCHSERVE_KV_CAPACITY_TOKENS=4096\n")
+        f.write(
+            f"BATCHSERVE_MODEL={model}\nBATCHSERVE_PORT={port}\nBATCHSERVE_DEVICE=cpu\n"
+            f"BATCHSERVE_KV_CAPACITY_TOKENS=4096\n"
+        )
         # not the standalone default port, which another test's ranks may hold
         f.write(f"BATCHSERVE_DIST_INIT_ADDR=127.0.0.1:{free_port()}\n")
 
@@ -186,23 +208,36 @@ def start_server(run_base: Path, model: Path, *layout: str) -> tuple[UserManager
         lines = path.read_text().splitlines()
         lines = [line for line in lines if not line.startswith(DROPPED_KEYS)]
         # the staged env file (and the router's key file) in place of /etc/batchserve's
-        lines = [line.replace(f"=/{inst.ENV_DIR}/", f"={prefix / inst.ENV_DIR}/") if line.startswith("EnvironmentFile=")
-                 else line for line in lines]
+        lines = [
+            line.replace(f"=/{inst.ENV_DIR}/", f"={prefix / inst.ENV_DIR}/")
+            if line.startswith("EnvironmentFile=")
+            else line
+            for line in lines
+        ]
         # No journald in the private manager: what would go to the journal goes to a file (%n: the
         # instance's own name, batchserve-worker@1.service).
-        lines = [f"{line.split('=')[0]}=append:{run_base / 'logs'}/%n.log"
-                 if line.startswith(("StandardOutput=", "StandardError=")) else line for line in lines]
+        lines = [
+            f"{line.split('=')[0]}=append:{run_base / 'logs'}/%n.log"
+            if line.startswith(("StandardOutput=", "StandardError="))
+            else line
+            for line in lines
+        ]
         if name.endswith(".service"):  # record how each main process ended, and when
-            lines.append("ExecStopPost=/bin/sh -c 'echo \"%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)\" "
-                         ">> $$RUNTIME_DIRECTORY/exits.log'")
+            lines.append(
+                'ExecStopPost=/bin/sh -c \'echo "%n $$EXIT_CODE $$EXIT_STATUS $$(date +%%s.%%N)" '
+                ">> $$RUNTIME_DIRECTORY/exits.log'"
+            )
         (manager.unit_dir / name).write_text("\n".join(lines) + "\n")
     assert manager.systemctl("daemon-reload").returncode == 0
     target = inst.read_unit((prefix / inst.UNIT_DIR / inst.TARGET).read_text())
     services = []
     for name in " ".join(inst.unit_values(target, "Unit", "Wants")).split():
         if name.endswith(".target"):  # a replica's: its five units
-            replica = inst.read_unit((prefix / inst.UNIT_DIR / inst.REPLICA_TARGET_TEMPLATE).read_text()
-                                     .replace("%i", name.split("@")[1].removesuffix(".target")))
+            replica = inst.read_unit(
+                (prefix / inst.UNIT_DIR / inst.REPLICA_TARGET_TEMPLATE)
+                .read_text()
+                .replace("%i", name.split("@")[1].removesuffix(".target"))
+            )
             services += " ".join(inst.unit_values(replica, "Unit", "Wants")).split()
         else:
             services.append(name)
@@ -220,8 +255,9 @@ def exits(run_base: Path) -> list[list[str]]:
     return [line.split() for line in (run_base / "xdg" / "batchserve" / "exits.log").read_text().splitlines()]
 
 
-def stop_cleanly(manager: UserManager, services: list[str], run_base: Path,
-                 first: str = "batchserve-api.service") -> list[list[str]]:
+def stop_cleanly(
+    manager: UserManager, services: list[str], run_base: Path, first: str = "batchserve-api.service"
+) -> list[list[str]]:
     """Stop the target: `first` (the api, or the router in front of replicas) first, the worker ranks
     last; each drains and exits 0 within its TimeoutStopSec=. Returns every recorded end."""
     result = manager.systemctl("stop", "batchserve.target", timeout=120)
@@ -242,18 +278,21 @@ def stop_cleanly(manager: UserManager, services: list[str], run_base: Path,
     stopped = sorted(services, key=lambda n: final[n][2])
     workers = [name for name in services if name.startswith("batchserve-worker@")]
     assert stopped[0] == first, ends
-    for instance in {name.split("@")[1] for name in services if "@" in name and not name.startswith("batchserve-worker@")}:
+    for instance in {
+        name.split("@")[1] for name in services if "@" in name and not name.startswith("batchserve-worker@")
+    }:
         mine = [name for name in stopped if name.endswith(f"@{instance}")]  # a replica: api first, worker last
         assert mine[0].startswith("batchserve-api@") and mine[-1].startswith("batchserve-worker@"), ends
     if not any("@" in name and not name.startswith("batchserve-worker@") for name in services):
-        assert set(stopped[-len(workers):]) == set(workers), ends
+        assert set(stopped[-len(workers) :]) == set(workers), ends
     # RuntimeDirectoryPreserve=yes: the shared directory outlives the units.
     assert (run_base / "xdg" / "batchserve").is_dir()
     return ends
 
 
 def test_units_under_systemd_start_restart_together_and_stop_cleanly(
-        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+    run_base: Path, tiny_model_dir: Callable[..., Path]
+) -> None:
     manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True))
     assert services == [inst.worker_unit(0), *inst.SERVER_UNITS]
     worker = inst.worker_unit(0)
@@ -277,8 +316,7 @@ def test_units_under_systemd_start_restart_together_and_stop_cleanly(
         manager.close()
 
 
-def test_two_worker_ranks_under_systemd_come_back_as_a_set(
-        run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
+def test_two_worker_ranks_under_systemd_come_back_as_a_set(run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
     manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True), "--tp", "2")
     assert services == [inst.worker_unit(0), inst.worker_unit(1), *inst.SERVER_UNITS]
     follower = inst.worker_unit(1)
@@ -313,8 +351,9 @@ def test_two_worker_ranks_under_systemd_come_back_as_a_set(
 def test_two_replicas_behind_the_router_under_systemd(run_base: Path, tiny_model_dir: Callable[..., Path]) -> None:
     if not (Path(sys.prefix) / "bin" / "smg").is_file():
         pytest.skip("smg is not installed in this venv (pip install -e '.[router]'): no router unit")
-    manager, services, port = start_server(run_base, tiny_model_dir("llama", with_tokenizer=True),
-                                           "--dp", "2", "--router", "smg")
+    manager, services, port = start_server(
+        run_base, tiny_model_dir("llama", with_tokenizer=True), "--dp", "2", "--router", "smg"
+    )
     replica = {i: [inst.replica_unit(name, i) for name in ("worker", *inst.SERVER_PROCESSES)] for i in (0, 1)}
     assert services == [*replica[0], *replica[1], inst.ROUTER_UNIT]
     try:
@@ -325,8 +364,10 @@ def test_two_replicas_behind_the_router_under_systemd(run_base: Path, tiny_model
         # smg's control plane: closed to clients, open to the key install-systemd made for the router
         key_file = run_base / "root" / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME
         key = inst.read_env_file(key_file.read_text())[INTERNAL_KEY_ENV]
-        assert healthy_workers(f"http://127.0.0.1:{port}", key) == {f"http://127.0.0.1:{port + 1}",
-                                                                   f"http://127.0.0.1:{port + 2}"}
+        assert healthy_workers(f"http://127.0.0.1:{port}", key) == {
+            f"http://127.0.0.1:{port + 1}",
+            f"http://127.0.0.1:{port + 2}",
+        }
         assert healthy_workers(f"http://127.0.0.1:{port}") == set()  # 401 without it
 
         # Replica 1's worker dies: its units come back after it, replica 0 and the router go on.
@@ -335,7 +376,9 @@ def test_two_replicas_behind_the_router_under_systemd(run_base: Path, tiny_model
         assert complete(port)["usage"]["completion_tokens"] >= 1  # through the router, meanwhile
         new_pids = wait_all_active(manager, replica[1], START_LIMIT_S, previous={n: pids[n] for n in replica[1]})
         print(f"replica 1 restarted {time.monotonic() - killed:.1f}s after its worker was killed")
-        assert main_pids(manager, [*replica[0], inst.ROUTER_UNIT]) == {n: pids[n] for n in (*replica[0], inst.ROUTER_UNIT)}
+        assert main_pids(manager, [*replica[0], inst.ROUTER_UNIT]) == {
+            n: pids[n] for n in (*replica[0], inst.ROUTER_UNIT)
+        }
         assert complete(port + 2)["usage"]["completion_tokens"] >= 1 and new_pids
 
         ends = [tuple(e[:3]) for e in stop_cleanly(manager, services, run_base, first=inst.ROUTER_UNIT)]

@@ -26,16 +26,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
-from procs import install_systemd as inst
-from shared.ports import free_port
+from batchserve.procs import install_systemd as inst
+from batchserve.shared.ports import free_port
 
-pytest.importorskip("procs.launch", reason="the process launcher (procs/launch.py) is not there yet")
+pytest.importorskip("batchserve.procs.launch", reason="the process launcher (procs/launch.py) is not there yet")
 
 STARTUP_LIMIT_S = 180.0  # this test's own cap on TimeoutStartSec= (30 min for the worker)
 UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
@@ -107,7 +107,7 @@ class NotifySocket:
         self.sock.settimeout(timeout_s)
         try:
             data, ancdata, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(UCRED.size))
-        except socket.timeout:
+        except TimeoutError:
             return None
         pid = None
         for level, kind, payload in ancdata:
@@ -140,8 +140,12 @@ class FakeSystemd:
         self.root = root
         self.prefix = root / "root"
         self.batchserve = Path(sys.prefix) / "bin" / "batchserve"
-        installed = subprocess.run([str(self.batchserve), "install-systemd", "--prefix", str(self.prefix),
-                                    *install_flags], capture_output=True, text=True, timeout=60)
+        installed = subprocess.run(
+            [str(self.batchserve), "install-systemd", "--prefix", str(self.prefix), *install_flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert installed.returncode == 0, installed.stderr
         # The operator's edit of /etc/batchserve/batchserve.env.
         with (self.prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).open("a") as f:
@@ -171,27 +175,41 @@ class FakeSystemd:
                 env[key] = expand_specifiers(value, self.dirs)
         for path in unit.get("Service", "EnvironmentFile"):  # overrides Environment=, as in systemd
             env.update(inst.read_env_file((self.prefix / path.lstrip("-/")).read_text()))
-        env.update(RUNTIME_DIRECTORY=str(self.run_dir), CACHE_DIRECTORY=str(self.dirs["C"] / "batchserve"),
-                   STATE_DIRECTORY=str(self.dirs["S"] / "batchserve"), NOTIFY_SOCKET=str(notify.path))
+        env.update(
+            RUNTIME_DIRECTORY=str(self.run_dir),
+            CACHE_DIRECTORY=str(self.dirs["C"] / "batchserve"),
+            STATE_DIRECTORY=str(self.dirs["S"] / "batchserve"),
+            NOTIFY_SOCKET=str(notify.path),
+        )
         return env
 
     def start(self, unit: Unit) -> tuple[subprocess.Popen, NotifySocket]:
         """ExecStart= with the unit's environment; stdout and stderr to the unit's 'journal' file."""
         notify = NotifySocket(self.root / f"{unit.name}.notify")
-        argv = [expand_specifiers(arg, {**self.dirs, "i": unit.instance})
-                for arg in shlex.split(unit.get("Service", "ExecStart")[0])]
+        argv = [
+            expand_specifiers(arg, {**self.dirs, "i": unit.instance})
+            for arg in shlex.split(unit.get("Service", "ExecStart")[0])
+        ]
         assert argv[0] == str(self.batchserve) and os.access(argv[0], os.X_OK)
         log = (self.journal / f"{unit.name}.log").open("wb")
         self._logs.append(log)
-        proc = subprocess.Popen(argv, env=self.environment(unit, notify), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, cwd="/")
+        proc = subprocess.Popen(
+            argv,
+            env=self.environment(unit, notify),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+        )
         return proc, notify
 
     def log_of(self, unit: Unit) -> str:
         return (self.journal / f"{unit.name}.log").read_text(errors="replace")
 
     def all_logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.journal.iterdir()))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.journal.iterdir())
+        )
 
     def close(self) -> None:
         for log in self._logs:
@@ -217,14 +235,20 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
     port = free_port()
     # Two ranks meet at a free port rather than the standalone default, which another test may hold.
     extra = {"BATCHSERVE_DIST_INIT_ADDR": f"127.0.0.1:{free_port()}"} if tp > 1 else {}
-    host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True), BATCHSERVE_PORT=port,
-                                                **extra), install_flags=("--tp", str(tp)))
+    host = FakeSystemd(
+        short_tmp,
+        tiny_settings(tiny_model_dir("llama", with_tokenizer=True), BATCHSERVE_PORT=port, **extra),
+        install_flags=("--tp", str(tp)),
+    )
     procs: dict[str, tuple[subprocess.Popen, NotifySocket]] = {}
     waves = start_waves(host.services)
     workers = [inst.worker_unit(rank) for rank in range(tp)]
     assert [[u.name for u in wave] for wave in waves] == [
-        workers, ["batchserve-scheduler.service"],
-        ["batchserve-detokenizer.service", "batchserve-tokenizer.service"], ["batchserve-api.service"]]
+        workers,
+        ["batchserve-scheduler.service"],
+        ["batchserve-detokenizer.service", "batchserve-tokenizer.service"],
+        ["batchserve-api.service"],
+    ]
     try:
         for wave in waves:  # a wave starts only once the previous one reported READY=1 (After= + Type=notify)
             spawned = time.time()
@@ -249,9 +273,11 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
         with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
             model_id = json.load(response)["data"][0]["id"]
         request = urllib.request.Request(
-            f"{base}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"model": model_id, "prompt": "w5 w6 w7", "max_tokens": 4,
-                             "temperature": 0}).encode())
+            f"{base}/v1/completions",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": model_id, "prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0}).encode(),
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             assert response.status == 200
             body = json.load(response)
@@ -278,10 +304,14 @@ def test_units_start_serve_and_stop_like_systemd(short_tmp: Path, tiny_model_dir
                 try:
                     status = proc.wait(timeout=max(0.0, started + limit - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise AssertionError(f"{unit.name} still running {limit:.0f}s after SIGTERM\n{host.all_logs()}") from None
+                    raise AssertionError(
+                        f"{unit.name} still running {limit:.0f}s after SIGTERM\n{host.all_logs()}"
+                    ) from None
                 assert status == 0, f"{unit.name} exited {status} after SIGTERM\n{host.all_logs()}"
-                print(f"{unit.name} (pid {proc.pid}): exit 0 {time.monotonic() - started:.2f}s after SIGTERM "
-                      f"(TimeoutStopSec={limit:.0f}s)")
+                print(
+                    f"{unit.name} (pid {proc.pid}): exit 0 {time.monotonic() - started:.2f}s after SIGTERM "
+                    f"(TimeoutStopSec={limit:.0f}s)"
+                )
     finally:
         for proc, notify in procs.values():
             if proc.poll() is None:
@@ -303,10 +333,13 @@ def wait_healthy(base: str, host: FakeSystemd, timeout_s: float = 15.0) -> None:
         except OSError as exc:
             last = str(exc)
         time.sleep(0.2)
-    raise AssertionError(f"/health not 200 within {timeout_s:.0f}s after every unit was READY ({last})\n{host.all_logs()}")
+    raise AssertionError(
+        f"/health not 200 within {timeout_s:.0f}s after every unit was READY ({last})\n{host.all_logs()}"
+    )
 
 
 # --- readiness: the worker says READY=1 only once its model is loaded -----------------------------
+
 
 def log_records(text: str) -> list[dict]:
     """The JSON lines of a process's stderr (BATCHSERVE_LOG_FORMAT=json, as the env file sets)."""
@@ -329,8 +362,8 @@ def log_time(record: dict) -> float:
 def test_worker_sends_ready_only_after_loading_its_model(short_tmp: Path, tiny_model_dir: Callable[..., Path]) -> None:
     import zmq
 
-    from shared.ipc import Endpoints, Receiver, SchedulerInbox
-    from shared.messages import WorkerInfo
+    from batchserve.shared.ipc import Endpoints, Receiver, SchedulerInbox
+    from batchserve.shared.messages import WorkerInfo
 
     host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True)))
     worker = host.services[inst.worker_unit(0)]
@@ -372,8 +405,9 @@ def test_worker_sends_ready_only_after_loading_its_model(short_tmp: Path, tiny_m
         host.close()
 
 
-def test_worker_that_cannot_load_its_model_never_sends_ready(short_tmp: Path,
-                                                              tiny_model_dir: Callable[..., Path]) -> None:
+def test_worker_that_cannot_load_its_model_never_sends_ready(
+    short_tmp: Path, tiny_model_dir: Callable[..., Path]
+) -> None:
     broken = short_tmp / "broken-model"
     shutil.copytree(tiny_model_dir("llama", with_tokenizer=True), broken)
     weights = broken / "model.safetensors"

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from procs import install_systemd as inst
-from procs.api.auth import INTERNAL_KEY_ENV
-from shared.config import ServerConfig, config_from_args
+from batchserve.procs import install_systemd as inst
+from batchserve.procs.api.auth import INTERNAL_KEY_ENV
+from batchserve.shared.config import ServerConfig, config_from_args
 
 SERVICES = list(inst.SINGLE_WORKER.services)
 WORKER = inst.worker_unit(0)
@@ -28,8 +28,9 @@ REPLICA_SERVICES = [inst.replica_unit(name, i) for i in range(2) for name in ("w
 
 def run_install(*argv: str) -> subprocess.CompletedProcess[str]:
     batchserve = Path(sys.prefix) / "bin" / "batchserve"  # the console script, as a user runs it
-    return subprocess.run([str(batchserve), "install-systemd", *argv],
-                          capture_output=True, text=True, timeout=60, cwd=inst.SOURCE_DIR)
+    return subprocess.run(
+        [str(batchserve), "install-systemd", *argv], capture_output=True, text=True, timeout=60, cwd=inst.SOURCE_DIR
+    )
 
 
 def unit_file(name: str) -> str:
@@ -63,8 +64,9 @@ def units(installed: Path) -> dict[str, dict[str, list[tuple[str, str]]]]:
     return load_units(installed, [inst.TARGET, *SERVICES])
 
 
-def install_layout(tmp_path_factory: pytest.TempPathFactory, name: str,
-                   *layout: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def install_layout(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *layout: str
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """An install of `layout` under a fresh prefix, and what it printed."""
     prefix = tmp_path_factory.mktemp(name)
     result = run_install("--prefix", str(prefix), *layout)
@@ -92,11 +94,14 @@ def seconds(value: str) -> float:
 
 # --- the env file ---------------------------------------------------------------------------------
 
+
 def test_example_env_file_is_generated_from_server_config() -> None:
     shipped = (inst.TEMPLATE_DIR / inst.ENV_FILE_NAME).read_text()
     assert shipped == inst.render_env_file(), (
         "systemd/batchserve.env is out of date; regenerate it with: .venv/bin/python -c "
-        "\"from procs.install_systemd import render_env_file; open('systemd/batchserve.env','w').write(render_env_file())\"")
+        '"from batchserve.procs.install_systemd import render_env_file; '
+        "open('systemd/batchserve.env','w').write(render_env_file())\""
+    )
 
 
 def test_env_file_documents_every_field_and_reads_back_as_defaults() -> None:
@@ -116,13 +121,15 @@ def test_env_file_documents_every_field_and_reads_back_as_defaults() -> None:
 
 # --- install-systemd ------------------------------------------------------------------------------
 
+
 def test_install_writes_units_for_this_venv(installed: Path) -> None:
     assert sorted(p.name for p in (installed / inst.UNIT_DIR).iterdir()) == sorted(inst.TEMPLATE_NAMES)
     for name in inst.TEMPLATE_NAMES:
         text = (installed / inst.UNIT_DIR / name).read_text()
         assert inst._PLACEHOLDER.search(text) is None, f"{name} still has a placeholder"
-    exec_start = inst.unit_values(inst.read_unit((installed / inst.UNIT_DIR / "batchserve-api.service").read_text()),
-                                  "Service", "ExecStart")
+    exec_start = inst.unit_values(
+        inst.read_unit((installed / inst.UNIT_DIR / "batchserve-api.service").read_text()), "Service", "ExecStart"
+    )
     assert exec_start == [f"{Path(sys.prefix).absolute()}/bin/batchserve proc api"]
     assert (installed / inst.ENV_DIR / inst.ENV_FILE_NAME).read_text() == inst.render_env_file()
 
@@ -189,10 +196,14 @@ def test_private_tmp_relaxed_only_for_code_under_tmp() -> None:
 
 # --- what the units say ---------------------------------------------------------------------------
 
+
 def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dict) -> None:
     for name in SERVICES:
         unit = units[name]
-        get = lambda key: inst.unit_values(unit, "Service", key)  # noqa: E731
+
+        def get(key: str, unit: dict = unit) -> list[str]:
+            return inst.unit_values(unit, "Service", key)
+
         assert get("Type") == ["notify"] and get("NotifyAccess") == ["main"], name
         assert get("EnvironmentFile") == ["/etc/batchserve/batchserve.env"], name
         # Shared by all five; without Preserve= stopping one unit would delete the others' sockets.
@@ -210,10 +221,14 @@ def test_every_service_is_a_notify_unit_sharing_the_runtime_directory(units: dic
         assert seconds(get("TimeoutStopSec")[0]) >= ServerConfig().drain_timeout_s + 10, name
         # ProtectHome=yes unless the venv, its interpreter or the source is under /home or /root.
         assert get("ProtectHome") == [inst.protect_home_for(Path(sys.prefix).absolute())], name
-        for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
-                           ("PrivateTmp", inst.private_tmp_for(Path(sys.prefix).absolute())),
-                           ("ProtectKernelTunables", "yes"),
-                           ("ProtectControlGroups", "yes"), ("CapabilityBoundingSet", "")):
+        for key, value in (
+            ("NoNewPrivileges", "yes"),
+            ("ProtectSystem", "strict"),
+            ("PrivateTmp", inst.private_tmp_for(Path(sys.prefix).absolute())),
+            ("ProtectKernelTunables", "yes"),
+            ("ProtectControlGroups", "yes"),
+            ("CapabilityBoundingSet", ""),
+        ):
             assert get(key) == [value], (name, key)
         families = get("RestrictAddressFamilies")[0].split()
         assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families), name
@@ -233,7 +248,10 @@ def test_the_step_loops_are_watched(units: dict) -> None:
 
 def test_worker_can_reach_the_gpu_and_others_cannot(units: dict) -> None:
     worker = units[WORKER]
-    get = lambda key: inst.unit_values(worker, "Service", key)  # noqa: E731
+
+    def get(key: str) -> list[str]:
+        return inst.unit_values(worker, "Service", key)
+
     assert get("PrivateDevices") == ["no"] and get("DevicePolicy") == ["closed"]
     assert "char-nvidia* rw" in get("DeviceAllow") and "char-drm rw" in get("DeviceAllow")
     assert get("SupplementaryGroups") == ["video render"]
@@ -298,6 +316,7 @@ def test_start_order_is_worker_first_api_last(units: dict) -> None:
 
 # --- tensor parallelism: the worker ranks' template ------------------------------------------------
 
+
 def test_worker_template_runs_its_instance_as_the_local_rank() -> None:
     text = inst.render_unit((inst.TEMPLATE_DIR / inst.WORKER_TEMPLATE).read_text(), Path("/opt/venv"))
     template = inst.read_unit(text)
@@ -329,7 +348,8 @@ def test_install_for_two_ranks(installed_two_ranks: tuple[Path, subprocess.Compl
 
 
 def test_worker_ranks_start_together_and_restart_as_a_set(
-        installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     prefix, _ = installed_two_ranks
     workers = [inst.worker_unit(0), inst.worker_unit(1)]
     units = load_units(prefix, workers)
@@ -344,7 +364,10 @@ def test_worker_ranks_start_together_and_restart_as_a_set(
         assert words(unit, "Unit", "PartOf") == [inst.TARGET], name
         assert words(unit, "Unit", "Wants") == workers, name
         assert "batchserve-scheduler.service" in words(unit, "Unit", "Before"), name
-        get = lambda key: inst.unit_values(unit, "Service", key)  # noqa: E731
+
+        def get(key: str, unit: dict = unit) -> list[str]:
+            return inst.unit_values(unit, "Service", key)
+
         assert get("ExecStart")[0].endswith(f"proc worker --local-rank {name.split('@')[1].split('.')[0]}"), name
         assert get("Restart") == ["always"] and get("Type") == ["notify"], name
         # gloo and NCCL find the network interfaces over netlink; without it no rank can join.
@@ -353,7 +376,8 @@ def test_worker_ranks_start_together_and_restart_as_a_set(
 
 
 def test_install_on_a_machine_of_node_rank_1_has_only_its_worker_ranks(
-        installed_node_1: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    installed_node_1: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     prefix, result = installed_node_1
     workers = [inst.worker_unit(0), inst.worker_unit(1)]  # its local ranks: global ranks 2 and 3
     assert sorted(p.name for p in (prefix / inst.UNIT_DIR).iterdir()) == sorted([inst.TARGET, inst.WORKER_TEMPLATE])
@@ -362,7 +386,11 @@ def test_install_on_a_machine_of_node_rank_1_has_only_its_worker_ranks(
     env = inst.read_env_file((prefix / inst.ENV_DIR / inst.ENV_FILE_NAME).read_text())
     config = config_from_args(argparse.Namespace(), env=env)
     assert (config.tensor_parallel_size, config.nnodes, config.node_rank, config.dist_init_addr) == (
-        4, 2, 1, "10.0.0.1:29500")
+        4,
+        2,
+        1,
+        "10.0.0.1:29500",
+    )
     assert "node_rank 1 of 2" in result.stdout and "worker ranks 2..3 of 4" in result.stdout
     assert "10.0.0.1:29500" in result.stdout
 
@@ -402,12 +430,18 @@ def test_install_removes_units_this_machine_no_longer_runs(tmp_path: Path) -> No
     assert sorted(p.name for p in unit_dir.iterdir()) == sorted([inst.TARGET, inst.WORKER_TEMPLATE])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--tp", "2", "--nnodes", "2", "--node-rank", "1"), "dist_init_addr HOST:PORT is required"),
-    (("--tp", "3", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29500"), "nnodes must be >= 1 and divide"),
-    (("--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "10.0.0.1:29500"), "node_rank must be in"),
-    (("--tp", "2", "--dp", "2"), "data_parallel_size 2 with tensor_parallel_size 2 is not supported"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--tp", "2", "--nnodes", "2", "--node-rank", "1"), "dist_init_addr HOST:PORT is required"),
+        (("--tp", "3", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29500"), "nnodes must be >= 1 and divide"),
+        (
+            ("--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "10.0.0.1:29500"),
+            "node_rank must be in",
+        ),
+        (("--tp", "2", "--dp", "2"), "data_parallel_size 2 with tensor_parallel_size 2 is not supported"),
+    ],
+)
 def test_a_layout_that_cannot_run_is_refused(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
     result = run_install("--prefix", str(tmp_path), *argv)
     assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -415,6 +449,7 @@ def test_a_layout_that_cannot_run_is_refused(tmp_path: Path, argv: tuple[str, ..
 
 
 # --- replicas: one set of units per replica ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def installed_replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
@@ -433,7 +468,8 @@ def needs_smg_in_this_venv() -> None:
 def test_install_for_two_replicas(installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     prefix, result = installed_replicas
     assert sorted(p.name for p in (prefix / inst.UNIT_DIR).iterdir()) == sorted(
-        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES])
+        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES]
+    )
     targets = [inst.replica_target(0), inst.replica_target(1)]
     units = load_units(prefix, [inst.TARGET, *targets, *REPLICA_SERVICES])
     assert words(units[inst.TARGET], "Unit", "Wants") == targets == words(units[inst.TARGET], "Unit", "After")
@@ -446,8 +482,12 @@ def test_install_for_two_replicas(installed_replicas: tuple[Path, subprocess.Com
             assert inst.unit_values(unit, "Service", "ExecStart")[0].endswith(f" --data-parallel-rank {replica}"), name
             assert inst.unit_values(unit, "Service", "SyslogIdentifier") == [name.removesuffix(".service")]
             assert words(unit, "Unit", "PartOf")[0] == target, name
-            named = [u for key in ("Requires", "After", "Before", "Wants", "PartOf") for u in words(unit, "Unit", key)
-                     if u.startswith("batchserve")]
+            named = [
+                u
+                for key in ("Requires", "After", "Before", "Wants", "PartOf")
+                for u in words(unit, "Unit", key)
+                if u.startswith("batchserve")
+            ]
             assert set(named) <= {*mine, target}, (name, named)  # nothing of another replica
         # Within a replica, what one server has: the start order, and a dead worker restarting the rest.
         assert start_waves(units, mine) == [[mine[0]], [mine[1]], [mine[2], mine[3]], [mine[4]]]
@@ -481,15 +521,20 @@ def test_the_router_and_the_replicas_apis_share_an_internal_key_no_one_else_read
     needs_smg_in_this_venv()
     dry = run_install("--prefix", str(tmp_path), *TWO_REPLICAS, "--router", "smg", "--dry-run")
     key_file = tmp_path / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME
-    assert dry.returncode == 0 and f"would write {key_file} (mode 600)\n(a new key, not shown)" in dry.stdout, dry.stdout
+    assert dry.returncode == 0 and f"would write {key_file} (mode 600)\n(a new key, not shown)" in dry.stdout, (
+        dry.stdout
+    )
     assert f"{INTERNAL_KEY_ENV}=" not in dry.stdout
     assert run_install("--prefix", str(tmp_path), *TWO_REPLICAS, "--router", "smg").returncode == 0
     assert key_file.stat().st_mode & 0o777 == 0o600
     key = inst.read_env_file(key_file.read_text())[INTERNAL_KEY_ENV]
     assert len(key) >= 40
-    readers = {name for name in [inst.ROUTER_UNIT, *REPLICA_SERVICES]
-               if f"/{inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME}" in
-               inst.unit_values(load_units(tmp_path, [name])[name], "Service", "EnvironmentFile")}
+    readers = {
+        name
+        for name in [inst.ROUTER_UNIT, *REPLICA_SERVICES]
+        if f"/{inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME}"
+        in inst.unit_values(load_units(tmp_path, [name])[name], "Service", "EnvironmentFile")
+    }
     assert readers == {inst.ROUTER_UNIT, inst.replica_unit("api", 0), inst.replica_unit("api", 1)}
     again = run_install("--prefix", str(tmp_path), "--force", *TWO_REPLICAS, "--router", "smg")
     assert again.returncode == 0 and f"keep     {key_file} (exists; the router's key" in again.stdout
@@ -497,7 +542,8 @@ def test_the_router_and_the_replicas_apis_share_an_internal_key_no_one_else_read
 
 
 def test_replicas_without_a_router_have_no_internal_key(
-        installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    installed_replicas: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     prefix, _ = installed_replicas
     assert not (prefix / inst.ENV_DIR / inst.INTERNAL_KEY_FILE_NAME).exists()
     api = load_units(prefix, [inst.replica_unit("api", 0)])[inst.replica_unit("api", 0)]
@@ -518,28 +564,39 @@ def test_switching_to_replicas_and_back_replaces_the_units(tmp_path: Path) -> No
     assert run_install("--prefix", str(tmp_path)).returncode == 0
     result = run_install("--prefix", str(tmp_path), "--force", *TWO_REPLICAS)
     assert result.returncode == 0, result.stderr
-    assert (f"remove   {unit_dir / 'batchserve-api.service'} (not run on this machine any more; "
-            "`systemctl stop batchserve-api.service` if it runs)") in result.stdout
+    assert (
+        f"remove   {unit_dir / 'batchserve-api.service'} (not run on this machine any more; "
+        "`systemctl stop batchserve-api.service` if it runs)"
+    ) in result.stdout
     assert sorted(p.name for p in unit_dir.iterdir()) == sorted(
-        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES])
+        [inst.TARGET, inst.REPLICA_TARGET_TEMPLATE, inst.WORKER_TEMPLATE, *inst.REPLICA_TEMPLATES]
+    )
     result = run_install("--prefix", str(tmp_path), "--force")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in unit_dir.iterdir()) == sorted(inst.TEMPLATE_NAMES)
     # A removed template's instances are stopped by a quoted glob (the template's own name stops none).
-    assert (f"remove   {unit_dir / 'batchserve-api@.service'} (not run on this machine any more; "
-            "`systemctl stop 'batchserve-api@*.service'` if it runs)") in result.stdout
+    assert (
+        f"remove   {unit_dir / 'batchserve-api@.service'} (not run on this machine any more; "
+        "`systemctl stop 'batchserve-api@*.service'` if it runs)"
+    ) in result.stdout
     assert "`systemctl stop 'batchserve@*.target'` if it runs" in result.stdout
 
 
 # --- systemd-analyze verify -----------------------------------------------------------------------
+
 
 def verify(unit_dir: Path, names: list[str]) -> subprocess.CompletedProcess[str]:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze not installed (apt-get install systemd; .ci/run does this)")
     # An instance's path need not exist: verify loads it from the template in the same directory.
-    return subprocess.run([analyze, "verify", *(str(unit_dir / n) for n in names)],
-                          capture_output=True, text=True, timeout=120, cwd=unit_dir)
+    return subprocess.run(
+        [analyze, "verify", *(str(unit_dir / n) for n in names)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=unit_dir,
+    )
 
 
 def assert_verified(result: subprocess.CompletedProcess[str]) -> None:
@@ -555,20 +612,24 @@ def test_systemd_analyze_verify_passes_on_rendered_units(installed: Path) -> Non
 
 
 def test_systemd_analyze_verify_passes_for_two_ranks_and_on_node_rank_1(
-        installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]],
-        installed_node_1: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    installed_two_ranks: tuple[Path, subprocess.CompletedProcess[str]],
+    installed_node_1: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     prefix, _ = installed_two_ranks
-    assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1),
-                                                    *inst.SERVER_UNITS]))
+    assert_verified(
+        verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1), *inst.SERVER_UNITS])
+    )
     prefix, _ = installed_node_1
     assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.worker_unit(0), inst.worker_unit(1)]))
 
 
 def test_systemd_analyze_verify_passes_for_replicas(
-        installed_replicas: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    installed_replicas: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     prefix, _ = installed_replicas
-    assert_verified(verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.replica_target(0), inst.replica_target(1),
-                                                    *REPLICA_SERVICES]))
+    assert_verified(
+        verify(prefix / inst.UNIT_DIR, [inst.TARGET, inst.replica_target(0), inst.replica_target(1), *REPLICA_SERVICES])
+    )
 
 
 def test_systemd_analyze_verify_catches_a_broken_unit(installed: Path, tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks) through the `OfflineEngine`: rank 0 in this process,
-rank 1 a spawned process. Greedy tokens of TP=2 equal TP=1's and transformers' on tiny Llama, Qwen2
-and Qwen3 models (KV heads fewer than the ranks, tied embeddings, a vocabulary that does not divide
-by 2) and mixtures of experts (experts split by their intermediate dimension, or whole experts per rank
-with expert parallelism, EP=2); every logit of a prefill, a mixed and a decode step within 1e-4 of TP=1's; seeded sampling
-gives TP=1's tokens; models and layouts that cannot be split are refused naming the setting, as are
-more CUDA ranks than devices; the ranks agree on their attention backend and decode padding; a
-follower that dies (before joining, or later) or hangs fails the engine with `RankFailure` instead of
-a wait, and rank 0's own step error is not called a hang; `batchserve generate --tp 2` prints TP=1's
-tokens.
+rank 1 a spawned process. Greedy tokens of TP=2 equal TP=1's and transformers' on tiny Llama, Qwen2 and
+Qwen3 models (KV heads fewer than the ranks, tied embeddings, a vocabulary that does not divide by 2)
+and mixtures of experts (experts split by their intermediate dimension, or whole experts per rank with
+expert parallelism, EP=2); every logit of a prefill, a mixed and a decode step within 1e-4 of TP=1's;
+seeded sampling gives TP=1's tokens; models and layouts that cannot be split are refused naming the
+setting, as are more CUDA ranks than devices; the ranks agree on their attention backend and decode
+padding; a follower that dies (before joining, or later) or hangs fails the engine with `RankFailure`
+instead of a wait, and rank 0's own step error is not called a hang; `batchserve generate --tp 2` prints
+TP=1's tokens.
 
 torch.distributed holds one default group per process, so at most one TP=2 engine lives at a time
 (`OneGroup`); each is built once per model and shared by the tests (a spawn costs seconds)."""
@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +26,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from model_batches import _plan, _Request, step_rows
-from procs.engine import FollowerRanks, OfflineEngine, RankFailure, request
-from procs.worker.model_runner import ModelRunner
-from procs.worker.parallel import check_local_devices, join, rank_device
-from shared.config import ServerConfig
-from shared.messages import ForwardBatch
-from shared.parallel import RankLayout, check_parallel_config, with_init_addr
 from test_model_equivalence import transformers_greedy_text
+
+from batchserve.procs.engine import FollowerRanks, OfflineEngine, RankFailure, request
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.parallel import check_local_devices, join, rank_device
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.messages import ForwardBatch
+from batchserve.shared.parallel import RankLayout, check_parallel_config, with_init_addr
 
 REPO = Path(__file__).resolve().parents[1]
 # 4, 1, 13 and 12 tokens of the byte-level tokenizer (the word-level one does not load as Qwen2's)
@@ -62,8 +62,9 @@ EXPERT_PARALLEL = {"mixtral-ep", "qwen3_moe-ep-fused"}
 LOGITS_ATOL = {"qwen3_next-hybrid-moe": 1e-3}
 # Small steps and prefill chunks: prompts are chunked and requests join others' decodes mid-stream.
 # A short step timeout keeps the hung-rank test short (the tiny model's steps take milliseconds).
-ENGINE = dict(policy="mixed", prefill_budget=8, max_running_requests=3, page_size=4, kv_capacity_tokens=512,
-              step_timeout_s=5.0)
+ENGINE = dict(
+    policy="mixed", prefill_budget=8, max_running_requests=3, page_size=4, kv_capacity_tokens=512, step_timeout_s=5.0
+)
 STEP_KINDS = ("prefill", "mixed", "decode")
 
 
@@ -72,13 +73,22 @@ def _config(model_dir: Path, tp: int = 1, **fields) -> ServerConfig:
 
 
 def _greedy() -> list:
-    return [request(f"g{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True})
-            for i, p in enumerate(PROMPTS)]
+    return [
+        request(f"g{i}", prompt=p, sampling={"temperature": 0}, stop={"max_tokens": NEW_TOKENS, "ignore_eos": True})
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def _sampled() -> list:
-    return [request(f"s{i}", prompt=p, sampling={"temperature": 0.9, "top_p": 0.95, "seed": 11 + i},
-                    stop={"max_tokens": NEW_TOKENS, "ignore_eos": True}) for i, p in enumerate(PROMPTS)]
+    return [
+        request(
+            f"s{i}",
+            prompt=p,
+            sampling={"temperature": 0.9, "top_p": 0.95, "seed": 11 + i},
+            stop={"max_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def step_batches(vocab_size: int, page_size: int) -> list[ForwardBatch]:
@@ -105,7 +115,7 @@ def step_logits(runner: ModelRunner, batches: list[ForwardBatch]) -> list[torch.
     with torch.inference_mode():
         for batch in batches:
             rows = np.arange(batch.num_tokens, dtype=np.int64)  # every position, not only the sampled ones
-            out.append(runner.step_logits(batch, rows)[-batch.num_tokens:].clone())
+            out.append(runner.step_logits(batch, rows)[-batch.num_tokens :].clone())
     return out
 
 
@@ -155,8 +165,9 @@ def cases(tiny_model_dir):
     def get(name: str) -> Case:
         if name not in built:
             model_dir = tiny_model_dir(with_tokenizer="bytes", seed=4, **MODELS[name])
-            built[name] = Case(model_dir, transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS),
-                               OfflineEngine(_config(model_dir)))
+            built[name] = Case(
+                model_dir, transformers_greedy_text(model_dir, PROMPTS, NEW_TOKENS), OfflineEngine(_config(model_dir))
+            )
         return built[name]
 
     return get
@@ -191,8 +202,13 @@ def test_greedy_tokens_equal_tp1_and_transformers(cases, group, name):
 def test_step_logits_within_1e4_of_tp1(cases, group, name):
     case = cases(name)
     group.get(name, case.model_dir)
-    tp1 = ModelRunner(case.model_dir, device="cpu", page_size=ENGINE["page_size"], kv_capacity_tokens=512,
-                      max_running_requests=ENGINE["max_running_requests"])
+    tp1 = ModelRunner(
+        case.model_dir,
+        device="cpu",
+        page_size=ENGINE["page_size"],
+        kv_capacity_tokens=512,
+        max_running_requests=ENGINE["max_running_requests"],
+    )
     expected = step_logits(tp1, step_batches(tp1.vocab_size, tp1.page_size))
     assert [t.shape for t in group.logits] == [t.shape for t in expected]
     assert group.logits[0].shape[-1] == tp1.vocab_size  # the padded shard's rows are cut off
@@ -244,8 +260,11 @@ def test_rank_0s_own_step_error_is_not_called_a_hang(cases, group, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "execute", out_of_memory)
     try:
-        with pytest.raises(RankFailure, match=r"^tensor-parallel worker ranks failed: rank 0's step failed "
-                                              r"\(OutOfMemoryError: out of memory \(injected\)\)$"):
+        with pytest.raises(
+            RankFailure,
+            match=r"^tensor-parallel worker ranks failed: rank 0's step failed "
+            r"\(OutOfMemoryError: out of memory \(injected\)\)$",
+        ):
             engine.generate(_greedy())
     finally:
         group.release()
@@ -262,8 +281,11 @@ def test_a_follower_that_dies_before_joining_fails_the_start_at_once(tiny_model_
 
     monkeypatch.setattr(FollowerRanks, "wait_joining", kill_first)
     started = time.monotonic()
-    with pytest.raises(RankFailure, match=r"^the worker ranks did not start: worker rank 1 \(pid \d+\) exited with "
-                                          r"status -9$"):
+    with pytest.raises(
+        RankFailure,
+        match=r"^the worker ranks did not start: worker rank 1 \(pid \d+\) exited with "
+        r"status -9$",
+    ):
         OfflineEngine(_config(model_dir, tp=2, dist_timeout_s=300))
     assert time.monotonic() - started < 60  # not the 300 s rank 0 would wait in the group for it
     assert _no_followers_left()
@@ -285,16 +307,23 @@ def test_a_hung_follower_fails_generate_after_the_step_timeout(cases, group):
 # -- refusals ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config, message", [
-    (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
-     r"num_attention_heads \(3\) is not divisible by tensor_parallel_size 2"),
-    (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
-     "num_key_value_heads 3 and tensor_parallel_size 2: one must divide the other"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
+            r"num_attention_heads \(3\) is not divisible by tensor_parallel_size 2",
+        ),
+        (
+            dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+            "num_key_value_heads 3 and tensor_parallel_size 2: one must divide the other",
+        ),
+    ],
+)
 def test_models_that_do_not_split_are_refused(tiny_model_dir, config, message):
-    from procs.worker.loader import load_model
-    from procs.worker.parallel import TensorParallel
-    from shared.model import ModelSpec
+    from batchserve.procs.worker.loader import load_model
+    from batchserve.procs.worker.parallel import TensorParallel
+    from batchserve.shared.model import ModelSpec
 
     spec = ModelSpec.resolve(tiny_model_dir("llama", **config))
     for rank in (0, 1):  # checked from the config, before any collective
@@ -315,16 +344,24 @@ def test_engine_refuses_an_intermediate_size_that_does_not_split_and_reaps_its_f
 
 def test_more_cuda_ranks_than_devices_are_refused_by_every_rank_before_joining(tiny_model_dir, monkeypatch):
     """`generate --tp 2` on a one-GPU machine: each rank refuses before it waits for the others."""
-    config = ServerConfig(model=str(tiny_model_dir("llama", with_tokenizer=True)), tensor_parallel_size=2,
-                          device="cuda")
+    config = ServerConfig(
+        model=str(tiny_model_dir("llama", with_tokenizer=True)), tensor_parallel_size=2, device="cuda"
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    message = (r"^tensor_parallel_size 2 over nnodes 1 runs 2 worker ranks on this machine, on cuda:0\.\.cuda:1, "
-               r"but it has 1 CUDA device\(s\)$")
+    message = (
+        r"^tensor_parallel_size 2 over nnodes 1 runs 2 worker ranks on this machine, on cuda:0\.\.cuda:1, "
+        r"but it has 1 CUDA device\(s\)$"
+    )
     joining = []
     for local_rank in (0, 1):
         layout = RankLayout.of(config, local_rank)
         with pytest.raises(ValueError, match=message):
-            join(config, layout, rank_device(torch.device("cuda"), layout), lambda: joining.append(local_rank))
+            join(
+                config,
+                layout,
+                rank_device(torch.device("cuda"), layout),
+                lambda local_rank=local_rank: joining.append(local_rank),
+            )
     assert joining == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=message):  # the engine refuses before it starts a follower
@@ -360,8 +397,10 @@ def test_ranks_agree_on_the_attention_backend_and_decode_padding(tiny_model_dir,
     flashinfer importing on its machine only, must not differ from the others'."""
     group.release()
     config = with_init_addr(_config(tiny_model_dir("llama", with_tokenizer=True), tp=2, dist_timeout_s=120))
-    runs = {0: [dict(attention_backend="torch"), dict(attention_backend="torch")],
-            1: [dict(attention_backend="cpu"), dict(attention_backend="torch", pad_decode=True)]}
+    runs = {
+        0: [dict(attention_backend="torch"), dict(attention_backend="torch")],
+        1: [dict(attention_backend="cpu"), dict(attention_backend="torch", pad_decode=True)],
+    }
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     follower = context.Process(target=build_runners, args=(config, 1, runs[1], results), daemon=True)
@@ -375,24 +414,34 @@ def test_ranks_agree_on_the_attention_backend_and_decode_padding(tiny_model_dir,
             follower.kill()
     assert follower.exitcode == 0
     for rank, name in ((0, "torch"), (1, "cpu")):
-        assert got[rank][0] == ("refused", f"attention_backend {name}: the worker ranks resolved it differently "
-                                           f"(cpu on some, torch on others); set the same backend on every machine")
+        assert got[rank][0] == (
+            "refused",
+            f"attention_backend {name}: the worker ranks resolved it differently "
+            f"(cpu on some, torch on others); set the same backend on every machine",
+        )
         assert got[rank][1] == ("built", "TorchAttentionBackend", False)  # rank 1 asked to pad; rank 0 did not
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(tensor_parallel_size=2, nnodes=3), "nnodes must be >= 1 and divide tensor_parallel_size 2, got 3"),
-    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="10.0.0.1:29500"),
-     r"node_rank must be in \[0, nnodes=2\), got 2"),
-    (dict(tensor_parallel_size=2, nnodes=2), "dist_init_addr HOST:PORT is required with nnodes > 1"),
-    (dict(tensor_parallel_size=2, dist_init_addr="localhost"), "dist_init_addr must be HOST:PORT, got 'localhost'"),
-    (dict(tensor_parallel_size=2, dist_init_addr="127.0.0.1:70000"), "dist_init_addr must be HOST:PORT"),
-    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
-    (dict(step_timeout_s=0), "step_timeout_s must be > 0, got 0"),
-    # rank 0 ticks after 1 s of idle: a 2 s wait would end an idle follower's
-    (dict(tensor_parallel_size=2, step_timeout_s=2),
-     r"step_timeout_s must be > 2 with tensor_parallel_size > 1 \(it bounds the other ranks' wait"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(tensor_parallel_size=2, nnodes=3), "nnodes must be >= 1 and divide tensor_parallel_size 2, got 3"),
+        (
+            dict(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="10.0.0.1:29500"),
+            r"node_rank must be in \[0, nnodes=2\), got 2",
+        ),
+        (dict(tensor_parallel_size=2, nnodes=2), "dist_init_addr HOST:PORT is required with nnodes > 1"),
+        (dict(tensor_parallel_size=2, dist_init_addr="localhost"), "dist_init_addr must be HOST:PORT, got 'localhost'"),
+        (dict(tensor_parallel_size=2, dist_init_addr="127.0.0.1:70000"), "dist_init_addr must be HOST:PORT"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1, got 0"),
+        (dict(step_timeout_s=0), "step_timeout_s must be > 0, got 0"),
+        # rank 0 ticks after 1 s of idle: a 2 s wait would end an idle follower's
+        (
+            dict(tensor_parallel_size=2, step_timeout_s=2),
+            r"step_timeout_s must be > 2 with tensor_parallel_size > 1 \(it bounds the other ranks' wait",
+        ),
+    ],
+)
 def test_bad_layouts_are_refused_naming_the_setting(tiny_model_dir, fields, message):
     config = ServerConfig(model=str(tiny_model_dir("llama", with_tokenizer=True)), **fields)
     with pytest.raises(ValueError, match=message):
@@ -402,8 +451,13 @@ def test_bad_layouts_are_refused_naming_the_setting(tiny_model_dir, fields, mess
 
 
 def test_engine_runs_global_rank_0_only(tiny_model_dir):
-    config = ServerConfig(model=str(tiny_model_dir("llama", with_tokenizer=True)), tensor_parallel_size=2, nnodes=2,
-                          node_rank=1, dist_init_addr="127.0.0.1:29500")
+    config = ServerConfig(
+        model=str(tiny_model_dir("llama", with_tokenizer=True)),
+        tensor_parallel_size=2,
+        nnodes=2,
+        node_rank=1,
+        dist_init_addr="127.0.0.1:29500",
+    )
     with pytest.raises(ValueError, match="node_rank must be 0 for the offline engine"):
         OfflineEngine(config)
 
@@ -414,9 +468,29 @@ def test_engine_runs_global_rank_0_only(tiny_model_dir):
 def test_generate_cli_tp2_prints_tp1_tokens(cases, group):
     group.release()  # the CLI's ranks are other processes; this one's group is not needed meanwhile
     case = cases("llama-kv1-vocab321")
-    args = [sys.executable, "-m", "procs.cli", "generate", "--model", str(case.model_dir), "--tp", "2",
-            "--temperature", "0", "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json", "--page-size", "4",
-            "--kv-capacity-tokens", "512", "--prefill-budget", "8", "--max-running-requests", "3", "--policy", "mixed"]
+    args = [
+        *cli_command("generate"),
+        "--model",
+        str(case.model_dir),
+        "--tp",
+        "2",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--json",
+        "--page-size",
+        "4",
+        "--kv-capacity-tokens",
+        "512",
+        "--prefill-budget",
+        "8",
+        "--max-running-requests",
+        "3",
+        "--policy",
+        "mixed",
+    ]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=180)

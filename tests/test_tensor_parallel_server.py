@@ -24,14 +24,15 @@ from typing import Literal
 import openai
 import pytest
 import zmq
-from pydantic import BaseModel, Field
-
 from e2e_server import REPO, Server, free_port, metric, pid_alive, start_server, stream_completion, wait_until
 from fault_injection import Stack, StreamRecord, segments_of, streams_through_fault
-from procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient, backend_processes
-from shared.config import ServerConfig
-from shared.ipc import Endpoints, Sender
-from shared.messages import GenerateRequest, Heartbeat, RequestRejected
+from pydantic import BaseModel, Field
+
+from batchserve.procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient, backend_processes
+from batchserve.shared.commands import cli_command
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ipc import Endpoints, Sender
+from batchserve.shared.messages import GenerateRequest, Heartbeat, RequestRejected
 
 FLAGS = ("--kv-capacity-tokens", "1024", "--max-running-requests", "16")
 TP2 = ("--tp", "2")
@@ -51,8 +52,10 @@ def servers(model, tmp_path_factory):
     """(TP=2, TP=1) on the same model and flags, for the module."""
     logs = tmp_path_factory.mktemp("tensor-parallel")
     with ThreadPoolExecutor(2) as pool:  # much of a start is waiting: start both at once
-        starts = [pool.submit(start_server, model, logs / "tp2.log", *TP2, *FLAGS),
-                  pool.submit(start_server, model, logs / "tp1.log", *FLAGS)]
+        starts = [
+            pool.submit(start_server, model, logs / "tp2.log", *TP2, *FLAGS),
+            pool.submit(start_server, model, logs / "tp1.log", *FLAGS),
+        ]
     if any(f.exception() for f in starts):
         for f in starts:
             if not f.exception():
@@ -79,8 +82,9 @@ def complete(server: Server, model: Path, prompt: str, **kw):
 
 
 def chat(server: Server, model: Path, messages: list[dict], **kw):
-    return client(server).chat.completions.create(model=str(model), messages=messages, temperature=0,
-                                                  max_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw)
+    return client(server).chat.completions.create(
+        model=str(model), messages=messages, temperature=0, max_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw
+    )
 
 
 def streamed_text(stream) -> tuple[str, str | None]:
@@ -122,8 +126,10 @@ def test_logprobs_equal_one_rank_within_1e_4(servers, model):
         assert top_got.keys() == top_want.keys()  # up to 5: byte tokens that print alike share a key
         assert [top_got[k] for k in top_want] == pytest.approx(list(top_want.values()), abs=1e-4)
     messages = [{"role": "user", "content": PROMPTS[3]}]
-    got, want = (chat(s, model, messages, max_tokens=12, logprobs=True, top_logprobs=3).choices[0].logprobs.content
-                 for s in servers)
+    got, want = (
+        chat(s, model, messages, max_tokens=12, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+        for s in servers
+    )
     assert [t.token for t in got] == [t.token for t in want]
     for g, w in zip(got, want):
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
@@ -154,8 +160,9 @@ def test_concurrent_long_streams_are_preempted_and_all_complete(servers, model):
 
     async def together():
         async with async_client(tp2) as c:
-            return await asyncio.gather(*(stream_completion(c, str(model), PROMPTS[i % len(PROMPTS)], 150)
-                                          for i in range(16)))
+            return await asyncio.gather(
+                *(stream_completion(c, str(model), PROMPTS[i % len(PROMPTS)], 150) for i in range(16))
+            )
 
     results = asyncio.run(together())
     assert metric(tp2.url, "batchserve_preemptions_total") > preempted_before
@@ -163,8 +170,13 @@ def test_concurrent_long_streams_are_preempted_and_all_complete(servers, model):
         expected = solo[i % len(PROMPTS)]
         assert (text, finish) == (expected.choices[0].text, "length"), i
         assert usage.completion_tokens == 150 and usage.prompt_tokens == expected.usage.prompt_tokens
-    assert wait_until(lambda: metric(tp2.url, "batchserve_num_requests_running") == 0
-                      and metric(tp2.url, "batchserve_kv_cache_used_tokens") == 0, timeout=30)
+    assert wait_until(
+        lambda: (
+            metric(tp2.url, "batchserve_num_requests_running") == 0
+            and metric(tp2.url, "batchserve_kv_cache_used_tokens") == 0
+        ),
+        timeout=30,
+    )
 
 
 class Reply(BaseModel):
@@ -176,8 +188,12 @@ class Reply(BaseModel):
 def test_json_schema_output_parses_and_validates(servers, model):
     tp2, tp1 = servers
     messages = [{"role": "user", "content": '{"name": "Ada", "age": 36, "ok": true}'}]
-    done = [client(s).chat.completions.parse(model=str(model), messages=messages, response_format=Reply, temperature=0,
-                                             max_tokens=80) for s in servers]
+    done = [
+        client(s).chat.completions.parse(
+            model=str(model), messages=messages, response_format=Reply, temperature=0, max_tokens=80
+        )
+        for s in servers
+    ]
     for out in done:
         assert out.choices[0].finish_reason == "stop"
         assert isinstance(out.choices[0].message.parsed, Reply)  # pydantic validated it against the schema
@@ -188,8 +204,13 @@ def test_clients_disconnecting_mid_stream_free_their_requests(servers, model):
     tp2, _ = servers
 
     async def one(c: openai.AsyncOpenAI, i: int) -> None:
-        stream = await c.completions.create(model=str(model), prompt=PROMPTS[i % len(PROMPTS)], max_tokens=300,
-                                            stream=True, extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model=str(model),
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         n = 0
         async for _ in stream:
             n += 1
@@ -202,27 +223,41 @@ def test_clients_disconnecting_mid_stream_free_their_requests(servers, model):
             await asyncio.gather(*(one(c, i) for i in range(20)))
 
     asyncio.run(storm())
-    assert wait_until(lambda: metric(tp2.url, "batchserve_num_requests_running") == 0
-                      and metric(tp2.url, "batchserve_kv_cache_used_tokens") == 0, timeout=30), \
-        (metric(tp2.url, "batchserve_num_requests_running"), metric(tp2.url, "batchserve_kv_cache_used_tokens"))
+    assert wait_until(
+        lambda: (
+            metric(tp2.url, "batchserve_num_requests_running") == 0
+            and metric(tp2.url, "batchserve_kv_cache_used_tokens") == 0
+        ),
+        timeout=30,
+    ), (metric(tp2.url, "batchserve_num_requests_running"), metric(tp2.url, "batchserve_kv_cache_used_tokens"))
     assert complete(tp2, model, PROMPTS[0]).choices[0].finish_reason == "length"  # and it still serves
 
 
 # ------------------------------------------------------------------------------------------- failures
+
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_follower_rank_killed_or_hung_mid_stream_ends_every_stream_and_serve(model, tmp_path, how):
     """SIGKILL: the api sees its pid gone; SIGSTOP: its heartbeats stop, and rank 0's collective (or the
     scheduler's wait for the step) times out after --step-timeout-s. Either way serve stops everything
     and exits 1."""
-    stack = Stack("serve", model, tmp_path, *TP2, "--kv-capacity-tokens", "8192", "--step-timeout-s", "3",
-                  "--drain-timeout-s", "5")
+    stack = Stack(
+        "serve",
+        model,
+        tmp_path,
+        *TP2,
+        "--kv-capacity-tokens",
+        "8192",
+        "--step-timeout-s",
+        "3",
+        "--drain-timeout-s",
+        "5",
+    )
     stack.start()
     try:
         records = [StreamRecord() for _ in range(4)]
         body = {"model": str(model), "prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-        _, down_at = asyncio.run(streams_through_fault(stack.url, body, records,
-                                                       lambda: stack.inject("worker-1", how)))
+        _, down_at = asyncio.run(streams_through_fault(stack.url, body, records, lambda: stack.inject("worker-1", how)))
         assert stack.procs["serve"].wait(30) == 1
     finally:
         stack.stop()
@@ -256,8 +291,9 @@ class WorkerNode(Server):
 def test_two_nodes_on_loopback_serve_as_one_rank_does(servers, model, tmp_path):
     tp1 = servers[1]
     layout = (*TP2, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout-s", "60", *FLAGS)
-    node1 = WorkerNode(model, tmp_path / "node1.log", *layout, "--node-rank", "1",
-                       "--runtime-dir", str(tmp_path / "node1-run"))
+    node1 = WorkerNode(
+        model, tmp_path / "node1.log", *layout, "--node-rank", "1", "--runtime-dir", str(tmp_path / "node1-run")
+    )
     # Node 1 is ready only once node 0's rank has joined it: start it beside node 0.
     starting = threading.Thread(target=node1.start)
     starting.start()
@@ -286,10 +322,25 @@ def test_a_rank_whose_peer_never_comes_exits_naming_the_join(model, tmp_path):
     procs = {}
     for rank in (0, 1):
         procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "procs.cli", "proc", "worker", "--model", str(model), *TP2,
-             "--local-rank", str(rank), "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout-s", str(timeout_s),
-             "--runtime-dir", str(tmp_path / f"rank{rank}")],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                *cli_command("proc", "worker"),
+                "--model",
+                str(model),
+                *TP2,
+                "--local-rank",
+                str(rank),
+                "--dist-init-addr",
+                f"127.0.0.1:{free_port()}",
+                "--dist-timeout-s",
+                str(timeout_s),
+                "--runtime-dir",
+                str(tmp_path / f"rank{rank}"),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     started = time.monotonic()
     for rank, proc in procs.items():
         try:
@@ -302,23 +353,41 @@ def test_a_rank_whose_peer_never_comes_exits_naming_the_join(model, tmp_path):
     assert time.monotonic() - started < timeout_s + 30
 
 
-@pytest.mark.parametrize("flags, setting", [(("--nnodes", "3"), "nnodes"),
-                                             (("--nnodes", "2", "--node-rank", "1"), "dist_init_addr"),
-                                             (("--tp", "0"), "tensor_parallel_size"),
-                                             (("--step-timeout-s", "2"), "step_timeout_s must be > 2")])
+@pytest.mark.parametrize(
+    "flags, setting",
+    [
+        (("--nnodes", "3"), "nnodes"),
+        (("--nnodes", "2", "--node-rank", "1"), "dist_init_addr"),
+        (("--tp", "0"), "tensor_parallel_size"),
+        (("--step-timeout-s", "2"), "step_timeout_s must be > 2"),
+    ],
+)
 def test_a_layout_that_cannot_run_is_refused_before_anything_starts(tmp_path, flags, setting):
-    proc = subprocess.run([sys.executable, "-m", "procs.cli", "serve", "--model", str(tmp_path), *TP2, *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*cli_command("serve"), "--model", str(tmp_path), *TP2, *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and setting in proc.stderr, proc.stderr
     assert "serving" not in proc.stdout
 
 
 # ------------------------------------------------------------------------------- the api's watch
 
+
 def test_backend_processes_are_this_machines_ranks():
     assert backend_processes(ServerConfig()) == BACKEND_PROCESSES
     assert backend_processes(ServerConfig(tensor_parallel_size=4)) == (
-        "worker", "worker-1", "worker-2", "worker-3", "scheduler", "tokenizer", "detokenizer")
+        "worker",
+        "worker-1",
+        "worker-2",
+        "worker-3",
+        "scheduler",
+        "tokenizer",
+        "detokenizer",
+    )
     # node 0 of two: rank 1 is on the other machine, which rank 0 watches through its collectives
     two_nodes = dict(tensor_parallel_size=2, nnodes=2, dist_init_addr="10.0.0.1:29500")
     assert backend_processes(ServerConfig(**two_nodes)) == BACKEND_PROCESSES
@@ -337,8 +406,10 @@ def test_a_hung_follower_rank_fails_requests_in_flight_until_every_rank_is_back(
     ctx = zmq.Context()
     to_api: Sender = Sender(ctx, endpoints.api)
     sleepers = {name: _sleeper() for name in ("worker", "worker-1", "worker-new", "worker-1-new")}
-    pids = {name: os.getpid() for name in names} | {"worker": sleepers["worker"].pid,
-                                                     "worker-1": sleepers["worker-1"].pid}
+    pids = {name: os.getpid() for name in names} | {
+        "worker": sleepers["worker"].pid,
+        "worker-1": sleepers["worker-1"].pid,
+    }
     silent: set[str] = set()
 
     async def wait_for(predicate, timeout: float = 8.0) -> None:

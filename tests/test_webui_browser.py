@@ -12,15 +12,15 @@ import threading
 
 import openai
 import pytest
-
 from api_fake_engine import FakeEngine
 from browser import AppThread, chromium_driver, save_screenshot, wait_for
 from e2e_server import http, start_server
-from loadtests.browser import quit_driver
-from procs.api.app import create_app
-from shared.config import DEFAULT_MODEL, ServerConfig
-from shared.messages import SchedulerStats
-from shared.scheduler_view import KvView, SchedulerView
+
+from batchserve.loadtests.browser import quit_driver
+from batchserve.procs.api.app import create_app
+from batchserve.shared.config import DEFAULT_MODEL, ServerConfig
+from batchserve.shared.messages import SchedulerStats
+from batchserve.shared.scheduler_view import KvView, SchedulerView
 
 XSS = '<img src=x onerror="window.pwned=1">'
 
@@ -42,7 +42,11 @@ def _answer(driver):
     state = node.get_attribute("data-state")
     if state == "streaming":
         return None
-    return state, _by(node, ".content")[0].get_attribute("textContent"), _by(node, ".stats")[0].get_attribute("textContent")
+    return (
+        state,
+        _by(node, ".content")[0].get_attribute("textContent"),
+        _by(node, ".stats")[0].get_attribute("textContent"),
+    )
 
 
 def _send(driver, prompt: str, **fields: str) -> None:
@@ -84,7 +88,9 @@ def test_the_settings_reach_the_server_and_reasoning_is_shown_apart(driver):
         wait_for(lambda: _by(driver, "#model option"), what="the model list")
         driver.find_element("id", "system").send_keys("Answer in JSON.")
         driver.find_element("id", "stop").send_keys("END")
-        driver.find_element("id", "json-schema").send_keys('{"type": "object", "properties": {"city": {"type": "string"}}}')
+        driver.find_element("id", "json-schema").send_keys(
+            '{"type": "object", "properties": {"city": {"type": "string"}}}'
+        )
         _send(driver, "Where is Paris?", temperature="0.5", top_p="0.9", max_tokens="40", seed="7")
         state, text, _ = wait_for(lambda: _answer(driver), what="the answer")
         assert (state, text) == ("done", '{"city": "Paris"}')
@@ -95,7 +101,11 @@ def test_the_settings_reach_the_server_and_reasoning_is_shown_apart(driver):
         params = sent.params
         assert (params.sampling.temperature, params.sampling.top_p, params.sampling.seed) == (0.5, 0.9, 7)
         assert (params.stop.max_tokens, tuple(params.stop.stop)) == (40, ("END",))
-        assert params.constraint is not None and params.constraint.kind == "json_schema" and "city" in params.constraint.spec
+        assert (
+            params.constraint is not None
+            and params.constraint.kind == "json_schema"
+            and "city" in params.constraint.spec
+        )
     finally:
         server.stop()
 
@@ -142,10 +152,17 @@ def test_with_an_api_key_the_pages_work_only_once_it_is_given(driver, tmp_path):
         driver.get(server.url + "/dashboard")
         wait_for(lambda: driver.find_element("id", "key-form").is_displayed(), what="the dashboard's key form")
         assert driver.find_element("id", "status").text == "needs an API key"
-        view = SchedulerView(requests=[], num_waiting=0, slots_total=4, slots_used=0,
-                             kv=KvView(page_size=16, total=64, used=0, free=64, reserved=0))
-        server.call(engine.push_stats, SchedulerStats(num_running=0, num_waiting=0, kv_used_tokens=0,
-                                                      kv_total_tokens=1024, view=view))
+        view = SchedulerView(
+            requests=[],
+            num_waiting=0,
+            slots_total=4,
+            slots_used=0,
+            kv=KvView(page_size=16, total=64, used=0, free=64, reserved=0),
+        )
+        server.call(
+            engine.push_stats,
+            SchedulerStats(num_running=0, num_waiting=0, kv_used_tokens=0, kv_total_tokens=1024, view=view),
+        )
         driver.find_element("id", "api-key").send_keys("sesame")
         driver.find_element("id", "save-key").click()
         wait_for(lambda: driver.find_element("id", "status").text.startswith("live"), what="the live view")
@@ -155,21 +172,37 @@ def test_with_an_api_key_the_pages_work_only_once_it_is_given(driver, tmp_path):
 
 # ---- on the default model, served by the five processes
 
+
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    server = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("webui") / "serve.log", "--kv-capacity-tokens", "8192",
-                          "--max-running-requests", "8", startup_timeout=600)
+    server = start_server(
+        DEFAULT_MODEL,
+        tmp_path_factory.mktemp("webui") / "serve.log",
+        "--kv-capacity-tokens",
+        "8192",
+        "--max-running-requests",
+        "8",
+        startup_timeout=600,
+    )
     yield server
     server.stop()
 
 
 @pytest.mark.slow
 def test_the_playground_streams_the_api_greedy_answer(driver, real_server, tmp_path):
-    question, settings = "What is the capital of France? Answer in one sentence.", {"temperature": "0", "max_tokens": "24"}
+    question, settings = (
+        "What is the capital of France? Answer in one sentence.",
+        {"temperature": "0", "max_tokens": "24"},
+    )
     client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
-    expected = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                              temperature=0, top_p=1, max_tokens=24).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0, top_p=1, max_tokens=24
+        )
+        .choices[0]
+        .message.content
+    )
     driver.get(real_server.url + "/")
     driver.execute_script("localStorage.clear()")
     driver.refresh()
@@ -179,8 +212,11 @@ def test_the_playground_streams_the_api_greedy_answer(driver, real_server, tmp_p
     assert (state, text) == ("done", expected)
     assert re.search(r"TTFT \d+ ms · \d+ tokens · [\d.]+ tok/s · \d+ of \d+ prompt tokens cached", stats), stats
     _send(driver, "And of Italy?")  # the second turn's prompt starts with the first's: its KV is cached
-    state, _, stats = wait_for(lambda: len(_by(driver, "#messages .message.assistant")) == 2 and _answer(driver),
-                               timeout=120, what="the second answer")
+    state, _, stats = wait_for(
+        lambda: len(_by(driver, "#messages .message.assistant")) == 2 and _answer(driver),
+        timeout=120,
+        what="the second answer",
+    )
     cached = int(re.search(r"(\d+) of \d+ prompt tokens cached", stats).group(1))
     assert state == "done" and cached > 0, stats
     save_screenshot(driver, "webui_chat.png", tmp_path)
@@ -193,8 +229,13 @@ def test_the_dashboard_shows_a_long_generation_then_an_empty_running_set(driver,
     done = threading.Event()
 
     def long_generation() -> None:
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story."}],
-                                                max_tokens=160, stream=True, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell a story."}],
+            max_tokens=160,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         for _ in stream:
             pass
         done.set()
@@ -207,16 +248,23 @@ def test_the_dashboard_shows_a_long_generation_then_an_empty_running_set(driver,
     cells = [c.text for c in _by(rows[0], "td")]
     assert cells[2] in ("prefilling", "running") and cells[1] == "0"
     assert int(driver.find_element("id", "running-count").text) == 1
-    wait_for(lambda: int(_by(driver, "#running tr td")[5].text.split(" / ")[0]) > 20, timeout=60,
-             what="tokens generated")
+    wait_for(
+        lambda: int(_by(driver, "#running tr td")[5].text.split(" / ")[0]) > 20, timeout=60, what="tokens generated"
+    )
     wait_for(lambda: re.fullmatch(r"[\d.]+ ms", driver.find_element("id", "step-ms").text), what="a step's time")
-    wait_for(lambda: float(re.search(r"tokens/s ([\d.]+)", driver.find_element("id", "legend-throughput").text)[1]) > 0,
-             timeout=30, what="output tokens/s while it streams")
+    wait_for(
+        lambda: float(re.search(r"tokens/s ([\d.]+)", driver.find_element("id", "legend-throughput").text)[1]) > 0,
+        timeout=30,
+        what="output tokens/s while it streams",
+    )
     save_screenshot(driver, "webui_dashboard.png", tmp_path)
     assert done.wait(120)
     worker.join()
-    wait_for(lambda: driver.find_element("id", "running-empty").is_displayed() and not _by(driver, "#running tr"),
-             timeout=15, what="an empty running set")
+    wait_for(
+        lambda: driver.find_element("id", "running-empty").is_displayed() and not _by(driver, "#running tr"),
+        timeout=15,
+        what="an empty running set",
+    )
     assert driver.find_element("id", "running-count").text == "0"
     status, snapshot = http(real_server.url + "/dashboard/snapshot")
     assert status == 200 and snapshot["scheduler"]["slots_used"] == 0 and snapshot["scheduler"]["kv"]["reserved"] == 0

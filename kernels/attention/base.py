@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
-    from kernels.kv_cache import KVCache
+    from batchserve.kernels.kv_cache import KVCache
 
 
 @dataclass
@@ -63,8 +64,17 @@ class AttentionBackend(ABC):
     # a whole step); a longer one reads the window before it from the ring and its own k/v beside it.
     ring_row_tokens: int | None = None
 
-    def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = (), softcap: float = 0.0, causal: bool = True):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        windows: Sequence[int] = (),
+        softcap: float = 0.0,
+        causal: bool = True,
+    ):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         layers = len(kv_cache.k)
@@ -88,8 +98,9 @@ class AttentionBackend(ABC):
         """Prepare per-step index tensors (called once per step, after the page table is updated)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> attention output [T, H, D]; stores k/v at the planned kv_locs."""
 
     def in_ring(self, window: int) -> bool:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from kernels.attention.base import AttentionMetadata, PagedRows
-from kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend, _PrefillChunk
+from batchserve.kernels import native
+from batchserve.kernels.attention.base import AttentionMetadata, PagedRows
+from batchserve.kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend, _PrefillChunk
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -24,8 +24,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.kv_cache.device.type != "cpu" or self.kv_cache.dtype != torch.float32:
-            raise ValueError(f"the cpu attention backend runs float32 on the CPU, not "
-                             f"{self.kv_cache.dtype} on {self.kv_cache.device.type}")
+            raise ValueError(
+                f"the cpu attention backend runs float32 on the CPU, not "
+                f"{self.kv_cache.dtype} on {self.kv_cache.device.type}"
+            )
         if not native.available():
             raise native.NativeKernelError("the cpu attention backend needs the C kernels, which could not be built")
         self.paged_chunks = self.causal  # an encoder's bidirectional rows: SDPA
@@ -49,51 +51,94 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # A chunk's pages lie in order from its first row on, across its rows as needed (only the chunk reads
         # them), so a long prompt's rows stay narrow; its lens say each row's position.
         rows = plan.kv_locs.shape[0]
-        width = max([-(-len(chunk.pages) // chunk.length) for chunk in plan.prefills] +
-                    ([decode.pages.shape[1]] if decode else []))
+        width = max(
+            [-(-len(chunk.pages) // chunk.length) for chunk in plan.prefills]
+            + ([decode.pages.shape[1]] if decode else [])
+        )
         pages = torch.zeros((rows, width), dtype=torch.int64)
         lens = torch.ones(rows, dtype=torch.int64)
         if decode is not None:
-            pages[decode.rows, :decode.pages.shape[1]] = decode.pages
+            pages[decode.rows, : decode.pages.shape[1]] = decode.pages
             lens[decode.rows] = decode.lens
         for chunk in plan.prefills:
-            pages.view(-1)[chunk.start * width:chunk.start * width + len(chunk.pages)] = chunk.pages
-            lens[chunk.start:chunk.start + chunk.length] = torch.arange(chunk.prefix + 1, chunk.prefix + chunk.length + 1)
+            pages.view(-1)[chunk.start * width : chunk.start * width + len(chunk.pages)] = chunk.pages
+            lens[chunk.start : chunk.start + chunk.length] = torch.arange(
+                chunk.prefix + 1, chunk.prefix + chunk.length + 1
+            )
         chunks = torch.tensor([(chunk.start, chunk.length) for chunk in plan.prefills], dtype=torch.int64)
         return PagedRows(plan.kv_locs, pages, lens, chunks[chunks[:, 0].argsort()])
 
     def _chunk_pages(self, slot: int, prefix: int, length: int, table: torch.Tensor) -> torch.Tensor | None:
         if not self.paged_chunks:
             return super()._chunk_pages(slot, prefix, length, table)
-        return table[slot, :-(-(prefix + length) // self.kv_cache.page_size)].to(torch.int64)
+        return table[slot, : -(-(prefix + length) // self.kv_cache.page_size)].to(torch.int64)
 
-    def _pool_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
-                    window: int) -> _PrefillChunk:
+    def _pool_chunk(
+        self, start: int, length: int, prefix: int, pages: torch.Tensor | None, window: int
+    ) -> _PrefillChunk:
         if not self.paged_chunks:
             return super()._pool_chunk(start, length, prefix, pages, window)
-        native.check_pages(pages[None], torch.tensor([prefix + length]), self._pool_pages(window), self.kv_cache.page_size)
+        native.check_pages(
+            pages[None], torch.tensor([prefix + length]), self._pool_pages(window), self.kv_cache.page_size
+        )
         return _PrefillChunk(start, length, pages, None, paged=True, prefix=prefix, window=window)
 
-    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, chunk: _PrefillChunk, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        chunk: _PrefillChunk,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
         if not chunk.paged:
             return super()._attend_chunk(q, k, v, k_pool, v_pool, chunk, sinks, out)
-        native.paged_prefill_attention(q, k_pool, v_pool, chunk.pages, chunk.prefix, self.scale, window=chunk.window,
-                                       softcap=self.softcap, sinks=sinks, out=out)
+        native.paged_prefill_attention(
+            q,
+            k_pool,
+            v_pool,
+            chunk.pages,
+            chunk.prefix,
+            self.scale,
+            window=chunk.window,
+            softcap=self.softcap,
+            sinks=sinks,
+            out=out,
+        )
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> None:
+    def _write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
         if rows is not None:
             k, v, kv_locs = k[rows], v[rows], kv_locs[rows]
         native.write_kv(self.kv_cache.k[layer], self.kv_cache.v[layer], kv_locs, k, v, locs_checked=True)
 
-    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,
-                     window: int) -> DecodeGroup:
+    def _plan_decode(
+        self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor, window: int
+    ) -> DecodeGroup:
         native.check_pages(pages, lens, self._pool_pages(window), self.kv_cache.page_size)
         return DecodeGroup(rows, pages, lens, mask=None, window=window)
 
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,
-                       sinks: torch.Tensor | None) -> torch.Tensor:
-        return native.paged_decode_attention(q, k_pool, v_pool, decode.pages, decode.lens, self.scale,
-                                             window=decode.window, softcap=self.softcap, sinks=sinks,
-                                             pages_checked=True)
+    def _attend_decode(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        decode: DecodeGroup,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return native.paged_decode_attention(
+            q,
+            k_pool,
+            v_pool,
+            decode.pages,
+            decode.lens,
+            self.scale,
+            window=decode.window,
+            softcap=self.softcap,
+            sinks=sinks,
+            pages_checked=True,
+        )

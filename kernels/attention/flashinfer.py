@@ -29,18 +29,19 @@ where flashinfer (or CUDA) is missing is a clear error.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kernels.attention.base import AttentionMetadata, CudaGraphAttentionBackend
-from shared.ranges import concat_ranges
+from batchserve.kernels.attention.base import AttentionMetadata, CudaGraphAttentionBackend
+from batchserve.shared.ranges import concat_ranges
 
 if TYPE_CHECKING:
-    from kernels.kv_cache import KVCache
+    from batchserve.kernels.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -58,7 +59,8 @@ def import_flashinfer() -> ModuleType:
     except (ImportError, OSError, RuntimeError) as exc:  # missing, or its CUDA libraries don't load
         raise FlashInferUnavailable(
             "attention backend 'flashinfer' needs the flashinfer package (pip install flashinfer-python) "
-            f"and a CUDA GPU: {exc}; use --attention-backend torch") from exc
+            f"and a CUDA GPU: {exc}; use --attention-backend torch"
+        ) from exc
     return flashinfer
 
 
@@ -97,32 +99,53 @@ def page_lists(metadata: AttentionMetadata, page_table: torch.Tensor, page_size:
         flat = np.repeat(np.asarray(metadata.slots[:real], dtype=np.int64) * width, counts) + columns
         flat_t = torch.from_numpy(flat).to(page_table.device, non_blocking=True)
         indices[:real_pages] = page_table.view(-1).index_select(0, flat_t)
-    return PageLists(indptr=torch.from_numpy(indptr.astype(np.int32)), indices=indices,
-                     last_page_len=torch.from_numpy(last_page_len.astype(np.int32)))
+    return PageLists(
+        indptr=torch.from_numpy(indptr.astype(np.int32)),
+        indices=indices,
+        last_page_len=torch.from_numpy(last_page_len.astype(np.int32)),
+    )
 
 
 class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, kv_cache: "KVCache", num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 windows: Sequence[int] = (), softcap: float = 0.0, causal: bool = True):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        windows: Sequence[int] = (),
+        softcap: float = 0.0,
+        causal: bool = True,
+    ):
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale, windows, softcap, causal)
         if kv_cache.device.type != "cuda":
-            raise ValueError(f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
-                             "use --attention-backend torch")
+            raise ValueError(
+                f"attention backend 'flashinfer' runs on CUDA only (device is {kv_cache.device}); "
+                "use --attention-backend torch"
+            )
         if kv_cache.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"attention backend 'flashinfer' needs --dtype bfloat16 or float16, got {kv_cache.dtype}; "
-                             "use --attention-backend torch for float32")
+            raise ValueError(
+                f"attention backend 'flashinfer' needs --dtype bfloat16 or float16, got {kv_cache.dtype}; "
+                "use --attention-backend torch for float32"
+            )
         self._flashinfer = import_flashinfer()
         device = kv_cache.device
         # zeros: flashinfer 0.7.4's decode wrapper documents its workspace "must be initialized to 0 for its first use"
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
         distinct = sorted(set(self.windows))
-        self._prefill_wrappers = {w: self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-                                  for w in distinct}
-        self._decode_wrappers = {w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=self._tensor_cores) for w in distinct}
+        self._prefill_wrappers = {
+            w: self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD") for w in distinct
+        }
+        self._decode_wrappers = {
+            w: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=self._tensor_cores
+            )
+            for w in distinct
+        }
         self._graph_wrappers: dict[int, dict[int, Any]] = {}  # batch size -> window -> wrapper
         self._graph_ring_locs: torch.Tensor | None = None  # a graph's ring write locations (static)
         self._wrappers: dict[int, Any] = {}  # window -> the wrapper planned for this step
@@ -133,8 +156,7 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
     def _shape_args(self) -> tuple[int, int, int, int]:
         return self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size
 
-    def _step_pages(self, metadata: AttentionMetadata,
-                    ring_locs: torch.Tensor | None = None) -> dict[bool, PageLists]:
+    def _step_pages(self, metadata: AttentionMetadata, ring_locs: torch.Tensor | None = None) -> dict[bool, PageLists]:
         """The page lists of the step by each table its layers read (the scheduler's, the rings'), and
         where their new K/V go (the ring locations into `ring_locs` where given: a graph's static buffer)."""
         pages, self._kv_locs = {}, {}
@@ -144,22 +166,32 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
             locs = metadata.kv_locs
             if ring:
                 self.kv_cache.check_ring_rows(metadata.prefix_lens, metadata.extend_lens)
-                host = self.kv_cache.ring_locs(metadata.slots, metadata.prefix_lens, metadata.extend_lens,
-                                               metadata.num_padding)
+                host = self.kv_cache.ring_locs(
+                    metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding
+                )
                 locs = torch.from_numpy(host).to(self.kv_cache.page_table.device, non_blocking=True)
-                locs = locs if ring_locs is None else ring_locs[:locs.shape[0]].copy_(locs)
+                locs = locs if ring_locs is None else ring_locs[: locs.shape[0]].copy_(locs)
             self._kv_locs[ring] = locs
         return pages
 
-    def _plan_decode(self, wrappers: dict[int, Any], metadata: AttentionMetadata,
-                     ring_locs: torch.Tensor | None = None) -> None:
+    def _plan_decode(
+        self, wrappers: dict[int, Any], metadata: AttentionMetadata, ring_locs: torch.Tensor | None = None
+    ) -> None:
         step_pages = self._step_pages(metadata, ring_locs)
         for window, wrapper in wrappers.items():
             pages = step_pages[self.in_ring(window)]
-            wrapper.plan(pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                         pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
-                         logits_soft_cap=self.softcap or None, sm_scale=self.scale,
-                         q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+            wrapper.plan(
+                pages.indptr,
+                pages.indices,
+                pages.last_page_len,
+                *self._shape_args(),
+                pos_encoding_mode="NONE",
+                window_left=window - 1 if window else -1,
+                logits_soft_cap=self.softcap or None,
+                sm_scale=self.scale,
+                q_data_type=self.kv_cache.dtype,
+                kv_data_type=self.kv_cache.dtype,
+            )
         self._wrappers = wrappers
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -171,10 +203,20 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         torch.cumsum(torch.tensor(metadata.extend_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
         for window, wrapper in self._prefill_wrappers.items():
             pages = step_pages[self.in_ring(window)]
-            wrapper.plan(qo_indptr, pages.indptr, pages.indices, pages.last_page_len, *self._shape_args(),
-                         causal=self.causal, pos_encoding_mode="NONE", window_left=window - 1 if window else -1,
-                         logits_soft_cap=self.softcap or None,
-                         sm_scale=self.scale, q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+            wrapper.plan(
+                qo_indptr,
+                pages.indptr,
+                pages.indices,
+                pages.last_page_len,
+                *self._shape_args(),
+                causal=self.causal,
+                pos_encoding_mode="NONE",
+                window_left=window - 1 if window else -1,
+                logits_soft_cap=self.softcap or None,
+                sm_scale=self.scale,
+                q_data_type=self.kv_cache.dtype,
+                kv_data_type=self.kv_cache.dtype,
+            )
         self._wrappers = self._prefill_wrappers
 
     # -- CUDA graphs --------------------------------------------------------------------------------
@@ -184,36 +226,53 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         device = self.kv_cache.device
         # Shared by every size's wrapper of one table (the scheduler's, the rings'): one graph runs at a
         # time and its plan rewrites them first.
-        buffers = {ring: (torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
-                          torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device),
-                          torch.ones(max_bs, dtype=torch.int32, device=device))
-                   for ring in {self.in_ring(window) for window in self.windows}}
+        buffers = {
+            ring: (
+                torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+                torch.zeros(max_bs * self.kv_cache.max_pages_per_request, dtype=torch.int32, device=device),
+                torch.ones(max_bs, dtype=torch.int32, device=device),
+            )
+            for ring in {self.in_ring(window) for window in self.windows}
+        }
         if True in buffers:
             self._graph_ring_locs = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self._graph_wrappers = {size: {window: self._graph_wrapper(size, *buffers[self.in_ring(window)])
-                                       for window in sorted(set(self.windows))} for size in batch_sizes}
+        self._graph_wrappers = {
+            size: {
+                window: self._graph_wrapper(size, *buffers[self.in_ring(window)])
+                for window in sorted(set(self.windows))
+            }
+            for size in batch_sizes
+        }
 
-    def _graph_wrapper(self, size: int, indptr: torch.Tensor, indices: torch.Tensor,
-                       last_page_len: torch.Tensor) -> Any:
+    def _graph_wrapper(
+        self, size: int, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> Any:
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
-            paged_kv_indptr_buffer=indptr[:size + 1], paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len[:size])
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self._tensor_cores,
+            paged_kv_indptr_buffer=indptr[: size + 1],
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len[:size],
+        )
 
     def plan_cuda_graph(self, metadata: AttentionMetadata) -> None:
         size = len(metadata.slots)
         wrappers = self._graph_wrappers.get(size)
         if wrappers is None:
-            raise ValueError(f"no CUDA-graph decode buffers for batch size {size} "
-                             f"(initialised: {sorted(self._graph_wrappers)})")
+            raise ValueError(
+                f"no CUDA-graph decode buffers for batch size {size} (initialised: {sorted(self._graph_wrappers)})"
+            )
         if any(length != 1 for length in metadata.extend_lens):
             raise ValueError("plan_cuda_graph takes decode-only batches")
         self._plan_decode(wrappers, metadata, self._graph_ring_locs)
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         window = self.windows[layer]
         kv_locs = self._kv_locs[self.in_ring(window)]
         self.kv_cache.k_flat[layer].index_copy_(0, kv_locs, k)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionBackend, AttentionMetadata
+from batchserve.kernels.attention.base import AttentionBackend, AttentionMetadata
 
 # A row of at most this many tokens after a cached prefix attends as decode rows (see above): the
 # widest decode row speculative decoding sends, with room; prefill chunks are longer as a rule, and
@@ -105,17 +105,26 @@ class TorchAttentionBackend(AttentionBackend):
         plans = {}
         for ring in {self.in_ring(window) for window in self.windows}:  # the pages each table gives, once
             table = self.kv_cache.ring_table if ring else self.kv_cache.page_table
-            kv_locs = torch.from_numpy(self.kv_cache.ring_locs(
-                metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding)).to(device) \
-                if ring else metadata.kv_locs
-            chunk_pages = [self._chunk_pages(slot, prefix, length, table) for _, length, prefix, slot in chunks] \
-                if not ring else []
+            kv_locs = (
+                torch.from_numpy(
+                    self.kv_cache.ring_locs(
+                        metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding
+                    )
+                ).to(device)
+                if ring
+                else metadata.kv_locs
+            )
+            chunk_pages = (
+                [self._chunk_pages(slot, prefix, length, table) for _, length, prefix, slot in chunks]
+                if not ring
+                else []
+            )
             decode_pages = None
             if decode is not None:
                 rows, slots, lens, longest = decode
                 decode_pages = self._pages(slots, lens, longest, table)
                 if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
-                    decode_pages[-metadata.num_padding:] = 0
+                    decode_pages[-metadata.num_padding :] = 0
             plans[ring] = (kv_locs, chunk_pages, decode_pages)
         self._plans = {}
         for window in set(self.windows):
@@ -124,12 +133,23 @@ class TorchAttentionBackend(AttentionBackend):
             if self.in_ring(window):
                 self._plans[window] = self._ring_plan(decode_group, chunks, kv_locs, window, metadata.num_tokens)
                 continue
-            self._plans[window] = StepPlan(decode_group, [self._pool_chunk(start, length, prefix, pages, window)
-                                                          for (start, length, prefix, _), pages in
-                                                          zip(chunks, chunk_pages)], kv_locs)
+            self._plans[window] = StepPlan(
+                decode_group,
+                [
+                    self._pool_chunk(start, length, prefix, pages, window)
+                    for (start, length, prefix, _), pages in zip(chunks, chunk_pages)
+                ],
+                kv_locs,
+            )
 
-    def _ring_plan(self, decode: DecodeGroup | None, chunks: list[tuple[int, int, int, int]], kv_locs: torch.Tensor,
-                   window: int, num_tokens: int) -> StepPlan:
+    def _ring_plan(
+        self,
+        decode: DecodeGroup | None,
+        chunks: list[tuple[int, int, int, int]],
+        kv_locs: torch.Tensor,
+        window: int,
+        num_tokens: int,
+    ) -> StepPlan:
         """A ring's layers: a chunk after a prefix attends to the window before it, from the ring's pages, and
         to its own k/v, which are written after (a ring holds the window and a decode row, not a chunk)."""
         device, size, table = self.kv_cache.device, self.kv_cache.page_size, self.kv_cache.ring_table
@@ -139,7 +159,7 @@ class TorchAttentionBackend(AttentionBackend):
                 prefills.append(self._prefill_chunk(start, length, 0, None, window))
                 continue
             first = max(prefix - window + 1, 0)
-            pages = table[slot, first // size:(prefix - 1) // size + 1].to(torch.int64)
+            pages = table[slot, first // size : (prefix - 1) // size + 1].to(torch.int64)
             chunk = self._prefill_chunk(start, length, prefix, pages, window, first_key=first)
             chunk.pool_keys, chunk.offset = prefix - first, first % size
             prefills.append(chunk)
@@ -156,21 +176,25 @@ class TorchAttentionBackend(AttentionBackend):
         if not prefix:
             return None
         device = table.device
-        return self._pages(torch.tensor([slot], device=device), torch.tensor([prefix + length], device=device),
-                           prefix + length, table)[0]
+        return self._pages(
+            torch.tensor([slot], device=device), torch.tensor([prefix + length], device=device), prefix + length, table
+        )[0]
 
-    def _pool_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
-                    window: int) -> _PrefillChunk:
+    def _pool_chunk(
+        self, start: int, length: int, prefix: int, pages: torch.Tensor | None, window: int
+    ) -> _PrefillChunk:
         """A chunk outside a ring, after its k/v are written to the pool."""
         return self._prefill_chunk(start, length, prefix, pages, window)
 
-    def _prefill_chunk(self, start: int, length: int, prefix: int, pages: torch.Tensor | None,
-                       window: int, first_key: int = 0) -> _PrefillChunk:
+    def _prefill_chunk(
+        self, start: int, length: int, prefix: int, pages: torch.Tensor | None, window: int, first_key: int = 0
+    ) -> _PrefillChunk:
         """A chunk's rows attending to the positions from `first_key` to its own: causally, in a window."""
         if not self.causal:  # an encoder's whole input (never after a prefix): every token sees every other
             assert not prefix, "a bidirectional row is a whole input"
-            return _PrefillChunk(start, length, None, torch.ones(length, length, dtype=torch.bool,
-                                                                  device=self.kv_cache.device))
+            return _PrefillChunk(
+                start, length, None, torch.ones(length, length, dtype=torch.bool, device=self.kv_cache.device)
+            )
         if pages is None and not window:
             return _PrefillChunk(start, length, None, None)  # SDPA's causal mask
         device = self.kv_cache.device
@@ -181,14 +205,17 @@ class TorchAttentionBackend(AttentionBackend):
             mask &= keys > query - window
         return _PrefillChunk(start, length, pages, mask)
 
-    def _plan_decode(self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor,
-                     window: int) -> DecodeGroup:
+    def _plan_decode(
+        self, rows: torch.Tensor | None, pages: torch.Tensor, lens: torch.Tensor, window: int
+    ) -> DecodeGroup:
         positions = torch.arange(pages.shape[1] * self.kv_cache.page_size, device=pages.device)[None, :]
         valid = positions < lens[:, None]
         if window:
             valid &= positions >= lens[:, None] - window
         # an additive float mask: SDPA's CPU kernel runs it a little faster than a boolean one
-        mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=pages.device).masked_fill_(~valid, float("-inf"))
+        mask = torch.zeros(valid.shape, dtype=self.kv_cache.dtype, device=pages.device).masked_fill_(
+            ~valid, float("-inf")
+        )
         return DecodeGroup(rows, pages, lens, mask[:, None, None, :], window)
 
     def _pages(self, slots: torch.Tensor, lens: torch.Tensor, max_len: int, table: torch.Tensor) -> torch.Tensor:
@@ -210,8 +237,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         plan = self._plans[self.windows[layer]]
         self._write_kv(k, v, layer, plan.kv_locs, plan.write_first)
         k_pool = self.kv_cache.k[layer]  # [num_pages, page_size, kv_heads, head_dim]
@@ -229,8 +257,17 @@ class TorchAttentionBackend(AttentionBackend):
             self._write_kv(k, v, layer, plan.kv_locs, plan.write_after)
         return out
 
-    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, chunk: _PrefillChunk, sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        chunk: _PrefillChunk,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
         """A prefill chunk's rows (q, and its own k/v) attending as `chunk` plans, into `out` (its rows)."""
         if chunk.pages is None:
             keys, values = k, v
@@ -243,20 +280,28 @@ class TorchAttentionBackend(AttentionBackend):
             keys = self._gather(k_pool, chunk.pages)[:total]
             values = self._gather(v_pool, chunk.pages)[:total]
         sink = None if sinks is None else sinks[:, None, None]  # [heads, 1, 1]
-        attended = self._sdpa(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                              chunk.mask, sink)
+        attended = self._sdpa(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], chunk.mask, sink
+        )
         out.copy_(attended[0].transpose(0, 1))
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> None:
+    def _write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, kv_locs: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
         """The new K/V of `rows` (None: all) into the pool at their `kv_locs`."""
         if rows is not None:
             k, v, kv_locs = k[rows], v[rows], kv_locs[rows]
         self.kv_cache.k_flat[layer].index_copy_(0, kv_locs, k)
         self.kv_cache.v_flat[layer].index_copy_(0, kv_locs, v)
 
-    def _attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode: DecodeGroup,
-                       sinks: torch.Tensor | None) -> torch.Tensor:
+    def _attend_decode(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        decode: DecodeGroup,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         keys = self._gather(k_pool, decode.pages).transpose(1, 2)  # [b, kv_heads, max_len, head_dim]
         values = self._gather(v_pool, decode.pages).transpose(1, 2)
         # One query token per row, so the query heads sharing a kv head can stand in for query
@@ -266,14 +311,21 @@ class TorchAttentionBackend(AttentionBackend):
         sink = None if sinks is None else sinks.view(self.num_kv_heads, -1, 1)  # a query head's: by (kv head, group)
         return self._sdpa(grouped, keys, values, decode.mask, sink).reshape(b, heads, head_dim)
 
-    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              sink: torch.Tensor | None = None) -> torch.Tensor:
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        sink: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """SDPA over [B, heads, L, D] (keys' heads may be fewer: grouped); `mask` boolean (True = may attend)
         or additive, None = causal; `sink` [heads, L or 1, 1]: a logit per query joining the softmax. Soft-capped
         scores and sinks have no SDPA kernel: transformers' eager arithmetic."""
         if not self.softcap and sink is None:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                  scale=self.scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
         group = q.shape[1] // keys.shape[1]
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)

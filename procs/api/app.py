@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import hdrs, web
@@ -43,28 +43,28 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from procs.api.auth import OWNER, accepted_keys, auth_middleware
-from procs.api.pooling_api import add_pooling_routes
-from procs.api.engine_client import EngineClient
-from procs.api.errors import BodyError, error_response, refusal_response, request_error
-from procs.api.live_view import LiveView
-from procs.api.lora_api import add_lora_routes
-from procs.api.fanout import EngineFailure, Fanout, choice_requests
-from procs.api.metrics import ApiMetrics
-from procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
-from procs.api.responses_api import ResponsesEndpoint
-from procs.api.responses_store import UnavailableResponseStore, serving_store
-from procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
-from procs.api.served_models import ServedModels
-from procs.api.tokenize_api import add_tokenize_routes
-from procs.api.tracking import RequestTracker
-from procs.api.validation import ValidatedRequest, validate_chat, validate_completion
-from procs.api.webui import add_webui_routes
-from shared.chat_format import ReasoningFormat
-from shared.config import ServerConfig, request_cap
-from shared.errors import Refusal
-from shared.messages import RequestRejected, SchedulerStats
-from shared.pooling import PoolerConfig
+from batchserve.procs.api.auth import OWNER, accepted_keys, auth_middleware
+from batchserve.procs.api.engine_client import EngineClient
+from batchserve.procs.api.errors import BodyError, error_response, refusal_response, request_error
+from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
+from batchserve.procs.api.live_view import LiveView
+from batchserve.procs.api.lora_api import add_lora_routes
+from batchserve.procs.api.metrics import ApiMetrics
+from batchserve.procs.api.pooling_api import add_pooling_routes
+from batchserve.procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
+from batchserve.procs.api.responses_api import ResponsesEndpoint
+from batchserve.procs.api.responses_store import UnavailableResponseStore, serving_store
+from batchserve.procs.api.schemas import ChatCompletionRequest, CompletionRequest, decode_body
+from batchserve.procs.api.served_models import ServedModels
+from batchserve.procs.api.tokenize_api import add_tokenize_routes
+from batchserve.procs.api.tracking import RequestTracker
+from batchserve.procs.api.validation import ValidatedRequest, validate_chat, validate_completion
+from batchserve.procs.api.webui import add_webui_routes
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.config import ServerConfig, request_cap
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import RequestRejected, SchedulerStats
+from batchserve.shared.pooling import PoolerConfig
 
 logger = logging.getLogger("batchserve.api")
 
@@ -72,13 +72,20 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # a long prompt as a JSON list of token ids s
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Content-Encodings of a request body that aiohttp decodes (br with the brotli package, zstd with
 # backports.zstd or Python 3.14); any other would reach the JSON decoder still encoded.
-DECODED_ENCODINGS = frozenset({"identity", "gzip", "deflate", *(("br",) if HAS_BROTLI else ()),
-                               *(("zstd",) if HAS_ZSTD else ())})
+DECODED_ENCODINGS = frozenset(
+    {"identity", "gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ())}
+)
 
 
 class ApiHandlers:
-    def __init__(self, engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
-                 pooler: PoolerConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServerConfig,
+        *,
+        reasoning: ReasoningFormat = "",
+        pooler: PoolerConfig | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.pooler = pooler  # the pooling runner's (`/v1/embeddings`); None: the generate runner
@@ -90,8 +97,16 @@ class ApiHandlers:
         self.in_flight = 0
         self.created = int(time.time())
         self.served = ServedModels.of(engine.model_name, config)  # the model and its LoRA adapters
-        self.metrics.lora.max_loras, self.metrics.lora.name_of = config.max_loras if config.enable_lora else 0, self.served.name
-        self.responses = ResponsesEndpoint(engine, reasoning=reasoning, served=self.served, store=serving_store(config.responses_store, config.responses_ttl_s))
+        self.metrics.lora.max_loras, self.metrics.lora.name_of = (
+            config.max_loras if config.enable_lora else 0,
+            self.served.name,
+        )
+        self.responses = ResponsesEndpoint(
+            engine,
+            reasoning=reasoning,
+            served=self.served,
+            store=serving_store(config.responses_store, config.responses_ttl_s),
+        )
 
     # ---- plain endpoints
 
@@ -118,15 +133,18 @@ class ApiHandlers:
     # ---- generation endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions", "cmpl-", CompletionRequest, validate_completion,
-                                    CompletionShapes)
+        return await self._generate(
+            request, "completions", "cmpl-", CompletionRequest, validate_completion, CompletionShapes
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat", "chatcmpl-", ChatCompletionRequest, validate_chat, ChatShapes)
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         owner = request.get(OWNER, "")
-        return await self._run(request, "responses", "resp_", lambda body, rid: self.responses.prepare(body, rid, owner))
+        return await self._run(
+            request, "responses", "resp_", lambda body, rid: self.responses.prepare(body, rid, owner)
+        )
 
     async def get_response(self, request: web.Request) -> web.Response:
         return self._stored(request, self.responses.retrieve)
@@ -141,28 +159,48 @@ class ApiHandlers:
         except Refusal as exc:
             return request_error(exc.status, exc.message, exc.param, rid, exc.code)
 
-    async def _generate(self, request: web.Request, endpoint: str, id_prefix: str, schema: type,
-                        validate: Callable[..., ValidatedRequest],
-                        shapes_cls: type[ResponseShapes]) -> web.StreamResponse:
+    async def _generate(
+        self,
+        request: web.Request,
+        endpoint: str,
+        id_prefix: str,
+        schema: type,
+        validate: Callable[..., ValidatedRequest],
+        shapes_cls: type[ResponseShapes],
+    ) -> web.StreamResponse:
         def prepare(body: bytes, rid: str) -> tuple[ValidatedRequest, ResponseShapes]:
             validated = validate(decode_body(body, schema), rid=rid, model_name=self.served)
             model = self.served.name(validated.requests[0].params.adapter)  # the answer names what it ran
-            shapes = shapes_cls(rid, model, validated.include_usage, validated.logprobs,
-                                tool_names=validated.tool_names, reasoning=self.reasoning if endpoint == "chat" else "")
+            shapes = shapes_cls(
+                rid,
+                model,
+                validated.include_usage,
+                validated.logprobs,
+                tool_names=validated.tool_names,
+                reasoning=self.reasoning if endpoint == "chat" else "",
+            )
             return validated, shapes
 
         return await self._run(request, endpoint, id_prefix, prepare)
 
-    async def _run(self, request: web.Request, endpoint: str, id_prefix: str,
-                   prepare: Callable[[bytes, str], tuple[ValidatedRequest, ResponseShapes]]) -> web.StreamResponse:
+    async def _run(
+        self,
+        request: web.Request,
+        endpoint: str,
+        id_prefix: str,
+        prepare: Callable[[bytes, str], tuple[ValidatedRequest, ResponseShapes]],
+    ) -> web.StreamResponse:
         """One generation request: `prepare` decodes and validates the body into the engine requests
         and the shapes of the answer."""
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, self.metrics)
         try:
             if self.pooler is not None:
-                raise Refusal(f"this server pools (--runner pooling): it answers /v1/embeddings, not /v1/{endpoint}; "
-                              f"serve a generative model with --runner generate", "model")
+                raise Refusal(
+                    f"this server pools (--runner pooling): it answers /v1/embeddings, not /v1/{endpoint}; "
+                    f"serve a generative model with --runner generate",
+                    "model",
+                )
             body = await self._read_body(request)
             validated, shapes = prepare(body, rid)
             tracker.stream = validated.stream
@@ -195,27 +233,33 @@ class ApiHandlers:
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.headers.get(hdrs.CONTENT_TYPE) is None:
-            raise Refusal("the Content-Type header is missing: send the body as JSON with "
-                          "Content-Type: application/json")
+            raise Refusal(
+                "the Content-Type header is missing: send the body as JSON with Content-Type: application/json"
+            )
         if request.content_type != "application/json":
             raise Refusal(f"Content-Type must be application/json (got {request.content_type})")
         encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").lower()  # as aiohttp reads it
         if encoding not in DECODED_ENCODINGS:
-            raise BodyError(f"Content-Encoding {encoding!r} is not supported: send the body as it is (identity) "
-                            f"or encoded with one of {', '.join(sorted(DECODED_ENCODINGS - {'identity'}))}")
+            raise BodyError(
+                f"Content-Encoding {encoding!r} is not supported: send the body as it is (identity) "
+                f"or encoded with one of {', '.join(sorted(DECODED_ENCODINGS - {'identity'}))}"
+            )
         try:
             return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise Refusal(f"the request body did not arrive within {self.config.body_timeout_s:g} s",
-                          status=408) from None
+        except TimeoutError:
+            raise Refusal(
+                f"the request body did not arrive within {self.config.body_timeout_s:g} s", status=408
+            ) from None
         except RequestPayloadError as exc:  # not valid in its Content-Encoding, or cut off
             # Nothing more of it can be read: end it, or aiohttp would read on after the answer (to
             # linger) and log the same error as an unhandled one. The answer closes the connection.
             request.content.feed_eof()
             cause = exc.__cause__
             if isinstance(cause, ContentEncodingError):
-                raise BodyError(f"the request body is not valid {encoding} (its Content-Encoding): "
-                                f"{cause.__cause__ or cause.__context__ or cause.message}") from None
+                raise BodyError(
+                    f"the request body is not valid {encoding} (its Content-Encoding): "
+                    f"{cause.__cause__ or cause.__context__ or cause.message}"
+                ) from None
             raise BodyError(f"the request body could not be read: {cause or exc.message}") from None
 
     def _admit(self, prompts: int, n: int, field: str = "prompt") -> None:
@@ -224,9 +268,11 @@ class ApiHandlers:
         count = prompts * n
         cap = self.max_in_flight
         if cap is not None and count > cap:  # could never fit: retrying would not help
-            raise Refusal(f"this request asks for {count} sequences ({prompts} {field}s x n={n}); this server "
-                          f"runs at most {cap} at once (--max-running-requests + --max-waiting)",
-                          "n" if n > 1 else field)
+            raise Refusal(
+                f"this request asks for {count} sequences ({prompts} {field}s x n={n}); this server "
+                f"runs at most {cap} at once (--max-running-requests + --max-waiting)",
+                "n" if n > 1 else field,
+            )
         problem = self.engine.health_problem()
         if problem is not None:
             raise Refusal(f"the server cannot take requests now ({problem}); retry shortly", status=503)
@@ -242,8 +288,9 @@ class ApiHandlers:
         except Exception:
             logger.exception("abort of %s failed", rid)
 
-    async def _whole(self, fanout: Fanout, choices: list[ChoiceOutput], shapes: ResponseShapes,
-                     tracker: RequestTracker) -> web.Response:
+    async def _whole(
+        self, fanout: Fanout, choices: list[ChoiceOutput], shapes: ResponseShapes, tracker: RequestTracker
+    ) -> web.Response:
         """Non-streaming: gather every choice, answer one JSON object."""
         unfinished = len(choices)
         while unfinished:
@@ -259,8 +306,14 @@ class ApiHandlers:
         tracker.finished(choices[0].finish_reason or "stop", usage)
         return _json(body, rid=shapes.rid)
 
-    async def _stream(self, request: web.Request, fanout: Fanout, choices: list[ChoiceOutput],
-                      shapes: ResponseShapes, tracker: RequestTracker) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        fanout: Fanout,
+        choices: list[ChoiceOutput],
+        shapes: ResponseShapes,
+        tracker: RequestTracker,
+    ) -> web.StreamResponse:
         """SSE. A write to a vanished client raises ConnectionResetError; `_generate`'s finally aborts."""
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": shapes.rid})
         await response.prepare(request)
@@ -278,9 +331,14 @@ class ApiHandlers:
                 break
             if isinstance(event, RequestRejected):  # mid-stream: the engine failed, or the drain ran out
                 tracker.refused(event.status, event.message)
-                await response.write(shapes.stream_failure([c for c in choices if c.finish_reason is None],
-                                                           event.status, event.message,
-                                                           shapes.engine_param(event.param)))
+                await response.write(
+                    shapes.stream_failure(
+                        [c for c in choices if c.finish_reason is None],
+                        event.status,
+                        event.message,
+                        shapes.engine_param(event.param),
+                    )
+                )
                 break
             tracker.on_delta(event, timed=index == 0)
             choice = choices[index]
@@ -302,16 +360,21 @@ def _choice_outputs(validated: ValidatedRequest) -> list[ChoiceOutput]:
     choices: list[ChoiceOutput] = []
     for index in range(len(validated.requests) * validated.n):
         leader = None if index % validated.n == 0 else choices[index - index % validated.n]
-        choices.append(ChoiceOutput(index, leader=leader, echo=validated.echo,
-                                    drop_generated=validated.drop_generated, collect=not validated.stream))
+        choices.append(
+            ChoiceOutput(
+                index,
+                leader=leader,
+                echo=validated.echo,
+                drop_generated=validated.drop_generated,
+                collect=not validated.stream,
+            )
+        )
     return choices
 
 
 def _json(obj, status: int = 200, rid: str | None = None) -> web.Response:
     headers = {"X-Request-Id": rid} if rid else None
-    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json",
-                        headers=headers)
-
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -336,8 +399,9 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
 HANDLERS_KEY: web.AppKey[ApiHandlers] = web.AppKey("batchserve_api_handlers", ApiHandlers)
 
 
-def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
-               pooler: PoolerConfig | None = None) -> web.Application:
+def create_app(
+    engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "", pooler: PoolerConfig | None = None
+) -> web.Application:
     """The api's aiohttp application around `engine` (see `engine_client.py` for the contract).
     `reasoning`: the model thinks in <think> blocks (`ChatFormat.reasoning`), which chat answers then
     report as `reasoning_content`. `pooler`: the model is served by the pooling runner, this way
@@ -367,11 +431,15 @@ def create_app(engine: EngineClient, config: ServerConfig, *, reasoning: Reasoni
     start = getattr(engine, "start", None)
     close = getattr(engine, "close", None)
     if start is not None:
+
         async def _start_engine(app: web.Application) -> None:
             await start()
+
         app.on_startup.append(_start_engine)
     if close is not None:
+
         async def _close_engine(app: web.Application) -> None:
             await close()
+
         app.on_cleanup.append(_close_engine)
     return app

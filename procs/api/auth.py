@@ -15,15 +15,15 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
 
-from procs.api.errors import error_body
-from procs.api.responses_store import owner_of
-from shared.config import ServerConfig
+from batchserve.procs.api.errors import error_body
+from batchserve.procs.api.responses_store import owner_of
+from batchserve.shared.config import ServerConfig
 
 # Every OpenAI path, the pooling runner's vLLM and Jina aliases (`/score`, `/rerank`, `/v2/rerank`) and the
 # live view's data; the web pages' own files stay open (they ask for a key and send it with every call).
@@ -74,8 +74,12 @@ def accepted_keys(config: ServerConfig, env: dict[str, str] | None = None) -> tu
 def _unauthorized(message: str) -> web.Response:
     body = error_body(401, message)
     body["error"]["code"] = "invalid_api_key"
-    return web.Response(status=401, body=msgspec.json.encode(body), content_type="application/json",
-                        headers={"WWW-Authenticate": "Bearer"})
+    return web.Response(
+        status=401,
+        body=msgspec.json.encode(body),
+        content_type="application/json",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def auth_middleware(keys: tuple[bytes, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:

@@ -40,9 +40,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from procs.api.harmony_output import HarmonyStream, parse_harmony
-from procs.api.tool_call import ParsedCall, new_call_id
-from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, THINK_CLOSE, THINK_OPEN, ReasoningFormat
+from batchserve.procs.api.harmony_output import HarmonyStream, parse_harmony
+from batchserve.procs.api.tool_call import ParsedCall, new_call_id
+from batchserve.shared.chat_format import HERMES_CLOSE, HERMES_OPEN, THINK_CLOSE, THINK_OPEN, ReasoningFormat
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1+: starts a tool call
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Qwen write "arguments", Llama 3 "parameters"
@@ -66,7 +66,7 @@ def _json_call_text(text: str) -> str | None:
     """`text` stripped of whitespace and a leading <|python_tag|>, if it may be a bare JSON call."""
     head = text.strip()
     if head.startswith(PYTHON_TAG):
-        head = head[len(PYTHON_TAG):].strip()
+        head = head[len(PYTHON_TAG) :].strip()
     return head if head.startswith("{") else None
 
 
@@ -88,7 +88,7 @@ def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list
         if end < 0:
             break
         block_end = end + len(HERMES_CLOSE)
-        call = call_of(text[start + len(HERMES_OPEN):end], names)
+        call = call_of(text[start + len(HERMES_OPEN) : end], names)
         if call is None:
             outside.append(text[pos:block_end])
         else:
@@ -104,16 +104,16 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning, content) of a whole text."""
     head = text.lstrip()
     if head.startswith(THINK_OPEN):
-        body = head[len(THINK_OPEN):]
+        body = head[len(THINK_OPEN) :]
         end = body.find(THINK_CLOSE)
         if end < 0:  # cut off while thinking
             return body or None, ""
-        reasoning, content = body[:end], body[end + len(THINK_CLOSE):].lstrip()
+        reasoning, content = body[:end], body[end + len(THINK_CLOSE) :].lstrip()
     else:
         end = text.find(THINK_CLOSE)
         if end < 0:
             return None, text
-        reasoning, content = text[:end], text[end + len(THINK_CLOSE):].lstrip()
+        reasoning, content = text[:end], text[end + len(THINK_CLOSE) :].lstrip()
     return reasoning or None, content
 
 
@@ -121,8 +121,9 @@ def final_finish_reason(engine_reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and engine_reason == "stop" else engine_reason
 
 
-def parse_whole(text: str, engine_reason: str | None, *, tool_names: frozenset[str],
-                reasoning: ReasoningFormat) -> tuple[dict[str, Any], str | None]:
+def parse_whole(
+    text: str, engine_reason: str | None, *, tool_names: frozenset[str], reasoning: ReasoningFormat
+) -> tuple[dict[str, Any], str | None]:
     """(the answer's `message`, its finish_reason)."""
     if reasoning == "harmony":
         message, called = parse_harmony(text, tool_names)
@@ -157,7 +158,7 @@ def _split_at(buf: str, tag: str, final: bool) -> tuple[str, str, bool]:
     if at >= 0:
         return buf[:at], buf[at:], True
     keep = 0 if final else _partial_suffix(buf, tag)
-    return buf[:len(buf) - keep], buf[len(buf) - keep:], False
+    return buf[: len(buf) - keep], buf[len(buf) - keep :], False
 
 
 def _opening(buf: str, final: bool, opens: tuple[str, ...], partial: tuple[str, ...]) -> str | None:
@@ -188,14 +189,14 @@ class ReasoningStream:
                 if opened is None:
                     break
                 if opened:
-                    self.buf = self.buf.lstrip()[len(THINK_OPEN):]
+                    self.buf = self.buf.lstrip()[len(THINK_OPEN) :]
                 self.state = "reasoning" if opened else "content"
                 continue
             if self.state == "reasoning":
                 ready, rest, closed = _split_at(self.buf, THINK_CLOSE, final)
                 out.append(("reasoning", ready))
                 if closed:
-                    self.buf, self.state = rest[len(THINK_CLOSE):], "after"
+                    self.buf, self.state = rest[len(THINK_CLOSE) :], "after"
                     continue
                 self.buf = rest
                 break
@@ -255,7 +256,7 @@ class ToolCallStream:
                     self.buf = ""
                 break
             block_end = end + len(HERMES_CLOSE)
-            call = call_of(self.buf[len(HERMES_OPEN):end], self.names)
+            call = call_of(self.buf[len(HERMES_OPEN) : end], self.names)
             if call is None:
                 self._content(self.buf[:block_end], out)
             else:
@@ -319,7 +320,7 @@ def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Adjacent text deltas of one kind as one."""
     out: list[dict[str, Any]] = []
     for delta in deltas:
-        (key, value), = delta.items()
+        ((key, value),) = delta.items()
         if out and key != "tool_calls" and list(out[-1]) == [key]:
             out[-1] = {key: out[-1][key] + value}
         else:

@@ -17,7 +17,7 @@ import resource
 import msgspec
 from aiohttp import web
 
-from procs.api.errors import RETRY_AFTER_S, error_body
+from batchserve.procs.api.errors import RETRY_AFTER_S, error_body
 
 log = logging.getLogger("batchserve.api")
 
@@ -25,9 +25,11 @@ FDS_KEPT_FREE = 256  # for the engine's sockets, logs and the like, beyond the H
 LISTEN_BACKLOG = 4096  # connections the kernel queues before we accept them
 
 _BUSY_BODY = msgspec.json.encode(error_body(503, "the server has too many open connections; retry shortly"))
-_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                  b"Retry-After: " + str(RETRY_AFTER_S).encode() + b"\r\nConnection: close\r\n"
-                  b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+_BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: " + str(RETRY_AFTER_S).encode() + b"\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY
+)
 
 
 class _Busy(asyncio.Protocol):
@@ -58,7 +60,8 @@ class CappedSite(web.TCPSite):
             return server()
 
         self._server = await asyncio.get_running_loop().create_server(
-            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True)
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
 
 
 def raise_open_file_limit(wanted_connections: int) -> int:
@@ -72,6 +75,7 @@ def raise_open_file_limit(wanted_connections: int) -> int:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
     allowed = max(1, soft - FDS_KEPT_FREE)
     if wanted_connections > allowed:
-        log.warning("max_connections %d exceeds what %d open files allow; capping at %d",
-                    wanted_connections, soft, allowed)
+        log.warning(
+            "max_connections %d exceeds what %d open files allow; capping at %d", wanted_connections, soft, allowed
+        )
     return min(wanted_connections, allowed)

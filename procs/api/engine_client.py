@@ -38,10 +38,11 @@ Contract, as the app relies on it:
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from shared.messages import AdapterUpdate, GenerateRequest, RequestRejected, SchedulerStats, TextDelta
+from batchserve.shared.messages import AdapterUpdate, GenerateRequest, RequestRejected, SchedulerStats, TextDelta
 
 EngineEvent = TextDelta | RequestRejected
 StatsListener = Callable[[SchedulerStats], None]
@@ -69,9 +70,15 @@ class EngineClient(Protocol):
 
     def set_stats_listener(self, listener: StatsListener) -> None: ...
 
-    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
-                       add_generation_prompt: bool, continue_final_message: bool,
-                       return_token_strs: bool) -> PromptTokens: ...
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        *,
+        add_special_tokens: bool | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        return_token_strs: bool,
+    ) -> PromptTokens: ...
 
     async def detokenize(self, token_ids: list[int]) -> str: ...
 

@@ -27,22 +27,32 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq.asyncio
 
-from procs.api.engine_client import EngineEvent, PromptTokens, StatsListener
-from shared.checks import check_prompt_size
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.liveness import pid_gone
-from shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
-from shared.messages import (PROCESS_NAMES, AbortRequest, AdapterUpdate, BackendFailure, GenerateRequest, Heartbeat,
-                             RequestRejected, SchedulerStats, TextDelta)
-from shared.parallel import worker_process_names
-from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
+from batchserve.procs.api.engine_client import EngineEvent, PromptTokens, StatsListener
+from batchserve.shared.checks import check_prompt_size
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
+from batchserve.shared.liveness import pid_gone
+from batchserve.shared.messages import (
+    PROCESS_NAMES,
+    AbortRequest,
+    AdapterUpdate,
+    BackendFailure,
+    GenerateRequest,
+    Heartbeat,
+    RequestRejected,
+    SchedulerStats,
+    TextDelta,
+)
+from batchserve.shared.parallel import worker_process_names
+from batchserve.shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 log = logging.getLogger("batchserve.api")
 
@@ -53,8 +63,9 @@ WATCH_INTERVAL_S = 0.1
 
 def backend_processes(config: ServerConfig) -> tuple[str, ...]:
     """The processes the api watches for `config`: this machine's worker ranks in the worker's place."""
-    return tuple(rank for name in BACKEND_PROCESSES
-                 for rank in (worker_process_names(config) if name == "worker" else (name,)))
+    return tuple(
+        rank for name in BACKEND_PROCESSES for rank in (worker_process_names(config) if name == "worker" else (name,))
+    )
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,15 @@ class _Beat:
 
 
 class ZmqEngineClient:
-    def __init__(self, endpoints: Endpoints, model_name: str, max_context: int,
-                 backends: tuple[str, ...] = BACKEND_PROCESSES, *, max_prompt_chars: int | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        model_name: str,
+        max_context: int,
+        backends: tuple[str, ...] = BACKEND_PROCESSES,
+        *,
+        max_prompt_chars: int | None = None,
+    ) -> None:
         self.endpoints = endpoints
         self.backends = backends
         self.model_name = model_name
@@ -116,14 +134,17 @@ class ZmqEngineClient:
                     if queue is not None:  # else: the request was aborted and forgotten
                         queue.put_nowait(message)
                 elif isinstance(message, Heartbeat):
-                    self._heartbeats[message.process] = _Beat(time.monotonic(), message.pid, message.ready,
-                                                              message.host == self._host)
+                    self._heartbeats[message.process] = _Beat(
+                        time.monotonic(), message.pid, message.ready, message.host == self._host
+                    )
                 elif isinstance(message, SchedulerStats) and self._stats_listener is not None:
                     self._stats_listener(message)
                 elif isinstance(message, BackendFailure):
                     # The scheduler exits after reporting: both it and the process it names restart.
-                    self._fail(f"the {message.process} process stopped making progress: {message.reason}",
-                               (message.process, "scheduler"))
+                    self._fail(
+                        f"the {message.process} process stopped making progress: {message.reason}",
+                        (message.process, "scheduler"),
+                    )
         finally:
             inbox.close()
 
@@ -138,10 +159,12 @@ class ZmqEngineClient:
             for _, names in lost:  # gone after the first (a rank's peers fail with it): restarted too
                 self._remember_failed(names)
             # Not in a tick that found a process gone: its restart is not seen yet.
-            if not lost and self.backends_ready() and all(self._heartbeats[name].pid != pid
-                                             for name, pid in self._failed_pids.items()):
-                log.warning("every backend process is ready again; serving", extra={"fields": {
-                    "after": self.failure}})
+            if (
+                not lost
+                and self.backends_ready()
+                and all(self._heartbeats[name].pid != pid for name, pid in self._failed_pids.items())
+            ):
+                log.warning("every backend process is ready again; serving", extra={"fields": {"after": self.failure}})
                 self.failure = None
                 self._failed_pids = {}
 
@@ -156,8 +179,13 @@ class ZmqEngineClient:
             if beat.local and pid_gone(beat.pid):
                 lost.append((f"the {name} process (pid {beat.pid}) exited", (name,)))
             elif now - beat.at > HEARTBEAT_STALE_S:
-                lost.append((f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
-                             f"(stopped or hung)", (name,)))
+                lost.append(
+                    (
+                        f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
+                        f"(stopped or hung)",
+                        (name,),
+                    )
+                )
         return lost
 
     def _fail(self, reason: str, processes: tuple[str, ...]) -> None:
@@ -229,14 +257,26 @@ class ZmqEngineClient:
         finally:
             self._streams.pop(request.rid, None)
 
-    async def tokenize(self, request: GenerateRequest, *, add_special_tokens: bool | None,
-                       add_generation_prompt: bool, continue_final_message: bool,
-                       return_token_strs: bool) -> PromptTokens:
+    async def tokenize(
+        self,
+        request: GenerateRequest,
+        *,
+        add_special_tokens: bool | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        return_token_strs: bool,
+    ) -> PromptTokens:
         check_prompt_size(request, self.max_prompt_chars, self.max_context)
-        answer = await self._ask(TokenizeQuery(
-            rid=request.rid, request=request, add_special_tokens=add_special_tokens,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            return_token_strs=return_token_strs))
+        answer = await self._ask(
+            TokenizeQuery(
+                rid=request.rid,
+                request=request,
+                add_special_tokens=add_special_tokens,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                return_token_strs=return_token_strs,
+            )
+        )
         assert isinstance(answer, TokenizeAnswer)
         return PromptTokens(answer.token_ids, answer.token_strs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from shared.errors import Refusal
+from batchserve.shared.errors import Refusal
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
-from procs.api.engine_client import EngineClient, EngineEvent
-from shared.messages import GenerateRequest, RequestRejected, TextDelta
+from batchserve.procs.api.engine_client import EngineClient, EngineEvent
+from batchserve.shared.messages import GenerateRequest, RequestRejected, TextDelta
 
 logger = logging.getLogger("batchserve.api")
 
@@ -63,8 +63,9 @@ def choice_requests(rid: str, prompts: list[GenerateRequest], n: int) -> list[Ge
         for j in range(n):
             params = request.params
             seed = params.sampling.seed
-            sampling = params.sampling if seed is None else msgspec.structs.replace(params.sampling,
-                                                                                    seed=choice_seed(seed, j))
+            sampling = (
+                params.sampling if seed is None else msgspec.structs.replace(params.sampling, seed=choice_seed(seed, j))
+            )
             # echo: only choice 0 asks for the prompt's logprobs; the others repeat them (ChoiceOutput)
             logits = params.logits if j == 0 else msgspec.structs.replace(params.logits, prompt_logprobs=None)
             params = msgspec.structs.replace(params, sampling=sampling, logits=logits)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from procs.api.tool_call import ParsedCall, new_call_id
+from batchserve.procs.api.tool_call import ParsedCall, new_call_id
 
 MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"
@@ -59,18 +59,18 @@ class HarmonyStream:
                     if final:
                         self._outside(out)
                     return out
-                self.header, self.buf, self.opened = self.buf[:at], self.buf[at + len(MESSAGE):], True
+                self.header, self.buf, self.opened = self.buf[:at], self.buf[at + len(MESSAGE) :], True
                 continue
             end, tag = min(((self.buf.find(t), t) for t in ENDS if t in self.buf), default=(-1, ""))
             if end < 0:
                 keep = 0 if final else _held_back(self.buf)
-                self._body(self.buf[:len(self.buf) - keep], out)
-                self.buf = self.buf[len(self.buf) - keep:]
+                self._body(self.buf[: len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep :]
                 if final:
                     self._close(out)
                 return out
             self._body(self.buf[:end], out)
-            self.buf = self.buf[end + len(tag):]
+            self.buf = self.buf[end + len(tag) :]
             self._close(out)
 
     def _kind(self) -> str:
@@ -94,7 +94,7 @@ class HarmonyStream:
     def _close(self, out: list[dict[str, Any]]) -> None:
         """The open message ends: a call goes out whole (its name offered, else its text as content)."""
         if self._kind() == "call":
-            name = _RECIPIENT.search(self.header or "").group(1)[len(FUNCTIONS):]  # type: ignore[union-attr]
+            name = _RECIPIENT.search(self.header or "").group(1)[len(FUNCTIONS) :]  # type: ignore[union-attr]
             arguments = self.arguments.strip() or "{}"
             if name in self.tool_names:
                 call = ParsedCall(name, arguments, new_call_id())
@@ -118,13 +118,16 @@ def parse_harmony(text: str, tool_names: frozenset[str]) -> tuple[dict[str, Any]
     parts: dict[str, list[str]] = {"content": [], "reasoning_content": []}
     calls: list[dict[str, Any]] = []
     for delta in stream.feed(text, final=True):
-        (key, value), = delta.items()
+        ((key, value),) = delta.items()
         if key == "tool_calls":
             calls += [{k: v for k, v in call.items() if k != "index"} for call in value]
         else:
             parts[key].append(value)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts["content"]) or None,
-                               "reasoning_content": "".join(parts["reasoning_content"]) or None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(parts["content"]) or None,
+        "reasoning_content": "".join(parts["reasoning_content"]) or None,
+    }
     if calls:
         message["tool_calls"] = calls
     return message, bool(calls)

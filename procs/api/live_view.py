@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from procs.api.metrics import ApiMetrics
-from shared.messages import SchedulerStats
-from shared.scheduler_view import SchedulerView, StepView
+from batchserve.procs.api.metrics import ApiMetrics
+from batchserve.shared.messages import SchedulerStats
+from batchserve.shared.scheduler_view import SchedulerView, StepView
 
 HISTORY_S = 300  # the plots' span: five minutes at one sample a second
 SAMPLE_EVERY_S = 1.0
 PERCENTILE_WINDOW_S = 10.0  # latency percentiles of each sample: over the tokens of the last ten seconds
 STEPS_SHOWN = 240  # the step plot's span, in steps
 # The snapshot's totals: its name -> the /metrics counter it reads (`batchserve_<counter>_total`)
-TOTALS = {"preemptions": "preemptions", "steps_target_out_of_reach": "step_target_out_of_reach",
-          "spec_drafts": "spec_decode_num_drafts", "spec_draft_tokens": "spec_decode_num_draft_tokens",
-          "spec_accepted_tokens": "spec_decode_num_accepted_tokens"}
+TOTALS = {
+    "preemptions": "preemptions",
+    "steps_target_out_of_reach": "step_target_out_of_reach",
+    "spec_drafts": "spec_decode_num_drafts",
+    "spec_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_accepted_tokens": "spec_decode_num_accepted_tokens",
+}
 
 
 class HistorySample(msgspec.Struct, array_like=True):
@@ -82,12 +87,17 @@ class LiveView:
         # (time, generated tokens, TTFT buckets, ITL buckets) of past samples, for the windows' differences
         self._readings: deque[tuple[float, float, list, list]] = deque()
         registry = metrics.registry
-        self.request_seconds = Histogram("batchserve_live_view_request_seconds",
-                                         "Time the api spent answering a live-view snapshot (/dashboard/snapshot)",
-                                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
-                                         registry=registry)
-        self.build_seconds = Counter("batchserve_scheduler_view_build_seconds",
-                                     "Time the scheduler spent building its live views", registry=registry)
+        self.request_seconds = Histogram(
+            "batchserve_live_view_request_seconds",
+            "Time the api spent answering a live-view snapshot (/dashboard/snapshot)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=registry,
+        )
+        self.build_seconds = Counter(
+            "batchserve_scheduler_view_build_seconds",
+            "Time the scheduler spent building its live views",
+            registry=registry,
+        )
 
     def observe(self, stats: SchedulerStats) -> None:
         """Take a stats message's view; sample the history when a second has passed."""
@@ -109,10 +119,19 @@ class LiveView:
             return
         previous, oldest = self._readings[-2], self._readings[0]
         kv_total = stats.kv_total_tokens
-        self.history.append(HistorySample(
-            round(now - self.started, 2), round((reading[1] - previous[1]) / max(now - previous[0], 1e-6), 1),
-            *(round(quantile(q, oldest[i], reading[i]) * 1e3, 1) for i, q in ((2, 0.5), (2, 0.9), (3, 0.5), (3, 0.99))),
-            stats.num_waiting, stats.num_running, round(stats.kv_used_tokens / kv_total, 4) if kv_total else 0.0))
+        self.history.append(
+            HistorySample(
+                round(now - self.started, 2),
+                round((reading[1] - previous[1]) / max(now - previous[0], 1e-6), 1),
+                *(
+                    round(quantile(q, oldest[i], reading[i]) * 1e3, 1)
+                    for i, q in ((2, 0.5), (2, 0.9), (3, 0.5), (3, 0.99))
+                ),
+                stats.num_waiting,
+                stats.num_running,
+                round(stats.kv_used_tokens / kv_total, 4) if kv_total else 0.0,
+            )
+        )
 
     def totals(self) -> dict[str, float]:
         """Since the api started, from /metrics' own counters: preemptions, steps whose decodes alone took the
@@ -121,8 +140,13 @@ class LiveView:
         return {name: read(f"batchserve_{metric}_total") or 0 for name, metric in TOTALS.items()}
 
     def snapshot(self) -> dict[str, Any]:
-        return {"uptime_s": round(self.clock() - self.started, 2), "scheduler": self.latest, "totals": self.totals(),
-                "steps": list(self.steps), "history": list(self.history)}
+        return {
+            "uptime_s": round(self.clock() - self.started, 2),
+            "scheduler": self.latest,
+            "totals": self.totals(),
+            "steps": list(self.steps),
+            "history": list(self.history),
+        }
 
     async def handle(self, request: web.Request) -> web.Response:
         started = time.perf_counter()

@@ -17,14 +17,14 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from procs.api.auth import internal_key
-from procs.api.errors import error_response
-from procs.api.schemas import LoadLoraBody, UnloadLoraBody, decode_body
-from shared.errors import ModelLoadError, Refusal
-from shared.lora import check_adapter, served_projections
-from shared.model import ModelSpec, read_model_json
-from shared.messages import AdapterUpdate
-from shared.parallel import peer_replica_urls
+from batchserve.procs.api.auth import internal_key
+from batchserve.procs.api.errors import error_response
+from batchserve.procs.api.schemas import LoadLoraBody, UnloadLoraBody, decode_body
+from batchserve.shared.errors import ModelLoadError, Refusal
+from batchserve.shared.lora import check_adapter, served_projections
+from batchserve.shared.messages import AdapterUpdate
+from batchserve.shared.model import ModelSpec, read_model_json
+from batchserve.shared.parallel import peer_replica_urls
 
 FROM_REPLICA = "X-Batchserve-From-Replica"  # an update passed on by another replica: not passed on again
 PEER_TIMEOUT_S = 60.0
@@ -58,20 +58,24 @@ class _LoraRoutes:
                 served = self.handlers.served
                 served.check_free(body.lora_name)
                 try:
-                    await asyncio.to_thread(check_adapter, body.lora_path, self.handlers.config.max_lora_rank,
-                                            self._served_projections())
+                    await asyncio.to_thread(
+                        check_adapter, body.lora_path, self.handlers.config.max_lora_rank, self._served_projections()
+                    )
                 except ModelLoadError as exc:
                     raise Refusal(str(exc), "lora_path") from None
                 index = served.load(body.lora_name)
                 try:
-                    await self.handlers.engine.update_adapter(AdapterUpdate(index=index, name=body.lora_name,
-                                                                            path=body.lora_path))
+                    await self.handlers.engine.update_adapter(
+                        AdapterUpdate(index=index, name=body.lora_name, path=body.lora_path)
+                    )
                 except Refusal:
                     served.unload(body.lora_name)  # never sent: not served
                     raise
         except Refusal as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
-        return await self._on_every_replica(request, raw, f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        return await self._on_every_replica(
+            request, raw, f"Success: LoRA adapter '{body.lora_name}' added successfully."
+        )
 
     async def unload(self, request: web.Request) -> web.Response:
         try:
@@ -82,7 +86,9 @@ class _LoraRoutes:
                 await self.handlers.engine.update_adapter(AdapterUpdate(index=index, name=body.lora_name))
         except Refusal as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
-        return await self._on_every_replica(request, raw, f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+        return await self._on_every_replica(
+            request, raw, f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+        )
 
     async def _on_every_replica(self, request: web.Request, raw: bytes, success: str) -> web.Response:
         """Done here: pass the same update to every other replica of this server (a gateway sends a POST to one
@@ -92,12 +98,18 @@ class _LoraRoutes:
         if config.data_parallel_size < 2 or request.headers.get(FROM_REPLICA):
             return web.Response(text=success)
         key = internal_key()  # the replicas' shared key; else the client's own, which every replica accepts
-        auth = {"Authorization": f"Bearer {key}"} if key else {
-            k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        auth = (
+            {"Authorization": f"Bearer {key}"}
+            if key
+            else {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        )
         peers = peer_replica_urls(config)  # the app's config: its port is this replica's own
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PEER_TIMEOUT_S)) as http:
-            failures = [f for f in await asyncio.gather(*(self._send(http, url + request.path, raw, auth)
-                                                          for url in peers)) if f]
+            failures = [
+                f
+                for f in await asyncio.gather(*(self._send(http, url + request.path, raw, auth) for url in peers))
+                if f
+            ]
         if failures:
             return error_response(502, f"done on this replica, not on every other: {'; '.join(failures)}")
         return web.Response(text=success)
@@ -109,5 +121,5 @@ class _LoraRoutes:
         try:
             async with http.post(url, data=raw, headers=headers) as answer:
                 return "" if answer.status == 200 else f"{url}: {answer.status} {(await answer.text())[:200]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             return f"{url}: {exc or type(exc).__name__}"

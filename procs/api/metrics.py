@@ -42,24 +42,49 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shared.messages import SchedulerStats
-from shared.slo import Slo
+from batchserve.shared.messages import SchedulerStats
+from batchserve.shared.slo import Slo
 
 # 0.25, 0.3 and 0.4: step-time targets and the lines drawn around them (loadtests' per-token ITL quantiles)
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _IMBALANCE_BUCKETS = (1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 
 # Our gauge -> its alias under the name the Inference Extension's endpoint picker reads by default.
-PROTOCOL_ALIASES = {"batchserve_num_requests_waiting": "vllm:num_requests_waiting",
-                    "batchserve_num_requests_running": "vllm:num_requests_running",
-                    "batchserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc"}
+PROTOCOL_ALIASES = {
+    "batchserve_num_requests_waiting": "vllm:num_requests_waiting",
+    "batchserve_num_requests_running": "vllm:num_requests_running",
+    "batchserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+}
 
 
 class ExpertLoadMetrics:
@@ -67,11 +92,17 @@ class ExpertLoadMetrics:
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.routed = Counter("batchserve_moe_routed_tokens", "Token-to-expert assignments in MoE layers", registry=r)
-        self.imbalance = Histogram("batchserve_moe_expert_load_imbalance",
-                                   "Per MoE layer and interval: the busiest expert's tokens / the mean's",
-                                   buckets=_IMBALANCE_BUCKETS, registry=r)
-        self.max_imbalance = Gauge("batchserve_moe_max_expert_load_imbalance",
-                                   "The most imbalanced MoE layer of the last interval (busiest / mean)", registry=r)
+        self.imbalance = Histogram(
+            "batchserve_moe_expert_load_imbalance",
+            "Per MoE layer and interval: the busiest expert's tokens / the mean's",
+            buckets=_IMBALANCE_BUCKETS,
+            registry=r,
+        )
+        self.max_imbalance = Gauge(
+            "batchserve_moe_max_expert_load_imbalance",
+            "The most imbalanced MoE layer of the last interval (busiest / mean)",
+            registry=r,
+        )
 
     def observe(self, load: np.ndarray) -> None:
         """load [layers, experts]: tokens routed to each expert since the last stats message."""
@@ -93,11 +124,15 @@ class SloMetrics:
     def __init__(self, slo: Slo, r: CollectorRegistry) -> None:
         self.slo = slo
         self.judged = Counter("batchserve_slo_requests", "Finished requests judged against the SLO", registry=r)
-        self.met = Counter("batchserve_slo_met_requests", "Finished requests that met the objective",
-                           ["objective"], registry=r)
-        self.attainment = Gauge("batchserve_slo_attainment_ratio",
-                                "Share of the finished requests since the start that met the objective",
-                                ["objective"], registry=r)
+        self.met = Counter(
+            "batchserve_slo_met_requests", "Finished requests that met the objective", ["objective"], registry=r
+        )
+        self.attainment = Gauge(
+            "batchserve_slo_attainment_ratio",
+            "Share of the finished requests since the start that met the objective",
+            ["objective"],
+            registry=r,
+        )
         self._counts = dict.fromkeys([*slo.limits(), "all"], 0)
         self._total = 0
 
@@ -117,15 +152,21 @@ class PrefixCacheMetrics:
     """The prefix cache's counters and size, from the scheduler's stats."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.hits = Counter("batchserve_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in the prefix cache",
-                            registry=r)
-        self.queries = Counter("batchserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                               registry=r)
-        self.evictions = Counter("batchserve_prefix_cache_evicted_pages", "Prefix-cache pages evicted to make room",
-                                 registry=r)
+        self.hits = Counter(
+            "batchserve_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in the prefix cache", registry=r
+        )
+        self.queries = Counter(
+            "batchserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.evictions = Counter(
+            "batchserve_prefix_cache_evicted_pages", "Prefix-cache pages evicted to make room", registry=r
+        )
         self.pages = Gauge("batchserve_prefix_cache_pages", "KV pages in the prefix cache", registry=r)
-        self.referenced = Gauge("batchserve_prefix_cache_referenced_pages",
-                                "Prefix-cache pages used by running requests (the rest can be evicted)", registry=r)
+        self.referenced = Gauge(
+            "batchserve_prefix_cache_referenced_pages",
+            "Prefix-cache pages used by running requests (the rest can be evicted)",
+            registry=r,
+        )
 
     def observe(self, stats: SchedulerStats) -> None:
         self.hits.inc(stats.cache_hit_tokens)
@@ -141,22 +182,30 @@ class LoraMetrics:
     routers read to place a request where its adapter already runs."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.requests = Counter("batchserve_lora_requests", "Finished requests of each LoRA adapter", ["adapter"],
-                                registry=r)
-        self.tokens = Counter("batchserve_lora_generation_tokens", "Tokens generated by each LoRA adapter",
-                              ["adapter"], registry=r)
-        self.info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests (vLLM's)",
-                          ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.requests = Counter(
+            "batchserve_lora_requests", "Finished requests of each LoRA adapter", ["adapter"], registry=r
+        )
+        self.tokens = Counter(
+            "batchserve_lora_generation_tokens", "Tokens generated by each LoRA adapter", ["adapter"], registry=r
+        )
+        self.info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (vLLM's)",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
         self.max_loras = 0  # --max-loras; 0: LoRA off, no info series
         self.name_of: Callable[[int], str] = str  # an adapter index's name (the api's `ServedModels.name`)
 
     def observe(self, stats: SchedulerStats) -> None:
         if not self.max_loras:
             return
-        names = lambda indices: ",".join(self.name_of(i) for i in indices)
         self.info.clear()
-        self.info.labels(max_lora=str(self.max_loras), waiting_lora_adapters=names(stats.waiting_adapters),
-                         running_lora_adapters=names(stats.running_adapters)).set_to_current_time()
+        self.info.labels(
+            max_lora=str(self.max_loras),
+            waiting_lora_adapters=",".join(self.name_of(i) for i in stats.waiting_adapters),
+            running_lora_adapters=",".join(self.name_of(i) for i in stats.running_adapters),
+        ).set_to_current_time()
 
 
 class ApiMetrics:
@@ -170,52 +219,81 @@ class ApiMetrics:
         self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
         self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
-        self.kv_usage = Gauge("batchserve_kv_cache_usage_ratio",
-                              "KV cache positions in use, as a fraction of the pool (0..1)", registry=r)
+        self.kv_usage = Gauge(
+            "batchserve_kv_cache_usage_ratio", "KV cache positions in use, as a fraction of the pool (0..1)", registry=r
+        )
         gauges = {g.describe()[0].name: g for g in (self.waiting, self.running, self.kv_usage)}
-        self.aliases = {gauges[name]: Gauge(alias, f"{name}, under the name routers read by default (vLLM's)",
-                                            registry=r) for name, alias in PROTOCOL_ALIASES.items()}
-        self.reserve_ratio = Gauge("batchserve_kv_reserve_ratio",
-                                   "Share of remaining max_tokens reserved in the KV cache at admission", registry=r)
-        self.preemptions = Counter("batchserve_preemptions", "Requests preempted (KV freed, recomputed later)",
-                                   registry=r)
-        self.out_of_reach = Counter("batchserve_step_target_out_of_reach",
-                                    "Steps with prefill waiting whose decodes alone took the step-time target",
-                                    registry=r)
-        self.spec_drafts = Counter("batchserve_spec_decode_num_drafts", "Decode rows that carried a draft",
-                                   registry=r)
-        self.spec_draft_tokens = Counter("batchserve_spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                         registry=r)
-        self.spec_accepted = Counter("batchserve_spec_decode_num_accepted_tokens",
-                                     "Draft tokens the model accepted", registry=r)
-        self.spec_acceptance_length = Gauge("batchserve_spec_decode_mean_acceptance_length",
-                                            "Tokens a decode row with a draft gave on average since the start "
-                                            "(1 + accepted draft tokens / drafts)", registry=r)
+        self.aliases = {
+            gauges[name]: Gauge(alias, f"{name}, under the name routers read by default (vLLM's)", registry=r)
+            for name, alias in PROTOCOL_ALIASES.items()
+        }
+        self.reserve_ratio = Gauge(
+            "batchserve_kv_reserve_ratio",
+            "Share of remaining max_tokens reserved in the KV cache at admission",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "batchserve_preemptions", "Requests preempted (KV freed, recomputed later)", registry=r
+        )
+        self.out_of_reach = Counter(
+            "batchserve_step_target_out_of_reach",
+            "Steps with prefill waiting whose decodes alone took the step-time target",
+            registry=r,
+        )
+        self.spec_drafts = Counter("batchserve_spec_decode_num_drafts", "Decode rows that carried a draft", registry=r)
+        self.spec_draft_tokens = Counter("batchserve_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter(
+            "batchserve_spec_decode_num_accepted_tokens", "Draft tokens the model accepted", registry=r
+        )
+        self.spec_acceptance_length = Gauge(
+            "batchserve_spec_decode_mean_acceptance_length",
+            "Tokens a decode row with a draft gave on average since the start (1 + accepted draft tokens / drafts)",
+            registry=r,
+        )
         self._spec_totals = [0, 0]  # drafts, accepted tokens: the mean acceptance length's terms
         self.prefix_cache = PrefixCacheMetrics(r)
-        self.request_pages = Gauge("batchserve_kv_request_pages_max",
-                                   "Most KV pages one decoding request holds (with a sliding window: at most the "
-                                   "window and a page)", registry=r)
+        self.request_pages = Gauge(
+            "batchserve_kv_request_pages_max",
+            "Most KV pages one decoding request holds (with a sliding window: at most the window and a page)",
+            registry=r,
+        )
         self.moe = ExpertLoadMetrics(r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
-        self.ttft = Histogram("batchserve_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("batchserve_inter_token_latency_seconds",
-                             "Time between successive token deliveries of one request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("batchserve_e2e_request_latency_seconds", "Time from arrival to the last token",
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("batchserve_request_queue_time_seconds",
-                                    "Time from arrival at the scheduler to the request's first admission",
-                                    buckets=_E2E_BUCKETS, registry=r)
-        self.batch_size = Histogram("batchserve_batch_size", "Requests per model step", buckets=_BATCH_BUCKETS,
-                                    registry=r)
+        self.ttft = Histogram(
+            "batchserve_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "batchserve_inter_token_latency_seconds",
+            "Time between successive token deliveries of one request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "batchserve_e2e_request_latency_seconds",
+            "Time from arrival to the last token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "batchserve_request_queue_time_seconds",
+            "Time from arrival at the scheduler to the request's first admission",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "batchserve_batch_size", "Requests per model step", buckets=_BATCH_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("batchserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("batchserve_generation_tokens", "Generated tokens", registry=r)
-        self.success = Counter("batchserve_request_success", "Requests that ended, by finish reason",
-                               ["finish_reason"], registry=r)
-        self.rejected = Counter("batchserve_request_rejected", "Requests refused, by HTTP status", ["status"],
-                                registry=r)
+        self.success = Counter(
+            "batchserve_request_success", "Requests that ended, by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "batchserve_request_rejected", "Requests refused, by HTTP status", ["status"], registry=r
+        )
         self.lora = LoraMetrics(r)
         # tokens streamed so far, counted as they go out (generation_tokens counts a request's at its end): the
         # live view's tokens/s (`live_view.py`)

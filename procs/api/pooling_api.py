@@ -23,21 +23,30 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
-from procs.api.errors import refusal_response, request_error
-from procs.api.fanout import EngineFailure, Fanout, choice_requests
-from procs.api.schemas import decode_body
-from procs.api.tracking import RequestTracker
-from procs.api.validation import check_model, prompt_inputs
-from shared.checks import check_priority
-from shared.errors import Refusal
-from shared.messages import ChatMessage, GenerateRequest, PoolingParams, RequestParams, RequestRejected, StopParams, Usage
-from shared.pooling import PoolerConfig, finish_vector
+from batchserve.procs.api.errors import refusal_response, request_error
+from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
+from batchserve.procs.api.schemas import decode_body
+from batchserve.procs.api.tracking import RequestTracker
+from batchserve.procs.api.validation import check_model, prompt_inputs
+from batchserve.shared.checks import check_priority
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import (
+    ChatMessage,
+    GenerateRequest,
+    PoolingParams,
+    RequestParams,
+    RequestRejected,
+    StopParams,
+    Usage,
+)
+from batchserve.shared.pooling import PoolerConfig, finish_vector
 
 
 class EmbeddingsBody(msgspec.Struct, kw_only=True):
@@ -96,8 +105,11 @@ class _PoolingRoutes:
     async def embeddings(self, request: web.Request) -> web.Response:
         def prepare(raw: bytes, pooler: PoolerConfig) -> tuple[Body, _Inputs, Answer]:
             if pooler.kind != "embed":
-                raise Refusal("this model is a cross-encoder: it scores pairs of texts (/v1/score, /v1/rerank), it "
-                              "computes no embeddings", "model")
+                raise Refusal(
+                    "this model is a cross-encoder: it scores pairs of texts (/v1/score, /v1/rerank), it "
+                    "computes no embeddings",
+                    "model",
+                )
             body = decode_body(raw, EmbeddingsBody)
             pooler.check_dimensions(body.dimensions)
             found = prompt_inputs(body.input, "input")
@@ -105,10 +117,15 @@ class _PoolingRoutes:
 
             def answer(pooled: list[bytes], usage: Usage) -> dict:
                 vectors = [finish_vector(p, body.dimensions, pooler.normalize) for p in pooled]
-                return {"object": "list", "model": self._model_name(),
-                        "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-                                 for i, v in enumerate(vectors)],
-                        "usage": _usage(usage)}
+                return {
+                    "object": "list",
+                    "model": self._model_name(),
+                    "data": [
+                        {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+                        for i, v in enumerate(vectors)
+                    ],
+                    "usage": _usage(usage),
+                }
 
             return body, inputs, answer
 
@@ -121,10 +138,14 @@ class _PoolingRoutes:
             inputs, scores = _scored(pairs, pooler)
 
             def answer(pooled: list[bytes], usage: Usage) -> dict:
-                return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                        "model": self._model_name(),
-                        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores(pooled))],
-                        "usage": _usage(usage)}
+                return {
+                    "id": f"score-{uuid.uuid4().hex}",
+                    "object": "list",
+                    "created": int(time.time()),
+                    "model": self._model_name(),
+                    "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores(pooled))],
+                    "usage": _usage(usage),
+                }
 
             return body, inputs, answer
 
@@ -142,16 +163,27 @@ class _PoolingRoutes:
                 raise Refusal(f"documents[{empty}] must not be empty", f"documents[{empty}]")
             if body.top_n is not None and body.top_n < 0:
                 raise Refusal(f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
-            pairs = [_Pair(body.query, document, "query", f"documents[{i}]") for i, document in enumerate(body.documents)]
+            pairs = [
+                _Pair(body.query, document, "query", f"documents[{i}]") for i, document in enumerate(body.documents)
+            ]
             inputs, scores = _scored(pairs, pooler)
 
             def answer(pooled: list[bytes], usage: Usage) -> dict:
-                ranked = sorted(enumerate(scores(pooled)), key=lambda item: -item[1])[:body.top_n or None]
-                results = [{"index": i, "relevance_score": s,
-                            **({"document": {"text": body.documents[i]}} if body.return_documents else {})}
-                           for i, s in ranked]
-                return {"id": f"rerank-{uuid.uuid4().hex}", "model": self._model_name(), "results": results,
-                        "usage": _usage(usage)}
+                ranked = sorted(enumerate(scores(pooled)), key=lambda item: -item[1])[: body.top_n or None]
+                results = [
+                    {
+                        "index": i,
+                        "relevance_score": s,
+                        **({"document": {"text": body.documents[i]}} if body.return_documents else {}),
+                    }
+                    for i, s in ranked
+                ]
+                return {
+                    "id": f"rerank-{uuid.uuid4().hex}",
+                    "model": self._model_name(),
+                    "results": results,
+                    "usage": _usage(usage),
+                }
 
             return body, inputs, answer
 
@@ -160,20 +192,29 @@ class _PoolingRoutes:
     def _model_name(self) -> str:
         return self.handlers.served.name(0)
 
-    async def _run(self, request: web.Request, endpoint: str, id_prefix: str,
-                   prepare: Callable[[bytes, PoolerConfig], tuple[Body, _Inputs, Answer]]) -> web.Response:
+    async def _run(
+        self,
+        request: web.Request,
+        endpoint: str,
+        id_prefix: str,
+        prepare: Callable[[bytes, PoolerConfig], tuple[Body, _Inputs, Answer]],
+    ) -> web.Response:
         """One pooling request: `prepare` decodes and checks the body, its inputs and how to answer their vectors."""
         handlers = self.handlers
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         tracker = RequestTracker(rid, endpoint, False, handlers.metrics)
         try:
             if handlers.pooler is None:
-                raise Refusal(f"this server generates (--runner generate): it does not answer /v1/{endpoint}; serve "
-                              f"an embedding model or a cross-encoder with --runner pooling", "model")
+                raise Refusal(
+                    f"this server generates (--runner generate): it does not answer /v1/{endpoint}; serve "
+                    f"an embedding model or a cross-encoder with --runner pooling",
+                    "model",
+                )
             pooler = handlers.pooler
             body, inputs, answer = prepare(await handlers._read_body(request), pooler)
-            requests = _engine_requests(rid, inputs, body, handlers.served, handlers.engine.max_context,
-                                        pair_roles=bool(pooler.logit_tokens))
+            requests = _engine_requests(
+                rid, inputs, body, handlers.served, handlers.engine.max_context, pair_roles=bool(pooler.logit_tokens)
+            )
             handlers._admit(len(requests), 1, "input")
         except Refusal as exc:
             tracker.refused(exc.status, exc.message)
@@ -196,12 +237,16 @@ class _PoolingRoutes:
             if await fanout.close(handlers._abort):
                 tracker.client_gone()
         tracker.finished("stop", usage)
-        return web.Response(body=msgspec.json.encode(answer(pooled, usage)), content_type="application/json",
-                            headers={"X-Request-Id": rid})
+        return web.Response(
+            body=msgspec.json.encode(answer(pooled, usage)),
+            content_type="application/json",
+            headers={"X-Request-Id": rid},
+        )
 
 
-def _engine_requests(rid: str, inputs: _Inputs, body: Body, served, max_context: int,
-                     pair_roles: bool = False) -> list[GenerateRequest]:
+def _engine_requests(
+    rid: str, inputs: _Inputs, body: Body, served, max_context: int, pair_roles: bool = False
+) -> list[GenerateRequest]:
     """One engine request per input, with the body's common fields (model, priority, truncate_prompt_tokens)
     checked (a Refusal naming them); with `pair_roles` (a decoder reranker) a pair is a "query" and a
     "document" message for the chat template."""
@@ -214,11 +259,18 @@ def _engine_requests(rid: str, inputs: _Inputs, body: Body, served, max_context:
     pooling = PoolingParams(truncate_prompt_tokens=max_context if keep == -1 else keep)
     params = RequestParams(stop=StopParams(max_tokens=0), priority=priority or 0, speculative=False, pooling=pooling)
     if pair_roles:
-        return [GenerateRequest(rid=rid, messages=[ChatMessage(role="query", content=text),
-                                                   ChatMessage(role="document", content=pair)], params=params)
-                for text, _, pair in inputs.inputs]
-    return [GenerateRequest(rid=rid, prompt=text, prompt_token_ids=ids, prompt_pair=pair, params=params)
-            for text, ids, pair in inputs.inputs]
+        return [
+            GenerateRequest(
+                rid=rid,
+                messages=[ChatMessage(role="query", content=text), ChatMessage(role="document", content=pair)],
+                params=params,
+            )
+            for text, _, pair in inputs.inputs
+        ]
+    return [
+        GenerateRequest(rid=rid, prompt=text, prompt_token_ids=ids, prompt_pair=pair, params=params)
+        for text, ids, pair in inputs.inputs
+    ]
 
 
 class _Pair(NamedTuple):
@@ -243,8 +295,11 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[_Pair]:
         sides.append(texts)
     firsts, seconds = sides
     if len(firsts) != len(seconds) and 1 not in (len(firsts), len(seconds)):
-        raise Refusal(f"text_1 and text_2 are lists of different lengths ({len(firsts)} and {len(seconds)}): pair "
-                      f"one text with a list, or two lists of one length", "text_2")
+        raise Refusal(
+            f"text_1 and text_2 are lists of different lengths ({len(firsts)} and {len(seconds)}): pair "
+            f"one text with a list, or two lists of one length",
+            "text_2",
+        )
     count = max(len(firsts), len(seconds))
     firsts, seconds = (side * count if len(side) == 1 else side for side in (firsts, seconds))
     return [_Pair(a, b, a_field, b_field) for (a, a_field), (b, b_field) in zip(firsts, seconds)]
@@ -317,4 +372,3 @@ def _encoded(vector: np.ndarray, encoding_format: str | None) -> list[float] | s
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
-

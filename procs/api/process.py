@@ -17,17 +17,17 @@ import time
 import msgspec
 import uvloop
 
-from procs.api.app import HANDLERS_KEY
-from procs.api.engine_client_zmq import ZmqEngineClient, backend_processes
-from procs.api.server import start_api
-from procs.runtime import resolve_runtime_dir
-from shared.checks import max_prompt_chars, model_token_chars
-from shared.config import ServerConfig
-from shared.ipc import Endpoints
-from shared.model import ModelSpec, read_model_json
-from shared.parallel import replica_port
-from shared.pooling import pooler_for
-from shared.readiness import notify_ready, notify_stopping
+from batchserve.procs.api.app import HANDLERS_KEY
+from batchserve.procs.api.engine_client_zmq import ZmqEngineClient, backend_processes
+from batchserve.procs.api.server import start_api
+from batchserve.procs.runtime import resolve_runtime_dir
+from batchserve.shared.checks import max_prompt_chars, model_token_chars
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ipc import Endpoints
+from batchserve.shared.model import ModelSpec, read_model_json
+from batchserve.shared.parallel import replica_port
+from batchserve.shared.pooling import pooler_for
+from batchserve.shared.readiness import notify_ready, notify_stopping
 
 log = logging.getLogger("batchserve.api")
 DRAIN_POLL_S = 0.05
@@ -39,9 +39,13 @@ async def serve(config: ServerConfig) -> int:
     spec = ModelSpec.from_config(config)
     # A model that thinks in <think> blocks (Qwen3, DeepSeek-R1): chat answers split them out.
     reasoning = spec.chat_format.reasoning
-    engine = ZmqEngineClient(Endpoints.in_dir(resolve_runtime_dir(config)), config.served_model_name or config.model,
-                             spec.context_length, backend_processes(config),
-                             max_prompt_chars=max_prompt_chars(spec.context_length, model_token_chars(spec.model_dir)))
+    engine = ZmqEngineClient(
+        Endpoints.in_dir(resolve_runtime_dir(config)),
+        config.served_model_name or config.model,
+        spec.context_length,
+        backend_processes(config),
+        max_prompt_chars=max_prompt_chars(spec.context_length, model_token_chars(spec.model_dir)),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -51,21 +55,29 @@ async def serve(config: ServerConfig) -> int:
     # listens on its own port (shared.parallel.replica_port).
     port = replica_port(config)
     try:
-        runner = await start_api(engine, msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S,
-                                                                 port=port), reasoning=reasoning,
-                                 pooler=pooler_for(spec.model_dir, spec.architecture, read_model_json(spec.model_dir),
-                                                   config.runner, config.pooling))
+        runner = await start_api(
+            engine,
+            msgspec.structs.replace(config, drain_timeout_s=AIOHTTP_SHUTDOWN_S, port=port),
+            reasoning=reasoning,
+            pooler=pooler_for(
+                spec.model_dir, spec.architecture, read_model_json(spec.model_dir), config.runner, config.pooling
+            ),
+        )
     except OSError as exc:  # port in use, address not available: a configuration error
         raise ValueError(f"cannot listen on {config.host}:{port}: {exc.strerror or exc}") from None
     try:
         while not engine.backends_ready() and not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), 0.1)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            except TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
         if not stop.is_set():
-            log.info("api ready", extra={"fields": {"pid": os.getpid(), "url": f"http://{config.host}:{port}",
-                                                    "model": engine.model_name}})
+            log.info(
+                "api ready",
+                extra={
+                    "fields": {"pid": os.getpid(), "url": f"http://{config.host}:{port}", "model": engine.model_name}
+                },
+            )
             notify_ready()
         await stop.wait()
         notify_stopping()
@@ -78,8 +90,10 @@ async def serve(config: ServerConfig) -> int:
         cut_off = handlers.in_flight
         if cut_off:
             log.warning("drain timeout: %d requests still running are cut off", cut_off)
-            engine.fail_all(f"the server is shutting down: the request did not finish within the drain "
-                            f"timeout of {config.drain_timeout_s:g} s")
+            engine.fail_all(
+                f"the server is shutting down: the request did not finish within the drain "
+                f"timeout of {config.drain_timeout_s:g} s"
+            )
             deadline = time.monotonic() + CUT_OFF_S  # time for their handlers to write the last event
             while handlers.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)

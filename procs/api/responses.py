@@ -26,10 +26,10 @@ from typing import Any
 
 import msgspec
 
-from procs.api.chat_output import ChatOutputStream, parse_whole
-from procs.api.errors import error_body
-from shared.chat_format import ReasoningFormat
-from shared.messages import TextDelta, TokenLogprob, Usage
+from batchserve.procs.api.chat_output import ChatOutputStream, parse_whole
+from batchserve.procs.api.errors import error_body
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.messages import TextDelta, TokenLogprob, Usage
 
 _encoder = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -43,12 +43,17 @@ def sse_event(obj: Any) -> bytes:
 def usage_dict(usage: Usage) -> dict[str, Any]:
     """OpenAI's usage object; with speculative decoding, its draft tokens as OpenAI counts a predicted
     output's (`completion_tokens_details`)."""
-    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                           "total_tokens": usage.total_tokens,
-                           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
     if usage.draft_tokens:
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_tokens,
-                                            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_tokens}
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_tokens,
+        }
     return out
 
 
@@ -70,8 +75,15 @@ class ChoiceOutput:
     piece for a whole (non-streamed) answer.
     """
 
-    def __init__(self, index: int, *, leader: ChoiceOutput | None = None, echo: bool = False,
-                 drop_generated: bool = False, collect: bool = False) -> None:
+    def __init__(
+        self,
+        index: int,
+        *,
+        leader: ChoiceOutput | None = None,
+        echo: bool = False,
+        drop_generated: bool = False,
+        collect: bool = False,
+    ) -> None:
         self.index = index
         self.leader = leader
         self.echo = echo
@@ -117,8 +129,11 @@ class ChoiceOutput:
 
     def whole(self) -> Piece:
         pieces = self.collected or []
-        return Piece("".join(p.text for p in pieces), [t for p in pieces for t in p.tokens],
-                     [o for p in pieces for o in p.offsets])
+        return Piece(
+            "".join(p.text for p in pieces),
+            [t for p in pieces for t in p.tokens],
+            [o for p in pieces for o in p.offsets],
+        )
 
     @property
     def completion_tokens(self) -> int:
@@ -134,9 +149,14 @@ def total_usage(choices: list[ChoiceOutput]) -> Usage:
     prompt = sum(u.prompt_tokens for u in leaders)
     completion = sum(c.completion_tokens for c in choices)
     every = [c.usage for c in choices if c.usage is not None]
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 cached_tokens=sum(u.cached_tokens for u in leaders), draft_tokens=sum(u.draft_tokens for u in every),
-                 accepted_tokens=sum(u.accepted_tokens for u in every))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        cached_tokens=sum(u.cached_tokens for u in leaders),
+        draft_tokens=sum(u.draft_tokens for u in every),
+        accepted_tokens=sum(u.accepted_tokens for u in every),
+    )
 
 
 def _clamp(logprob: float) -> float:
@@ -154,8 +174,16 @@ class ResponseShapes(ABC):
     object: str
     chunk_object: str
 
-    def __init__(self, rid: str, model: str, include_usage: bool = False, logprobs: bool = False, *,
-                 tool_names: frozenset[str] = frozenset(), reasoning: ReasoningFormat = "") -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        include_usage: bool = False,
+        logprobs: bool = False,
+        *,
+        tool_names: frozenset[str] = frozenset(),
+        reasoning: ReasoningFormat = "",
+    ) -> None:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
@@ -237,8 +265,9 @@ class ResponseShapes(ABC):
         return param
 
     @abstractmethod
-    def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *,
-                streamed: bool) -> dict[str, Any]: ...
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *, streamed: bool
+    ) -> dict[str, Any]: ...
 
     @abstractmethod
     def _logprobs(self, piece: Piece) -> dict[str, Any]: ...
@@ -248,8 +277,9 @@ class CompletionShapes(ResponseShapes):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *,
-                streamed: bool) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *, streamed: bool
+    ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, piece: Piece) -> dict[str, Any]:
@@ -259,9 +289,12 @@ class CompletionShapes(ResponseShapes):
                 top.append(None)
             else:  # as vLLM's: the alternatives and the token itself
                 top.append({**{a.token: _clamp(a.logprob) for a in t.top}, t.token: _clamp(t.logprob)})
-        return {"tokens": [t.token for t in piece.tokens],
-                "token_logprobs": [_logprob(t.logprob) for t in piece.tokens],
-                "top_logprobs": top, "text_offset": list(piece.offsets)}
+        return {
+            "tokens": [t.token for t in piece.tokens],
+            "token_logprobs": [_logprob(t.logprob) for t in piece.tokens],
+            "top_logprobs": top,
+            "text_offset": list(piece.offsets),
+        }
 
 
 class ChatShapes(ResponseShapes):
@@ -290,11 +323,22 @@ class ChatShapes(ResponseShapes):
             deltas += rest
         chunks = []
         for delta in deltas:
-            chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": self._take_logprobs(unsent),
-                                       "finish_reason": None}))
+            chunks.append(
+                self._chunk(
+                    {"index": index, "delta": delta, "logprobs": self._take_logprobs(unsent), "finish_reason": None}
+                )
+            )
         if choice.finish_reason is not None:
-            chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": self._take_logprobs(unsent),
-                                       "finish_reason": choice.finish_reason}))
+            chunks.append(
+                self._chunk(
+                    {
+                        "index": index,
+                        "delta": {},
+                        "logprobs": self._take_logprobs(unsent),
+                        "finish_reason": choice.finish_reason,
+                    }
+                )
+            )
         return chunks
 
     def _take_logprobs(self, unsent: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -310,20 +354,29 @@ class ChatShapes(ResponseShapes):
         out = []
         for c in choices:
             piece = c.whole()
-            message, c.finish_reason = parse_whole(piece.text, c.finish_reason, tool_names=self.tool_names,
-                                                   reasoning=self.reasoning)
-            out.append({"index": c.index, "message": message, "logprobs": self._logprobs_of(piece),
-                        "finish_reason": c.finish_reason})
+            message, c.finish_reason = parse_whole(
+                piece.text, c.finish_reason, tool_names=self.tool_names, reasoning=self.reasoning
+            )
+            out.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs_of(piece),
+                    "finish_reason": c.finish_reason,
+                }
+            )
         obj = self._envelope(self.object, out)
         obj["usage"] = usage_dict(usage)
         return obj
 
     def start_chunk(self, index: int) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk(
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
 
-    def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *,
-                streamed: bool) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *, streamed: bool
+    ) -> dict[str, Any]:
         if streamed:
             body = {"delta": {"content": text} if finish_reason is None else {}}
         else:
@@ -331,8 +384,10 @@ class ChatShapes(ResponseShapes):
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, piece: Piece) -> dict[str, Any]:
-        content = [{**_chat_logprob(t.token, t.logprob),
-                    "top_logprobs": [_chat_logprob(a.token, a.logprob) for a in t.top]} for t in piece.tokens]
+        content = [
+            {**_chat_logprob(t.token, t.logprob), "top_logprobs": [_chat_logprob(a.token, a.logprob) for a in t.top]}
+            for t in piece.tokens
+        ]
         return {"content": content, "refusal": None}
 
 

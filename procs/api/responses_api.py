@@ -13,23 +13,29 @@ from typing import Any
 
 import msgspec
 
-from procs.api.engine_client import EngineClient
-from procs.api.responses_request import ResponsesRequest, renamed, response_echo, to_chat
-from procs.api.responses_shapes import ResponsesShapes
-from procs.api.responses_store import MemoryResponseStore, ResponseStore, history_message
-from procs.api.schemas import ChatMessageIn, decode_body
-from procs.api.served_models import ServedModels
-from procs.api.stored_response import ResponseStoreError, StoredResponse
-from procs.api.validation import ValidatedRequest, validate_chat
-from shared.chat_format import ReasoningFormat
-from shared.errors import Refusal
+from batchserve.procs.api.engine_client import EngineClient
+from batchserve.procs.api.responses_request import ResponsesRequest, renamed, response_echo, to_chat
+from batchserve.procs.api.responses_shapes import ResponsesShapes
+from batchserve.procs.api.responses_store import MemoryResponseStore, ResponseStore, history_message
+from batchserve.procs.api.schemas import ChatMessageIn, decode_body
+from batchserve.procs.api.served_models import ServedModels
+from batchserve.procs.api.stored_response import ResponseStoreError, StoredResponse
+from batchserve.procs.api.validation import ValidatedRequest, validate_chat
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.errors import Refusal
 
 
 class ResponsesEndpoint:
     """`/v1/responses` of one app: translation, validation and the store."""
 
-    def __init__(self, engine: EngineClient, *, reasoning: ReasoningFormat = "", store: ResponseStore | None = None,
-                 served: ServedModels | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        reasoning: ReasoningFormat = "",
+        store: ResponseStore | None = None,
+        served: ServedModels | None = None,
+    ) -> None:
         self.engine = engine
         self.served = served or ServedModels(engine.model_name)
         self.reasoning = reasoning
@@ -41,8 +47,11 @@ class ResponsesEndpoint:
         if req.previous_response_id is not None:
             stored = self._read(req.previous_response_id, owner)
             if stored is None:
-                raise Refusal(f"Previous response with id '{req.previous_response_id}' not found.",
-                              "previous_response_id", code="previous_response_not_found")
+                raise Refusal(
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    "previous_response_id",
+                    code="previous_response_not_found",
+                )
             previous = stored.history
         translation = to_chat(req, previous)
         try:
@@ -52,8 +61,9 @@ class ResponsesEndpoint:
         (generate,) = validated.requests
         params = generate.params
         if params.constraint is not None:
-            params = msgspec.structs.replace(params, constraint=msgspec.structs.replace(params.constraint,
-                                                                                          param="text.format"))
+            params = msgspec.structs.replace(
+                params, constraint=msgspec.structs.replace(params.constraint, param="text.format")
+            )
         generate = msgspec.structs.replace(generate, max_tokens_param="max_output_tokens", params=params)
         validated = dataclasses.replace(validated, requests=[generate])
         store = req.store is not False
@@ -64,9 +74,15 @@ class ResponsesEndpoint:
             if not self.store.put(rid, owner, response, [*history, history_message(response["output"])]):
                 response["store"] = False  # the answer stands; it was not kept
 
-        shapes = ResponsesShapes(rid, self.served.name(generate.params.adapter), echo=echo, logprobs=validated.logprobs,
-                                 tool_names=validated.tool_names, reasoning=self.reasoning,
-                                 keep=keep if store else None)
+        shapes = ResponsesShapes(
+            rid,
+            self.served.name(generate.params.adapter),
+            echo=echo,
+            logprobs=validated.logprobs,
+            tool_names=validated.tool_names,
+            reasoning=self.reasoning,
+            keep=keep if store else None,
+        )
         return validated, shapes
 
     def retrieve(self, rid: str, request: Any, owner: str = "") -> dict[str, Any]:

@@ -28,9 +28,19 @@ from typing import Any
 
 import msgspec
 
-from procs.api.schemas import (ChatCompletionRequest, ChatMessageIn, FunctionCallIn, FunctionIn, NamedFunction,
-                               NamedToolChoice, SamplingExtras, TextContentPart, ToolCallIn, ToolIn)
-from shared.errors import Refusal
+from batchserve.procs.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    FunctionCallIn,
+    FunctionIn,
+    NamedFunction,
+    NamedToolChoice,
+    SamplingExtras,
+    TextContentPart,
+    ToolCallIn,
+    ToolIn,
+)
+from batchserve.shared.errors import Refusal
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -133,8 +143,10 @@ class ResponsesRequest(SamplingExtras, kw_only=True):
 # field -> (values that mean "not used", what to say instead)
 NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "background": ((False,), "background mode is not supported by this server"),
-    "conversation": ((), "the Conversations API is not supported by this server; pass the items in input "
-                         "or use previous_response_id"),
+    "conversation": (
+        (),
+        "the Conversations API is not supported by this server; pass the items in input or use previous_response_id",
+    ),
     "prompt": ((), "prompt templates are not supported by this server"),
     "n": ((1,), "the Responses API makes one answer per request (n is chat's)"),
     "max_tokens": ((), "the Responses API calls it max_output_tokens"),
@@ -181,18 +193,28 @@ def to_chat(req: ResponsesRequest, previous: list[ChatMessageIn]) -> ChatTransla
     template_kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning is not None:
         if req.reasoning.summary is not None or req.reasoning.generate_summary is not None:
-            raise Refusal("reasoning summaries are not supported: the reasoning item carries the model's own "
-                          "reasoning text", "reasoning.summary")
+            raise Refusal(
+                "reasoning summaries are not supported: the reasoning item carries the model's own reasoning text",
+                "reasoning.summary",
+            )
         if req.reasoning.effort is not None:
             template_kwargs.setdefault("reasoning_effort", req.reasoning.effort)
     chat = ChatCompletionRequest(
-        model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, stream=req.stream,
-        temperature=req.temperature, top_p=req.top_p,
+        model=req.model,
+        messages=messages,
+        max_completion_tokens=req.max_output_tokens,
+        stream=req.stream,
+        temperature=req.temperature,
+        top_p=req.top_p,
         **{name: getattr(req, name) for name in SamplingExtras.__struct_fields__},
-        response_format=_response_format(text_format), tools=_tools(req.tools or []),
-        tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-        logprobs=logprobs or None, top_logprobs=req.top_logprobs if logprobs else None,
-        chat_template_kwargs=template_kwargs or None)
+        response_format=_response_format(text_format),
+        tools=_tools(req.tools or []),
+        tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
+        logprobs=logprobs or None,
+        top_logprobs=req.top_logprobs if logprobs else None,
+        chat_template_kwargs=template_kwargs or None,
+    )
     history = messages[1:] if req.instructions is not None else list(messages)
     return ChatTranslation(chat, origins, history)
 
@@ -200,13 +222,13 @@ def to_chat(req: ResponsesRequest, previous: list[ChatMessageIn]) -> ChatTransla
 def _logprobs_asked(req: ResponsesRequest) -> bool:
     for i, value in enumerate(req.include or []):
         if value != LOGPROBS_INCLUDE:
-            raise Refusal(f"include[{i}]: only {LOGPROBS_INCLUDE!r} is supported by this server (got {value!r})",
-                          f"include[{i}]")
+            raise Refusal(
+                f"include[{i}]: only {LOGPROBS_INCLUDE!r} is supported by this server (got {value!r})", f"include[{i}]"
+            )
     asked = LOGPROBS_INCLUDE in (req.include or [])
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})",
-                          "top_logprobs")
+            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})", "top_logprobs")
         if req.top_logprobs and not asked:
             raise Refusal(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
     return asked
@@ -220,8 +242,10 @@ def _text(parts: str | list[ContentPart], param: str, role: str) -> str | list[T
     for j, part in enumerate(parts):
         text = part.refusal if part.type == "refusal" and role == "assistant" else part.text
         if part.type not in (*TEXT_PART_TYPES, "refusal") or text is None:
-            raise Refusal(f"{param}[{j}]: only text content is supported ({', '.join(TEXT_PART_TYPES)}; got type "
-                          f"{part.type!r})", f"{param}[{j}].type")
+            raise Refusal(
+                f"{param}[{j}]: only text content is supported ({', '.join(TEXT_PART_TYPES)}; got type {part.type!r})",
+                f"{param}[{j}].type",
+            )
         out.append(TextContentPart(type="text", text=text))
     if not out:
         raise Refusal(f"{param} must not be empty", param)
@@ -239,13 +263,20 @@ def _add_items(items: list[InputItem], messages: list[ChatMessageIn], origins: l
             role = item.role
             if role not in ("user", "system", "developer", "assistant"):
                 hint = "; a tool's result is a function_call_output item" if role == "tool" else ""
-                raise Refusal(f"{param}.role must be one of user, system, developer, assistant (got {role!r}){hint}",
-                              f"{param}.role")
+                raise Refusal(
+                    f"{param}.role must be one of user, system, developer, assistant (got {role!r}){hint}",
+                    f"{param}.role",
+                )
             if item.content is None:
                 raise Refusal(f"{param}.content is required", f"{param}.content")
             content = _text(item.content, f"{param}.content", role)
-            if (role == "assistant" and last is not None and last.role == "assistant" and last.content is None
-                    and origins[-1].startswith("input[")):
+            if (
+                role == "assistant"
+                and last is not None
+                and last.role == "assistant"
+                and last.content is None
+                and origins[-1].startswith("input[")
+            ):
                 last.content = content  # the text of the turn whose calls came first
                 continue
             messages.append(ChatMessageIn(role=role, content=content))
@@ -265,16 +296,21 @@ def _add_items(items: list[InputItem], messages: list[ChatMessageIn], origins: l
             if item.output is None:
                 raise Refusal(f"{param}.output is required in a function_call_output item", f"{param}.output")
             output = _text(item.output, f"{param}.output", "tool")
-            messages.append(ChatMessageIn(role="tool", content=output, tool_call_id=item.call_id,
-                                          name=called.get(item.call_id)))
+            messages.append(
+                ChatMessageIn(role="tool", content=output, tool_call_id=item.call_id, name=called.get(item.call_id))
+            )
         elif kind == "reasoning":
             if item.encrypted_content is not None:
-                raise Refusal(f"{param}.encrypted_content: encrypted reasoning is not supported by this server",
-                              f"{param}.encrypted_content")
+                raise Refusal(
+                    f"{param}.encrypted_content: encrypted reasoning is not supported by this server",
+                    f"{param}.encrypted_content",
+                )
             continue  # earlier thinking: chat templates leave it out
         else:
-            raise Refusal(f"{param}.type must be message, function_call, function_call_output or reasoning "
-                          f"(got {item.type!r})", f"{param}.type")
+            raise Refusal(
+                f"{param}.type must be message, function_call, function_call_output or reasoning (got {item.type!r})",
+                f"{param}.type",
+            )
         origins.append(param)
 
 
@@ -284,24 +320,35 @@ def _response_format(fmt: TextFormat | None) -> dict[str, object] | None:
     if fmt.type == "json_object":
         return {"type": "json_object"}
     if fmt.type != "json_schema":
-        raise Refusal(f"text.format.type must be one of text, json_object, json_schema (got {fmt.type!r})",
-                      "text.format.type")
+        raise Refusal(
+            f"text.format.type must be one of text, json_object, json_schema (got {fmt.type!r})", "text.format.type"
+        )
     if fmt.schema is None:
         raise Refusal("text.format.schema is required with type json_schema", "text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": dict(fmt.schema),
-                                                   "strict": fmt.strict}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": fmt.name or "response", "schema": dict(fmt.schema), "strict": fmt.strict},
+    }
 
 
 def _tools(tools: list[ResponsesTool]) -> list[ToolIn] | None:
     out = []
     for i, tool in enumerate(tools):
         if tool.type != "function":
-            raise Refusal(f"tools[{i}].type: only function tools are supported by this server (got {tool.type!r})",
-                          f"tools[{i}].type")
+            raise Refusal(
+                f"tools[{i}].type: only function tools are supported by this server (got {tool.type!r})",
+                f"tools[{i}].type",
+            )
         if tool.name is None:
             raise Refusal(f"tools[{i}].name is required", f"tools[{i}].name")
-        out.append(ToolIn(type="function", function=FunctionIn(
-            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict)))
+        out.append(
+            ToolIn(
+                type="function",
+                function=FunctionIn(
+                    name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+                ),
+            )
+        )
     return out or None
 
 
@@ -309,21 +356,25 @@ def _tool_choice(choice: str | ResponsesToolChoice | None) -> str | NamedToolCho
     if choice is None or isinstance(choice, str):
         return choice
     if choice.type != "function":
-        raise Refusal(f"tool_choice.type: only 'function' is supported by this server (got {choice.type!r})",
-                      "tool_choice")
+        raise Refusal(
+            f"tool_choice.type: only 'function' is supported by this server (got {choice.type!r})", "tool_choice"
+        )
     if choice.name is None:
         raise Refusal("tool_choice.name is required with type function", "tool_choice")
     return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 
 
-_RENAMES = [(re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
-            (re.compile(r"\bresponse_format\b"), "text.format"),
-            (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1].")]
+_RENAMES = [
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
+]
 _MESSAGE_RE = re.compile(r"\bmessages\[(\d+)\]")
 
 
 def renamed(exc: Refusal, origins: list[str]) -> Refusal:
     """A chat refusal in the Responses API's field names."""
+
     def rename(text: str) -> str:
         for pattern, new in _RENAMES:
             text = pattern.sub(new, text)
@@ -340,8 +391,11 @@ def _metadata(metadata: dict[str, str] | None) -> dict[str, str]:
         raise Refusal(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs (got {len(metadata)})", "metadata")
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-            raise Refusal(f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
-                          f"{MAX_METADATA_VALUE} (key {key[:80]!r})", "metadata")
+            raise Refusal(
+                f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
+                f"{MAX_METADATA_VALUE} (key {key[:80]!r})",
+                "metadata",
+            )
     return metadata
 
 
@@ -353,21 +407,49 @@ def response_echo(req: ResponsesRequest, store: bool) -> dict[str, Any]:
     elif fmt.type == "json_object":
         text_format = {"type": "json_object"}
     else:
-        text_format = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema,
-                       "description": fmt.description, "strict": fmt.strict}
-    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-              "strict": t.strict} for t in req.tools or []]
+        text_format = {
+            "type": "json_schema",
+            "name": fmt.name,
+            "schema": fmt.schema,
+            "description": fmt.description,
+            "strict": fmt.strict,
+        }
+    tools = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in req.tools or []
+    ]
     choice = req.tool_choice
-    tool_choice: Any = choice if isinstance(choice, str) else (
-        {"type": "function", "name": choice.name} if choice is not None else "auto")
+    tool_choice: Any = (
+        choice
+        if isinstance(choice, str)
+        else ({"type": "function", "name": choice.name} if choice is not None else "auto")
+    )
     effort = req.reasoning.effort if req.reasoning is not None else None
-    return {"background": False, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "max_tool_calls": req.max_tool_calls, "metadata": _metadata(req.metadata),
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": None},
-            "service_tier": "default", "store": store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": text_format, "verbosity": "medium"}, "tool_choice": tool_choice, "tools": tools,
-            "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
-            "truncation": "disabled", "user": req.user, "safety_identifier": req.safety_identifier,
-            "prompt_cache_key": req.prompt_cache_key}
+    return {
+        "background": False,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "metadata": _metadata(req.metadata),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": effort, "summary": None},
+        "service_tier": "default",
+        "store": store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": text_format, "verbosity": "medium"},
+        "tool_choice": tool_choice,
+        "tools": tools,
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "user": req.user,
+        "safety_identifier": req.safety_identifier,
+        "prompt_cache_key": req.prompt_cache_key,
+    }

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-from procs.api.chat_output import ChatOutputStream, ReasoningStream, parse_whole
-from procs.api.responses import MIN_LOGPROB, ChoiceOutput, Piece, ResponseShapes
-from shared.chat_format import ReasoningFormat
-from shared.messages import TokenLogprob, Usage
+from batchserve.procs.api.chat_output import ChatOutputStream, ReasoningStream, parse_whole
+from batchserve.procs.api.responses import MIN_LOGPROB, ChoiceOutput, Piece, ResponseShapes
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.messages import TokenLogprob, Usage
 
 
 def new_id(prefix: str) -> str:
@@ -31,15 +32,22 @@ def new_id(prefix: str) -> str:
 
 
 def usage_of(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.total_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
 
 
 def _logprob(t: TokenLogprob) -> dict[str, Any]:
     def one(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": max(logprob if logprob is not None else MIN_LOGPROB, MIN_LOGPROB),
-                "bytes": list(token.encode("utf-8"))}
+        return {
+            "token": token,
+            "logprob": max(logprob if logprob is not None else MIN_LOGPROB, MIN_LOGPROB),
+            "bytes": list(token.encode("utf-8")),
+        }
 
     return {**one(t.token, t.logprob), "top_logprobs": [one(a.token, a.logprob) for a in t.top]}
 
@@ -71,15 +79,25 @@ def message_item(item_id: str, text: str, logprobs: list[dict] | None, status: s
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": status}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
 
 
 def call_item(call: dict[str, Any]) -> dict[str, Any]:
     """A chat `tool_calls` entry as a `function_call` item."""
-    return {"id": new_id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": "completed"}
-
+    return {
+        "id": new_id("fc"),
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": "completed",
+    }
 
 
 class ResponsesShapes(ResponseShapes):
@@ -91,8 +109,17 @@ class ResponsesShapes(ResponseShapes):
     object = "response"
     chunk_object = "response"
 
-    def __init__(self, rid: str, model: str, *, echo: dict[str, Any], logprobs: bool, tool_names: frozenset[str],
-                 reasoning: ReasoningFormat, keep: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        *,
+        echo: dict[str, Any],
+        logprobs: bool,
+        tool_names: frozenset[str],
+        reasoning: ReasoningFormat,
+        keep: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         super().__init__(rid, model, logprobs=logprobs, tool_names=tool_names, reasoning=reasoning)
         self.echo = echo
         self.keep = keep
@@ -110,12 +137,27 @@ class ResponsesShapes(ResponseShapes):
 
     # ---- the response object
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-                 reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
-                "incomplete_details": {"reason": reason} if status == "incomplete" else None, "model": self.model,
-                "output": output, "usage": usage, **self.echo}
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        reason: str | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": {"reason": reason} if status == "incomplete" else None,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            **self.echo,
+        }
 
     def _finished(self, finish_reason: str | None, output: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         tokens = self.reasoning_tokens.count if self.reasoning_tokens is not None else 0
@@ -135,8 +177,9 @@ class ResponsesShapes(ResponseShapes):
             for p in choice.collected or []:
                 self.reasoning_tokens.feed(p)
         if self.parses:
-            message, choice.finish_reason = parse_whole(piece.text, choice.finish_reason, tool_names=self.tool_names,
-                                                        reasoning=self.reasoning)
+            message, choice.finish_reason = parse_whole(
+                piece.text, choice.finish_reason, tool_names=self.tool_names, reasoning=self.reasoning
+            )
         else:
             message = {"content": piece.text}
         output = []
@@ -144,16 +187,24 @@ class ResponsesShapes(ResponseShapes):
             output.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
         calls = message.get("tool_calls") or []
         if message["content"] or not calls:
-            output.append(self._choice(0, message["content"] or "", self._logprobs_of(piece), choice.finish_reason,
-                                       streamed=False))
+            output.append(
+                self._choice(
+                    0, message["content"] or "", self._logprobs_of(piece), choice.finish_reason, streamed=False
+                )
+            )
         output += [call_item(call) for call in calls]
         return self._finished(choice.finish_reason, output, usage)
 
-    def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *,
-                streamed: bool) -> dict[str, Any]:
+    def _choice(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, *, streamed: bool
+    ) -> dict[str, Any]:
         """The answer's message item (what chat calls a choice)."""
-        return message_item(new_id("msg"), text, (logprobs or {}).get("content"),
-                            "incomplete" if finish_reason == "length" else "completed")
+        return message_item(
+            new_id("msg"),
+            text,
+            (logprobs or {}).get("content"),
+            "incomplete" if finish_reason == "length" else "completed",
+        )
 
     def _logprobs(self, piece: Piece) -> dict[str, Any]:
         return {"content": [_logprob(t) for t in piece.tokens]}
@@ -167,8 +218,7 @@ class ResponsesShapes(ResponseShapes):
 
     def stream_start(self, choices: list[ChoiceOutput]) -> bytes:
         started = self.response("in_progress", [], None)
-        return self._event("response.created", response=started) + self._event("response.in_progress",
-                                                                                 response=started)
+        return self._event("response.created", response=started) + self._event("response.in_progress", response=started)
 
     def stream_bytes(self, choice: ChoiceOutput, piece: Piece) -> bytes:
         if self.reasoning_tokens is not None:
@@ -185,18 +235,29 @@ class ResponsesShapes(ResponseShapes):
         return b"".join(self._delta_events(delta) for delta in deltas)
 
     def _delta_events(self, delta: dict[str, Any]) -> bytes:
-        (key, value), = delta.items()
+        ((key, value),) = delta.items()
         if key == "tool_calls":
             out = self._close()
             for call in value:
                 item = call_item(call)
                 index = len(self.done_items)
-                out += self._event("response.output_item.added", output_index=index,
-                                   item={**item, "arguments": "", "status": "in_progress"})
-                out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=item["arguments"])
-                out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=item["arguments"])
+                out += self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                )
+                out += self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["arguments"],
+                )
+                out += self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
                 out += self._event("response.output_item.done", output_index=index, item=item)
                 self.done_items.append(item)
             return out
@@ -221,12 +282,17 @@ class ResponsesShapes(ResponseShapes):
             item = {"id": self.open["id"], "type": "reasoning", "summary": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"id": self.open["id"], "type": "message", "role": "assistant", "status": "in_progress",
-                    "content": []}
+            item = {
+                "id": self.open["id"],
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return (self._event("response.output_item.added", output_index=index, item=item)
-                + self._event("response.content_part.added", item_id=self.open["id"], output_index=index,
-                              content_index=0, part=part))
+        return self._event("response.output_item.added", output_index=index, item=item) + self._event(
+            "response.content_part.added", item_id=self.open["id"], output_index=index, content_index=0, part=part
+        )
 
     def _close(self, status: str = "completed") -> bytes:
         if self.open is None:
@@ -235,12 +301,14 @@ class ResponsesShapes(ResponseShapes):
         ids = {"item_id": item["id"], "output_index": len(self.done_items), "content_index": 0}
         if item["kind"] == "reasoning":
             done = reasoning_item(item["id"], item["text"], status)
-            out = (self._event("response.reasoning_text.done", **ids, text=item["text"])
-                   + self._event("response.content_part.done", **ids, part=done["content"][0]))
+            out = self._event("response.reasoning_text.done", **ids, text=item["text"]) + self._event(
+                "response.content_part.done", **ids, part=done["content"][0]
+            )
         else:
             done = message_item(item["id"], item["text"], item["logprobs"], status)
-            out = (self._event("response.output_text.done", **ids, text=item["text"], logprobs=item["logprobs"])
-                   + self._event("response.content_part.done", **ids, part=done["content"][0]))
+            out = self._event(
+                "response.output_text.done", **ids, text=item["text"], logprobs=item["logprobs"]
+            ) + self._event("response.content_part.done", **ids, part=done["content"][0])
         out += self._event("response.output_item.done", output_index=ids["output_index"], item=done)
         self.done_items.append(done)
         return out
@@ -250,7 +318,8 @@ class ResponsesShapes(ResponseShapes):
         cut = choice.finish_reason == "length"
         out = b""
         if not any(item["type"] == "message" for item in self.done_items) and (
-                self.open is not None or not any(item["type"] == "function_call" for item in self.done_items)):
+            self.open is not None or not any(item["type"] == "function_call" for item in self.done_items)
+        ):
             if self.open is None or self.open["kind"] != "message":  # an answer of no text: an empty message
                 out += self._close() + self._open("message")
         out += self._close("incomplete" if cut else "completed")
@@ -261,6 +330,6 @@ class ResponsesShapes(ResponseShapes):
     def stream_failure(self, unfinished: list[ChoiceOutput], status: int, message: str, param: str | None) -> bytes:
         code = "server_error" if status >= 500 else "invalid_request_error"
         failed = self.response("failed", list(self.done_items), None, error={"code": code, "message": message})
-        return (self._event("error", code=code, message=message, param=param)
-                + self._event("response.failed", response=failed))
-
+        return self._event("error", code=code, message=message, param=param) + self._event(
+            "response.failed", response=failed
+        )

@@ -16,26 +16,30 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-from abc import ABC, abstractmethod
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from procs.api.schemas import ChatMessageIn
-from procs.api.stored_response import ResponseStoreError, StoredResponse
+from batchserve.procs.api.schemas import ChatMessageIn
+from batchserve.procs.api.stored_response import ResponseStoreError, StoredResponse
 
 BUSY_TIMEOUT_S = 5.0  # a write waits this long for another replica's
 CONNECT_TIMEOUT_S = 5
 PURGE_EVERY_S = 60.0
 COLUMNS = "(id, owner, created, last_used, size, response, history)"
-UPSERT = (f"INSERT INTO responses {COLUMNS} VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
-          "owner = excluded.owner, created = excluded.created, last_used = excluded.last_used, "
-          "size = excluded.size, response = excluded.response, history = excluded.history")
-INDEXES = ["CREATE INDEX IF NOT EXISTS responses_last_used ON responses (last_used)",
-           "CREATE INDEX IF NOT EXISTS responses_created ON responses (created)"]
+UPSERT = (
+    f"INSERT INTO responses {COLUMNS} VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+    "owner = excluded.owner, created = excluded.created, last_used = excluded.last_used, "
+    "size = excluded.size, response = excluded.response, history = excluded.history"
+)
+INDEXES = [
+    "CREATE INDEX IF NOT EXISTS responses_last_used ON responses (last_used)",
+    "CREATE INDEX IF NOT EXISTS responses_created ON responses (created)",
+]
 log = logging.getLogger("batchserve.api")
 _history = msgspec.json.Decoder(list[ChatMessageIn])
 
@@ -93,8 +97,10 @@ class SqlResponseStore(ABC):
         try:
             with self._lock:
                 now = self._now()
-                row = self._sql("SELECT response, history, size FROM responses WHERE id = ? AND owner = ? "
-                                "AND created >= ?", (rid, owner, now - self.ttl_s)).fetchone()
+                row = self._sql(
+                    "SELECT response, history, size FROM responses WHERE id = ? AND owner = ? AND created >= ?",
+                    (rid, owner, now - self.ttl_s),
+                ).fetchone()
                 if row is None:
                     return None
                 self._sql("UPDATE responses SET last_used = ? WHERE id = ?", (now, rid))
@@ -120,6 +126,7 @@ class SqlResponseStore(ABC):
         with self._lock:
             self._db.close()
 
+    @abstractmethod
     def _reconnect(self) -> None:
         """After a failed call: a new connection where the old one broke (the next call uses it)."""
 
@@ -147,8 +154,10 @@ class SqlResponseStore(ABC):
 
 class SqliteResponseStore(SqlResponseStore):
     BEGIN = "BEGIN IMMEDIATE"  # the write lock at once: a concurrent writer waits (busy timeout), never fails
-    TABLE = ("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, "
-             "last_used REAL NOT NULL, size INTEGER NOT NULL, response BLOB NOT NULL, history BLOB NOT NULL)")
+    TABLE = (
+        "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, "
+        "last_used REAL NOT NULL, size INTEGER NOT NULL, response BLOB NOT NULL, history BLOB NOT NULL)"
+    )
     ERRORS = (sqlite3.Error,)
 
     def __init__(self, path: str | Path, *, max_entries: int, max_bytes: int, ttl_s: float) -> None:
@@ -166,12 +175,17 @@ class SqliteResponseStore(SqlResponseStore):
         db.execute("PRAGMA synchronous=NORMAL")
         return db
 
+    def _reconnect(self) -> None:
+        """Nothing to do: a local file's connection does not break as a server's can; the next call uses it again."""
+
 
 class PostgresResponseStore(SqlResponseStore):
     PARAM = "%s"
-    TABLE = ("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
-             "created DOUBLE PRECISION NOT NULL, last_used DOUBLE PRECISION NOT NULL, size BIGINT NOT NULL, "
-             "response BYTEA NOT NULL, history BYTEA NOT NULL)")
+    TABLE = (
+        "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
+        "created DOUBLE PRECISION NOT NULL, last_used DOUBLE PRECISION NOT NULL, size BIGINT NOT NULL, "
+        "response BYTEA NOT NULL, history BYTEA NOT NULL)"
+    )
 
     def __init__(self, url: str, *, max_entries: int, max_bytes: int, ttl_s: float) -> None:
         import psycopg

@@ -24,14 +24,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
-from procs.api.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
-from procs.api.stored_response import ResponseStoreError, StoredResponse
+from batchserve.procs.api.responses_sql import PostgresResponseStore, SqliteResponseStore
+from batchserve.procs.api.schemas import ChatMessageIn, FunctionCallIn, ToolCallIn
+from batchserve.procs.api.stored_response import ResponseStoreError, StoredResponse
 
 MAX_STORED_RESPONSES = 1024  # responses kept for previous_response_id and GET (memory)
 MAX_STORED_BYTES = 64 * 1024 * 1024  # their JSON size, conversations included (memory)
 MAX_DATABASE_RESPONSES = 1_000_000  # the same in SQLite or PostgreSQL, on disk
-MAX_DATABASE_BYTES = 8 * 1024 ** 3
+MAX_DATABASE_BYTES = 8 * 1024**3
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 STORE_FILE = "responses.sqlite3"
 log = logging.getLogger("batchserve.api")
@@ -152,7 +152,9 @@ class MemoryResponseStore:
 def history_message(output: list[dict[str, Any]]) -> ChatMessageIn:
     """The answer as the assistant message a follow-up turn continues from."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=item["name"], arguments=item["arguments"]))
-             for item in output if item["type"] == "function_call"]
+    calls = [
+        ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=item["name"], arguments=item["arguments"]))
+        for item in output
+        if item["type"] == "function_call"
+    ]
     return ChatMessageIn(role="assistant", content=text or (None if calls else ""), tool_calls=calls or None)
-

@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
-from shared.errors import Refusal
+from batchserve.shared.errors import Refusal
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -205,8 +205,10 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise Refusal(f"invalid request: {message}", param=_param_of(message)) from None
     except msgspec.DecodeError as exc:
         if _LONE_SURROGATE_RE.search(body):
-            raise Refusal("request body is not valid JSON: a \\uD800-\\uDBFF escape is not followed by a "
-                          "low surrogate (a lone surrogate is not text)") from None
+            raise Refusal(
+                "request body is not valid JSON: a \\uD800-\\uDBFF escape is not followed by a "
+                "low surrogate (a lone surrogate is not text)"
+            ) from None
         raise Refusal(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's nesting limit, reached by a crafted body
         raise Refusal("request body nests arrays or objects too deeply") from None

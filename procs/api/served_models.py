@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.lora import parse_lora_modules
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.lora import parse_lora_modules
 
 
 class ServedModels:
@@ -34,8 +34,12 @@ class ServedModels:
         if model in self.adapters:
             return self.adapters[model]
         served = ", ".join(f"`{name}`" for name in (self.base, *self.adapters))
-        raise Refusal(f"The model `{model}` does not exist; this server serves {served}.", "model", status=404,
-                      code="model_not_found")
+        raise Refusal(
+            f"The model `{model}` does not exist; this server serves {served}.",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
 
     def name(self, adapter: int) -> str:
         return self.names[adapter] if adapter else self.base
@@ -45,8 +49,10 @@ class ServedModels:
         if name in self.adapters:
             raise Refusal(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         if name == self.base or not name:
-            raise Refusal(f"lora_name {name!r} cannot name an adapter: it is "
-                          f"{'empty' if not name else 'the served model'}", "lora_name")
+            raise Refusal(
+                f"lora_name {name!r} cannot name an adapter: it is {'empty' if not name else 'the served model'}",
+                "lora_name",
+            )
 
     def load(self, name: str) -> int:
         """A new adapter's index (Refusal: the name is taken)."""
@@ -58,11 +64,17 @@ class ServedModels:
     def unload(self, name: str) -> int:
         """The index the name had (Refusal 404: no adapter of that name is loaded)."""
         if name not in self.adapters:
-            raise Refusal(f"The lora adapter '{name}' cannot be found.", "lora_name", status=404,
-                          code="model_not_found")
+            raise Refusal(
+                f"The lora adapter '{name}' cannot be found.", "lora_name", status=404, code="model_not_found"
+            )
         return self.adapters.pop(name)
 
     def cards(self, created: int, max_context: int) -> list[dict[str, Any]]:
-        base = {"id": self.base, "object": "model", "created": created, "owned_by": "batchserve",
-                "max_model_len": max_context}
+        base = {
+            "id": self.base,
+            "object": "model",
+            "created": created,
+            "owned_by": "batchserve",
+            "max_model_len": max_context,
+        }
         return [base, *({**base, "id": name, "parent": self.base, "root": name} for name in self.adapters)]

@@ -13,27 +13,31 @@ import logging
 
 from aiohttp import web
 
-from procs.api.app import create_app
-from procs.api.connections import CappedSite, raise_open_file_limit
-from procs.api.engine_client import EngineClient
-from shared.chat_format import ReasoningFormat
-from shared.config import ServerConfig
-from shared.pooling import PoolerConfig
+from batchserve.procs.api.app import create_app
+from batchserve.procs.api.connections import CappedSite, raise_open_file_limit
+from batchserve.procs.api.engine_client import EngineClient
+from batchserve.shared.chat_format import ReasoningFormat
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.pooling import PoolerConfig
 
 logger = logging.getLogger("batchserve.api")
 
 
-async def start_api(engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "",
-                    pooler: PoolerConfig | None = None) -> web.AppRunner:
+async def start_api(
+    engine: EngineClient, config: ServerConfig, *, reasoning: ReasoningFormat = "", pooler: PoolerConfig | None = None
+) -> web.AppRunner:
     """Start the app on the running loop; `await runner.cleanup()` stops it (waiting up to
     `config.drain_timeout_s` for open requests). `reasoning`, `pooler`: as `create_app`'s."""
     max_connections = raise_open_file_limit(config.max_connections)
-    runner = web.AppRunner(create_app(engine, config, reasoning=reasoning, pooler=pooler), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=config.drain_timeout_s,
-                           keepalive_timeout=config.header_timeout_s)
+    runner = web.AppRunner(
+        create_app(engine, config, reasoning=reasoning, pooler=pooler),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=config.drain_timeout_s,
+        keepalive_timeout=config.header_timeout_s,
+    )
     await runner.setup()
     await CappedSite(runner, config.host, config.port, max_connections=max_connections).start()
     # Not at info: the api listens (answering 503) long before it is ready, which its process says.
     logger.debug("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
     return runner
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from procs.api.schemas import ChatMessageIn
+from batchserve.procs.api.schemas import ChatMessageIn
 
 
 class ResponseStoreError(RuntimeError):

@@ -19,12 +19,18 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from procs.api.errors import error_response
-from procs.api.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody, decode_body
-from procs.api.validation import check_model, validate_chat, validate_completion
-from shared.checks import MAX_TOKEN_ID
-from shared.errors import Refusal
-from shared.messages import GenerateRequest
+from batchserve.procs.api.errors import error_response
+from batchserve.procs.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
+    decode_body,
+)
+from batchserve.procs.api.validation import check_model, validate_chat, validate_completion
+from batchserve.shared.checks import MAX_TOKEN_ID
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import GenerateRequest
 
 
 def add_tokenize_routes(app: web.Application, handlers) -> None:
@@ -49,17 +55,29 @@ class _TokenizeRoutes:
             generate = self._prompt_request(query, rid)
             continue_final = bool(query.continue_final_message)
             if continue_final and query.add_generation_prompt:
-                raise Refusal("continue_final_message and add_generation_prompt cannot both be true",
-                              "continue_final_message")
-            add_generation_prompt = (not continue_final if query.add_generation_prompt is None
-                                     else query.add_generation_prompt)
+                raise Refusal(
+                    "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+                )
+            add_generation_prompt = (
+                not continue_final if query.add_generation_prompt is None else query.add_generation_prompt
+            )
             tokens = await self.engine.tokenize(
-                generate, add_special_tokens=query.add_special_tokens, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final, return_token_strs=bool(query.return_token_strs))
+                generate,
+                add_special_tokens=query.add_special_tokens,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
+                return_token_strs=bool(query.return_token_strs),
+            )
         except Refusal as exc:
             return _error(exc)
-        return _json({"count": len(tokens.ids), "max_model_len": self.engine.max_context, "tokens": tokens.ids,
-                      "token_strs": tokens.strs})
+        return _json(
+            {
+                "count": len(tokens.ids),
+                "max_model_len": self.engine.max_context,
+                "tokens": tokens.ids,
+                "token_strs": tokens.strs,
+            }
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -87,14 +105,21 @@ class _TokenizeRoutes:
     def _prompt_request(self, query: TokenizeBody, rid: str) -> GenerateRequest:
         """The engine request a completion (`prompt`) or a chat (`messages`) with these fields makes."""
         if (query.prompt is None) == (query.messages is None):
-            raise Refusal("give exactly one of prompt (a text) and messages (a chat)",
-                          "prompt" if query.prompt is None else "messages")
+            raise Refusal(
+                "give exactly one of prompt (a text) and messages (a chat)",
+                "prompt" if query.prompt is None else "messages",
+            )
         if query.prompt is not None:
-            validated = validate_completion(CompletionRequest(model=query.model, prompt=query.prompt), rid=rid,
-                                            model_name=self.handlers.served)
+            validated = validate_completion(
+                CompletionRequest(model=query.model, prompt=query.prompt), rid=rid, model_name=self.handlers.served
+            )
         else:
-            chat = ChatCompletionRequest(model=query.model, messages=query.messages or [], tools=query.tools,
-                                         chat_template_kwargs=query.chat_template_kwargs)
+            chat = ChatCompletionRequest(
+                model=query.model,
+                messages=query.messages or [],
+                tools=query.tools,
+                chat_template_kwargs=query.chat_template_kwargs,
+            )
             validated = validate_chat(chat, rid=rid, model_name=self.handlers.served)
         return validated.requests[0]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
-from procs.api.metrics import ApiMetrics
-from shared.logs import log_event
-from shared.messages import TextDelta, Usage
+from batchserve.procs.api.metrics import ApiMetrics
+from batchserve.shared.logs import log_event
+from batchserve.shared.messages import TextDelta, Usage
 
 request_logger = logging.getLogger("batchserve.requests")
 
@@ -85,13 +85,26 @@ class RequestTracker:
         self.metrics.rejected.labels(status=str(status)).inc()
         self._log(status, None, None, self.completion_tokens, time.monotonic() - self.arrival, error=message)
 
-    def _log(self, status: int, finish_reason: str | None, prompt_tokens: int | None, completion_tokens: int,
-             latency: float, error: str | None = None) -> None:
+    def _log(
+        self,
+        status: int,
+        finish_reason: str | None,
+        prompt_tokens: int | None,
+        completion_tokens: int,
+        latency: float,
+        error: str | None = None,
+    ) -> None:
         self.ended = True
         fields = {
-            "rid": self.rid, "endpoint": self.endpoint, "stream": self.stream, "status": status,
-            "finish_reason": finish_reason, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6), "latency_s": round(latency, 6),
+            "rid": self.rid,
+            "endpoint": self.endpoint,
+            "stream": self.stream,
+            "status": status,
+            "finish_reason": finish_reason,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "latency_s": round(latency, 6),
         }
         if error is not None:
             fields["error"] = error

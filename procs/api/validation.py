@@ -34,13 +34,29 @@ import re
 import time
 from dataclasses import dataclass
 
-from procs.api.served_models import ServedModels
-from procs.api.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, CommonRequestFields, ToolIn
-from shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop
-from shared.errors import Refusal
-from shared.grammar import check_constraint_source, check_json_schema
-from shared.messages import (TOOL_CHOICES, ChatMessage, GenerateRequest, LogitsParams, OutputConstraint,
-                             RequestParams, SamplingParams, StopParams, ToolCall, ToolFunction)
+from batchserve.procs.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CommonRequestFields,
+    CompletionRequest,
+    ToolIn,
+)
+from batchserve.procs.api.served_models import ServedModels
+from batchserve.shared.checks import MAX_TOKEN_ID, check_priority, check_sampling, check_stop
+from batchserve.shared.errors import Refusal
+from batchserve.shared.grammar import check_constraint_source, check_json_schema
+from batchserve.shared.messages import (
+    TOOL_CHOICES,
+    ChatMessage,
+    GenerateRequest,
+    LogitsParams,
+    OutputConstraint,
+    RequestParams,
+    SamplingParams,
+    StopParams,
+    ToolCall,
+    ToolFunction,
+)
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_N = 128  # choices per prompt (vLLM has no cap; the api's in-flight cap bounds n x prompts too)
@@ -91,14 +107,24 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str | S
     prompt_logprobs = (0 if req.logprobs is None else req.logprobs) if echo else None
     logits = _logits(req, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     if drop_generated and logits.min_tokens:
-        raise Refusal(f"min_tokens ({logits.min_tokens}) must be 0 with echo and max_tokens 0 (nothing is "
-                      f"generated)", "min_tokens")
+        raise Refusal(
+            f"min_tokens ({logits.min_tokens}) must be 0 with echo and max_tokens 0 (nothing is generated)",
+            "min_tokens",
+        )
     params = _params(req, sampling, logits, _stop(req, max_tokens), constraint_of(req), adapter)
-    requests = [GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, params=params,
-                                arrival_time=time.time())
-                for prompt, prompt_ids in prompts]
-    return ValidatedRequest(requests, n, bool(req.stream), _include_usage(req), logprobs=req.logprobs is not None,
-                            echo=echo, drop_generated=drop_generated)
+    requests = [
+        GenerateRequest(rid=rid, prompt=prompt, prompt_token_ids=prompt_ids, params=params, arrival_time=time.time())
+        for prompt, prompt_ids in prompts
+    ]
+    return ValidatedRequest(
+        requests,
+        n,
+        bool(req.stream),
+        _include_usage(req),
+        logprobs=req.logprobs is not None,
+        echo=echo,
+        drop_generated=drop_generated,
+    )
 
 
 def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | ServedModels) -> ValidatedRequest:
@@ -108,8 +134,7 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | Ser
         if not req.logprobs:
             raise Refusal("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})",
-                          "top_logprobs")
+            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})", "top_logprobs")
     if not req.messages:
         raise Refusal("messages must not be empty", "messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
@@ -117,8 +142,11 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | Ser
     tools = _tools(req.tools or [])
     tool_choice, forced_tool = _tool_choice(req, tools)
     if constraint is not None and tool_choice == "required":
-        raise Refusal(f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
-                      f"which cannot go with {constraint.param}: use one or the other", "tool_choice")
+        raise Refusal(
+            f"tool_choice {'naming a function' if forced_tool else 'required'} forces a tool call, "
+            f"which cannot go with {constraint.param}: use one or the other",
+            "tool_choice",
+        )
     if tool_choice == "required":  # the forced call's arguments are compiled into a grammar
         for i, tool in enumerate(tools):
             if forced_tool is None or tool.name == forced_tool:
@@ -132,19 +160,39 @@ def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | Ser
         given, param = req.max_tokens, "max_tokens"
     logits = _logits(req, logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=None)
     generate = GenerateRequest(
-        rid=rid, messages=messages, params=_params(req, _sampling(req), logits, _stop(req, given), constraint, adapter),
-        max_tokens_param=param, arrival_time=time.time(), tools=tools, tool_choice=tool_choice,
-        forced_tool=forced_tool, chat_template_kwargs=template_kwargs,
+        rid=rid,
+        messages=messages,
+        params=_params(req, _sampling(req), logits, _stop(req, given), constraint, adapter),
+        max_tokens_param=param,
+        arrival_time=time.time(),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_tool=forced_tool,
+        chat_template_kwargs=template_kwargs,
     )
     tool_names = frozenset(t.name for t in tools) if tool_choice != "none" else frozenset()
-    return ValidatedRequest([generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs),
-                            tool_names=tool_names)
+    return ValidatedRequest(
+        [generate], n, bool(req.stream), _include_usage(req), logprobs=bool(req.logprobs), tool_names=tool_names
+    )
 
 
-def _params(req: CommonRequestFields, sampling: SamplingParams, logits: LogitsParams, stop: StopParams,
-            constraint: OutputConstraint | None, adapter: int) -> RequestParams:
-    return RequestParams(sampling=sampling, stop=stop, logits=logits, constraint=constraint,
-                         priority=req.priority or 0, speculative=req.speculative is not False, adapter=adapter)
+def _params(
+    req: CommonRequestFields,
+    sampling: SamplingParams,
+    logits: LogitsParams,
+    stop: StopParams,
+    constraint: OutputConstraint | None,
+    adapter: int,
+) -> RequestParams:
+    return RequestParams(
+        sampling=sampling,
+        stop=stop,
+        logits=logits,
+        constraint=constraint,
+        priority=req.priority or 0,
+        speculative=req.speculative is not False,
+        adapter=adapter,
+    )
 
 
 def check_model(model: str | None, model_name: str | ServedModels) -> int:
@@ -178,8 +226,9 @@ def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
         if constraint is not None:
             found.append(constraint)
     if req.guided_json is not None:
-        found.append(OutputConstraint(kind="json_schema", spec=_schema_text(req.guided_json, "guided_json"),
-                                      param="guided_json"))
+        found.append(
+            OutputConstraint(kind="json_schema", spec=_schema_text(req.guided_json, "guided_json"), param="guided_json")
+        )
     if req.guided_regex is not None:
         if req.guided_regex == "":
             raise Refusal("guided_regex must not be empty", "guided_regex")
@@ -193,8 +242,7 @@ def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
             raise Refusal("guided_grammar must be a non-empty Lark grammar", "guided_grammar")
         found.append(OutputConstraint(kind="lark", spec=req.guided_grammar, param="guided_grammar"))
     if len(found) > 1:
-        raise Refusal(f"{found[0].param} and {found[1].param} both constrain the output; give only one",
-                      found[1].param)
+        raise Refusal(f"{found[0].param} and {found[1].param} both constrain the output; give only one", found[1].param)
     if not found:
         return None
     # size and repetition bounds, before the tokenizer compiles it
@@ -205,16 +253,18 @@ def constraint_of(req: CommonRequestFields) -> OutputConstraint | None:
 def _response_format(value: dict[str, object]) -> OutputConstraint | None:
     kind = value.get("type")
     if kind not in RESPONSE_FORMATS:
-        raise Refusal(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)} (got {kind!r})",
-                      "response_format")
+        raise Refusal(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)} (got {kind!r})", "response_format"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return OutputConstraint(kind="json_object", param="response_format")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise Refusal("response_format of type json_schema needs json_schema.schema, a JSON schema object",
-                      "response_format")
+        raise Refusal(
+            "response_format of type json_schema needs json_schema.schema, a JSON schema object", "response_format"
+        )
     return OutputConstraint(kind="json_schema", spec=json.dumps(spec["schema"]), param="response_format")
 
 
@@ -239,8 +289,7 @@ def _tools(tools: list[ToolIn]) -> list[ToolFunction]:
         function = tool.function
         param = f"tools[{i}].function.name"
         if not TOOL_NAME_RE.fullmatch(function.name):
-            raise Refusal(f"{param} must be 1-64 letters, digits, underscores or dashes (got "
-                          f"{function.name!r})", param)
+            raise Refusal(f"{param} must be 1-64 letters, digits, underscores or dashes (got {function.name!r})", param)
         if function.name in names:
             raise Refusal(f"{param}: two tools are named {function.name!r}", param)
         names.add(function.name)
@@ -256,8 +305,11 @@ def _tool_choice(req: ChatCompletionRequest, tools: list[ToolFunction]) -> tuple
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
-            raise Refusal(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
-                          f'{{"type": "function", "function": {{"name": ...}}}} (got {choice!r})', "tool_choice")
+            raise Refusal(
+                f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                f'{{"type": "function", "function": {{"name": ...}}}} (got {choice!r})',
+                "tool_choice",
+            )
         if choice != "none" and not tools:
             raise Refusal(f"tool_choice {choice!r} needs tools", "tool_choice")
         return choice, None
@@ -276,13 +328,17 @@ def _choices_per_prompt(req: CommonRequestFields) -> int:
         raise Refusal(f"n must be in [1, {MAX_N}] (got {n})", "n")
     # best_of > n means "sample best_of, answer the n most likely": not implemented.
     if req.best_of is not None and req.best_of not in (1, n):
-        raise Refusal(f"best_of is not supported by this server (yet) unless it equals n (got best_of "
-                      f"{req.best_of}, n {n}); leave it out", "best_of")
+        raise Refusal(
+            f"best_of is not supported by this server (yet) unless it equals n (got best_of "
+            f"{req.best_of}, n {n}); leave it out",
+            "best_of",
+        )
     return n
 
 
-def prompt_inputs(value: str | list[int | str | list[int]], field: str = "prompt"
-                  ) -> list[tuple[str, str | None, list[int] | None]]:
+def prompt_inputs(
+    value: str | list[int | str | list[int]], field: str = "prompt"
+) -> list[tuple[str, str | None, list[int] | None]]:
     """(param, text, token ids) of each prompt in `field` (a completion's `prompt`, an embedding's `input`):
     a text, a list of token ids, or a list of either."""
     if isinstance(value, str):
@@ -292,8 +348,10 @@ def prompt_inputs(value: str | list[int | str | list[int]], field: str = "prompt
     kind = type(value[0])
     for i, item in enumerate(value):
         if type(item) is not kind:
-            raise Refusal(f"{field} must be a text, a list of token ids, or a list of texts or of token-id "
-                          "lists, not a mix", f"{field}[{i}]")
+            raise Refusal(
+                f"{field} must be a text, a list of token ids, or a list of texts or of token-id lists, not a mix",
+                f"{field}[{i}]",
+            )
     if kind is int:
         return [(field, None, _token_prompt(value, field))]
     if kind is str:
@@ -326,9 +384,15 @@ def _logits(req: CommonRequestFields, *, logprobs: int | None, prompt_logprobs: 
     min_tokens = 0 if req.min_tokens is None else req.min_tokens
     if min_tokens < 0:
         raise Refusal(f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
-    return LogitsParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-                        min_tokens=min_tokens, logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs)
+    return LogitsParams(
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _penalty(value: float | None, param: str) -> float:
@@ -343,11 +407,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         if not _TOKEN_ID_RE.fullmatch(key) or int(key) > MAX_TOKEN_ID:
-            raise Refusal(f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})",
-                          "logit_bias")
+            raise Refusal(f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})", "logit_bias")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN and infinities fail too
-            raise Refusal(f"logit_bias values must be in [-100, 100] (got {value} for token {key})",
-                          "logit_bias")
+            raise Refusal(f"logit_bias values must be in [-100, 100] (got {value} for token {key})", "logit_bias")
         out[int(key)] = value
     return out
 
@@ -365,9 +427,14 @@ def _stop(req: CommonRequestFields, max_tokens: int | None) -> StopParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     stop_ids = tuple(req.stop_token_ids or ())
     check_stop(stop, stop_ids)
-    return StopParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop_token_ids=stop_ids, stop=stop,
-                      include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                      skip_special_tokens=req.skip_special_tokens is not False)
+    return StopParams(
+        max_tokens=max_tokens,
+        ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=stop_ids,
+        stop=stop,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
 
 
 def _include_usage(req: CommonRequestFields) -> bool:
@@ -377,12 +444,16 @@ def _include_usage(req: CommonRequestFields) -> bool:
 def _chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
     role = "system" if message.role == "developer" else message.role
     if role not in CHAT_ROLES:
-        raise Refusal(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} "
-                      f"(got {message.role!r})", f"messages[{index}].role")
+        raise Refusal(
+            f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} (got {message.role!r})",
+            f"messages[{index}].role",
+        )
     calls = _message_tool_calls(index, role, message.tool_calls or [])
     if role == "tool" and not message.tool_call_id:
-        raise Refusal(f"messages[{index}].tool_call_id is required in a tool message (the id of the call "
-                      f"it answers)", f"messages[{index}].tool_call_id")
+        raise Refusal(
+            f"messages[{index}].tool_call_id is required in a tool message (the id of the call it answers)",
+            f"messages[{index}].tool_call_id",
+        )
     content = message.content
     if content is None:
         if calls:  # an assistant message that only calls tools
@@ -392,24 +463,37 @@ def _chat_message(index: int, message: ChatMessageIn) -> ChatMessage:
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise Refusal(f"messages[{index}].content: only text parts are supported "
-                              f"(got type {part.type!r})", f"messages[{index}].content")
+                raise Refusal(
+                    f"messages[{index}].content: only text parts are supported (got type {part.type!r})",
+                    f"messages[{index}].content",
+                )
             texts.append(part.text)
         content = "\n".join(texts)
-    return ChatMessage(role=role, content=content, tool_calls=calls, name=message.name,
-                       tool_call_id=message.tool_call_id if role == "tool" else None)
+    return ChatMessage(
+        role=role,
+        content=content,
+        tool_calls=calls,
+        name=message.name,
+        tool_call_id=message.tool_call_id if role == "tool" else None,
+    )
 
 
 def _message_tool_calls(index: int, role: str, calls) -> list[ToolCall]:
     if calls and role != "assistant":
-        raise Refusal(f"messages[{index}].tool_calls: only assistant messages make tool calls",
-                      f"messages[{index}].tool_calls")
+        raise Refusal(
+            f"messages[{index}].tool_calls: only assistant messages make tool calls", f"messages[{index}].tool_calls"
+        )
     out = []
     for j, call in enumerate(calls):
         param = f"messages[{index}].tool_calls[{j}]"
         if call.type != "function":
             raise Refusal(f"{param}.type must be 'function' (got {call.type!r})", f"{param}.type")
         arguments = call.function.arguments
-        out.append(ToolCall(id=call.id, name=call.function.name,
-                            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        out.append(
+            ToolCall(
+                id=call.id,
+                name=call.function.name,
+                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+            )
+        )
     return out

@@ -12,14 +12,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from procs.api.errors import error_response
+from batchserve.procs.api.errors import error_response
 
 WEBUI_DIR = Path(__file__).with_name("webui")
 PAGES = {"/": "chat.html", "/dashboard": "dashboard.html"}
 CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
@@ -28,8 +28,11 @@ SECURITY_HEADERS = {
 
 def webui_files(folder: Path = WEBUI_DIR) -> dict[str, tuple[bytes, str]]:
     """The folder's files by name: (bytes, content type), for the suffixes the pages use."""
-    return {path.name: (path.read_bytes(), CONTENT_TYPES[path.suffix]) for path in sorted(folder.iterdir())
-            if path.is_file() and path.suffix in CONTENT_TYPES}
+    return {
+        path.name: (path.read_bytes(), CONTENT_TYPES[path.suffix])
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.suffix in CONTENT_TYPES
+    }
 
 
 def add_webui_routes(app: web.Application) -> None:

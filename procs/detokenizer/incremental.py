@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import tokenizers
 
-from procs.detokenizer.stop_strings import StopStringMatcher
-from shared.messages import NO_STOP, PROMPT_TAIL_TOKENS, StopParams
+from batchserve.procs.detokenizer.stop_strings import StopStringMatcher
+from batchserve.shared.messages import NO_STOP, PROMPT_TAIL_TOKENS, StopParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Drop consumed ids from the front of the buffer once this many have piled up (amortised O(1)).
@@ -36,7 +36,9 @@ Decode = Callable[[list[int]], str]
 def special_token_ids(tokenizer: object) -> frozenset[int]:
     """The ids of a `tokenizers.Tokenizer`'s or a transformers tokenizer's special tokens (those a decode
     with `skip_special_tokens` leaves out)."""
-    backend = tokenizer if isinstance(tokenizer, tokenizers.Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    backend = (
+        tokenizer if isinstance(tokenizer, tokenizers.Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    )
     if isinstance(backend, tokenizers.Tokenizer):
         return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
     return frozenset(getattr(tokenizer, "all_special_ids", ()))
@@ -64,9 +66,7 @@ def make_decode(tokenizer: object, *, skip_special_tokens: bool = True) -> Decod
         raise TypeError(f"cannot detokenize with {type(tokenizer).__name__}: it has no decode()")
 
     def decode_slow(ids: list[int]) -> str:
-        return decode_method(
-            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return decode_method(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     return decode_slow
 
@@ -151,10 +151,10 @@ class IncrementalDetokenizer:
         dropped instead (every decode leaves them out), so a run of them costs nothing later."""
         if self._read_offset == len(self._ids):
             return
-        if all(t in self._skipped for t in self._ids[self._read_offset:]):
-            del self._ids[self._read_offset:]
+        if all(t in self._skipped for t in self._ids[self._read_offset :]):
+            del self._ids[self._read_offset :]
             return
-        text = self._decode(self._ids[self._read_offset:])  # the next window's whole text, emitted
+        text = self._decode(self._ids[self._read_offset :])  # the next window's whole text, emitted
         if not text:
             return
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

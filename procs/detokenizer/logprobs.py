@@ -4,8 +4,8 @@ vLLM reports them; texts are cached per id, since the same few tokens come back 
 
 from __future__ import annotations
 
-from procs.detokenizer.incremental import make_decode
-from shared.messages import TokenLogprob, TokenLogprobs, TopLogprob
+from batchserve.procs.detokenizer.incremental import make_decode
+from batchserve.shared.messages import TokenLogprob, TokenLogprobs, TopLogprob
 
 _CACHE_LIMIT = 1 << 16
 
@@ -24,9 +24,15 @@ class LogprobTexts:
         return text
 
     def convert(self, entries: list[TokenLogprobs]) -> list[TokenLogprob]:
-        return [TokenLogprob(token=self.token(e.token_id), token_id=e.token_id, logprob=e.logprob,
-                             top=[TopLogprob(self.token(t), t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)])
-                for e in entries]
+        return [
+            TokenLogprob(
+                token=self.token(e.token_id),
+                token_id=e.token_id,
+                logprob=e.logprob,
+                top=[TopLogprob(self.token(t), t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)],
+            )
+            for e in entries
+        ]
 
     def prompt(self, prompt_ids: list[int], entries: list[TokenLogprobs]) -> tuple[str, list[TokenLogprob]]:
         """The prompt's text, and its tokens: the first without a logprob, the rest with theirs."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from procs.detokenizer.incremental import IncrementalDetokenizer
-from procs.detokenizer.logprobs import LogprobTexts
-from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from shared.config import ServerConfig
-from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
-from shared.messages import NO_STOP, AbortRequest, TextDelta, TokenDelta, Usage
-from shared.model import ModelSpec
+from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.procs.detokenizer.logprobs import LogprobTexts
+from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
+from batchserve.shared.messages import NO_STOP, AbortRequest, TextDelta, TokenDelta, Usage
+from batchserve.shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.detokenizer")
 
@@ -40,8 +40,9 @@ class Detokenizers:
         detok = self.active.get(rid)
         if detok is None:
             stop = delta.stop or NO_STOP  # None: a delta of a request it never saw (an abort)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=delta.prompt_tail, stop=stop,
-                                           skip_special_tokens=stop.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids=delta.prompt_tail, stop=stop, skip_special_tokens=stop.skip_special_tokens
+            )
             self.active[rid] = detok
         text = detok.add(delta.token_ids).text
         finish = delta.finish_reason
@@ -63,9 +64,14 @@ class Detokenizers:
         del self.active[rid]
         out.finish_reason = finish
         out.pooled = delta.pooled  # a pooling request's vector, as it came
-        out.usage = Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                          total_tokens=delta.prompt_tokens + delta.completion_tokens, cached_tokens=delta.cached_tokens,
-                          draft_tokens=delta.draft_tokens, accepted_tokens=delta.accepted_tokens)
+        out.usage = Usage(
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=delta.completion_tokens,
+            total_tokens=delta.prompt_tokens + delta.completion_tokens,
+            cached_tokens=delta.cached_tokens,
+            draft_tokens=delta.draft_tokens,
+            accepted_tokens=delta.accepted_tokens,
+        )
         return out, abort
 
 

@@ -42,7 +42,7 @@ class StopStringMatcher:
         if matched is not None:
             self.matched = matched
             self._held = ""
-            return buffer[:match_at + len(matched) if self._include_match else match_at]
+            return buffer[: match_at + len(matched) if self._include_match else match_at]
         keep = self._longest_partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]

@@ -5,13 +5,22 @@ scheduler refuses raises `shared.errors.Refusal`. `procs.scheduler.simulate` is 
 command; `procs.scheduler.process` the scheduler process's loop.
 """
 
-from procs.scheduler.config import POLICIES, Policy, SchedulerConfig, SchedulerConfigError
-from procs.scheduler.core import Scheduler
-from procs.scheduler.step_output import LaunchedStep, StepOutput
-from procs.scheduler.executor import Executor, ExecutorError, ScriptedExecutor
-from procs.scheduler.kv_allocator import KVAllocatorError
+from batchserve.procs.scheduler.config import POLICIES, Policy, SchedulerConfig, SchedulerConfigError
+from batchserve.procs.scheduler.core import Scheduler
+from batchserve.procs.scheduler.executor import Executor, ExecutorError, ScriptedExecutor
+from batchserve.procs.scheduler.kv_allocator import KVAllocatorError
+from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput
 
 __all__ = [
-    "POLICIES", "Policy", "SchedulerConfig", "SchedulerConfigError", "Scheduler",
-    "StepOutput", "LaunchedStep", "Executor", "ExecutorError", "ScriptedExecutor", "KVAllocatorError",
+    "POLICIES",
+    "Policy",
+    "SchedulerConfig",
+    "SchedulerConfigError",
+    "Scheduler",
+    "StepOutput",
+    "LaunchedStep",
+    "Executor",
+    "ExecutorError",
+    "ScriptedExecutor",
+    "KVAllocatorError",
 ]

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from procs.scheduler.executor import Executor
-from procs.scheduler.request import Request, Status
-from shared.config import ServerConfig
-from shared.lora import LoraModule, held_at_start, parse_lora_modules
-from shared.messages import AdapterUpdate, ForwardBatch, StepResult
+from batchserve.procs.scheduler.executor import Executor
+from batchserve.procs.scheduler.request import Request, Status
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.lora import LoraModule, held_at_start, parse_lora_modules
+from batchserve.shared.messages import AdapterUpdate, ForwardBatch, StepResult
 
 ADMITTED = (Status.RUNNING, Status.PREFILLING)  # requests holding a slot: their adapters stay in the worker
 

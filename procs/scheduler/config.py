@@ -7,10 +7,10 @@ import math
 
 import msgspec
 
-from shared.config import (
+from batchserve.shared.config import (
+    MIN_PREFILL_SHARE,
     NGRAM_MAX,
     NGRAM_MIN,
-    MIN_PREFILL_SHARE,
     NUM_SPECULATIVE_TOKENS,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -20,7 +20,7 @@ from shared.config import (
     ServerConfig,
     Speculative,
 )
-from shared.messages import WorkerInfo
+from batchserve.shared.messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
 NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)
@@ -98,18 +98,24 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         if self.pooling and (self.prefix_cache or self.speculative != "off"):
-            raise SchedulerConfigError("the pooling runner computes every prompt token: prefix_cache and speculative "
-                                       "decoding are off with it")
+            raise SchedulerConfigError(
+                "the pooling runner computes every prompt token: prefix_cache and speculative decoding are off with it"
+            )
         if self.prefix_cache and self.sliding_window:
-            raise SchedulerConfigError("prefix_cache and sliding_window exclude each other: a cached prefix needs "
-                                       "every page, which the window gives back (SCHEDULING.md 5)")
+            raise SchedulerConfigError(
+                "prefix_cache and sliding_window exclude each other: a cached prefix needs "
+                "every page, which the window gives back (SCHEDULING.md 5)"
+            )
         if self.recurrent_state and self.speculative != "off":
             raise SchedulerConfigError(
                 f"speculative {self.speculative!r}: this model's linear-attention layers keep one state per request, "
-                f"which a rejected draft token would leave changed (SCHEDULING.md 5); serve it with speculative off")
+                f"which a rejected draft token would leave changed (SCHEDULING.md 5); serve it with speculative off"
+            )
         if self.recurrent_state and self.prefix_cache and not self.state_snapshots:
-            raise SchedulerConfigError("prefix_cache with recurrent_state needs state_snapshots: a cached prefix of a "
-                                       "hybrid model serves only where its state was kept (SCHEDULING.md 5)")
+            raise SchedulerConfigError(
+                "prefix_cache with recurrent_state needs state_snapshots: a cached prefix of a "
+                "hybrid model serves only where its state was kept (SCHEDULING.md 5)"
+            )
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -124,20 +130,24 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.policy not in POLICIES:
             raise SchedulerConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise SchedulerConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                                       f"got {self.scheduling_policy!r}")
+            raise SchedulerConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.speculative not in SPECULATIVE_METHODS:
-            raise SchedulerConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                                       f"got {self.speculative!r}")
+            raise SchedulerConfigError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise SchedulerConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise SchedulerConfigError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} and "
-                                       f"ngram_max={self.ngram_max}")
+            raise SchedulerConfigError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} and ngram_max={self.ngram_max}"
+            )
         if self.kv_capacity_tokens < self.page_size:
             raise SchedulerConfigError(
                 f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one page of "
-                f"page_size ({self.page_size}) tokens")
+                f"page_size ({self.page_size}) tokens"
+            )
         if self.policy == "mixed" and self.prefill_budget <= self.max_running_requests:
             # Decode tokens count against the budget under `mixed`; with every slot decoding, a
             # budget <= slots would leave nothing for prefill and a waiting request could starve.
@@ -145,7 +155,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"policy 'mixed' needs prefill_budget > max_running_requests "
                 f"(got prefill_budget={self.prefill_budget}, max_running_requests="
                 f"{self.max_running_requests}): otherwise decodes can use the whole budget and "
-                f"waiting requests starve")
+                f"waiting requests starve"
+            )
 
     @property
     def kv_reserve_percent(self) -> int:
@@ -162,22 +173,38 @@ def scheduler_config_from_server(config: ServerConfig, info: WorkerInfo) -> Sche
     """The server's settings, sized by what the worker reported (KV capacity, page size, context, the
     device's step-time target)."""
     return SchedulerConfig(
-        max_running_requests=config.max_running_requests, prefill_budget=config.prefill_budget,
-        kv_capacity_tokens=info.kv_capacity_tokens, page_size=info.page_size, policy=config.policy,
-        max_context=info.max_context, max_waiting=config.max_waiting, kv_reserve_ratio=config.kv_reserve_ratio,
+        max_running_requests=config.max_running_requests,
+        prefill_budget=config.prefill_budget,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        page_size=info.page_size,
+        policy=config.policy,
+        max_context=info.max_context,
+        max_waiting=config.max_waiting,
+        kv_reserve_ratio=config.kv_reserve_ratio,
         # SCHEDULING.md 5: a cached prefix needs every layer's KV, which neither windows nor rings keep, and a
         # linear layer's state at the prefix's end, which only the worker's snapshots keep
-        prefix_cache=not config.disable_prefix_cache and not info.sliding_window and not info.sliding_rings
-        and (not info.recurrent_state_bytes or info.state_snapshots > 0) and not info.pooling,
+        prefix_cache=not config.disable_prefix_cache
+        and not info.sliding_window
+        and not info.sliding_rings
+        and (not info.recurrent_state_bytes or info.state_snapshots > 0)
+        and not info.pooling,
         scheduling_policy=config.scheduling_policy,
-        fair_prefill=config.fair_prefill, speculative=config.speculative,
-        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min, ngram_max=config.ngram_max,
+        fair_prefill=config.fair_prefill,
+        speculative=config.speculative,
+        num_speculative_tokens=config.num_speculative_tokens,
+        ngram_min=config.ngram_min,
+        ngram_max=config.ngram_max,
         # the step-time bound keeps decodes' inter-token latency: a pooling server decodes nothing
-        max_step_s=0.0 if info.pooling else step_target_s(config, info) or 0.0, min_prefill_share=config.min_prefill_share,
-        rope_switch_length=info.rope_switch_length, rope_dynamic_length=info.rope_dynamic_length,
-        sliding_window=info.sliding_window, recurrent_state=info.recurrent_state_bytes > 0,
-        state_snapshots=info.state_snapshots, max_loras=config.max_loras if config.enable_lora else 0,
-        pooling=info.pooling, whole_prompts=info.bidirectional,
+        max_step_s=0.0 if info.pooling else step_target_s(config, info) or 0.0,
+        min_prefill_share=config.min_prefill_share,
+        rope_switch_length=info.rope_switch_length,
+        rope_dynamic_length=info.rope_dynamic_length,
+        sliding_window=info.sliding_window,
+        recurrent_state=info.recurrent_state_bytes > 0,
+        state_snapshots=info.state_snapshots,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        pooling=info.pooling,
+        whole_prompts=info.bidirectional,
     )
 
 
@@ -188,32 +215,46 @@ def step_target_s(config: ServerConfig, info: WorkerInfo) -> float | None:
     if config.max_step_ms == NO_STEP_BOUND or len({shape.tokens for shape, _ in info.step_costs}) < 2:
         return None
     objectives = config.objectives
-    ms = (config.max_step_ms or (objectives.tpot_ms if objectives is not None else None)
-          or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"]))
+    ms = (
+        config.max_step_ms
+        or (objectives.tpot_ms if objectives is not None else None)
+        or DEFAULT_MAX_STEP_MS.get(info.device_type, DEFAULT_MAX_STEP_MS["cpu"])
+    )
     return ms / 1000
 
 
 def overlap_schedule(config: ServerConfig, info: WorkerInfo) -> bool:
     """Whether to launch a step before the previous one's tokens are back (`auto`: on a CUDA worker
     without speculative decoding, whose rows must be verified before the next step plans them)."""
-    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and info.device_type == "cuda"
-                                               and config.speculative == "off")
+    return config.overlap_schedule == "on" or (
+        config.overlap_schedule == "auto" and info.device_type == "cuda" and config.speculative == "off"
+    )
 
 
 def check_config(config: ServerConfig) -> None:
     """Refuse unworkable scheduler settings at once, before waiting for the model (ValueError)."""
     if not (config.max_step_ms == NO_STEP_BOUND or 0 <= config.max_step_ms < math.inf):  # NaN fails too
-        raise ValueError(f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
-                         f"got {config.max_step_ms}")
+        raise ValueError(
+            f"max_step_ms must be -1 (no bound), 0 (the device's suggested target) or a time in ms, "
+            f"got {config.max_step_ms}"
+        )
     if not config.step_timeout_s > 0:  # NaN fails too; the scheduler's wait for every step
         raise ValueError(f"step_timeout_s must be > 0, got {config.step_timeout_s}")
     if config.speculative != "off" and config.overlap_schedule == "on":
-        raise ValueError("speculative decoding needs overlap_schedule off or auto: a speculative row must be "
-                         "verified before the next step plans its request")
+        raise ValueError(
+            "speculative decoding needs overlap_schedule off or auto: a speculative row must be "
+            "verified before the next step plans its request"
+        )
     if (config.speculative == "draft") != bool(config.draft_model):
-        raise ValueError("speculative draft needs a draft_model, and a draft_model needs speculative draft "
-                         f"(got speculative {config.speculative!r}, draft_model {config.draft_model!r})")
+        raise ValueError(
+            "speculative draft needs a draft_model, and a draft_model needs speculative draft "
+            f"(got speculative {config.speculative!r}, draft_model {config.draft_model!r})"
+        )
     if config.speculative == "draft" and config.tensor_parallel_size > 1:
         raise ValueError("speculative draft runs with tensor_parallel_size 1 only (the draft model is not sharded)")
-    scheduler_config_from_server(config, WorkerInfo(kv_capacity_tokens=max(config.page_size, 1),
-                                                    eos_token_ids=[], max_context=0, page_size=config.page_size))
+    scheduler_config_from_server(
+        config,
+        WorkerInfo(
+            kv_capacity_tokens=max(config.page_size, 1), eos_token_ids=[], max_context=0, page_size=config.page_size
+        ),
+    )

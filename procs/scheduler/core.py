@@ -38,23 +38,24 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
-from procs.scheduler.batch import StepPlan, build_forward_batch
-from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.deltas import token_deltas
-from procs.scheduler.executor import Executor, ExecutorError
-from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.managers import DecodeManager, PrefillManager
-from procs.scheduler.request import Request, Status, check_runner, prompt_array
-from procs.scheduler.request_table import RequestTable
-from procs.scheduler.step_cost import LinearStepCost
-from procs.scheduler.step_output import LaunchedStep, StepOutput
-from procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
-from procs.scheduler.step_results import kept_tokens, record_logprobs, record_pooled, settle_rows
-from shared.checks import MAX_TOKEN_ID, check_priority
-from shared.config import request_cap
-from shared.errors import Refusal
-from shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
-from shared.step_features import StepShape
+from batchserve.procs.scheduler.batch import StepPlan, build_forward_batch
+from batchserve.procs.scheduler.config import SchedulerConfig
+from batchserve.procs.scheduler.deltas import token_deltas
+from batchserve.procs.scheduler.executor import Executor, ExecutorError
+from batchserve.procs.scheduler.kv_manager import KVManager
+from batchserve.procs.scheduler.managers import DecodeManager, PrefillManager
+from batchserve.procs.scheduler.request import Request, Status, check_runner, prompt_array
+from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.procs.scheduler.step_cost import LinearStepCost
+from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput
+from batchserve.procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
+from batchserve.procs.scheduler.step_results import kept_tokens, record_logprobs, record_pooled, settle_rows
+from batchserve.shared.checks import MAX_TOKEN_ID, check_priority
+from batchserve.shared.config import request_cap
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
+from batchserve.shared.step_features import StepShape
+
 
 class Scheduler:
     """Waiting queue, running set, request table and KV pages; plans and applies one step at a time.
@@ -64,9 +65,15 @@ class Scheduler:
     deferred to the end of that step.
     """
 
-    def __init__(self, config: SchedulerConfig, *, eos_token_ids: Collection[int] = (),
-                 proposer: Proposer | None = None, cost: LinearStepCost | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        eos_token_ids: Collection[int] = (),
+        proposer: Proposer | None = None,
+        cost: LinearStepCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`proposer`: where drafts come from (default: `step_planning.default_proposer`). `cost`: the
         step-cost model of the step-time bound (`config.max_step_s`) and of the drafts' break-even
         share; `clock`: the queue times' (seconds)."""
@@ -81,12 +88,24 @@ class Scheduler:
         self.kv = KVManager(config, self.table)
         self.allocator = self.kv.allocator
         self.by_priority = config.scheduling_policy == "priority"
-        self.prefill_manager = PrefillManager(self.table, self.kv, by_priority=self.by_priority,
-                                             fair=config.fair_prefill, max_loras=config.max_loras,
-                                             whole=config.whole_prompts)
+        self.prefill_manager = PrefillManager(
+            self.table,
+            self.kv,
+            by_priority=self.by_priority,
+            fair=config.fair_prefill,
+            max_loras=config.max_loras,
+            whole=config.whole_prompts,
+        )
         self.decode_manager = DecodeManager()
-        self.planner = StepPlanner(config, self.table, self.kv, self.prefill_manager, self.decode_manager,
-                                   proposer if proposer is not None else default_proposer(config), cost)
+        self.planner = StepPlanner(
+            config,
+            self.table,
+            self.kv,
+            self.prefill_manager,
+            self.decode_manager,
+            proposer if proposer is not None else default_proposer(config),
+            cost,
+        )
         self.clock = clock
         # The one table of requests by rid, from arrival until they end (the managers and the request
         # table hold the same `Request`s by position or slot); `Request.status` says where each is.
@@ -164,35 +183,50 @@ class Scheduler:
         return None if request is None else request.rid
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, rid: str, prompt_ids: Sequence[int] | np.ndarray,
-                    params: RequestParams = DEFAULT_PARAMS) -> None:
+    def add_request(
+        self, rid: str, prompt_ids: Sequence[int] | np.ndarray, params: RequestParams = DEFAULT_PARAMS
+    ) -> None:
         """Queue a request (at the tail of the waiting queue; by `params.priority` under the priority
         policy), or raise `Refusal`. `params.speculative` False: never give it a draft."""
         if rid in self.requests:
             raise Refusal("a request with this id is already queued or running")
         priority = params.priority
         if priority and not self.by_priority:
-            raise Refusal(f"priority {priority} needs --scheduling-policy priority (this server schedules "
-                          f"first come, first served)", "priority")
+            raise Refusal(
+                f"priority {priority} needs --scheduling-policy priority (this server schedules "
+                f"first come, first served)",
+                "priority",
+            )
         check_priority(priority)
         check_runner(params, self.config.pooling)
         prompt = prompt_array(prompt_ids)
         if self.config.whole_prompts and prompt.shape[0] > self.config.prefill_budget:
-            raise Refusal(f"this model is an encoder: an input runs whole in one step, and this one's {prompt.shape[0]} "
-                          f"tokens exceed the prefill budget of {self.config.prefill_budget} (--prefill-budget)", "prompt")
+            raise Refusal(
+                f"this model is an encoder: an input runs whole in one step, and this one's {prompt.shape[0]} "
+                f"tokens exceed the prefill budget of {self.config.prefill_budget} (--prefill-budget)",
+                "prompt",
+            )
         # max_tokens is settled (>= 1, 0 for pooling; within the context) by the tokenizer: the scheduler trusts it.
         max_tokens = params.stop.max_tokens
         assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
         total = prompt.shape[0] + max_tokens
         # with a window, the worst over any recompute too (its prompt then holds the generated tokens)
-        if (self.kv.pages_for(self.kv.windowed(total, total)) > self.num_kv_pages
-                or self.kv.pages_for(total) > self.max_pages_per_request):
-            raise Refusal(f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
-                          f"in the KV cache of {self.kv_capacity_tokens} tokens", "max_tokens")
+        if (
+            self.kv.pages_for(self.kv.windowed(total, total)) > self.num_kv_pages
+            or self.kv.pages_for(total) > self.max_pages_per_request
+        ):
+            raise Refusal(
+                f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
+                f"in the KV cache of {self.kv_capacity_tokens} tokens",
+                "max_tokens",
+            )
         capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
         if capacity is not None and len(self.requests) >= capacity:
-            raise Refusal(f"the server is full ({self.config.max_running_requests} running + "
-                          f"{self.config.max_waiting} waiting requests)", status=503)
+            raise Refusal(
+                f"the server is full ({self.config.max_running_requests} running + "
+                f"{self.config.max_waiting} waiting requests)",
+                status=503,
+            )
         request = Request(rid, prompt, params, arrival=self._arrivals)
         request.arrived_s = self.clock()
         self._arrivals += 1
@@ -227,15 +261,19 @@ class Scheduler:
         if request is None or request.slot not in self.decode_manager:
             raise ValueError(f"request {rid!r} is not decoding")
         tokens = np.asarray(draft)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or (
-                tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID)):
+        if (
+            tokens.ndim != 1
+            or not np.issubdtype(tokens.dtype, np.integer)
+            or (tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID))
+        ):
             raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
         if self._launched:
             raise ValueError(f"request {rid!r}: its last token is not back yet (a step is in flight)")
         room = self.planner.draft_room(request.slot)
         if tokens.shape[0] > room:
-            raise ValueError(f"request {rid!r}: a draft of {tokens.shape[0]} tokens passes its token limit "
-                             f"(room for {room})")
+            raise ValueError(
+                f"request {rid!r}: a draft of {tokens.shape[0]} tokens passes its token limit (room for {room})"
+            )
         self.decode_manager.set_draft(request, tokens.astype(np.int32))
 
     def token_deltas(self, out: StepOutput) -> list[TokenDelta]:
@@ -264,8 +302,7 @@ class Scheduler:
                 self.abort(rid)
         return launched.out
 
-    def launch(self, prefill_tokens: int | None = None, *,
-               drain: Callable[[], None] | None = None) -> LaunchedStep:
+    def launch(self, prefill_tokens: int | None = None, *, drain: Callable[[], None] | None = None) -> LaunchedStep:
         """The first half of a step: plan, preempt, allocate, pack the batch, and advance every count the
         batch decides (KV positions, prefill progress, tokens sampled, the decode set). `complete` applies
         the sampled tokens when they come back.
@@ -277,8 +314,10 @@ class Scheduler:
         prompt): if this step must preempt while steps run, `drain` is called first to complete them.
         """
         if self._wide_rows_in_flight:
-            raise RuntimeError("a step with rows wider than one token is in flight: complete it before launching "
-                               "another (speculative decoding needs overlap scheduling off)")
+            raise RuntimeError(
+                "a step with rows wider than one token is in flight: complete it before launching "
+                "another (speculative decoding needs overlap scheduling off)"
+            )
         out = StepOutput(step=self._step)
         if self._cancelled:
             out.cancelled = [r.rid for r in self._cancelled]
@@ -316,8 +355,11 @@ class Scheduler:
                 raise RuntimeError("preempting while steps are in flight needs a drain")
             drain()
             plan = planned.plan
-            planned = self.planner.replan(plan.without([s for s, rid in zip(plan.decode_slots.tolist(), plan.decode_rids)
-                                                        if rid not in self.requests]))  # finished by the drained steps
+            planned = self.planner.replan(
+                plan.without(
+                    [s for s, rid in zip(plan.decode_slots.tolist(), plan.decode_rids) if rid not in self.requests]
+                )
+            )  # finished by the drained steps
         if planned.victims:
             plan = planned.plan.without(planned.victims)  # before the victims give back their slots
             out.preempted += self._preempt(planned.victims)
@@ -342,8 +384,11 @@ class Scheduler:
         its cache there). A decoding request about to compute the switch position is recomputed at
         once, through the preemption path (counted with the preemptions)."""
         switch, table = self.config.rope_switch_length, self.table
-        crossing = lambda: [slot for slot, request in self.decode_manager.running.items()
-                            if request.prompt_len <= switch <= table.kv_len[slot]]
+
+        def crossing() -> list[int]:
+            running = self.decode_manager.running.items()
+            return [slot for slot, request in running if request.prompt_len <= switch <= table.kv_len[slot]]
+
         slots = crossing()
         if slots and self._launched:
             if drain is None:
@@ -357,7 +402,7 @@ class Scheduler:
         """Free the requests' slots and KV; they wait again to recompute what they had."""
         table = self.table
         requests: list[Request] = [table.requests[s] for s in slots]  # type: ignore[misc]  # admitted: not None
-        generated = [table.output_ids[s, :table.generated[s]].copy() for s in slots]
+        generated = [table.output_ids[s, : table.generated[s]].copy() for s in slots]
         self._free(requests)
         for request, tokens in zip(requests, generated):
             request.recompute_with(tokens)
@@ -415,8 +460,17 @@ class Scheduler:
         out.prefill = [(r.rid, n) for r, n in plan.prefill]
         out.decode = list(plan.decode_rids)
         out.batch_size = batch.num_requests
-        return LaunchedStep(plan, batch, out, sample_slots, sample_rids, token_index, sample_lens,
-                            table.admit_seq[sample_slots].copy(), completing)
+        return LaunchedStep(
+            plan,
+            batch,
+            out,
+            sample_slots,
+            sample_rids,
+            token_index,
+            sample_lens,
+            table.admit_seq[sample_slots].copy(),
+            completing,
+        )
 
     # ------------------------------------------------------------------ applying results
     def complete(self, launched: LaunchedStep, result: StepResult) -> StepOutput:
@@ -433,14 +487,19 @@ class Scheduler:
         if result.step != batch.step or token_ids.shape != (batch.num_sampled,):
             raise ExecutorError(
                 f"step {batch.step}: expected {batch.num_sampled} token ids for step {batch.step}, got "
-                f"shape {token_ids.shape} for step {result.step}")
+                f"shape {token_ids.shape} for step {result.step}"
+            )
         accepted = None
         if result.accepted_lens:
             accepted = np.asarray(result.accepted_lens, dtype=np.int64)
-            if accepted.shape != launched.sample_lens.shape or not (
-                    (accepted >= 1) & (accepted <= launched.sample_lens)).all():
-                raise ExecutorError(f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
-                                    f"rows' sample lens {launched.sample_lens.tolist()}")
+            if (
+                accepted.shape != launched.sample_lens.shape
+                or not ((accepted >= 1) & (accepted <= launched.sample_lens)).all()
+            ):
+                raise ExecutorError(
+                    f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
+                    f"rows' sample lens {launched.sample_lens.tolist()}"
+                )
         one_per_row = token_ids.shape[0] == launched.sample_slots.shape[0]  # no slot has two tokens
         kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
         if not one_per_row:  # a row of one token keeps it: nothing to settle
@@ -461,7 +520,9 @@ class Scheduler:
         done = np.flatnonzero(kept.ends).tolist()
         if done:
             out.finished = [rids[i] for i in done]
-            out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] or rids[i] in out.pooled else "length" for i in done}
+            out.finish_reasons = {
+                rids[i]: "stop" if kept.stopped[i] or rids[i] in out.pooled else "length" for i in done
+            }
             finished = [requests[rid] for rid in out.finished]
             out.ended.update(zip(out.finished, finished))
             self._end(finished, Status.FINISHED)

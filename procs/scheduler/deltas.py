@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from procs.scheduler.request import Request
-from procs.scheduler.step_output import StepOutput
-from shared.messages import TokenDelta
+from batchserve.procs.scheduler.request import Request
+from batchserve.procs.scheduler.step_output import StepOutput
+from batchserve.shared.messages import TokenDelta
 
 
 def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelta]:
@@ -41,8 +41,9 @@ def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelt
     for rid in out.finished:
         if rid not in tokens:
             request = out.ended.get(rid)
-            deltas.append(_delta(request, request.reported if request else 0, rid, [],
-                                 out.finish_reasons.get(rid, "stop")))
+            deltas.append(
+                _delta(request, request.reported if request else 0, rid, [], out.finish_reasons.get(rid, "stop"))
+            )
     for rid in out.cancelled:
         request = out.ended.get(rid)
         deltas.append(_delta(request, request.reported if request else 0, rid, [], "abort"))
@@ -56,7 +57,15 @@ def _delta(request: Request | None, reported: int, rid: str, ids: list[int], fin
     first = reported == len(ids)  # nothing reported before these (only a last delta has none)
     # Its cached prefix is reported from its first token on (the step that prefilled past it).
     cached = request.cached_tokens if reported else 0
-    return TokenDelta(rid=rid, token_ids=ids, finish_reason=finish_reason, prompt_tokens=request.num_prompt_tokens,
-                      completion_tokens=reported, cached_tokens=cached,
-                      draft_tokens=request.draft_tokens, accepted_tokens=request.accepted_tokens,
-                      stop=request.params.stop if first else None, prompt_tail=request.prompt_tail if first else [])
+    return TokenDelta(
+        rid=rid,
+        token_ids=ids,
+        finish_reason=finish_reason,
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=reported,
+        cached_tokens=cached,
+        draft_tokens=request.draft_tokens,
+        accepted_tokens=request.accepted_tokens,
+        stop=request.params.stop if first else None,
+        prompt_tail=request.prompt_tail if first else [],
+    )

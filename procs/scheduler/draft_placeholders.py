@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.messages import DRAFT_TOKEN
+from batchserve.shared.messages import DRAFT_TOKEN
 
 
 class DraftPlaceholders:

@@ -38,11 +38,11 @@ class PageAllocator:
             raise KVAllocatorError(f"asked for {count} KV pages with only {self._num_free} free")
         top = self._num_free
         self._num_free = top - count
-        return self._free[self._num_free:top][::-1].copy()
+        return self._free[self._num_free : top][::-1].copy()
 
     def free(self, pages: np.ndarray) -> None:
         count = int(pages.shape[0])
         if self._num_free + count > self.num_pages:
             raise KVAllocatorError(f"freeing {count} pages would exceed the pool of {self.num_pages}")
-        self._free[self._num_free:self._num_free + count] = pages[::-1]
+        self._free[self._num_free : self._num_free + count] = pages[::-1]
         self._num_free += count

@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.kv_allocator import KVAllocatorError, PageAllocator
-from procs.scheduler.prefix_cache import CachedPage, PrefixCache
-from procs.scheduler.request import Request
-from procs.scheduler.request_table import RequestTable
-from shared.ranges import concat_ranges
+from batchserve.procs.scheduler.config import SchedulerConfig
+from batchserve.procs.scheduler.kv_allocator import KVAllocatorError, PageAllocator
+from batchserve.procs.scheduler.prefix_cache import CachedPage, PrefixCache
+from batchserve.procs.scheduler.request import Request
+from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.shared.ranges import concat_ranges
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -80,7 +80,9 @@ class KVManager:
         """The cached pages its prompt starts with (at least its last prompt token is left to compute)."""
         if self.cache is None or request.wants_prompt_logprobs:  # cached positions would have no logits
             return []
-        path = self.cache.match(request.prompt, (request.prompt_len - 1) // self.page_size, self.cache_namespace(request))
+        path = self.cache.match(
+            request.prompt, (request.prompt_len - 1) // self.page_size, self.cache_namespace(request)
+        )
         served = self.cache.with_state(path)
         # a hybrid model's: where its prompt leaves the tree (another prompt goes on there) its state is kept too
         request.save_at = (len(path) * self.page_size,) if len(path) > len(served) else ()
@@ -96,7 +98,9 @@ class KVManager:
         if self.rope_switch_length and request.prompt_len > self.rope_switch_length:
             return adapter + b"rope:long"
         if self.rope_dynamic_length and request.num_prompt_tokens > self.rope_dynamic_length:
-            return adapter + b"rope:length:%d" % request.num_prompt_tokens  # the client's: a recompute's keys are the same
+            return (
+                adapter + b"rope:length:%d" % request.num_prompt_tokens
+            )  # the client's: a recompute's keys are the same
         return adapter
 
     def reservation(self, request: Request, cached: Sequence[CachedPage] = ()) -> int:
@@ -117,7 +121,8 @@ class KVManager:
         theirs alone: held or to come, less the cached pages they use."""
         t = self.table
         tokens = np.maximum(t.kv_len[slots], t.prompt_len[slots]) + self.future_estimate(
-            t.token_limit[slots] - t.generated[slots])
+            t.token_limit[slots] - t.generated[slots]
+        )
         tokens = self.windowed(tokens, np.maximum(t.prompt_len[slots] - t.kv_len[slots], 0))
         return int(np.sum(self.pages_for(tokens))) - int(np.sum(t.shared_pages[slots]))
 
@@ -252,6 +257,7 @@ class KVManager:
         t = self.table
         planned = np.zeros(t.num_slots, dtype=np.int64)
         planned[slots] = growth
+
         def rank(slot: int) -> tuple[int, int]:
             request = t.requests[slot]
             return (request.params.priority if by_priority and request is not None else 0), int(t.admit_seq[slot])
@@ -313,8 +319,9 @@ class KVManager:
         cache did not take go back to the allocator."""
         slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
         # updates not sent yet for these rows are void: the next request in a slot writes its own
-        self._attached = [PageTableUpdates(*(a[keep] for a in u)) for u in self._attached
-                          if (keep := ~np.isin(u.slots, slots)).any()]
+        self._attached = [
+            PageTableUpdates(*(a[keep] for a in u)) for u in self._attached if (keep := ~np.isin(u.slots, slots)).any()
+        ]
         cache = self.cache
         if cache is None:
             self.allocator.free(self.table.release(slots))
@@ -323,7 +330,7 @@ class KVManager:
         for request in requests:
             slot = request.slot
             done = request.num_generated_before
-            outputs = t.output_ids[slot, done:t.generated[slot]]
+            outputs = t.output_ids[slot, done : t.generated[slot]]
             computed = int(t.kv_len[slot]) - self.draft_lag
             self._insert(request, computed // self.page_size, np.concatenate([request.prompt, outputs]))
         cached = np.fromiter((node.page for r in requests for node in r.cache_path), dtype=np.int32)

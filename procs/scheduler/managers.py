@@ -5,16 +5,16 @@ and `POLICY_PLANNERS`, the registry of policies that choose a step's batch from 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from procs.scheduler.batch import DecodeView, StepPlan
-from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.prefix_cache import CachedPage
-from procs.scheduler.request import NO_DRAFT, Request, Status
-from procs.scheduler.request_table import RequestTable
-from shared.config import POLICIES
+from batchserve.procs.scheduler.batch import DecodeView, StepPlan
+from batchserve.procs.scheduler.kv_manager import KVManager
+from batchserve.procs.scheduler.prefix_cache import CachedPage
+from batchserve.procs.scheduler.request import NO_DRAFT, Request, Status
+from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.shared.config import POLICIES
 
 
 class PrefillManager:
@@ -28,8 +28,16 @@ class PrefillManager:
     half of a step's tokens while others wait).
     """
 
-    def __init__(self, table: RequestTable, kv: KVManager, *, by_priority: bool = False,
-                 fair: bool = False, max_loras: int = 0, whole: bool = False) -> None:
+    def __init__(
+        self,
+        table: RequestTable,
+        kv: KVManager,
+        *,
+        by_priority: bool = False,
+        fair: bool = False,
+        max_loras: int = 0,
+        whole: bool = False,
+    ) -> None:
         self.pending_list: deque[Request] = deque()
         self.chunking: list[Request] = []
         self.by_priority = by_priority
@@ -93,7 +101,8 @@ class PrefillManager:
             if not self._adapter_fits(head):
                 break  # its adapter waits for one of the running adapters to finish, and so does everyone behind it
             if self.whole and head.prompt_len > budget:
-                break  # an encoder's input runs whole: it waits for a step with room for it, and so does everyone behind it
+                # an encoder's input runs whole: it waits for a step with room for it, and so does everyone behind it
+                break
             cached = self._kv.lookup(head)
             pages = self._kv.reservation(head, cached)
             if reserved < 0:
@@ -145,8 +154,11 @@ class PrefillManager:
         short = kv.reservation(head, kv.lookup(head)) + kv.reserved_pages() - kv.num_pages
         if short <= 0 and table.has_free_slot:
             return []
-        lower = sorted((r for r in table.requests if r is not None and r.params.priority > head.params.priority),
-                       key=lambda r: (r.params.priority, int(table.admit_seq[r.slot])), reverse=True)
+        lower = sorted(
+            (r for r in table.requests if r is not None and r.params.priority > head.params.priority),
+            key=lambda r: (r.params.priority, int(table.admit_seq[r.slot])),
+            reverse=True,
+        )
         victims: list[int] = []
         for request in lower:
             victims.append(request.slot)
@@ -218,9 +230,13 @@ class DecodeManager:
         if self._view is None:
             reqs = self.running.values()
             n = len(self.running)
-            self._view = DecodeView(np.fromiter(self.running, dtype=np.int64, count=n),
-                                    [r.rid for r in reqs], [r.params.sampling for r in reqs],
-                                    np.ones(n, dtype=np.int64), n)
+            self._view = DecodeView(
+                np.fromiter(self.running, dtype=np.int64, count=n),
+                [r.rid for r in reqs],
+                [r.params.sampling for r in reqs],
+                np.ones(n, dtype=np.int64),
+                n,
+            )
             self._rows = {}
         if not self.drafting:
             return self._view
@@ -260,5 +276,8 @@ def _prefill_else_decode(prefill: PrefillManager, decode: DecodeManager, budget:
 
 # The registry: policy name -> planner; its names are the config's (`shared.config.Policy`).
 POLICY_PLANNERS: dict[str, PolicyPlanner] = {
-    "prefill-first": plan_prefill_first, "mixed": plan_mixed, "fixed": plan_fixed}
+    "prefill-first": plan_prefill_first,
+    "mixed": plan_mixed,
+    "fixed": plan_fixed,
+}
 assert set(POLICY_PLANNERS) == set(POLICIES), f"policies {sorted(POLICY_PLANNERS)} != the config's {sorted(POLICIES)}"

@@ -42,7 +42,7 @@ class NgramProposer:
         if count < 1:
             return _NO_TOKENS
         # Candidates: where the last token occurred before (cheap), then the longest n that matches.
-        ends = np.flatnonzero(history[:length - 1] == history[length - 1])  # an occurrence's last index
+        ends = np.flatnonzero(history[: length - 1] == history[length - 1])  # an occurrence's last index
         if not ends.shape[0]:
             return _NO_TOKENS
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -51,10 +51,10 @@ class NgramProposer:
                 continue
             if n > 1:
                 windows = sliding_window_view(history, n)[starts]
-                starts = starts[(windows == history[length - n:]).all(axis=1)]
+                starts = starts[(windows == history[length - n :]).all(axis=1)]
             if starts.shape[0]:
                 follow = int(starts[-1]) + n
-                return history[follow:follow + count].astype(np.int32, copy=False)
+                return history[follow : follow + count].astype(np.int32, copy=False)
         return _NO_TOKENS
 
 

@@ -29,7 +29,7 @@ import numpy as np
 class CachedPage:
     __slots__ = ("key", "page", "parent", "children", "refs", "last_used", "state")
 
-    def __init__(self, key: bytes, page: int, parent: "CachedPage | None") -> None:
+    def __init__(self, key: bytes, page: int, parent: CachedPage | None) -> None:
         self.key = key  # the page's token ids (int32 bytes)
         self.page = page  # KV page id
         self.parent = parent
@@ -96,9 +96,9 @@ class PrefixCache:
     def page_keys(self, tokens: np.ndarray, first: int, last: int) -> list[bytes]:
         """Keys of full pages `first..last-1` of `tokens`."""
         P = self.page_size
-        data = np.ascontiguousarray(tokens[first * P:last * P], dtype=np.int32).tobytes()
+        data = np.ascontiguousarray(tokens[first * P : last * P], dtype=np.int32).tobytes()
         step = 4 * P
-        return [data[i:i + step] for i in range(0, len(data), step)]
+        return [data[i : i + step] for i in range(0, len(data), step)]
 
     # ---------------------------------------------------------------- lookups
     def match(self, tokens: np.ndarray, max_pages: int, namespace: bytes = b"") -> list[CachedPage]:

@@ -14,19 +14,18 @@ import logging
 import time
 from collections import deque
 
-from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
-from procs.scheduler.core import Scheduler
-from procs.scheduler.live_view import StepLog, build_view
-from procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
-from procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
-from procs.scheduler.step_cost import cost_model_for
-from procs.scheduler.step_output import LaunchedStep, StepOutput
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.scheduler_view import SchedulerView
-from shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
-from shared.messages import (
+from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from batchserve.procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
+from batchserve.procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
+from batchserve.procs.scheduler.core import Scheduler
+from batchserve.procs.scheduler.live_view import StepLog, build_view
+from batchserve.procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
+from batchserve.procs.scheduler.step_cost import cost_model_for
+from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
+from batchserve.shared.messages import (
     AbortRequest,
     AdapterUpdate,
     BackendFailure,
@@ -36,7 +35,8 @@ from shared.messages import (
     TokenizedRequest,
     WorkerInfo,
 )
-from shared.shm import DoubleBuffer
+from batchserve.shared.scheduler_view import SchedulerView
+from batchserve.shared.shm import DoubleBuffer
 
 log = logging.getLogger("batchserve.scheduler")
 
@@ -102,11 +102,27 @@ class SchedulerLoop:
         self.scheduler = Scheduler(config, eos_token_ids=info.eos_token_ids, cost=self.executor.cost)
         if config.max_step_s:
             assert self.executor.cost is not None
-            log.info("step-time bound", extra={"fields": {
-                "max_step_ms": round(config.max_step_s * 1000, 1), **self.executor.cost.weights.log_fields()}})
-        log.info("worker ready", extra={"fields": {
-            "kv_capacity_tokens": info.kv_capacity_tokens, "page_size": info.page_size,
-            "max_context": info.max_context, "policy": self.config.policy, "overlap_schedule": self.overlap}})
+            log.info(
+                "step-time bound",
+                extra={
+                    "fields": {
+                        "max_step_ms": round(config.max_step_s * 1000, 1),
+                        **self.executor.cost.weights.log_fields(),
+                    }
+                },
+            )
+        log.info(
+            "worker ready",
+            extra={
+                "fields": {
+                    "kv_capacity_tokens": info.kv_capacity_tokens,
+                    "page_size": info.page_size,
+                    "max_context": info.max_context,
+                    "policy": self.config.policy,
+                    "overlap_schedule": self.overlap,
+                }
+            },
+        )
 
     def handle(self, message: SchedulerInbox) -> None:
         assert self.scheduler is not None
@@ -114,8 +130,9 @@ class SchedulerLoop:
             try:
                 self.scheduler.add_request(message.rid, message.prompt_ids, message.params)
             except Refusal as exc:
-                self.to_api.send(RequestRejected(rid=message.rid, status=exc.status, message=exc.message,
-                                                 param=exc.param))
+                self.to_api.send(
+                    RequestRejected(rid=message.rid, status=exc.status, message=exc.message, param=exc.param)
+                )
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)  # unknown / finished: nothing to do
         elif isinstance(message, AdapterUpdate):
@@ -168,16 +185,25 @@ class SchedulerLoop:
             self.to_detokenizer.send(delta)
         if out.preempted:
             self._preemptions += len(out.preempted)
-            log.info("preempted", extra={"fields": {
-                "step": out.step, "rids": out.preempted, "kv_used_tokens": self.scheduler.kv_used_tokens,  # type: ignore[union-attr]
-                "num_waiting": self.scheduler.num_waiting}})  # type: ignore[union-attr]
+            log.info(
+                "preempted",
+                extra={
+                    "fields": {
+                        "step": out.step,
+                        "rids": out.preempted,
+                        "kv_used_tokens": self.scheduler.kv_used_tokens,  # type: ignore[union-attr]
+                        "num_waiting": self.scheduler.num_waiting,
+                    }
+                },
+            )  # type: ignore[union-attr]
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
             self.step_log.record(out, self.executor.last_step_s)
         self._queue_times += out.queue_times
         if out.drafted:
-            self._spec_counts = [a + b for a, b in zip(self._spec_counts, (len(out.drafted), out.draft_tokens,
-                                                                           out.accepted_tokens))]
+            self._spec_counts = [
+                a + b for a, b in zip(self._spec_counts, (len(out.drafted), out.draft_tokens, out.accepted_tokens))
+            ]
 
     def _maybe_send_stats(self, busy: bool) -> None:
         sched = self.scheduler
@@ -187,18 +213,27 @@ class SchedulerLoop:
         self._was_busy = sched.has_unfinished()
         if not just_idle and now - self._last_stats < (STATS_BUSY_INTERVAL_S if busy else STATS_IDLE_INTERVAL_S):
             return
-        self.to_api.send(SchedulerStats(num_running=sched.num_running, num_waiting=sched.num_waiting,
-                                        kv_used_tokens=sched.kv_used_tokens,
-                                        kv_total_tokens=sched.kv_capacity_tokens,
-                                        kv_request_pages_max=sched.kv.max_decoding_pages(), batch_sizes=self._batch_sizes,
-                                        queue_times=self._queue_times, preemptions=self._preemptions,
-                                        steps_target_out_of_reach=sched.steps_out_of_reach - self._out_of_reach_reported,
-                                        kv_reserve_ratio=sched.config.kv_reserve_ratio,
-                                        spec_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
-                                        spec_accepted_tokens=self._spec_counts[2],
-                                        expert_load=self.executor.expert_load, **self._cache_stats(),
-                                        view=self._live_view(now, force=just_idle),
-                                        **(adapters_in_use(sched.requests.values()) if self.config.enable_lora else {})))
+        self.to_api.send(
+            SchedulerStats(
+                num_running=sched.num_running,
+                num_waiting=sched.num_waiting,
+                kv_used_tokens=sched.kv_used_tokens,
+                kv_total_tokens=sched.kv_capacity_tokens,
+                kv_request_pages_max=sched.kv.max_decoding_pages(),
+                batch_sizes=self._batch_sizes,
+                queue_times=self._queue_times,
+                preemptions=self._preemptions,
+                steps_target_out_of_reach=sched.steps_out_of_reach - self._out_of_reach_reported,
+                kv_reserve_ratio=sched.config.kv_reserve_ratio,
+                spec_drafts=self._spec_counts[0],
+                spec_draft_tokens=self._spec_counts[1],
+                spec_accepted_tokens=self._spec_counts[2],
+                expert_load=self.executor.expert_load,
+                **self._cache_stats(),
+                view=self._live_view(now, force=just_idle),
+                **(adapters_in_use(sched.requests.values()) if self.config.enable_lora else {}),
+            )
+        )
         self.executor.expert_load = None
         self._spec_counts = [0, 0, 0]
         self._batch_sizes = []
@@ -222,8 +257,13 @@ class SchedulerLoop:
         counts = (kv.hit_tokens, kv.queried_tokens, kv.evicted_pages)
         hit, queried, evicted = (now - before for now, before in zip(counts, self._cache_counts))
         self._cache_counts = counts
-        return {"cache_hit_tokens": hit, "cache_queried_tokens": queried, "cache_evicted_pages": evicted,
-                "cache_pages": kv.cache.num_pages, "cache_referenced_pages": kv.cache.num_referenced}
+        return {
+            "cache_hit_tokens": hit,
+            "cache_queried_tokens": queried,
+            "cache_evicted_pages": evicted,
+            "cache_pages": kv.cache.num_pages,
+            "cache_referenced_pages": kv.cache.num_referenced,
+        }
 
 
 def run(config: ServerConfig) -> int:

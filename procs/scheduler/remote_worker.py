@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 
-from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.scheduler.executor import ExecutorError
-from procs.scheduler.step_cost import StepCostModel
-from shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
-from shared.liveness import pid_gone
-from shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
+from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from batchserve.procs.scheduler.executor import ExecutorError
+from batchserve.procs.scheduler.step_cost import StepCostModel
+from batchserve.shared.ipc import Receiver, Sender, StepsInbox, WorkerInbox
+from batchserve.shared.liveness import pid_gone
+from batchserve.shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
 
 WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
 
@@ -32,8 +32,9 @@ class RemoteWorker:
     The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`, and ends at
     once when the worker process (`worker_pid`, from its `WorkerInfo`) is gone."""
 
-    def __init__(self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime,
-                 step_timeout_s: float) -> None:
+    def __init__(
+        self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime, step_timeout_s: float
+    ) -> None:
         self.to_worker = to_worker
         self.results = results
         self.rt = rt
@@ -70,9 +71,11 @@ class RemoteWorker:
                 if self.cost is not None:
                     # With prefill: it fed prompt tokens besides the sampled ones (decode rows sample all theirs).
                     # A draft model's proposing is its own cost, apart from the model's step; one-off work none.
-                    self.cost.observe(self.cost.shape(batch.prefix_lens, batch.extend_lens),
-                                      now - started - result.draft_s - result.setup_s,
-                                      with_prefill=batch.num_tokens > batch.num_sampled)
+                    self.cost.observe(
+                        self.cost.shape(batch.prefix_lens, batch.extend_lens),
+                        now - started - result.draft_s - result.setup_s,
+                        with_prefill=batch.num_tokens > batch.num_sampled,
+                    )
                     if result.draft_s:
                         self.cost.observe_drafts(result.draft_s, int((batch.input_ids == DRAFT_TOKEN).sum()))
                 return result
@@ -81,8 +84,10 @@ class RemoteWorker:
                 gone = WorkerGone if self.rt.stopping.is_set() else WorkerStalled
                 raise gone(f"the worker process (pid {self.worker_pid}) exited with step {batch.step} in flight")
             if now - started > self.step_timeout_s:
-                raise WorkerStalled(f"no result for step {batch.step} ({batch.num_requests} requests, "
-                                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s")
+                raise WorkerStalled(
+                    f"no result for step {batch.step} ({batch.num_requests} requests, "
+                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s"
+                )
             if self.rt.stopping.is_set():
                 stop_seen = stop_seen or now
                 if now - stop_seen > WORKER_STOP_GRACE_S:

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from procs.scheduler.prefix_cache import CachedPage
-from shared.checks import MAX_TOKEN_ID
-from shared.errors import Refusal
-from shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
+from batchserve.procs.scheduler.prefix_cache import CachedPage
+from batchserve.shared.checks import MAX_TOKEN_ID
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import DEFAULT_PARAMS, PROMPT_TAIL_TOKENS, RequestParams, SlotStart, TokenLogprobs
 
 NO_DRAFT = np.zeros(0, dtype=np.int32)
 NO_DRAFT.flags.writeable = False
@@ -72,13 +72,34 @@ class Request:
     skips for them (`procs.scheduler.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
     far and the accepted ones (its usage reports them)."""
 
-    __slots__ = ("rid", "params", "status", "arrived_s", "prompt", "num_prompt_tokens", "slot", "prefilled",
-                 "first_admitted", "cache_path", "cached_tokens", "starting", "prompt_logprobs", "draft", "reported",
-                 "arrival", "spec_misses", "spec_pause", "draft_tokens", "accepted_tokens", "restore_state",
-                 "save_at")
+    __slots__ = (
+        "rid",
+        "params",
+        "status",
+        "arrived_s",
+        "prompt",
+        "num_prompt_tokens",
+        "slot",
+        "prefilled",
+        "first_admitted",
+        "cache_path",
+        "cached_tokens",
+        "starting",
+        "prompt_logprobs",
+        "draft",
+        "reported",
+        "arrival",
+        "spec_misses",
+        "spec_pause",
+        "draft_tokens",
+        "accepted_tokens",
+        "restore_state",
+        "save_at",
+    )
 
-    def __init__(self, rid: str, prompt: np.ndarray, params: RequestParams = DEFAULT_PARAMS, *,
-                 arrival: int = 0) -> None:
+    def __init__(
+        self, rid: str, prompt: np.ndarray, params: RequestParams = DEFAULT_PARAMS, *, arrival: int = 0
+    ) -> None:
         self.rid = rid
         self.status = Status.WAITING
         self.arrived_s = 0.0  # the scheduler's clock at its arrival (its queue time is measured from it)
@@ -125,7 +146,7 @@ class Request:
 
     @property
     def client_prompt(self) -> np.ndarray:
-        return self.prompt[:self.num_prompt_tokens]
+        return self.prompt[: self.num_prompt_tokens]
 
     @property
     def prompt_tail(self) -> list[int]:
@@ -157,9 +178,14 @@ class Request:
         params = self.params
         logits = params.logits
         if logits.is_plain:
-            return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
-                             client_prompt_len=self.num_prompt_tokens, restore_state=self.restore_state,
-                             adapter=params.adapter)
+            return SlotStart(
+                slot=self.slot,
+                params=params,
+                prompt_len=self.prompt_len,
+                client_prompt_len=self.num_prompt_tokens,
+                restore_state=self.restore_state,
+                adapter=params.adapter,
+            )
         if logits.prompt_logprobs is not None and not self.wants_prompt_logprobs:
             logits = msgspec.structs.replace(logits, prompt_logprobs=None)  # sent before the preemption
             params = msgspec.structs.replace(params, logits=logits)
@@ -167,14 +193,23 @@ class Request:
         n = self.num_prompt_tokens
         # The min_tokens ban: EOS (unless ignore_eos) and stop_token_ids.
         banned = [*(() if params.stop.ignore_eos else eos_token_ids), *params.stop.stop_token_ids]
-        return SlotStart(slot=self.slot, params=params, prompt_len=self.prompt_len,
-                         client_prompt_len=self.num_prompt_tokens, prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
-                         output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
-                         min_tokens_banned=banned if logits.min_tokens else [], restore_state=self.restore_state,
-                         adapter=params.adapter)
+        return SlotStart(
+            slot=self.slot,
+            params=params,
+            prompt_len=self.prompt_len,
+            client_prompt_len=self.num_prompt_tokens,
+            prompt_ids=self.prompt[:n].tolist() if needs_prompt else [],
+            output_ids=self.prompt[n:].tolist() if logits.needs_output_ids else [],
+            min_tokens_banned=banned if logits.min_tokens else [],
+            restore_state=self.restore_state,
+            adapter=params.adapter,
+        )
 
     def __repr__(self) -> str:
-        return f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, slot={self.slot}, prefilled={self.prefilled})"
+        return (
+            f"Request({self.rid!r}, {self.status.value}, prompt_len={self.prompt_len}, "
+            f"slot={self.slot}, prefilled={self.prefilled})"
+        )
 
 
 def prompt_array(prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -202,5 +237,6 @@ def check_runner(params: RequestParams, pooling: bool) -> None:
     if params.pooling is None and pooling:
         raise Refusal("this server pools (--runner pooling): it answers /v1/embeddings only, no generation", "model")
     if pooling and params.stop.max_tokens != 0:
-        raise Refusal("a pooling request generates no token (max_tokens 0): its one sampled row is its vector",
-                      "max_tokens")
+        raise Refusal(
+            "a pooling request generates no token (max_tokens 0): its one sampled row is its vector", "max_tokens"
+        )

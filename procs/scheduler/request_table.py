@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from procs.scheduler.request import Request
+    from batchserve.procs.scheduler.request import Request
 
 _INITIAL_COLUMNS = 64
 
@@ -29,7 +29,9 @@ class RequestTable:
         self.admit_seq = np.full(num_slots, -1, dtype=np.int64)  # admission sequence number; -1: free
         self.prompt_len = np.zeros(num_slots, dtype=np.int64)  # tokens to prefill (recompute included)
         self.kv_len = np.zeros(num_slots, dtype=np.int64)  # positions holding KV: prefilled + fed back
-        self.generated = np.zeros(num_slots, dtype=np.int64)  # tokens sampled, launched steps in flight and preemptions included
+        self.generated = np.zeros(
+            num_slots, dtype=np.int64
+        )  # tokens sampled, launched steps in flight and preemptions included
         self.reported = np.zeros(num_slots, dtype=np.int64)  # tokens appended by completed steps (Request.reported)
         self.token_limit = np.zeros(num_slots, dtype=np.int64)  # Request.max_tokens
         self.last_token = np.zeros(num_slots, dtype=np.int32)  # next decode input
@@ -70,7 +72,7 @@ class RequestTable:
         self.dropped_pages[slot] = 0
         if request.max_tokens > self.output_ids.shape[1]:
             self.output_ids = _widen(self.output_ids, max(request.max_tokens, 2 * self.output_ids.shape[1]))
-        self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens:]
+        self.output_ids[slot, :generated_before] = request.prompt[request.num_prompt_tokens :]
         return slot
 
     def release(self, slots: np.ndarray) -> np.ndarray:
@@ -79,7 +81,9 @@ class RequestTable:
         counts = self.num_pages[slots]
         width = int(counts.max()) if slots.shape[0] else 0
         columns = np.arange(width)
-        pages = self.page_table[slots, :width][(columns < counts[:, None]) & (columns >= self.dropped_pages[slots, None])]
+        pages = self.page_table[slots, :width][
+            (columns < counts[:, None]) & (columns >= self.dropped_pages[slots, None])
+        ]
         self.num_pages[slots] = 0
         self.shared_pages[slots] = 0
         self.dropped_pages[slots] = 0
@@ -100,5 +104,5 @@ class RequestTable:
 
 def _widen(table: np.ndarray, columns: int) -> np.ndarray:
     grown = np.zeros((table.shape[0], columns), dtype=table.dtype)
-    grown[:, :table.shape[1]] = table
+    grown[:, : table.shape[1]] = table
     return grown

@@ -23,15 +23,15 @@ from typing import Annotated, Any, TextIO
 import msgspec
 import numpy as np
 
-from procs.cli import CliError
-from procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
-from shared.config import MIN_PREFILL_SHARE
-from procs.scheduler.core import Scheduler
-from procs.scheduler.executor import ScriptedExecutor, scripted_token
-from procs.scheduler.step_cost import CostWeights, LinearStepCost
-from procs.scheduler.step_output import StepOutput
-from shared.errors import Refusal
-from shared.messages import PoolingParams, RequestParams, SamplingParams, StopParams
+from batchserve.procs.cli import CliError
+from batchserve.procs.scheduler.config import POLICIES, SchedulerConfig, SchedulerConfigError
+from batchserve.procs.scheduler.core import Scheduler
+from batchserve.procs.scheduler.executor import ScriptedExecutor, scripted_token
+from batchserve.procs.scheduler.step_cost import CostWeights, LinearStepCost
+from batchserve.procs.scheduler.step_output import StepOutput
+from batchserve.shared.config import MIN_PREFILL_SHARE
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import PoolingParams, RequestParams, SamplingParams, StopParams
 
 EOS_TOKEN_ID = 2
 FIRST_TOKEN_ID = 100  # the scripted model's k-th token is FIRST_TOKEN_ID + k (ScriptedExecutor)
@@ -51,8 +51,14 @@ class ScenarioStepCost(msgspec.Struct, forbid_unknown_fields=True):
     ms_per_row: NonNegativeFloat = 0.0
 
     def model(self) -> LinearStepCost:
-        return LinearStepCost(CostWeights(step=self.ms_per_step / 1000, token=self.ms_per_token / 1000,
-                                          row=self.ms_per_row / 1000, pairs_1k=self.ms_per_1k_pairs / 1000))
+        return LinearStepCost(
+            CostWeights(
+                step=self.ms_per_step / 1000,
+                token=self.ms_per_token / 1000,
+                row=self.ms_per_row / 1000,
+                pairs_1k=self.ms_per_1k_pairs / 1000,
+            )
+        )
 
 
 class ScenarioConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -122,16 +128,19 @@ def load_scenario(path: str | Path) -> Scenario:
     except msgspec.DecodeError as exc:
         raise ScenarioError(f"not valid JSON: {exc}") from None
     if scenario.config.pooling and any(r.output_tokens != 1 or r.max_tokens for r in scenario.requests):
-        raise ScenarioError("a pooling scenario's requests have output_tokens 1 (their vector) and no max_tokens "
-                            "- at `$.requests`")
+        raise ScenarioError(
+            "a pooling scenario's requests have output_tokens 1 (their vector) and no max_tokens - at `$.requests`"
+        )
     if (scenario.config.max_step_ms > 0) != (scenario.config.step_cost is not None):
         raise ScenarioError("max_step_ms and step_cost come together (the bound needs a cost model) - at `$.config`")
     ids: set[str] = set()
     arrival: dict[str, int] = {}
     for i, request in enumerate(scenario.requests):
         if request.shared_prefix > request.input_tokens:
-            raise ScenarioError(f"shared_prefix ({request.shared_prefix}) exceeds input_tokens ({request.input_tokens})"
-                                f" - at `$.requests[{i}].shared_prefix`")
+            raise ScenarioError(
+                f"shared_prefix ({request.shared_prefix}) exceeds input_tokens ({request.input_tokens})"
+                f" - at `$.requests[{i}].shared_prefix`"
+            )
         if request.id in ids:
             raise ScenarioError(f"duplicate request id {request.id!r} - at `$.requests[{i}].id`")
         ids.add(request.id)
@@ -142,7 +151,8 @@ def load_scenario(path: str | Path) -> Scenario:
         if cancel.before_step < arrival[cancel.id]:
             raise ScenarioError(
                 f"request {cancel.id!r} is cancelled before step {cancel.before_step} but arrives at "
-                f"step {arrival[cancel.id]} - at `$.cancels[{i}].before_step`")
+                f"step {arrival[cancel.id]} - at `$.cancels[{i}].before_step`"
+            )
     return scenario
 
 
@@ -153,16 +163,27 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
         raise ScenarioError(f"policy must be one of {', '.join(POLICIES)}, got {chosen!r} - at `$.config.policy`")
     c = scenario.config
     try:
-        return SchedulerConfig(max_running_requests=c.max_running_requests, prefill_budget=c.prefill_budget,
-                               kv_capacity_tokens=c.kv_capacity_tokens, page_size=c.page_size,
-                               max_context=c.max_context, kv_reserve_ratio=c.kv_reserve_ratio,
-                               prefix_cache=c.prefix_cache, policy=chosen,  # type: ignore[arg-type]
-                               scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
-                               fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
-                               max_step_s=c.max_step_ms / 1000, min_prefill_share=c.min_prefill_share,
-                               sliding_window=c.sliding_window, rope_switch_length=c.rope_switch_length,
-                               recurrent_state=c.recurrent_state, state_snapshots=c.state_snapshots,
-                               max_loras=c.max_loras, pooling=c.pooling, whole_prompts=c.whole_prompts)
+        return SchedulerConfig(
+            max_running_requests=c.max_running_requests,
+            prefill_budget=c.prefill_budget,
+            kv_capacity_tokens=c.kv_capacity_tokens,
+            page_size=c.page_size,
+            max_context=c.max_context,
+            kv_reserve_ratio=c.kv_reserve_ratio,
+            prefix_cache=c.prefix_cache,
+            policy=chosen,  # type: ignore[arg-type]
+            scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
+            fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
+            max_step_s=c.max_step_ms / 1000,
+            min_prefill_share=c.min_prefill_share,
+            sliding_window=c.sliding_window,
+            rope_switch_length=c.rope_switch_length,
+            recurrent_state=c.recurrent_state,
+            state_snapshots=c.state_snapshots,
+            max_loras=c.max_loras,
+            pooling=c.pooling,
+            whole_prompts=c.whole_prompts,
+        )
     except SchedulerConfigError as exc:
         raise ScenarioError(f"{exc} - at `$.config`") from None
 
@@ -190,8 +211,10 @@ class ScriptedDrafts:
         script = self.accepted[rid]
         accepted = min(script.pop(0) if script else n, n)
         count = history.shape[0] - self.prompt_len[rid]  # tokens generated so far
-        tokens = [scripted_token(count + j, self.output_tokens[rid], eos_token_id=EOS_TOKEN_ID,
-                                 first_token_id=FIRST_TOKEN_ID) for j in range(accepted)]
+        tokens = [
+            scripted_token(count + j, self.output_tokens[rid], eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID)
+            for j in range(accepted)
+        ]
         return np.asarray(tokens + [NEVER_SAMPLED] * (n - accepted), dtype=np.int32)
 
 
@@ -209,12 +232,18 @@ def scenario_scheduler(scenario: Scenario, config: SchedulerConfig) -> Scheduler
     """A fresh scheduler for `scenario`: EOS id `EOS_TOKEN_ID`, the scenario's scripted drafts, and its
     scripted step-cost model and clock."""
     k, cost = scenario.config.num_speculative_tokens, scenario.config.step_cost
-    return Scheduler(config, eos_token_ids=(EOS_TOKEN_ID,), proposer=ScriptedDrafts(scenario, k) if k else None,
-                     cost=cost.model() if cost is not None else None, clock=ScriptedClock())
+    return Scheduler(
+        config,
+        eos_token_ids=(EOS_TOKEN_ID,),
+        proposer=ScriptedDrafts(scenario, k) if k else None,
+        cost=cost.model() if cost is not None else None,
+        clock=ScriptedClock(),
+    )
 
 
-def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
-                 scheduler: Scheduler | None = None) -> list[StepOutput]:
+def run_scenario(
+    scenario: Scenario, config: SchedulerConfig, *, scheduler: Scheduler | None = None
+) -> list[StepOutput]:
     """Every step until all requests have finished or been cancelled (idle steps included).
 
     `scheduler`: one from `scenario_scheduler`, to inspect afterwards (default: a fresh one).
@@ -228,8 +257,9 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
         assert rid is not None, f"the scheduler planned slot {slot}, which holds no request"
         return outputs_of[rid]
 
-    executor = ScriptedExecutor(output_tokens, eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID,
-                                pooling=config.pooling)
+    executor = ScriptedExecutor(
+        output_tokens, eos_token_id=EOS_TOKEN_ID, first_token_id=FIRST_TOKEN_ID, pooling=config.pooling
+    )
     arrivals = sorted(scenario.requests, key=lambda r: r.arrival_step)  # stable: scenario order within a step
     cancels = sorted(scenario.cancels, key=lambda c: c.before_step)
     next_arrival = next_cancel = 0
@@ -244,9 +274,17 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
             stop = StopParams(max_tokens=0 if config.pooling else r.max_tokens or r.output_tokens)
             pooling = PoolingParams() if config.pooling else None
             try:
-                scheduler.add_request(r.id, prompt, RequestParams(sampling=SamplingParams(temperature=0.0), stop=stop,
-                                                                  priority=r.priority, adapter=r.adapter,
-                                                                  pooling=pooling))
+                scheduler.add_request(
+                    r.id,
+                    prompt,
+                    RequestParams(
+                        sampling=SamplingParams(temperature=0.0),
+                        stop=stop,
+                        priority=r.priority,
+                        adapter=r.adapter,
+                        pooling=pooling,
+                    ),
+                )
             except Refusal as exc:
                 index = scenario.requests.index(r)
                 raise ScenarioError(f"request {r.id!r}: {exc} - at `$.requests[{index}]`") from None
@@ -265,8 +303,13 @@ def run_scenario(scenario: Scenario, config: SchedulerConfig, *,
 
 def trace_record(out: StepOutput) -> dict[str, Any]:
     """A step of the trace; `preempted` appears only on steps that preempt (SCHEDULING.md)."""
-    record = {"step": out.step, "prefill": [[rid, n] for rid, n in out.prefill], "decode": list(out.decode),
-              "finished": list(out.finished), "cancelled": list(out.cancelled)}
+    record = {
+        "step": out.step,
+        "prefill": [[rid, n] for rid, n in out.prefill],
+        "decode": list(out.decode),
+        "finished": list(out.finished),
+        "cancelled": list(out.cancelled),
+    }
     if out.preempted:
         record["preempted"] = list(out.preempted)
     if out.drafted:
@@ -305,12 +348,19 @@ def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> 
             for rid, n in out.prefill:
                 whole = done_prefill[rid] == 0 and n == to_prefill[rid]
                 done_prefill[rid] += n
-                chunks.append(rid if whole else f"{rid} [{done_prefill[rid] - n}:{done_prefill[rid]} of {to_prefill[rid]}]")
+                chunks.append(
+                    rid if whole else f"{rid} [{done_prefill[rid] - n}:{done_prefill[rid]} of {to_prefill[rid]}]"
+                )
             parts.append("Prefill: " + ", ".join(chunks))
         for rid, _ in out.new_tokens:
             outputs[rid] += 1
-        row = (str(out.step), " + ".join(parts) or "Idle", " / ".join(str(outputs[i]) for i in ids),
-               ", ".join(out.finished), ", ".join(out.cancelled))
+        row = (
+            str(out.step),
+            " + ".join(parts) or "Idle",
+            " / ".join(str(outputs[i]) for i in ids),
+            ", ".join(out.finished),
+            ", ".join(out.cancelled),
+        )
         rows.append(row + (", ".join(out.preempted),) if preempts else row)
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     for k, row in enumerate(rows):
@@ -321,10 +371,18 @@ def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", help="scenario JSON file (config, requests, optional cancels)")
-    parser.add_argument("--policy", choices=POLICIES, default=None,
-                        help="scheduling policy (default: the scenario's config.policy, else prefill-first)")
-    parser.add_argument("--format", choices=("jsonl", "table"), default="jsonl",
-                        help="jsonl: the SCHEDULING.md trace, one step per line; table: like the chapter's figures")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="scheduling policy (default: the scenario's config.policy, else prefill-first)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("jsonl", "table"),
+        default="jsonl",
+        help="jsonl: the SCHEDULING.md trace, one step per line; table: like the chapter's figures",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

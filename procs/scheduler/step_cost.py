@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from shared.messages import WorkerInfo
-from shared.step_features import StepShape, experts_read, step_shape
+from batchserve.shared.messages import WorkerInfo
+from batchserve.shared.step_features import StepShape, experts_read, step_shape
 
 if TYPE_CHECKING:
-    from procs.scheduler.config import SchedulerConfig
+    from batchserve.procs.scheduler.config import SchedulerConfig
 
 WINDOW = 256  # measured steps the fit remembers
 REFIT_EVERY = 16  # steps between refits (fewer while the window is young: `_refit_due`)
@@ -78,10 +78,14 @@ class CostWeights(msgspec.Struct, frozen=True):
 
     def log_fields(self) -> dict[str, float]:
         """The weights in milliseconds, as the log shows them."""
-        return {"ms_per_step": round(self.step * 1000, 2), "ms_per_token": round(self.token * 1000, 4),
-                "ms_per_row": round(self.row * 1000, 4), "ms_per_1k_attention_pairs": round(self.pairs_1k * 1000, 4),
-                "ms_per_expert_read": round(self.expert_read * 1000, 4),
-                "ms_per_chunked_token": round(self.chunked * 1000, 4)}
+        return {
+            "ms_per_step": round(self.step * 1000, 2),
+            "ms_per_token": round(self.token * 1000, 4),
+            "ms_per_row": round(self.row * 1000, 4),
+            "ms_per_1k_attention_pairs": round(self.pairs_1k * 1000, 4),
+            "ms_per_expert_read": round(self.expert_read * 1000, 4),
+            "ms_per_chunked_token": round(self.chunked * 1000, 4),
+        }
 
 
 TOKEN_WEIGHT = CostWeights.__struct_fields__.index("token")  # the one weight every fit keeps, and keeps > 0
@@ -90,8 +94,9 @@ ROW_WEIGHT = CostWeights.__struct_fields__.index("row")
 
 def features(shape: StepShape, experts: tuple[int, int]) -> np.ndarray:
     """The shape's terms in `CostWeights`' order."""
-    return np.array([1.0, shape.tokens, shape.rows, shape.pairs / 1000, experts_read(shape.tokens, *experts),
-                     shape.chunked])
+    return np.array(
+        [1.0, shape.tokens, shape.rows, shape.pairs / 1000, experts_read(shape.tokens, *experts), shape.chunked]
+    )
 
 
 class LinearStepCost:
@@ -129,8 +134,10 @@ class LinearStepCost:
     def max_prefill_tokens(self, step_s: float, decodes: StepShape, prefix: int, limit: int) -> int:
         """The most prefill tokens (<= limit) a step beside these decodes can carry within a predicted
         `step_s`, for a chunk starting after `prefix` cached tokens; 0 if even none fits."""
+
         def fits(n: int) -> bool:
             return self.predict(decodes + self.shape([prefix], [n])) <= step_s
+
         if not fits(1):
             return 0
         # find the largest n that fits: time grows with n (in steps of a chunk where chunks are padded)
@@ -147,8 +154,9 @@ class LinearStepCost:
 class StepCostModel(LinearStepCost):
     """The weights fitted to the worker's startup probe, then refitted from the steps measured since."""
 
-    def __init__(self, probe: Sequence[tuple[StepShape, float]], experts: tuple[int, int] = (0, 0),
-                 windows: Sequence[int] = ()) -> None:
+    def __init__(
+        self, probe: Sequence[tuple[StepShape, float]], experts: tuple[int, int] = (0, 0), windows: Sequence[int] = ()
+    ) -> None:
         """`probe`: (shape, seconds) of steps measured at startup (at least two different token counts);
         `experts`: a mixture of experts' (num_experts, top_k), (0, 0) if dense; `windows`: each layer's
         cost window (the probe's shapes count them too)."""
@@ -215,8 +223,9 @@ class StepCostModel(LinearStepCost):
         columns = steps[:, :-1]
         columns = columns[:, columns.any(axis=0)] / np.abs(columns).max(axis=0)[columns.any(axis=0)]
         # twice as many steps as terms: a young window's few steps would otherwise be fitted exactly, noise and all
-        return steps.shape[0] >= 2 * columns.shape[1] and \
-            int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
+        return (
+            steps.shape[0] >= 2 * columns.shape[1] and int(np.linalg.matrix_rank(columns, tol=1e-6)) == columns.shape[1]
+        )
 
     def _report(self) -> None:
         """The model as refitted, in the log at most every `REPORT_EVERY_S` (what a bound plans with)."""
@@ -243,8 +252,11 @@ class StepCostModel(LinearStepCost):
         columns, seconds = steps[:, :-1], steps[:, -1]
         optional = [i for i in range(columns.shape[1]) if i != TOKEN_WEIGHT and columns[:, i].any()]
         best: tuple[float, np.ndarray] | None = None
-        for kept in (sorted([TOKEN_WEIGHT, *chosen]) for size in range(len(optional), -1, -1)
-                     for chosen in itertools.combinations(optional, size)):
+        for kept in (
+            sorted([TOKEN_WEIGHT, *chosen])
+            for size in range(len(optional), -1, -1)
+            for chosen in itertools.combinations(optional, size)
+        ):
             solution, *_ = np.linalg.lstsq(columns[:, kept], seconds, rcond=None)
             if solution.min() < 0 or solution[kept.index(TOKEN_WEIGHT)] <= 0:
                 continue

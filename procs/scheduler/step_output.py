@@ -8,9 +8,9 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from procs.scheduler.batch import StepPlan
-from procs.scheduler.request import Request
-from shared.messages import ForwardBatch, TokenLogprobs
+from batchserve.procs.scheduler.batch import StepPlan
+from batchserve.procs.scheduler.request import Request
+from batchserve.shared.messages import ForwardBatch, TokenLogprobs
 
 
 class StepOutput(msgspec.Struct, kw_only=True):

@@ -12,16 +12,16 @@ from typing import Protocol
 
 import numpy as np
 
-from procs.scheduler.batch import StepPlan
-from procs.scheduler.config import SchedulerConfig
-from procs.scheduler.draft_placeholders import DraftPlaceholders
-from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
-from procs.scheduler.ngram import NgramProposer
-from procs.scheduler.request_table import RequestTable
-from procs.scheduler.step_cost import LinearStepCost
-from procs.scheduler.step_time_cap import StepTimeCap
-from shared.step_features import StepShape, step_shape
+from batchserve.procs.scheduler.batch import StepPlan
+from batchserve.procs.scheduler.config import SchedulerConfig
+from batchserve.procs.scheduler.draft_placeholders import DraftPlaceholders
+from batchserve.procs.scheduler.kv_manager import KVManager
+from batchserve.procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
+from batchserve.procs.scheduler.ngram import NgramProposer
+from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.procs.scheduler.step_cost import LinearStepCost
+from batchserve.procs.scheduler.step_time_cap import StepTimeCap
+from batchserve.shared.step_features import StepShape, step_shape
 
 
 class Proposer(Protocol):
@@ -55,8 +55,16 @@ class PlannedStep:
 
 
 class StepPlanner:
-    def __init__(self, config: SchedulerConfig, table: RequestTable, kv: KVManager, prefill: PrefillManager,
-                 decode: DecodeManager, proposer: Proposer | None, cost: LinearStepCost | None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        table: RequestTable,
+        kv: KVManager,
+        prefill: PrefillManager,
+        decode: DecodeManager,
+        proposer: Proposer | None,
+        cost: LinearStepCost | None,
+    ) -> None:
         """`cost`: the step-cost model the step-time cap and the drafts' break-even share read (None: no
         cap, and `min_acceptance` as set)."""
         self.config = config
@@ -68,8 +76,11 @@ class StepPlanner:
         self.cost = cost
         self.policy = POLICY_PLANNERS[config.policy]
         self.by_priority = config.scheduling_policy == "priority"
-        self.cap = (StepTimeCap(cost, config.max_step_s, config.min_prefill_share, config.prefill_budget)
-                    if cost is not None and config.max_step_s else None)
+        self.cap = (
+            StepTimeCap(cost, config.max_step_s, config.min_prefill_share, config.prefill_budget)
+            if cost is not None and config.max_step_s
+            else None
+        )
         # The share of a draft's tokens that must be accepted for it to pay (from `cost` before each
         # proposal when there is one): a request whose draft got no more backs off; 1 or more: no draft
         # pays, none is proposed. 0: every draft with a token accepted pays (simulate, tests).
@@ -80,8 +91,9 @@ class StepPlanner:
         """The decode rows' shape next step: what a step carries besides prefill. A row of width k after
         p cached tokens pairs k * p + k * (k + 1) / 2 (`shared.step_features`)."""
         view = self.decode.batch_view()
-        return step_shape(self.table.kv_len[view.slots], view.widths,
-                          self.cost.windows if self.cost is not None else ())
+        return step_shape(
+            self.table.kv_len[view.slots], view.widths, self.cost.windows if self.cost is not None else ()
+        )
 
     def has_prefill_work(self) -> bool:
         """Requests wait, or an admitted prompt has chunks left: a step would carry prefill."""
@@ -117,8 +129,9 @@ class StepPlanner:
             if room < 1:
                 continue
             generated = int(table.generated[slot])
-            draft = proposer.propose(np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room,
-                                     request.rid)
+            draft = proposer.propose(
+                np.concatenate([request.client_prompt, table.output_ids[slot, :generated]]), room, request.rid
+            )
             if draft.shape[0]:
                 self.decode.set_draft(request, draft)
 
@@ -142,8 +155,9 @@ class StepPlanner:
         """Step 3 under the policy, within the budget and `cap`; then what step 3b would preempt for it,
         dropping every draft first if that avoids it (a draft never costs a preemption)."""
         budget = self.config.prefill_budget
-        planned = PlannedStep(self.policy(self.prefill, self.decode, budget, budget if cap is None else cap),
-                              self.kv, self.by_priority)
+        planned = PlannedStep(
+            self.policy(self.prefill, self.decode, budget, budget if cap is None else cap), self.kv, self.by_priority
+        )
         if planned.victims and self.decode.drafting:
             self.decode.clear_drafts()
             planned = self.replan(planned.plan.without_drafts())

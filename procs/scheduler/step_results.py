@@ -10,17 +10,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from procs.scheduler.executor import ExecutorError
-from procs.scheduler.kv_manager import KVManager
-from procs.scheduler.ngram import pause_after
-from procs.scheduler.request import Request
-from procs.scheduler.request_table import RequestTable
-from procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
-from shared.messages import StepResult
+from batchserve.procs.scheduler.executor import ExecutorError
+from batchserve.procs.scheduler.kv_manager import KVManager
+from batchserve.procs.scheduler.ngram import pause_after
+from batchserve.procs.scheduler.request import Request
+from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
+from batchserve.shared.messages import StepResult
 
 
-def settle_rows(table: RequestTable, kv: KVManager, launched: LaunchedStep, kept: KeptTokens, out: StepOutput,
-                min_acceptance: float) -> None:
+def settle_rows(
+    table: RequestTable, kv: KVManager, launched: LaunchedStep, kept: KeptTokens, out: StepOutput, min_acceptance: float
+) -> None:
     """Each live row keeps the tokens that count (those verification accepted, up to the one that ends
     its request) and rolls back the rest (KV positions, generated count, the pages past its KV), so
     that a release caches exactly the tokens it has; a row that carried a draft counts it and updates
@@ -53,8 +54,13 @@ def settle_rows(table: RequestTable, kv: KVManager, launched: LaunchedStep, kept
         kv.truncate(rslots)
 
 
-def kept_tokens(table: RequestTable, eos_token_ids: np.ndarray, launched: LaunchedStep, token_ids: np.ndarray,
-                accepted: np.ndarray | None = None) -> KeptTokens:
+def kept_tokens(
+    table: RequestTable,
+    eos_token_ids: np.ndarray,
+    launched: LaunchedStep,
+    token_ids: np.ndarray,
+    accepted: np.ndarray | None = None,
+) -> KeptTokens:
     """The sampled tokens that count, each with its slot and index in its request's output: not those
     of rows whose request ended while the step ran, nor a row's tokens past what verification
     `accepted`, nor those after the one that ends it."""
@@ -89,8 +95,9 @@ def kept_tokens(table: RequestTable, eos_token_ids: np.ndarray, launched: Launch
     return KeptTokens(slots, index, token_ids, rids, stopped, ends, positions)
 
 
-def stop_tokens(table: RequestTable, eos_token_ids: np.ndarray, slots: np.ndarray, token_ids: np.ndarray,
-                live: np.ndarray) -> np.ndarray:
+def stop_tokens(
+    table: RequestTable, eos_token_ids: np.ndarray, slots: np.ndarray, token_ids: np.ndarray, live: np.ndarray
+) -> np.ndarray:
     """Which tokens are a stop token of their request (EOS unless ignore_eos, or a stop_token_id)."""
     if eos_token_ids.shape[0] == 1:
         stopped = (token_ids == eos_token_ids[0]) & table.check_eos[slots]
@@ -120,8 +127,9 @@ def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result:
         request = prefilling.get(slot)
         if request is not None and live.get(request.rid) is request and request.slot == slot:
             request.prompt_logprobs.extend(entries)
-    out.prompt_logprobs = {r.rid: r.prompt_logprobs for r in launched.completing
-                           if r.wants_prompt_logprobs and live.get(r.rid) is r}
+    out.prompt_logprobs = {
+        r.rid: r.prompt_logprobs for r in launched.completing if r.wants_prompt_logprobs and live.get(r.rid) is r
+    }
 
 
 def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
@@ -131,7 +139,8 @@ def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) 
         return
     pooled = np.asarray(result.pooled, dtype="<f4")
     if pooled.ndim != 2 or pooled.shape[0] != result.next_token_ids.shape[0]:
-        raise ExecutorError(f"step {result.step}: {pooled.shape} pooled vectors for "
-                            f"{result.next_token_ids.shape[0]} sampled rows")
+        raise ExecutorError(
+            f"step {result.step}: {pooled.shape} pooled vectors for {result.next_token_ids.shape[0]} sampled rows"
+        )
     at = range(len(kept.rids)) if kept.positions is None else kept.positions.tolist()
     launched.out.pooled = {rid: pooled[i].tobytes() for rid, i in zip(kept.rids, at)}

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from procs.scheduler.step_cost import LinearStepCost
-from shared.step_features import StepShape
+from batchserve.procs.scheduler.step_cost import LinearStepCost
+from batchserve.shared.step_features import StepShape
 
 log = logging.getLogger("batchserve.scheduler")
 
@@ -78,6 +78,10 @@ class StepTimeCap:
         self.steps_out_of_reach += 1
         if not self._said_out_of_reach:
             self._said_out_of_reach = True
-            log.warning("the step-time target is out of reach: the decodes alone take longer, so steps are not "
-                        "bounded while they do", extra={"fields": {
-                            "max_step_ms": round(self.target_s * 1000, 1), "decode_ms": round(decode_s * 1000, 1)}})
+            log.warning(
+                "the step-time target is out of reach: the decodes alone take longer, so steps are not "
+                "bounded while they do",
+                extra={
+                    "fields": {"max_step_ms": round(self.target_s * 1000, 1), "decode_ms": round(decode_s * 1000, 1)}
+                },
+            )

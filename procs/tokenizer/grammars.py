@@ -15,15 +15,19 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher
 
-from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ToolCallStyle
-from shared.errors import Refusal
-from shared.grammar import check_constraint_source, check_json_schema
-from shared.messages import OutputConstraint, ToolFunction
+from batchserve.shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ToolCallStyle
+from batchserve.shared.errors import Refusal
+from batchserve.shared.grammar import check_constraint_source, check_json_schema
+from batchserve.shared.messages import OutputConstraint, ToolFunction
 
 # JSON as models usually write it (", " and ": "), and no other whitespace: with free whitespace a
 # small model can fill max_tokens with newlines and never close the object.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                                "lenient": True}  # lenient: ignore keywords it cannot enforce ("format": ...)
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}  # lenient: ignore keywords it cannot enforce ("format": ...)
 CACHE_SIZE = 256
 
 
@@ -93,10 +97,21 @@ def _tool_call_grammar(tools: list[ToolFunction], style: ToolCallStyle) -> str:
     """Hermes: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>; json (Llama 3):
     {"name": ..., "parameters": {...}}. The arguments always match the function's schema."""
     args_key = "arguments" if style == "hermes" else "parameters"
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
-              "required": ["name", args_key], "additionalProperties": False} for t in tools]
-    schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": JSON_OPTIONS}
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, args_key: t.parameters},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = (
+        {"anyOf": calls, "x-guidance": JSON_OPTIONS} if len(calls) > 1 else {**calls[0], "x-guidance": JSON_OPTIONS}
+    )
     call = "%json " + json.dumps(schema)
     if style == "json":
         return LLMatcher.grammar_from_lark(f"start: {call}")
-    return LLMatcher.grammar_from_lark(f"start: {json.dumps(HERMES_OPEN + chr(10))} {call} {json.dumps(chr(10) + HERMES_CLOSE)}")
+    return LLMatcher.grammar_from_lark(
+        f"start: {json.dumps(HERMES_OPEN + chr(10))} {call} {json.dumps(chr(10) + HERMES_CLOSE)}"
+    )

@@ -10,19 +10,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-from shared.errors import Refusal
-from shared.messages import GenerateRequest
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import GenerateRequest
 
 PromptIds = Callable[..., tuple[list[int], str]]  # `PromptTokenizer.prompt_ids`
 CHAT_CUT_ROUNDS = 4  # a cut text re-tokenizes to about as many tokens: a few rounds settle its length
 
 
-def pooling_ids(tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest,
-                keep: int | None) -> tuple[list[int], str]:
+def pooling_ids(
+    tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, keep: int | None
+) -> tuple[list[int], str]:
     """(ids, the field they came from) of a pooling request, at most `keep` tokens when given."""
     if request.prompt_pair is not None:
         ids, field = _pair_ids(tokenizer, request.prompt or "", request.prompt_pair, keep), "prompt"
@@ -34,8 +36,11 @@ def pooling_ids(tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest,
         ids, field = prompt_ids(request)
         ids = ids if keep is None else ids[-keep:]
     if keep is not None and len(ids) > keep:
-        raise Refusal(f"truncate_prompt_tokens {keep} is fewer than the tokens this input keeps whatever is cut "
-                      f"({len(ids)}: the special tokens, or the first text of a pair)", "truncate_prompt_tokens")
+        raise Refusal(
+            f"truncate_prompt_tokens {keep} is fewer than the tokens this input keeps whatever is cut "
+            f"({len(ids)}: the special tokens, or the first text of a pair)",
+            "truncate_prompt_tokens",
+        )
     return ids, field
 
 
@@ -54,8 +59,9 @@ def _pair_ids(tokenizer: Any, first: str, second: str, keep: int | None) -> list
     try:
         return list(tokenizer(first, second, **cut)["input_ids"])
     except Exception as exc:  # the tokenizers library: the first text leaves the second no room
-        raise Refusal(f"truncate_prompt_tokens {keep} leaves no room for the second text ({exc})",
-                      "truncate_prompt_tokens") from None
+        raise Refusal(
+            f"truncate_prompt_tokens {keep} leaves no room for the second text ({exc})", "truncate_prompt_tokens"
+        ) from None
 
 
 def _chat_pair_ids(tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, keep: int | None) -> list[int]:
@@ -72,7 +78,7 @@ def _chat_pair_ids(tokenizer: Any, prompt_ids: PromptIds, request: GenerateReque
             return ids
         if over >= len(document_ids):
             break
-        document_ids = document_ids[:len(document_ids) - over]
+        document_ids = document_ids[: len(document_ids) - over]
         cut = msgspec.structs.replace(document, content=tokenizer.decode(document_ids))
         ids, _ = prompt_ids(msgspec.structs.replace(request, messages=[*others, cut]), add_generation_prompt=False)
     return ids  # still over: `pooling_ids` refuses it

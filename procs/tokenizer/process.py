@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 
-from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from procs.tokenizer.prompts import PromptTokenizer
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.ipc import ApiInbox, Receiver, SchedulerInbox, Sender, TokenizerInbox
-from shared.messages import AbortRequest, AdapterUpdate, GenerateRequest, RequestRejected
-from shared.shm import SharedRing
-from shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
+from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from batchserve.procs.tokenizer.prompts import PromptTokenizer
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.ipc import ApiInbox, Receiver, SchedulerInbox, Sender, TokenizerInbox
+from batchserve.shared.messages import AbortRequest, AdapterUpdate, GenerateRequest, RequestRejected
+from batchserve.shared.shm import SharedRing
+from batchserve.shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 log = logging.getLogger("batchserve.tokenizer")
 
@@ -41,8 +41,12 @@ def run(config: ServerConfig) -> int:
         ring.close()
 
 
-def _handle(message: GenerateRequest | TokenizeQuery | DetokenizeQuery, prompts: PromptTokenizer,
-            to_scheduler: Sender[SchedulerInbox], to_api: Sender[ApiInbox]) -> None:
+def _handle(
+    message: GenerateRequest | TokenizeQuery | DetokenizeQuery,
+    prompts: PromptTokenizer,
+    to_scheduler: Sender[SchedulerInbox],
+    to_api: Sender[ApiInbox],
+) -> None:
     """A request to the scheduler, a query answered to the api, or its refusal to the api."""
     try:
         if isinstance(message, GenerateRequest):
@@ -59,8 +63,12 @@ def _handle(message: GenerateRequest | TokenizeQuery | DetokenizeQuery, prompts:
 def _answer(prompts: PromptTokenizer, query: TokenizeQuery | DetokenizeQuery) -> TokenizeAnswer | DetokenizeAnswer:
     if isinstance(query, DetokenizeQuery):
         return DetokenizeAnswer(rid=query.rid, text=prompts.detokenize(query.token_ids))
-    ids = prompts.inspect_ids(query.request, add_special_tokens=query.add_special_tokens,
-                              add_generation_prompt=query.add_generation_prompt,
-                              continue_final_message=query.continue_final_message)
-    return TokenizeAnswer(rid=query.rid, token_ids=ids,
-                          token_strs=prompts.token_strs(ids) if query.return_token_strs else None)
+    ids = prompts.inspect_ids(
+        query.request,
+        add_special_tokens=query.add_special_tokens,
+        add_generation_prompt=query.add_generation_prompt,
+        continue_final_message=query.continue_final_message,
+    )
+    return TokenizeAnswer(
+        rid=query.rid, token_ids=ids, token_strs=prompts.token_strs(ids) if query.return_token_strs else None
+    )

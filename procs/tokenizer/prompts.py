@@ -21,22 +21,23 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterable
 from functools import cached_property
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import llguidance
 import msgspec
 import numpy as np
 
-from procs.tokenizer.grammars import GrammarCompiler
-from procs.tokenizer.pooling_inputs import pooling_ids
-from procs.tokenizer.tools import offered_tools, template_inputs
-from shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
-from shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
-from shared.config import ServerConfig
-from shared.errors import Refusal
-from shared.messages import GenerateRequest, PoolingParams, StopParams, TokenizedRequest
-from shared.model import ModelSpec
+from batchserve.procs.tokenizer.grammars import GrammarCompiler
+from batchserve.procs.tokenizer.pooling_inputs import pooling_ids
+from batchserve.procs.tokenizer.tools import offered_tools, template_inputs
+from batchserve.shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
+from batchserve.shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.errors import Refusal
+from batchserve.shared.messages import GenerateRequest, PoolingParams, StopParams, TokenizedRequest
+from batchserve.shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.tokenizer")
 PROMPT_THINK_WINDOW = 8  # Qwen3 with thinking off ends its prompt with "<think>\n\n</think>\n\n"
@@ -49,24 +50,38 @@ CHAT_TEMPLATE_RESERVED = ("conversation", "tools", "tokenize", "add_generation_p
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat: the context left
 
 
-def settle_max_tokens(prompt_len: int, given: int | None, param: str, max_context: int, *, chat: bool,
-                      prompt_param: str = "prompt", min_tokens: int = 0) -> int:
+def settle_max_tokens(
+    prompt_len: int,
+    given: int | None,
+    param: str,
+    max_context: int,
+    *,
+    chat: bool,
+    prompt_param: str = "prompt",
+    min_tokens: int = 0,
+) -> int:
     """The request's max_tokens: the client's (`given`, from field `param`) if it fits the context
     beside a `prompt_len`-token prompt, else a `Refusal`; not given: 16 for a completion, the
     context left for a chat, either lowered to what the prompt leaves. `min_tokens` may not exceed the
     client's max_tokens (as vLLM checks it; a default only cuts the output short)."""
     if prompt_len >= max_context:
-        raise Refusal(f"This model's maximum context length is {max_context} tokens; the prompt has "
-                      f"{prompt_len} tokens, which leaves no room for a completion.", prompt_param)
+        raise Refusal(
+            f"This model's maximum context length is {max_context} tokens; the prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion.",
+            prompt_param,
+        )
     room = max_context - prompt_len
     if given is None:
         return room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     if given < 1:
         raise Refusal(f"{param} must be at least 1 (got {given})", param)
     if given > room:
-        raise Refusal(f"This model's maximum context length is {max_context} tokens. However, you requested "
-                      f"{prompt_len + given} tokens ({prompt_len} in the prompt, {given} in the completion). "
-                      f"Please reduce the prompt or {param}.", param)
+        raise Refusal(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_len + given} tokens ({prompt_len} in the prompt, {given} in the completion). "
+            f"Please reduce the prompt or {param}.",
+            param,
+        )
     if min_tokens > given:
         raise Refusal(f"min_tokens ({min_tokens}) must not exceed {param} ({given})", "min_tokens")
     return given
@@ -77,28 +92,31 @@ class PromptTokenizer:
     grammar of a structured-output request (`grammar_tokenizer` builds llguidance's view of the
     tokenizer, on first use; None: structured output is refused)."""
 
-    def __init__(self, tokenizer: Any, max_context: int,
-                 grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, max_context: int, grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
         self.chat_format = ChatFormat.of(getattr(tokenizer, "chat_template", None))
         self._grammar_tokenizer = grammar_tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's tokenizer.json
-        self.max_prompt_chars = (None if backend is None else
-                                 max_prompt_chars(max_context, max_token_chars(backend.to_str())))
+        self.max_prompt_chars = (
+            None if backend is None else max_prompt_chars(max_context, max_token_chars(backend.to_str()))
+        )
         # Cutting at a word gap must not cut an added token ("<|im start|>" would be cut at its space).
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._pieces = backend is not None and not any(" " in str(t) for t in added.values())
 
     @classmethod
-    def of(cls, spec: ModelSpec, tokenizer: Any = None) -> "PromptTokenizer":
+    def of(cls, spec: ModelSpec, tokenizer: Any = None) -> PromptTokenizer:
         """For a model (`tokenizer`: its tokenizer, if already loaded)."""
-        return cls(spec.load_tokenizer() if tokenizer is None else tokenizer, spec.context_length,
-                   spec.grammar_tokenizer)
+        return cls(
+            spec.load_tokenizer() if tokenizer is None else tokenizer, spec.context_length, spec.grammar_tokenizer
+        )
 
     @classmethod
-    def load(cls, config: ServerConfig) -> "PromptTokenizer":
+    def load(cls, config: ServerConfig) -> PromptTokenizer:
         prompts = cls.of(ModelSpec.from_config(config))
         try:
             prompts.grammars  # noqa: B018 - built at start, not on the first request that needs it
@@ -113,12 +131,18 @@ class PromptTokenizer:
         try:
             return GrammarCompiler(self._grammar_tokenizer())
         except Exception as exc:  # llguidance takes byte-level and sentencepiece tokenizers, not every kind
-            raise Refusal(f"structured output is not available for this model's tokenizer: {exc}",
-                          "response_format") from None
+            raise Refusal(
+                f"structured output is not available for this model's tokenizer: {exc}", "response_format"
+            ) from None
 
-    def prompt_ids(self, request: GenerateRequest, *, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, add_special_tokens: bool | None = None
-                   ) -> tuple[list[int], str]:
+    def prompt_ids(
+        self,
+        request: GenerateRequest,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool | None = None,
+    ) -> tuple[list[int], str]:
         """The prompt's token ids and the name of the field they came from. The keywords are
         `/tokenize`'s (vLLM's); their defaults are generation's: a chat ends with the generation
         prompt and gets no special tokens beyond the template's, a text gets the tokenizer's."""
@@ -132,8 +156,13 @@ class PromptTokenizer:
             options = {"continue_final_message": True} if continue_final_message else {}
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options, **extra,
-                    **request.chat_template_kwargs)
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **options,
+                    **extra,
+                    **request.chat_template_kwargs,
+                )
             except Exception as exc:  # jinja raises for roles/orders a template does not accept
                 raise Refusal(f"the chat template cannot render these messages: {exc}", "messages") from None
             # The template already wrote any BOS it wants: do not add special tokens twice.
@@ -157,23 +186,35 @@ class PromptTokenizer:
                 gap = _WORD_GAP.search(text, start + piece)
                 if gap is None:  # no word gap ahead: the rest is tokenized whole (bounded by the above)
                     break
-                ids = self.tokenizer.encode(text[start:gap.start()], add_special_tokens=False)
+                ids = self.tokenizer.encode(text[start : gap.start()], add_special_tokens=False)
                 counted += max(len(ids) - PIECE_BOUNDARY_SLACK, 0)
                 if counted >= self.max_context:
-                    raise Refusal(f"This model's maximum context length is {self.max_context} tokens; the "
-                                  f"first {gap.start()} of this prompt's {len(text)} characters are already "
-                                  f"at least {counted} tokens, which leaves no room for a completion.", param)
+                    raise Refusal(
+                        f"This model's maximum context length is {self.max_context} tokens; the "
+                        f"first {gap.start()} of this prompt's {len(text)} characters are already "
+                        f"at least {counted} tokens, which leaves no room for a completion.",
+                        param,
+                    )
                 start = gap.start()
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def inspect_ids(self, request: GenerateRequest, *, add_special_tokens: bool | None,
-                    add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+    def inspect_ids(
+        self,
+        request: GenerateRequest,
+        *,
+        add_special_tokens: bool | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+    ) -> list[int]:
         """`/tokenize`: the ids `prompt_ids` gives. A text `_encode` proves too long for the context is
         refused as for generation; any other count is answered, past the context too (vLLM answers
         every count; this server does not tokenize megabytes for it)."""
-        ids, _ = self.prompt_ids(request, add_generation_prompt=add_generation_prompt,
-                                 continue_final_message=continue_final_message,
-                                 add_special_tokens=add_special_tokens)
+        ids, _ = self.prompt_ids(
+            request,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens,
+        )
         return ids
 
     def token_strs(self, ids: list[int]) -> list[str]:
@@ -194,9 +235,15 @@ class PromptTokenizer:
         if n == 0:
             raise Refusal(f"{field} must not be empty", field)
         params = request.params
-        max_tokens = settle_max_tokens(n, params.stop.max_tokens, request.max_tokens_param, self.max_context,
-                                       chat=request.messages is not None, prompt_param=field,
-                                       min_tokens=params.logits.min_tokens)
+        max_tokens = settle_max_tokens(
+            n,
+            params.stop.max_tokens,
+            request.max_tokens_param,
+            self.max_context,
+            chat=request.messages is not None,
+            prompt_param=field,
+            min_tokens=params.logits.min_tokens,
+        )
         stop = msgspec.structs.replace(params.stop, max_tokens=max_tokens)
         if request.messages is not None and self.chat_format.harmony:
             stop = self._harmony_stop(stop)
@@ -205,12 +252,16 @@ class PromptTokenizer:
         logits = params.logits
         grammar = self._grammar(request)
         if grammar is not None:
-            logits = msgspec.structs.replace(logits, grammar=grammar,
-                                             grammar_after=self._thinking_end(ids) if request.messages else None)
-        return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
-                                # the constraint, compiled into logits.grammar, travels no further
-                                params=msgspec.structs.replace(params, stop=stop, logits=logits, constraint=None),
-                                arrival_time=request.arrival_time)
+            logits = msgspec.structs.replace(
+                logits, grammar=grammar, grammar_after=self._thinking_end(ids) if request.messages else None
+            )
+        return TokenizedRequest(
+            rid=request.rid,
+            prompt_ids=np.asarray(ids, dtype=np.int32),
+            # the constraint, compiled into logits.grammar, travels no further
+            params=msgspec.structs.replace(params, stop=stop, logits=logits, constraint=None),
+            arrival_time=request.arrival_time,
+        )
 
     def _pooling_request(self, request: GenerateRequest, pooling: PoolingParams) -> TokenizedRequest:
         """A pooling request: its input's ids, cut to `truncate_prompt_tokens` as vLLM cuts them
@@ -220,11 +271,17 @@ class PromptTokenizer:
         if not ids:
             raise Refusal(f"{field} must not be empty", field)
         if len(ids) > self.max_context:
-            raise Refusal(f"This model's maximum context length is {self.max_context} tokens; this input has "
-                          f"{len(ids)} tokens (truncate_prompt_tokens cuts it)", field)
-        return TokenizedRequest(rid=request.rid, prompt_ids=np.asarray(ids, dtype=np.int32),
-                                params=msgspec.structs.replace(request.params, stop=StopParams(max_tokens=0)),
-                                arrival_time=request.arrival_time)
+            raise Refusal(
+                f"This model's maximum context length is {self.max_context} tokens; this input has "
+                f"{len(ids)} tokens (truncate_prompt_tokens cuts it)",
+                field,
+            )
+        return TokenizedRequest(
+            rid=request.rid,
+            prompt_ids=np.asarray(ids, dtype=np.int32),
+            params=msgspec.structs.replace(request.params, stop=StopParams(max_tokens=0)),
+            arrival_time=request.arrival_time,
+        )
 
     def _harmony_stop(self, stop: StopParams) -> StopParams:
         """A harmony chat's text keeps its special tokens (the api reads the channels from them) and ends at
@@ -264,9 +321,11 @@ class PromptTokenizer:
         if not forced and constraint is None:
             return None
         if self.chat_format.harmony and request.messages is not None:  # a grammar would have to allow the headers
-            raise Refusal("structured output and forced tool calls are not supported for models that answer in "
-                          "the harmony format (gpt-oss); call tools with tool_choice 'auto'",
-                          "tool_choice" if forced else constraint.param)  # type: ignore[union-attr]
+            raise Refusal(
+                "structured output and forced tool calls are not supported for models that answer in "
+                "the harmony format (gpt-oss); call tools with tool_choice 'auto'",
+                "tool_choice" if forced else constraint.param,
+            )  # type: ignore[union-attr]
         try:
             grammars = self.grammars
         except Refusal as exc:  # no grammar engine for this tokenizer: name the field that asked
@@ -275,4 +334,3 @@ class PromptTokenizer:
         if forced:
             return grammars.for_tool_call(tools, request.forced_tool, self.chat_format.tool_call_style)
         return grammars.for_constraint(constraint)  # type: ignore[arg-type]
-

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ChatFormat
-from shared.messages import ChatMessage, GenerateRequest, ToolCall, ToolFunction
+from batchserve.shared.chat_format import HERMES_CLOSE, HERMES_OPEN, ChatFormat
+from batchserve.shared.messages import ChatMessage, GenerateRequest, ToolCall, ToolFunction
 
 HERMES_INSTRUCTIONS = """# Tools
 
@@ -56,8 +56,10 @@ def template_inputs(request: GenerateRequest, chat_format: ChatFormat) -> tuple[
 def _as_template_message(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": _arguments(c)}} for c in m.tool_calls]
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+            for c in m.tool_calls
+        ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
@@ -79,8 +81,10 @@ def _hermes_messages(messages: list[ChatMessage], tools: list[ToolFunction]) -> 
         if m.role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.content or ''}\n</tool_response>"})
         elif m.tool_calls:
-            calls = "\n".join(f"{HERMES_OPEN}\n{json.dumps({'name': c.name, 'arguments': _arguments(c)})}\n{HERMES_CLOSE}"
-                              for c in m.tool_calls)
+            calls = "\n".join(
+                f"{HERMES_OPEN}\n{json.dumps({'name': c.name, 'arguments': _arguments(c)})}\n{HERMES_CLOSE}"
+                for c in m.tool_calls
+            )
             out.append({"role": m.role, "content": ((m.content or "") + "\n" + calls).lstrip("\n")})
         else:
             out.append({"role": m.role, "content": m.content or ""})

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from shared.config import QUANTIZATIONS
+from batchserve.kernels import native
+from batchserve.shared.config import QUANTIZATIONS
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -37,5 +43,7 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
     if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not native.available()):
-        raise ValueError(f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
-                         f"{device.type}, {dtype}, C kernels {'built' if native.available() else 'unavailable'})")
+        raise ValueError(
+            f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
+            f"{device.type}, {dtype}, C kernels {'built' if native.available() else 'unavailable'})"
+        )

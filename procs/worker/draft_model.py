@@ -32,12 +32,12 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.attention import create_backend
-from kernels.kv_cache import KVCache
-from kernels.sampling import draft_sample
-from procs.worker.models.base import CausalLM, eager_forward
-from shared.messages import DRAFT_TOKEN, ForwardBatch
-from shared.model import ModelLoadError, ModelSpec
+from batchserve.kernels.attention import create_backend
+from batchserve.kernels.kv_cache import KVCache
+from batchserve.kernels.sampling import draft_sample
+from batchserve.procs.worker.models.base import CausalLM, eager_forward
+from batchserve.shared.messages import DRAFT_TOKEN, ForwardBatch
+from batchserve.shared.model import ModelLoadError, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,16 @@ class DraftModel:
         self.model = model
         self.kv_cache = kv_cache
         heads, cfg = model.heads, model.config
-        self.attention = create_backend(attention_backend, kv_cache, heads.num_heads, heads.num_kv_heads,
-                                        cfg.head_dim, cfg.attention_scale, cfg.windows, cfg.attn_softcap)
+        self.attention = create_backend(
+            attention_backend,
+            kv_cache,
+            heads.num_heads,
+            heads.num_kv_heads,
+            cfg.head_dim,
+            cfg.attention_scale,
+            cfg.windows,
+            cfg.attn_softcap,
+        )
         self._pending: dict[int, _Pending] = {}
         self.proposing_s = 0.0  # the last `propose`'s time for its draft tokens (StepResult.draft_s)
 
@@ -77,23 +85,33 @@ class DraftModel:
         the target's) and room for the target's whole context."""
         spec = ModelSpec.resolve(path, target.context_length)
         if spec.vocab_size != target.vocab_size:
-            raise ModelLoadError(f"draft model {path}: its vocabulary has {spec.vocab_size} tokens, the model's "
-                                 f"{target.vocab_size}; a draft model must share the model's tokenizer")
+            raise ModelLoadError(
+                f"draft model {path}: its vocabulary has {spec.vocab_size} tokens, the model's "
+                f"{target.vocab_size}; a draft model must share the model's tokenizer"
+            )
         if spec.context_length < target.context_length:
-            raise ModelLoadError(f"draft model {path}: its context ({spec.context_length} tokens) is shorter than "
-                                 f"the model's ({target.context_length}); set --max-context")
+            raise ModelLoadError(
+                f"draft model {path}: its context ({spec.context_length} tokens) is shorter than "
+                f"the model's ({target.context_length}); set --max-context"
+            )
         return spec
 
     @classmethod
-    def in_pool(cls, model: CausalLM, target_cache: KVCache, attention_backend: str) -> "DraftModel":
+    def in_pool(cls, model: CausalLM, target_cache: KVCache, attention_backend: str) -> DraftModel:
         """The draft `model` (loaded from a `spec_for` spec) with a KV pool of `target_cache`'s pages that
         reads `target_cache`'s page table."""
         cfg = model.config
-        cache = KVCache(num_layers=cfg.num_layers, num_kv_heads=model.heads.num_kv_heads, head_dim=cfg.head_dim,
-                        page_size=target_cache.page_size, num_pages=target_cache.num_pages,
-                        max_running_requests=target_cache.max_running_requests,
-                        max_pages_per_request=target_cache.max_pages_per_request, dtype=target_cache.dtype,
-                        device=target_cache.device)
+        cache = KVCache(
+            num_layers=cfg.num_layers,
+            num_kv_heads=model.heads.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=target_cache.page_size,
+            num_pages=target_cache.num_pages,
+            max_running_requests=target_cache.max_running_requests,
+            max_pages_per_request=target_cache.max_pages_per_request,
+            dtype=target_cache.dtype,
+            device=target_cache.device,
+        )
         cache.page_table = target_cache.page_table  # one page table: the scheduler's pages hold both
         return cls(model, cache, attention_backend)
 
@@ -109,8 +127,9 @@ class DraftModel:
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
         firsts = np.cumsum(extend) - extend
         # speculative rows: a decode row whose inputs after its first are placeholders
-        drafting = [i for i, (e, f) in enumerate(zip(extend.tolist(), firsts.tolist()))
-                    if e > 1 and ids[f + 1] == DRAFT_TOKEN]
+        drafting = [
+            i for i, (e, f) in enumerate(zip(extend.tolist(), firsts.tolist())) if e > 1 and ids[f + 1] == DRAFT_TOKEN
+        ]
         with torch.inference_mode():
             logits = self._first_pass(batch, drafting, firsts)
             for slot in batch.slots:  # fed now, or behind the row: `verified` says what is pending next
@@ -142,8 +161,9 @@ class DraftModel:
         return self._filled(batch, ids), self._distributions(batch, drafting, passes)
 
     def verified(self, batch: ForwardBatch, accepted: np.ndarray) -> None:
-        """After verification: a speculative row accepted whole leaves its last draft token pending (the
-        draft was never fed it) for the slot's next row. `accepted[r]`: positions kept of the r-th row that samples (`SampleRows` order)."""
+        """After verification: a speculative row accepted whole leaves its last draft token pending (the draft
+        was never fed it) for the slot's next row. `accepted[r]`: positions kept of the r-th row that samples
+        (`SampleRows` order)."""
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
         ends = np.cumsum(extend)
         sampling_rows = np.flatnonzero(np.asarray(batch.sample_lens))
@@ -151,8 +171,9 @@ class DraftModel:
             width = int(extend[row])
             if width > 1 and kept == width:
                 last = int(ends[row]) - 1
-                self._pending[batch.slots[row]] = _Pending(int(batch.input_ids[last]), int(batch.positions[last]),
-                                                           int(batch.kv_locs[last]))
+                self._pending[batch.slots[row]] = _Pending(
+                    int(batch.input_ids[last]), int(batch.positions[last]), int(batch.kv_locs[last])
+                )
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -174,28 +195,53 @@ class DraftModel:
                 prefix, take_all = prefix - 1, take + 1
             else:
                 take_all = take
-            ids.append(batch.input_ids[first:first + take])
-            positions.append(batch.positions[first:first + take])
-            kv_locs.append(batch.kv_locs[first:first + take])
+            ids.append(batch.input_ids[first : first + take])
+            positions.append(batch.positions[first : first + take])
+            kv_locs.append(batch.kv_locs[first : first + take])
             slots.append(slot)
             prefix_lens.append(prefix)
             extend_lens.append(take_all)
             fed += take_all
             if i in speculative:
                 logit_rows.append(fed - 1)
-        return self._run(slots, prefix_lens, extend_lens, np.concatenate(ids), np.concatenate(positions),
-                         np.concatenate(kv_locs), logit_rows)
+        return self._run(
+            slots,
+            prefix_lens,
+            extend_lens,
+            np.concatenate(ids),
+            np.concatenate(positions),
+            np.concatenate(kv_locs),
+            logit_rows,
+        )
 
-    def _decode_pass(self, slots: np.ndarray, positions: np.ndarray, ids: np.ndarray,
-                     kv_locs: np.ndarray) -> torch.Tensor | None:
+    def _decode_pass(
+        self, slots: np.ndarray, positions: np.ndarray, ids: np.ndarray, kv_locs: np.ndarray
+    ) -> torch.Tensor | None:
         """One token for each of `slots` at `positions`; their logits."""
         n = slots.shape[0]
         return self._run(slots.tolist(), positions.tolist(), [1] * n, ids, positions, kv_locs, list(range(n)))
 
-    def _run(self, slots: list[int], prefix_lens: list[int], extend_lens: list[int], ids: np.ndarray,
-             positions: np.ndarray, kv_locs: np.ndarray, logit_rows: list[int]) -> torch.Tensor | None:
-        return eager_forward(self.model, self.attention, slots, prefix_lens, extend_lens, ids, positions, kv_locs,
-                             np.asarray(logit_rows, dtype=np.int64))
+    def _run(
+        self,
+        slots: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        ids: np.ndarray,
+        positions: np.ndarray,
+        kv_locs: np.ndarray,
+        logit_rows: list[int],
+    ) -> torch.Tensor | None:
+        return eager_forward(
+            self.model,
+            self.attention,
+            slots,
+            prefix_lens,
+            extend_lens,
+            ids,
+            positions,
+            kv_locs,
+            np.asarray(logit_rows, dtype=np.int64),
+        )
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -204,19 +250,24 @@ class DraftModel:
         return msgspec.structs.replace(batch, input_ids=ids)
 
     @staticmethod
-    def _distributions(batch: ForwardBatch, drafting: list[int],
-                       passes: list[tuple[np.ndarray, torch.Tensor]]) -> DraftDistributions | None:
+    def _distributions(
+        batch: ForwardBatch, drafting: list[int], passes: list[tuple[np.ndarray, torch.Tensor]]
+    ) -> DraftDistributions | None:
         """The distributions of the sampled (not greedy) speculative rows' draft tokens, by position:
         pass j proposed draft token j of the drafting rows it names."""
         lens = np.asarray(batch.sample_lens, dtype=np.int64)
         starts = np.cumsum(lens) - lens
         # greedy, or coupled with the model's own seeded draw: verified by an exact match
         sampled = [p.temperature != 0.0 and p.seed is None for p in (batch.sampling[row] for row in drafting)]
-        found = [(int(starts[drafting[r]]) + j, q[k]) for j, (rows, q) in enumerate(passes)
-                 for k, r in enumerate(rows.tolist()) if sampled[r]]
+        found = [
+            (int(starts[drafting[r]]) + j, q[k])
+            for j, (rows, q) in enumerate(passes)
+            for k, r in enumerate(rows.tolist())
+            if sampled[r]
+        ]
         if not found:
             return None
         found.sort(key=lambda item: item[0])
-        return DraftDistributions(np.asarray([at for at, _ in found], dtype=np.int64),
-                                  torch.stack([q for _, q in found]))
-
+        return DraftDistributions(
+            np.asarray([at for at, _ in found], dtype=np.int64), torch.stack([q for _, q in found])
+        )

@@ -18,24 +18,28 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import (allocate_token_bitmask, fill_next_token_bitmask_par,
-                              fill_next_token_bitmask_par_with_draft_tokens)
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
-from kernels.sampling import apply_token_bitmask_
-from procs.worker.sample_rows import SampleRows
+from batchserve.kernels.sampling import apply_token_bitmask_
+from batchserve.procs.worker.sample_rows import SampleRows
 
 log = logging.getLogger("batchserve.worker")
 PRISTINE_CACHE_SIZE = 64
 
 
 class SlotGrammars:
-    def __init__(self, num_slots: int, vocab_size: int, tokenizer: Callable[[], llguidance.LLTokenizer],
-                 device: torch.device) -> None:
+    def __init__(
+        self, num_slots: int, vocab_size: int, tokenizer: Callable[[], llguidance.LLTokenizer], device: torch.device
+    ) -> None:
         self._make_tokenizer = tokenizer  # built by `prepare` or on the first grammar (slow: once)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
@@ -68,12 +72,15 @@ class SlotGrammars:
         pending = -1
         if matcher is not None and after is not None:
             if after in output_ids:
-                output_ids = output_ids[output_ids.index(after) + 1:]
+                output_ids = output_ids[output_ids.index(after) + 1 :]
             else:
                 pending, output_ids = after, []
         if matcher is not None and output_ids and not matcher.consume_tokens(output_ids):
-            log.warning("slot %d: replayed tokens do not match its grammar (%s); unconstrained from here",
-                        slot, matcher.get_error())
+            log.warning(
+                "slot %d: replayed tokens do not match its grammar (%s); unconstrained from here",
+                slot,
+                matcher.get_error(),
+            )
             matcher = None
         self.matchers[slot] = matcher
         self.pending[slot] = pending if matcher is not None else -1
@@ -155,8 +162,12 @@ class SlotGrammars:
         if matcher.is_stopped():  # done (EOS taken): an ignore_eos request runs on, unconstrained
             self.matchers[slot], self.active[slot] = None, False
         elif not matcher.consume_token(token):
-            log.warning("slot %d: token %d rejected by its grammar (%s); unconstrained from here",
-                        slot, token, matcher.get_error())
+            log.warning(
+                "slot %d: token %d rejected by its grammar (%s); unconstrained from here",
+                slot,
+                token,
+                matcher.get_error(),
+            )
             self.matchers[slot], self.active[slot] = None, False
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher | None:

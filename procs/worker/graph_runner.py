@@ -28,11 +28,11 @@ from collections import Counter
 import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
-from kernels.kv_cache import KVCache
-from procs.worker.lora import LoraSlots
-from procs.worker.models.base import CausalLM
-from shared.messages import ForwardBatch
+from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
+from batchserve.kernels.kv_cache import KVCache
+from batchserve.procs.worker.lora import LoraSlots
+from batchserve.procs.worker.models.base import CausalLM
+from batchserve.shared.messages import ForwardBatch
 
 SMALL_SIZES = (1, 2, 4, 8)
 SIZE_STEP = 8
@@ -103,8 +103,12 @@ class DecodeGraphRunner:
         be a one-token prefill chunk), up to the largest size: graphs are captured for one token per
         row. Prefill, wider decode rows and larger batches run eagerly, as does a step whose rope rows were
         computed for it (a one-token chunk of a long prompt under dynamic NTK)."""
-        return (batch.num_requests <= self.max_batch_size and max(batch.extend_lens) == 1
-                and min(batch.prefix_lens) > 0 and not self.model.rope.has_step_rows)
+        return (
+            batch.num_requests <= self.max_batch_size
+            and max(batch.extend_lens) == 1
+            and min(batch.prefix_lens) > 0
+            and not self.model.rope.has_step_rows
+        )
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -125,8 +129,11 @@ class DecodeGraphRunner:
             self._staged_copy.record()
         padding = size - n
         metadata = AttentionMetadata(
-            slots=list(batch.slots) + [0] * padding, prefix_lens=list(batch.prefix_lens) + [0] * padding,
-            extend_lens=[1] * size, kv_locs=self._inputs[2, :size], num_padding=padding,
+            slots=list(batch.slots) + [0] * padding,
+            prefix_lens=list(batch.prefix_lens) + [0] * padding,
+            extend_lens=[1] * size,
+            kv_locs=self._inputs[2, :size],
+            num_padding=padding,
         )
         self.steps_per_size[size] += 1
         graphs, outputs = self._graphs, self._graph_logits
@@ -171,11 +178,17 @@ class DecodeGraphRunner:
     # -- capture ----------------------------------------------------------------------------------
 
     def _padding_metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(slots=[0] * size, prefix_lens=[0] * size, extend_lens=[1] * size,
-                                 kv_locs=self._inputs[2, :size], num_padding=size)
+        return AttentionMetadata(
+            slots=[0] * size,
+            prefix_lens=[0] * size,
+            extend_lens=[1] * size,
+            kv_locs=self._inputs[2, :size],
+            num_padding=size,
+        )
 
-    def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor],
-                 lora: LoraSlots | None = None) -> None:
+    def _capture(
+        self, graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor], lora: LoraSlots | None = None
+    ) -> None:
         """Capture one graph per size into `graphs` (their logits into `outputs`), largest first so the smaller
         ones reuse its memory pool. Warm-up and capture run all-padding batches: they touch only the dummy
         page (and with `lora`, an all-0 mask: no adapter row)."""

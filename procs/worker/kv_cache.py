@@ -6,17 +6,20 @@ default).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-GIB = 1024 ** 3
+GIB = 1024**3
 CPU_KV_MEMORY_GB = 1.0  # the CPU pool when no size is given (host memory is shared with everything else)
 
 
-def kv_memory_budget_gb(device: torch.device, memory_gb: float, memory_fraction: float,
-                        mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None) -> float:
+def kv_memory_budget_gb(
+    device: torch.device,
+    memory_gb: float,
+    memory_fraction: float,
+    mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
+) -> float:
     """GiB for the KV pool: `memory_gb` when given (> 0); on CUDA, else, `memory_fraction` of the device
     memory free now (call it after the weights are loaded: the rest is headroom for activations,
     CUDA graphs and the allocator, as SGLang's --mem-fraction-static / vLLM's
@@ -38,8 +41,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * element
 
 
-def num_pages_for(page_size: int, *, capacity_tokens: int = 0, memory_gb: float = 0.0,
-                  bytes_per_token: int = 1) -> int:
+def num_pages_for(page_size: int, *, capacity_tokens: int = 0, memory_gb: float = 0.0, bytes_per_token: int = 1) -> int:
     """Pages (dummy page included) for a token capacity, or else for a memory budget in GiB."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")

@@ -6,15 +6,15 @@ metadata every process shares (architecture, context length, EOS ids) is `shared
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from procs.worker.models import ARCHITECTURES, model_class
-from procs.worker.models.base import CausalLM, ModelConfig, Weight
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec, read_model_json
+from batchserve.procs.worker.models import ARCHITECTURES, model_class
+from batchserve.procs.worker.models.base import CausalLM, ModelConfig, Weight
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 
 __all__ = ["iter_safetensors", "load_model", "load_model_config"]
 
@@ -24,13 +24,22 @@ def load_model_config(spec: ModelSpec) -> ModelConfig:
     this code cannot run (one that lives in the checkpoint's own code, `auto_map`, named as such)."""
     raw = read_model_json(spec.model_dir)
     if raw.get("auto_map") and spec.architecture not in ARCHITECTURES:
-        raise ModelLoadError(f"{spec.architecture or 'this model'} is defined by code in its own folder (config.json's "
-                             f"auto_map, transformers' trust_remote_code), which this server does not run")
+        raise ModelLoadError(
+            f"{spec.architecture or 'this model'} is defined by code in its own folder (config.json's "
+            f"auto_map, transformers' trust_remote_code), which this server does not run"
+        )
     return model_class(spec.architecture).config_from_hf(raw, spec)
 
 
-def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quantization: str,
-               tp: TensorParallel | None = None, lm_head: bool = True) -> CausalLM:
+def load_model(
+    spec: ModelSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+    tp: TensorParallel | None = None,
+    lm_head: bool = True,
+) -> CausalLM:
     """The model (`tp`'s rank's share of it) from its checkpoint, for requests up to `spec.context_length`
     tokens; without `lm_head`, the decoder alone (the pooling runner's)."""
     config = load_model_config(spec)
@@ -38,9 +47,15 @@ def load_model(spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, qua
     tensors = ((n, t) for n, t in iter_safetensors(spec.model_dir) if not n.endswith("rotary_emb.inv_freq"))
     if not lm_head:
         config = dataclasses.replace(config, lm_head=False)
-    return model_class(spec.architecture).from_tensors(config, tensors, max_positions=spec.context_length,
-                                                       dtype=dtype, device=device, quantization=quantization,
-                                                       tp=tp or TensorParallel())
+    return model_class(spec.architecture).from_tensors(
+        config,
+        tensors,
+        max_positions=spec.context_length,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        tp=tp or TensorParallel(),
+    )
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:

@@ -16,17 +16,18 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kernels.sampling import apply_repetition_penalty_, token_logprobs
-from procs.worker.grammar_masks import SlotGrammars
-from procs.worker.sample_rows import SampleRows
-from shared.messages import PLAIN_LOGITS, LogitsParams, SlotStart, TokenLogprobs
+from batchserve.kernels.sampling import apply_repetition_penalty_, token_logprobs
+from batchserve.procs.worker.grammar_masks import SlotGrammars
+from batchserve.procs.worker.sample_rows import SampleRows
+from batchserve.shared.messages import PLAIN_LOGITS, LogitsParams, SlotStart, TokenLogprobs
 
 BAN_BIAS = -100.0  # OpenAI: "values like -100 should result in a ban"; we make it exact (-inf)
 
 
 class SlotLogitsState:
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device,
-                 grammars: SlotGrammars | None = None) -> None:
+    def __init__(
+        self, num_slots: int, vocab_size: int, device: torch.device, grammars: SlotGrammars | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.grammars = grammars  # None: structured output is not available (the tokenizer refuses it)
         self.device = device
@@ -46,16 +47,18 @@ class SlotLogitsState:
         self.adjusting[s] = params.adjusts_logits
         self.counting[s] = params.penalizes
         self.logprobs_top[s] = -1 if params.logprobs is None else params.logprobs
-        self.prompts[s] = (np.asarray(start.prompt_ids, dtype=np.int64) if params.prompt_logprobs is not None
-                           else None)
-        self.banned[s] = (torch.tensor(start.min_tokens_banned, dtype=torch.long, device=self.device)
-                          if params.min_tokens and start.min_tokens_banned else None)
+        self.prompts[s] = np.asarray(start.prompt_ids, dtype=np.int64) if params.prompt_logprobs is not None else None
+        self.banned[s] = (
+            torch.tensor(start.min_tokens_banned, dtype=torch.long, device=self.device)
+            if params.min_tokens and start.min_tokens_banned
+            else None
+        )
         if params.adjusts_logits:
             self._tables_for_use().reset(s, params, start.prompt_ids, start.output_ids)
         if self.grammars is not None:
             self.grammars.start(s, params.grammar, start.output_ids, after=params.grammar_after)
 
-    def _tables_for_use(self) -> "_PenaltyTables":
+    def _tables_for_use(self) -> _PenaltyTables:
         if self._tables is None:
             self._tables = _PenaltyTables(len(self.params), self.vocab_size, self.device)
         return self._tables
@@ -104,13 +107,17 @@ class SlotLogitsState:
         slot_index = torch.from_numpy(row_slots).to(self.device)
         repeating = self.counting[row_slots] & (tables.repetition_host[row_slots] != 1.0)
         if repeating.all():
-            apply_repetition_penalty_(scores, tables.seen.index_select(0, slot_index),
-                                      tables.repetition.index_select(0, slot_index))
+            apply_repetition_penalty_(
+                scores, tables.seen.index_select(0, slot_index), tables.repetition.index_select(0, slot_index)
+            )
         elif repeating.any():
             rep_rows = torch.from_numpy(np.flatnonzero(repeating)).to(self.device)
             sub = scores.index_select(0, rep_rows)
-            apply_repetition_penalty_(sub, tables.seen.index_select(0, slot_index[rep_rows]),
-                                      tables.repetition.index_select(0, slot_index[rep_rows]))
+            apply_repetition_penalty_(
+                sub,
+                tables.seen.index_select(0, slot_index[rep_rows]),
+                tables.repetition.index_select(0, slot_index[rep_rows]),
+            )
             scores.index_copy_(0, rep_rows, sub)
         scores.add_(tables.additive.index_select(0, slot_index))
         for i, s in enumerate(row_slots.tolist()):
@@ -144,7 +151,9 @@ class SlotLogitsState:
         """The sampled positions (whose slots these are) that asked for logprobs."""
         return np.flatnonzero(self.logprobs_top[slots] >= 0)
 
-    def sampled_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray) -> list[TokenLogprobs]:
+    def sampled_logprobs(
+        self, logprobs: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray
+    ) -> list[TokenLogprobs]:
         return token_logprobs(logprobs, token_ids, self.logprobs_top[slots].tolist())
 
     # -- prompt logprobs ---------------------------------------------------------------------------
@@ -153,8 +162,9 @@ class SlotLogitsState:
     def wants_prompt_logprobs(self) -> bool:
         return any(p is not None for p in self.prompts)
 
-    def prompt_logprob_chunks(self, slots: list[int], prefix_lens: list[int],
-                              extend_lens: list[int]) -> list[tuple[int, range, np.ndarray]]:
+    def prompt_logprob_chunks(
+        self, slots: list[int], prefix_lens: list[int], extend_lens: list[int]
+    ) -> list[tuple[int, range, np.ndarray]]:
         """(slot, prompt positions, packed token rows) of a step's prefill chunks that want prompt logprobs."""
         if not self.wants_prompt_logprobs:
             return []
@@ -167,13 +177,14 @@ class SlotLogitsState:
             row += length
         return chunks
 
-    def chunks_prompt_logprobs(self, chunks: list[tuple[int, range, np.ndarray]],
-                               logits: torch.Tensor) -> list[tuple[int, list[TokenLogprobs]]]:
+    def chunks_prompt_logprobs(
+        self, chunks: list[tuple[int, range, np.ndarray]], logits: torch.Tensor
+    ) -> list[tuple[int, list[TokenLogprobs]]]:
         """The prompt logprobs of `prompt_logprob_chunks`' chunks from their rows' logits, in order."""
         out = []
         row = 0
         for slot, positions, _ in chunks:
-            logprobs = torch.log_softmax(logits[row:row + len(positions)], dim=-1)
+            logprobs = torch.log_softmax(logits[row : row + len(positions)], dim=-1)
             out.append((slot, self.prompt_logprobs(slot, positions, logprobs)))
             row += len(positions)
         return out
@@ -189,7 +200,7 @@ class SlotLogitsState:
     def prompt_logprobs(self, slot: int, positions: range, logprobs: torch.Tensor) -> list[TokenLogprobs]:
         prompt = self.prompts[slot]
         assert prompt is not None
-        targets = torch.from_numpy(prompt[positions.start + 1:positions.stop + 1]).to(self.device)
+        targets = torch.from_numpy(prompt[positions.start + 1 : positions.stop + 1]).to(self.device)
         top = self.params[slot].prompt_logprobs or 0
         if positions.stop == prompt.shape[0] - 1:
             self.prompts[slot] = None  # every prompt token has its logprob: later steps need not look

@@ -2,11 +2,11 @@
 base model) in one step.
 
 An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) whose LoRA pairs target
-any of the decoder's seven projections (q, k, v, o, gate, up, down). Each wrapped projection adds, for
-the rows of each adapter in the step, x . A^T . B^T . scale (scale = lora_alpha / r, or / sqrt(r) with
-rsLoRA, folded into B at load), as two matmuls per projection over every adapter's stacked pairs, each
-row masked to its own adapter's (`LoraSlots`); base rows add nothing. What PEFT would run otherwise, or differently, is refused at load in one
-line naming the field (`AdapterConfig.read`).
+any of the decoder's seven projections (q, k, v, o, gate, up, down). Each wrapped projection adds, for the
+rows of each adapter in the step, x . A^T . B^T . scale (scale = lora_alpha / r, or / sqrt(r) with rsLoRA,
+folded into B at load), as two matmuls per projection over every adapter's stacked pairs, each row masked to
+its own adapter's (`LoraSlots`); base rows add nothing. What PEFT would run otherwise, or differently, is
+refused at load in one line naming the field (`AdapterConfig.read`).
 
 `LoraSlots` holds the loaded adapters by index (their pairs stacked per projection), each request slot's
 adapter (`SlotStart.adapter`), and the step's mask of each row's adapter (`plan`, before the forward
@@ -17,17 +17,19 @@ projection adds its LoRA term to the rank's partial output, so the ranks' one al
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernels.ops import linear, pack_linear_weight
-from shared.lora import PREFIX, PROJECTIONS, AdapterConfig, tensor_name
-from shared.model import ModelLoadError
+from batchserve.kernels.ops import linear, pack_linear_weight
+from batchserve.shared.lora import PREFIX, PROJECTIONS, AdapterConfig, tensor_name
+from batchserve.shared.model import ModelLoadError
+
 
 @dataclass
 class LoraAdapter:
@@ -36,32 +38,40 @@ class LoraAdapter:
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, PEFT module) -> (A [r, in], B*scale)
 
     @classmethod
-    def load(cls, name: str, folder: str | Path, slots: LoraSlots, num_layers: int, dtype: torch.dtype,
-             device: torch.device) -> LoraAdapter:
+    def load(
+        cls, name: str, folder: str | Path, slots: LoraSlots, num_layers: int, dtype: torch.dtype, device: torch.device
+    ) -> LoraAdapter:
         """The adapter's pairs for `slots` (up to its `max_rank`, of its `served` modules, each B split as its
         `split_outputs` says and cut to this tensor-parallel rank's `shards`); ModelLoadError for a target
         outside `served` (`shared.lora.served_projections`)."""
         folder = Path(folder)
         config = AdapterConfig.read(folder, slots.max_rank, slots.served)
         try:
-            tensors = {tensor_name(key): value for key, value in load_file(folder / "adapter_model.safetensors").items()}
+            tensors = {
+                tensor_name(key): value for key, value in load_file(folder / "adapter_model.safetensors").items()
+            }
         except OSError as exc:
             raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_model.safetensors ({exc})") from None
         pairs = {}
         for layer in range(num_layers):
             for module in config.targets:
                 group = "self_attn" if PROJECTIONS[module][0] in ("qkv", "o") else "mlp"
-                name_of = lambda part: f"{PREFIX}{layer}.{group}.{module}.lora_{part}.weight"
-                if name_of("A") not in tensors:
+                stem = f"{PREFIX}{layer}.{group}.{module}.lora_"
+                name_a, name_b = f"{stem}A.weight", f"{stem}B.weight"
+                if name_a not in tensors:
                     continue  # a target module absent from a layer (a hybrid model's linear layers): nothing added
-                a, b = tensors.pop(name_of("A")), tensors.pop(name_of("B"))
+                a, b = tensors.pop(name_a), tensors.pop(name_b)
                 split = slots.split_outputs.get(module)
                 for part, b_part in (split(b) if split else {module: b}).items():
                     a_part, b_part = _shard(a, b_part, slots.shards.get(part))
-                    pairs[(layer, part)] = (a_part.to(device=device, dtype=dtype).contiguous(),
-                                            (b_part.float() * config.scale).to(device=device, dtype=dtype).contiguous())
+                    pairs[(layer, part)] = (
+                        a_part.to(device=device, dtype=dtype).contiguous(),
+                        (b_part.float() * config.scale).to(device=device, dtype=dtype).contiguous(),
+                    )
         if tensors:  # `check_adapter` (the api's, before a runtime load) reads the names alone
-            raise ModelLoadError(f"LoRA adapter {folder}: tensors of no served projection: {', '.join(sorted(tensors)[:3])}")
+            raise ModelLoadError(
+                f"LoRA adapter {folder}: tensors of no served projection: {', '.join(sorted(tensors)[:3])}"
+            )
         return cls(name, config, pairs)
 
 
@@ -83,8 +93,13 @@ class LoraSlots:
     adapter: each adapter owns a run of `columns` (as many as its rank) in every projection's stacked pairs
     (`LoraTarget`), and a row's mask is 1 on its own adapter's run alone."""
 
-    def __init__(self, max_running_requests: int, device: torch.device, max_rank: int,
-                 served: frozenset[str] = frozenset(PROJECTIONS)) -> None:
+    def __init__(
+        self,
+        max_running_requests: int,
+        device: torch.device,
+        max_rank: int,
+        served: frozenset[str] = frozenset(PROJECTIONS),
+    ) -> None:
         self.max_rank = max_rank  # an adapter of a higher rank is refused at load
         self.served = served  # the PEFT modules the model's adapters may target (`shared.lora.served_projections`)
         self.shards: dict[str, Shard] = {}  # each PEFT module's share on this rank (the model's `enable_lora` sets it)
@@ -140,7 +155,7 @@ class LoraSlots:
         mask = np.zeros((len(per_token), self.total_rank), dtype=np.float32)
         for index in np.unique(per_token[per_token > 0]).tolist():
             first, rank = self.columns[index]
-            mask[per_token == index, first:first + rank] = 1.0
+            mask[per_token == index, first : first + rank] = 1.0
         self.mask = torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
     def pad_rows(self, mask: torch.Tensor | None, size: int, capacity: int) -> None:
@@ -199,8 +214,11 @@ class LoraTarget:
 
     def _stacked(self, width: int) -> tuple[Any, Any] | None:
         slots, total = self.slots, self.slots.total_rank
-        pairs = [(p, columns, first, rank, slots.adapters[i].pairs.get((self.layer, module)))
-                 for p, (module, columns) in enumerate(self.parts) for i, (first, rank) in slots.columns.items()]
+        pairs = [
+            (p, columns, first, rank, slots.adapters[i].pairs.get((self.layer, module)))
+            for p, (module, columns) in enumerate(self.parts)
+            for i, (first, rank) in slots.columns.items()
+        ]
         present = [entry for entry in pairs if entry[4] is not None]
         if not present:
             return None
@@ -208,8 +226,8 @@ class LoraTarget:
         a = a_like.new_zeros((len(self.parts) * total, a_like.shape[1]))
         b = b_like.new_zeros((width, len(self.parts) * total))
         for p, columns, first, rank, pair in present:
-            a[p * total + first:p * total + first + rank] = pair[0]
-            b[columns, p * total + first:p * total + first + rank] = pair[1]
+            a[p * total + first : p * total + first + rank] = pair[0]
+            b[columns, p * total + first : p * total + first + rank] = pair[1]
         return pack_linear_weight(a, "none"), pack_linear_weight(b, "none")
 
 
@@ -218,15 +236,21 @@ def attach(layers: list[Any], slots: LoraSlots, q_size: int, kv_size: int, inter
     none), and where `slots.served` has them every layer's gate|up and down (the parts' output columns; not on
     a mixture of experts)."""
     for index, layer in enumerate(layers):
-        whole = lambda size: slice(0, size)
         if layer.qkv is not None:
-            layer.qkv.lora = LoraTarget(slots, index, [
-                ("q_proj", whole(q_size)), ("k_proj", slice(q_size, q_size + kv_size)),
-                ("v_proj", slice(q_size + kv_size, q_size + 2 * kv_size))])
+            layer.qkv.lora = LoraTarget(
+                slots,
+                index,
+                [
+                    ("q_proj", slice(0, q_size)),
+                    ("k_proj", slice(q_size, q_size + kv_size)),
+                    ("v_proj", slice(q_size + kv_size, q_size + 2 * kv_size)),
+                ],
+            )
             layer.o.lora = LoraTarget(slots, index, [("o_proj", slice(None))])
         if "gate_proj" not in slots.served:
             continue
         mlp = layer.mlp
-        mlp.gate_up.lora = LoraTarget(slots, index, [("gate_proj", whole(intermediate)),
-                                                     ("up_proj", slice(intermediate, 2 * intermediate))])
+        mlp.gate_up.lora = LoraTarget(
+            slots, index, [("gate_proj", slice(0, intermediate)), ("up_proj", slice(intermediate, 2 * intermediate))]
+        )
         mlp.down.lora = LoraTarget(slots, index, [("down_proj", slice(None))])

@@ -10,45 +10,60 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
 import torch
 
-from kernels.attention import BACKENDS, create_backend, resolve_backend_name
-from kernels.kv_cache import KVCache
-from kernels.recurrent_state import RecurrentStatePool
-from kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
-from procs.worker.batch_checks import check_batch
-from procs.worker.devices import check_quantization, resolve_device, resolve_dtype
-from procs.worker.draft_model import DraftDistributions, DraftModel
-from procs.worker.grammar_masks import SlotGrammars
-from procs.worker.logits_state import SlotLogitsState
-from procs.worker.lora import LoraAdapter, LoraSlots
-from procs.worker.graph_runner import DecodeGraphRunner
-from procs.worker.kv_cache import (GIB, kv_bytes_per_token, kv_memory_budget_gb, num_pages_for, ring_layers,
-                                   ring_pages_for)
-from procs.worker.loader import load_model
-from procs.worker.models.base import CausalLM, ModelConfig, eager_forward, eager_hidden_states
-from procs.worker.pooler import SlotPooler
-from procs.worker.parallel import TensorParallel, join, rank_device
-from procs.worker.rank_steps import RankStep, RankStop, RankSteps
-from procs.worker.sample_rows import SampleRows, sampled_tokens
-from shared.config import ServerConfig
-from shared.lora import held_at_start, parse_lora_modules, served_projections
-from shared.messages import (FUTURE_TOKEN, AdapterUpdate, ForwardBatch, SamplingParams, StepResult,
-                             TokenLogprobs, WorkerInfo)
-from shared.model import ModelLoadError, ModelSpec, read_model_json
-from shared.parallel import RankLayout
-from shared.pooling import PoolerConfig, pooler_for
-from shared.step_features import StepShape, layer_cost_windows
+from batchserve.kernels.attention import BACKENDS, create_backend, resolve_backend_name
+from batchserve.kernels.kv_cache import KVCache
+from batchserve.kernels.recurrent_state import RecurrentStatePool
+from batchserve.kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
+from batchserve.procs.worker.batch_checks import check_batch
+from batchserve.procs.worker.devices import check_quantization, resolve_device, resolve_dtype
+from batchserve.procs.worker.draft_model import DraftDistributions, DraftModel
+from batchserve.procs.worker.grammar_masks import SlotGrammars
+from batchserve.procs.worker.graph_runner import DecodeGraphRunner
+from batchserve.procs.worker.kv_cache import (
+    GIB,
+    kv_bytes_per_token,
+    kv_memory_budget_gb,
+    num_pages_for,
+    ring_layers,
+    ring_pages_for,
+)
+from batchserve.procs.worker.loader import load_model
+from batchserve.procs.worker.logits_state import SlotLogitsState
+from batchserve.procs.worker.lora import LoraAdapter, LoraSlots
+from batchserve.procs.worker.models.base import CausalLM, ModelConfig, eager_forward, eager_hidden_states
+from batchserve.procs.worker.parallel import TensorParallel, join, rank_device
+from batchserve.procs.worker.pooler import SlotPooler
+from batchserve.procs.worker.rank_steps import RankStep, RankSteps, RankStop
+from batchserve.procs.worker.sample_rows import SampleRows, sampled_tokens
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.lora import held_at_start, parse_lora_modules, served_projections
+from batchserve.shared.messages import (
+    FUTURE_TOKEN,
+    AdapterUpdate,
+    ForwardBatch,
+    SamplingParams,
+    StepResult,
+    TokenLogprobs,
+    WorkerInfo,
+)
+from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
+from batchserve.shared.parallel import RankLayout
+from batchserve.shared.pooling import PoolerConfig, pooler_for
+from batchserve.shared.step_features import StepShape, layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`procs.worker.batch_checks`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
 EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
+
+
 class ModelRunner:
     """Executes `ForwardBatch`es on one model replica.
 
@@ -61,14 +76,31 @@ class ModelRunner:
     (`procs.worker.draft_model`; its weights in `draft_quantization`), its KV in this pool's pages.
     """
 
-    def __init__(self, model: str | os.PathLike[str], *, device: str = "auto", dtype: str = "auto",
-                 page_size: int = 16, kv_capacity_tokens: int = 0, kv_memory_gb: float = 0.0,
-                 kv_memory_fraction: float = 0.85,
-                 max_running_requests: int = 64, max_context: int = 0, attention_backend: str = "auto",
-                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 0, pad_decode: bool | None = None,
-                 quantization: str = "none", tp: TensorParallel | None = None, draft_model: str = "",
-                 draft_quantization: str = "none", ring_step_tokens: int = 0, state_snapshots: int = 0,
-                 runner: str = "generate", pooling: str = ""):
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        page_size: int = 16,
+        kv_capacity_tokens: int = 0,
+        kv_memory_gb: float = 0.0,
+        kv_memory_fraction: float = 0.85,
+        max_running_requests: int = 64,
+        max_context: int = 0,
+        attention_backend: str = "auto",
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int = 0,
+        pad_decode: bool | None = None,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+        draft_model: str = "",
+        draft_quantization: str = "none",
+        ring_step_tokens: int = 0,
+        state_snapshots: int = 0,
+        runner: str = "generate",
+        pooling: str = "",
+    ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.spec = ModelSpec.resolve(model, max_context)  # what the other processes see of the model
@@ -85,29 +117,59 @@ class ModelRunner:
             draft_spec = DraftModel.spec_for(draft_model, self.spec)
         self._max_context = self.spec.context_length
         pooler = self._pooler(runner, pooling)  # None: the generate runner
-        self.model: CausalLM = load_model(self.spec, dtype=self.dtype, device=self.device, quantization=quantization,
-                                          tp=self.tp, lm_head=pooler is None or bool(pooler.logit_tokens))
+        self.model: CausalLM = load_model(
+            self.spec,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=quantization,
+            tp=self.tp,
+            lm_head=pooler is None or bool(pooler.logit_tokens),
+        )
         self.config: ModelConfig = self.model.config
         cfg, heads = self.config, self.model.heads
         # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
-        draft = None if draft_spec is None else load_model(draft_spec, dtype=self.dtype, device=self.device,
-                                                           quantization=draft_quantization)
-        budget_gb = lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction)
+        draft = (
+            None
+            if draft_spec is None
+            else load_model(draft_spec, dtype=self.dtype, device=self.device, quantization=draft_quantization)
+        )
         backend = self._agreed_backend(attention_backend)
         ring_rows = BACKENDS[backend]().ring_row_tokens if backend in BACKENDS else None
-        self.kv_cache = self._kv_cache(page_size, kv_capacity_tokens, budget_gb, max_running_requests, draft,
-                                       min(ring_step_tokens, ring_rows or ring_step_tokens), state_snapshots)
+        self.kv_cache = self._kv_cache(
+            page_size,
+            kv_capacity_tokens,
+            lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
+            max_running_requests,
+            draft,
+            min(ring_step_tokens, ring_rows or ring_step_tokens),
+            state_snapshots,
+        )
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
-        self.attention = create_backend(backend, self.kv_cache, heads.num_heads, heads.num_kv_heads, cfg.head_dim,
-                                        cfg.attention_scale, cfg.windows, cfg.attn_softcap, causal=not cfg.bidirectional)
-        self.draft: DraftModel | None = None if draft is None else DraftModel.in_pool(draft, self.kv_cache,
-                                                                                       attention_backend)
+        self.attention = create_backend(
+            backend,
+            self.kv_cache,
+            heads.num_heads,
+            heads.num_kv_heads,
+            cfg.head_dim,
+            cfg.attention_scale,
+            cfg.windows,
+            cfg.attn_softcap,
+            causal=not cfg.bidirectional,
+        )
+        self.draft: DraftModel | None = (
+            None if draft is None else DraftModel.in_pool(draft, self.kv_cache, attention_backend)
+        )
         # the step-cost model's windows: a linear layer's is what its state's reads cost, in keys
-        self.cost_windows = layer_cost_windows(cfg.windows, cfg.linear_layers, cfg.num_layers, 0 if cfg.recurrent is None
-                                               else cfg.recurrent.of_ranks(self.tp.world_size).bytes_per_request(self.dtype),
-                                               kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype))
-        self.grammars = SlotGrammars(max_running_requests, cfg.vocab_size, device=self.device,
-                                     tokenizer=self.spec.grammar_tokenizer)
+        self.cost_windows = layer_cost_windows(
+            cfg.windows,
+            cfg.linear_layers,
+            cfg.num_layers,
+            0 if cfg.recurrent is None else cfg.recurrent.of_ranks(self.tp.world_size).bytes_per_request(self.dtype),
+            kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype),
+        )
+        self.grammars = SlotGrammars(
+            max_running_requests, cfg.vocab_size, device=self.device, tokenizer=self.spec.grammar_tokenizer
+        )
         self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
         self.lora: LoraSlots | None = None  # LoRA adapters, with enable_lora (`update_lora_adapter`)
@@ -119,17 +181,30 @@ class ModelRunner:
 
     def _pooler(self, runner: str, pooling: str) -> PoolerConfig | None:
         """The pooling runner's rule for this model (`shared.pooling`), logged; None for the generate runner."""
-        pooler = pooler_for(self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner,
-                            pooling)
+        pooler = pooler_for(
+            self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner, pooling
+        )
         if pooler is not None:
             if self.tp.world_size > 1:  # (its heads run on rank 0 alone, outside the ranks' broadcast steps)
                 raise ModelLoadError("the pooling runner runs with tensor_parallel_size 1")
-            log.info("pooling runner: %s pooling%s (from %s)", pooler.pooling, ", normalised" if pooler.normalize else "",
-                     pooler.source)
+            log.info(
+                "pooling runner: %s pooling%s (from %s)",
+                pooler.pooling,
+                ", normalised" if pooler.normalize else "",
+                pooler.source,
+            )
         return pooler
 
-    def _kv_cache(self, page_size: int, capacity_tokens: int, budget_gb: Callable[[], float], max_running: int,
-                  draft: CausalLM | None, ring_step_tokens: int, state_snapshots: int) -> KVCache:
+    def _kv_cache(
+        self,
+        page_size: int,
+        capacity_tokens: int,
+        budget_gb: Callable[[], float],
+        max_running: int,
+        draft: CausalLM | None,
+        ring_step_tokens: int,
+        state_snapshots: int,
+    ) -> KVCache:
         """The KV pool: rings for the sliding layers where they apply (rows of at most `ring_step_tokens` read
         through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`), a hybrid
         model's per-slot recurrent states, and pages for the other layers (and the draft's) for
@@ -145,27 +220,51 @@ class ModelRunner:
         kv_layers = len(cfg.kv_layers)
         bytes_per_token = layer_bytes * (kv_layers - len(rings)) or layer_bytes
         if draft is not None:
-            bytes_per_token += kv_bytes_per_token(draft.config.num_layers, draft.heads.num_kv_heads,
-                                                  draft.config.head_dim, self.dtype)
-        states = None if cfg.recurrent is None else RecurrentStatePool(
-            num_layers=len(cfg.linear_layers), shape=cfg.recurrent.of_ranks(self.tp.world_size),
-            max_running_requests=max_running,
-            dtype=self.dtype, device=self.device, snapshots=state_snapshots)
+            bytes_per_token += kv_bytes_per_token(
+                draft.config.num_layers, draft.heads.num_kv_heads, draft.config.head_dim, self.dtype
+            )
+        states = (
+            None
+            if cfg.recurrent is None
+            else RecurrentStatePool(
+                num_layers=len(cfg.linear_layers),
+                shape=cfg.recurrent.of_ranks(self.tp.world_size),
+                max_running_requests=max_running,
+                dtype=self.dtype,
+                device=self.device,
+                snapshots=state_snapshots,
+            )
+        )
         fixed_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
         fixed_gb += 0 if states is None else states.memory_bytes / GIB
         budget = 0.0 if capacity_tokens > 0 else budget_gb() - fixed_gb
         if capacity_tokens <= 0 and budget <= 0:
-            raise ValueError(f"the sliding layers' rings and the recurrent states take {fixed_gb:.2f} GiB of KV "
-                             f"memory, the whole budget: lower --max-running-requests or raise --kv-memory-gb")
-        num_pages = self.tp.min_int(num_pages_for(page_size, capacity_tokens=capacity_tokens, memory_gb=budget,
-                                                  bytes_per_token=bytes_per_token))
-        return KVCache(num_layers=kv_layers, num_kv_heads=heads.num_kv_heads, head_dim=cfg.head_dim,
-                       page_size=page_size, num_pages=num_pages, max_running_requests=max_running,
-                       max_pages_per_request=-(-self._max_context // page_size), dtype=self.dtype, device=self.device,
-                       ring_layers=rings, ring_pages=ring_pages, ring_window=window, states=states)
+            raise ValueError(
+                f"the sliding layers' rings and the recurrent states take {fixed_gb:.2f} GiB of KV "
+                f"memory, the whole budget: lower --max-running-requests or raise --kv-memory-gb"
+            )
+        num_pages = self.tp.min_int(
+            num_pages_for(page_size, capacity_tokens=capacity_tokens, memory_gb=budget, bytes_per_token=bytes_per_token)
+        )
+        return KVCache(
+            num_layers=kv_layers,
+            num_kv_heads=heads.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_running_requests=max_running,
+            max_pages_per_request=-(-self._max_context // page_size),
+            dtype=self.dtype,
+            device=self.device,
+            ring_layers=rings,
+            ring_pages=ring_pages,
+            ring_window=window,
+            states=states,
+        )
 
-    def _graph_runner(self, disable_cuda_graph: bool, cuda_graph_max_bs: int,
-                      pad_decode: bool | None) -> DecodeGraphRunner | None:
+    def _graph_runner(
+        self, disable_cuda_graph: bool, cuda_graph_max_bs: int, pad_decode: bool | None
+    ) -> DecodeGraphRunner | None:
         """Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
         where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path. Without
         graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode runs unpadded
@@ -177,8 +276,9 @@ class ModelRunner:
         if disable_cuda_graph or not padded:
             return None
         most = self.max_running_requests
-        return DecodeGraphRunner(self.model, self.attention, self.kv_cache,
-                                 max_batch_size=min(cuda_graph_max_bs or most, most))
+        return DecodeGraphRunner(
+            self.model, self.attention, self.kv_cache, max_batch_size=min(cuda_graph_max_bs or most, most)
+        )
 
     def _agreed_backend(self, name: str) -> str:
         """`name` resolved ("auto": by what this machine has), the same on every rank: each runs the same
@@ -190,31 +290,46 @@ class ModelRunner:
         index = names.index(resolved)
         lowest, highest = self.tp.min_int(index), self.tp.max_int(index)
         if lowest != highest:
-            raise ValueError(f"attention_backend {name}: the worker ranks resolved it differently ({names[lowest]} "
-                             f"on some, {names[highest]} on others); set the same backend on every machine")
+            raise ValueError(
+                f"attention_backend {name}: the worker ranks resolved it differently ({names[lowest]} "
+                f"on some, {names[highest]} on others); set the same backend on every machine"
+            )
         return resolved
 
     @classmethod
-    def from_config(cls, config: ServerConfig, local_rank: int = 0,
-                    joining: Callable[[], object] | None = None) -> "ModelRunner":
+    def from_config(
+        cls, config: ServerConfig, local_rank: int = 0, joining: Callable[[], object] | None = None
+    ) -> ModelRunner:
         """The runner of worker rank `local_rank` of this machine (with tensor_parallel_size > 1 it joins
         the other ranks first, calling `joining` just before, and every rank must be built)."""
         layout = RankLayout.of(config, local_rank)
         tp = join(config, layout, rank_device(resolve_device(config.device), layout), joining)
         try:
-            runner = cls(config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
-                         kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_gb=config.kv_memory_gb,
-                         kv_memory_fraction=config.kv_memory_fraction,
-                         max_running_requests=config.max_running_requests, max_context=config.max_context,
-                         attention_backend=config.attention_backend, disable_cuda_graph=config.disable_cuda_graph,
-                         cuda_graph_max_bs=config.cuda_graph_max_bs, quantization=config.quantization, tp=tp,
-                         draft_model=config.draft_model if config.speculative == "draft" else "",
-                         draft_quantization=config.draft_quantization,
-                         ring_step_tokens=0 if config.full_sliding_kv else max(
-                             config.prefill_budget, config.num_speculative_tokens + 1),
-                         # a hybrid model's prefix cache keeps states: as many as requests run at once
-                         state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests,
-                         runner=config.runner, pooling=config.pooling)
+            runner = cls(
+                config.model,
+                device=config.device,
+                dtype=config.dtype,
+                page_size=config.page_size,
+                kv_capacity_tokens=config.kv_capacity_tokens,
+                kv_memory_gb=config.kv_memory_gb,
+                kv_memory_fraction=config.kv_memory_fraction,
+                max_running_requests=config.max_running_requests,
+                max_context=config.max_context,
+                attention_backend=config.attention_backend,
+                disable_cuda_graph=config.disable_cuda_graph,
+                cuda_graph_max_bs=config.cuda_graph_max_bs,
+                quantization=config.quantization,
+                tp=tp,
+                draft_model=config.draft_model if config.speculative == "draft" else "",
+                draft_quantization=config.draft_quantization,
+                ring_step_tokens=0
+                if config.full_sliding_kv
+                else max(config.prefill_budget, config.num_speculative_tokens + 1),
+                # a hybrid model's prefix cache keeps states: as many as requests run at once
+                state_snapshots=0 if config.disable_prefix_cache else config.max_running_requests,
+                runner=config.runner,
+                pooling=config.pooling,
+            )
             if config.enable_lora:  # refused here, at start, on a model that cannot run adapters
                 runner.enable_lora(config.max_lora_rank)
             modules = held_at_start(parse_lora_modules(config.lora_modules), config.max_cpu_loras)
@@ -247,8 +362,10 @@ class ModelRunner:
         if not update.path:
             self.lora.remove(update.index)
             return
-        self.lora.add(update.index, LoraAdapter.load(update.name, update.path, self.lora, self.config.num_layers,
-                                                     self.dtype, self.device))
+        self.lora.add(
+            update.index,
+            LoraAdapter.load(update.name, update.path, self.lora, self.config.num_layers, self.dtype, self.device),
+        )
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""
@@ -301,16 +418,25 @@ class ModelRunner:
     def worker_info(self, step_costs: list[tuple[StepShape, float]] | None = None) -> WorkerInfo:
         """What the scheduler sizes itself by (sent by the worker process at start)."""
         moe, states = getattr(self.config, "moe", None), self.kv_cache.states
-        return WorkerInfo(kv_capacity_tokens=self.kv_capacity_tokens, eos_token_ids=list(self.eos_token_ids),
-                          max_context=self.max_context, page_size=self.page_size, device_type=self.device.type,
-                          step_costs=step_costs or [], moe_experts=moe.num_experts if moe else 0,
-                          moe_top_k=moe.top_k if moe else 0, rope_switch_length=self.model.rope.switch_length,
-                          rope_dynamic_length=self.model.rope.dynamic_length,
-                          sliding_window=self._shared_window(), layer_windows=list(self.cost_windows),
-                          sliding_rings=bool(self.kv_cache.ring_layers),
-                          recurrent_state_bytes=0 if states is None else states.bytes_per_request,
-                          state_snapshots=0 if states is None else states.num_snapshots, pooling=self.pooler is not None,
-                          bidirectional=self.config.bidirectional)
+        return WorkerInfo(
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            eos_token_ids=list(self.eos_token_ids),
+            max_context=self.max_context,
+            page_size=self.page_size,
+            device_type=self.device.type,
+            step_costs=step_costs or [],
+            moe_experts=moe.num_experts if moe else 0,
+            moe_top_k=moe.top_k if moe else 0,
+            rope_switch_length=self.model.rope.switch_length,
+            rope_dynamic_length=self.model.rope.dynamic_length,
+            sliding_window=self._shared_window(),
+            layer_windows=list(self.cost_windows),
+            sliding_rings=bool(self.kv_cache.ring_layers),
+            recurrent_state_bytes=0 if states is None else states.bytes_per_request,
+            state_snapshots=0 if states is None else states.num_snapshots,
+            pooling=self.pooler is not None,
+            bidirectional=self.config.bidirectional,
+        )
 
     def _shared_window(self) -> int:
         """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
@@ -321,8 +447,14 @@ class ModelRunner:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         if DEBUG_CHECKS:
-            check_batch(batch, self.max_running_requests, self._max_context, self.kv_cache.num_pages * self.page_size,
-                        self.vocab_size, self.draft is not None)
+            check_batch(
+                batch,
+                self.max_running_requests,
+                self._max_context,
+                self.kv_cache.num_pages * self.page_size,
+                self.vocab_size,
+                self.draft is not None,
+            )
         batch = self._fill_future_tokens(batch)
         captured_before = self.graph_runner.capture_seconds if self.graph_runner else 0.0
         loading_s = self._start_adapters(batch)
@@ -341,9 +473,12 @@ class ModelRunner:
             logits = self.step_logits(batch, extra_rows)
             num_sampled = batch.num_sampled
             captured_s = (self.graph_runner.capture_seconds if self.graph_runner else 0.0) - captured_before
-            result = StepResult(step=batch.step, next_token_ids=np.zeros(0, dtype=np.int32),
-                                setup_s=loading_s + captured_s,
-                                draft_s=0.0 if self.draft is None else self.draft.proposing_s)
+            result = StepResult(
+                step=batch.step,
+                next_token_ids=np.zeros(0, dtype=np.int32),
+                setup_s=loading_s + captured_s,
+                draft_s=0.0 if self.draft is None else self.draft.proposing_s,
+            )
             if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
                 result.expert_load = self.model.take_expert_load()
                 self._expert_load_sent = time.monotonic()
@@ -354,8 +489,9 @@ class ModelRunner:
             if num_sampled:
                 rows = SampleRows.of_batch(batch)
                 sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
-                token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows,
-                                                                               drafts)
+                token_ids, result.logprob_rows, result.logprobs = self._sample(
+                    logits[:num_sampled], sampling, rows, drafts
+                )
                 result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
                 kept_rows, kept = rows, None
                 if rows.width > 1:  # proposed tokens: keep what verification accepts (speculative decoding)
@@ -364,8 +500,10 @@ class ModelRunner:
                     kept_rows, kept = rows.kept(accepted)
                     if self.draft is not None:
                         self.draft.verified(batch, accepted)
-                self.logits_state.record(kept_rows, token_ids if kept is None else
-                                         token_ids.index_select(0, torch.from_numpy(kept).to(self.device)))
+                self.logits_state.record(
+                    kept_rows,
+                    token_ids if kept is None else token_ids.index_select(0, torch.from_numpy(kept).to(self.device)),
+                )
                 lasts = rows.firsts + kept_rows.lens - 1
                 self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
         return result
@@ -377,8 +515,9 @@ class ModelRunner:
             hidden = self.step_logits(batch)  # the pooling runner's forward: hidden states (`forward_logits`)
             assert hidden is not None
             pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch), hidden.dtype)
-        return StepResult(step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32),
-                          pooled=pooled.cpu().numpy())
+        return StepResult(
+            step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32), pooled=pooled.cpu().numpy()
+        )
 
     def _start_adapters(self, batch: ForwardBatch) -> float:
         """The step's LoRA loads and unloads, then each starting slot's adapter (on every rank); the seconds
@@ -412,8 +551,13 @@ class ModelRunner:
         ids[firsts[future]] = self.last_sampled[np.asarray(batch.slots, dtype=np.int64)[future]]
         return msgspec.structs.replace(batch, input_ids=ids)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[SamplingParams], rows: SampleRows,
-                drafts: DraftDistributions | None = None) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: list[SamplingParams],
+        rows: SampleRows,
+        drafts: DraftDistributions | None = None,
+    ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
         """Adjust (penalties, bias, bans) and sample, one logit row per sampled position; logprobs from
         the logits as the model gave them. The caller counts the tokens it keeps. `drafts`: where a
         proposed token was drawn from a draft distribution, the position before it samples by rejection
@@ -434,8 +578,9 @@ class ModelRunner:
             return token_ids, [], []
         return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
 
-    def _rejection_sample(self, scores: torch.Tensor, rows: SampleRows, drafts: DraftDistributions,
-                          token_ids: torch.Tensor) -> torch.Tensor:
+    def _rejection_sample(
+        self, scores: torch.Tensor, rows: SampleRows, drafts: DraftDistributions, token_ids: torch.Tensor
+    ) -> torch.Tensor:
         """`token_ids` with the positions `drafts` names sampled by rejection against their draft
         distributions (`scores`: the filtered scores the positions were sampled from)."""
         at = drafts.positions
@@ -460,7 +605,9 @@ class ModelRunner:
             self.lora.plan(batch.slots, batch.extend_lens)
         states = self.kv_cache.states
         if states is not None:  # a cached prefix's state into its slot before, a prompt's kept after
-            states.restore([(start.slot, start.restore_state) for start in batch.slot_starts if start.restore_state >= 0])
+            states.restore(
+                [(start.slot, start.restore_state) for start in batch.slot_starts if start.restore_state >= 0]
+            )
         logits = self.forward_logits(self._rope_rows(batch), extra_rows)
         if states is not None:
             states.save(batch.state_saves)
@@ -483,13 +630,30 @@ class ModelRunner:
         positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
         or None if there are none."""
         if self.pooler is not None:  # the pooling runner: every token's final hidden state (`_pooled_step`)
-            return eager_hidden_states(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
-                                       batch.input_ids, batch.positions, batch.kv_locs)
+            return eager_hidden_states(
+                self.model,
+                self.attention,
+                batch.slots,
+                batch.prefix_lens,
+                batch.extend_lens,
+                batch.input_ids,
+                batch.positions,
+                batch.kv_locs,
+            )
         if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch):
             adapters = self.lora if self.lora is not None and self.lora.active else None  # their own graphs
             return self.graph_runner.forward_logits(batch, adapters)
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:
             rows = np.concatenate([rows, extra_rows])
-        return eager_forward(self.model, self.attention, batch.slots, batch.prefix_lens, batch.extend_lens,
-                             batch.input_ids, batch.positions, batch.kv_locs, rows)
+        return eager_forward(
+            self.model,
+            self.attention,
+            batch.slots,
+            batch.prefix_lens,
+            batch.extend_lens,
+            batch.input_ids,
+            batch.positions,
+            batch.kv_locs,
+            rows,
+        )

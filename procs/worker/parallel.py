@@ -1,9 +1,9 @@
 """Tensor parallelism: the worker's ranks, their torch.distributed groups and the collectives the model's
 layers (`procs.worker.models.layers`) and the step broadcast (`procs.worker.rank_steps`) use.
 
-`--tensor-parallel-size N` runs N worker processes, one per device, over `--nnodes` machines; global
-rank = node_rank * (N / nnodes) + local_rank (`shared.parallel.RankLayout`). Global rank 0 is the worker the scheduler talks to; the
-others follow it (`rank_steps`). Two groups over the same ranks:
+`--tensor-parallel-size N` runs N worker processes, one per device, over `--nnodes` machines; global rank =
+node_rank * (N / nnodes) + local_rank (`shared.parallel.RankLayout`). Global rank 0 is the worker the
+scheduler talks to; the others follow it (`rank_steps`). Two groups over the same ranks:
 - the device group carries the layers' all-reduces and the logits' all-gather: NCCL on CUDA, gloo on
   the CPU (as vLLM's and SGLang's TP groups);
 - the CPU group (gloo) carries the step broadcast and the start-up agreements (the KV pool's size),
@@ -25,8 +25,9 @@ from datetime import timedelta
 
 import torch
 
-from shared.config import ServerConfig
-from shared.parallel import STANDALONE_INIT_ADDR, RankLayout, split_init_addr
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.parallel import STANDALONE_INIT_ADDR, RankLayout, split_init_addr
+
 
 class TensorParallel:
     """This rank's collectives over the worker's ranks. `collective_s` adds up the host time spent in
@@ -118,16 +119,16 @@ class TensorParallel:
         if payload is not None:
             length = len(payload)
             header[:8] = torch.frombuffer(bytearray(length.to_bytes(8, "little")), dtype=torch.uint8)
-            head = payload[:capacity - 8]
+            head = payload[: capacity - 8]
             if head:
-                header[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+                header[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         self._broadcast(header)
         length = int.from_bytes(header[:8].numpy().tobytes(), "little")
         if length <= capacity - 8:
-            return payload if payload is not None else header[8:8 + length].numpy().tobytes()
+            return payload if payload is not None else header[8 : 8 + length].numpy().tobytes()
         rest = torch.empty(length - (capacity - 8), dtype=torch.uint8)
         if payload is not None:
-            rest.copy_(torch.frombuffer(bytearray(payload[capacity - 8:]), dtype=torch.uint8))
+            rest.copy_(torch.frombuffer(bytearray(payload[capacity - 8 :]), dtype=torch.uint8))
         self._broadcast(rest)
         if payload is not None:
             return payload
@@ -149,8 +150,11 @@ class TensorParallel:
             joining = self.cpu_group
             timeout = timedelta(seconds=self.step_timeout_s)
             self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
-            self.device_group = torch.distributed.new_group(backend="nccl", timeout=timeout) \
-                if self.device.type == "cuda" else self.cpu_group
+            self.device_group = (
+                torch.distributed.new_group(backend="nccl", timeout=timeout)
+                if self.device.type == "cuda"
+                else self.cpu_group
+            )
             if joining is not None:
                 torch.distributed.destroy_process_group(joining)
 
@@ -176,16 +180,20 @@ def check_local_devices(device: torch.device, layout: RankLayout) -> None:
     count = torch.cuda.device_count()
     if first + layout.local_world_size > count:
         if layout.replicas > 1:
-            raise ValueError(f"data_parallel_size {layout.replicas} puts replica {layout.replica} on cuda:{first}, "
-                             f"but this machine has {count} CUDA device(s)")
+            raise ValueError(
+                f"data_parallel_size {layout.replicas} puts replica {layout.replica} on cuda:{first}, "
+                f"but this machine has {count} CUDA device(s)"
+            )
         raise ValueError(
             f"tensor_parallel_size {layout.world_size} over nnodes {layout.world_size // layout.local_world_size} "
             f"runs {layout.local_world_size} worker ranks on this machine, on cuda:{first}.."
-            f"cuda:{first + layout.local_world_size - 1}, but it has {count} CUDA device(s)")
+            f"cuda:{first + layout.local_world_size - 1}, but it has {count} CUDA device(s)"
+        )
 
 
-def join(config: ServerConfig, layout: RankLayout, device: torch.device,
-         joining: Callable[[], object] | None = None) -> TensorParallel:
+def join(
+    config: ServerConfig, layout: RankLayout, device: torch.device, joining: Callable[[], object] | None = None
+) -> TensorParallel:
     """Join the worker's process group (every rank calls this; each waits up to dist_timeout_s for the
     others) and limit this rank's CPU threads to its share of the machine's cores (one of every replica's
     ranks). `joining` is called just before the wait (this rank got that far)."""
@@ -207,12 +215,18 @@ def join(config: ServerConfig, layout: RankLayout, device: torch.device,
     timeout = timedelta(seconds=config.dist_timeout_s)
     try:
         torch.distributed.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
-            rank=layout.rank, world_size=layout.world_size, timeout=timeout)
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=timeout,
+        )
     except (RuntimeError, ValueError) as exc:  # torch's DistStoreError is a RuntimeError
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # not c10d's C++ frames
-        raise TensorParallelError(f"worker rank {layout.rank} of {layout.world_size} could not join the others at "
-                                  f"{host}:{port} within {config.dist_timeout_s:g} s: {reason}") from None
+        raise TensorParallelError(
+            f"worker rank {layout.rank} of {layout.world_size} could not join the others at "
+            f"{host}:{port} within {config.dist_timeout_s:g} s: {reason}"
+        ) from None
     # Loading's one agreement (the KV pool's size) is a CPU collective: the device group waits for serving.
     tp.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
     return tp

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.messages import ForwardBatch
-from shared.pooling import PoolerConfig
+from batchserve.shared.messages import ForwardBatch
+from batchserve.shared.pooling import PoolerConfig
 
 
 class SlotPooler:

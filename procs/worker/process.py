@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from shared.config import ServerConfig
-from shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
-from shared.messages import ForwardBatch, WorkerInfo
-from shared.parallel import RankLayout, worker_rank_name
-from shared.shm import DoubleBuffer
+from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
+from batchserve.shared.messages import ForwardBatch, WorkerInfo
+from batchserve.shared.parallel import RankLayout, worker_rank_name
+from batchserve.shared.shm import DoubleBuffer
 
 if TYPE_CHECKING:  # torch is imported only once the process runs
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
 log = logging.getLogger("batchserve.worker")
 ANNOUNCE_INTERVAL_S = 2.0
@@ -37,7 +37,7 @@ FOLLOWER_STOP_GRACE_S = 5.0
 
 
 def run(config: ServerConfig, local_rank: int = 0) -> int:
-    from procs.worker.parallel import TensorParallelError
+    from batchserve.procs.worker.parallel import TensorParallelError
 
     layout = RankLayout.of(config, local_rank)
     try:
@@ -50,7 +50,7 @@ def run(config: ServerConfig, local_rank: int = 0) -> int:
 
 
 def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
     with ProcessRuntime(worker_rank_name(rank), config) as rt:
         stop_deadline: float | None = None
@@ -75,9 +75,9 @@ def _follow(config: ServerConfig, rank: int, local_rank: int) -> int:
 
 
 def _lead(config: ServerConfig) -> int:
-    from procs.worker.kv_cache import GIB
-    from procs.worker.model_runner import ModelRunner
-    from procs.worker.step_probe import probe_step_costs
+    from batchserve.procs.worker.kv_cache import GIB
+    from batchserve.procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.step_probe import probe_step_costs
 
     result_buffer = DoubleBuffer("results", half_bytes=1 << 16)
     try:
@@ -91,15 +91,26 @@ def _lead(config: ServerConfig) -> int:
                 runner.grammars.prepare()  # at start, rather than a stalled step at the first grammar
                 # The scheduler sizes steps to --max-step-ms from these timings (none needed without a bound).
                 info = msgspec.structs.replace(
-                    runner.worker_info(None if config.max_step_ms < 0 else probe_step_costs(runner)), pid=os.getpid())
-                log.info("model loaded", extra={"fields": {
-                    "model": config.model, "device": str(runner.device), "dtype": str(runner.dtype),
-                    "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size,
-                    "kv_capacity_tokens": info.kv_capacity_tokens, "max_context": info.max_context,
-                    # requests that can each hold a whole context at once (more run when they are shorter)
-                    "full_context_requests": info.kv_capacity_tokens // info.max_context,
-                    "kv_gib": round(runner.kv_cache.memory_bytes / GIB, 2),
-                    "seconds": round(time.monotonic() - started, 2)}})
+                    runner.worker_info(None if config.max_step_ms < 0 else probe_step_costs(runner)), pid=os.getpid()
+                )
+                log.info(
+                    "model loaded",
+                    extra={
+                        "fields": {
+                            "model": config.model,
+                            "device": str(runner.device),
+                            "dtype": str(runner.dtype),
+                            "quantization": config.quantization,
+                            "tensor_parallel_size": config.tensor_parallel_size,
+                            "kv_capacity_tokens": info.kv_capacity_tokens,
+                            "max_context": info.max_context,
+                            # requests that can each hold a whole context at once (more run when they are shorter)
+                            "full_context_requests": info.kv_capacity_tokens // info.max_context,
+                            "kv_gib": round(runner.kv_cache.memory_bytes / GIB, 2),
+                            "seconds": round(time.monotonic() - started, 2),
+                        }
+                    },
+                )
                 to_scheduler.send(info)
                 rt.ready()
                 _serve_steps(rt, runner, info, inbox, to_steps, to_scheduler)
@@ -110,8 +121,14 @@ def _lead(config: ServerConfig) -> int:
         result_buffer.close()
 
 
-def _serve_steps(rt: ProcessRuntime, runner: ModelRunner, info: WorkerInfo, inbox: Receiver[WorkerInbox],
-                 to_steps: Sender[StepsInbox], to_scheduler: Sender[SchedulerInbox]) -> None:
+def _serve_steps(
+    rt: ProcessRuntime,
+    runner: ModelRunner,
+    info: WorkerInfo,
+    inbox: Receiver[WorkerInbox],
+    to_steps: Sender[StepsInbox],
+    to_scheduler: Sender[SchedulerInbox],
+) -> None:
     """Execute each step the scheduler sends until asked to stop; while idle, tick the other ranks and
     announce `info` again now and then (a restarted scheduler learns it so)."""
     announced = time.monotonic()

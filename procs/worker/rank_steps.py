@@ -17,10 +17,10 @@ import time
 import msgspec
 import numpy as np
 
-from procs.worker.parallel import TensorParallel
-from shared.codec import Decoder, Encoder
-from shared.messages import ForwardBatch
-from shared.parallel import TICK_INTERVAL_S
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.codec import Decoder, Encoder
+from batchserve.shared.messages import ForwardBatch
+from batchserve.shared.parallel import TICK_INTERVAL_S
 
 BROADCAST_BYTES = 1 << 16  # one broadcast carries a step up to this size (a decode step of 64 rows is ~3 KB)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.messages import ForwardBatch
-from shared.ranges import concat_ranges
-from shared.verification import accepted_lengths
+from batchserve.shared.messages import ForwardBatch
+from batchserve.shared.ranges import concat_ranges
+from batchserve.shared.verification import accepted_lengths
 
 
 def sampled_tokens(extend_lens: list[int], sample_lens: list[int]) -> np.ndarray:
@@ -41,21 +41,31 @@ class SampleRows:
     lens: np.ndarray  # [rows] int64: its number of positions
 
     @classmethod
-    def of_batch(cls, batch: ForwardBatch) -> "SampleRows":
+    def of_batch(cls, batch: ForwardBatch) -> SampleRows:
         """The batch's sampled positions (its FUTURE_TOKEN inputs already filled)."""
         lens = np.asarray(batch.sample_lens, dtype=np.int64)
         sampling = np.flatnonzero(lens)
         fed = batch.input_ids[sampled_tokens(batch.extend_lens, batch.sample_lens)]
-        return cls.build(np.asarray(batch.slots, dtype=np.int64)[sampling],
-                         np.asarray(batch.sample_counts, dtype=np.int64)[sampling], lens[sampling], fed)
+        return cls.build(
+            np.asarray(batch.slots, dtype=np.int64)[sampling],
+            np.asarray(batch.sample_counts, dtype=np.int64)[sampling],
+            lens[sampling],
+            fed,
+        )
 
     @classmethod
-    def build(cls, slots: np.ndarray, counts: np.ndarray, lens: np.ndarray, fed: np.ndarray) -> "SampleRows":
+    def build(cls, slots: np.ndarray, counts: np.ndarray, lens: np.ndarray, fed: np.ndarray) -> SampleRows:
         """From each sampling row's slot, sample count and positions (`lens`, >= 1), and the token fed
         at each position."""
         offsets = concat_ranges(0, lens)
-        return cls(slots=np.repeat(slots, lens), counts=np.repeat(counts, lens) + offsets, offsets=offsets,
-                   fed=np.asarray(fed, dtype=np.int64), firsts=np.cumsum(lens) - lens, lens=lens)
+        return cls(
+            slots=np.repeat(slots, lens),
+            counts=np.repeat(counts, lens) + offsets,
+            offsets=offsets,
+            fed=np.asarray(fed, dtype=np.int64),
+            firsts=np.cumsum(lens) - lens,
+            lens=lens,
+        )
 
     @property
     def width(self) -> int:
@@ -64,7 +74,7 @@ class SampleRows:
 
     def proposed(self, first: int, length: int) -> list[int]:
         """The proposed tokens of the row whose positions are first .. first + length - 1."""
-        return self.fed[first + 1:first + length].tolist()
+        return self.fed[first + 1 : first + length].tolist()
 
     def accepted(self, token_ids: np.ndarray) -> np.ndarray:
         """[rows] how many of each row's positions are kept (1 .. lens): its first, then each next one
@@ -73,7 +83,7 @@ class SampleRows:
             return self.lens
         return accepted_lengths(np.asarray(token_ids), self.fed, self.firsts, self.lens)
 
-    def kept(self, accepted: np.ndarray) -> tuple["SampleRows", np.ndarray]:
+    def kept(self, accepted: np.ndarray) -> tuple[SampleRows, np.ndarray]:
         """The rows cut to their `accepted` positions, and those positions' indices in these rows."""
         index = np.flatnonzero(self.offsets < np.repeat(accepted, self.lens))
         return SampleRows.build(self.slots[self.firsts], self.counts[self.firsts], accepted, self.fed[index]), index

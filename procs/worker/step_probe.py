@@ -13,18 +13,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from shared.messages import ForwardBatch, SamplingParams
-from shared.step_features import StepShape, step_shape
+from batchserve.shared.messages import ForwardBatch, SamplingParams
+from batchserve.shared.step_features import StepShape, step_shape
 
 if TYPE_CHECKING:
-    from procs.worker.model_runner import ModelRunner
+    from batchserve.procs.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 CHUNK_BESIDE_DECODES = 100  # a probe step's chunk beside 16 decodes (a hybrid's linear layers pad it to 128)
 
 
-def probe_step_costs(runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32, 256),
-                     decode_batches: tuple[int, ...] | None = None) -> list[tuple[StepShape, float]]:
+def probe_step_costs(
+    runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32, 256), decode_batches: tuple[int, ...] | None = None
+) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of a few steps, the best of two runs each, after a warm-up step. Small ones: the
     fit only needs a spread of tokens and rows, and the scheduler refits on live steps (a large step would
     add seconds to a CPU start). Prefill chunks alone, decode batches of 1 and 16 (and 4 for a mixture of
@@ -51,11 +52,21 @@ def probe_batch(runner: ModelRunner, prefix_lens: list[int], extend_lens: list[i
     empty = np.zeros(0, dtype=np.int32)
     # tokens spread over the vocabulary: a mixture of experts routes them apart, as real prompts are
     ids = ((np.arange(positions.shape[0], dtype=np.int64) * 7919 + 11) % runner.vocab_size).astype(np.int32)
-    return ForwardBatch(step=-1, slots=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
-                        sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
-                        input_ids=ids, positions=positions,
-                        kv_locs=positions % runner.page_size, page_table_slots=empty, page_table_cols=empty,
-                        page_table_pages=empty)
+    return ForwardBatch(
+        step=-1,
+        slots=list(range(n)),
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        sample_lens=[1] * n,
+        sampling=[GREEDY] * n,
+        sample_counts=[0] * n,
+        input_ids=ids,
+        positions=positions,
+        kv_locs=positions % runner.page_size,
+        page_table_slots=empty,
+        page_table_cols=empty,
+        page_table_pages=empty,
+    )
 
 
 def timed_step(runner: ModelRunner, batch: ForwardBatch) -> float:

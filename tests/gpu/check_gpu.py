@@ -44,13 +44,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: model_batches
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+# batchserve itself: installed, or the checkout seen as batchserve.* (.ci/pythonpath: links, not the root,
+# whose kernels/ folder would shadow Hugging Face's `kernels`)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / ".ci" / "pythonpath"))
 
 from model_batches import GREEDY, _plan, _Request, generate_greedy, step_rows  # noqa: E402
-from procs.worker.kv_cache import kv_bytes_per_token  # noqa: E402
-from procs.worker.model_runner import ModelRunner  # noqa: E402
-from shared.config import DEFAULT_MODEL  # noqa: E402
-from shared.messages import ForwardBatch  # noqa: E402
+
+from batchserve.procs.worker.kv_cache import kv_bytes_per_token  # noqa: E402
+from batchserve.procs.worker.model_runner import ModelRunner  # noqa: E402
+from batchserve.shared.config import DEFAULT_MODEL  # noqa: E402
+from batchserve.shared.messages import ForwardBatch  # noqa: E402
 
 CHATS = [
     "What is the capital of France?",
@@ -85,10 +88,19 @@ class Variant:
 
 
 def build_runner(args: argparse.Namespace, variant: Variant, max_running: int, graph_max_bs: int = 0) -> ModelRunner:
-    return ModelRunner(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                       kv_memory_gb=args.kv_memory_gb, max_running_requests=max_running, max_context=args.max_context,
-                       attention_backend=variant.backend, disable_cuda_graph=not variant.graphs,
-                       cuda_graph_max_bs=graph_max_bs, pad_decode=variant.graphs)
+    return ModelRunner(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_memory_gb=args.kv_memory_gb,
+        max_running_requests=max_running,
+        max_context=args.max_context,
+        attention_backend=variant.backend,
+        disable_cuda_graph=not variant.graphs,
+        cuda_graph_max_bs=graph_max_bs,
+        pad_decode=variant.graphs,
+    )
 
 
 def release_memory() -> None:
@@ -108,8 +120,10 @@ def describe_graphs(runner: ModelRunner) -> str:
         return "graphs disabled"
     if not graphs.uses_cuda_graphs:
         return f"padded eager path (no capture), sizes {graphs.batch_sizes}"
-    return (f"captured {len(graphs.batch_sizes)} graphs {graphs.batch_sizes} in {graphs.capture_seconds:.2f} s, "
-            f"{graphs.capture_bytes / 2**20:.1f} MiB (mem_get_info before/after capture)")
+    return (
+        f"captured {len(graphs.batch_sizes)} graphs {graphs.batch_sizes} in {graphs.capture_seconds:.2f} s, "
+        f"{graphs.capture_bytes / 2**20:.1f} MiB (mem_get_info before/after capture)"
+    )
 
 
 # -- 1. token equality ------------------------------------------------------------------------------
@@ -117,12 +131,17 @@ def describe_graphs(runner: ModelRunner) -> str:
 
 def chat_prompts(model: str, count: int) -> list[list[int]]:
     try:
-        from shared.model import load_tokenizer
+        from batchserve.shared.model import load_tokenizer
 
         tokenizer = load_tokenizer(model)
-        return [list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False))
-                for c in (CHATS * (count // len(CHATS) + 1))[:count]]
+        return [
+            list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for c in (CHATS * (count // len(CHATS) + 1))[:count]
+        ]
     except Exception as exc:  # noqa: BLE001 - a model folder without tokenizer files still gets checked
         log(f"no tokenizer ({exc}); using random prompts")
         rng = np.random.default_rng(0)
@@ -146,8 +165,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def forced_logits(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]],
-                  arrival_gap: int = 0) -> list[torch.Tensor]:
+def forced_logits(
+    runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], arrival_gap: int = 0
+) -> list[torch.Tensor]:
     """The steps `generate_greedy` would run, teacher-forced: each request is fed `reference`'s tokens
     instead of its own samples. Returns per request its [new tokens, vocab] float32 logits (CPU)."""
     page_size = runner.page_size
@@ -187,16 +207,22 @@ class LogitsDiff:
     max_rel: float  # largest per-row rms(difference) / std(reference logits)
 
     def describe(self) -> str:
-        return (f"argmax equal in {self.argmax_equal}/{self.rows} steps, logits differ by at most {self.max_abs:.3g} "
-                f"(rms {100 * self.max_rel:.2f}% of the logits' spread, worst step)")
+        return (
+            f"argmax equal in {self.argmax_equal}/{self.rows} steps, logits differ by at most {self.max_abs:.3g} "
+            f"(rms {100 * self.max_rel:.2f}% of the logits' spread, worst step)"
+        )
 
 
 def compare_logits(reference: list[torch.Tensor], other: list[torch.Tensor]) -> LogitsDiff:
     ref, oth = torch.cat(reference), torch.cat(other)
     diff = oth - ref
     rel = diff.pow(2).mean(dim=-1).sqrt() / ref.std(dim=-1).clamp_min(1e-12)
-    return LogitsDiff(rows=ref.shape[0], argmax_equal=int((ref.argmax(-1) == oth.argmax(-1)).sum()),
-                      max_abs=float(diff.abs().max()), max_rel=float(rel.max()))
+    return LogitsDiff(
+        rows=ref.shape[0],
+        argmax_equal=int((ref.argmax(-1) == oth.argmax(-1)).sum()),
+        max_abs=float(diff.abs().max()),
+        max_rel=float(rel.max()),
+    )
 
 
 def token_status(mismatched: dict[int, int], diff: LogitsDiff, args: argparse.Namespace) -> tuple[str, bool]:
@@ -220,16 +246,20 @@ def check_equality(args: argparse.Namespace, flashinfer_missing: str | None, rep
         start = time.perf_counter()
         runner = build_runner(args, variant, max_running=args.requests, graph_max_bs=args.graph_max_bs)
         described = describe_graphs(runner)
-        log(f"{variant.label}: built in {time.perf_counter() - start:.1f} s, "
-            f"{(free_before - free_memory(args.device)) / 2**20:.0f} MiB; {described}")
+        log(
+            f"{variant.label}: built in {time.perf_counter() - start:.1f} s, "
+            f"{(free_before - free_memory(args.device)) / 2**20:.0f} MiB; {described}"
+        )
         report.setdefault("variants", {})[variant.label] = described
         for name, kwargs in scenarios.items():
             start = time.perf_counter()
             results[name][variant.label] = generate_greedy(runner, prompts, args.new_tokens, **kwargs)
             reference = next(iter(results[name].values()))  # the first variant's tokens: everyone is fed those
             forced[name][variant.label] = forced_logits(runner, prompts, reference, **kwargs)
-            log(f"  {name}: {args.requests} x {args.new_tokens} tokens in {time.perf_counter() - start:.2f} s "
-                f"(free-running, then teacher-forced)")
+            log(
+                f"  {name}: {args.requests} x {args.new_tokens} tokens in {time.perf_counter() - start:.2f} s "
+                f"(free-running, then teacher-forced)"
+            )
         if runner.graph_runner is not None:
             sizes = dict(sorted(runner.graph_runner.steps_per_size.items()))
             log(f"  padded decode steps by padded size: {sizes}")
@@ -248,10 +278,19 @@ def check_equality(args: argparse.Namespace, flashinfer_missing: str | None, rep
             status, ok = token_status(mismatched, diff, args)
             print(f"tokens [{name}] {label} vs {reference}: {status}", flush=True)
             print(f"  teacher-forced [{name}] {label} vs {reference}: {diff.describe()}", flush=True)
-            report.setdefault("equality", []).append({
-                "scenario": name, "variant": label, "reference": reference, "mismatched_requests": mismatched,
-                "forced_argmax_equal": diff.argmax_equal, "forced_steps": diff.rows, "forced_max_abs": diff.max_abs,
-                "forced_max_rel": diff.max_rel, "ok": ok})
+            report.setdefault("equality", []).append(
+                {
+                    "scenario": name,
+                    "variant": label,
+                    "reference": reference,
+                    "mismatched_requests": mismatched,
+                    "forced_argmax_equal": diff.argmax_equal,
+                    "forced_steps": diff.rows,
+                    "forced_max_abs": diff.max_abs,
+                    "forced_max_rel": diff.max_rel,
+                    "ok": ok,
+                }
+            )
             all_equal &= ok
     return all_equal
 
@@ -291,9 +330,15 @@ class DecodeBench:
         positions = np.tile(np.arange(length, dtype=np.int32), n)
         cols = np.tile(np.arange(self.pages_per_request, dtype=np.int32), n)
         batch = ForwardBatch(
-            step=self.step, slots=self.slots.tolist(), prefix_lens=[0] * n, extend_lens=[length] * n,
-            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[0] * n,
-            input_ids=self.rng.integers(10, 1000, size=n * length).astype(np.int32), positions=positions,
+            step=self.step,
+            slots=self.slots.tolist(),
+            prefix_lens=[0] * n,
+            extend_lens=[length] * n,
+            sample_lens=[1] * n,
+            sampling=[GREEDY] * n,
+            sample_counts=[0] * n,
+            input_ids=self.rng.integers(10, 1000, size=n * length).astype(np.int32),
+            positions=positions,
             kv_locs=self.kv_locs(positions, slots),
             page_table_slots=np.repeat(self.slots, self.pages_per_request),
             page_table_cols=cols,
@@ -307,11 +352,19 @@ class DecodeBench:
         n = self.batch_size
         empty = np.zeros(0, dtype=np.int32)
         batch = ForwardBatch(
-            step=self.step, slots=self.slots.tolist(), prefix_lens=self.positions.tolist(), extend_lens=[1] * n,
-            sample_lens=[1] * n, sampling=[GREEDY] * n, sample_counts=[1] * n,
-            input_ids=self.last_tokens.astype(np.int32), positions=self.positions.copy(),
+            step=self.step,
+            slots=self.slots.tolist(),
+            prefix_lens=self.positions.tolist(),
+            extend_lens=[1] * n,
+            sample_lens=[1] * n,
+            sampling=[GREEDY] * n,
+            sample_counts=[1] * n,
+            input_ids=self.last_tokens.astype(np.int32),
+            positions=self.positions.copy(),
             kv_locs=self.kv_locs(self.positions, self.slots),
-            page_table_slots=empty, page_table_cols=empty, page_table_pages=empty,
+            page_table_slots=empty,
+            page_table_cols=empty,
+            page_table_pages=empty,
         )
         self.last_tokens = self.runner.execute(batch).next_token_ids  # .cpu() inside: the step has finished
         self.positions += 1
@@ -328,12 +381,17 @@ def bench_decode(args: argparse.Namespace, report: dict) -> None:
     for label, graphs in ((on_label, True), (off_label, False)):
         free_before = free_memory(args.device)
         runners[label] = build_runner(args, Variant(label, backend, graphs), max_running=max_running)
-        log(f"bench {label}: backend {runners[label].attention.name}, {describe_graphs(runners[label])}, "
-            f"runner {(free_before - free_memory(args.device)) / 2**20:.0f} MiB")
+        log(
+            f"bench {label}: backend {runners[label].attention.name}, {describe_graphs(runners[label])}, "
+            f"runner {(free_before - free_memory(args.device)) / 2**20:.0f} MiB"
+        )
         graph_runner = runners[label].graph_runner
         if graph_runner is not None and graph_runner.uses_cuda_graphs:
-            report["capture"] = {"sizes": graph_runner.batch_sizes, "seconds": graph_runner.capture_seconds,
-                                 "bytes": graph_runner.capture_bytes}
+            report["capture"] = {
+                "sizes": graph_runner.batch_sizes,
+                "seconds": graph_runner.capture_seconds,
+                "bytes": graph_runner.capture_bytes,
+            }
     report["bench_backend"] = runners[on_label].attention.name
     rows = []
     for batch_size, rates in decode_rates(runners, args).items():
@@ -341,8 +399,10 @@ def bench_decode(args: argparse.Namespace, report: dict) -> None:
         log(f"  batch {batch_size}: {on_label} {on:.1f}, {off_label} {off:.1f} tokens/s")
         rows.append((batch_size, on, off))
         report.setdefault("decode_tokens_per_s", {})[str(batch_size)] = {on_label: on, off_label: off}
-    print(f"decode tokens/s by {args.clock} time (prompt {args.prompt_len}, median of {args.rounds} alternating "
-          f"rounds of {args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)")
+    print(
+        f"decode tokens/s by {args.clock} time (prompt {args.prompt_len}, median of {args.rounds} alternating "
+        f"rounds of {args.round_steps} steps after {args.warmup_steps} warm-up; sampling and host sync included)"
+    )
     print(f"{'batch':>6} {on_label:>12} {off_label:>12} {'ratio':>7}")
     for batch_size, on, off in rows:
         print(f"{batch_size:>6} {on:>12.1f} {off:>12.1f} {on / off:>7.2f}")
@@ -378,23 +438,45 @@ def report_kv_capacity(args: argparse.Namespace, report: dict) -> None:
     """The pool a worker with default settings gets: kv_memory_gb=0, the model's own max_context."""
     free_before = free_memory(args.device)
     start = time.perf_counter()
-    runner = ModelRunner(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                         kv_memory_gb=0.0, kv_memory_fraction=args.kv_memory_fraction,
-                         max_running_requests=args.kv_max_running, max_context=0, attention_backend="auto",
-                         disable_cuda_graph=True)
+    runner = ModelRunner(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        kv_memory_gb=0.0,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_running_requests=args.kv_max_running,
+        max_context=0,
+        attention_backend="auto",
+        disable_cuda_graph=True,
+    )
     capacity, context = runner.kv_capacity_tokens, runner.max_context
     cfg = runner.config
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
     taken = free_before - free_memory(args.device)
-    where = (f"{args.kv_memory_fraction} of the memory free after the weights" if args.device.startswith("cuda")
-             else "the CPU default")
-    print(f"KV capacity (kv_memory_gb=0: {where}): {capacity} tokens = {runner.kv_cache.num_pages} pages of "
-          f"{runner.page_size}, {per_token} bytes/token, {capacity * per_token / 2**30:.1f} GiB; max_context {context}: "
-          f"{capacity // context} full contexts (capacity // max_context)"
-          + (f"; runner took {taken / 2**30:.1f} GiB of device memory in {time.perf_counter() - start:.1f} s"
-             if args.device.startswith("cuda") else ""), flush=True)
-    report["kv"] = {"capacity_tokens": capacity, "max_context": context, "contexts": capacity // context,
-                    "bytes_per_token": per_token, "fraction": args.kv_memory_fraction}
+    where = (
+        f"{args.kv_memory_fraction} of the memory free after the weights"
+        if args.device.startswith("cuda")
+        else "the CPU default"
+    )
+    print(
+        f"KV capacity (kv_memory_gb=0: {where}): {capacity} tokens = {runner.kv_cache.num_pages} pages of "
+        f"{runner.page_size}, {per_token} bytes/token, {capacity * per_token / 2**30:.1f} GiB; max_context {context}: "
+        f"{capacity // context} full contexts (capacity // max_context)"
+        + (
+            f"; runner took {taken / 2**30:.1f} GiB of device memory in {time.perf_counter() - start:.1f} s"
+            if args.device.startswith("cuda")
+            else ""
+        ),
+        flush=True,
+    )
+    report["kv"] = {
+        "capacity_tokens": capacity,
+        "max_context": context,
+        "contexts": capacity // context,
+        "bytes_per_token": per_token,
+        "fraction": args.kv_memory_fraction,
+    }
     del runner
     release_memory()
 
@@ -409,20 +491,26 @@ def precompile_flashinfer(args: argparse.Namespace) -> None:
         from flashinfer.jit.core import build_jit_specs
         from flashinfer.utils import determine_attention_backend
 
-        from procs.worker.loader import load_model_config
-        from shared.model import ModelSpec
+        from batchserve.procs.worker.loader import load_model_config
+        from batchserve.shared.model import ModelSpec
 
         head_dim = load_model_config(ModelSpec.resolve(args.model)).head_dim
         dtype = getattr(torch, args.dtype)
-        backend = determine_attention_backend(torch.device(args.device), 0, False, False, dtype, dtype,
-                                              head_dim_qk=head_dim, head_dim_vo=head_dim)
-        specs = [gen_batch_decode_module(dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False),
-                 gen_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False,
-                                          False, False)]
+        backend = determine_attention_backend(
+            torch.device(args.device), 0, False, False, dtype, dtype, head_dim_qk=head_dim, head_dim_vo=head_dim
+        )
+        specs = [
+            gen_batch_decode_module(dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False),
+            gen_batch_prefill_module(
+                backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False
+            ),
+        ]
         start = time.perf_counter()
         build_jit_specs(specs)
-        log(f"flashinfer warm-up: compiled {[spec.name[:40] + '...' for spec in specs]} (prefill backend "
-            f"{backend}) in {time.perf_counter() - start:.1f} s")
+        log(
+            f"flashinfer warm-up: compiled {[spec.name[:40] + '...' for spec in specs]} (prefill backend "
+            f"{backend}) in {time.perf_counter() - start:.1f} s"
+        )
     except Exception as exc:  # noqa: BLE001 - the runner below compiles what it needs anyway
         log(f"flashinfer warm-up: no parallel precompile ({type(exc).__name__}: {exc}); compiling on first use")
 
@@ -451,24 +539,35 @@ def check_tensor_parallel(args: argparse.Namespace, report: dict) -> bool:
     free-running (staggered arrivals: mixed prefill+decode steps) and teacher-forced logits (ties, as
     `check_equality`), then decode tokens/s of both, rounds alternated. Skipped (True) with fewer GPUs
     than ranks."""
-    from procs.engine import FollowerRanks
-    from shared.config import ServerConfig
-    from shared.parallel import with_init_addr
+    from batchserve.procs.engine import FollowerRanks
+    from batchserve.shared.config import ServerConfig
+    from batchserve.shared.parallel import with_init_addr
 
     label = f"tp{args.tp}"
     if args.device.startswith("cuda") and torch.cuda.device_count() < args.tp:
-        line = (f"TP={args.tp} check: SKIPPED: {torch.cuda.device_count()} GPU visible, TP={args.tp} needs "
-                f"{args.tp} (one rank per GPU)")
+        line = (
+            f"TP={args.tp} check: SKIPPED: {torch.cuda.device_count()} GPU visible, TP={args.tp} needs "
+            f"{args.tp} (one rank per GPU)"
+        )
         print(line, flush=True)
         report["tp"] = {"skipped": line}
         return True
     model = str(args.tp_model or args.model)
     max_running = max(args.requests, *args.batch_sizes)
     # A generous step timeout: the followers wait in it while this process runs the TP=1 side.
-    config = with_init_addr(ServerConfig(
-        model=model, device=args.device, dtype=args.dtype, page_size=args.page_size, kv_memory_gb=args.kv_memory_gb,
-        max_running_requests=max_running, max_context=args.max_context, tensor_parallel_size=args.tp,
-        step_timeout_s=300.0))
+    config = with_init_addr(
+        ServerConfig(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            kv_memory_gb=args.kv_memory_gb,
+            max_running_requests=max_running,
+            max_context=args.max_context,
+            tensor_parallel_size=args.tp,
+            step_timeout_s=300.0,
+        )
+    )
     start = time.perf_counter()
     followers = FollowerRanks(config, args.tp)
     try:
@@ -478,33 +577,51 @@ def check_tensor_parallel(args: argparse.Namespace, report: dict) -> bool:
         raise
     try:
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        log(f"{label}: {args.tp} ranks ({backend}) built in {time.perf_counter() - start:.1f} s; rank 0 on "
+        log(
+            f"{label}: {args.tp} ranks ({backend}) built in {time.perf_counter() - start:.1f} s; rank 0 on "
             f"{runner.device}, {runner.model.heads.num_heads} query / {runner.model.heads.num_kv_heads} KV heads per "
-            f"rank, {runner.kv_capacity_tokens} KV tokens; {describe_graphs(runner)}")
-        tp1 = ModelRunner(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                          kv_memory_gb=args.kv_memory_gb, max_running_requests=max_running,
-                          max_context=args.max_context)
+            f"rank, {runner.kv_capacity_tokens} KV tokens; {describe_graphs(runner)}"
+        )
+        tp1 = ModelRunner(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            kv_memory_gb=args.kv_memory_gb,
+            max_running_requests=max_running,
+            max_context=args.max_context,
+        )
         log(f"tp1: {describe_graphs(tp1)}")
         prompts = chat_prompts(model, args.requests)
         reference = generate_greedy(tp1, prompts, args.new_tokens, arrival_gap=1)
         got = generate_greedy(runner, prompts, args.new_tokens, arrival_gap=1)
-        diff = compare_logits(forced_logits(tp1, prompts, reference, arrival_gap=1),
-                              forced_logits(runner, prompts, reference, arrival_gap=1))
-        mismatched = {i: at for i in range(len(prompts))
-                      if (at := first_divergence(reference[i], got[i])) is not None}
+        diff = compare_logits(
+            forced_logits(tp1, prompts, reference, arrival_gap=1),
+            forced_logits(runner, prompts, reference, arrival_gap=1),
+        )
+        mismatched = {i: at for i in range(len(prompts)) if (at := first_divergence(reference[i], got[i])) is not None}
         status, ok = token_status(mismatched, diff, args)
         print(f"tokens [staggered] {label} vs tp1: {status}", flush=True)
         print(f"  teacher-forced [staggered] {label} vs tp1: {diff.describe()}", flush=True)
-        report["tp"] = {"ranks": args.tp, "backend": backend, "mismatched_requests": mismatched, "ok": ok,
-                        "forced_argmax_equal": diff.argmax_equal, "forced_steps": diff.rows,
-                        "forced_max_abs": diff.max_abs, "forced_max_rel": diff.max_rel}
+        report["tp"] = {
+            "ranks": args.tp,
+            "backend": backend,
+            "mismatched_requests": mismatched,
+            "ok": ok,
+            "forced_argmax_equal": diff.argmax_equal,
+            "forced_steps": diff.rows,
+            "forced_max_abs": diff.max_abs,
+            "forced_max_rel": diff.max_rel,
+        }
         if not args.skip_bench:
             collective_before, started = runner.tp.collective_s, time.perf_counter()
             rates = decode_rates({"tp1": tp1, label: runner}, args)
-            print(f"decode tokens/s, {label} ({backend}) vs tp1 (prompt {args.prompt_len}, median of {args.rounds} "
-                  f"alternating rounds of {args.round_steps} steps; {label} rank 0 spent "
-                  f"{runner.tp.collective_s - collective_before:.2f} s host time in all-reduce/all-gather calls over "
-                  f"the {time.perf_counter() - started:.1f} s of both sides' steps)")
+            print(
+                f"decode tokens/s, {label} ({backend}) vs tp1 (prompt {args.prompt_len}, median of {args.rounds} "
+                f"alternating rounds of {args.round_steps} steps; {label} rank 0 spent "
+                f"{runner.tp.collective_s - collective_before:.2f} s host time in all-reduce/all-gather calls over "
+                f"the {time.perf_counter() - started:.1f} s of both sides' steps)"
+            )
             print(f"{'batch':>6} {'tp1':>12} {label:>12} {'ratio':>7}")
             for batch_size, by in rates.items():
                 print(f"{batch_size:>6} {by['tp1']:>12.1f} {by[label]:>12.1f} {by[label] / by['tp1']:>7.2f}")
@@ -529,40 +646,70 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-memory-gb", type=float, default=2.0)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--graph-max-bs", type=int, default=0,
-                        help="equality runners' cuda_graph_max_bs (0: --requests); below --requests, larger "
-                        "decode batches run eagerly beside replayed ones")
+    parser.add_argument(
+        "--graph-max-bs",
+        type=int,
+        default=0,
+        help="equality runners' cuda_graph_max_bs (0: --requests); below --requests, larger "
+        "decode batches run eagerly beside replayed ones",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--max-running", type=int, default=0,
-                        help="benchmark runners' max_running_requests, hence graph sizes (0: the largest batch size)")
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=0,
+        help="benchmark runners' max_running_requests, hence graph sizes (0: the largest batch size)",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--round-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=4)
-    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
-                        help="process: CPU time of this process (steadier than wall time on a shared CPU box)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="process: CPU time of this process (steadier than wall time on a shared CPU box)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--skip-equality", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--tolerate-ties", action="store_true",
-                        help="random weights: accept free-running token mismatches when the teacher-forced "
-                        "logits differ by at most --max-logit-diff")
-    parser.add_argument("--max-logit-diff", type=float, default=0.10,
-                        help="largest per-step rms logits difference, relative to the logits' std, that "
-                        "--tolerate-ties counts as rounding (default 0.10; bf16 vs float32 on a random 30-layer "
-                        "model: about 0.02; a corrupted context: above 1)")
+    parser.add_argument(
+        "--tolerate-ties",
+        action="store_true",
+        help="random weights: accept free-running token mismatches when the teacher-forced "
+        "logits differ by at most --max-logit-diff",
+    )
+    parser.add_argument(
+        "--max-logit-diff",
+        type=float,
+        default=0.10,
+        help="largest per-step rms logits difference, relative to the logits' std, that "
+        "--tolerate-ties counts as rounding (default 0.10; bf16 vs float32 on a random 30-layer "
+        "model: about 0.02; a corrupted context: above 1)",
+    )
     parser.add_argument("--kv-capacity", action="store_true", help="report the default KV pool size (section 4)")
     parser.add_argument("--kv-memory-fraction", type=float, default=0.85)
     parser.add_argument("--kv-max-running", type=int, default=64, help="max_running_requests of the KV runner")
-    parser.add_argument("--warmup-flashinfer", action="store_true",
-                        help="only build a flashinfer runner and run a few steps (JIT compile), then exit")
-    parser.add_argument("--tp", type=int, default=0,
-                        help="also check tensor parallelism: this many ranks against TP=1 (section 5; skipped with "
-                        "fewer GPUs than ranks)")
+    parser.add_argument(
+        "--warmup-flashinfer",
+        action="store_true",
+        help="only build a flashinfer runner and run a few steps (JIT compile), then exit",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        help="also check tensor parallelism: this many ranks against TP=1 (section 5; skipped with "
+        "fewer GPUs than ranks)",
+    )
     parser.add_argument("--tp-only", action="store_true", help="run only the TP check (section 5)")
-    parser.add_argument("--tp-model", type=Path, default=None,
-                        help="the model of the TP check (default --model; its heads must split over --tp ranks)")
+    parser.add_argument(
+        "--tp-model",
+        type=Path,
+        default=None,
+        help="the model of the TP check (default --model; its heads must split over --tp ranks)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.dtype is None:
@@ -581,13 +728,22 @@ def main(argv: list[str] | None = None) -> int:
         return warmup_flashinfer(args)
     missing = flashinfer_status()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    log(f"torch {torch.__version__}, device {device_name}, dtype {args.dtype}, model {args.model}, "
-        f"flashinfer {'available' if missing is None else 'MISSING (' + missing + ')'}")
+    log(
+        f"torch {torch.__version__}, device {device_name}, dtype {args.dtype}, model {args.model}, "
+        f"flashinfer {'available' if missing is None else 'MISSING (' + missing + ')'}"
+    )
     if args.device.startswith("cuda") and missing is not None:
-        print("note: without flashinfer no CUDA graph is captured (the torch backend's plan is not capturable); "
-              "the padded path runs eagerly instead")
-    report: dict = {"device": device_name, "torch": torch.__version__, "dtype": args.dtype, "model": str(args.model),
-                    "flashinfer": missing or "available"}
+        print(
+            "note: without flashinfer no CUDA graph is captured (the torch backend's plan is not capturable); "
+            "the padded path runs eagerly instead"
+        )
+    report: dict = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "model": str(args.model),
+        "flashinfer": missing or "available",
+    }
     all_equal = True
     try:
         if not args.skip_equality and not args.tp_only:

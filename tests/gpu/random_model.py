@@ -27,19 +27,39 @@ from pathlib import Path
 
 # The default model's config.json (the fields that shape it), for runs without a staged copy.
 SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu",
-    "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-05,
-    "tie_word_embeddings": True, "rope_theta": 100000.0,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": True,
+    "rope_theta": 100000.0,
     "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-    "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
 }
 # Copied from --tokenizer-dir: everything but these (config and weights come from here).
 SKIP_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SKIP_NAMES = {"config.json", "model.safetensors.index.json"}
-MOE_FIELDS = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 768, "norm_topk_prob": True}
+MOE_FIELDS = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+}
 ROUTER_SCALE = 10.0
 
 
@@ -87,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                 copied.append(path.name)
     params = sum(p.numel() for p in model.parameters())
     size = sum(p.stat().st_size for p in args.out.glob("*.safetensors"))
-    print(f"random model: {config.architectures[0] if config.architectures else model_type}, "
-          f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, heads {config.num_attention_heads}/"
-          f"{config.num_key_value_heads}, vocab {config.vocab_size}, {params / 1e6:.1f}M parameters, {args.dtype} "
-          f"{size / 2**20:.0f} MiB in {args.out} ({time.perf_counter() - start:.1f} s); "
-          f"tokenizer files: {', '.join(copied) if copied else 'none (random prompts)'}", flush=True)
+    print(
+        f"random model: {config.architectures[0] if config.architectures else model_type}, "
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, heads {config.num_attention_heads}/"
+        f"{config.num_key_value_heads}, vocab {config.vocab_size}, {params / 1e6:.1f}M parameters, {args.dtype} "
+        f"{size / 2**20:.0f} MiB in {args.out} ({time.perf_counter() - start:.1f} s); "
+        f"tokenizer files: {', '.join(copied) if copied else 'none (random prompts)'}",
+        flush=True,
+    )
     return 0
 
 

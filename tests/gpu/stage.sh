@@ -178,7 +178,7 @@ for spec in "msgspec $MSGSPEC_VERSION" "pyzmq $PYZMQ_VERSION" "gguf $GGUF_VERSIO
 done
 
 # The default model's config, tokenizer and generation files (resolve_model converts the GGUF once, cached).
-model_dir=$("$PYTHON" -c "from shared.model import resolve_model; print(resolve_model('smollm2-135m-instruct'))" \
+model_dir=$("$PYTHON" -c "from batchserve.shared.model import resolve_model; print(resolve_model('smollm2-135m-instruct'))" \
     | tail -1)
 for path in "$model_dir"/*; do
     case "$(basename "$path")" in

@@ -10,22 +10,40 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_batches import generate_greedy
 from model_references import RING_STEP_TOKENS, chunked_logits
-from procs.worker.model_runner import ModelRunner
 from test_model_equivalence import transformers_greedy
+
+from batchserve.procs.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=8,
-             layer_types=["sliding_attention", "full_attention"])
+SHAPE = dict(
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+)
 MODELS = {
     "gemma2": dict(arch="gemma2", attn_logit_softcapping=1.0, final_logit_softcapping=2.0, **SHAPE),
     "gemma3": dict(arch="gemma3", **SHAPE),
-    "gpt_oss": dict(arch="gpt_oss", swiglu_limit=1.0, max_position_embeddings=128, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 32, "rope_theta": 10000.0}, **SHAPE),
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        swiglu_limit=1.0,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+            "rope_theta": 10000.0,
+        },
+        **SHAPE,
+    ),
 }
 NEW_TOKENS = 16
 
@@ -36,9 +54,16 @@ def _prompts() -> list[list[int]]:
 
 
 def cuda_runner(model_dir, dtype: str, backend: str, rings: bool) -> ModelRunner:
-    return ModelRunner(model_dir, device="cuda", dtype=dtype, page_size=16, kv_capacity_tokens=2048,
-                       max_running_requests=8, attention_backend=backend,
-                       ring_step_tokens=RING_STEP_TOKENS if rings else 0)
+    return ModelRunner(
+        model_dir,
+        device="cuda",
+        dtype=dtype,
+        page_size=16,
+        kv_capacity_tokens=2048,
+        max_running_requests=8,
+        attention_backend=backend,
+        ring_step_tokens=RING_STEP_TOKENS if rings else 0,
+    )
 
 
 @pytest.mark.parametrize("rings", [False, True])
@@ -67,6 +92,14 @@ def test_hybrid_models_fp32_greedy_matches_transformers_on_cuda(tiny_model_dir, 
     pool on the GPU) beside full attention, with decode graphs captured (the rows' slots are a fixed buffer)."""
     model_dir = tiny_model_dir(model)
     expected = transformers_greedy(model_dir, _prompts(), NEW_TOKENS)
-    runner = ModelRunner(model_dir, device="cuda", dtype="float32", page_size=16, kv_capacity_tokens=2048,
-                         max_running_requests=8, attention_backend="torch", cuda_graph_max_bs=8)
+    runner = ModelRunner(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        kv_capacity_tokens=2048,
+        max_running_requests=8,
+        attention_backend="torch",
+        cuda_graph_max_bs=8,
+    )
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, chunk=8, arrival_gap=2) == expected

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.attention import AttentionMetadata, create_backend
 from model_batches import generate_greedy
-from procs.worker.graph_runner import DecodeGraphRunner
-from kernels.kv_cache import KVCache
-from procs.worker.model_runner import ModelRunner
 from test_graph_runner import PAGE_SIZE, decode_batch, prefill, prompts_for
+
+from batchserve.kernels.attention import AttentionMetadata, create_backend
+from batchserve.kernels.kv_cache import KVCache
+from batchserve.procs.worker.graph_runner import DecodeGraphRunner
+from batchserve.procs.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,13 +31,27 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama", hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-                          num_key_value_heads=KV_HEADS, intermediate_size=512)
+    return tiny_model_dir(
+        "llama",
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=512,
+    )
 
 
 def cuda_runner(model_dir, backend: str, graphs: bool, **kwargs) -> ModelRunner:
-    return ModelRunner(model_dir, device="cuda", dtype="bfloat16", page_size=PAGE_SIZE, kv_capacity_tokens=1024,
-                       max_running_requests=10, attention_backend=backend, disable_cuda_graph=not graphs, **kwargs)
+    return ModelRunner(
+        model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        page_size=PAGE_SIZE,
+        kv_capacity_tokens=1024,
+        max_running_requests=10,
+        attention_backend=backend,
+        disable_cuda_graph=not graphs,
+        **kwargs,
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -48,8 +62,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def random_cache(seed: int = 0) -> KVCache:
-    cache = KVCache(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, page_size=16, num_pages=64,
-                    max_running_requests=4, max_pages_per_request=8, dtype=torch.bfloat16, device=DEVICE)
+    cache = KVCache(
+        num_layers=1,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=16,
+        num_pages=64,
+        max_running_requests=4,
+        max_pages_per_request=8,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     for pool in (*cache.k, *cache.v):
         pool[1:] = torch.randn(pool[1:].shape, generator=generator, device=DEVICE, dtype=torch.bfloat16)
@@ -62,9 +85,12 @@ def random_cache(seed: int = 0) -> KVCache:
 
 def kv_locs_for(cache: KVCache, slots, prefix_lens, extend_lens, num_padding: int = 0) -> torch.Tensor:
     table = cache.page_table.cpu().numpy()
-    locs = [int(table[s, p // 16]) * 16 + p % 16
-            for s, pre, ext in zip(slots, prefix_lens, extend_lens) for p in range(pre, pre + ext)]
-    locs[len(locs) - num_padding:] = [0] * num_padding
+    locs = [
+        int(table[s, p // 16]) * 16 + p % 16
+        for s, pre, ext in zip(slots, prefix_lens, extend_lens)
+        for p in range(pre, pre + ext)
+    ]
+    locs[len(locs) - num_padding :] = [0] * num_padding
     return torch.tensor(locs, dtype=torch.int64, device=DEVICE)
 
 
@@ -74,46 +100,73 @@ def attend(backend, metadata: AttentionMetadata, q, k, v, graph: bool = False, s
 
 
 @needs_flashinfer
-@pytest.mark.parametrize("slots, prefix_lens, extend_lens", [
-    ([0, 1, 2], [20, 0, 30], [1, 10, 17]),  # decode + fresh prefill + chunk after a cached prefix
-    ([0, 2, 3], [33, 50, 16], [1, 1, 1]),  # decode only
-    ([0, 2, 3], [33, 50, 16], [3, 3, 3]),  # decode rows of 3 tokens
-])
-@pytest.mark.parametrize("window, softcap, sinks", [(0, 0.0, False), (8, 0.0, False), (8, 30.0, False), (8, 0.0, True)],
-                         ids=["full", "window-8", "softcap", "sinks"])
+@pytest.mark.parametrize(
+    "slots, prefix_lens, extend_lens",
+    [
+        ([0, 1, 2], [20, 0, 30], [1, 10, 17]),  # decode + fresh prefill + chunk after a cached prefix
+        ([0, 2, 3], [33, 50, 16], [1, 1, 1]),  # decode only
+        ([0, 2, 3], [33, 50, 16], [3, 3, 3]),  # decode rows of 3 tokens
+    ],
+)
+@pytest.mark.parametrize(
+    "window, softcap, sinks",
+    [(0, 0.0, False), (8, 0.0, False), (8, 30.0, False), (8, 0.0, True)],
+    ids=["full", "window-8", "softcap", "sinks"],
+)
 def test_flashinfer_matches_torch(slots, prefix_lens, extend_lens, window, softcap, sinks):
     """Also a sliding window shorter than every context (window_left), Gemma 2's soft-capped scores and
     gpt-oss's attention sinks (flashinfer's return_lse and the keys' share beside the sink)."""
     cache = random_cache()
-    metadata = AttentionMetadata(slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                                 kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens))
+    metadata = AttentionMetadata(
+        slots=slots,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens),
+    )
     tokens = sum(extend_lens)
     q = torch.randn(tokens, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     sink = torch.linspace(-1.0, 3.0, HEADS, device=DEVICE) if sinks else None
-    expected = attend(create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
-                      metadata, q, k, v, sinks=sink)
-    got = attend(create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
-                 metadata, q, k, v, sinks=sink)
+    expected = attend(
+        create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
+        metadata,
+        q,
+        k,
+        v,
+        sinks=sink,
+    )
+    got = attend(
+        create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, scale, (window,), softcap),
+        metadata,
+        q,
+        k,
+        v,
+        sinks=sink,
+    )
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 @needs_flashinfer
 def test_flashinfer_graph_plan_pads_with_the_dummy_page():
     cache = random_cache()
-    backend = create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    backend = create_backend("flashinfer", cache, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     backend.init_cuda_graphs([1, 2, 4])
     slots, prefix_lens, extend_lens = [2, 0, 0, 0], [40, 5, 0, 0], [1, 1, 1, 1]
-    metadata = AttentionMetadata(slots=slots, prefix_lens=prefix_lens, extend_lens=extend_lens,
-                                 kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens, 2), num_padding=2)
+    metadata = AttentionMetadata(
+        slots=slots,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        kv_locs=kv_locs_for(cache, slots, prefix_lens, extend_lens, 2),
+        num_padding=2,
+    )
     q = torch.randn(4, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     k = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     real_pages = [bits(t[1:]).clone() for t in (*cache.k, *cache.v)]
     got = attend(backend, metadata, q, k, v, graph=True)
-    reference = create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    reference = create_backend("torch", cache, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     expected = attend(reference, metadata, q, k, v)
     torch.testing.assert_close(got[:2].float(), expected[:2].float(), atol=2e-2, rtol=2e-2)
     # a padded row attends to the dummy page alone: its output is the V it wrote there
@@ -132,8 +185,11 @@ def test_flashinfer_graph_plan_pads_with_the_dummy_page():
 def test_graph_replay_tokens_match_eager_and_torch(model_dir):
     prompts = prompts_for(8, seed=1)
     outputs = {}
-    for label, backend, graphs in (("graphs", "flashinfer", True), ("eager", "flashinfer", False),
-                                   ("torch", "torch", False)):
+    for label, backend, graphs in (
+        ("graphs", "flashinfer", True),
+        ("eager", "flashinfer", False),
+        ("torch", "torch", False),
+    ):
         runner = cuda_runner(model_dir, backend, graphs)
         if label == "graphs":
             assert runner.graph_runner.uses_cuda_graphs
@@ -178,7 +234,7 @@ def random_adapter(folder, model_dir, seed: int, rank: int = 8):
 
     from safetensors.torch import save_file
 
-    from shared.lora import PREFIX
+    from batchserve.shared.lora import PREFIX
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inter, kv = config["hidden_size"], config["intermediate_size"], KV_HEADS * HEAD_DIM
@@ -187,11 +243,16 @@ def random_adapter(folder, model_dir, seed: int, rank: int = 8):
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for module, (fan_in, fan_out) in shapes.items():
-            tensors[f"{PREFIX}{layer}.{module}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
+            tensors[f"{PREFIX}{layer}.{module}.lora_A.weight"] = (
+                torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            )
             tensors[f"{PREFIX}{layer}.{module}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.5
     folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                                                            "target_modules": ["q_proj", "v_proj", "down_proj"]}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+        )
+    )
     save_file(tensors, folder / "adapter_model.safetensors")
     return folder
 
@@ -241,5 +302,11 @@ def test_auto_picks_flashinfer_on_cuda_in_bfloat16(model_dir):
 @needs_flashinfer
 def test_flashinfer_rejects_float32(model_dir):
     with pytest.raises(ValueError, match="bfloat16 or float16"):
-        ModelRunner(model_dir, device="cuda", dtype="float32", page_size=PAGE_SIZE, kv_capacity_tokens=256,
-                    attention_backend="flashinfer")
+        ModelRunner(
+            model_dir,
+            device="cuda",
+            dtype="float32",
+            page_size=PAGE_SIZE,
+            kv_capacity_tokens=256,
+            attention_backend="flashinfer",
+        )

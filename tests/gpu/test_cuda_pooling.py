@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from pooling_models import build_encoder, write_st_files
-from procs.engine import OfflineEngine, request
-from shared.config import ServerConfig
-from shared.pooling import finish_vector
+
+from batchserve.procs.engine import OfflineEngine, request
+from batchserve.shared.config import ServerConfig
+from batchserve.shared.pooling import finish_vector
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,8 +26,17 @@ def encoder(tmp_path_factory):
 
 
 def vectors(model_dir, dtype: str, backend: str) -> np.ndarray:
-    engine = OfflineEngine(ServerConfig(model=str(model_dir), device="cuda", dtype=dtype, attention_backend=backend,
-                                        page_size=16, kv_capacity_tokens=2048, max_running_requests=8))
+    engine = OfflineEngine(
+        ServerConfig(
+            model=str(model_dir),
+            device="cuda",
+            dtype=dtype,
+            attention_backend=backend,
+            page_size=16,
+            kv_capacity_tokens=2048,
+            max_running_requests=8,
+        )
+    )
     done = engine.generate([request(f"r{i}", prompt=t, pooling={}) for i, t in enumerate(TEXTS)])
     return np.stack([finish_vector(c.pooled, None, False) for c in done])
 
@@ -37,8 +46,9 @@ def test_fp32_vectors_equal_transformers(encoder):
 
     tokenizer, model = AutoTokenizer.from_pretrained(encoder), AutoModel.from_pretrained(encoder).eval()
     with torch.no_grad():
-        reference = np.stack([model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
-                              for t in TEXTS])
+        reference = np.stack(
+            [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0).numpy() for t in TEXTS]
+        )
     np.testing.assert_allclose(vectors(encoder, "float32", "torch"), reference, atol=1e-4)
 
 

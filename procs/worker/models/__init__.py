@@ -6,21 +6,25 @@ its model file and its line here.
 
 from __future__ import annotations
 
-from procs.worker.models.base import CausalLM
-from procs.worker.models.bert import (BertForSequenceClassification, BertModel, XLMRobertaForSequenceClassification,
-                                      XLMRobertaModel)
-from procs.worker.models.gemma import Gemma2Model, Gemma3Model, Gemma3TextOfMultimodal
-from procs.worker.models.gpt_oss import GptOssModel
-from procs.worker.models.llama import LlamaModel
-from procs.worker.models.mistral import MistralModel
-from procs.worker.models.mixtral import MixtralModel
-from procs.worker.models.olmoe import OlmoeModel
-from procs.worker.models.phi3 import Phi3Model
-from procs.worker.models.qwen2 import Qwen2Model
-from procs.worker.models.qwen3 import Qwen3Model
-from procs.worker.models.qwen3_next import Qwen3_5Model, Qwen3_5MoeModel, Qwen3NextModel
-from procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
-from shared.model import ModelLoadError
+from batchserve.procs.worker.models.base import CausalLM
+from batchserve.procs.worker.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
+from batchserve.procs.worker.models.gemma import Gemma2Model, Gemma3Model, Gemma3TextOfMultimodal
+from batchserve.procs.worker.models.gpt_oss import GptOssModel
+from batchserve.procs.worker.models.llama import LlamaModel
+from batchserve.procs.worker.models.mistral import MistralModel
+from batchserve.procs.worker.models.mixtral import MixtralModel
+from batchserve.procs.worker.models.olmoe import OlmoeModel
+from batchserve.procs.worker.models.phi3 import Phi3Model
+from batchserve.procs.worker.models.qwen2 import Qwen2Model
+from batchserve.procs.worker.models.qwen3 import Qwen3Model
+from batchserve.procs.worker.models.qwen3_next import Qwen3_5Model, Qwen3_5MoeModel, Qwen3NextModel
+from batchserve.procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
+from batchserve.shared.model import ModelLoadError
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaModel,
@@ -61,8 +65,9 @@ def model_class(architecture: str) -> type[CausalLM]:
     """The class that runs `architecture`; ModelLoadError naming the supported ones if there is none."""
     cls = ARCHITECTURES.get(architecture)
     if cls is None:
-        raise ModelLoadError(f"unsupported architecture {architecture or '(none)'}; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
+        raise ModelLoadError(
+            f"unsupported architecture {architecture or '(none)'}; supported: {', '.join(ARCHITECTURES)}"
+        )
     return cls
 
 

@@ -10,18 +10,19 @@ shape, which only the worker needs. Each architecture reads its own fields of co
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata, plan_step
-from kernels.recurrent_state import RecurrentShape
-from kernels.rope import RotaryTables
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec
-from shared.rope import RopeConfig
+from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, plan_step
+from batchserve.kernels.recurrent_state import RecurrentShape
+from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec
+from batchserve.shared.rope import RopeConfig
 
 Config = TypeVar("Config", bound="ModelConfig")
 # A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads from the file only the part
@@ -59,7 +60,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     @classmethod
     def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:
@@ -68,9 +69,11 @@ class ModelConfig:
         quantization = raw.get("quantization_config")
         if quantization:
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise ModelLoadError(f"quantized checkpoint (quantization_config quant_method {method!r} in "
-                                 f"{config_path(spec)}) is not supported: serve its unquantized weights (bf16 or "
-                                 f"fp32; on the CPU, --quantization int8 quantizes them at load)")
+            raise ModelLoadError(
+                f"quantized checkpoint (quantization_config quant_method {method!r} in "
+                f"{config_path(spec)}) is not supported: serve its unquantized weights (bf16 or "
+                f"fp32; on the CPU, --quantization int8 quantizes them at load)"
+            )
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         try:
@@ -97,8 +100,9 @@ class ModelConfig:
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types`
 
 
-def sliding_windows(raw: dict[str, Any], spec: ModelSpec, *, every_layer: bool = False,
-                    default: int | None = None) -> tuple[int, ...]:
+def sliding_windows(
+    raw: dict[str, Any], spec: ModelSpec, *, every_layer: bool = False, default: int | None = None
+) -> tuple[int, ...]:
     """Each layer's attention window (0: the whole context) as transformers reads config.json: the layers
     `layer_types` calls sliding slide, or, with `every_layer` (Mistral, Mixtral, Phi-3, Qwen3-MoE), all
     of them; the window is `sliding_window` (`default` when the key is absent), none when it is null or 0
@@ -115,8 +119,10 @@ def sliding_windows(raw: dict[str, Any], spec: ModelSpec, *, every_layer: bool =
     elif every_layer:
         windows = (int(window),) * layers
     elif raw.get("use_sliding_window"):
-        raise ModelLoadError(f"use_sliding_window without layer_types in {config_path(spec)}: which layers slide "
-                             f"is not said (transformers 5 writes layer_types)")
+        raise ModelLoadError(
+            f"use_sliding_window without layer_types in {config_path(spec)}: which layers slide "
+            f"is not said (transformers 5 writes layer_types)"
+        )
     else:
         return ()
     windows = tuple(w if w < spec.context_length else 0 for w in windows)
@@ -147,8 +153,10 @@ class RankHeads:
         world, heads, kv_heads = tp.world_size, config.num_heads, config.num_kv_heads
         q = tp.split(heads, "num_attention_heads")  # ValueError naming it when it does not divide
         if kv_heads >= world and kv_heads % world or kv_heads < world and world % kv_heads:
-            raise ModelLoadError(f"num_key_value_heads {kv_heads} and tensor_parallel_size {world}: one must "
-                                 f"divide the other (KV heads are split, or replicated when fewer than the ranks)")
+            raise ModelLoadError(
+                f"num_key_value_heads {kv_heads} and tensor_parallel_size {world}: one must "
+                f"divide the other (KV heads are split, or replicated when fewer than the ranks)"
+            )
         if kv_heads >= world:
             kv = tp.split(kv_heads, "num_key_value_heads")
         else:
@@ -184,23 +192,38 @@ class CausalLM(Protocol):
         ...
 
     @classmethod
-    def from_tensors(cls, config: ModelConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str, tp: TensorParallel) -> CausalLM:
+    def from_tensors(
+        cls,
+        config: ModelConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+        tp: TensorParallel,
+    ) -> CausalLM:
         """The model from a checkpoint's named tensors, each of which it must take (ModelLoadError naming
         a missing or a left-over one), on `device` in `dtype`, for positions below `max_positions`, its
         linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`); `tp`'s rank's share
         of it (`procs.worker.models.layers`), each tensor read only as far as that share needs."""
         ...
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
-                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """Run the packed tokens (their K/V written, attention computed, through `attention`'s plan) at
         `positions` (each token's row of `rope`: its position, unless the rope switches factors); float32
         logits [len(logits_rows), vocab] of the chosen token rows, None without rows."""
         ...
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attention: AttentionBackend) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         """`forward` without the LM head: every packed token's final-normed hidden state [num_tokens, hidden]
         (the pooling runner's input)."""
         ...
@@ -215,29 +238,53 @@ class CausalLM(Protocol):
         ...
 
 
-def eager_forward(model: CausalLM, attention: AttentionBackend, slots: list[int], prefix_lens: list[int],
-                  extend_lens: list[int], input_ids: np.ndarray, positions: np.ndarray, kv_locs: np.ndarray,
-                  logits_rows: np.ndarray) -> torch.Tensor | None:
+def eager_forward(
+    model: CausalLM,
+    attention: AttentionBackend,
+    slots: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    kv_locs: np.ndarray,
+    logits_rows: np.ndarray,
+) -> torch.Tensor | None:
     """One forward pass without a captured graph: `attention` planned for the packed rows (host arrays,
     copied to its device), then `model.forward`; the logits of `logits_rows`, None without rows."""
     to_device = _planned(attention, slots, prefix_lens, extend_lens, kv_locs)
-    return model.forward(to_device(input_ids), to_device(positions), attention,
-                         to_device(logits_rows) if len(logits_rows) else None)
+    return model.forward(
+        to_device(input_ids), to_device(positions), attention, to_device(logits_rows) if len(logits_rows) else None
+    )
 
 
-def eager_hidden_states(model: CausalLM, attention: AttentionBackend, slots: list[int], prefix_lens: list[int],
-                        extend_lens: list[int], input_ids: np.ndarray, positions: np.ndarray,
-                        kv_locs: np.ndarray) -> torch.Tensor:
+def eager_hidden_states(
+    model: CausalLM,
+    attention: AttentionBackend,
+    slots: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    kv_locs: np.ndarray,
+) -> torch.Tensor:
     """`eager_forward`'s pass without the LM head: every token's final hidden state."""
     to_device = _planned(attention, slots, prefix_lens, extend_lens, kv_locs)
     return model.hidden_states(to_device(input_ids), to_device(positions), attention)
 
 
-def _planned(attention: AttentionBackend, slots: list[int], prefix_lens: list[int], extend_lens: list[int],
-             kv_locs: np.ndarray) -> Any:
+def _planned(
+    attention: AttentionBackend, slots: list[int], prefix_lens: list[int], extend_lens: list[int], kv_locs: np.ndarray
+) -> Any:
     """`attention` planned for the packed rows; the host-to-device copy of an index array."""
     device = attention.kv_cache.device
-    to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
-    plan_step(attention, AttentionMetadata(slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens),
-                                     kv_locs=to_device(kv_locs)))
+
+    def to_device(a: Any) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device, non_blocking=True)
+
+    plan_step(
+        attention,
+        AttentionMetadata(
+            slots=list(slots), prefix_lens=list(prefix_lens), extend_lens=list(extend_lens), kv_locs=to_device(kv_locs)
+        ),
+    )
     return to_device

@@ -21,23 +21,28 @@ logit of the pair.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBackend
-from kernels.rope import RotaryTables
-from procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
-from procs.worker.models.weights import WeightTaker
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec
-from shared.rope import RopeConfig
+from batchserve.kernels.attention import AttentionBackend
+from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
+from batchserve.procs.worker.models.weights import WeightTaker
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec
+from batchserve.shared.rope import RopeConfig
 
-ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 @dataclass(frozen=True)
@@ -70,28 +75,67 @@ class BertModel:
         if act not in ACTIVATIONS:
             raise ModelLoadError(f"unsupported hidden_act {act!r} in {config_path(spec)}")
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ModelLoadError(f"position_embedding_type {raw['position_embedding_type']!r} in {config_path(spec)}: "
-                                 f"absolute positions only")
+            raise ModelLoadError(
+                f"position_embedding_type {raw['position_embedding_type']!r} in {config_path(spec)}: "
+                f"absolute positions only"
+            )
         heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-        return BertConfig(vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
-                          num_layers=int(raw["num_hidden_layers"]), num_heads=heads, num_kv_heads=heads,
-                          head_dim=hidden // heads, rms_norm_eps=0.0, tie_word_embeddings=False, rope=RopeConfig(),
-                          lm_head=False, bidirectional=True, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-                          hidden_act=act, position_offset=cls.position_offset(raw), sep_token_id=sep_token_id(spec))
+        return BertConfig(
+            vocab_size=spec.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            rms_norm_eps=0.0,
+            tie_word_embeddings=False,
+            rope=RopeConfig(),
+            lm_head=False,
+            bidirectional=True,
+            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            hidden_act=act,
+            position_offset=cls.position_offset(raw),
+            sep_token_id=sep_token_id(spec),
+        )
 
     @staticmethod
     def position_offset(raw: dict[str, Any]) -> int:
         return 0
 
     @classmethod
-    def from_tensors(cls, config: BertConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                     tp: TensorParallel | None = None) -> BertModel:
-        return cls(config, dict(tensors), max_positions=max_positions, dtype=dtype, device=device,
-                   quantization=quantization, tp=tp or TensorParallel())
+    def from_tensors(
+        cls,
+        config: BertConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ) -> BertModel:
+        return cls(
+            config,
+            dict(tensors),
+            max_positions=max_positions,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            tp=tp or TensorParallel(),
+        )
 
-    def __init__(self, config: BertConfig, weights: dict[str, Weight], *, max_positions: int, dtype: torch.dtype,
-                 device: torch.device, quantization: str, tp: TensorParallel):
+    def __init__(
+        self,
+        config: BertConfig,
+        weights: dict[str, Weight],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+        tp: TensorParallel,
+    ):
         if tp.world_size > 1:
             raise ModelLoadError("BERT-style encoders run with tensor_parallel_size 1")
         self.config, self.tp = config, tp
@@ -121,21 +165,29 @@ class BertModel:
     def _layer(self, take: WeightTaker, layer: str) -> EncoderLayer:
         attn = layer + "attention."
         qkv = [(attn + f"self.{part}", None) for part in ("query", "key", "value")]
-        return EncoderLayer(qkv=take.column(qkv, True), o=take.row(attn + "output.dense", None, True, self.tp),
-                            attn_norm=self._norm(take, attn + "output.LayerNorm"),
-                            up=take.column([(layer + "intermediate.dense", None)], True),
-                            down=take.row(layer + "output.dense", None, True, self.tp),
-                            mlp_norm=self._norm(take, layer + "output.LayerNorm"))
+        return EncoderLayer(
+            qkv=take.column(qkv, True),
+            o=take.row(attn + "output.dense", None, True, self.tp),
+            attn_norm=self._norm(take, attn + "output.LayerNorm"),
+            up=take.column([(layer + "intermediate.dense", None)], True),
+            down=take.row(layer + "output.dense", None, True, self.tp),
+            mlp_norm=self._norm(take, layer + "output.LayerNorm"),
+        )
 
     @staticmethod
     def _norm(take: WeightTaker, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return take(name + ".weight"), take(name + ".bias")
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attention: AttentionBackend) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         """Every packed token's last hidden state [num_tokens, hidden] (each input whole, one segment)."""
         cfg = self.config
-        h = self.word[input_ids] + self.positions[positions + cfg.position_offset] + self._token_types(input_ids, positions)
+        h = (
+            self.word[input_ids]
+            + self.positions[positions + cfg.position_offset]
+            + self._token_types(input_ids, positions)
+        )
         h = self._layer_norm(h, self.embed_norm)
         act = ACTIVATIONS[cfg.hidden_act]
         tokens, width = h.shape[0], self.heads.num_heads * cfg.head_dim
@@ -162,8 +214,13 @@ class BertModel:
     def _layer_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), norm[0], norm[1], self.config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
-                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         raise ModelLoadError("a BERT-style encoder has no LM head: it is served by the pooling runner")
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,15 +17,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.gated_delta import causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule, gated_delta_step, \
-    gated_rms_norm
-from kernels.recurrent_state import RecurrentShape, RecurrentStatePool
-from procs.worker.models.base import Weight
-from procs.worker.models.layers import ColumnParallelLinear
-from procs.worker.models.weights import WeightTaker
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError
+from batchserve.kernels import native
+from batchserve.kernels.gated_delta import (
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    gated_rms_norm,
+)
+from batchserve.kernels.recurrent_state import RecurrentShape, RecurrentStatePool
+from batchserve.procs.worker.models.base import Weight
+from batchserve.procs.worker.models.layers import ColumnParallelLinear
+from batchserve.procs.worker.models.weights import WeightTaker
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -38,13 +43,19 @@ class DeltaNetConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str) -> DeltaNetConfig:
-        config = cls(key_heads=int(raw["linear_num_key_heads"]), value_heads=int(raw["linear_num_value_heads"]),
-                     key_dim=int(raw["linear_key_head_dim"]), value_dim=int(raw["linear_value_head_dim"]),
-                     conv_kernel=int(raw["linear_conv_kernel_dim"]))
+        config = cls(
+            key_heads=int(raw["linear_num_key_heads"]),
+            value_heads=int(raw["linear_num_value_heads"]),
+            key_dim=int(raw["linear_key_head_dim"]),
+            value_dim=int(raw["linear_value_head_dim"]),
+            conv_kernel=int(raw["linear_conv_kernel_dim"]),
+        )
         if config.value_heads % config.key_heads or config.conv_kernel < 2:
-            raise ModelLoadError(f"linear attention in {where}: linear_num_value_heads {config.value_heads} must be "
-                                 f"a multiple of linear_num_key_heads {config.key_heads}, and linear_conv_kernel_dim "
-                                 f"{config.conv_kernel} at least 2")
+            raise ModelLoadError(
+                f"linear attention in {where}: linear_num_value_heads {config.value_heads} must be "
+                f"a multiple of linear_num_key_heads {config.key_heads}, and linear_conv_kernel_dim "
+                f"{config.conv_kernel} at least 2"
+            )
         return config
 
     def of_heads(self, key_heads: int) -> DeltaNetConfig:
@@ -61,27 +72,45 @@ class DeltaNetConfig:
 
     @property
     def state(self) -> RecurrentShape:
-        return RecurrentShape(conv_dim=2 * self.key_size + self.value_size, conv_kernel=self.conv_kernel,
-                              heads=self.value_heads, key_dim=self.key_dim, value_dim=self.value_dim)
+        return RecurrentShape(
+            conv_dim=2 * self.key_size + self.value_size,
+            conv_kernel=self.conv_kernel,
+            heads=self.value_heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+        )
 
 
 class GatedDeltaNet:
     """One linear layer: its weights, and its index `layer` among the model's linear layers (its states')."""
 
-    def __init__(self, take: WeightTaker, prefix: str, config: DeltaNetConfig, layer: int, eps: float,
-                 tp: TensorParallel):
+    def __init__(
+        self, take: WeightTaker, prefix: str, config: DeltaNetConfig, layer: int, eps: float, tp: TensorParallel
+    ):
         key = tp.split(config.key_heads, "linear_num_key_heads")  # this rank's key heads and their value heads
         per = config.value_heads // config.key_heads
         self.config = cfg = config.of_heads(key.stop - key.start)
         self.layer, self.eps = layer, eps
-        rows = lambda start, heads, dim: slice(start + heads.start * dim, start + heads.stop * dim)
+
+        def rows(start: int, heads: slice, dim: int) -> slice:
+            return slice(start + heads.start * dim, start + heads.stop * dim)
+
         value = slice(key.start * per, key.stop * per)
-        conv_rows = [rows(0, key, cfg.key_dim), rows(config.key_size, key, cfg.key_dim),
-                     rows(2 * config.key_size, value, cfg.value_dim)]  # q, k, v of this rank's heads
+        conv_rows = [
+            rows(0, key, cfg.key_dim),
+            rows(config.key_size, key, cfg.key_dim),
+            rows(2 * config.key_size, value, cfg.value_dim),
+        ]  # q, k, v of this rank's heads
         take.expect(prefix + "conv1d.weight", (config.state.conv_dim, 1, config.conv_kernel))
         qkv = take.parts(prefix + "in_proj_qkv.weight", [(r,) for r in conv_rows])
-        others = [take(prefix + name, rows=r) for name, r in (("in_proj_z.weight", rows(0, value, cfg.value_dim)),
-                                                             ("in_proj_b.weight", value), ("in_proj_a.weight", value))]
+        others = [
+            take(prefix + name, rows=r)
+            for name, r in (
+                ("in_proj_z.weight", rows(0, value, cfg.value_dim)),
+                ("in_proj_b.weight", value),
+                ("in_proj_a.weight", value),
+            )
+        ]
         self.in_proj = ColumnParallelLinear(qkv + others, None, take.quantization)
         self.conv = torch.cat(take.parts(prefix + "conv1d.weight", [(r,) for r in conv_rows]))[:, 0].contiguous()
         self.neg_a = -take(prefix + "A_log", rows=value, dtype=torch.float32).exp()
@@ -101,8 +130,9 @@ class GatedDeltaNet:
             pick = (lambda x: x) if rows is None else (lambda x: x[rows])
             if native.applies_to(qkv, conv, matrix):  # in place on the pools, one pass each: the same arithmetic
                 mixed = native.causal_conv1d_decode(pick(qkv), self.conv, conv, slots)
-                attended = native.gated_delta_decode(mixed, pick(g).contiguous(), pick(beta).contiguous(), matrix,
-                                                     slots, cfg.key_heads)
+                attended = native.gated_delta_decode(
+                    mixed, pick(g).contiguous(), pick(beta).contiguous(), matrix, slots, cfg.key_heads
+                )
             else:
                 mixed, conv_state = causal_conv1d_step(pick(qkv), self.conv, conv[slots])
                 conv.index_copy_(0, slots, conv_state.to(conv.dtype))
@@ -115,8 +145,9 @@ class GatedDeltaNet:
         for chunk in states.chunks:
             rows = slice(chunk.start, chunk.start + chunk.length)
             mixed, conv[chunk.slot] = causal_conv1d(qkv[rows], self.conv, conv[chunk.slot])
-            out[rows], matrix[chunk.slot] = chunk_gated_delta_rule(*self._qkv(mixed), g[rows], beta[rows],
-                                                                   matrix[chunk.slot])
+            out[rows], matrix[chunk.slot] = chunk_gated_delta_rule(
+                *self._qkv(mixed), g[rows], beta[rows], matrix[chunk.slot]
+            )
         normed = gated_rms_norm(out.to(h.dtype), z.view(tokens, cfg.value_heads, cfg.value_dim), self.norm, self.eps)
         return self.out(normed.reshape(tokens, cfg.value_size))
 
@@ -124,8 +155,11 @@ class GatedDeltaNet:
         cfg = self.config
         q, k, v = mixed.split([cfg.key_size, cfg.key_size, cfg.value_size], dim=1)
         rows = mixed.shape[0]
-        return (q.view(rows, cfg.key_heads, cfg.key_dim), k.view(rows, cfg.key_heads, cfg.key_dim),
-                v.view(rows, cfg.value_heads, cfg.value_dim))
+        return (
+            q.view(rows, cfg.key_heads, cfg.key_dim),
+            k.view(rows, cfg.key_heads, cfg.key_dim),
+            v.view(rows, cfg.value_heads, cfg.value_dim),
+        )
 
 
 def split_grouped_projections(weights: dict[str, Weight], config: DeltaNetConfig) -> None:
@@ -134,16 +168,21 @@ def split_grouped_projections(weights: dict[str, Weight], config: DeltaNetConfig
     groups, per = config.key_heads, config.value_heads // config.key_heads
     dk, dv = config.key_dim, config.value_dim
     for name in [n for n in weights if n.endswith("linear_attn.in_proj_qkvz.weight")]:
-        prefix = name[:-len("in_proj_qkvz.weight")]
+        prefix = name[: -len("in_proj_qkvz.weight")]
         qkvz = _materialize(weights.pop(name))
         ba = _materialize(weights.pop(prefix + "in_proj_ba.weight"))
         hidden = qkvz.shape[-1]
         if qkvz.shape[0] != groups * (2 * dk + 2 * per * dv) or ba.shape[0] != groups * 2 * per:
-            raise ModelLoadError(f"checkpoint tensors {prefix}in_proj_qkvz / in_proj_ba have {qkvz.shape[0]} / "
-                                 f"{ba.shape[0]} rows, expected {groups * (2 * dk + 2 * per * dv)} / {groups * 2 * per}")
+            raise ModelLoadError(
+                f"checkpoint tensors {prefix}in_proj_qkvz / in_proj_ba have {qkvz.shape[0]} / "
+                f"{ba.shape[0]} rows, expected {groups * (2 * dk + 2 * per * dv)} / {groups * 2 * per}"
+            )
         q, k, v, z = qkvz.view(groups, -1, hidden).split([dk, dk, per * dv, per * dv], dim=1)
         b, a = ba.view(groups, -1, hidden).split([per, per], dim=1)
-        flat = lambda x: x.reshape(-1, hidden)
+
+        def flat(x: torch.Tensor, hidden: int = hidden) -> torch.Tensor:
+            return x.reshape(-1, hidden)
+
         weights[prefix + "in_proj_qkv.weight"] = torch.cat((flat(q), flat(k), flat(v)))
         weights[prefix + "in_proj_z.weight"], weights[prefix + "in_proj_b.weight"] = flat(z), flat(b)
         weights[prefix + "in_proj_a.weight"] = flat(a)

@@ -14,24 +14,38 @@ multimodal projector's are skipped unread; the api refuses image inputs."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from procs.worker.models.base import FULL, SLIDING, Weight, config_path, with_defaults
-from procs.worker.models.llama import LlamaConfig, LlamaModel
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec
-from shared.rope import RopeConfig
+from batchserve.procs.worker.models.base import FULL, SLIDING, Weight, config_path, with_defaults
+from batchserve.procs.worker.models.llama import LlamaConfig, LlamaModel
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec
+from batchserve.shared.rope import RopeConfig
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults for the keys read here
-GEMMA2_DEFAULTS: dict[str, Any] = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-                                   "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
-GEMMA3_DEFAULTS: dict[str, Any] = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                                   "attn_logit_softcapping": None, "final_logit_softcapping": None,
-                                   "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "sliding_window_pattern": 6,
-                                   "rope_theta": 1_000_000.0}
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+}
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -42,9 +56,17 @@ def _gemma(raw: dict[str, Any], spec: ModelSpec, default_layer_types: list[str],
     if raw.get("layer_types") is None:
         raw = {**raw, "layer_types": default_layer_types}
     return LlamaConfig.from_hf(
-        raw, spec, hidden_act="gelu_tanh", norm_offset=1.0, sandwich_norms=True, embed_scale=True,
-        attn_scale=float(raw["query_pre_attn_scalar"]) ** -0.5, attn_softcap=float(raw["attn_logit_softcapping"] or 0),
-        final_softcap=float(raw["final_logit_softcapping"] or 0), **switches)
+        raw,
+        spec,
+        hidden_act="gelu_tanh",
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=True,
+        attn_scale=float(raw["query_pre_attn_scalar"]) ** -0.5,
+        attn_softcap=float(raw["attn_logit_softcapping"] or 0),
+        final_softcap=float(raw["final_logit_softcapping"] or 0),
+        **switches,
+    )
 
 
 class Gemma2Model(LlamaModel):
@@ -71,14 +93,23 @@ class Gemma3Model(LlamaModel):
             raise ModelLoadError(str(e)) from None
         # the sliding layers' rope by their kind: a window spanning the served context masks nothing but
         # leaves the layer's rope its own
-        return _gemma(raw, spec, layer_types, qk_norm="head", local_rope=local,
-                      local_rope_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING))
+        return _gemma(
+            raw,
+            spec,
+            layer_types,
+            qk_norm="head",
+            local_rope=local,
+            local_rope_layers=tuple(i for i, kind in enumerate(layer_types) if kind == SLIDING),
+        )
 
 
 # checkpoint prefixes of Gemma3ForConditionalGeneration: the language model's, renamed to the decoder's,
 # and the towers a text model does not run
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                           "language_model.lm_head.": "lm_head."}
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
@@ -90,11 +121,26 @@ class Gemma3TextOfMultimodal(Gemma3Model):
         return super().config_from_hf(raw, spec)
 
     @classmethod
-    def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                     tp: TensorParallel | None = None) -> LlamaModel:
-        return super().from_tensors(config, _language_model(tensors), max_positions=max_positions, dtype=dtype,
-                                    device=device, quantization=quantization, tp=tp)
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ) -> LlamaModel:
+        return super().from_tensors(
+            config,
+            _language_model(tensors),
+            max_positions=max_positions,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            tp=tp,
+        )
 
 
 def _language_model(tensors: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str, Weight]]:
@@ -102,4 +148,4 @@ def _language_model(tensors: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str
         if name.startswith(SKIPPED_PREFIXES):
             continue
         prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
-        yield (name if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]), tensor
+        yield (name if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix) :]), tensor

@@ -18,12 +18,13 @@ With one rank every collective is the identity.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from kernels.ops import GATED_ACTIVATIONS, LinearWeight, linear, pack_linear_weight
-from procs.worker.parallel import TensorParallel
+from batchserve.kernels.ops import GATED_ACTIVATIONS, LinearWeight, linear, pack_linear_weight
+from batchserve.procs.worker.parallel import TensorParallel
 
 
 class _Linear:
@@ -52,8 +53,15 @@ class RowParallelLinear(_Linear):
     with `reduce` False this rank's partial product alone, which its caller sums (an MoE block sums its
     experts' and its shared expert's partial outputs in one all-reduce)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, tp: TensorParallel,
-                 *, reduce: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantization: str,
+        tp: TensorParallel,
+        *,
+        reduce: bool = True,
+    ):
         self.weight = pack_linear_weight(weight, quantization)
         self.bias = bias
         self.tp = tp
@@ -113,4 +121,4 @@ class ParallelLMHead:
         logits = linear(hidden, self.weight).float()
         if self.tp.world_size == 1:
             return logits
-        return self.tp.all_gather_last(logits)[:, :self.vocab_size]  # the last shard's padding dropped
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]  # the last shard's padding dropped

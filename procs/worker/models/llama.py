@@ -10,26 +10,27 @@ rotary and clip them, and replace a layer's MLP by a mixture of experts (`procs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from kernels import native
-from kernels.attention import AttentionBackend
-from kernels.decode_layers import DecodeLayers, LayerTensors, LoraPair
-from kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
-from kernels.rope import RotaryTables
-from kernels.panel_linear import PanelWeight
-from procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
-from procs.worker.lora import LoraSlots, attach
-from procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
-from procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, SparseMoeBlock, take_moe_block
-from procs.worker.models.weights import WeightTaker
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec
-from shared.rope import RopeConfig
+from batchserve.kernels import native
+from batchserve.kernels.attention import AttentionBackend
+from batchserve.kernels.decode_layers import DecodeLayers, LayerTensors, LoraPair
+from batchserve.kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
+from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.lora import LoraSlots, attach
+from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
+from batchserve.procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
+from batchserve.procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, SparseMoeBlock, take_moe_block
+from batchserve.procs.worker.models.weights import WeightTaker
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec
+from batchserve.shared.rope import RopeConfig
 
 QK_NORMS = ("none", "head", "projection")  # per head of head_dim (Qwen3), or over the whole q / k projection (OLMoE)
 
@@ -95,15 +96,38 @@ class LlamaModel:
         return LlamaConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)))
 
     @classmethod
-    def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                     tp: TensorParallel | None = None) -> LlamaModel:
-        return cls(config, dict(tensors if config.lm_head else headless_tensors(tensors)), max_positions=max_positions,
-                   dtype=dtype, device=device, quantization=quantization, tp=tp)
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ) -> LlamaModel:
+        return cls(
+            config,
+            dict(tensors if config.lm_head else headless_tensors(tensors)),
+            max_positions=max_positions,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            tp=tp,
+        )
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, Weight], *, max_positions: int,
-                 dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                 tp: TensorParallel | None = None):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, Weight],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ):
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.heads = RankHeads.of(config, tp)
@@ -113,15 +137,18 @@ class LlamaModel:
         take = WeightTaker(weights, dtype, device, quantization)
         embed_shape = take.shape("model.embed_tokens.weight")
         if embed_shape != (config.vocab_size, config.hidden_size):
-            raise ModelLoadError(f"embedding shape {embed_shape} does not match config "
-                                 f"({config.vocab_size}, {config.hidden_size})")
+            raise ModelLoadError(
+                f"embedding shape {embed_shape} does not match config ({config.vocab_size}, {config.hidden_size})"
+            )
         vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
         vocab = slice(vocab_start, vocab_start + vocab_rows)
-        self.embed = VocabParallelEmbedding(take("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows),
-                                            vocab_start, tp)
+        self.embed = VocabParallelEmbedding(
+            take("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows), vocab_start, tp
+        )
         sparse = set(config.moe.sparse_layers) if config.moe else set()
-        self.intermediate = None if len(sparse) == config.num_layers else \
-            tp.split(config.intermediate_size, "intermediate_size")
+        self.intermediate = (
+            None if len(sparse) == config.num_layers else tp.split(config.intermediate_size, "intermediate_size")
+        )
         self.layers = [self._layer(take, i, i in sparse) for i in range(config.num_layers)]
         self.final_norm = self._norm(take, "model.norm.weight")
         self.lm_head: ParallelLMHead | None = None  # none: the pooling runner's model (`ModelConfig.lm_head`)
@@ -136,19 +163,32 @@ class LlamaModel:
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
         self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
-        self.local_rope = None if config.local_rope is None else RotaryTables(
-            config.local_rope, config.head_dim, max_positions, device=device, dtype=dtype)
+        self.local_rope = (
+            None
+            if config.local_rope is None
+            else RotaryTables(config.local_rope, config.head_dim, max_positions, device=device, dtype=dtype)
+        )
         if self.local_rope is not None and (self.rope.follows_length or self.local_rope.follows_length):
-            raise ModelLoadError(f"a rope that follows the length ({config.rope.kind}) beside the sliding layers' own "
-                                 f"rope is not supported: the two would need rows of their own")
+            raise ModelLoadError(
+                f"a rope that follows the length ({config.rope.kind}) beside the sliding layers' own "
+                f"rope is not supported: the two would need rows of their own"
+            )
         # Steps on the cpu attention backend run every layer in one C call where the layers
         # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
         # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
-        plain = (config.hidden_act == "silu" and not config.sandwich_norms and not config.attn_softcap
-                 and not config.attn_sinks and config.local_rope is None and self.rope.rotary_dim == config.head_dim
-                 and not config.attn_output_gate and not config.linear_layers)
-        self.fuse_decode_layers = native.available() and tp.world_size == 1 and plain and all(
-            _in_c(layer) for layer in self.layers)
+        plain = (
+            config.hidden_act == "silu"
+            and not config.sandwich_norms
+            and not config.attn_softcap
+            and not config.attn_sinks
+            and config.local_rope is None
+            and self.rope.rotary_dim == config.head_dim
+            and not config.attn_output_gate
+            and not config.linear_layers
+        )
+        self.fuse_decode_layers = (
+            native.available() and tp.world_size == 1 and plain and all(_in_c(layer) for layer in self.layers)
+        )
         self._decode_layers: tuple[AttentionBackend, int, DecodeLayers] | None = None  # and the adapters' version
         self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
 
@@ -173,10 +213,16 @@ class LlamaModel:
         cfg, heads, tp = self.config, self.heads, self.tp
         q = _head_rows(heads.q, cfg.head_dim)
         kv = _head_rows(heads.kv, cfg.head_dim)
+
         # a norm per head is the same on every rank; over the projection, each rank takes its heads' share
-        norm_rows = lambda rows: rows if cfg.qk_norm == "projection" else None
+        def norm_rows(rows: slice) -> slice | None:
+            return rows if cfg.qk_norm == "projection" else None
+
         block = self._mlp(take, layer, sparse)
-        norm = lambda name, rows=None: self._norm(take, layer + name, rows)
+
+        def norm(name: str, rows: slice | None = None) -> torch.Tensor:
+            return self._norm(take, layer + name, rows)
+
         sandwich = cfg.sandwich_norms
         return LayerWeights(
             input_norm=norm("input_layernorm.weight"),
@@ -196,9 +242,11 @@ class LlamaModel:
         if sparse:
             return self._moe_block(take, layer)
         mlp, cfg = layer + "mlp.", self.config
-        return GatedMLP(take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)],
-                                    cfg.mlp_bias),
-                        take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, self.tp), cfg.hidden_act)
+        return GatedMLP(
+            take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)], cfg.mlp_bias),
+            take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, self.tp),
+            cfg.hidden_act,
+        )
 
     def _moe_block(self, take: WeightTaker, layer: str) -> SparseMoeBlock:
         """Layer `layer`'s (prefix `model.layers.{i}.`) mixture of experts, this rank's share of it."""
@@ -211,21 +259,27 @@ class LlamaModel:
             return take(name, rows=rows)
         return (take(name, rows=rows, dtype=torch.float32) + offset).to(take.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend,
-                logits_rows: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """Run the packed tokens; return float32 logits [len(logits_rows), vocab] for the chosen rows."""
         h = self.hidden_states(input_ids, positions, attention)
         return None if logits_rows is None else self.lm_head_logits(h[logits_rows])
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attention: AttentionBackend) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
         """Run the packed tokens; every token's final-normed hidden state [num_tokens, hidden]."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         cos, sin = self.rope.lookup(positions)
         hidden = self.embed(input_ids)
         if cfg.embed_scale:
-            hidden = hidden * torch.tensor(cfg.hidden_size ** 0.5, dtype=hidden.dtype)
+            hidden = hidden * torch.tensor(cfg.hidden_size**0.5, dtype=hidden.dtype)
         # The residual stream: each sublayer's output is added to `residual` by the norm that follows
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
@@ -248,14 +302,21 @@ class LlamaModel:
             h, residual = add_rms_norm(out, residual, next_norm, eps)
         return h  # the final norm of every row
 
-    def _attention(self, layer: LayerWeights, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attention: AttentionBackend) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: LayerWeights,
+        index: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
         """The attention sublayer's output (before the residual add); a linear layer's mixer's instead."""
         if layer.mixer is not None:
             return layer.mixer(h, attention.kv_cache.states)
         qk, v = self._qk_v(layer.qkv(h), layer)
         qk = self._rotate(qk, cos, sin)
-        q, k = qk[:, :self.heads.num_heads], qk[:, self.heads.num_heads:]
+        q, k = qk[:, : self.heads.num_heads], qk[:, self.heads.num_heads :]
         attended = attention.forward(q, k, v, self.kv_index[index], layer.sinks).reshape(h.shape[0], self.q_size)
         if layer.attn_gate is not None:
             attended = attended * torch.sigmoid(layer.attn_gate(h))
@@ -273,19 +334,32 @@ class LlamaModel:
         [tokens, KVH, D]; the same arithmetic as the fused decode call's."""
         cfg, heads = self.config, self.heads
         tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
-        qk, v = qkv[:, :q_size + kv_size], qkv[:, q_size + kv_size:]
+        qk, v = qkv[:, : q_size + kv_size], qkv[:, q_size + kv_size :]
         if cfg.qk_norm == "head":
-            qk = torch.cat((rms_norm_groups(qkv[:, :q_size], layer.q_norm, cfg.rms_norm_eps, heads.num_heads),
-                            rms_norm_groups(qkv[:, q_size:q_size + kv_size], layer.k_norm, cfg.rms_norm_eps,
-                                            heads.num_kv_heads)), dim=1)
+            qk = torch.cat(
+                (
+                    rms_norm_groups(qkv[:, :q_size], layer.q_norm, cfg.rms_norm_eps, heads.num_heads),
+                    rms_norm_groups(
+                        qkv[:, q_size : q_size + kv_size], layer.k_norm, cfg.rms_norm_eps, heads.num_kv_heads
+                    ),
+                ),
+                dim=1,
+            )
         elif cfg.qk_norm == "projection":
             kv_replicas = max(1, self.tp.world_size // cfg.num_kv_heads)  # ranks holding each KV head
-            qk = torch.cat((self._projection_norm(qkv[:, :q_size], layer.q_norm, 1),
-                            self._projection_norm(qkv[:, q_size:q_size + kv_size], layer.k_norm, kv_replicas)), dim=1)
+            qk = torch.cat(
+                (
+                    self._projection_norm(qkv[:, :q_size], layer.q_norm, 1),
+                    self._projection_norm(qkv[:, q_size : q_size + kv_size], layer.k_norm, kv_replicas),
+                ),
+                dim=1,
+            )
         if cfg.clip_qkv is not None:
             qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
-        return (qk.view(tokens, heads.num_heads + heads.num_kv_heads, cfg.head_dim),
-                v.view(tokens, heads.num_kv_heads, cfg.head_dim))
+        return (
+            qk.view(tokens, heads.num_heads + heads.num_kv_heads, cfg.head_dim),
+            v.view(tokens, heads.num_kv_heads, cfg.head_dim),
+        )
 
     def _projection_norm(self, x: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
         """RMSNorm over a whole projection of which this rank holds columns `x` (its weight's share): the
@@ -305,13 +379,27 @@ class LlamaModel:
             cfg, cache = self.config, attention.kv_cache
             norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
             windows = cfg.windows or (0,) * cfg.num_layers
-            layers = [_layer_tensors(layer, next_norm, cache.k[i], cache.v[i], windows[i])
-                      for i, (layer, next_norm) in enumerate(zip(self.layers, norms))]
-            self._decode_layers = (attention, version, DecodeLayers(
-                layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                intermediate=0 if self.intermediate is None else cfg.intermediate_size,  # 0: every layer MoE
-                page_size=cache.page_size, eps=cfg.rms_norm_eps,
-                scale=attention.scale, whole_qk_norm=cfg.qk_norm == "projection", clip_qkv=cfg.clip_qkv or 0.0))
+            layers = [
+                _layer_tensors(layer, next_norm, cache.k[i], cache.v[i], windows[i])
+                for i, (layer, next_norm) in enumerate(zip(self.layers, norms))
+            ]
+            self._decode_layers = (
+                attention,
+                version,
+                DecodeLayers(
+                    layers,
+                    hidden=cfg.hidden_size,
+                    heads=cfg.num_heads,
+                    kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    intermediate=0 if self.intermediate is None else cfg.intermediate_size,  # 0: every layer MoE
+                    page_size=cache.page_size,
+                    eps=cfg.rms_norm_eps,
+                    scale=attention.scale,
+                    whole_qk_norm=cfg.qk_norm == "projection",
+                    clip_qkv=cfg.clip_qkv or 0.0,
+                ),
+            )
         return self._decode_layers[2]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -337,21 +425,37 @@ def headless_tensors(tensors: Iterable[tuple[str, Weight]]) -> Iterator[tuple[st
         yield (name if name.startswith(("model.", "lm_head.")) else "model." + name), tensor
 
 
-def _layer_tensors(layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, window: int) -> LayerTensors:
+def _layer_tensors(
+    layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int
+) -> LayerTensors:
     """What the fused decode call reads of a layer (`_in_c` said it can)."""
     mlp = layer.mlp
     moe = mlp.native if isinstance(mlp, SparseMoeBlock) else None
     dense = (None, None, None, None) if moe else (mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
     projections = (layer.qkv, layer.o) + ((None, None) if moe else (mlp.gate_up, mlp.down))
-    return LayerTensors(layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, *dense, moe, layer.q_norm,
-                        layer.k_norm, layer.post_norm, next_norm, k_pool, v_pool, window,
-                        tuple(_lora_pair(p) for p in projections))
+    return LayerTensors(
+        layer.qkv.weight,
+        layer.qkv.bias,
+        layer.o.weight,
+        layer.o.bias,
+        *dense,
+        moe,
+        layer.q_norm,
+        layer.k_norm,
+        layer.post_norm,
+        next_norm,
+        k_pool,
+        v_pool,
+        window,
+        tuple(_lora_pair(p) for p in projections),
+    )
 
 
 def _lora_pair(projection: Any) -> LoraPair | None:
     """A projection's stacked LoRA pairs for the fused call (None: no adapter targets it)."""
-    stack = None if projection is None or projection.lora is None else projection.lora.stack(projection.weight.out_features)
+    stack = (
+        None if projection is None or projection.lora is None else projection.lora.stack(projection.weight.out_features)
+    )
     return None if stack is None else LoraPair(*stack)
 
 

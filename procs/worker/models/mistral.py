@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from procs.worker.models.base import sliding_windows
-from procs.worker.models.llama import LlamaConfig, LlamaModel
-from shared.model import ModelSpec
+from batchserve.procs.worker.models.base import sliding_windows
+from batchserve.procs.worker.models.llama import LlamaConfig, LlamaModel
+from batchserve.shared.model import ModelSpec
 
 DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig default
 
@@ -16,5 +16,6 @@ DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig default
 class MistralModel(LlamaModel):
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
-        return LlamaConfig.from_hf(raw, spec, windows=sliding_windows(raw, spec, every_layer=True,
-                                                                      default=DEFAULT_SLIDING_WINDOW))
+        return LlamaConfig.from_hf(
+            raw, spec, windows=sliding_windows(raw, spec, every_layer=True, default=DEFAULT_SLIDING_WINDOW)
+        )

@@ -22,14 +22,23 @@ from typing import Any
 
 import torch
 
-from kernels.moe import (ExpertActivation, Experts, NativeMoeBlock, SharedExpert, count_load, experts_forward,
-                         grouped_mm_runs, pack_experts, route)
-from kernels.ops import linear, pack_linear_weight
-from kernels.panel_linear import PanelWeight
-from procs.worker.models.layers import GatedMLP
-from procs.worker.models.weights import WeightTaker
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError
+from batchserve.kernels.moe import (
+    ExpertActivation,
+    Experts,
+    NativeMoeBlock,
+    SharedExpert,
+    count_load,
+    experts_forward,
+    grouped_mm_runs,
+    pack_experts,
+    route,
+)
+from batchserve.kernels.ops import linear, pack_linear_weight
+from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.procs.worker.models.layers import GatedMLP
+from batchserve.procs.worker.models.weights import WeightTaker
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError
 
 # Router fields of other MoE families that this block does not implement, and the value that means
 # "as this block does" (DeepSeek's grouped top-k and sigmoid scoring, GLM's scaling, ...).
@@ -67,24 +76,45 @@ class MoEConfig:
     activation: ExpertActivation = "silu"  # the experts' (gpt-oss: a ClampedSwiGLU)
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], where: str, *, num_layers: int, num_experts: int, top_k: int,
-                intermediate_size: int, norm_topk_prob: bool, shared_expert_intermediate_size: int = 0,
-                decoder_sparse_step: int = 1, mlp_only_layers: tuple[int, ...] = ()) -> MoEConfig:
+    def from_hf(
+        cls,
+        raw: dict[str, Any],
+        where: str,
+        *,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk_prob: bool,
+        shared_expert_intermediate_size: int = 0,
+        decoder_sparse_step: int = 1,
+        mlp_only_layers: tuple[int, ...] = (),
+    ) -> MoEConfig:
         """The block an architecture read from config.json `raw` (its own keys, its transformers defaults);
         ModelLoadError naming a router field of another family."""
         for field, fine in UNSUPPORTED_ROUTER_FIELDS.items():
             if raw.get(field) not in fine:
-                raise ModelLoadError(f"unsupported MoE router setting {field}={raw[field]!r} in {where} "
-                                     f"(this block routes by softmax over the experts, then the top k)")
+                raise ModelLoadError(
+                    f"unsupported MoE router setting {field}={raw[field]!r} in {where} "
+                    f"(this block routes by softmax over the experts, then the top k)"
+                )
         if not 1 <= top_k <= num_experts:
             raise ModelLoadError(f"num_experts_per_tok {top_k} in {where} must be in [1, {num_experts}]")
         if decoder_sparse_step < 1:
             raise ModelLoadError(f"decoder_sparse_step {decoder_sparse_step} in {where} must be >= 1")
-        sparse = tuple(i for i in range(num_layers)
-                       if i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0)
-        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate_size,
-                   norm_topk_prob=norm_topk_prob, sparse_layers=sparse,
-                   shared_expert_intermediate_size=shared_expert_intermediate_size)
+        sparse = tuple(
+            i
+            for i in range(num_layers)
+            if i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
+        )
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=shared_expert_intermediate_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,11 +136,21 @@ class SparseMoeBlock:
     """Router, this rank's experts and (Qwen2-MoE) a shared expert gated by sigmoid(x . gate): the block's
     output, summed over the ranks. `load` [num_experts] counts the tokens routed to each expert."""
 
-    def __init__(self, config: MoEConfig, router: torch.Tensor, router_bias: torch.Tensor | None, experts: Experts,
-                 shared: GatedMLP | None, shared_gate: torch.Tensor | None, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        router: torch.Tensor,
+        router_bias: torch.Tensor | None,
+        experts: Experts,
+        shared: GatedMLP | None,
+        shared_gate: torch.Tensor | None,
+        tp: TensorParallel,
+    ) -> None:
         if router.device.type == "cuda" and not grouped_mm_runs(router.device, experts.gate_up.dtype):
-            raise ModelLoadError(f"mixture-of-experts layers on CUDA run at bfloat16 (torch._grouped_mm, which CUDA "
-                                 f"graphs capture; torch {torch.__version__}): serve with --dtype bfloat16")
+            raise ModelLoadError(
+                f"mixture-of-experts layers on CUDA run at bfloat16 (torch._grouped_mm, which CUDA "
+                f"graphs capture; torch {torch.__version__}): serve with --dtype bfloat16"
+            )
         self.config = config
         self.tp = tp
         self.experts = experts
@@ -123,15 +163,29 @@ class SparseMoeBlock:
 
     def _native(self) -> NativeMoeBlock | None:
         """The C kernel's block where every weight is panels (fp32 or int8 on the CPU)."""
-        weights = [self.router] + ([] if self.shared is None else
-                                   [self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate])
-        if not (self.experts.panels and self.experts.activation == "silu"
-                and all(isinstance(w, PanelWeight) for w in weights)):
+        weights = [self.router] + (
+            [] if self.shared is None else [self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate]
+        )
+        if not (
+            self.experts.panels
+            and self.experts.activation == "silu"
+            and all(isinstance(w, PanelWeight) for w in weights)
+        ):
             return None
-        shared = None if self.shared is None else SharedExpert(self.shared.gate_up.weight, self.shared.down.weight,
-                                                              self.shared_gate)
-        return NativeMoeBlock(self.router, self.router_bias, self.experts, shared, top_k=self.config.top_k,
-                              renormalize=self.config.norm_topk_prob, load=self.load)
+        shared = (
+            None
+            if self.shared is None
+            else SharedExpert(self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate)
+        )
+        return NativeMoeBlock(
+            self.router,
+            self.router_bias,
+            self.experts,
+            shared,
+            top_k=self.config.top_k,
+            renormalize=self.config.norm_topk_prob,
+            load=self.load,
+        )
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -146,8 +200,9 @@ class SparseMoeBlock:
         return self.tp.all_reduce(out)
 
 
-def take_moe_block(take: WeightTaker, layer: str, names: ExpertNames, config: MoEConfig, hidden: int,
-                   tp: TensorParallel) -> SparseMoeBlock:
+def take_moe_block(
+    take: WeightTaker, layer: str, names: ExpertNames, config: MoEConfig, hidden: int, tp: TensorParallel
+) -> SparseMoeBlock:
     """Layer `layer`'s block (prefix `model.layers.{i}.`), this rank's share of it."""
     experts, inter = expert_shard(config, tp)
     if take.has(f"{layer}{FUSED_BLOCK}experts.gate_up_proj"):
@@ -163,12 +218,20 @@ def take_moe_block(take: WeightTaker, layer: str, names: ExpertNames, config: Mo
     if config.shared_expert_intermediate_size:
         rows = tp.split(config.shared_expert_intermediate_size, "shared_expert_intermediate_size")
         prefix = f"{layer}{block}shared_expert."
-        shared = GatedMLP(take.column([(prefix + "gate_proj", rows), (prefix + "up_proj", rows)], False),
-                          take.row(prefix + "down_proj", rows, False, tp, reduce=False))
+        shared = GatedMLP(
+            take.column([(prefix + "gate_proj", rows), (prefix + "up_proj", rows)], False),
+            take.row(prefix + "down_proj", rows, False, tp, reduce=False),
+        )
         shared_gate = take(f"{layer}{block}shared_expert_gate.weight")
-    return SparseMoeBlock(config, router, router_bias,
-                          pack_experts(gate_up, down, None, None, first=experts.start, quantization=take.quantization),
-                          shared, shared_gate, tp)
+    return SparseMoeBlock(
+        config,
+        router,
+        router_bias,
+        pack_experts(gate_up, down, None, None, first=experts.start, quantization=take.quantization),
+        shared,
+        shared_gate,
+        tp,
+    )
 
 
 def expert_shard(config: MoEConfig, tp: TensorParallel) -> tuple[slice, slice]:
@@ -179,19 +242,21 @@ def expert_shard(config: MoEConfig, tp: TensorParallel) -> tuple[slice, slice]:
     return slice(0, config.num_experts), tp.split(config.intermediate_size, "the experts' intermediate size")
 
 
-def _fused_experts(take: WeightTaker, prefix: str, config: MoEConfig, hidden: int, experts: slice,
-                   inter: slice) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_experts(
+    take: WeightTaker, prefix: str, config: MoEConfig, hidden: int, experts: slice, inter: slice
+) -> tuple[torch.Tensor, torch.Tensor]:
     size, count = config.intermediate_size, config.num_experts
     take.expect(prefix + "gate_up_proj", (count, 2 * size, hidden))
     take.expect(prefix + "down_proj", (count, hidden, size))
     up = slice(size + inter.start, size + inter.stop)
     gate_rows, up_rows = take.parts(prefix + "gate_up_proj", [(experts, inter), (experts, up)])
-    down, = take.parts(prefix + "down_proj", [(experts, slice(None), inter)])
+    (down,) = take.parts(prefix + "down_proj", [(experts, slice(None), inter)])
     return torch.cat((gate_rows, up_rows), dim=1), down
 
 
-def _per_expert(take: WeightTaker, prefix: str, names: ExpertNames, config: MoEConfig, hidden: int,
-                experts: slice, inter: slice) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_expert(
+    take: WeightTaker, prefix: str, names: ExpertNames, config: MoEConfig, hidden: int, experts: slice, inter: slice
+) -> tuple[torch.Tensor, torch.Tensor]:
     size = config.intermediate_size
     gate_up, down = [], []
     for e in range(config.num_experts):
@@ -202,7 +267,10 @@ def _per_expert(take: WeightTaker, prefix: str, names: ExpertNames, config: MoEC
             for name in (names.gate, names.up, names.down):
                 take.skip(f"{expert}{name}.weight")
             continue
-        gate_up.append(torch.cat((take(f"{expert}{names.gate}.weight", rows=inter),
-                                  take(f"{expert}{names.up}.weight", rows=inter))))
+        gate_up.append(
+            torch.cat(
+                (take(f"{expert}{names.gate}.weight", rows=inter), take(f"{expert}{names.up}.weight", rows=inter))
+            )
+        )
         down.append(take(f"{expert}{names.down}.weight", cols=inter))
     return torch.stack(gate_up), torch.stack(down)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.model import ModelLoadError
+from batchserve.shared.model import ModelLoadError
 
 # E2M1 values of the 16 nibbles: sign bit, two exponent bits, one mantissa bit
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -25,10 +25,14 @@ QUANT_METHOD = "mxfp4"
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, name: str = "") -> torch.Tensor:
     """fp32 [..., rows, G * 32] from `blocks` [..., rows, G, 16] uint8 and `scales` [..., rows, G] uint8."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ModelLoadError(f"MXFP4 tensor {name}: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}")
+        raise ModelLoadError(
+            f"MXFP4 tensor {name}: blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}"
+        )
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ModelLoadError(f"MXFP4 tensor {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
-                             f"must be [..., G, {BLOCK // 2}] and [..., G]")
+        raise ModelLoadError(
+            f"MXFP4 tensor {name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+            f"must be [..., G, {BLOCK // 2}] and [..., G]"
+        )
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # [..., G, 16, 2]
     values = values.flatten(-2)  # [..., G, 32]: low nibble, high nibble, next byte

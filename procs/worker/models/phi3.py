@@ -6,15 +6,16 @@ set (Phi-3-mini-4k's 2047)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from procs.worker.models.base import Weight, sliding_windows
-from procs.worker.models.llama import LlamaConfig, LlamaModel
-from procs.worker.models.weights import split_fused
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelSpec
+from batchserve.procs.worker.models.base import Weight, sliding_windows
+from batchserve.procs.worker.models.llama import LlamaConfig, LlamaModel
+from batchserve.procs.worker.models.weights import split_fused
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelSpec
 
 
 class Phi3Model(LlamaModel):
@@ -23,14 +24,26 @@ class Phi3Model(LlamaModel):
         return LlamaConfig.from_hf(raw, spec, windows=sliding_windows(raw, spec, every_layer=True))
 
     @classmethod
-    def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                     tp: TensorParallel | None = None) -> LlamaModel:
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ) -> LlamaModel:
         weights = dict(tensors)
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        split_fused(weights, "self_attn.qkv_proj.weight",
-                    [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv), ("self_attn.v_proj.weight", kv)])
+        split_fused(
+            weights,
+            "self_attn.qkv_proj.weight",
+            [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv), ("self_attn.v_proj.weight", kv)],
+        )
         mlp = config.intermediate_size
         split_fused(weights, "mlp.gate_up_proj.weight", [("mlp.gate_proj.weight", mlp), ("mlp.up_proj.weight", mlp)])
-        return cls(config, weights, max_positions=max_positions, dtype=dtype, device=device,
-                   quantization=quantization, tp=tp)
+        return cls(
+            config, weights, max_positions=max_positions, dtype=dtype, device=device, quantization=quantization, tp=tp
+        )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from procs.worker.models.llama import LlamaConfig, LlamaModel
-from shared.model import ModelSpec
+from batchserve.procs.worker.models.llama import LlamaConfig, LlamaModel
+from batchserve.shared.model import ModelSpec
 
 
 class Qwen3Model(LlamaModel):

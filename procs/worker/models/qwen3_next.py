@@ -17,33 +17,53 @@ Tensor parallelism splits the linear layers by key heads (each with its value he
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from procs.worker.lora import LoraSlots, LoraTarget
-from procs.worker.models.base import Weight, config_path, with_defaults
-from procs.worker.models.gated_deltanet import DeltaNetConfig, GatedDeltaNet, split_grouped_projections
-from procs.worker.models.llama import LayerWeights, LlamaConfig, LlamaModel
-from procs.worker.models.moe import MoEConfig, num_experts
-from procs.worker.models.qwen_moe import qwen_moe_config
-from procs.worker.models.weights import WeightTaker
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError, ModelSpec
+from batchserve.procs.worker.lora import LoraSlots, LoraTarget
+from batchserve.procs.worker.models.base import Weight, config_path, with_defaults
+from batchserve.procs.worker.models.gated_deltanet import DeltaNetConfig, GatedDeltaNet, split_grouped_projections
+from batchserve.procs.worker.models.llama import LayerWeights, LlamaConfig, LlamaModel
+from batchserve.procs.worker.models.moe import MoEConfig, num_experts
+from batchserve.procs.worker.models.qwen_moe import qwen_moe_config
+from batchserve.procs.worker.models.weights import WeightTaker
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError, ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"  # transformers' `layer_types` here
 # transformers' config defaults (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig) for the keys read here
 HYBRID_DEFAULTS: dict[str, Any] = {
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4, "head_dim": 256,
-    "attention_bias": False, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+}
 QWEN3_NEXT_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": None}
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": None,
+}
 QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": None, "intermediate_size": 0}
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": None,
+    "intermediate_size": 0,
+}
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 
@@ -67,10 +87,20 @@ def hybrid_config(raw: dict[str, Any], spec: ModelSpec, moe: MoEConfig | None) -
         raw = {**raw, "partial_rotary_factor": 0.25}  # transformers' default for these models
     deltanet = DeltaNetConfig.from_hf(raw, where)
     bias = bool(raw["attention_bias"])
-    return HybridConfig.from_hf(raw, spec, qkv_bias=bias, o_bias=bias, qk_norm="head", norm_offset=1.0,
-                                attn_output_gate=True, moe=moe, windows=(), deltanet=deltanet,
-                                linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == LINEAR),
-                                recurrent=deltanet.state)
+    return HybridConfig.from_hf(
+        raw,
+        spec,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="head",
+        norm_offset=1.0,
+        attn_output_gate=True,
+        moe=moe,
+        windows=(),
+        deltanet=deltanet,
+        linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == LINEAR),
+        recurrent=deltanet.state,
+    )
 
 
 class HybridModel(LlamaModel):
@@ -79,16 +109,27 @@ class HybridModel(LlamaModel):
     config: HybridConfig
 
     @classmethod
-    def from_tensors(cls, config: LlamaConfig, tensors: Iterable[tuple[str, Weight]], *, max_positions: int,
-                     dtype: torch.dtype, device: torch.device, quantization: str = "none",
-                     tp: TensorParallel | None = None) -> LlamaModel:
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str = "none",
+        tp: TensorParallel | None = None,
+    ) -> LlamaModel:
         assert isinstance(config, HybridConfig) and config.deltanet is not None
         weights = dict(_text_model(tensors))
         split_grouped_projections(weights, config.deltanet)
-        for name in [n for n in weights if n.endswith("self_attn.q_proj.weight") or n.endswith("self_attn.q_proj.bias")]:
+        for name in [
+            n for n in weights if n.endswith("self_attn.q_proj.weight") or n.endswith("self_attn.q_proj.bias")
+        ]:
             _split_query_gate(weights, name, config.head_dim)
-        return cls(config, weights, max_positions=max_positions, dtype=dtype, device=device,
-                   quantization=quantization, tp=tp)
+        return cls(
+            config, weights, max_positions=max_positions, dtype=dtype, device=device, quantization=quantization, tp=tp
+        )
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
         """As the decoder's, on the full layers' attention and every layer's MLP (the linear layers' own
@@ -112,11 +153,19 @@ class HybridModel(LlamaModel):
             return layer
         assert cfg.deltanet is not None
         prefix = f"model.layers.{i}."
-        mixer = GatedDeltaNet(take, prefix + "linear_attn.", cfg.deltanet, cfg.linear_layers.index(i),
-                              cfg.rms_norm_eps, self.tp)
-        return LayerWeights(input_norm=self._norm(take, prefix + "input_layernorm.weight"), qkv=None, q_norm=None,
-                            k_norm=None, o=None, post_norm=self._norm(take, prefix + "post_attention_layernorm.weight"),
-                            mlp=self._mlp(take, prefix, sparse), mixer=mixer)
+        mixer = GatedDeltaNet(
+            take, prefix + "linear_attn.", cfg.deltanet, cfg.linear_layers.index(i), cfg.rms_norm_eps, self.tp
+        )
+        return LayerWeights(
+            input_norm=self._norm(take, prefix + "input_layernorm.weight"),
+            qkv=None,
+            q_norm=None,
+            k_norm=None,
+            o=None,
+            post_norm=self._norm(take, prefix + "post_attention_layernorm.weight"),
+            mlp=self._mlp(take, prefix, sparse),
+            mixer=mixer,
+        )
 
 
 class Qwen3NextModel(HybridModel):
@@ -138,7 +187,9 @@ class Qwen3_5MoeModel(HybridModel):
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> LlamaConfig:
         raw = with_defaults(raw, {**HYBRID_DEFAULTS, **QWEN3_5_MOE_DEFAULTS})
-        return hybrid_config(raw, spec, qwen_moe_config(raw, spec, num_experts(raw, 256), int(raw["shared_expert_intermediate_size"])))
+        return hybrid_config(
+            raw, spec, qwen_moe_config(raw, spec, num_experts(raw, 256), int(raw["shared_expert_intermediate_size"]))
+        )
 
 
 def _text_model(tensors: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str, Weight]]:
@@ -147,14 +198,18 @@ def _text_model(tensors: Iterable[tuple[str, Weight]]) -> Iterable[tuple[str, We
     for name, tensor in tensors:
         if name.startswith(SKIPPED_PREFIXES):
             continue
-        yield ("model." + name[len(LANGUAGE_MODEL_PREFIX):] if name.startswith(LANGUAGE_MODEL_PREFIX) else name), tensor
+        yield (
+            ("model." + name[len(LANGUAGE_MODEL_PREFIX) :] if name.startswith(LANGUAGE_MODEL_PREFIX) else name),
+            tensor,
+        )
 
 
 def _split_query_gate(weights: dict[str, Weight], name: str, head_dim: int) -> None:
     """q_proj's weight or bias as q_proj and q_gate (`split_query_gate`)."""
     tensor = weights.pop(name)
     weights[name], weights[name.replace("q_proj", "q_gate")] = split_query_gate(
-        tensor if isinstance(tensor, torch.Tensor) else tensor[:], head_dim)
+        tensor if isinstance(tensor, torch.Tensor) else tensor[:], head_dim
+    )
 
 
 def split_query_gate(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,14 +4,14 @@ the model's dtype and device, and checked for its shape, naming it when it is mi
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from procs.worker.models.base import Weight
-from procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
-from procs.worker.parallel import TensorParallel
-from shared.model import ModelLoadError
+from batchserve.procs.worker.models.base import Weight
+from batchserve.procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.model import ModelLoadError
 
 Index = tuple[slice, ...]
 
@@ -48,8 +48,15 @@ class WeightTaker:
         self._get(name)
         del self.weights[name]
 
-    def __call__(self, name: str, *, rows: slice | None = None, cols: slice | None = None,
-                 pad_rows: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        name: str,
+        *,
+        rows: slice | None = None,
+        cols: slice | None = None,
+        pad_rows: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """Tensor `name` (its `rows`, or its `cols` of every row), zero rows appended up to `pad_rows`."""
         index = (rows,) if rows is not None else (slice(None), cols) if cols is not None else (slice(None),)
         tensor = self.parts(name, [index], dtype)[0]
@@ -68,14 +75,21 @@ class WeightTaker:
         """The named projections' output `rows` (`<name>.weight`, and `<name>.bias` with `bias`), fused
         along the output."""
         biases = [self(name + ".bias", rows=rows) for name, rows in projections] if bias else None
-        return ColumnParallelLinear([self(name + ".weight", rows=rows) for name, rows in projections], biases,
-                                    self.quantization)
+        return ColumnParallelLinear(
+            [self(name + ".weight", rows=rows) for name, rows in projections], biases, self.quantization
+        )
 
-    def row(self, projection: str, cols: slice, bias: bool, tp: TensorParallel, *,
-            reduce: bool = True) -> RowParallelLinear:
+    def row(
+        self, projection: str, cols: slice, bias: bool, tp: TensorParallel, *, reduce: bool = True
+    ) -> RowParallelLinear:
         """The projection's input `cols`, and its whole bias with `bias`; `reduce`: summed over the ranks."""
-        return RowParallelLinear(self(projection + ".weight", cols=cols),
-                                 self(projection + ".bias") if bias else None, self.quantization, tp, reduce=reduce)
+        return RowParallelLinear(
+            self(projection + ".weight", cols=cols),
+            self(projection + ".bias") if bias else None,
+            self.quantization,
+            tp,
+            reduce=reduce,
+        )
 
 
 class FusedPart:
@@ -100,13 +114,15 @@ class FusedPart:
 def split_fused(weights: dict[str, Weight], fused: str, parts: list[tuple[str, int]]) -> None:
     """Replace every tensor named `*<fused>` by its consecutive row blocks `*<part>` of `rows` rows each."""
     for name in [n for n in weights if n.endswith(fused)]:
-        weight, prefix, start = weights.pop(name), name[:-len(fused)], 0
+        weight, prefix, start = weights.pop(name), name[: -len(fused)], 0
         shape = FusedPart(weight, 0, 0).get_shape()[1:]
         total = sum(rows for _, rows in parts)
         rows_there = weight.shape[0] if isinstance(weight, torch.Tensor) else weight.get_shape()[0]
         if rows_there != total:
-            raise ModelLoadError(f"checkpoint tensor {name} has {rows_there} rows, expected {total} "
-                                 f"({' + '.join(f'{part} {rows}' for part, rows in parts)}) of width {shape}")
+            raise ModelLoadError(
+                f"checkpoint tensor {name} has {rows_there} rows, expected {total} "
+                f"({' + '.join(f'{part} {rows}' for part, rows in parts)}) of width {shape}"
+            )
         for part, rows in parts:
             weights[prefix + part] = FusedPart(weight, start, start + rows)
             start += rows
