@@ -142,6 +142,82 @@ def _moe_block(t: LayerTensors, hidden: int, i: int) -> int | None:
     return ctypes.addressof(t.moe.struct)
 
 
+def _check_pools(t: LayerTensors, i: int, page_size: int, kv_heads: int, head_dim: int) -> None:
+    """Layer `i`'s KV pools as the C code reads them: contiguous fp32 [pages, page_size, kv_heads, head_dim]."""
+    pool_shape = (page_size, kv_heads, head_dim)
+    for pool in (t.k_pool, t.v_pool):
+        if (
+            pool.dim() != 4
+            or tuple(pool.shape[1:]) != pool_shape
+            or pool.dtype != torch.float32
+            or not pool.is_contiguous()
+            or not pool.is_cpu
+        ):
+            raise ValueError(
+                f"layer {i}: KV pools must be contiguous fp32 [pages, {page_size}, {kv_heads}, {head_dim}]"
+            )
+
+
+def _layer_struct(
+    t: LayerTensors, i: int, sizes: tuple[tuple[int, int], ...], norm_sizes: tuple[int, int], hidden: int
+) -> _DecodeLayer:
+    """Layer `i`'s addresses for the C call, each checked against its shape: `sizes` are the projections'
+    (in, out) in `PROJECTIONS` order, `norm_sizes` the q and k norms' lengths."""
+    return _DecodeLayer(
+        _projection(t.qkv, t.qkv_bias, *sizes[0], f"layer {i} qkv"),
+        _projection(t.o, t.o_bias, *sizes[1], f"layer {i} o"),
+        _projection(t.gate_up, t.gate_up_bias, *sizes[2], f"layer {i} gate_up"),
+        _projection(t.down, t.down_bias, *sizes[3], f"layer {i} down"),
+        *(_lora_pair(pair, *size, f"layer {i} {name}") for pair, size, name in zip(t.lora, sizes, PROJECTIONS)),
+        _moe_block(t, hidden, i),
+        _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
+        _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
+        _fp32_vector(t.post_norm, hidden, "post_norm"),
+        _fp32_vector(t.next_norm, hidden, "next_norm"),
+        t.k_pool.data_ptr(),
+        t.v_pool.data_ptr(),
+        t.window,
+    )
+
+
+def _check_step(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    locs: torch.Tensor,
+    pages: torch.Tensor,
+    lens: torch.Tensor,
+    chunks: torch.Tensor | None,
+    head_dim: int,
+) -> None:
+    """The layout `DecodeLayers.run` passes to C: its activations' shapes and dtypes, and its pages'."""
+    rows, hidden = h.shape
+    for name, t, shape in (
+        ("h", h, (rows, hidden)),
+        ("residual", residual, (rows, hidden)),
+        ("cos", cos, (rows, head_dim)),
+        ("sin", sin, (rows, head_dim)),
+    ):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"{name} must be contiguous fp32 {shape}")
+    if not (
+        locs.shape == lens.shape == (rows,)
+        and pages.dim() == 2
+        and pages.shape[0] == rows
+        and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))
+    ):
+        raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
+    if chunks is not None and not (
+        chunks.dim() == 2
+        and chunks.shape[1] == 2
+        and chunks.dtype == torch.int64
+        and chunks.is_contiguous()
+        and chunks.is_cpu
+    ):
+        raise ValueError("chunks must be contiguous int64 [chunks, 2]")
+
+
 class DecodeLayers:
     """The fused call for one model on one KV pool. Keeps the tensors it points into alive."""
 
@@ -162,42 +238,17 @@ class DecodeLayers:
     ) -> None:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         norm_sizes = (q_size, kv_size) if whole_qk_norm else (head_dim, head_dim)
+        sizes = (  # each projection's (in, out), in `PROJECTIONS` order
+            (hidden, q_size + 2 * kv_size),
+            (q_size, hidden),
+            (hidden, 2 * intermediate),
+            (intermediate, hidden),
+        )
         self._tensors = layers
         self._layers = (_DecodeLayer * len(layers))()
         for i, t in enumerate(layers):
-            pool_shape = (page_size, kv_heads, head_dim)
-            for pool in (t.k_pool, t.v_pool):
-                if (
-                    pool.dim() != 4
-                    or tuple(pool.shape[1:]) != pool_shape
-                    or pool.dtype != torch.float32
-                    or not pool.is_contiguous()
-                    or not pool.is_cpu
-                ):
-                    raise ValueError(
-                        f"layer {i}: KV pools must be contiguous fp32 [pages, {page_size}, {kv_heads}, {head_dim}]"
-                    )
-            sizes = (
-                (hidden, q_size + 2 * kv_size),
-                (q_size, hidden),
-                (hidden, 2 * intermediate),
-                (intermediate, hidden),
-            )
-            self._layers[i] = _DecodeLayer(
-                _projection(t.qkv, t.qkv_bias, *sizes[0], f"layer {i} qkv"),
-                _projection(t.o, t.o_bias, *sizes[1], f"layer {i} o"),
-                _projection(t.gate_up, t.gate_up_bias, *sizes[2], f"layer {i} gate_up"),
-                _projection(t.down, t.down_bias, *sizes[3], f"layer {i} down"),
-                *(_lora_pair(pair, *size, f"layer {i} {name}") for pair, size, name in zip(t.lora, sizes, PROJECTIONS)),
-                _moe_block(t, hidden, i),
-                _fp32_vector(t.q_norm, norm_sizes[0], "q_norm"),
-                _fp32_vector(t.k_norm, norm_sizes[1], "k_norm"),
-                _fp32_vector(t.post_norm, hidden, "post_norm"),
-                _fp32_vector(t.next_norm, hidden, "next_norm"),
-                t.k_pool.data_ptr(),
-                t.v_pool.data_ptr(),
-                t.window,
-            )
+            _check_pools(t, i, page_size, kv_heads, head_dim)
+            self._layers[i] = _layer_struct(t, i, sizes, norm_sizes, hidden)
         self._shape = _DecodeShape(
             hidden, heads, kv_heads, head_dim, intermediate, page_size, 0, int(whole_qk_norm), eps, scale, clip_qkv
         )
@@ -235,37 +286,13 @@ class DecodeLayers:
         only their layout is here.
         `lora_mask` [rows, summed ranks]: the step's rows' adapter columns (`LoraSlots.mask`; None: no LoRA row).
         Returns h holding the final norm of every row."""
-        rows, hidden = h.shape
-        for name, t, shape in (
-            ("h", h, (rows, hidden)),
-            ("residual", residual, (rows, hidden)),
-            ("cos", cos, (rows, self._head_dim)),
-            ("sin", sin, (rows, self._head_dim)),
-        ):
-            if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
-                raise ValueError(f"{name} must be contiguous fp32 {shape}")
-        if not (
-            locs.shape == lens.shape == (rows,)
-            and pages.dim() == 2
-            and pages.shape[0] == rows
-            and all(t.dtype == torch.int64 and t.is_contiguous() and t.is_cpu for t in (locs, pages, lens))
-        ):
-            raise ValueError("locs [rows], pages [rows, max_pages] and lens [rows] must be contiguous int64")
-        if chunks is not None and not (
-            chunks.dim() == 2
-            and chunks.shape[1] == 2
-            and chunks.dtype == torch.int64
-            and chunks.is_contiguous()
-            and chunks.is_cpu
-        ):
-            raise ValueError("chunks must be contiguous int64 [chunks, 2]")
+        _check_step(h, residual, cos, sin, locs, pages, lens, chunks, self._head_dim)
+        rows = h.shape[0]
         self._shape.max_pages = pages.shape[1]
-        self._chunks = chunks  # alive until the next step: the shape struct points into it
-        self._shape.chunks = None if chunks is None else chunks.data_ptr()
-        self._shape.num_chunks = 0 if chunks is None else chunks.shape[0]
+        self._set_chunks(chunks)
         scratch = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
         self._set_lora(rows, lora_mask)
-        status = native.library().decode_layers(
+        status = native.loaded_library().decode_layers(
             ctypes.addressof(self._layers),
             len(self._tensors),
             ctypes.addressof(self._shape),
@@ -282,6 +309,13 @@ class DecodeLayers:
         if status != 0:
             raise MemoryError("decode_layers: attention or an MoE block could not allocate its scratch memory")
         return h
+
+    def _set_chunks(self, chunks: torch.Tensor | None) -> None:
+        """The step's prefill chunks in the shape struct (kept alive on self until the next step: it points
+        into them)."""
+        self._chunks = chunks
+        self._shape.chunks = None if chunks is None else chunks.data_ptr()
+        self._shape.num_chunks = 0 if chunks is None else chunks.shape[0]
 
     def _set_lora(self, rows: int, mask: torch.Tensor | None) -> None:
         """The step's LoRA mask and scratch in the shape struct (kept alive on self until the next step)."""

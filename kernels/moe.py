@@ -153,11 +153,19 @@ def _grouped_experts(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts
     )
     offsets = ends[:count].cumsum(0).to(torch.int32)
     owner = grouped.clamp(max=count - 1)
-    h = torch._grouped_mm(rows, experts.gate_up.transpose(-2, -1), offs=offsets)
+    gate_up, down = _tensors(experts)
+    h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
     if experts.gate_up_bias is not None:
         h = h + experts.gate_up_bias[owner]
-    y = torch._grouped_mm(activation_fn(experts.activation)(h), experts.down.transpose(-2, -1), offs=offsets)
+    y = torch._grouped_mm(activation_fn(experts.activation)(h), down.transpose(-2, -1), offs=offsets)
     return y if experts.down_bias is None else y + experts.down_bias[owner]
+
+
+def _tensors(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' gate | up and down as the torch path takes them: plain tensors (panels run in the C kernel)."""
+    gate_up, down = experts.gate_up, experts.down
+    assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    return gate_up, down
 
 
 def _expert_bias(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -168,14 +176,13 @@ def _expert_bias(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
 def _expert_loop(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts) -> torch.Tensor:
     """One matmul per expert with rows (a torch without `_grouped_mm`; not graph-safe: it reads the counts)."""
     y = rows.new_zeros(rows.shape)
+    gate_up, down = _tensors(experts)
     start = 0
     for e, n in enumerate(torch.bincount(grouped, minlength=experts.count + 1)[: experts.count].tolist()):
         if n:
-            h = torch.nn.functional.linear(
-                rows[start : start + n], experts.gate_up[e], _expert_bias(experts.gate_up_bias, e)
-            )
+            h = torch.nn.functional.linear(rows[start : start + n], gate_up[e], _expert_bias(experts.gate_up_bias, e))
             y[start : start + n] = torch.nn.functional.linear(
-                activation_fn(experts.activation)(h), experts.down[e], _expert_bias(experts.down_bias, e)
+                activation_fn(experts.activation)(h), down[e], _expert_bias(experts.down_bias, e)
             )
         start += n
     return y
@@ -272,7 +279,8 @@ class NativeMoeBlock:
         renormalize: bool,
         load: torch.Tensor,
     ) -> None:
-        if not experts.panels or experts.activation != "silu":
+        gate_up, down = experts.gate_up, experts.down
+        if not (isinstance(gate_up, StackedPanels) and isinstance(down, StackedPanels)) or experts.activation != "silu":
             raise ValueError("the C MoE block runs SiLU experts packed as panels")
         hidden = router.packed.shape[1]
         self._keep = (router, router_bias, experts, shared, load)
@@ -280,11 +288,11 @@ class NativeMoeBlock:
         shared_inter = 0 if shared is None else shared.down.packed.shape[1]
         self.struct = _MoeBlock(
             projection(router, router_bias),
-            _stacked(experts.gate_up, experts.gate_up_bias),
-            _stacked(experts.down, experts.down_bias),
-            projection(shared and shared.gate_up),
-            projection(shared and shared.down),
-            projection(shared and shared.gate),
+            _stacked(gate_up, experts.gate_up_bias),
+            _stacked(down, experts.down_bias),
+            projection(None if shared is None else shared.gate_up),
+            projection(None if shared is None else shared.down),
+            projection(None if shared is None else shared.gate),
             load.data_ptr(),
             router.out_features,
             experts.first,
@@ -307,12 +315,11 @@ class NativeMoeBlock:
         ):
             raise ValueError(f"x must be fp32 [rows, {self.hidden}] on the CPU, rows contiguous")
         out = torch.empty((rows, self.hidden), dtype=torch.float32)
-        if (
-            rows
-            and native.library().moe_block(
-                ctypes.addressof(self.struct), x.data_ptr(), rows, x.stride(0), out.data_ptr()
-            )
-            != 0
-        ):
+        if not rows:
+            return out
+        lib = native.library()
+        if lib is None:
+            raise native.NativeKernelError("the C MoE block needs the C kernels, which are not available")
+        if lib.moe_block(ctypes.addressof(self.struct), x.data_ptr(), rows, x.stride(0), out.data_ptr()) != 0:
             raise MemoryError("moe_block could not allocate its scratch memory")
         return out

@@ -65,5 +65,9 @@ class StackedPanels:
 def pack_stacked_panels(weights: torch.Tensor, quantization: str = "none") -> StackedPanels:
     """Pack fp32 CPU weights [experts, out, in] expert by expert (int8: rounded per output channel)."""
     experts = [pack_panels(w, quantization) for w in weights]
-    scale = None if quantization != "int8" else torch.stack([e.scale for e in experts])
+    scale = None
+    if quantization == "int8":  # every expert's panels have a scale
+        scales = [e.scale for e in experts if e.scale is not None]
+        assert len(scales) == len(experts)
+        scale = torch.stack(scales)
     return StackedPanels(torch.stack([e.packed for e in experts]), scale, weights.shape[1])

@@ -280,17 +280,17 @@ def _log_exponential_noise(
     """log(E) with E ~ Exp(1) i.i.d. per [row, token]; seeded rows are a function of their key.
     Greedy rows get global-RNG noise that is never used (cheaper than a hash)."""
     n = len(params)
-    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
-    if not seeded_rows:
+    seeds = {i: p.seed for i, p in enumerate(params) if p.seed is not None and not greedy[i]}  # row -> seed
+    if not seeds:
         return _log_torch_exponential(n, vocab, device)
-    keys = torch.tensor([_row_key(params[i].seed, sample_counts[i]) for i in seeded_rows], dtype=torch.int64).to(
+    keys = torch.tensor([_row_key(seed, sample_counts[i]) for i, seed in seeds.items()], dtype=torch.int64).to(
         device, non_blocking=True
     )
     seeded = _log_hash_exponential(keys, vocab)
-    if len(seeded_rows) == n:
+    if len(seeds) == n:
         return seeded
     noise = _log_torch_exponential(n, vocab, device)
-    index = torch.tensor(seeded_rows, dtype=torch.long).to(device, non_blocking=True)
+    index = torch.tensor(list(seeds), dtype=torch.long).to(device, non_blocking=True)
     return noise.index_copy_(0, index, seeded)
 
 

@@ -20,6 +20,8 @@ from batchserve.shared.commands import cli_command
 from batchserve.shared.ports import free_port
 
 DEFAULT_SERVE_COMMAND: tuple[str, ...] = tuple(cli_command("serve"))
+# The checkout: the working directory the tests' servers run in (any would do: they run with python -P).
+REPO = Path(__file__).resolve().parent.parent
 
 
 class ServerStartError(RuntimeError):

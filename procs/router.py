@@ -200,7 +200,9 @@ class Gateway:
             healthy = expected & healthy_workers(url, self.internal)
             if healthy and first_healthy is None:
                 first_healthy = time.monotonic()
-            if healthy == expected or (healthy and time.monotonic() - first_healthy >= REST_WAIT_S):
+            if healthy == expected or (  # (first_healthy is set once any is healthy)
+                healthy and first_healthy is not None and time.monotonic() - first_healthy >= REST_WAIT_S
+            ):
                 self._say_ready(url, healthy, expected - healthy)
                 notify_ready()
                 return

@@ -2,7 +2,8 @@
 
 Each child runs `batchserve proc NAME --config runtime_dir/config.json` in its own process group,
 with `PR_SET_PDEATHSIG` so that it dies with us, and reports readiness through its own
-`$NOTIFY_SOCKET` (the sd_notify protocol, as under systemd).
+`$NOTIFY_SOCKET` (the sd_notify protocol, as under systemd). Which children a machine starts, and the
+check that its ports are free, are `procs.serve_launches`.
 
 Tensor parallelism (`--tp N`): the worker is this machine's N / nnodes worker ranks, each a child
 `batchserve proc worker --local-rank I` named as it heartbeats (`worker`, `worker-1`, ...), started
@@ -31,7 +32,6 @@ are stopped and `serve` exits 1 naming it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import select
 import shutil
@@ -47,20 +47,17 @@ from pathlib import Path
 import msgspec
 
 from batchserve.procs.api.auth import INTERNAL_KEY_ENV, new_internal_key
-from batchserve.procs.launch import START_ORDER
 from batchserve.procs.router import check_router
 from batchserve.procs.runtime import configured_runtime_dir, die_with_parent, make_private_dir
+from batchserve.procs.serve_launches import ROUTER, Launch, check_can_listen, launches, listen_ports
 from batchserve.shared.commands import cli_command
 from batchserve.shared.config import ServerConfig, add_config_arguments, config_from_args
 from batchserve.shared.parallel import (
     check_parallel_config,
     local_url,
-    replica_port,
     replica_urls,
     replicated,
-    router_metrics_port,
     with_init_addr,
-    worker_process_names,
 )
 from batchserve.shared.shm import remove_segments_of
 
@@ -83,48 +80,6 @@ def _child_setup(parent_pid: int) -> None:
     """Runs in the child between fork and exec: own process group, die with the parent."""
     os.setpgid(0, 0)
     die_with_parent(parent_pid)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One child to start: its name (as it heartbeats), the process it runs, its worker rank, and the
-    replica it belongs to (None: the server is not run as replicas, or the router)."""
-
-    name: str
-    process: str
-    local_rank: int = 0
-    replica: int | None = None
-
-    @property
-    def key(self) -> str:
-        """How `serve` names it (ready line, exits): its name, `@I` added for replica I's."""
-        return self.name if self.replica is None else f"{self.name}@{self.replica}"
-
-
-ROUTER = Launch("router", "router")  # started once every replica is ready, as its systemd unit is
-
-
-def launches(config: ServerConfig) -> list[Launch]:
-    """This machine's children in start order: every worker rank where the worker starts; on a
-    machine of node_rank > 0 only its worker ranks (the api and the rest run on node 0); with
-    replicas, the five processes of each, replica by replica (the router comes after them)."""
-    ranks = [Launch(name, "worker", i) for i, name in enumerate(worker_process_names(config))]
-    if config.node_rank > 0:
-        return ranks
-    server = [
-        launch for process in START_ORDER for launch in (ranks if process == "worker" else [Launch(process, process)])
-    ]
-    if not replicated(config):
-        return server
-    return [dataclasses.replace(launch, replica=i) for i in range(config.data_parallel_size) for launch in server]
-
-
-def listen_ports(config: ServerConfig) -> list[int]:
-    """The ports this machine's server listens on: each replica's api, and the router's two."""
-    if config.node_rank > 0:
-        return []
-    ports = [replica_port(config, i) for i in range(config.data_parallel_size)]
-    return ports + [config.port, router_metrics_port(config)] if config.router != "none" else ports
 
 
 @dataclass
@@ -264,9 +219,9 @@ class Supervisor:
         had in flight: the others' heartbeats are gone), retire its processes, and let the others serve on.
         False when that cannot be: the router ended, or no replica is left."""
         dead = self._dead_children()
-        replicas = {child.launch.replica for child in dead}
-        if None in replicas:  # the router, or a server that is one replica
+        if any(child.launch.replica is None for child in dead):  # the router, or a server that is one replica
             return False
+        replicas = {child.launch.replica for child in dead if child.launch.replica is not None}
         left = set(range(self.config.data_parallel_size)) - self.failed_replicas - replicas
         if not left:
             return False
@@ -274,7 +229,7 @@ class Supervisor:
             f"; stopping replica {', '.join(map(str, sorted(replicas)))}, replica "
             f"{', '.join(map(str, sorted(left)))} serves on"
         )
-        self.failed_replicas |= replicas  # type: ignore[arg-type]  # None is not among them
+        self.failed_replicas |= replicas
         failed = [child for child in self.children.values() if child.launch.replica in replicas]
         self._stop(failed)
         for child in failed:
@@ -462,28 +417,6 @@ def _describe_status(code: int | None) -> str:
         except ValueError:
             return str(code)
     return str(code)
-
-
-def check_can_listen(host: str, port: int) -> None:
-    """Raise ValueError (one line from the CLI, exit status 2) if the api could not listen on
-    `host:port`, found before any process starts rather than by the api while the others load. The
-    bind is the api's own (asyncio's: every address of `host`, SO_REUSEADDR, IPv6 only on IPv6); a
-    port taken in between is still the api's error, and `serve` then stops the others."""
-    if port == 0:  # any free port: nothing can be taken
-        return
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    for family, kind, proto, _, address in dict.fromkeys(infos):
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import sys
 
-from smg.launch_router import launch_router, parse_router_args
-from smg.router_args import RouterArgs
+from smg.launch_router import launch_router, parse_router_args  # type: ignore[import-untyped]  # smg ships no py.typed
+from smg.router_args import RouterArgs  # type: ignore[import-untyped]  # smg ships no py.typed
 
 CONTROL_KEY_ID = "batchserve-router"
 

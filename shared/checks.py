@@ -46,7 +46,7 @@ def check_priority(priority: int) -> None:
         raise Refusal(f"priority must be a 32-bit integer, in [-2**31, 2**31 - 1] (got {priority})", "priority")
 
 
-# ---- limits on what a request may ask for (the README's "Limits" table lists these)
+# ---- limits on what a request may ask for (the "Limits" table of docs/api.md lists these)
 
 # Stop strings: OpenAI allows 4; vLLM, SGLang and llama.cpp's server set no limit. lm-evaluation-harness
 # sends a handful (its `until`), agent frameworks a few markers: 32 of up to 512 characters each is far

@@ -2,56 +2,61 @@
 
 Each field has a CLI flag (`--page-size`) and an environment variable (`BATCHSERVE_PAGE_SIZE`);
 a flag given on the command line wins over the environment, which wins over the default.
+
+Beside it: the values a choice setting takes, and the defaults the settings share
+(`shared.config_choices`); how a field becomes a flag, a variable and a row of the docs' table
+(`shared.config_flags`, which `add_config_arguments`, `config_from_args` and `config_table_markdown`
+apply to `ServerConfig`); which settings are the engine's and which the server's alone
+(`shared.config_scopes`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_type_hints
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from batchserve.shared.config_choices import (  # noqa: F401 (callers import every choice from here)
+    DEFAULT_MODEL,
+    MIN_PREFILL_SHARE,
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NUM_SPECULATIVE_TOKENS,
+    POLICIES,
+    QUANTIZATIONS,
+    ROUTER_POLICIES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    OverlapSchedule,
+    Policy,
+    PoolingOverride,
+    Quantization,
+    Router,
+    RouterPolicy,
+    Runner,
+    SchedulingPolicy,
+    Speculative,
+)
+from batchserve.shared.config_flags import (  # noqa: F401 (how a field is spelt, imported from here by callers)
+    add_struct_arguments,
+    env_var,
+    field_default,
+    field_descriptions,
+    flag_name,
+    settings_table,
+    struct_from_args,
+)
+from batchserve.shared.config_scopes import engine_fields
 from batchserve.shared.lora import parse_lora_modules
 from batchserve.shared.slo import Slo
 
-# The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
-Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
-POLICIES: tuple[str, ...] = get_args(Policy)
-# Weight formats of the linear layers (kernels/ops.pack_linear_weight implements each).
-Quantization = Literal["none", "int8"]  # the default first
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-# Overlap scheduling (procs/scheduler/process.py): auto = on with a CUDA worker.
-OverlapSchedule = Literal["auto", "on", "off"]  # the default first
-# The waiting queue's order (procs/scheduler/SCHEDULING.md section 8): arrival, or priority then arrival.
-SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
-SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
-# Speculative decoding (the worker verifies): off, prompt lookup (procs/scheduler/ngram.py proposes) or a
-# draft model (procs/worker/draft_model.py proposes).
-Speculative = Literal["off", "ngram", "draft"]  # the default first
-SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
-# The gateway in front of the replicas (procs/router.py): none, or the Shepherd Model Gateway.
-Router = Literal["none", "smg"]  # the default first
-# What the server does with the model (shared/pooling.py): generate text, or pool a prompt into a vector
-# (/v1/embeddings); auto = pooling for a sentence-transformers folder or a decoder without an LM head.
-Runner = Literal["auto", "generate", "pooling"]  # the default first
-# The pooling runner's override of the model's own pooling (empty: the model's files decide).
-PoolingOverride = Literal["", "last", "mean", "cls"]
-# smg's routing policies that need nothing but the requests (its manual and passthrough ones need routing
-# keys); cache_aware first, the default: a conversation's turns reach the replica holding its history.
-RouterPolicy = Literal[
-    "cache_aware", "round_robin", "power_of_two", "prefix_hash", "consistent_hashing", "least_load", "random"
-]
-ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
-# their defaults (the server's and the scheduler's); k = 6 measured best on 2 CPU cores (loadtests/results/)
-NUM_SPECULATIVE_TOKENS, NGRAM_MIN, NGRAM_MAX = 6, 2, 4
-MIN_PREFILL_SHARE = 0.25  # the step-time bound's prefill floor (SCHEDULING.md 6.5, measured there)
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
 
 def _doc(text: str) -> msgspec.Meta:
-    """A config field's help: the one text `--help`, the systemd env file and the README table show."""
+    """A config field's help: the one text `--help`, the systemd env file and docs/configuration.md's table show."""
     return msgspec.Meta(description=" ".join(text.split()))
 
 
@@ -71,8 +76,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         Quantization,
         _doc("""Weights of the linear layers and the LM head: none (as dtype),
         or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic: a quarter
-        of the weight bytes a decode step reads, for a small loss of accuracy; see the README's
-        Performance section)."""),
+        of the weight bytes a decode step reads, for a small loss of accuracy; see
+        docs/performance.md)."""),
     ] = "none"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = (
         "auto"
@@ -129,7 +134,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         _doc("""Share of a request's remaining max_tokens reserved in the KV cache
         at admission (0.01-1, whole percents; rho of procs/scheduler/SCHEDULING.md); below 1 more requests run
         at once, and the newest is preempted (recomputed later) if KV runs out. The default is the measured
-        best for chats without max_tokens (README, Performance)."""),
+        best for chats without max_tokens (docs/performance.md)."""),
     ] = 0.05
     disable_prefix_cache: Annotated[
         bool,
@@ -163,7 +168,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         everyone's inter-token latency (a step-cost model sizes each step's prefill to it; prefill_budget
         stays the cap); 0 (default) = slo's tpot objective if set, else the device's suggested target, CPU
         300, CUDA 100; -1 = no time bound. A lower target trades throughput and time to first token for a
-        steadier stream (README, Performance)."""),
+        steadier stream (docs/performance.md)."""),
     ] = 0.0
     slo: Annotated[
         list[str],
@@ -442,46 +447,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         return cls.from_json(Path(path).read_bytes())
 
 
-# The settings of the server around the engine: the HTTP api, the replicas and their router, the five
-# processes (sockets, logs, drain), overlap scheduling (the scheduler process pipelining steps to the
-# worker process; the offline engine runs one step at a time in one process), and what shapes a server's
-# clients' experience, the step-time bound and the waiting limit (offline every prompt is in at once and
-# only throughput counts). Every other field is an engine setting, which `batchserve generate` takes as
-# `serve` does: a new field is one unless named here.
-SERVER_ONLY_FIELDS: frozenset[str] = frozenset(
-    {
-        "host",
-        "port",
-        "served_model_name",
-        "api_key",
-        "api_key_file",
-        "webui",
-        "header_timeout_s",
-        "body_timeout_s",
-        "max_connections",
-        "responses_store",
-        "responses_ttl_s",
-        "data_parallel_size",
-        "data_parallel_rank",
-        "router",
-        "router_policy",
-        "router_args",
-        "runtime_dir",
-        "log_format",
-        "drain_timeout_s",
-        "overlap_schedule",
-        "max_step_ms",
-        "min_prefill_share",
-        "max_waiting",
-        "enable_lora_runtime_updates",
-    }
-)
-_unknown = SERVER_ONLY_FIELDS - set(ServerConfig.__struct_fields__)
-if _unknown:  # a renamed field would silently become an engine flag
-    raise TypeError(f"SERVER_ONLY_FIELDS names no ServerConfig field: {sorted(_unknown)}")
-ENGINE_FIELDS: tuple[str, ...] = tuple(
-    name for name in ServerConfig.__struct_fields__ if name not in SERVER_ONLY_FIELDS
-)
+# Every setting but the server's alone (`shared.config_scopes`): what `batchserve generate` takes as `serve` does.
+ENGINE_FIELDS: tuple[str, ...] = engine_fields(ServerConfig.__struct_fields__)
 
 
 def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
@@ -490,19 +457,12 @@ def request_cap(max_running_requests: int, max_waiting: int) -> int | None:
     return max_running_requests + max_waiting if max_waiting > 0 else None
 
 
-def flag_name(name: str) -> str:
-    """The command-line flag of the `ServerConfig` field `name`."""
-    return "--" + name.replace("_", "-")
-
-
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("--tp",),
     "data_parallel_size": ("--dp",),
 }  # the peers' short spellings
 
-
-def field_default(field: msgspec.structs.FieldInfo) -> Any:
-    return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+_DESCRIPTIONS = field_descriptions(ServerConfig)
 
 
 def field_description(name: str) -> str:
@@ -510,99 +470,21 @@ def field_description(name: str) -> str:
     return _DESCRIPTIONS[name]
 
 
-def env_var(field_name: str) -> str:
-    return f"BATCHSERVE_{field_name.upper()}"
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """Add one CLI flag per `ServerConfig` field (or per field in `only`); defaults stay unset.
-    A list field's flag is repeatable."""
-    for field in msgspec.structs.fields(ServerConfig):
-        if only is not None and field.name not in only:
-            continue
-        default = field_default(field)
-        help_text = (
-            f"{field_description(field.name).replace('%', '%%')} (default: {default!r}; env {env_var(field.name)})"
-        )
-        flags = (flag_name(field.name), *FLAG_ALIASES.get(field.name, ()))
-        if isinstance(default, bool):
-            parser.add_argument(
-                *flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif isinstance(default, list):
-            parser.add_argument(
-                *flags,
-                dest=field.name,
-                action="extend",
-                nargs="+",
-                default=None,
-                help=f"one or more values, repeatable: {help_text}, comma-separated",
-            )
-        else:
-            parser.add_argument(*flags, dest=field.name, type=type(default), default=None, help=help_text)
+def add_config_arguments(parser: argparse._ActionsContainer, only: tuple[str, ...] | None = None) -> None:
+    """Add one CLI flag per `ServerConfig` field (or per field in `only`), to a parser or an argument group;
+    defaults stay unset. A list field's flag is repeatable."""
+    add_struct_arguments(parser, ServerConfig, _DESCRIPTIONS, FLAG_ALIASES, only)
 
 
 def config_table_markdown() -> str:
-    """The README's settings table: every field's flag, environment variable, default and help."""
-    rows = ["| flag | environment | default | what |", "|---|---|---|---|"]
-    for field in msgspec.structs.fields(ServerConfig):
-        default = field_default(field)
-        shown = (
-            ",".join(map(str, default))
-            if isinstance(default, list)
-            else str(default).lower()
-            if isinstance(default, bool)
-            else str(default)
-        )
-        what = field_description(field.name).replace("|", "\\|")
-        rows.append(f"| `{flag_name(field.name)}` | `{env_var(field.name)}` | `{shown}` | {what} |")
-    return "\n".join(rows) + "\n"
+    """The settings table of docs/configuration.md: every field's flag, environment variable, default and help."""
+    return settings_table(ServerConfig, _DESCRIPTIONS)
 
 
-def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
-    """Defaults < `BATCHSERVE_*` environment < CLI flags < explicit overrides. Bad values raise ValueError."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for field in msgspec.structs.fields(ServerConfig):
-        raw = env.get(f"BATCHSERVE_{field.name.upper()}")
-        if raw is not None and raw != "":
-            values[field.name] = _parse_env(field.name, raw, field_default(field))
-        cli = getattr(args, field.name, None)
-        if cli is not None:
-            values[field.name] = cli
-    values.update(overrides)
-    try:
-        return msgspec.convert(values, ServerConfig)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad configuration: {exc}") from None
-
-
-def _parse_env(name: str, raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"BATCHSERVE_{name.upper()}: expected a boolean, got {raw!r}")
-    if isinstance(default, list):
-        return [item.strip() for item in raw.split(",") if item.strip()]
-    try:
-        return type(default)(raw)
-    except ValueError:
-        raise ValueError(f"BATCHSERVE_{name.upper()}: expected {type(default).__name__}, got {raw!r}") from None
-
-
-def _descriptions() -> dict[str, str]:
-    found = {}
-    for name, hint in get_type_hints(ServerConfig, include_extras=True).items():
-        metas = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta) and m.description]
-        if not metas:
-            raise TypeError(f"ServerConfig.{name} has no help text: declare it Annotated[type, _doc(...)]")
-        found[name] = metas[0].description
-    return found
-
-
-_DESCRIPTIONS = _descriptions()
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
+    """Defaults < `BATCHSERVE_*` environment (`env`, else the process's) < CLI flags < explicit overrides.
+    Bad values raise ValueError."""
+    return struct_from_args(ServerConfig, args, os.environ if env is None else env, overrides)
 
 
 def cache_dir() -> Path:

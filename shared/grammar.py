@@ -29,9 +29,12 @@ def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[
     if tokenizer_json.is_file():
         return llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos)
     from llguidance.hf import from_tokenizer
-    from transformers import AutoTokenizer  # a slow-only folder: transformers converts it
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # a slow-only folder: transformers converts it
 
-    return from_tokenizer(AutoTokenizer.from_pretrained(model_dir), n_vocab=vocab_size, eos_token=eos)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):  # from_tokenizer's own check
+        raise ValueError("Only fast tokenizers are supported")
+    return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
 # ---- source checks
@@ -51,7 +54,7 @@ _REPEATS = None  # re._constants' repeat opcodes, looked up on first use
 def _repeat_ops() -> tuple[Any, ...]:
     global _REPEATS
     if _REPEATS is None:
-        from re import _constants as c  # type: ignore[attr-defined]
+        from re import _constants as c  # type: ignore[attr-defined]  # re's private module: no stubs
 
         _REPEATS = tuple(
             getattr(c, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(c, name)
@@ -68,7 +71,7 @@ def check_regex(pattern: str, param: str) -> None:
     text = pattern
     for rust, python in _RUST_ONLY:
         text = rust.sub(python, text)
-    from re import _parser  # type: ignore[attr-defined]
+    from re import _parser  # type: ignore[attr-defined]  # re's private module: no stubs
 
     try:
         tree = _parser.parse(text)
@@ -84,7 +87,7 @@ def check_regex(pattern: str, param: str) -> None:
 
 def _check_repeats(items: Any, outer: int, param: str) -> None:
     """Walk a parsed regex; `outer`: the product of the bounds of the repetitions around `items`."""
-    from re import _constants as c  # type: ignore[attr-defined]
+    from re import _constants as c  # type: ignore[attr-defined]  # re's private module: no stubs
 
     for op, av in items:
         if op in _repeat_ops():

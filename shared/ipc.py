@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import zmq
 import zmq.asyncio
@@ -87,6 +87,10 @@ def _configure(sock: zmq.Socket, kind: int) -> None:
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, _HWM)
 
 
+@overload
+def _open(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket: ...
+@overload
+def _open(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket: ...
 def _open(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     sock = ctx.socket(kind)
     _configure(sock, kind)
@@ -128,7 +132,7 @@ class Receiver(Generic[T]):
 
     def recv_ready(self) -> list[T]:
         """Every message already queued, without waiting."""
-        out = []
+        out: list[T] = []
         while True:
             try:
                 frame = self.socket.recv(zmq.NOBLOCK, copy=False)

@@ -154,8 +154,8 @@ def check_adapter(folder: str | Path, max_rank: int, served: frozenset[str] = fr
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"LoRA adapter {folder}: cannot read adapter_model.safetensors ({exc})") from None
     modules = "|".join(sorted(config.targets))
-    served = re.compile(rf"{re.escape(PREFIX)}\d+\.(self_attn|mlp)\.({modules})\.lora_[AB]\.weight")
-    unserved = sorted(name for name in names if not served.fullmatch(tensor_name(name)))
+    pattern = re.compile(rf"{re.escape(PREFIX)}\d+\.(self_attn|mlp)\.({modules})\.lora_[AB]\.weight")
+    unserved = sorted(name for name in names if not pattern.fullmatch(tensor_name(name)))
     if unserved or not names:
         raise ModelLoadError(
             f"LoRA adapter {folder}: tensors of no served projection: {', '.join(unserved[:3])}"

@@ -283,7 +283,7 @@ class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
     pooling: PoolingParams | None = None  # a pooling request (the pooling runner); None: generation
 
 
-DEFAULT_PARAMS = RequestParams()
+DEFAULT_PARAMS: RequestParams = RequestParams()  # annotated: SlotStart's default reads it before its definition
 TOOL_CHOICES = ("none", "auto", "required")
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import msgspec
 import numpy as np
@@ -34,15 +34,20 @@ from batchserve.shared.errors import ModelLoadError, Refusal
 
 PoolingType = Literal["last", "mean", "cls"]
 POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
+Activation = Literal["sigmoid", "identity"]
 # sentence-transformers' pooling modes that this server runs, by its 1_Pooling/config.json key
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_MODES: dict[str, PoolingType] = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
 _ST_UNSUPPORTED_MODES = (
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
 # sentence-transformers 6 spells the mode as one string
-_ST_MODE_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_MODE_NAMES: dict[str, PoolingType] = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
 # Encoders (bidirectional: an input runs whole in one step), which pool their first token ([CLS]) by default.
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 # Cross-encoders: an encoder and a classification head on its [CLS], scoring a pair of texts as one input.
@@ -62,7 +67,10 @@ HEADLESS_ARCHITECTURES = (
 )
 # A cross-encoder's activation on its logit, by sentence-transformers' `activation_fn` (its default for one
 # label: sigmoid)
-ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+ACTIVATIONS: dict[str, Activation] = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+}
 
 
 class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,7 +83,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     source: str = "default"  # where the rule came from, for the worker's start-up log: "--pooling", "modules.json", ...
     hidden_size: int = 0  # the pooled vector's length (config.json's hidden_size; 0: not known)
     kind: Literal["embed", "classify"] = "embed"
-    activation: Literal["sigmoid", "identity"] = "identity"  # classify: on the logit, giving the score
+    activation: Activation = "identity"  # classify: on the logit, giving the score
     # A decoder reranker's (sentence-transformers' LogitScore): the logit is its last token's LM-head logit of
     # the true token, less the false token's where there is one; its pair is rendered by the chat template
     # as a "query" and a "document" message (sentence-transformers 6's pair roles).
@@ -132,9 +140,9 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
         if override not in POOLING_TYPES:
             raise ModelLoadError(f"--pooling {override!r}: one of {', '.join(POOLING_TYPES)} expected")
         return PoolerConfig(
-            pooling=override,
+            pooling=cast(PoolingType, override),  # one of POOLING_TYPES, as checked
             normalize=normalize,
-            matryoshka=matryoshka,  # type: ignore[arg-type]
+            matryoshka=matryoshka,
             source="--pooling",
             hidden_size=hidden,
         )
@@ -147,7 +155,7 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
     return PoolerConfig(
         pooling=pooling,
         normalize=normalize,
-        matryoshka=matryoshka,  # type: ignore[arg-type]
+        matryoshka=matryoshka,
         source="modules.json",
         hidden_size=hidden,
     )
@@ -195,7 +203,7 @@ def _decoder_reranker(model_dir: Path, folder: str, override: str) -> PoolerConf
     )
 
 
-def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Literal["sigmoid", "identity"]:
+def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Activation:
     """A cross-encoder's activation as sentence-transformers saved it (config_sentence_transformers.json, or
     config.json's `sentence_transformers`), else its default for one label, sigmoid."""
     st_config = model_dir / "config_sentence_transformers.json"
@@ -205,7 +213,7 @@ def _st_activation(model_dir: Path, raw: dict[str, Any]) -> Literal["sigmoid", "
         raise ModelLoadError(
             f"{model_dir}: activation_fn {name!r} is not run by this server ({', '.join(ACTIVATIONS)})"
         )
-    return ACTIVATIONS[name]  # type: ignore[return-value]
+    return ACTIVATIONS[name]
 
 
 def _st_modules(model_dir: Path) -> dict[str, str]:
@@ -230,7 +238,7 @@ def _st_modules(model_dir: Path) -> dict[str, str]:
     return modules
 
 
-def _st_pooling(folder: Path) -> str:
+def _st_pooling(folder: Path) -> PoolingType:
     """The pooling mode of a sentence-transformers Pooling module's `config.json`."""
     path = folder / "config.json"
     try:

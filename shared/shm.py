@@ -63,7 +63,7 @@ def segment_name(purpose: str, pid: int | None = None) -> str:
 
 def remove_segments_of(pid: int) -> list[str]:
     """Unlink every segment created by process `pid` (for a supervisor after the process died)."""
-    removed = []
+    removed: list[str] = []
     shm_dir = Path("/dev/shm")
     if not shm_dir.is_dir():
         return removed
@@ -142,7 +142,9 @@ class DoubleBuffer:
         if self._used + size > self.half_bytes:
             return None  # does not fit: the codec sends it inline
         offset = self._base + self._used
-        _write(self.shm.buf, offset, array)
+        buf = self.shm.buf
+        assert buf is not None  # None once closed
+        _write(buf, offset, array)
         self._used += size
         return ShmRef(self.name, offset, array.dtype.str, tuple(array.shape))
 
@@ -157,6 +159,7 @@ class SharedRing:
         self.capacity = _align(capacity_bytes)
         self.shm = _create(segment_name(purpose), _RING_HEADER + self.capacity)
         self.name = self.shm.name
+        assert self.shm.buf is not None  # None once closed
         struct.pack_into("<Q", self.shm.buf, 0, 0)
         self.write_pos = 0  # monotonic byte position; the reader's position is in the header
 
@@ -165,7 +168,9 @@ class SharedRing:
 
     @property
     def read_pos(self) -> int:
-        return struct.unpack_from("<Q", self.shm.buf, 0)[0]
+        buf = self.shm.buf
+        assert buf is not None  # None once closed
+        return struct.unpack_from("<Q", buf, 0)[0]
 
     def put(self, array: np.ndarray) -> ShmRef | None:
         size = _align(max(array.nbytes, 1))
@@ -178,7 +183,9 @@ class SharedRing:
         if end - self.read_pos > self.capacity:
             return None  # the reader has not caught up: never overwrite unread data
         offset = _RING_HEADER + start % self.capacity
-        _write(self.shm.buf, offset, array)
+        buf = self.shm.buf
+        assert buf is not None  # None once closed
+        _write(buf, offset, array)
         self.write_pos = end
         return ShmRef(self.name, offset, array.dtype.str, tuple(array.shape), release=end)
 
@@ -199,7 +206,7 @@ class ShmReader:
             # Python < 3.13 registers attached segments with this process's resource tracker, which
             # would unlink the owner's segment when we exit; the owner alone manages its lifetime.
             try:
-                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # private, untyped
             except Exception:
                 pass
             self._segments[name] = shm
@@ -212,7 +219,9 @@ class ShmReader:
             return view  # borrowed: valid until the sender's next-but-one message
         owned = view.copy()
         del view
-        struct.pack_into("<Q", shm.buf, 0, ref.release)  # frees the ring up to here
+        buf = shm.buf
+        assert buf is not None  # None once closed
+        struct.pack_into("<Q", buf, 0, ref.release)  # frees the ring up to here
         return owned
 
     def close(self) -> None:

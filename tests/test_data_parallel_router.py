@@ -306,7 +306,8 @@ async def streams_until_a_replica_dies(
 
 def test_each_replica_serves_the_web_pages_of_its_own_scheduler(server, model):
     """The pages are a replica's: `/` and `/dashboard` on each replica's port, the live view its own
-    scheduler's. The gateway (smg 1.13) routes only its known API paths: it answers them 404 (README)."""
+    scheduler's. The gateway (smg 1.13) routes only its known API paths: it answers them 404 (docs/api.md,
+    Web pages)."""
     for url in server.replica_urls:
         for page in ("/", "/dashboard"):
             with urllib.request.urlopen(url + page, timeout=30) as resp:

@@ -62,7 +62,7 @@ def test_rerank_ranks_best_first(server, model, reference):
     assert [r["index"] for r in body["results"]] == order
     np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], reference[order], atol=1e-4)
     assert [r["document"]["text"] for r in body["results"]] == [DOCUMENTS[i] for i in order]
-    # the openai package has no rerank call: its client posts to any path (the README's example)
+    # the openai package has no rerank call: its client posts to any path (docs/api.md's example)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     answer = client.post("/rerank", cast_to=object, body={"query": QUERY, "documents": DOCUMENTS, "top_n": 1})
     assert answer["results"][0]["index"] == order[0]

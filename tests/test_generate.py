@@ -14,7 +14,8 @@ from test_model_equivalence import transformers_greedy_text
 
 from batchserve.procs.cli import main as cli_main
 from batchserve.procs.engine import OfflineEngine, request
-from batchserve.shared.config import SERVER_ONLY_FIELDS, ServerConfig, config_from_args
+from batchserve.shared.config import ServerConfig, config_from_args
+from batchserve.shared.config_scopes import SERVER_ONLY_FIELDS
 from batchserve.shared.errors import Refusal
 
 PROMPTS = ["w5 w9 w11", "w7", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15", "w100 w200 w300 w31 w32 w33"]

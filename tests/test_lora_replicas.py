@@ -126,7 +126,7 @@ def test_the_gateways_openai_backend_routes_adapters_by_each_replicas_model_list
     it costs, measured with smg 1.13: the gateway answers `/v1/completions` with 501 itself, and this mode
     balances nothing: 8 concurrent requests all went to one replica in each of three runs ([8, 0], [0, 8],
     [0, 8]; printed, not asserted), so it is a way to reach adapters through one URL, not to spread load
-    (README, LoRA adapters)."""
+    (docs/models.md, LoRA adapters)."""
     base = tiny_model_dir("llama", with_tokenizer="bytes", seed=3, max_position_embeddings=2048)
     folder = make_adapter(base, tmp_path / "adapter", 0, **ADAPTERS["a"])
     other = make_adapter(base, tmp_path / "other", 1, **ADAPTERS["b"])

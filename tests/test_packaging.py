@@ -8,6 +8,7 @@ install, then run from an empty directory."""
 from __future__ import annotations
 
 import json
+import shutil
 import site
 import subprocess
 import sys
@@ -58,9 +59,15 @@ def test_every_upper_bound_says_what_it_avoids():
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built from a copy of what it is made of (setuptools writes build/ beside the sources)."""
+    source = tmp_path_factory.mktemp("source")
+    for name in (*TOPS, "systemd"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(REPO)],
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(source)],
         check=True,
         capture_output=True,
         cwd=out,

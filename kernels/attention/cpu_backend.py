@@ -18,6 +18,12 @@ from batchserve.kernels.attention.base import AttentionMetadata, PagedRows
 from batchserve.kernels.attention.torch_backend import DecodeGroup, TorchAttentionBackend, _PrefillChunk
 
 
+def _pages(chunk: _PrefillChunk) -> torch.Tensor:
+    """A paged chunk's pages (the prefix's and its own: `_pool_chunk` gives a paged chunk its pages)."""
+    assert chunk.pages is not None
+    return chunk.pages
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
@@ -47,12 +53,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return None
         decode = plan.decode
         if not plan.prefills:
+            assert decode is not None  # a step has rows: without prefill chunks, decode rows
             return PagedRows(plan.kv_locs, decode.pages, decode.lens)
         # A chunk's pages lie in order from its first row on, across its rows as needed (only the chunk reads
         # them), so a long prompt's rows stay narrow; its lens say each row's position.
         rows = plan.kv_locs.shape[0]
         width = max(
-            [-(-len(chunk.pages) // chunk.length) for chunk in plan.prefills]
+            [-(-len(_pages(chunk)) // chunk.length) for chunk in plan.prefills]
             + ([decode.pages.shape[1]] if decode else [])
         )
         pages = torch.zeros((rows, width), dtype=torch.int64)
@@ -61,7 +68,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             pages[decode.rows, : decode.pages.shape[1]] = decode.pages
             lens[decode.rows] = decode.lens
         for chunk in plan.prefills:
-            pages.view(-1)[chunk.start * width : chunk.start * width + len(chunk.pages)] = chunk.pages
+            chunk_pages = _pages(chunk)
+            pages.view(-1)[chunk.start * width : chunk.start * width + len(chunk_pages)] = chunk_pages
             lens[chunk.start : chunk.start + chunk.length] = torch.arange(
                 chunk.prefix + 1, chunk.prefix + chunk.length + 1
             )
@@ -78,6 +86,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> _PrefillChunk:
         if not self.paged_chunks:
             return super()._pool_chunk(start, length, prefix, pages, window)
+        assert pages is not None  # `_chunk_pages` gives a paged chunk its pool pages
         native.check_pages(
             pages[None], torch.tensor([prefix + length]), self._pool_pages(window), self.kv_cache.page_size
         )
@@ -96,6 +105,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         if not chunk.paged:
             return super()._attend_chunk(q, k, v, k_pool, v_pool, chunk, sinks, out)
+        assert chunk.pages is not None  # a paged chunk's (`_pool_chunk`)
         native.paged_prefill_attention(
             q,
             k_pool,

@@ -162,6 +162,7 @@ class FlashInferAttentionBackend(CudaGraphAttentionBackend):
         pages, self._kv_locs = {}, {}
         for ring in {self.in_ring(window) for window in self.windows}:
             table = self.kv_cache.ring_table if ring else self.kv_cache.page_table
+            assert table is not None  # layers in rings: the cache has them, and their table
             pages[ring] = page_lists(metadata, table, self.kv_cache.page_size)
             locs = metadata.kv_locs
             if ring:

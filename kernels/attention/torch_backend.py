@@ -18,6 +18,7 @@ per distinct window of the model's layers (the pages gathered once for all).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,15 @@ class DecodeGroup:
     window: int = 0  # a sliding window: each row attends to its last `window` tokens only
 
 
+class _DecodeRows(NamedTuple):
+    """A step's decode rows before their pages are gathered."""
+
+    rows: torch.Tensor | None  # packed rows of the decode tokens; None: all rows, in order
+    slots: torch.Tensor  # [b] int64 each row's slot
+    lens: torch.Tensor  # [b] int64 tokens each row attends to (its cached prefix and itself)
+    longest: int  # the most of them
+
+
 @dataclass
 class StepPlan:
     """How the layers of one window (0: none) attend this step, and where their new K/V go."""
@@ -78,6 +88,32 @@ class TorchAttentionBackend(AttentionBackend):
     # -- per step ---------------------------------------------------------------------------------
 
     def plan(self, metadata: AttentionMetadata) -> None:
+        chunks, decode = self._sort_rows(metadata)
+        tables = {  # the pages each table gives, once
+            ring: self._table_pages(ring, metadata, chunks, decode) for ring in {self.in_ring(w) for w in self.windows}
+        }
+        self._plans = {}
+        for window in set(self.windows):
+            kv_locs, chunk_pages, decode_pages = tables[self.in_ring(window)]
+            decode_group = None
+            if decode is not None:
+                assert decode_pages is not None  # every table gives the decode rows' pages when there are some
+                decode_group = self._plan_decode(decode.rows, decode_pages, decode.lens, window)
+            if self.in_ring(window):
+                self._plans[window] = self._ring_plan(decode_group, chunks, kv_locs, window, metadata.num_tokens)
+                continue
+            self._plans[window] = StepPlan(
+                decode_group,
+                [
+                    self._pool_chunk(start, length, prefix, pages, window)
+                    for (start, length, prefix, _), pages in zip(chunks, chunk_pages)
+                ],
+                kv_locs,
+            )
+
+    def _sort_rows(self, metadata: AttentionMetadata) -> tuple[list[tuple[int, int, int, int]], _DecodeRows | None]:
+        """The step's prefill chunks, (start, length, prefix, slot) each, and its decode rows (None: none):
+        one row per token of a short row after a cached prefix (see the module's docstring)."""
         device = self.kv_cache.device
         chunks: list[tuple[int, int, int, int]] = []  # (start, length, prefix, slot)
         decode_rows: list[int] = []
@@ -96,51 +132,48 @@ class TorchAttentionBackend(AttentionBackend):
             start += length
         if self.kv_cache.ring_pages and widths:
             self.kv_cache.check_ring_rows(*zip(*widths))
-        decode = None
-        if decode_rows:
-            all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed
-            rows = None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device)
-            lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            decode = (rows, torch.tensor(decode_slots, dtype=torch.int64, device=device), lens, max(decode_lens))
-        plans = {}
-        for ring in {self.in_ring(window) for window in self.windows}:  # the pages each table gives, once
-            table = self.kv_cache.ring_table if ring else self.kv_cache.page_table
-            kv_locs = (
-                torch.from_numpy(
-                    self.kv_cache.ring_locs(
-                        metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding
-                    )
-                ).to(device)
-                if ring
-                else metadata.kv_locs
+        if not decode_rows:
+            return chunks, None
+        all_rows = len(decode_rows) == metadata.num_tokens  # decode-only step: no row gather needed
+        return chunks, _DecodeRows(
+            None if all_rows else torch.tensor(decode_rows, dtype=torch.int64, device=device),
+            torch.tensor(decode_slots, dtype=torch.int64, device=device),
+            torch.tensor(decode_lens, dtype=torch.int64, device=device),
+            max(decode_lens),
+        )
+
+    def _table_pages(
+        self,
+        ring: bool,
+        metadata: AttentionMetadata,
+        chunks: list[tuple[int, int, int, int]],
+        decode: _DecodeRows | None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
+        """What the ring's table (`ring`) or the pool's gives the step: the new tokens' KV locations, the
+        pages of each chunk outside a ring, and the decode rows' pages (None: no decode rows)."""
+        table = self._table(ring)
+        kv_locs = metadata.kv_locs
+        if ring:
+            locs = self.kv_cache.ring_locs(
+                metadata.slots, metadata.prefix_lens, metadata.extend_lens, metadata.num_padding
             )
-            chunk_pages = (
-                [self._chunk_pages(slot, prefix, length, table) for _, length, prefix, slot in chunks]
-                if not ring
-                else []
-            )
-            decode_pages = None
-            if decode is not None:
-                rows, slots, lens, longest = decode
-                decode_pages = self._pages(slots, lens, longest, table)
-                if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
-                    decode_pages[-metadata.num_padding :] = 0
-            plans[ring] = (kv_locs, chunk_pages, decode_pages)
-        self._plans = {}
-        for window in set(self.windows):
-            kv_locs, chunk_pages, decode_pages = plans[self.in_ring(window)]
-            decode_group = None if decode is None else self._plan_decode(decode[0], decode_pages, decode[2], window)
-            if self.in_ring(window):
-                self._plans[window] = self._ring_plan(decode_group, chunks, kv_locs, window, metadata.num_tokens)
-                continue
-            self._plans[window] = StepPlan(
-                decode_group,
-                [
-                    self._pool_chunk(start, length, prefix, pages, window)
-                    for (start, length, prefix, _), pages in zip(chunks, chunk_pages)
-                ],
-                kv_locs,
-            )
+            kv_locs = torch.from_numpy(locs).to(self.kv_cache.device)
+        chunk_pages = (
+            [self._chunk_pages(slot, prefix, length, table) for _, length, prefix, slot in chunks] if not ring else []
+        )
+        decode_pages = None
+        if decode is not None:
+            decode_pages = self._pages(decode.slots, decode.lens, decode.longest, table)
+            if metadata.num_padding:  # padded rows (the last decode rows) read only the dummy page
+                decode_pages[-metadata.num_padding :] = 0
+        return kv_locs, chunk_pages, decode_pages
+
+    def _table(self, ring: bool) -> torch.Tensor:
+        """The page table of the ring layers (`ring`) or of the others."""
+        if not ring:
+            return self.kv_cache.page_table
+        assert self.kv_cache.ring_table is not None  # `in_ring` holds only for a pool with rings
+        return self.kv_cache.ring_table
 
     def _ring_plan(
         self,
@@ -152,7 +185,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> StepPlan:
         """A ring's layers: a chunk after a prefix attends to the window before it, from the ring's pages, and
         to its own k/v, which are written after (a ring holds the window and a decode row, not a chunk)."""
-        device, size, table = self.kv_cache.device, self.kv_cache.page_size, self.kv_cache.ring_table
+        device, size, table = self.kv_cache.device, self.kv_cache.page_size, self._table(ring=True)
         prefills, after = [], []
         for start, length, prefix, slot in chunks:
             if not prefix:
@@ -276,6 +309,7 @@ class TorchAttentionBackend(AttentionBackend):
             keys = torch.cat((self._gather(k_pool, chunk.pages)[pooled], k))
             values = torch.cat((self._gather(v_pool, chunk.pages)[pooled], v))
         else:
+            assert chunk.mask is not None  # a chunk that reads pages attends through a mask (`_prefill_chunk`)
             total = chunk.mask.shape[1]
             keys = self._gather(k_pool, chunk.pages)[:total]
             values = self._gather(v_pool, chunk.pages)[:total]

@@ -41,6 +41,7 @@ import msgspec
 from aiohttp import hdrs, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestPayloadError
 
 from batchserve.procs.api.auth import OWNER, accepted_keys, auth_middleware
@@ -260,7 +261,7 @@ class ApiHandlers:
                     f"the request body is not valid {encoding} (its Content-Encoding): "
                     f"{cause.__cause__ or cause.__context__ or cause.message}"
                 ) from None
-            raise BodyError(f"the request body could not be read: {cause or exc.message}") from None
+            raise BodyError(f"the request body could not be read: {cause or exc}") from None
 
     def _admit(self, prompts: int, n: int, field: str = "prompt") -> None:
         """Room for `prompts` x `n` engine requests (a 400 naming `n`, or `field`, the prompts' or inputs'
@@ -385,7 +386,8 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = error_response(exc.status, exc.reason if exc.status != 413 else exc.text)
+        # a 413's text says the limit; aiohttp's HTTPRequestEntityTooLarge always gives one
+        response = error_response(exc.status, exc.text if exc.status == 413 and exc.text is not None else exc.reason)
         if "Allow" in exc.headers:
             response.headers["Allow"] = exc.headers["Allow"]
         return response
@@ -409,7 +411,7 @@ def create_app(
     handlers = ApiHandlers(engine, config, reasoning=reasoning, pooler=pooler)
     engine.set_stats_listener(handlers.observe_scheduler_stats)
     keys = accepted_keys(config)
-    middlewares = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
+    middlewares: list[Middleware] = [openai_error_middleware, *([auth_middleware(keys)] if keys else [])]
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[HANDLERS_KEY] = handlers
     app.router.add_post("/v1/completions", handlers.completions)

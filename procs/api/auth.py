@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from batchserve.procs.api.errors import error_body
 from batchserve.procs.api.responses_store import owner_of
@@ -82,7 +83,7 @@ def _unauthorized(message: str) -> web.Response:
     )
 
 
-def auth_middleware(keys: tuple[bytes, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(keys: tuple[bytes, ...]) -> Middleware:
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(PROTECTED_PREFIXES):

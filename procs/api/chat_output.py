@@ -126,8 +126,8 @@ def parse_whole(
 ) -> tuple[dict[str, Any], str | None]:
     """(the answer's `message`, its finish_reason)."""
     if reasoning == "harmony":
-        message, called = parse_harmony(text, tool_names)
-        return message, final_finish_reason(engine_reason, called)
+        harmony_message, called = parse_harmony(text, tool_names)
+        return harmony_message, final_finish_reason(engine_reason, called)
     reasoning_content = None
     if reasoning == "think":
         reasoning_content, text = split_reasoning(text)
@@ -227,10 +227,10 @@ class ToolCallStream:
         out: list[dict[str, Any]] = []
         while True:
             if self.state == "start":  # a bare JSON call is held to the end; Hermes blocks stream as text
-                opened = _opening(self.buf, final, ("{", PYTHON_TAG), (PYTHON_TAG, HERMES_OPEN))
-                if opened is None:
+                opening = _opening(self.buf, final, ("{", PYTHON_TAG), (PYTHON_TAG, HERMES_OPEN))
+                if opening is None:
                     break
-                self.state = "json" if opened else "text"
+                self.state = "json" if opening else "text"
                 continue
             if self.state == "json":
                 if final:
@@ -238,8 +238,8 @@ class ToolCallStream:
                     self.buf = ""
                     if content is not None:
                         self._content(content, out)
-                    for call in calls:
-                        self._call(call, out)
+                    for parsed in calls:
+                        self._call(parsed, out)
                 break
             if self.state == "text":
                 ready, self.buf, opened = _split_at(self.buf, HERMES_OPEN, final)

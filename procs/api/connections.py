@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from typing import cast
 
 import msgspec
 from aiohttp import web
@@ -36,7 +37,8 @@ class _Busy(asyncio.Protocol):
     """A connection over the cap: answered 503 and closed without reading the request."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(_BUSY_RESPONSE)  # type: ignore[attr-defined]
+        # a stream protocol's transport is a Transport (asyncio's contract; uvloop's too): typeshed types the base
+        cast(asyncio.Transport, transport).write(_BUSY_RESPONSE)
         transport.close()
 
 

@@ -171,7 +171,7 @@ class ZmqEngineClient:
     def _lost_backends(self) -> list[tuple[str, tuple[str, ...]]]:
         """The backend processes that were ready and are gone: (why, (its name,)) each."""
         now = time.monotonic()
-        lost = []
+        lost: list[tuple[str, tuple[str, ...]]] = []
         for name in self.backends:
             beat = self._heartbeats.get(name)
             if beat is None or not beat.ready or self._failed_pids.get(name) == beat.pid:

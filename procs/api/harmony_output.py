@@ -94,7 +94,9 @@ class HarmonyStream:
     def _close(self, out: list[dict[str, Any]]) -> None:
         """The open message ends: a call goes out whole (its name offered, else its text as content)."""
         if self._kind() == "call":
-            name = _RECIPIENT.search(self.header or "").group(1)[len(FUNCTIONS) :]  # type: ignore[union-attr]
+            recipient = _RECIPIENT.search(self.header or "")
+            assert recipient is not None  # `_kind` found a call's in the header
+            name = recipient.group(1)[len(FUNCTIONS) :]
             arguments = self.arguments.strip() or "{}"
             if name in self.tool_names:
                 call = ParsedCall(name, arguments, new_call_id())

@@ -52,9 +52,13 @@ class HistorySample(msgspec.Struct, array_like=True):
     kv_used_ratio: float
 
 
+Buckets = list[tuple[float, float]]  # (upper bound, cumulative count) of each bucket of a histogram
+
+
 def histogram_counts(histogram: Histogram) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of each bucket of an unlabelled histogram, +Inf last."""
-    return [(float(s.labels["le"]), s.value) for s in histogram.collect()[0].samples if s.name.endswith("_bucket")]
+    metric = next(iter(histogram.collect()))
+    return [(float(s.labels["le"]), s.value) for s in metric.samples if s.name.endswith("_bucket")]
 
 
 def quantile(q: float, before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float:
@@ -74,6 +78,11 @@ def quantile(q: float, before: list[tuple[float, float]], after: list[tuple[floa
     return lower
 
 
+def quantile_ms(q: float, before: Buckets, after: Buckets) -> float:
+    """`quantile` of a histogram of seconds, in ms rounded to 0.1."""
+    return round(quantile(q, before, after) * 1e3, 1)
+
+
 class LiveView:
     """The scheduler's latest view and recent steps, and the plots' history (see the module doc)."""
 
@@ -85,7 +94,7 @@ class LiveView:
         self.steps: deque[StepView] = deque(maxlen=STEPS_SHOWN)
         self.history: deque[HistorySample] = deque(maxlen=int(HISTORY_S / SAMPLE_EVERY_S))
         # (time, generated tokens, TTFT buckets, ITL buckets) of past samples, for the windows' differences
-        self._readings: deque[tuple[float, float, list, list]] = deque()
+        self._readings: deque[tuple[float, float, Buckets, Buckets]] = deque()
         registry = metrics.registry
         self.request_seconds = Histogram(
             "batchserve_live_view_request_seconds",
@@ -119,14 +128,15 @@ class LiveView:
             return
         previous, oldest = self._readings[-2], self._readings[0]
         kv_total = stats.kv_total_tokens
+        ttft, itl = (oldest[2], reading[2]), (oldest[3], reading[3])
         self.history.append(
             HistorySample(
                 round(now - self.started, 2),
                 round((reading[1] - previous[1]) / max(now - previous[0], 1e-6), 1),
-                *(
-                    round(quantile(q, oldest[i], reading[i]) * 1e3, 1)
-                    for i, q in ((2, 0.5), (2, 0.9), (3, 0.5), (3, 0.99))
-                ),
+                quantile_ms(0.5, *ttft),
+                quantile_ms(0.9, *ttft),
+                quantile_ms(0.5, *itl),
+                quantile_ms(0.99, *itl),
                 stats.num_waiting,
                 stats.num_running,
                 round(stats.kv_used_tokens / kv_total, 4) if kv_total else 0.0,

@@ -208,6 +208,34 @@ class LoraMetrics:
         ).set_to_current_time()
 
 
+class SpecDecodeMetrics:
+    """Speculative decoding, vLLM's names: decode rows that carried a draft, their draft tokens, the accepted
+    ones, and the mean acceptance length since the start."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.drafts = Counter("batchserve_spec_decode_num_drafts", "Decode rows that carried a draft", registry=r)
+        self.draft_tokens = Counter("batchserve_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter(
+            "batchserve_spec_decode_num_accepted_tokens", "Draft tokens the model accepted", registry=r
+        )
+        self.acceptance_length = Gauge(
+            "batchserve_spec_decode_mean_acceptance_length",
+            "Tokens a decode row with a draft gave on average since the start (1 + accepted draft tokens / drafts)",
+            registry=r,
+        )
+        self._totals = [0, 0]  # drafts, accepted tokens: the mean acceptance length's terms
+
+    def observe(self, stats: SchedulerStats) -> None:
+        if not stats.spec_drafts:
+            return
+        self.drafts.inc(stats.spec_drafts)
+        self.draft_tokens.inc(stats.spec_draft_tokens)
+        self.accepted.inc(stats.spec_accepted_tokens)
+        self._totals[0] += stats.spec_drafts
+        self._totals[1] += stats.spec_accepted_tokens
+        self.acceptance_length.set(1 + self._totals[1] / self._totals[0])
+
+
 class ApiMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -215,49 +243,7 @@ class ApiMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.slo = SloMetrics(slo, r) if slo is not None else None
-        self.running = Gauge("batchserve_num_requests_running", "Requests in the scheduler's running set", registry=r)
-        self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
-        self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
-        self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
-        self.kv_usage = Gauge(
-            "batchserve_kv_cache_usage_ratio", "KV cache positions in use, as a fraction of the pool (0..1)", registry=r
-        )
-        gauges = {g.describe()[0].name: g for g in (self.waiting, self.running, self.kv_usage)}
-        self.aliases = {
-            gauges[name]: Gauge(alias, f"{name}, under the name routers read by default (vLLM's)", registry=r)
-            for name, alias in PROTOCOL_ALIASES.items()
-        }
-        self.reserve_ratio = Gauge(
-            "batchserve_kv_reserve_ratio",
-            "Share of remaining max_tokens reserved in the KV cache at admission",
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "batchserve_preemptions", "Requests preempted (KV freed, recomputed later)", registry=r
-        )
-        self.out_of_reach = Counter(
-            "batchserve_step_target_out_of_reach",
-            "Steps with prefill waiting whose decodes alone took the step-time target",
-            registry=r,
-        )
-        self.spec_drafts = Counter("batchserve_spec_decode_num_drafts", "Decode rows that carried a draft", registry=r)
-        self.spec_draft_tokens = Counter("batchserve_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.spec_accepted = Counter(
-            "batchserve_spec_decode_num_accepted_tokens", "Draft tokens the model accepted", registry=r
-        )
-        self.spec_acceptance_length = Gauge(
-            "batchserve_spec_decode_mean_acceptance_length",
-            "Tokens a decode row with a draft gave on average since the start (1 + accepted draft tokens / drafts)",
-            registry=r,
-        )
-        self._spec_totals = [0, 0]  # drafts, accepted tokens: the mean acceptance length's terms
-        self.prefix_cache = PrefixCacheMetrics(r)
-        self.request_pages = Gauge(
-            "batchserve_kv_request_pages_max",
-            "Most KV pages one decoding request holds (with a sliding window: at most the window and a page)",
-            registry=r,
-        )
-        self.moe = ExpertLoadMetrics(r)
+        self._scheduler_metrics(r)
         self.in_flight = Gauge("batchserve_api_requests_in_flight", "Requests the api is handling", registry=r)
         self.ttft = Histogram(
             "batchserve_time_to_first_token_seconds",
@@ -299,6 +285,43 @@ class ApiMetrics:
         # live view's tokens/s (`live_view.py`)
         self.tokens_delivered = 0
 
+    def _scheduler_metrics(self, r: CollectorRegistry) -> None:
+        """The gauges and counters of the scheduler's state, set from its stats (`observe_scheduler_stats`);
+        the three the Inference Extension reads also under their aliases."""
+        self.running = Gauge("batchserve_num_requests_running", "Requests in the scheduler's running set", registry=r)
+        self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
+        self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
+        self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
+        self.kv_usage = Gauge(
+            "batchserve_kv_cache_usage_ratio", "KV cache positions in use, as a fraction of the pool (0..1)", registry=r
+        )
+        gauges = {next(iter(g.describe())).name: g for g in (self.waiting, self.running, self.kv_usage)}
+        self.aliases = {
+            gauges[name]: Gauge(alias, f"{name}, under the name routers read by default (vLLM's)", registry=r)
+            for name, alias in PROTOCOL_ALIASES.items()
+        }
+        self.reserve_ratio = Gauge(
+            "batchserve_kv_reserve_ratio",
+            "Share of remaining max_tokens reserved in the KV cache at admission",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "batchserve_preemptions", "Requests preempted (KV freed, recomputed later)", registry=r
+        )
+        self.out_of_reach = Counter(
+            "batchserve_step_target_out_of_reach",
+            "Steps with prefill waiting whose decodes alone took the step-time target",
+            registry=r,
+        )
+        self.spec = SpecDecodeMetrics(r)
+        self.prefix_cache = PrefixCacheMetrics(r)
+        self.request_pages = Gauge(
+            "batchserve_kv_request_pages_max",
+            "Most KV pages one decoding request holds (with a sliding window: at most the window and a page)",
+            registry=r,
+        )
+        self.moe = ExpertLoadMetrics(r)
+
     def _set(self, gauge: Gauge, value: float) -> None:
         """Set `gauge`, and its alias if it has one."""
         gauge.set(value)
@@ -318,13 +341,7 @@ class ApiMetrics:
             self.preemptions.inc(stats.preemptions)
         if stats.steps_target_out_of_reach:
             self.out_of_reach.inc(stats.steps_target_out_of_reach)
-        if stats.spec_drafts:
-            self.spec_drafts.inc(stats.spec_drafts)
-            self.spec_draft_tokens.inc(stats.spec_draft_tokens)
-            self.spec_accepted.inc(stats.spec_accepted_tokens)
-            self._spec_totals[0] += stats.spec_drafts
-            self._spec_totals[1] += stats.spec_accepted_tokens
-            self.spec_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
+        self.spec.observe(stats)
         if stats.expert_load is not None:
             self.moe.observe(stats.expert_load)
         for size in stats.batch_sizes:

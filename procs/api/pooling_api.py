@@ -32,9 +32,10 @@ from aiohttp import web
 
 from batchserve.procs.api.errors import refusal_response, request_error
 from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
+from batchserve.procs.api.prompt_fields import prompt_inputs
 from batchserve.procs.api.schemas import decode_body
 from batchserve.procs.api.tracking import RequestTracker
-from batchserve.procs.api.validation import check_model, prompt_inputs
+from batchserve.procs.api.validation import check_model
 from batchserve.shared.checks import check_priority
 from batchserve.shared.errors import Refusal
 from batchserve.shared.messages import (

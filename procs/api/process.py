@@ -17,7 +17,7 @@ import time
 import msgspec
 import uvloop
 
-from batchserve.procs.api.app import HANDLERS_KEY
+from batchserve.procs.api.app import HANDLERS_KEY, ApiHandlers
 from batchserve.procs.api.engine_client_zmq import ZmqEngineClient, backend_processes
 from batchserve.procs.api.server import start_api
 from batchserve.procs.runtime import resolve_runtime_dir
@@ -66,41 +66,46 @@ async def serve(config: ServerConfig) -> int:
     except OSError as exc:  # port in use, address not available: a configuration error
         raise ValueError(f"cannot listen on {config.host}:{port}: {exc.strerror or exc}") from None
     try:
-        while not engine.backends_ready() and not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 0.1)
-            except TimeoutError:  # not the builtin TimeoutError before Python 3.11
-                pass
-        if not stop.is_set():
-            log.info(
-                "api ready",
-                extra={
-                    "fields": {"pid": os.getpid(), "url": f"http://{config.host}:{port}", "model": engine.model_name}
-                },
-            )
-            notify_ready()
+        await _wait_for_backends(engine, stop, f"http://{config.host}:{port}")
         await stop.wait()
         notify_stopping()
-        engine.draining = True  # new requests and /health now answer 503
-        handlers = runner.app[HANDLERS_KEY]
-        started = time.monotonic()
-        log.info("draining %d requests (up to %gs)", handlers.in_flight, config.drain_timeout_s)
-        while handlers.in_flight > 0 and time.monotonic() < started + config.drain_timeout_s:
-            await asyncio.sleep(DRAIN_POLL_S)
-        cut_off = handlers.in_flight
-        if cut_off:
-            log.warning("drain timeout: %d requests still running are cut off", cut_off)
-            engine.fail_all(
-                f"the server is shutting down: the request did not finish within the drain "
-                f"timeout of {config.drain_timeout_s:g} s"
-            )
-            deadline = time.monotonic() + CUT_OFF_S  # time for their handlers to write the last event
-            while handlers.in_flight > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(DRAIN_POLL_S)
-        log.info("drained", extra={"fields": {"cut_off": cut_off, "seconds": round(time.monotonic() - started, 2)}})
+        await _drain(engine, runner.app[HANDLERS_KEY], config.drain_timeout_s)
     finally:
         await runner.cleanup()
     return 0
+
+
+async def _wait_for_backends(engine: ZmqEngineClient, stop: asyncio.Event, url: str) -> None:
+    """Wait until every backend process has reported ready, then report the api ready (its log line,
+    sd_notify), unless a stop signal comes first."""
+    while not engine.backends_ready() and not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            pass
+    if not stop.is_set():
+        log.info("api ready", extra={"fields": {"pid": os.getpid(), "url": url, "model": engine.model_name}})
+        notify_ready()
+
+
+async def _drain(engine: ZmqEngineClient, handlers: ApiHandlers, drain_timeout_s: float) -> None:
+    """Refuse new requests, let those in flight finish for up to `drain_timeout_s`, then end whatever
+    still runs with an error event (and give its handler a moment to write it)."""
+    engine.draining = True  # new requests and /health now answer 503
+    started = time.monotonic()
+    log.info("draining %d requests (up to %gs)", handlers.in_flight, drain_timeout_s)
+    while handlers.in_flight > 0 and time.monotonic() < started + drain_timeout_s:
+        await asyncio.sleep(DRAIN_POLL_S)
+    cut_off = handlers.in_flight
+    if cut_off:
+        log.warning("drain timeout: %d requests still running are cut off", cut_off)
+        engine.fail_all(
+            f"the server is shutting down: the request did not finish within the drain timeout of {drain_timeout_s:g} s"
+        )
+        deadline = time.monotonic() + CUT_OFF_S  # time for their handlers to write the last event
+        while handlers.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+    log.info("drained", extra={"fields": {"cut_off": cut_off, "seconds": round(time.monotonic() - started, 2)}})
 
 
 def run(config: ServerConfig) -> int:

@@ -252,6 +252,13 @@ def _text(parts: str | list[ContentPart], param: str, role: str) -> str | list[T
     return out
 
 
+def _call_field(value: str | None, param: str, field: str) -> str:
+    """A function_call item's required `field`; Refusal naming it where it is missing."""
+    if value is None:
+        raise Refusal(f"{param}.{field} is required in a function_call item", f"{param}.{field}")
+    return value
+
+
 def _add_items(items: list[InputItem], messages: list[ChatMessageIn], origins: list[str]) -> None:
     # call_id -> function name, for the tool messages that answer them (calls stored ones made too)
     called = {call.id: call.function.name for m in messages for call in m.tool_calls or []}
@@ -281,11 +288,10 @@ def _add_items(items: list[InputItem], messages: list[ChatMessageIn], origins: l
                 continue
             messages.append(ChatMessageIn(role=role, content=content))
         elif kind == "function_call":
-            for field in ("call_id", "name", "arguments"):
-                if getattr(item, field) is None:
-                    raise Refusal(f"{param}.{field} is required in a function_call item", f"{param}.{field}")
-            call = ToolCallIn(id=item.call_id, function=FunctionCallIn(name=item.name, arguments=item.arguments))
-            called[item.call_id] = item.name
+            call_id, name = _call_field(item.call_id, param, "call_id"), _call_field(item.name, param, "name")
+            arguments = _call_field(item.arguments, param, "arguments")
+            call = ToolCallIn(id=call_id, function=FunctionCallIn(name=name, arguments=arguments))
+            called[call_id] = name
             if last is not None and last.role == "assistant" and origins[-1].startswith("input["):
                 last.tool_calls = [*(last.tool_calls or []), call]  # one turn: its text and all its calls
                 continue

@@ -161,6 +161,7 @@ class ResponsesShapes(ResponseShapes):
 
     def _finished(self, finish_reason: str | None, output: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         tokens = self.reasoning_tokens.count if self.reasoning_tokens is not None else 0
+        reason: str | None
         if finish_reason == "length":
             status, reason = "incomplete", "max_output_tokens"
         else:
@@ -262,37 +263,46 @@ class ResponsesShapes(ResponseShapes):
                 self.done_items.append(item)
             return out
         kind = "reasoning" if key == "reasoning_content" else "message"
-        out = b""
-        if self.open is None or self.open["kind"] != kind:
-            out += self._close() + self._open(kind)
-        item = self.open
-        item["text"] += value
-        ids = {"item_id": item["id"], "output_index": len(self.done_items), "content_index": 0}
+        out, streamed = b"", self.open
+        if streamed is None or streamed["kind"] != kind:
+            out += self._close()
+            opening, streamed = self._open(kind)
+            out += opening
+        streamed["text"] += value
+        ids = {"item_id": streamed["id"], "output_index": len(self.done_items), "content_index": 0}
         if kind == "reasoning":
             return out + self._event("response.reasoning_text.delta", **ids, delta=value)
         logprobs = [_logprob(t) for t in self.unsent]
         self.unsent = []
-        item["logprobs"] += logprobs
+        streamed["logprobs"] += logprobs
         return out + self._event("response.output_text.delta", **ids, delta=value, logprobs=logprobs)
 
-    def _open(self, kind: str) -> bytes:
-        self.open = {"kind": kind, "id": new_id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
+    def _open(self, kind: str) -> tuple[bytes, dict[str, Any]]:
+        """A new `kind` item, streamed from now (`self.open`): the events that announce it, and the item."""
+        opened: dict[str, Any] = {
+            "kind": kind,
+            "id": new_id("rs" if kind == "reasoning" else "msg"),
+            "text": "",
+            "logprobs": [],
+        }
+        self.open = opened
         index = len(self.done_items)
         if kind == "reasoning":
-            item = {"id": self.open["id"], "type": "reasoning", "summary": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
+            item = {"id": opened["id"], "type": "reasoning", "summary": [], "status": "in_progress"}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
             item = {
-                "id": self.open["id"],
+                "id": opened["id"],
                 "type": "message",
                 "role": "assistant",
                 "status": "in_progress",
                 "content": [],
             }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return self._event("response.output_item.added", output_index=index, item=item) + self._event(
-            "response.content_part.added", item_id=self.open["id"], output_index=index, content_index=0, part=part
+        events = self._event("response.output_item.added", output_index=index, item=item) + self._event(
+            "response.content_part.added", item_id=opened["id"], output_index=index, content_index=0, part=part
         )
+        return events, opened
 
     def _close(self, status: str = "completed") -> bytes:
         if self.open is None:
@@ -321,7 +331,7 @@ class ResponsesShapes(ResponseShapes):
             self.open is not None or not any(item["type"] == "function_call" for item in self.done_items)
         ):
             if self.open is None or self.open["kind"] != "message":  # an answer of no text: an empty message
-                out += self._close() + self._open("message")
+                out += self._close() + self._open("message")[0]
         out += self._close("incomplete" if cut else "completed")
         final = self._finished(choice.finish_reason, list(self.done_items), usage)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"

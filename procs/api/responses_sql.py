@@ -57,11 +57,12 @@ class SqlResponseStore(ABC):
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
         self._lock = threading.Lock()  # one connection, used from the event loop (and tests' threads)
         self._purged_at = self._last_now = 0.0
+        errors: tuple[type[Exception], ...] = (OSError, *self.ERRORS)
         try:
             self._db = self._connect()
             for statement in [self.TABLE, *INDEXES, "SELECT COUNT(*) FROM responses"]:
                 self._db.execute(statement)
-        except (OSError, *self.ERRORS) as exc:
+        except errors as exc:
             raise ResponseStoreError(f"responses store {self.name}: {str(exc).strip()}") from None
 
     @abstractmethod

@@ -67,10 +67,11 @@ def open_response_store(spec: str, ttl_s: float) -> ResponseStore:
     """The store `spec` names ("" : SQLite in `state_dir()`); ResponseStoreError naming it when it cannot open."""
     if spec == "memory":
         return MemoryResponseStore()
-    limits = dict(max_entries=MAX_DATABASE_RESPONSES, max_bytes=MAX_DATABASE_BYTES, ttl_s=ttl_s)
+    entries, size = MAX_DATABASE_RESPONSES, MAX_DATABASE_BYTES
     if spec.startswith(POSTGRES_SCHEMES):
-        return PostgresResponseStore(spec, **limits)
-    return SqliteResponseStore(spec.removeprefix("sqlite:") if spec else state_dir() / STORE_FILE, **limits)
+        return PostgresResponseStore(spec, max_entries=entries, max_bytes=size, ttl_s=ttl_s)
+    path = spec.removeprefix("sqlite:") if spec else state_dir() / STORE_FILE
+    return SqliteResponseStore(path, max_entries=entries, max_bytes=size, ttl_s=ttl_s)
 
 
 def serving_store(spec: str, ttl_s: float) -> ResponseStore:

@@ -173,7 +173,7 @@ class UnloadLoraBody(msgspec.Struct, kw_only=True):
     lora_int_id: int | None = None
 
 
-T = TypeVar("T", CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody, LoadLoraBody, UnloadLoraBody)
+T = TypeVar("T", bound=msgspec.Struct)  # a request body's schema
 
 # A high surrogate escape (\uD800-\uDBFF) with no low surrogate escape after it: not valid text.
 _LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")

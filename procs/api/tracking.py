@@ -41,12 +41,12 @@ class RequestTracker:
         if not timed:
             return
         self.timed_tokens += len(delta.token_ids)
-        now = time.monotonic()
-        if self.first_token_at is None:
+        now, last = time.monotonic(), self.last_token_at  # None until the first token, as first_token_at
+        if last is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
         else:
-            self.metrics.itl.observe(now - self.last_token_at)
+            self.metrics.itl.observe(now - last)
         self.last_token_at = now
 
     @property
@@ -64,11 +64,12 @@ class RequestTracker:
         if self.adapter:
             self.metrics.lora.requests.labels(adapter=self.adapter).inc()
             self.metrics.lora.tokens.labels(adapter=self.adapter).inc(usage.completion_tokens)
-        if self.metrics.slo is not None and self.first_token_at is not None:
+        first, last = self.first_token_at, self.last_token_at  # both set at the first token
+        if self.metrics.slo is not None and first is not None and last is not None:
             # TPOT as vLLM's benchmark has it: the time after the first token, per later token
             later = self.timed_tokens - 1
-            tpot = (self.last_token_at - self.first_token_at) / later if later > 0 else None  # type: ignore[operator]
-            self.metrics.slo.observe(self.first_token_at - self.arrival, tpot, latency)
+            tpot = (last - first) / later if later > 0 else None
+            self.metrics.slo.observe(first - self.arrival, tpot, latency)
         self._log(200, finish_reason, usage.prompt_tokens, usage.completion_tokens, latency)
 
     def client_gone(self) -> None:
@@ -108,4 +109,4 @@ class RequestTracker:
         }
         if error is not None:
             fields["error"] = error
-        log_event(request_logger, "request", **fields)
+        log_event(request_logger, "request", logging.INFO, **fields)

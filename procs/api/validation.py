@@ -20,7 +20,7 @@ naming the field it came from; the tokenizer compiles it (and answers a bad sche
 named function (`forced_tool`) makes the tokenizer force one call by grammar, so neither goes with
 a structured-output constraint.
 
-Limits (`shared.checks`, the README's "Limits"): stop sequences (count, length) and stop_token_ids;
+Limits (`shared.checks`, docs/api.md's "Limits"): stop sequences (count, length) and stop_token_ids;
 a constraint's source size and repetition bounds, and those of a forced tool call's schema
 (`shared.grammar`), checked here before the tokenizer compiles anything. A prompt text too long to
 fit the context is refused by the engine client before it is sent (`engine_client.py`).
@@ -34,6 +34,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from batchserve.procs.api.prompt_fields import prompt_inputs
 from batchserve.procs.api.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -334,43 +335,6 @@ def _choices_per_prompt(req: CommonRequestFields) -> int:
             "best_of",
         )
     return n
-
-
-def prompt_inputs(
-    value: str | list[int | str | list[int]], field: str = "prompt"
-) -> list[tuple[str, str | None, list[int] | None]]:
-    """(param, text, token ids) of each prompt in `field` (a completion's `prompt`, an embedding's `input`):
-    a text, a list of token ids, or a list of either."""
-    if isinstance(value, str):
-        return [(field, _text_prompt(value, field), None)]
-    if not value:
-        raise Refusal(f"{field} must not be empty", field)
-    kind = type(value[0])
-    for i, item in enumerate(value):
-        if type(item) is not kind:
-            raise Refusal(
-                f"{field} must be a text, a list of token ids, or a list of texts or of token-id lists, not a mix",
-                f"{field}[{i}]",
-            )
-    if kind is int:
-        return [(field, None, _token_prompt(value, field))]
-    if kind is str:
-        return [(f"{field}[{i}]", _text_prompt(p, f"{field}[{i}]"), None) for i, p in enumerate(value)]
-    return [(f"{field}[{i}]", None, _token_prompt(p, f"{field}[{i}]")) for i, p in enumerate(value)]
-
-
-def _text_prompt(text: str, param: str) -> str:
-    if text == "":
-        raise Refusal(f"{param} must not be empty", param)
-    return text
-
-
-def _token_prompt(ids: list[int], param: str) -> list[int]:
-    if not ids:
-        raise Refusal(f"{param} must not be empty", param)
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
-        raise Refusal(f"{param} token ids must be in [0, {MAX_TOKEN_ID}]", param)
-    return list(ids)
 
 
 def _logits(req: CommonRequestFields, *, logprobs: int | None, prompt_logprobs: int | None) -> LogitsParams:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TypedDict
 
 from batchserve.procs.scheduler.executor import Executor
 from batchserve.procs.scheduler.request import Request, Status
@@ -75,10 +76,18 @@ class WorkerAdapters:
         return [AdapterUpdate(index=victim, name=self.registered[victim].name)]
 
 
-def adapters_in_use(requests: Iterable[Request]) -> dict[str, list[int]]:
+class AdaptersInUse(TypedDict, total=False):
+    """`SchedulerStats`' adapter fields (left out: none)."""
+
+    running_adapters: list[int]
+    waiting_adapters: list[int]
+
+
+def adapters_in_use(requests: Iterable[Request]) -> AdaptersInUse:
     """The adapters of the requests running (admitted) and waiting, as `SchedulerStats` reports them (for
     vLLM's `vllm:lora_requests_info`, which routers read)."""
-    running, waiting = set(), set()
+    running: set[int] = set()
+    waiting: set[int] = set()
     for request in requests:
         if request.params.adapter:
             (running if request.status in ADMITTED else waiting).add(request.params.adapter)

@@ -95,6 +95,20 @@ class _Rows(NamedTuple):
     sampling: list[SamplingParams]
     sample_counts: list[int]
 
+    def then(self, other: _Rows) -> _Rows:
+        """These rows, then `other`'s."""
+        return _Rows(
+            np.concatenate([self.ids, other.ids]),
+            np.concatenate([self.pos, other.pos]),
+            np.concatenate([self.locs, other.locs]),
+            self.slots + other.slots,
+            self.prefix_lens + other.prefix_lens,
+            self.extend_lens + other.extend_lens,
+            self.sample_lens + other.sample_lens,
+            self.sampling + other.sampling,
+            self.sample_counts + other.sample_counts,
+        )
+
 
 def build_forward_batch(
     step: int,
@@ -110,11 +124,7 @@ def build_forward_batch(
     slot_starts: list[SlotStart] = []
     if plan.prefill:
         prefill = _prefill_rows(plan, table, page_size)
-        rows = (
-            prefill
-            if rows is None
-            else _Rows(*(np.concatenate([a, b]) if isinstance(a, np.ndarray) else a + b for a, b in zip(rows, prefill)))
-        )
+        rows = prefill if rows is None else rows.then(prefill)
         for request, _ in plan.prefill:
             if request.starting:
                 slot_starts.append(request.slot_start(eos_token_ids))
@@ -194,7 +204,7 @@ def _decode_tokens(
     pos = np.arange(plan.decode_tokens, dtype=np.int64) - np.repeat(row_starts - kv_len, widths)
     ids = np.repeat(ids, widths)
     for i in np.flatnonzero(widths > 1).tolist():
-        ids[row_starts[i] + 1 : row_starts[i] + widths[i]] = table.requests[ds[i]].draft  # type: ignore[union-attr]
+        ids[row_starts[i] + 1 : row_starts[i] + widths[i]] = table.requests[ds[i]].draft
     return ids, pos, np.repeat(ds, widths)
 
 

@@ -97,6 +97,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     whole_prompts: bool = False
 
     def __post_init__(self) -> None:
+        self._check_features_combine()
+        self._check_values()
+
+    def _check_features_combine(self) -> None:
+        """The features that exclude each other, or need another (SCHEDULING.md 5 and 11)."""
         if self.pooling and (self.prefix_cache or self.speculative != "off"):
             raise SchedulerConfigError(
                 "the pooling runner computes every prompt token: prefix_cache and speculative decoding are off with it"
@@ -116,6 +121,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "prefix_cache with recurrent_state needs state_snapshots: a cached prefix of a "
                 "hybrid model serves only where its state was kept (SCHEDULING.md 5)"
             )
+
+    def _check_values(self) -> None:
+        """Each knob within its range or among its choices, and the budget that `mixed` needs."""
         for name in ("max_running_requests", "prefill_budget", "kv_capacity_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

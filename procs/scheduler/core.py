@@ -28,7 +28,9 @@ a row to its token limit, so that a rejection never has to put its request back 
 The pieces: `PrefillManager` plans chunks and admissions within the budget, `DecodeManager` holds
 the decode set, `KVManager` owns the pages (reservation, preemption victims, allocation) and
 `batch.build_forward_batch` packs the plan for the worker; the policy (`managers.POLICY_PLANNERS`)
-chooses the batch. This module runs the step and applies what came back.
+chooses the batch. `step_launch` records what a launched batch decides, `step_results` reads the tokens
+that come back, and `input_checks` checks what comes in from outside (requests, drafts, step results).
+This module runs the step and applies what came back.
 """
 
 from __future__ import annotations
@@ -38,22 +40,22 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
-from batchserve.procs.scheduler.batch import StepPlan, build_forward_batch
+from batchserve.procs.scheduler.batch import build_forward_batch
 from batchserve.procs.scheduler.config import SchedulerConfig
 from batchserve.procs.scheduler.deltas import token_deltas
-from batchserve.procs.scheduler.executor import Executor, ExecutorError
+from batchserve.procs.scheduler.executor import Executor
+from batchserve.procs.scheduler.input_checks import checked_draft, checked_prompt, checked_result
 from batchserve.procs.scheduler.kv_manager import KVManager
 from batchserve.procs.scheduler.managers import DecodeManager, PrefillManager
-from batchserve.procs.scheduler.request import Request, Status, check_runner, prompt_array
+from batchserve.procs.scheduler.request import Request, Status
 from batchserve.procs.scheduler.request_table import RequestTable
 from batchserve.procs.scheduler.step_cost import LinearStepCost
+from batchserve.procs.scheduler.step_launch import advance_launched
 from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput
 from batchserve.procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
 from batchserve.procs.scheduler.step_results import kept_tokens, record_logprobs, record_pooled, settle_rows
-from batchserve.shared.checks import MAX_TOKEN_ID, check_priority
-from batchserve.shared.config import request_cap
 from batchserve.shared.errors import Refusal
-from batchserve.shared.messages import DEFAULT_PARAMS, FUTURE_TOKEN, ForwardBatch, RequestParams, StepResult, TokenDelta
+from batchserve.shared.messages import DEFAULT_PARAMS, RequestParams, StepResult, TokenDelta
 from batchserve.shared.step_features import StepShape
 
 
@@ -190,43 +192,14 @@ class Scheduler:
         policy), or raise `Refusal`. `params.speculative` False: never give it a draft."""
         if rid in self.requests:
             raise Refusal("a request with this id is already queued or running")
-        priority = params.priority
-        if priority and not self.by_priority:
-            raise Refusal(
-                f"priority {priority} needs --scheduling-policy priority (this server schedules "
-                f"first come, first served)",
-                "priority",
-            )
-        check_priority(priority)
-        check_runner(params, self.config.pooling)
-        prompt = prompt_array(prompt_ids)
-        if self.config.whole_prompts and prompt.shape[0] > self.config.prefill_budget:
-            raise Refusal(
-                f"this model is an encoder: an input runs whole in one step, and this one's {prompt.shape[0]} "
-                f"tokens exceed the prefill budget of {self.config.prefill_budget} (--prefill-budget)",
-                "prompt",
-            )
-        # max_tokens is settled (>= 1, 0 for pooling; within the context) by the tokenizer: the scheduler trusts it.
-        max_tokens = params.stop.max_tokens
-        assert max_tokens is not None, "max_tokens is settled by the tokenizer before a request gets here"
-        total = prompt.shape[0] + max_tokens
-        # with a window, the worst over any recompute too (its prompt then holds the generated tokens)
-        if (
-            self.kv.pages_for(self.kv.windowed(total, total)) > self.num_kv_pages
-            or self.kv.pages_for(total) > self.max_pages_per_request
-        ):
-            raise Refusal(
-                f"prompt ({prompt.shape[0]} tokens) + max_tokens ({max_tokens}) = {total} can never fit "
-                f"in the KV cache of {self.kv_capacity_tokens} tokens",
-                "max_tokens",
-            )
-        capacity = request_cap(self.config.max_running_requests, self.config.max_waiting)
-        if capacity is not None and len(self.requests) >= capacity:
-            raise Refusal(
-                f"the server is full ({self.config.max_running_requests} running + "
-                f"{self.config.max_waiting} waiting requests)",
-                status=503,
-            )
+        prompt = checked_prompt(
+            self.config,
+            self.kv,
+            prompt_ids,
+            params,
+            max_pages_per_request=self.max_pages_per_request,
+            num_requests=len(self.requests),
+        )
         request = Request(rid, prompt, params, arrival=self._arrivals)
         request.arrived_s = self.clock()
         self._arrivals += 1
@@ -260,13 +233,7 @@ class Scheduler:
         request = self.requests.get(rid)
         if request is None or request.slot not in self.decode_manager:
             raise ValueError(f"request {rid!r} is not decoding")
-        tokens = np.asarray(draft)
-        if (
-            tokens.ndim != 1
-            or not np.issubdtype(tokens.dtype, np.integer)
-            or (tokens.shape[0] and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID))
-        ):
-            raise ValueError(f"a draft is token ids in [0, 2**31), got {tokens!r}")
+        tokens = checked_draft(draft)
         if self._launched:
             raise ValueError(f"request {rid!r}: its last token is not back yet (a step is in flight)")
         room = self.planner.draft_room(request.slot)
@@ -344,7 +311,9 @@ class Scheduler:
         updates = self.kv.allocate(planned.slots, planned.growth)
         batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
-        return self._advance(plan, batch, out)
+        # the decode set's drafts go into this batch's rows, which are then wider than one token
+        self._wide_rows_in_flight = bool(plan.decode_slots.shape[0]) and bool(self.decode_manager.drafting)
+        return advance_launched(plan, batch, out, self.table, self.kv, self.prefill_manager, self.decode_manager)
 
     # ------------------------------------------------------------------ preemption
     def _fit_pages(self, planned: PlannedStep, out: StepOutput, drain: Callable[[], None] | None) -> PlannedStep:
@@ -416,62 +385,6 @@ class Scheduler:
             out.queue_times = [now - r.arrived_s for r in admitted]
             admitted.clear()
 
-    def _advance(self, plan: StepPlan, batch: ForwardBatch, out: StepOutput) -> LaunchedStep:
-        """Advance what a launched batch decides, before its tokens are known (see `launch`)."""
-        table = self.table
-        ds, widths = plan.decode_slots, plan.decode_widths
-        if ds.shape[0]:
-            table.kv_len[ds] += widths
-            if self.decode_manager.drafting:
-                self.decode_manager.clear_drafts()  # packed into this batch's rows
-                self._wide_rows_in_flight = True
-        completing: list[Request] = []
-        if plan.prefill:
-            table.kv_len[plan.prefill_slots] += np.asarray([n for _, n in plan.prefill], dtype=np.int64)
-            for request, n in plan.prefill:
-                request.prefilled += n
-                save = self.kv.cache_prompt_pages(request)  # the worker computes them before any later step reads them
-                if save is not None:
-                    batch.state_saves.append(save)
-                if request.prefilled == request.prompt_len:
-                    completing.append(request)
-        if completing:
-            cslots = np.fromiter((r.slot for r in completing), dtype=np.int64, count=len(completing))
-            sample_slots = np.concatenate([ds, cslots])
-            sample_rids = plan.decode_rids + [r.rid for r in completing]
-            sample_lens = np.concatenate([widths, np.ones(len(completing), dtype=np.int64)])
-        else:
-            sample_slots, sample_rids, sample_lens = ds, plan.decode_rids, widths
-        token_index = table.generated[sample_slots].copy()
-        table.generated[sample_slots] += sample_lens
-        table.last_token[sample_slots] = FUTURE_TOKEN
-        # A request whose token limit this step reaches leaves the decode set now (it is released when
-        # the token comes back), so no step launched meanwhile plans it.
-        at_limit = table.generated[sample_slots] >= table.token_limit[sample_slots]
-        nd = ds.shape[0]
-        for i in np.flatnonzero(at_limit[:nd]).tolist():
-            self.decode_manager.remove(int(ds[i]))
-        if completing:
-            self.prefill_manager.chunking = [r for r in self.prefill_manager.chunking if r.prefilled < r.prompt_len]
-            for request, limited in zip(completing, at_limit[nd:].tolist()):
-                request.move_to(Status.RUNNING)
-                if not limited:
-                    self.decode_manager.add(request)
-        out.prefill = [(r.rid, n) for r, n in plan.prefill]
-        out.decode = list(plan.decode_rids)
-        out.batch_size = batch.num_requests
-        return LaunchedStep(
-            plan,
-            batch,
-            out,
-            sample_slots,
-            sample_rids,
-            token_index,
-            sample_lens,
-            table.admit_seq[sample_slots].copy(),
-            completing,
-        )
-
     # ------------------------------------------------------------------ applying results
     def complete(self, launched: LaunchedStep, result: StepResult) -> StepOutput:
         """The second half of a step: record the sampled tokens, check stop conditions, and release the
@@ -483,23 +396,7 @@ class Scheduler:
         self._launched -= 1
         self._wide_rows_in_flight = False
         table = self.table
-        token_ids = np.asarray(result.next_token_ids)
-        if result.step != batch.step or token_ids.shape != (batch.num_sampled,):
-            raise ExecutorError(
-                f"step {batch.step}: expected {batch.num_sampled} token ids for step {batch.step}, got "
-                f"shape {token_ids.shape} for step {result.step}"
-            )
-        accepted = None
-        if result.accepted_lens:
-            accepted = np.asarray(result.accepted_lens, dtype=np.int64)
-            if (
-                accepted.shape != launched.sample_lens.shape
-                or not ((accepted >= 1) & (accepted <= launched.sample_lens)).all()
-            ):
-                raise ExecutorError(
-                    f"step {batch.step}: accepted_lens {result.accepted_lens} do not fit the "
-                    f"rows' sample lens {launched.sample_lens.tolist()}"
-                )
+        token_ids, accepted = checked_result(batch, launched, result)
         one_per_row = token_ids.shape[0] == launched.sample_slots.shape[0]  # no slot has two tokens
         kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
         if not one_per_row:  # a row of one token keeps it: nothing to settle
@@ -546,7 +443,7 @@ class Scheduler:
         for request in requests:
             if request.status is Status.PREFILLING:
                 self.prefill_manager.chunking.remove(request)
-            elif request.slot in self.decode_manager:  # not once its token limit's step is launched (_advance)
+            elif request.slot in self.decode_manager:  # not once its token limit's step is launched (`step_launch`)
                 self.decode_manager.remove(request.slot)
         self.kv.release(requests)
         for request in requests:

@@ -21,7 +21,7 @@ first, when an allocation needs them). With the cache off or empty, every number
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -68,6 +68,10 @@ class KVManager:
         self.queried_tokens = 0
         self.evicted_pages = 0
 
+    @overload
+    def pages_for(self, tokens: int) -> int: ...
+    @overload
+    def pages_for(self, tokens: np.ndarray) -> np.ndarray: ...
     def pages_for(self, tokens: int | np.ndarray) -> int | np.ndarray:
         return -(-tokens // self.page_size)
 

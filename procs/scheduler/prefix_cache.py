@@ -105,10 +105,11 @@ class PrefixCache:
         """The nodes of the longest cached prefix of `tokens` in `namespace`, at most `max_pages` pages."""
         node, path = self.root(namespace), []
         for key in self.page_keys(tokens, 0, min(max_pages, len(tokens) // self.page_size)):
-            node = node.children.get(key)  # type: ignore[assignment]
-            if node is None:
+            child = node.children.get(key)
+            if child is None:
                 break
-            path.append(node)
+            path.append(child)
+            node = child
         return path
 
     def with_state(self, path: list[CachedPage]) -> list[CachedPage]:

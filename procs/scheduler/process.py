@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import TypedDict
 
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from batchserve.procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
@@ -162,18 +163,24 @@ class SchedulerLoop:
                 else:
                     self._emit(launched.out)
                     if not self.in_flight and not launched.out.cancelled:
-                        message = self.inbox.recv(0.005)  # nothing could run: wait for a message, not spin
-                        if message is not None:
-                            self.handle(message)
+                        waited = self.inbox.recv(0.005)  # nothing could run: wait for a message, not spin
+                        if waited is not None:
+                            self.handle(waited)
             # Wait for the oldest step once the pipeline is full, or when nothing more was launched.
             if self.in_flight and (len(self.in_flight) >= depth or not launched_batch):
                 self._complete_oldest()
             self._maybe_send_stats(busy)
 
+    @property
+    def sched(self) -> Scheduler:
+        """The scheduler, made once the worker is ready (`wait_for_worker`): before `run` and its steps."""
+        assert self.scheduler is not None
+        return self.scheduler
+
     def _complete_oldest(self) -> None:
         launched = self.in_flight.popleft()
         assert launched.batch is not None
-        self._emit(self.scheduler.complete(launched, self.executor.wait(launched.batch)))  # type: ignore[union-attr]
+        self._emit(self.sched.complete(launched, self.executor.wait(launched.batch)))
 
     def _complete_in_flight(self) -> None:
         while self.in_flight:
@@ -181,7 +188,7 @@ class SchedulerLoop:
 
     def _emit(self, out: StepOutput) -> None:
         """Send a step's tokens and ends downstream; count what the stats report."""
-        for delta in self.scheduler.token_deltas(out):  # type: ignore[union-attr]
+        for delta in self.sched.token_deltas(out):
             self.to_detokenizer.send(delta)
         if out.preempted:
             self._preemptions += len(out.preempted)
@@ -191,11 +198,11 @@ class SchedulerLoop:
                     "fields": {
                         "step": out.step,
                         "rids": out.preempted,
-                        "kv_used_tokens": self.scheduler.kv_used_tokens,  # type: ignore[union-attr]
-                        "num_waiting": self.scheduler.num_waiting,
+                        "kv_used_tokens": self.sched.kv_used_tokens,
+                        "num_waiting": self.sched.num_waiting,
                     }
                 },
-            )  # type: ignore[union-attr]
+            )
         if out.batch_size:
             self._batch_sizes.append(out.batch_size)
             self.step_log.record(out, self.executor.last_step_s)
@@ -247,11 +254,11 @@ class SchedulerLoop:
         if not force and now - self._last_view < VIEW_INTERVAL_S:
             return None
         self._last_view = now
-        return build_view(self.scheduler, self.step_log.take())  # type: ignore[arg-type]
+        return build_view(self.sched, self.step_log.take())
 
-    def _cache_stats(self) -> dict[str, int]:
+    def _cache_stats(self) -> CacheStats:
         """The prefix cache's counters since the last stats message, and its size now."""
-        kv = self.scheduler.kv  # type: ignore[union-attr]
+        kv = self.sched.kv
         if kv.cache is None:
             return {}
         counts = (kv.hit_tokens, kv.queried_tokens, kv.evicted_pages)
@@ -264,6 +271,16 @@ class SchedulerLoop:
             "cache_pages": kv.cache.num_pages,
             "cache_referenced_pages": kv.cache.num_referenced,
         }
+
+
+class CacheStats(TypedDict, total=False):
+    """`SchedulerStats`' prefix cache fields (left out: no cache)."""
+
+    cache_hit_tokens: int
+    cache_queried_tokens: int
+    cache_evicted_pages: int
+    cache_pages: int
+    cache_referenced_pages: int
 
 
 def run(config: ServerConfig) -> int:

@@ -142,7 +142,9 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Its token limit (settled by the tokenizer before the request reaches the scheduler)."""
-        return self.params.stop.max_tokens  # type: ignore[return-value]
+        max_tokens = self.params.stop.max_tokens
+        assert max_tokens is not None  # None only in a GenerateRequest the tokenizer has not yet settled
+        return max_tokens
 
     @property
     def client_prompt(self) -> np.ndarray:

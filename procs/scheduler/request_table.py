@@ -89,7 +89,7 @@ class RequestTable:
         self.dropped_pages[slots] = 0
         self.admit_seq[slots] = -1
         for slot in slots.tolist():
-            self.requests[slot].reported = int(self.reported[slot])  # type: ignore[union-attr]
+            self.requests[slot].reported = int(self.reported[slot])
             self.requests[slot] = None
             self._free_slots.append(slot)
         return pages

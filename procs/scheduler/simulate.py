@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, TextIO
+from typing import Annotated, Any, TextIO, TypeGuard
 
 import msgspec
 import numpy as np
@@ -29,7 +29,7 @@ from batchserve.procs.scheduler.core import Scheduler
 from batchserve.procs.scheduler.executor import ScriptedExecutor, scripted_token
 from batchserve.procs.scheduler.step_cost import CostWeights, LinearStepCost
 from batchserve.procs.scheduler.step_output import StepOutput
-from batchserve.shared.config import MIN_PREFILL_SHARE
+from batchserve.shared.config import MIN_PREFILL_SHARE, Policy
 from batchserve.shared.errors import Refusal
 from batchserve.shared.messages import PoolingParams, RequestParams, SamplingParams, StopParams
 
@@ -156,10 +156,14 @@ def load_scenario(path: str | Path) -> Scenario:
     return scenario
 
 
+def _is_policy(name: str) -> TypeGuard[Policy]:
+    return name in POLICIES
+
+
 def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> SchedulerConfig:
     """The scenario's `config`, run under `policy` when given (else its own, else prefill-first)."""
     chosen = policy or scenario.config.policy or "prefill-first"
-    if chosen not in POLICIES:
+    if not _is_policy(chosen):
         raise ScenarioError(f"policy must be one of {', '.join(POLICIES)}, got {chosen!r} - at `$.config.policy`")
     c = scenario.config
     try:
@@ -171,7 +175,8 @@ def scheduler_config_from_scenario(scenario: Scenario, policy: str | None) -> Sc
             max_context=c.max_context,
             kv_reserve_ratio=c.kv_reserve_ratio,
             prefix_cache=c.prefix_cache,
-            policy=chosen,  # type: ignore[arg-type]
+            policy=chosen,
+            # arg-type: any str the scenario gives; SchedulerConfig refuses one not of SchedulingPolicy (below)
             scheduling_policy=c.scheduling_policy,  # type: ignore[arg-type]
             fair_prefill=c.fair_prefill,  # drafts: the scenario's scripted ones (run_scenario)
             max_step_s=c.max_step_ms / 1000,
@@ -335,7 +340,7 @@ def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> 
     outputs = dict.fromkeys(ids, 0)
     preempts = any(out.preempted for out in trace)
     header = ("Step", "Current execution", "Outputs (" + " / ".join(ids) + ")", "Finished", "Cancelled")
-    rows = [header + ("Preempted",) if preempts else header]
+    rows: list[tuple[str, ...]] = [header + ("Preempted",) if preempts else header]
     for out in trace:
         for rid in out.preempted:
             to_prefill[rid] = prompt_len[rid] + outputs[rid]
@@ -354,7 +359,7 @@ def write_table(scenario: Scenario, trace: list[StepOutput], stream: TextIO) -> 
             parts.append("Prefill: " + ", ".join(chunks))
         for rid, _ in out.new_tokens:
             outputs[rid] += 1
-        row = (
+        row: tuple[str, ...] = (
             str(out.step),
             " + ".join(parts) or "Idle",
             " / ".join(str(outputs[i]) for i in ids),

@@ -3,6 +3,7 @@ tokens of a completed step that count (`KeptTokens`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
@@ -69,7 +70,8 @@ class LaunchedStep(NamedTuple):
     completing: list[Request] = []
 
 
-class KeptTokens(NamedTuple):
+@dataclass(frozen=True, slots=True)  # not a NamedTuple: its field `index` would hide tuple.index
+class KeptTokens:
     """A completed step's tokens that count (batch order): slot, index in the request's output, id and
     rid of each, whether it is a stop token, whether it ends its request, and where each stands in
     `StepResult.next_token_ids` (None: every token counts)."""

@@ -106,6 +106,7 @@ def stop_tokens(
     else:
         stopped = np.zeros(slots.shape[0], dtype=bool)
     for i in np.flatnonzero(table.has_stop_ids[slots] & live).tolist():
+        # union-attr: a live row's slot holds its request (no None check on this per-token path)
         if int(token_ids[i]) in table.requests[int(slots[i])].params.stop.stop_token_ids:  # type: ignore[union-attr]
             stopped[i] = True
     return stopped
@@ -122,7 +123,9 @@ def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result:
             if i is not None:
                 out.logprobs.setdefault(rids[i], []).append(lp)
     # By the slot each chunk ran in (a request aborted or preempted since has given it back).
-    prefilling = dict(zip(launched.plan.prefill_slots.tolist(), (r for r, _ in launched.plan.prefill)))
+    prefilling: dict[int, Request] = dict(
+        zip(launched.plan.prefill_slots.tolist(), (r for r, _ in launched.plan.prefill))
+    )
     for slot, entries in result.prompt_logprobs:
         request = prefilling.get(slot)
         if request is not None and live.get(request.rid) is request and request.slot == slot:

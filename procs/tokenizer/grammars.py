@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 from llguidance import LLMatcher
@@ -20,9 +20,12 @@ from batchserve.shared.errors import Refusal
 from batchserve.shared.grammar import check_constraint_source, check_json_schema
 from batchserve.shared.messages import OutputConstraint, ToolFunction
 
+if TYPE_CHECKING:  # in llguidance's stubs alone
+    from llguidance._lib import JsonCompileOptions
+
 # JSON as models usually write it (", " and ": "), and no other whitespace: with free whitespace a
 # small model can fill max_tokens with newlines and never close the object.
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -320,17 +320,19 @@ class PromptTokenizer:
         constraint = request.params.constraint
         if not forced and constraint is None:
             return None
+        # the field that asked for it (not forced: the constraint, which there is then)
+        param = "tool_choice" if forced or constraint is None else constraint.param
         if self.chat_format.harmony and request.messages is not None:  # a grammar would have to allow the headers
             raise Refusal(
                 "structured output and forced tool calls are not supported for models that answer in "
                 "the harmony format (gpt-oss); call tools with tool_choice 'auto'",
-                "tool_choice" if forced else constraint.param,
-            )  # type: ignore[union-attr]
+                param,
+            )
         try:
             grammars = self.grammars
         except Refusal as exc:  # no grammar engine for this tokenizer: name the field that asked
-            exc.param = "tool_choice" if forced else constraint.param  # type: ignore[union-attr]
+            exc.param = param
             raise
-        if forced:
+        if forced or constraint is None:
             return grammars.for_tool_call(tools, request.forced_tool, self.chat_format.tool_call_style)
-        return grammars.for_constraint(constraint)  # type: ignore[arg-type]
+        return grammars.for_constraint(constraint)

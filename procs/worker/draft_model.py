@@ -7,7 +7,7 @@ target runs the step, the draft model fills the placeholders, one decode pass pe
 pass 1 runs the whole batch as the target will (prefill chunks, plain decode rows, and each
 speculative row's first token), so the draft's KV always holds what the target's holds; passes 2 .. k
 feed each speculative row its previous draft token. The target then verifies every row in one pass
-(`procs.worker.model_runner`, by rejection sampling against the draft distributions kept here).
+(`procs.worker.step_sampler`, by rejection sampling against the draft distributions kept here).
 
 The draft's KV pool mirrors the target's: the same pages, through the same page table, at the same
 flat indices, so the scheduler's allocation, rollback and prefix cache serve both. A position the
@@ -137,6 +137,7 @@ class DraftModel:
             self.proposing_s = 0.0
             if not drafting:
                 return batch, None
+            assert logits is not None  # the drafting rows' logits were asked
             ids = ids.copy()  # the batch's arrays are views of the scheduler's shared memory
             widths = extend[drafting]
             sampling = [batch.sampling[i] for i in drafting]
@@ -216,10 +217,12 @@ class DraftModel:
 
     def _decode_pass(
         self, slots: np.ndarray, positions: np.ndarray, ids: np.ndarray, kv_locs: np.ndarray
-    ) -> torch.Tensor | None:
-        """One token for each of `slots` at `positions`; their logits."""
+    ) -> torch.Tensor:
+        """One token for each of `slots` (at least one) at `positions`; their logits."""
         n = slots.shape[0]
-        return self._run(slots.tolist(), positions.tolist(), [1] * n, ids, positions, kv_locs, list(range(n)))
+        logits = self._run(slots.tolist(), positions.tolist(), [1] * n, ids, positions, kv_locs, list(range(n)))
+        assert logits is not None  # every row's were asked
+        return logits
 
     def _run(
         self,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -83,7 +84,7 @@ class DecodeGraphRunner:
             self._capture(self._graphs, self._graph_logits)
 
     @staticmethod
-    def can_capture(attention: AttentionBackend) -> bool:
+    def can_capture(attention: AttentionBackend) -> TypeGuard[CudaGraphAttentionBackend]:
         """Whether decode steps on this backend's device can be captured as CUDA graphs."""
         return attention.kv_cache.device.type == "cuda" and isinstance(attention, CudaGraphAttentionBackend)
 
@@ -124,7 +125,7 @@ class DecodeGraphRunner:
         staged[1, :n] = batch.positions
         staged[2, :n] = batch.kv_locs
         staged[:, n:size] = 0
-        if self._staging is not self._inputs:
+        if self._staged_copy is not None:  # staged in pinned host memory (else `_staging` is `_inputs`)
             self._inputs[:, :size].copy_(self._staging[:, :size], non_blocking=True)
             self._staged_copy.record()
         padding = size - n
@@ -215,6 +216,7 @@ class DecodeGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward_static(size, rows)
+                assert logits is not None  # every row's were asked
                 graphs[size] = graph
                 outputs[size] = logits
         torch.cuda.synchronize(self.device)

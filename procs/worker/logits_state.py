@@ -102,7 +102,7 @@ class SlotLogitsState:
         assert tables is not None  # allocated by the first adjusting start
         whole = rows.shape[0] == logits.shape[0]
         row_index = None if whole else torch.from_numpy(rows).to(self.device)
-        scores = logits if whole else logits.index_select(0, row_index)
+        scores = logits if row_index is None else logits.index_select(0, row_index)
         row_slots = slots[rows]
         slot_index = torch.from_numpy(row_slots).to(self.device)
         repeating = self.counting[row_slots] & (tables.repetition_host[row_slots] != 1.0)
@@ -124,7 +124,7 @@ class SlotLogitsState:
             banned = self.banned[s]
             if banned is not None and sample_counts[rows[i]] < self.params[s].min_tokens:
                 scores[i].index_fill_(0, banned, float("-inf"))
-        if not whole:
+        if row_index is not None:
             logits.index_copy_(0, row_index, scores)
 
     def record(self, rows: SampleRows, token_ids: torch.Tensor) -> None:

@@ -166,7 +166,7 @@ class LoraSlots:
             self._padded = torch.zeros((capacity, self.total_rank), device=self.device, dtype=self.dtype)
             self._padded_version = self.version
         n = 0 if mask is None else mask.shape[0]
-        if n:
+        if mask is not None and n:
             self._padded[:n].copy_(mask)
         self._padded[n:size].zero_()
         self.mask, self._masks = self._padded[:size], {}
@@ -214,12 +214,12 @@ class LoraTarget:
 
     def _stacked(self, width: int) -> tuple[Any, Any] | None:
         slots, total = self.slots, self.slots.total_rank
-        pairs = [
-            (p, columns, first, rank, slots.adapters[i].pairs.get((self.layer, module)))
+        present = [
+            (p, columns, first, rank, pair)
             for p, (module, columns) in enumerate(self.parts)
             for i, (first, rank) in slots.columns.items()
+            if (pair := slots.adapters[i].pairs.get((self.layer, module))) is not None
         ]
-        present = [entry for entry in pairs if entry[4] is not None]
         if not present:
             return None
         a_like, b_like = present[0][4]

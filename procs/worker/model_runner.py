@@ -3,7 +3,11 @@ executes one `ForwardBatch` per call: apply page-table updates, run the packed f
 
 With tensor parallelism one `ModelRunner` runs on every rank, each with its share of the model and
 of the KV heads (`procs.worker.parallel`): rank 0's `execute` broadcasts the step
-(`procs.worker.rank_steps`) and samples; the others run the broadcast steps in `follow`."""
+(`procs.worker.rank_steps`) and samples; the others run the broadcast steps in `follow`.
+
+Beside it: the KV pool it builds for its model (`procs.worker.kv_pool`), the other parts it settles at
+start (`procs.worker.runner_setup`: the attention backend every rank agrees on, CUDA graphs, the pooling
+rule), and the sampling of a step's logits (`procs.worker.step_sampler`)."""
 
 from __future__ import annotations
 
@@ -16,23 +20,12 @@ import msgspec
 import numpy as np
 import torch
 
-from batchserve.kernels.attention import BACKENDS, create_backend, resolve_backend_name
-from batchserve.kernels.kv_cache import KVCache
-from batchserve.kernels.recurrent_state import RecurrentStatePool
-from batchserve.kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
 from batchserve.procs.worker.batch_checks import check_batch
 from batchserve.procs.worker.devices import check_quantization, resolve_device, resolve_dtype
-from batchserve.procs.worker.draft_model import DraftDistributions, DraftModel
+from batchserve.procs.worker.draft_model import DraftModel
 from batchserve.procs.worker.grammar_masks import SlotGrammars
-from batchserve.procs.worker.graph_runner import DecodeGraphRunner
-from batchserve.procs.worker.kv_cache import (
-    GIB,
-    kv_bytes_per_token,
-    kv_memory_budget_gb,
-    num_pages_for,
-    ring_layers,
-    ring_pages_for,
-)
+from batchserve.procs.worker.kv_cache import kv_memory_budget_gb
+from batchserve.procs.worker.kv_pool import build_kv_pool
 from batchserve.procs.worker.loader import load_model
 from batchserve.procs.worker.logits_state import SlotLogitsState
 from batchserve.procs.worker.lora import LoraAdapter, LoraSlots
@@ -40,22 +33,24 @@ from batchserve.procs.worker.models.base import CausalLM, ModelConfig, eager_for
 from batchserve.procs.worker.parallel import TensorParallel, join, rank_device
 from batchserve.procs.worker.pooler import SlotPooler
 from batchserve.procs.worker.rank_steps import RankStep, RankSteps, RankStop
-from batchserve.procs.worker.sample_rows import SampleRows, sampled_tokens
+from batchserve.procs.worker.runner_setup import (
+    agreed_backend,
+    attention_for,
+    cost_windows,
+    decode_graph_runner,
+    draft_spec_for,
+    pooler_rule,
+    ring_rows_within,
+)
+from batchserve.procs.worker.sample_rows import sampled_tokens
+from batchserve.procs.worker.step_sampler import StepSampler
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.lora import held_at_start, parse_lora_modules, served_projections
-from batchserve.shared.messages import (
-    FUTURE_TOKEN,
-    AdapterUpdate,
-    ForwardBatch,
-    SamplingParams,
-    StepResult,
-    TokenLogprobs,
-    WorkerInfo,
-)
+from batchserve.shared.messages import AdapterUpdate, ForwardBatch, StepResult, WorkerInfo
 from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 from batchserve.shared.parallel import RankLayout
-from batchserve.shared.pooling import PoolerConfig, pooler_for
-from batchserve.shared.step_features import StepShape, layer_cost_windows
+from batchserve.shared.pooling import PoolerConfig
+from batchserve.shared.step_features import StepShape
 
 log = logging.getLogger("batchserve.worker")
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`procs.worker.batch_checks`). The
@@ -108,15 +103,42 @@ class ModelRunner:
         self.rank_steps = RankSteps(self.tp)
         self.device = self.tp.device if self.tp.layout.picks_device else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        check_quantization(quantization, self.device, self.dtype)
-        draft_spec = None
-        if draft_model:  # checked before either model loads: a wrong draft fails at once
-            if self.tp.world_size > 1:
-                raise ValueError("a draft model runs with tensor_parallel_size 1 only")
-            check_quantization(draft_quantization, self.device, self.dtype)
-            draft_spec = DraftModel.spec_for(draft_model, self.spec)
         self._max_context = self.spec.context_length
-        pooler = self._pooler(runner, pooling)  # None: the generate runner
+        draft, pooler = self._load_models(quantization, draft_model, draft_quantization, runner, pooling)
+        backend = agreed_backend(attention_backend, self.device, self.dtype, self.tp)
+        self.kv_cache = build_kv_pool(
+            self.model,
+            draft,
+            tp=self.tp,
+            dtype=self.dtype,
+            device=self.device,
+            max_context=self._max_context,
+            page_size=page_size,
+            capacity_tokens=kv_capacity_tokens,
+            budget_gb=lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
+            max_running=max_running_requests,
+            ring_step_tokens=ring_rows_within(backend, ring_step_tokens),
+            state_snapshots=state_snapshots,
+        )
+        self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
+        self.attention = attention_for(backend, self.model, self.kv_cache)
+        self.draft = None if draft is None else DraftModel.in_pool(draft, self.kv_cache, attention_backend)
+        self.cost_windows = cost_windows(self.model, self.tp, self.dtype)
+        self._start_slots(max_running_requests, pooler)
+        disable_cuda_graph = disable_cuda_graph or pooler is not None  # the pooling runner never decodes
+        self.graph_runner = decode_graph_runner(
+            self.model, self.attention, self.kv_cache, self.tp, disable_cuda_graph, cuda_graph_max_bs, pad_decode
+        )
+
+    def _load_models(
+        self, quantization: str, draft_model: str, draft_quantization: str, runner: str, pooling: str
+    ) -> tuple[CausalLM | None, PoolerConfig | None]:
+        """Load the model (`self.model`, `self.config`), and the draft model if there is one (its weights
+        load before the pool is sized from the memory left; its KV will share the pool's pages); the draft,
+        and the pooling runner's rule (None: the generate runner)."""
+        check_quantization(quantization, self.device, self.dtype)
+        draft_spec = draft_spec_for(draft_model, draft_quantization, self.spec, self.tp, self.device, self.dtype)
+        pooler = pooler_rule(self.spec, self.tp, runner, pooling)
         self.model: CausalLM = load_model(
             self.spec,
             dtype=self.dtype,
@@ -126,175 +148,28 @@ class ModelRunner:
             lm_head=pooler is None or bool(pooler.logit_tokens),
         )
         self.config: ModelConfig = self.model.config
-        cfg, heads = self.config, self.model.heads
-        # The draft's weights load before the pool is sized from the memory left; its KV shares the pool's pages.
-        draft = (
-            None
-            if draft_spec is None
-            else load_model(draft_spec, dtype=self.dtype, device=self.device, quantization=draft_quantization)
-        )
-        backend = self._agreed_backend(attention_backend)
-        ring_rows = BACKENDS[backend]().ring_row_tokens if backend in BACKENDS else None
-        self.kv_cache = self._kv_cache(
-            page_size,
-            kv_capacity_tokens,
-            lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
-            max_running_requests,
-            draft,
-            min(ring_step_tokens, ring_rows or ring_step_tokens),
-            state_snapshots,
-        )
-        self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
-        self.attention = create_backend(
-            backend,
-            self.kv_cache,
-            heads.num_heads,
-            heads.num_kv_heads,
-            cfg.head_dim,
-            cfg.attention_scale,
-            cfg.windows,
-            cfg.attn_softcap,
-            causal=not cfg.bidirectional,
-        )
-        self.draft: DraftModel | None = (
-            None if draft is None else DraftModel.in_pool(draft, self.kv_cache, attention_backend)
-        )
-        # the step-cost model's windows: a linear layer's is what its state's reads cost, in keys
-        self.cost_windows = layer_cost_windows(
-            cfg.windows,
-            cfg.linear_layers,
-            cfg.num_layers,
-            0 if cfg.recurrent is None else cfg.recurrent.of_ranks(self.tp.world_size).bytes_per_request(self.dtype),
-            kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype),
-        )
+        if draft_spec is None:
+            return None, pooler
+        return load_model(draft_spec, dtype=self.dtype, device=self.device, quantization=draft_quantization), pooler
+
+    def _start_slots(self, max_running_requests: int, pooler: PoolerConfig | None) -> None:
+        """What each request slot keeps between steps: its grammar, its sampling state and last token
+        (`self.sampler`), its LoRA adapter, its prompt's length, and the pooling runner's pooled states."""
         self.grammars = SlotGrammars(
-            max_running_requests, cfg.vocab_size, device=self.device, tokenizer=self.spec.grammar_tokenizer
+            max_running_requests, self.config.vocab_size, device=self.device, tokenizer=self.spec.grammar_tokenizer
         )
-        self.logits_state = SlotLogitsState(max_running_requests, cfg.vocab_size, self.device, self.grammars)
-        self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
+        self.sampler = StepSampler(
+            SlotLogitsState(max_running_requests, self.config.vocab_size, self.device, self.grammars),
+            max_running_requests,
+            self.device,
+            self.draft,
+        )
         self.lora: LoraSlots | None = None  # LoRA adapters, with enable_lora (`update_lora_adapter`)
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
-        self.pooler = None if pooler is None else SlotPooler(pooler, max_running_requests, cfg.hidden_size, self.device)
-        disable_cuda_graph = disable_cuda_graph or pooler is not None  # the pooling runner never decodes
+        self.pooler = (
+            None if pooler is None else SlotPooler(pooler, max_running_requests, self.config.hidden_size, self.device)
+        )
         self._expert_load_sent = time.monotonic()
-        self.graph_runner = self._graph_runner(disable_cuda_graph, cuda_graph_max_bs, pad_decode)
-
-    def _pooler(self, runner: str, pooling: str) -> PoolerConfig | None:
-        """The pooling runner's rule for this model (`shared.pooling`), logged; None for the generate runner."""
-        pooler = pooler_for(
-            self.spec.model_dir, self.spec.architecture, read_model_json(self.spec.model_dir), runner, pooling
-        )
-        if pooler is not None:
-            if self.tp.world_size > 1:  # (its heads run on rank 0 alone, outside the ranks' broadcast steps)
-                raise ModelLoadError("the pooling runner runs with tensor_parallel_size 1")
-            log.info(
-                "pooling runner: %s pooling%s (from %s)",
-                pooler.pooling,
-                ", normalised" if pooler.normalize else "",
-                pooler.source,
-            )
-        return pooler
-
-    def _kv_cache(
-        self,
-        page_size: int,
-        capacity_tokens: int,
-        budget_gb: Callable[[], float],
-        max_running: int,
-        draft: CausalLM | None,
-        ring_step_tokens: int,
-        state_snapshots: int,
-    ) -> KVCache:
-        """The KV pool: rings for the sliding layers where they apply (rows of at most `ring_step_tokens` read
-        through them, no draft model reading the KV whole; `procs.worker.kv_cache.ring_layers`), a hybrid
-        model's per-slot recurrent states, and pages for the other layers (and the draft's) for
-        `capacity_tokens`, or as many as the memory budget left after the rings and states holds. Each rank
-        sizes its pool from its own memory; all take the smallest, which the scheduler plans with."""
-        cfg, heads = self.config, self.model.heads
-        rings = ring_layers(cfg.windows, ring_step_tokens if draft is None else 0)
-        window = max((cfg.windows[layer] for layer in rings), default=0)
-        ring_pages = ring_pages_for(window, ring_step_tokens, page_size) if rings else 0
-        if ring_pages * page_size >= self._max_context:  # a ring would hold the whole context: no gain
-            rings, window, ring_pages = (), 0, 0
-        layer_bytes = kv_bytes_per_token(1, heads.num_kv_heads, cfg.head_dim, self.dtype)
-        kv_layers = len(cfg.kv_layers)
-        bytes_per_token = layer_bytes * (kv_layers - len(rings)) or layer_bytes
-        if draft is not None:
-            bytes_per_token += kv_bytes_per_token(
-                draft.config.num_layers, draft.heads.num_kv_heads, draft.config.head_dim, self.dtype
-            )
-        states = (
-            None
-            if cfg.recurrent is None
-            else RecurrentStatePool(
-                num_layers=len(cfg.linear_layers),
-                shape=cfg.recurrent.of_ranks(self.tp.world_size),
-                max_running_requests=max_running,
-                dtype=self.dtype,
-                device=self.device,
-                snapshots=state_snapshots,
-            )
-        )
-        fixed_gb = layer_bytes * len(rings) * (1 + max_running * ring_pages) * page_size / GIB
-        fixed_gb += 0 if states is None else states.memory_bytes / GIB
-        budget = 0.0 if capacity_tokens > 0 else budget_gb() - fixed_gb
-        if capacity_tokens <= 0 and budget <= 0:
-            raise ValueError(
-                f"the sliding layers' rings and the recurrent states take {fixed_gb:.2f} GiB of KV "
-                f"memory, the whole budget: lower --max-running-requests or raise --kv-memory-gb"
-            )
-        num_pages = self.tp.min_int(
-            num_pages_for(page_size, capacity_tokens=capacity_tokens, memory_gb=budget, bytes_per_token=bytes_per_token)
-        )
-        return KVCache(
-            num_layers=kv_layers,
-            num_kv_heads=heads.num_kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_running_requests=max_running,
-            max_pages_per_request=-(-self._max_context // page_size),
-            dtype=self.dtype,
-            device=self.device,
-            ring_layers=rings,
-            ring_pages=ring_pages,
-            ring_window=window,
-            states=states,
-        )
-
-    def _graph_runner(
-        self, disable_cuda_graph: bool, cuda_graph_max_bs: int, pad_decode: bool | None
-    ) -> DecodeGraphRunner | None:
-        """Decode batches up to cuda_graph_max_bs (0: max_running_requests) run padded on static buffers
-        where they replay CUDA graphs; disable_cuda_graph: every step runs the plain eager path. Without
-        graphs (CPU) padding is pure cost (the padded rows run the whole model), so decode runs unpadded
-        there unless pad_decode asks for it."""
-        if cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {cuda_graph_max_bs}")
-        padded = DecodeGraphRunner.can_capture(self.attention) if pad_decode is None else pad_decode
-        padded = bool(self.tp.min_int(int(padded)))  # padding changes the collectives' shapes: all ranks or none
-        if disable_cuda_graph or not padded:
-            return None
-        most = self.max_running_requests
-        return DecodeGraphRunner(
-            self.model, self.attention, self.kv_cache, max_batch_size=min(cuda_graph_max_bs or most, most)
-        )
-
-    def _agreed_backend(self, name: str) -> str:
-        """`name` resolved ("auto": by what this machine has), the same on every rank: each runs the same
-        steps, and a backend decides whether decode steps are padded, so the collectives' shapes."""
-        resolved = resolve_backend_name(name, self.device.type, self.dtype)
-        if self.tp.world_size == 1 or resolved not in BACKENDS:
-            return resolved  # an unknown name: create_backend refuses it, on every rank alike
-        names = sorted(BACKENDS)
-        index = names.index(resolved)
-        lowest, highest = self.tp.min_int(index), self.tp.max_int(index)
-        if lowest != highest:
-            raise ValueError(
-                f"attention_backend {name}: the worker ranks resolved it differently ({names[lowest]} "
-                f"on some, {names[highest]} on others); set the same backend on every machine"
-            )
-        return resolved
 
     @classmethod
     def from_config(
@@ -455,11 +330,10 @@ class ModelRunner:
                 self.vocab_size,
                 self.draft is not None,
             )
-        batch = self._fill_future_tokens(batch)
+        batch = self.sampler.fill_future_tokens(batch)
         captured_before = self.graph_runner.capture_seconds if self.graph_runner else 0.0
         loading_s = self._start_adapters(batch)
-        for start in batch.slot_starts:
-            self.logits_state.start(start)
+        self.sampler.start(batch.slot_starts)
         drafts = None
         if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
             for start in batch.slot_starts:
@@ -468,10 +342,8 @@ class ModelRunner:
         if self.pooler is not None:
             return self._pooled_step(batch)
         with torch.inference_mode():
-            prompt_chunks = self.logits_state.prompt_logprob_chunks(batch.slots, batch.prefix_lens, batch.extend_lens)
-            extra_rows = np.concatenate([rows for _, _, rows in prompt_chunks]) if prompt_chunks else None
+            prompt_chunks, extra_rows = self.sampler.prompt_rows(batch)
             logits = self.step_logits(batch, extra_rows)
-            num_sampled = batch.num_sampled
             captured_s = (self.graph_runner.capture_seconds if self.graph_runner else 0.0) - captured_before
             result = StepResult(
                 step=batch.step,
@@ -482,30 +354,8 @@ class ModelRunner:
             if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
                 result.expert_load = self.model.take_expert_load()
                 self._expert_load_sent = time.monotonic()
-            if logits is None:
-                return result
-            if prompt_chunks:
-                result.prompt_logprobs = self.logits_state.chunks_prompt_logprobs(prompt_chunks, logits[num_sampled:])
-            if num_sampled:
-                rows = SampleRows.of_batch(batch)
-                sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
-                token_ids, result.logprob_rows, result.logprobs = self._sample(
-                    logits[:num_sampled], sampling, rows, drafts
-                )
-                result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
-                kept_rows, kept = rows, None
-                if rows.width > 1:  # proposed tokens: keep what verification accepts (speculative decoding)
-                    accepted = rows.accepted(result.next_token_ids)
-                    result.accepted_lens = accepted.tolist()
-                    kept_rows, kept = rows.kept(accepted)
-                    if self.draft is not None:
-                        self.draft.verified(batch, accepted)
-                self.logits_state.record(
-                    kept_rows,
-                    token_ids if kept is None else token_ids.index_select(0, torch.from_numpy(kept).to(self.device)),
-                )
-                lasts = rows.firsts + kept_rows.lens - 1
-                self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
+            if logits is not None:
+                self.sampler.sample(batch, logits, prompt_chunks, drafts, result)
         return result
 
     def _pooled_step(self, batch: ForwardBatch) -> StepResult:
@@ -537,58 +387,6 @@ class ModelRunner:
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
         none = np.zeros(0, dtype=np.int32)
         return msgspec.structs.replace(batch, page_table_slots=none, page_table_cols=none, page_table_pages=none)
-
-    def _fill_future_tokens(self, batch: ForwardBatch) -> ForwardBatch:
-        """Feed each `FUTURE_TOKEN` input (a decode planned before its token reached the scheduler; only
-        ever first in a row) the token this worker sampled last for the slot."""
-        ids = batch.input_ids
-        extend_lens = np.asarray(batch.extend_lens, dtype=np.int64)
-        firsts = np.cumsum(extend_lens) - extend_lens
-        future = ids[firsts] == FUTURE_TOKEN
-        if not future.any():
-            return batch
-        ids = ids.copy()  # the batch's arrays are views of the scheduler's shared memory
-        ids[firsts[future]] = self.last_sampled[np.asarray(batch.slots, dtype=np.int64)[future]]
-        return msgspec.structs.replace(batch, input_ids=ids)
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        sampling: list[SamplingParams],
-        rows: SampleRows,
-        drafts: DraftDistributions | None = None,
-    ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
-        """Adjust (penalties, bias, bans) and sample, one logit row per sampled position; logprobs from
-        the logits as the model gave them. The caller counts the tokens it keeps. `drafts`: where a
-        proposed token was drawn from a draft distribution, the position before it samples by rejection
-        (`kernels.sampling.rejection_sample`); every other proposed token is one token for sure (prompt
-        lookup, or a greedy draft), which sampling then verifies as it is (`shared.verification`)."""
-        state = self.logits_state
-        wanted = state.logprob_rows(rows.slots)
-        row_index = torch.from_numpy(wanted).to(self.device) if wanted.shape[0] else None
-        raw = None if row_index is None else torch.log_softmax(logits[row_index], dim=-1)
-        state.adjust_(logits, rows)
-        if drafts is None:
-            token_ids = sample_batch(logits, sampling, rows.counts.tolist())
-        else:
-            token_ids, scores = sample_with_scores(logits, sampling, rows.counts.tolist())
-            assert scores is not None  # drafts are sampled rows' only
-            token_ids = self._rejection_sample(scores, rows, drafts, token_ids)
-        if raw is None:
-            return token_ids, [], []
-        return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
-
-    def _rejection_sample(
-        self, scores: torch.Tensor, rows: SampleRows, drafts: DraftDistributions, token_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """`token_ids` with the positions `drafts` names sampled by rejection against their draft
-        distributions (`scores`: the filtered scores the positions were sampled from)."""
-        at = drafts.positions
-        index = torch.from_numpy(at).to(self.device)
-        target = scores.index_select(0, index).softmax(dim=-1)
-        uniform, log_noise = speculative_noise(at.shape[0], scores.shape[1], self.device)
-        proposed = torch.from_numpy(rows.fed[at + 1]).to(self.device)  # a named position is never a row's last
-        return token_ids.index_copy(0, index, rejection_sample(target, drafts.probs, proposed, uniform, log_noise))
 
     def step_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
         """Rank 0: the forward part of a step, broadcast to the other ranks: page table applied, the

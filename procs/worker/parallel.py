@@ -22,11 +22,15 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.parallel import STANDALONE_INIT_ADDR, RankLayout, split_init_addr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class TensorParallel:
@@ -36,8 +40,8 @@ class TensorParallel:
     def __init__(self, layout: RankLayout | None = None, device: torch.device | None = None) -> None:
         self.layout = layout or RankLayout(rank=0, world_size=1, local_rank=0, local_world_size=1)
         self.device = device or torch.device("cpu")
-        self.device_group: object | None = None  # made by `start_serving`: no device collective runs before it
-        self.cpu_group: object | None = None
+        self.device_group: ProcessGroup | None = None  # made by `start_serving`: no device collective runs before it
+        self.cpu_group: ProcessGroup | None = None
         self.collective_s = 0.0
         self.step_timeout_s = 0.0  # the serving groups' timeout (`start_serving`)
         # whole experts per rank rather than a share of every expert (`procs.worker.models.moe`)

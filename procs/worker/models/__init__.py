@@ -1,12 +1,14 @@
 """The model registry: `ARCHITECTURES` maps each architecture name a config.json may give
-(`architectures[0]`) to the class that runs it, a `CausalLM` (`procs.worker.models.base`). It is the
-one list of supported architectures; the worker's loader refuses the others. A new architecture is
-its model file and its line here.
+(`architectures[0]`) to the class that runs it, an `Architecture` whose models are `CausalLM`s
+(`procs.worker.models.base`). It is the one list of supported architectures; the worker's loader
+refuses the others. A new architecture is its model file and its line here.
 """
 
 from __future__ import annotations
 
-from batchserve.procs.worker.models.base import CausalLM
+from typing import Any
+
+from batchserve.procs.worker.models.base import Architecture
 from batchserve.procs.worker.models.bert import (
     BertForSequenceClassification,
     BertModel,
@@ -26,7 +28,9 @@ from batchserve.procs.worker.models.qwen3_next import Qwen3_5Model, Qwen3_5MoeMo
 from batchserve.procs.worker.models.qwen_moe import Qwen2MoeModel, Qwen3MoeModel
 from batchserve.shared.model import ModelLoadError
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
+# Any: each class reads and takes its own config class (LlamaConfig, BertConfig, ...), a type the registry
+# cannot name for all of them; the loader hands a class's from_tensors what its own config_from_hf read.
+ARCHITECTURES: dict[str, Architecture[Any]] = {
     "LlamaForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": Qwen2Model,
     "Qwen3ForCausalLM": Qwen3Model,
@@ -61,7 +65,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 }
 
 
-def model_class(architecture: str) -> type[CausalLM]:
+def model_class(architecture: str) -> Architecture[Any]:
     """The class that runs `architecture`; ModelLoadError naming the supported ones if there is none."""
     cls = ARCHITECTURES.get(architecture)
     if cls is None:

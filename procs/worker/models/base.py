@@ -1,11 +1,12 @@
-"""The model interface: `CausalLM`, what the worker's loader, model runner and graph runner use of a
-model, and `ModelConfig`, the config fields every decoder has.
+"""The model interface: `CausalLM`, what the worker's model runner and graph runner use of a model,
+`Architecture`, what the loader uses of its class (`procs.worker.models.ARCHITECTURES` holds them), and
+`ModelConfig`, the config fields every decoder has.
 
 One metadata source: `shared.model.ModelSpec`, which every process resolves at its start, is the one
 reading of the model's architecture, vocabulary size, context length and EOS ids; the worker reads
 them there too. `ModelConfig` takes the vocabulary size from it and otherwise holds the decoder's
 shape, which only the worker needs. Each architecture reads its own fields of config.json
-(`CausalLM.config_from_hf`) on top of the common ones, read once here (`ModelConfig.from_hf`).
+(`Architecture.config_from_hf`) on top of the common ones, read once here (`ModelConfig.from_hf`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import torch
 from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, plan_step
 from batchserve.kernels.recurrent_state import RecurrentShape
 from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.lora import LoraSlots
 from batchserve.procs.worker.parallel import TensorParallel
 from batchserve.shared.model import ModelLoadError, ModelSpec
 from batchserve.shared.rope import RopeConfig
 
 Config = TypeVar("Config", bound="ModelConfig")
+ArchConfig = TypeVar("ArchConfig", bound="ModelConfig")  # an `Architecture`'s own config class
 # A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads from the file only the part
 # indexed (`weight[a:b]`, `weight[:, a:b]`, `weight[:]`).
 Weight = Any
@@ -178,35 +181,23 @@ def config_path(spec: ModelSpec) -> str:
 
 class CausalLM(Protocol):
     """A decoder-only model over one packed sequence of tokens (every request of a step; the request
-    boundaries live in the attention backend's plan). An architecture is a class with these members
-    and one line in `procs.worker.models.ARCHITECTURES`."""
+    boundaries live in the attention backend's plan), as its `Architecture.from_tensors` builds it. An
+    encoder has this shape too (its `forward`, `lm_head_logits` and `enable_lora` refuse: the pooling
+    runner asks it for `hidden_states` alone)."""
 
-    config: ModelConfig
-    heads: RankHeads  # what this rank computes of the attention (all of it with one rank)
-    rope: RotaryTables  # `forward`'s positions are rows of these (`RotaryTables.rows`)
-
-    @classmethod
-    def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> ModelConfig:
-        """This architecture's reading of config.json `raw`; ModelLoadError for what it cannot run
-        (`spec.context_length` is the longest request it will be asked to)."""
+    @property
+    def config(self) -> ModelConfig:
+        """Its architecture's reading of config.json (read-only here: a model holds its own subclass)."""
         ...
 
-    @classmethod
-    def from_tensors(
-        cls,
-        config: ModelConfig,
-        tensors: Iterable[tuple[str, Weight]],
-        *,
-        max_positions: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        quantization: str,
-        tp: TensorParallel,
-    ) -> CausalLM:
-        """The model from a checkpoint's named tensors, each of which it must take (ModelLoadError naming
-        a missing or a left-over one), on `device` in `dtype`, for positions below `max_positions`, its
-        linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`); `tp`'s rank's share
-        of it (`procs.worker.models.layers`), each tensor read only as far as that share needs."""
+    @property
+    def heads(self) -> RankHeads:
+        """What this rank computes of the attention (all of it with one rank)."""
+        ...
+
+    @property
+    def rope(self) -> RotaryTables:
+        """`forward`'s positions are rows of these (`RotaryTables.rows`)."""
         ...
 
     def forward(
@@ -235,6 +226,39 @@ class CausalLM(Protocol):
     def take_expert_load(self) -> np.ndarray | None:
         """A mixture of experts: the tokens routed to each expert of each MoE layer [layers, experts]
         since the last call (the counters restart); None for a dense model."""
+        ...
+
+    def enable_lora(self, slots: LoraSlots) -> LoraSlots:
+        """LoRA pairs on the model's projections, read from `slots` (returned), each cut as this rank's share
+        (`procs.worker.lora`); ModelLoadError where its layers cannot run adapters."""
+        ...
+
+
+class Architecture(Protocol[ArchConfig]):
+    """An architecture: the class (its classmethods) that reads its config and builds its `CausalLM`, one
+    line in `procs.worker.models.ARCHITECTURES`. `ArchConfig` is its own config class, which its
+    `from_tensors` takes from its `config_from_hf`."""
+
+    def config_from_hf(self, raw: dict[str, Any], spec: ModelSpec) -> ArchConfig:
+        """This architecture's reading of config.json `raw`; ModelLoadError for what it cannot run
+        (`spec.context_length` is the longest request it will be asked to)."""
+        ...
+
+    def from_tensors(
+        self,
+        config: ArchConfig,
+        tensors: Iterable[tuple[str, Weight]],
+        *,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+        tp: TensorParallel,
+    ) -> CausalLM:
+        """The model from a checkpoint's named tensors, each of which it must take (ModelLoadError naming
+        a missing or a left-over one), on `device` in `dtype`, for positions below `max_positions`, its
+        linear layers packed for `quantization` (`kernels.ops.pack_linear_weight`); `tp`'s rank's share
+        of it (`procs.worker.models.layers`), each tensor read only as far as that share needs."""
         ...
 
 

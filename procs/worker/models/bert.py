@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from batchserve.kernels.attention import AttentionBackend
 from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.lora import LoraSlots
 from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
 from batchserve.procs.worker.models.weights import WeightTaker
 from batchserve.procs.worker.parallel import TensorParallel
@@ -228,6 +229,9 @@ class BertModel:
 
     def take_expert_load(self) -> np.ndarray | None:
         return None
+
+    def enable_lora(self, slots: LoraSlots) -> LoraSlots:
+        raise ModelLoadError("a BERT-style encoder does not run LoRA adapters")
 
 
 class XLMRobertaModel(BertModel):

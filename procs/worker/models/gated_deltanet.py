@@ -143,10 +143,10 @@ class GatedDeltaNet:
             else:
                 out[rows] = attended
         for chunk in states.chunks:
-            rows = slice(chunk.start, chunk.start + chunk.length)
-            mixed, conv[chunk.slot] = causal_conv1d(qkv[rows], self.conv, conv[chunk.slot])
-            out[rows], matrix[chunk.slot] = chunk_gated_delta_rule(
-                *self._qkv(mixed), g[rows], beta[rows], matrix[chunk.slot]
+            span = slice(chunk.start, chunk.start + chunk.length)
+            mixed, conv[chunk.slot] = causal_conv1d(qkv[span], self.conv, conv[chunk.slot])
+            out[span], matrix[chunk.slot] = chunk_gated_delta_rule(
+                *self._qkv(mixed), g[span], beta[span], matrix[chunk.slot]
             )
         normed = gated_rms_norm(out.to(h.dtype), z.view(tokens, cfg.value_heads, cfg.value_dim), self.norm, self.eps)
         return self.out(normed.reshape(tokens, cfg.value_size))

@@ -105,6 +105,7 @@ class GptOssModel(LlamaModel):
 
     def _moe_block(self, take: WeightTaker, layer: str) -> SparseMoeBlock:
         moe, hidden, tp = self.config.moe, self.config.hidden_size, self.tp
+        assert moe is not None  # gpt-oss's every layer is a mixture of experts (`config_from_hf`)
         experts, inter = expert_shard(moe, tp)
         prefix, size = f"{layer}mlp.experts.", moe.intermediate_size
         gate_up = _experts_weight(take, prefix + "gate_up_proj", (moe.num_experts, hidden, 2 * size), experts)

@@ -6,6 +6,8 @@ Input is one packed sequence of `[num_tokens]` ids and positions covering every 
 step; request boundaries live in the attention backend's plan. Projections are fused at load
 (q|k|v and gate|up); a config may bias them, norm q and k (per head, or over the whole projection) before
 rotary and clip them, and replace a layer's MLP by a mixture of experts (`procs.worker.models.moe`).
+On the cpu attention backend a step runs every layer in one C call where the layers allow it
+(`procs.worker.models.llama_fused`).
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchserve.kernels import native
 from batchserve.kernels.attention import AttentionBackend
-from batchserve.kernels.decode_layers import DecodeLayers, LayerTensors, LoraPair
+from batchserve.kernels.decode_layers import DecodeLayers
 from batchserve.kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
-from batchserve.kernels.panel_linear import PanelWeight
 from batchserve.kernels.rope import RotaryTables
 from batchserve.procs.worker.lora import LoraSlots, attach
 from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
 from batchserve.procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
+from batchserve.procs.worker.models.llama_fused import fused_decode_layers, fuses_decode_layers
 from batchserve.procs.worker.models.moe import QWEN_EXPERTS, ExpertNames, MoEConfig, SparseMoeBlock, take_moe_block
 from batchserve.procs.worker.models.weights import WeightTaker
 from batchserve.procs.worker.parallel import TensorParallel
@@ -151,46 +152,46 @@ class LlamaModel:
         )
         self.layers = [self._layer(take, i, i in sparse) for i in range(config.num_layers)]
         self.final_norm = self._norm(take, "model.norm.weight")
-        self.lm_head: ParallelLMHead | None = None  # none: the pooling runner's model (`ModelConfig.lm_head`)
-        if not config.lm_head:
-            weights.pop("lm_head.weight", None)
-        elif config.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-            self.lm_head = ParallelLMHead(self.embed.weight, config.vocab_size, quantization, tp)
-        else:
-            lm_head = take("lm_head.weight", rows=vocab, pad_rows=vocab_rows)
-            self.lm_head = ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
+        self.lm_head = self._lm_head(take, weights, vocab, vocab_rows, quantization)
         if weights:
             raise ModelLoadError(f"unexpected tensors in checkpoint: {', '.join(sorted(weights)[:5])}")
-        self.rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
-        self.local_rope = (
+        self.rope, self.local_rope = self._ropes(max_positions, dtype, device)
+        self.fuse_decode_layers = fuses_decode_layers(config, self.rope, tp, self.layers)  # the one C call
+        self._decode_layers: tuple[AttentionBackend, int, DecodeLayers] | None = None  # and the adapters' version
+        self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
+
+    def _lm_head(
+        self, take: WeightTaker, weights: dict[str, Weight], vocab: slice, vocab_rows: int, quantization: str
+    ) -> ParallelLMHead | None:
+        """This rank's share of the LM head, tied to the embeddings or its own tensor; None: the pooling
+        runner's model (`ModelConfig.lm_head`), whose checkpoint's head, if any, is dropped."""
+        config, tp = self.config, self.tp
+        if not config.lm_head:
+            weights.pop("lm_head.weight", None)
+            return None
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            return ParallelLMHead(self.embed.weight, config.vocab_size, quantization, tp)
+        lm_head = take("lm_head.weight", rows=vocab, pad_rows=vocab_rows)
+        return ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
+
+    def _ropes(
+        self, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[RotaryTables, RotaryTables | None]:
+        """The rope tables, and the sliding layers' own where they differ (Gemma 3; None: not so)."""
+        config = self.config
+        rope = RotaryTables(config.rope, config.head_dim, max_positions, device=device, dtype=dtype)
+        local_rope = (
             None
             if config.local_rope is None
             else RotaryTables(config.local_rope, config.head_dim, max_positions, device=device, dtype=dtype)
         )
-        if self.local_rope is not None and (self.rope.follows_length or self.local_rope.follows_length):
+        if local_rope is not None and (rope.follows_length or local_rope.follows_length):
             raise ModelLoadError(
                 f"a rope that follows the length ({config.rope.kind}) beside the sliding layers' own "
                 f"rope is not supported: the two would need rows of their own"
             )
-        # Steps on the cpu attention backend run every layer in one C call where the layers
-        # allow it (panel weights, MoE blocks in the C kernel, one rank: the call has no all-reduce between
-        # layers, every dim of a head rotates): same kernels, same tokens, no Python between them.
-        plain = (
-            config.hidden_act == "silu"
-            and not config.sandwich_norms
-            and not config.attn_softcap
-            and not config.attn_sinks
-            and config.local_rope is None
-            and self.rope.rotary_dim == config.head_dim
-            and not config.attn_output_gate
-            and not config.linear_layers
-        )
-        self.fuse_decode_layers = (
-            native.available() and tp.world_size == 1 and plain and all(_in_c(layer) for layer in self.layers)
-        )
-        self._decode_layers: tuple[AttentionBackend, int, DecodeLayers] | None = None  # and the adapters' version
-        self.lora: LoraSlots | None = None  # the adapters, once `enable_lora` hangs them on the projections
+        return rope, local_rope
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
         """LoRA pairs on every layer's seven projections (`procs.worker.lora`; a mixture of experts' attention
@@ -242,6 +243,7 @@ class LlamaModel:
         if sparse:
             return self._moe_block(take, layer)
         mlp, cfg = layer + "mlp.", self.config
+        assert self.intermediate is not None  # None only when every layer is a mixture of experts
         return GatedMLP(
             take.column([(mlp + "gate_proj", self.intermediate), (mlp + "up_proj", self.intermediate)], cfg.mlp_bias),
             take.row(mlp + "down_proj", self.intermediate, cfg.mlp_bias, self.tp),
@@ -250,6 +252,7 @@ class LlamaModel:
 
     def _moe_block(self, take: WeightTaker, layer: str) -> SparseMoeBlock:
         """Layer `layer`'s (prefix `model.layers.{i}.`) mixture of experts, this rank's share of it."""
+        assert self.config.moe is not None  # a sparse layer's model has a mixture of experts
         return take_moe_block(take, layer, self.EXPERT_NAMES, self.config.moe, self.config.hidden_size, self.tp)
 
     def _norm(self, take: WeightTaker, name: str, rows: slice | None = None) -> torch.Tensor:
@@ -335,22 +338,23 @@ class LlamaModel:
         cfg, heads = self.config, self.heads
         tokens, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
         qk, v = qkv[:, : q_size + kv_size], qkv[:, q_size + kv_size :]
+        q_norm, k_norm = layer.q_norm, layer.k_norm
         if cfg.qk_norm == "head":
+            assert q_norm is not None and k_norm is not None  # loaded as the config's qk_norm says
             qk = torch.cat(
                 (
-                    rms_norm_groups(qkv[:, :q_size], layer.q_norm, cfg.rms_norm_eps, heads.num_heads),
-                    rms_norm_groups(
-                        qkv[:, q_size : q_size + kv_size], layer.k_norm, cfg.rms_norm_eps, heads.num_kv_heads
-                    ),
+                    rms_norm_groups(qkv[:, :q_size], q_norm, cfg.rms_norm_eps, heads.num_heads),
+                    rms_norm_groups(qkv[:, q_size : q_size + kv_size], k_norm, cfg.rms_norm_eps, heads.num_kv_heads),
                 ),
                 dim=1,
             )
         elif cfg.qk_norm == "projection":
+            assert q_norm is not None and k_norm is not None  # loaded as the config's qk_norm says
             kv_replicas = max(1, self.tp.world_size // cfg.num_kv_heads)  # ranks holding each KV head
             qk = torch.cat(
                 (
-                    self._projection_norm(qkv[:, :q_size], layer.q_norm, 1),
-                    self._projection_norm(qkv[:, q_size : q_size + kv_size], layer.k_norm, kv_replicas),
+                    self._projection_norm(qkv[:, :q_size], q_norm, 1),
+                    self._projection_norm(qkv[:, q_size : q_size + kv_size], k_norm, kv_replicas),
                 ),
                 dim=1,
             )
@@ -376,30 +380,8 @@ class LlamaModel:
         (its LoRA pairs are restacked)."""
         version = self.lora.version if self.lora is not None else 0
         if self._decode_layers is None or self._decode_layers[:2] != (attention, version):
-            cfg, cache = self.config, attention.kv_cache
-            norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-            windows = cfg.windows or (0,) * cfg.num_layers
-            layers = [
-                _layer_tensors(layer, next_norm, cache.k[i], cache.v[i], windows[i])
-                for i, (layer, next_norm) in enumerate(zip(self.layers, norms))
-            ]
-            self._decode_layers = (
-                attention,
-                version,
-                DecodeLayers(
-                    layers,
-                    hidden=cfg.hidden_size,
-                    heads=cfg.num_heads,
-                    kv_heads=cfg.num_kv_heads,
-                    head_dim=cfg.head_dim,
-                    intermediate=0 if self.intermediate is None else cfg.intermediate_size,  # 0: every layer MoE
-                    page_size=cache.page_size,
-                    eps=cfg.rms_norm_eps,
-                    scale=attention.scale,
-                    whole_qk_norm=cfg.qk_norm == "projection",
-                    clip_qkv=cfg.clip_qkv or 0.0,
-                ),
-            )
+            call = fused_decode_layers(self.config, self.layers, self.final_norm, self.intermediate, attention)
+            self._decode_layers = (attention, version, call)
         return self._decode_layers[2]
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -423,51 +405,6 @@ def headless_tensors(tensors: Iterable[tuple[str, Weight]]) -> Iterator[tuple[st
     `Qwen3Model`: `layers.0...`, `norm.weight`) or with one (whose `lm_head.*` the model then drops)."""
     for name, tensor in tensors:
         yield (name if name.startswith(("model.", "lm_head.")) else "model." + name), tensor
-
-
-def _layer_tensors(
-    layer: LayerWeights, next_norm: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int
-) -> LayerTensors:
-    """What the fused decode call reads of a layer (`_in_c` said it can)."""
-    mlp = layer.mlp
-    moe = mlp.native if isinstance(mlp, SparseMoeBlock) else None
-    dense = (None, None, None, None) if moe else (mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight, mlp.down.bias)
-    projections = (layer.qkv, layer.o) + ((None, None) if moe else (mlp.gate_up, mlp.down))
-    return LayerTensors(
-        layer.qkv.weight,
-        layer.qkv.bias,
-        layer.o.weight,
-        layer.o.bias,
-        *dense,
-        moe,
-        layer.q_norm,
-        layer.k_norm,
-        layer.post_norm,
-        next_norm,
-        k_pool,
-        v_pool,
-        window,
-        tuple(_lora_pair(p) for p in projections),
-    )
-
-
-def _lora_pair(projection: Any) -> LoraPair | None:
-    """A projection's stacked LoRA pairs for the fused call (None: no adapter targets it)."""
-    stack = (
-        None if projection is None or projection.lora is None else projection.lora.stack(projection.weight.out_features)
-    )
-    return None if stack is None else LoraPair(*stack)
-
-
-def _in_c(layer: LayerWeights) -> bool:
-    """Whether the fused decode call can run this layer: panel projections, an MoE block in the C kernel."""
-    projections = [layer.qkv, layer.o]
-    if isinstance(layer.mlp, SparseMoeBlock):
-        if layer.mlp.native is None:
-            return False
-    else:
-        projections += [layer.mlp.gate_up, layer.mlp.down]
-    return all(isinstance(p.weight, PanelWeight) for p in projections)
 
 
 def _head_rows(heads: slice, head_dim: int) -> slice:

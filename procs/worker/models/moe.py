@@ -146,7 +146,12 @@ class SparseMoeBlock:
         shared_gate: torch.Tensor | None,
         tp: TensorParallel,
     ) -> None:
-        if router.device.type == "cuda" and not grouped_mm_runs(router.device, experts.gate_up.dtype):
+        gate_up = experts.gate_up  # tensors on CUDA (panels are the CPU's)
+        if (
+            router.device.type == "cuda"
+            and isinstance(gate_up, torch.Tensor)
+            and not grouped_mm_runs(router.device, gate_up.dtype)
+        ):
             raise ModelLoadError(
                 f"mixture-of-experts layers on CUDA run at bfloat16 (torch._grouped_mm, which CUDA "
                 f"graphs capture; torch {torch.__version__}): serve with --dtype bfloat16"
@@ -163,22 +168,18 @@ class SparseMoeBlock:
 
     def _native(self) -> NativeMoeBlock | None:
         """The C kernel's block where every weight is panels (fp32 or int8 on the CPU)."""
-        weights = [self.router] + (
-            [] if self.shared is None else [self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate]
-        )
-        if not (
-            self.experts.panels
-            and self.experts.activation == "silu"
-            and all(isinstance(w, PanelWeight) for w in weights)
-        ):
+        router, shared = self.router, None
+        if not (self.experts.panels and self.experts.activation == "silu" and isinstance(router, PanelWeight)):
             return None
-        shared = (
-            None
-            if self.shared is None
-            else SharedExpert(self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate)
-        )
+        if self.shared is not None:
+            gate_up, down, gate = self.shared.gate_up.weight, self.shared.down.weight, self.shared_gate
+            if not (
+                isinstance(gate_up, PanelWeight) and isinstance(down, PanelWeight) and isinstance(gate, PanelWeight)
+            ):
+                return None
+            shared = SharedExpert(gate_up, down, gate)
         return NativeMoeBlock(
-            self.router,
+            router,
             self.router_bias,
             self.experts,
             shared,
@@ -196,6 +197,7 @@ class SparseMoeBlock:
             count_load(self.load, ids)
             out = experts_forward(h, ids, weights, self.experts)
             if self.shared is not None:
+                assert self.shared_gate is not None  # given with the shared expert (`take_moe_block`)
                 out = out + torch.sigmoid(linear(h, self.shared_gate)) * self.shared(h)
         return self.tp.all_reduce(out)
 

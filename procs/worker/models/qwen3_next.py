@@ -87,7 +87,7 @@ def hybrid_config(raw: dict[str, Any], spec: ModelSpec, moe: MoEConfig | None) -
         raw = {**raw, "partial_rotary_factor": 0.25}  # transformers' default for these models
     deltanet = DeltaNetConfig.from_hf(raw, where)
     bias = bool(raw["attention_bias"])
-    return HybridConfig.from_hf(
+    config = HybridConfig.from_hf(
         raw,
         spec,
         qkv_bias=bias,
@@ -101,6 +101,8 @@ def hybrid_config(raw: dict[str, Any], spec: ModelSpec, moe: MoEConfig | None) -
         linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == LINEAR),
         recurrent=deltanet.state,
     )
+    assert isinstance(config, HybridConfig)  # `from_hf` builds its class (LlamaConfig's is typed as its own)
+    return config
 
 
 class HybridModel(LlamaModel):

@@ -71,18 +71,19 @@ class WeightTaker:
         del self.weights[name]
         return [weight[index].to(device=self.device, dtype=dtype or self.dtype).contiguous() for index in indices]
 
-    def column(self, projections: list[tuple[str, slice]], bias: bool) -> ColumnParallelLinear:
-        """The named projections' output `rows` (`<name>.weight`, and `<name>.bias` with `bias`), fused
-        along the output."""
+    def column(self, projections: Sequence[tuple[str, slice | None]], bias: bool) -> ColumnParallelLinear:
+        """The named projections' output `rows` (None: all of them) (`<name>.weight`, and `<name>.bias`
+        with `bias`), fused along the output."""
         biases = [self(name + ".bias", rows=rows) for name, rows in projections] if bias else None
         return ColumnParallelLinear(
             [self(name + ".weight", rows=rows) for name, rows in projections], biases, self.quantization
         )
 
     def row(
-        self, projection: str, cols: slice, bias: bool, tp: TensorParallel, *, reduce: bool = True
+        self, projection: str, cols: slice | None, bias: bool, tp: TensorParallel, *, reduce: bool = True
     ) -> RowParallelLinear:
-        """The projection's input `cols`, and its whole bias with `bias`; `reduce`: summed over the ranks."""
+        """The projection's input `cols` (None: all of them), and its whole bias with `bias`; `reduce`:
+        summed over the ranks."""
         return RowParallelLinear(
             self(projection + ".weight", cols=cols),
             self(projection + ".bias") if bias else None,
