@@ -365,10 +365,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         at /dashboard (--no-webui: neither; the JSON of /dashboard/snapshot stays)."""),
     ] = True
     header_timeout_s: Annotated[
-        float,
-        _doc("""Seconds a client may take to send a request's headers; also
-        how long an idle keep-alive connection stays open."""),
+        float, _doc("Seconds a client may take to send a request's headers (from its first byte).")
     ] = 10.0
+    keep_alive_timeout_s: Annotated[
+        float,
+        _doc("""Seconds an idle keep-alive connection stays open (sent as Keep-Alive: timeout=N);
+        keep it above a load balancer's idle timeout (60 s: AWS ALB, nginx)."""),
+    ] = 75.0
     body_timeout_s: Annotated[float, _doc("Seconds a client may take to send a request's body (else 408).")] = 60.0
     max_connections: Annotated[
         int,

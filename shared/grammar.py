@@ -19,6 +19,7 @@ import llguidance
 
 from batchserve.shared.checks import MAX_GRAMMAR_CHARS, MAX_NESTED_REPEAT, MAX_REGEX_CHARS, MAX_REGEX_REPEAT
 from batchserve.shared.errors import Refusal
+from batchserve.shared.schema_finite import has_finite_instance
 
 
 def grammar_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
@@ -124,11 +125,18 @@ def _check_size(source: str, what: str, param: str) -> None:
 
 
 def check_json_schema(schema: Any, param: str) -> None:
-    """A JSON schema (an object, or its JSON text) within MAX_GRAMMAR_CHARS, each of its `pattern`s and
-    `patternProperties` a regex that passes `check_regex`."""
+    """A JSON schema (an object, or its JSON text) within MAX_GRAMMAR_CHARS, with a finite instance
+    (`schema_finite`), each of its `pattern`s and `patternProperties` a regex that passes `check_regex`."""
     text = schema if isinstance(schema, str) else json.dumps(schema)
     _check_size(text, "a JSON schema", param)
-    stack = [json.loads(text) if isinstance(schema, str) else schema]
+    parsed = json.loads(text) if isinstance(schema, str) else schema
+    if not has_finite_instance(parsed):
+        raise Refusal(
+            f"{param}: the schema has no finite instance (its required properties refer back to it with no way "
+            "out), so no answer could ever be complete",
+            param,
+        )
+    stack = [parsed]
     while stack:  # iterative: a deeply nested schema must not exhaust the stack here
         node = stack.pop()
         if isinstance(node, dict):

@@ -50,6 +50,7 @@ class LogitsParams(msgspec.Struct, frozen=True, kw_only=True):
     # request's `OutputConstraint` or forced tool call by the tokenizer process. The worker masks
     # every token the grammar does not allow, last, after all of the above.
     grammar: str | None = None
+    grammar_param: str | None = None  # the request field it came from, named if it fails mid-answer
     # A thinking model's `</think>` token: the grammar holds from the token after it (the thinking is free).
     grammar_after: int | None = None
 
@@ -215,6 +216,9 @@ class StepResult(msgspec.Struct, kw_only=True):
     # The pooling runner: each sampling row's pooled final hidden states [num_sampled, hidden] float32, in
     # batch order (its next_token_ids are placeholders); None from the generate runner.
     pooled: np.ndarray | None = None
+    # Slots whose grammar failed on a token this step (its engine's limit, a replay that no longer matches),
+    # with llguidance's error: their requests end with an error, never unconstrained text.
+    grammar_failures: list[tuple[int, str]] = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +350,9 @@ class TokenDelta(msgspec.Struct, tag=True, kw_only=True):
     rid: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # With "abort": why the request failed (its output constraint could not be held), for the api's error.
+    error: str | None = None
+    error_param: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
     cached_tokens: int = 0  # prompt tokens found in the prefix cache

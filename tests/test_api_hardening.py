@@ -46,7 +46,12 @@ DEEP = b'{"prompt": "x", "user": ' + b"[" * 1000 + b"]" * 1000 + b"}"
     "body, content_type, param, words",
     [
         (DEEP, "application/json", None, "nests"),
-        (b'{"prompt": "x", "temperature": 1e9}', "application/json", "temperature", "temperature must be in [0, 2]"),
+        (
+            b'{"prompt": "x", "temperature": 1e9}',
+            "application/json",
+            "temperature",
+            "Expected `float` <= 2.0 - at `$.temperature`",
+        ),
         (b'{"prompt": "x", "temperature": 2.5}', "application/json", "temperature", "temperature"),
         (b'{"prompt": "x"}', "text/plain", None, "Content-Type must be application/json"),
         (b'{"prompt": "x"}', "application/x-www-form-urlencoded", None, "Content-Type"),

@@ -71,13 +71,13 @@ def accepted(body: dict, path: str = "/v1/chat/completions", engine: FakeEngine 
 
 
 def test_stop_count_and_length_limits():
-    assert "at most 32" in refused(chat(stop=[f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1)]), "stop")
+    assert "length <= 32" in refused(chat(stop=[f"s{i}" for i in range(MAX_STOP_SEQUENCES + 1)]), "stop")
     engine = accepted(chat(stop=[f"s{i}" for i in range(MAX_STOP_SEQUENCES)]))
     assert len(engine.requests[0].params.stop.stop) == MAX_STOP_SEQUENCES
-    assert "512 characters" in refused(chat(stop="x" * (MAX_STOP_CHARS + 1)), "stop")
+    assert "length <= 512" in refused(chat(stop="x" * (MAX_STOP_CHARS + 1)), "stop")
     accepted(chat(stop=["x" * MAX_STOP_CHARS]))
-    refused({"prompt": "hi", "stop": ["ok", "y" * 100_000]}, "stop", "/v1/completions")
-    refused(chat(stop=["a", ""]), "stop")
+    refused({"prompt": "hi", "stop": ["ok", "y" * 100_000]}, "stop[1]", "/v1/completions")
+    refused(chat(stop=["a", ""]), "stop[1]")
     refused(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids")
     accepted(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))))
 

@@ -413,3 +413,45 @@ def test_an_unconstrained_engine_never_builds_the_grammar_tokenizer(model_dir):
     eng.generate([request("u", prompt="fox", stop={"max_tokens": 3})])
     assert eng.runner.grammars._tokenizer is None
     assert not eng.runner.grammars.active.any()
+
+
+# ------------------------------------------------------------- a grammar that fails mid-answer ends it
+
+
+def test_a_token_the_grammar_rejects_is_reported_and_the_slot_left_unmasked(spec):
+    """The matcher cannot go on (here: a token it never allowed): the slot reports the failure for the
+    scheduler to end the request with, and stops masking."""
+    rejected = spec.grammar_tokenizer().tokenize_str("q")[0]
+    grammars = slot_grammars(spec, (2, None))
+    grammars.accept(np.array([2]), [rejected])
+    failures = grammars.take_failures()
+    assert [slot for slot, _ in failures] == [2] and failures[0][1]
+    assert not grammars.constrains(np.array([2])) and grammars.take_failures() == []
+
+
+def test_a_failed_grammar_ends_its_request_with_an_error_naming_the_field(spec):
+    """The scheduler frees the request and its final delta carries the error; the detokenizer turns it
+    into a 400 naming the constraint's field."""
+    from batchserve.procs.detokenizer.process import Detokenizers
+    from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+    from batchserve.shared.messages import LogitsParams, RequestParams, SamplingParams, StepResult, StopParams
+
+    sched = Scheduler(SchedulerConfig(max_running_requests=2, prefill_budget=64, kv_capacity_tokens=256, page_size=1))
+    logits = LogitsParams(grammar="{}", grammar_param="response_format")
+    params = RequestParams(sampling=SamplingParams(), stop=StopParams(max_tokens=8), logits=logits)
+    sched.add_request("a", [5, 6, 7], params)
+    sched.add_request("b", [5, 6], RequestParams(sampling=SamplingParams(), stop=StopParams(max_tokens=8)))
+
+    class Failing:  # the worker: the constrained slot's grammar fails on the step's token
+        def execute(self, batch):
+            (slot,) = [start.slot for start in batch.slot_starts if start.params.logits.grammar]
+            ids = np.full(sum(batch.sample_lens), 50, dtype=np.int32)
+            return StepResult(step=batch.step, next_token_ids=ids, grammar_failures=[(slot, "too deep")])
+
+    out = sched.step(Failing())
+    assert out.cancelled == ["a"] and "a" not in sched.requests and "b" in sched.requests
+    (delta,) = [d for d in sched.token_deltas(out) if d.rid == "a" and d.finish_reason == "abort"]
+    assert delta.error_param == "response_format" and "too deep" in (delta.error or "")
+    rejected = Detokenizers(spec.load_tokenizer()).fail(delta)
+    assert rejected is not None and (rejected.status, rejected.param) == (400, "response_format")
+    assert sched.num_running == 1  # a's slot is free again

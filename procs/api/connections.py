@@ -2,9 +2,11 @@
 
 - `CappedSite`: a TCP site that answers connection number `max_connections` + 1 with an immediate
   503 (an OpenAI error body, `Retry-After`) instead of letting it wait for a file descriptor.
-- Headers: aiohttp closes a connection that has not sent a complete request `keepalive_timeout`
-  seconds after it opened (or after its previous response), so the runner gets `header_timeout_s`
-  as its keep-alive timeout. The body has its own deadline in the handler (`body_timeout_s`).
+- `DeadlinedHandler`: aiohttp's request handler with a deadline for each request's headers
+  (`header_timeout_s`, from the connection's start or from the first byte of a later request), beside
+  aiohttp's own idle timer (`keep_alive_timeout_s`): aiohttp has one timer for both, and a keep-alive
+  longer than a load balancer's (60 s) would otherwise also give a slowloris client that long. The
+  body has its own deadline in the handler (`body_timeout_s`).
 - `raise_open_file_limit`: the soft RLIMIT_NOFILE up to the hard one, so that the cap decides.
 """
 
@@ -17,6 +19,7 @@ from typing import cast
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from batchserve.procs.api.errors import RETRY_AFTER_S, error_body
 
@@ -42,12 +45,61 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
-class CappedSite(web.TCPSite):
-    """`web.TCPSite` whose protocol factory refuses connections beyond `max_connections`."""
+class DeadlinedHandler(RequestHandler):
+    """A request's headers must arrive within `header_timeout` seconds: from the connection's start for
+    its first request, from the first byte of each later one. An idle keep-alive connection is
+    aiohttp's to close (`keepalive_timeout`). Reads aiohttp's own counters (`_request_count`: requests
+    whose headers it parsed; `_request_in_progress`; `_messages`: parsed, not yet handled):
+    tests/test_api_keep_alive.py fails if they change meaning."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int) -> None:
+    __slots__ = ("_header_timeout", "_header_deadline", "_armed_at")
+
+    def __init__(self, *args: object, header_timeout: float, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # aiohttp's own arguments, passed through
+        self._header_timeout = header_timeout
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._armed_at: int | None = None  # requests parsed when the deadline was set (None: no deadline)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        idle = not self._request_in_progress and not self._messages
+        # The first bytes of a request after the last one's headers: its own deadline.
+        if data and idle and self._armed_at != self._request_count:
+            self._arm_header_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self._armed_at = self._request_count
+        self._header_deadline = self._loop.call_later(self._header_timeout, self._headers_due)
+
+    def _headers_due(self) -> None:
+        overdue = self._request_count == self._armed_at and not self._request_in_progress
+        self._header_deadline, self._armed_at = None, None
+        if overdue:
+            log.info("closing a connection whose request headers took over %g s", self._header_timeout)
+            self.force_close()
+
+
+class CappedSite(web.TCPSite):
+    """`web.TCPSite` whose protocol factory refuses connections beyond `max_connections` and gives
+    each connection's requests `header_timeout` seconds for their headers (`DeadlinedHandler`)."""
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, header_timeout: float
+    ) -> None:
         super().__init__(runner, host, port, backlog=LISTEN_BACKLOG)
         self.max_connections = max_connections
+        self.header_timeout = header_timeout
         self.refused = 0
 
     async def start(self) -> None:
@@ -55,13 +107,16 @@ class CappedSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
 
+        loop = asyncio.get_running_loop()
+
         def protocol() -> asyncio.BaseProtocol:
             if len(server.connections) >= self.max_connections:
                 self.refused += 1
                 return _Busy()
-            return server()
+            # as `server()` builds aiohttp's handler, from the runner's settings (`_kwargs`)
+            return DeadlinedHandler(server, loop=loop, header_timeout=self.header_timeout, **server._kwargs)
 
-        self._server = await asyncio.get_running_loop().create_server(
+        self._server = await loop.create_server(
             protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
         )
 

@@ -24,14 +24,16 @@ import base64
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 from aiohttp import web
+from msgspec import Meta
 
 from batchserve.procs.api.errors import refusal_response, request_error
 from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
+from batchserve.procs.api.field_types import INT32_MAX, Priority, TokenId, TruncateTokens
 from batchserve.procs.api.prompt_fields import prompt_inputs
 from batchserve.procs.api.schemas import decode_body
 from batchserve.procs.api.tracking import RequestTracker
@@ -51,31 +53,31 @@ from batchserve.shared.pooling import PoolerConfig, finish_vector
 
 
 class EmbeddingsBody(msgspec.Struct, kw_only=True):
-    input: str | list[str | int | list[int]]
+    input: str | list[str | TokenId | list[TokenId]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = None
+    dimensions: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = None  # vLLM's: -1 = the context
-    priority: int | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None  # vLLM's: -1 = the context
+    priority: Priority | None = None
 
 
 class ScoreBody(msgspec.Struct, kw_only=True):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
-    truncate_prompt_tokens: int | None = None
-    priority: int | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
+    priority: Priority | None = None
 
 
 class RerankBody(msgspec.Struct, kw_only=True):
     query: str
     documents: list[str]
     model: str | None = None
-    top_n: int | None = None  # none or 0: every document
+    top_n: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None  # none or 0: every document
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = None
-    priority: int | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
+    priority: Priority | None = None
 
 
 class _Inputs(msgspec.Struct):

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from batchserve.procs.api.field_types import Choices, Temperature, TokenCount, TopLogprobs, TopP
 from batchserve.procs.api.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -44,7 +45,6 @@ from batchserve.shared.errors import Refusal
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-MAX_TOP_LOGPROBS = 20
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 # ---------------------------------------------------------------- request schema
@@ -110,9 +110,9 @@ class ResponsesRequest(SamplingExtras, kw_only=True):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: str | ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -126,17 +126,17 @@ class ResponsesRequest(SamplingExtras, kw_only=True):
     stream: bool | None = None
     stream_options: dict[str, object] | None = None  # include_obfuscation: this server pads nothing
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     reasoning: ReasoningConfig | None = None
-    max_tool_calls: int | None = None  # bounds built-in tool calls, of which this server has none
+    max_tool_calls: TokenCount | None = None  # bounds built-in tool calls, of which this server has none
     truncation: str | None = None
     service_tier: str | None = None
     # Not implemented: refused unless at their neutral value (NEUTRAL).
     background: bool | None = None
     conversation: object | None = None
     prompt: object | None = None
-    n: int | None = None
-    max_tokens: int | None = None
+    n: Choices | None = None
+    max_tokens: TokenCount | None = None
     chat_template_kwargs: dict[str, object] | None = None
 
 
@@ -227,8 +227,6 @@ def _logprobs_asked(req: ResponsesRequest) -> bool:
             )
     asked = LOGPROBS_INCLUDE in (req.include or [])
     if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})", "top_logprobs")
         if req.top_logprobs and not asked:
             raise Refusal(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
     return asked

@@ -11,10 +11,31 @@ here as far as msgspec can; `validation.py` checks the rest (schemas are objects
 from __future__ import annotations
 
 import re
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
+from msgspec import Meta
 
+from batchserve.procs.api.field_types import (
+    INT32_MAX,
+    Choices,
+    CompletionLogprobs,
+    LogitBias,
+    MinP,
+    Penalty,
+    Priority,
+    RepetitionPenalty,
+    Seed,
+    StopString,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
 from batchserve.shared.errors import Refusal
 
 
@@ -78,31 +99,31 @@ class SamplingExtras(msgspec.Struct, kw_only=True):
     completions have most as OpenAI's, the Responses API as vLLM's extras): the Responses API passes
     them to chat by name, so a new one is a field here and its use in `validation`."""
 
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string ends the text
     skip_special_tokens: bool | None = None  # vLLM's: false keeps special tokens in the text
-    min_tokens: int | None = None  # vLLM's
-    priority: int | None = None  # vLLM's: lower first, with --scheduling-policy priority
+    min_tokens: TokenCount | None = None  # vLLM's
+    priority: Priority | None = None  # vLLM's: lower first, with --scheduling-policy priority
     speculative: bool | None = None  # false: no speculative decoding for this request (--speculative)
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids in decimal
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's
+    logit_bias: LogitBias | None = None  # JSON keys are strings: token ids in decimal
 
 
 class CommonRequestFields(SamplingExtras, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     # choices and streaming
-    n: int | None = None
-    best_of: int | None = None  # only null, 1 or n
+    n: Choices | None = None
+    best_of: Choices | None = None  # only null, 1 or n
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # Structured output: at most one of these (validation.constraint_of).
@@ -116,17 +137,17 @@ class CommonRequestFields(SamplingExtras, kw_only=True):
 class CompletionRequest(CommonRequestFields, kw_only=True):
     # A text, a list of token ids, or a batch of either (one choice per prompt, as OpenAI's):
     # msgspec allows one list type in a union, so `validation` sorts out the elements.
-    prompt: str | list[int | str | list[int]]
-    logprobs: int | None = None
+    prompt: str | list[TokenId | str | list[TokenId]]
+    logprobs: CompletionLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
 
 
 class ChatCompletionRequest(CommonRequestFields, kw_only=True):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[ToolIn] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -156,7 +177,7 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
     """`/detokenize` (vLLM's DetokenizeRequest)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class LoadLoraBody(msgspec.Struct, kw_only=True):
@@ -170,7 +191,7 @@ class UnloadLoraBody(msgspec.Struct, kw_only=True):
     """`POST /v1/unload_lora_adapter` (vLLM's UnloadLoRAAdapterRequest; its `lora_int_id` is not needed here)."""
 
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
 
 
 T = TypeVar("T", bound=msgspec.Struct)  # a request body's schema
@@ -181,6 +202,7 @@ _LONE_SURROGATE_RE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-
 # msgspec names the offending location as "at `$.field[0].sub`" or "field `name`".
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]*)`")
+_KEY_RE = re.compile(r"at `key` in `\$\.?([^`]*)`")  # a dict's key: named by the dict
 
 
 def _param_of(message: str) -> str | None:
@@ -191,7 +213,8 @@ def _param_of(message: str) -> str | None:
         return prefix + missing.group(1)
     if path and path.group(1):
         return path.group(1)
-    return None
+    key = _KEY_RE.search(message)
+    return key.group(1) if key and key.group(1) else None
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:

@@ -1,15 +1,16 @@
 """Run the api's HTTP application: `await start_api(engine, config)` on a running loop (the api
 process's, on uvloop: `procs.api.process`).
 
-It listens through `CappedSite` (a cap on open connections, answered 503), gives slow clients
-`header_timeout_s` for their headers (aiohttp's keep-alive timeout, which also runs from the
-moment a connection opens) and raises the open-file limit first. The engine client's optional
+It listens through `CappedSite` (a cap on open connections, answered 503; `header_timeout_s` for
+each request's headers), keeps idle connections `keep_alive_timeout_s` (and says so in a
+`Keep-Alive` header) and raises the open-file limit first. The engine client's optional
 `start()`/`close()` run inside the loop (see `engine_client.py`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -34,10 +35,26 @@ async def start_api(
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=config.drain_timeout_s,
-        keepalive_timeout=config.header_timeout_s,
+        keepalive_timeout=config.keep_alive_timeout_s,
     )
+    runner.app.on_response_prepare.append(_keep_alive_header(config.keep_alive_timeout_s))
     await runner.setup()
-    await CappedSite(runner, config.host, config.port, max_connections=max_connections).start()
+    site = CappedSite(
+        runner, config.host, config.port, max_connections=max_connections, header_timeout=config.header_timeout_s
+    )
+    await site.start()
     # Not at info: the api listens (answering 503) long before it is ready, which its process says.
     logger.debug("api listening on http://%s:%d (model %s)", config.host, config.port, engine.model_name)
     return runner
+
+
+def _keep_alive_header(timeout_s: float) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """`Keep-Alive: timeout=N` on responses that keep their connection, so that a client's pool (or a
+    proxy) drops an idle connection before the server does instead of sending into a closed one."""
+    value = f"timeout={int(timeout_s)}"
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        if request.keep_alive and response.keep_alive is not False:
+            response.headers["Keep-Alive"] = value
+
+    return add

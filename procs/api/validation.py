@@ -29,7 +29,6 @@ fit the context is refused by the engine client before it is sent (`engine_clien
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -60,12 +59,6 @@ from batchserve.shared.messages import (
 )
 
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
-MAX_N = 128  # choices per prompt (vLLM has no cap; the api's in-flight cap bounds n x prompts too)
-MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions
-MAX_TOP_LOGPROBS = 20  # OpenAI's chat
-_TOKEN_ID_RE = re.compile(r"[0-9]{1,10}")  # strict: int() would also take "+5", " 5", "5_0" and 5000 digits
 TOOL_NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
@@ -95,8 +88,6 @@ class ValidatedRequest:
 def validate_completion(req: CompletionRequest, *, rid: str, model_name: str | ServedModels) -> ValidatedRequest:
     adapter = _check_common(req, model_name)
     n = _choices_per_prompt(req)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise Refusal(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] (got {req.logprobs})", "logprobs")
     if req.suffix is not None:
         raise Refusal("suffix is not supported", "suffix")
     echo = bool(req.echo)
@@ -131,11 +122,8 @@ def validate_completion(req: CompletionRequest, *, rid: str, model_name: str | S
 def validate_chat(req: ChatCompletionRequest, *, rid: str, model_name: str | ServedModels) -> ValidatedRequest:
     adapter = _check_common(req, model_name)
     n = _choices_per_prompt(req)
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise Refusal("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise Refusal(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {req.top_logprobs})", "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise Refusal("top_logprobs is only allowed when logprobs is true", "top_logprobs")
     if not req.messages:
         raise Refusal("messages must not be empty", "messages")
     messages = [_chat_message(i, m) for i, m in enumerate(req.messages)]
@@ -324,9 +312,7 @@ def _tool_choice(req: ChatCompletionRequest, tools: list[ToolFunction]) -> tuple
 
 
 def _choices_per_prompt(req: CommonRequestFields) -> int:
-    n = 1 if req.n is None else req.n
-    if not 1 <= n <= MAX_N:
-        raise Refusal(f"n must be in [1, {MAX_N}] (got {n})", "n")
+    n = 1 if req.n is None else req.n  # in [1, MAX_N] (field_types.Choices)
     # best_of > n means "sample best_of, answer the n most likely": not implemented.
     if req.best_of is not None and req.best_of not in (1, n):
         raise Refusal(
@@ -340,14 +326,11 @@ def _choices_per_prompt(req: CommonRequestFields) -> int:
 def _logits(req: CommonRequestFields, *, logprobs: int | None, prompt_logprobs: int | None) -> LogitsParams:
     """Penalties, logit_bias and min_tokens as vLLM checks them (min_tokens against max_tokens: the
     tokenizer, which settles max_tokens)."""
-    presence = _penalty(req.presence_penalty, "presence_penalty")
-    frequency = _penalty(req.frequency_penalty, "frequency_penalty")
+    presence = 0.0 if req.presence_penalty is None else req.presence_penalty
+    frequency = 0.0 if req.frequency_penalty is None else req.frequency_penalty
+    # Their ranges were checked while decoding (field_types).
     repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise Refusal(f"repetition_penalty must be > 0 and finite (got {repetition})", "repetition_penalty")
     min_tokens = 0 if req.min_tokens is None else req.min_tokens
-    if min_tokens < 0:
-        raise Refusal(f"min_tokens must be >= 0 (got {min_tokens})", "min_tokens")
     return LogitsParams(
         presence_penalty=presence,
         frequency_penalty=frequency,
@@ -359,21 +342,11 @@ def _logits(req: CommonRequestFields, *, logprobs: int | None, prompt_logprobs: 
     )
 
 
-def _penalty(value: float | None, param: str) -> float:
-    if value is None:
-        return 0.0
-    if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-        raise Refusal(f"{param} must be in [-2, 2] (got {value})", param)
-    return value
-
-
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
-    for key, value in (bias or {}).items():
-        if not _TOKEN_ID_RE.fullmatch(key) or int(key) > MAX_TOKEN_ID:
+    for key, value in (bias or {}).items():  # keys of 1-10 digits, values in range (field_types.LogitBias)
+        if int(key) > MAX_TOKEN_ID:
             raise Refusal(f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (got {key!r})", "logit_bias")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN and infinities fail too
-            raise Refusal(f"logit_bias values must be in [-100, 100] (got {value} for token {key})", "logit_bias")
         out[int(key)] = value
     return out
 

@@ -3,7 +3,9 @@
 One `IncrementalDetokenizer` per request, created from the request's first delta (which carries
 its stop strings and the prompt's tail). When a stop string matches, the request is finished to
 the api at once (finish_reason "stop") and the scheduler is told to abort it, so generation stops
-within a step; the scheduler's own final delta for it is then dropped.
+within a step; the scheduler's own final delta for it is then dropped. A request the scheduler ended
+with an error (its output constraint failed) reaches the api as a `RequestRejected` (400 naming the
+field), on the same socket as its text, so after all of it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from batchserve.procs.detokenizer.logprobs import LogprobTexts
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
-from batchserve.shared.messages import NO_STOP, AbortRequest, TextDelta, TokenDelta, Usage
+from batchserve.shared.messages import NO_STOP, AbortRequest, RequestRejected, TextDelta, TokenDelta, Usage
 from batchserve.shared.model import ModelSpec
 
 log = logging.getLogger("batchserve.detokenizer")
@@ -30,6 +32,14 @@ class Detokenizers:
         self.logprob_texts = LogprobTexts(tokenizer)
         self.active: dict[str, IncrementalDetokenizer] = {}
         self.stopped: set[str] = set()  # finished by a stop string, awaiting the scheduler's last delta
+
+    def fail(self, delta: TokenDelta) -> RequestRejected | None:
+        """A request ended with an error: forget it; what the api answers (None: already finished there)."""
+        self.active.pop(delta.rid, None)
+        if delta.rid in self.stopped:  # finished by a stop string: its answer is complete
+            self.stopped.discard(delta.rid)
+            return None
+        return RequestRejected(rid=delta.rid, status=400, message=delta.error or "failed", param=delta.error_param)
 
     def handle(self, delta: TokenDelta) -> tuple[TextDelta | None, bool]:
         rid = delta.rid
@@ -85,6 +95,11 @@ def run(config: ServerConfig) -> int:
         while not rt.stopping.is_set():
             delta = inbox.recv(POLL_INTERVAL_S)
             if delta is None:
+                continue
+            if delta.error is not None:
+                rejected = detokenizers.fail(delta)
+                if rejected is not None:
+                    to_api.send(rejected)
                 continue
             text_delta, abort = detokenizers.handle(delta)
             if abort:

@@ -423,9 +423,24 @@ class Scheduler:
             finished = [requests[rid] for rid in out.finished]
             out.ended.update(zip(out.finished, finished))
             self._end(finished, Status.FINISHED)
+        if result.grammar_failures:
+            self._fail_grammars(result.grammar_failures, out)
         if not self._launched:  # nothing in flight reads the pages behind a window: give them back now
             self.kv.drop_out_of_window()
         return out
+
+    def _fail_grammars(self, failures: list[tuple[int, str]], out: StepOutput) -> None:
+        """End the requests whose grammar failed this step (still running: one that finished in this step
+        keeps its end) with an error for the client, as cancellations that free their slot and pages."""
+        for slot, error in failures:
+            request = self.table.requests[slot]
+            if request is None or self.requests.get(request.rid) is not request:
+                continue
+            param = request.params.logits.grammar_param
+            out.errors[request.rid] = (f"the output could not be held to {param or 'its constraint'}: {error}", param)
+            out.cancelled.append(request.rid)
+            out.ended[request.rid] = request
+            self._end([request], Status.CANCELLED)
 
     # ------------------------------------------------------------------ the lifecycle's exits
     def _end(self, requests: list[Request], status: Status) -> None:

@@ -47,6 +47,8 @@ def token_deltas(out: StepOutput, live: Mapping[str, Request]) -> list[TokenDelt
     for rid in out.cancelled:
         request = out.ended.get(rid)
         deltas.append(_delta(request, request.reported if request else 0, rid, [], "abort"))
+        if rid in out.errors:
+            deltas[-1].error, deltas[-1].error_param = out.errors[rid]
     return deltas
 
 

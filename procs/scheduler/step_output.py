@@ -41,6 +41,8 @@ class StepOutput(msgspec.Struct, kw_only=True):
     predicted_s: float | None = None
     queue_times: list[float] = []  # seconds waited by each request this step admitted for the first time
     pooled: dict[str, bytes] = {}  # the pooling runner: rid -> its vector (float32 bytes), in place of its token
+    # Cancelled because their output constraint failed (`StepResult.grammar_failures`): rid -> (error, field)
+    errors: dict[str, tuple[str, str | None]] = {}
 
     @property
     def draft_tokens(self) -> int:

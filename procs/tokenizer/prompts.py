@@ -253,7 +253,10 @@ class PromptTokenizer:
         grammar = self._grammar(request)
         if grammar is not None:
             logits = msgspec.structs.replace(
-                logits, grammar=grammar, grammar_after=self._thinking_end(ids) if request.messages else None
+                logits,
+                grammar=grammar,
+                grammar_param=params.constraint.param if params.constraint is not None else "tool_choice",
+                grammar_after=self._thinking_end(ids) if request.messages else None,
             )
         return TokenizedRequest(
             rid=request.rid,

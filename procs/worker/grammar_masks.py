@@ -50,6 +50,7 @@ class SlotGrammars:
         self.pending = np.full(num_slots, -1, dtype=np.int64)  # the token after which the grammar starts
         self.bitmask = allocate_token_bitmask(num_slots, vocab_size)
         self._pristine: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.failures: list[tuple[int, str]] = []  # (slot, error) since `take_failures`
 
     def prepare(self) -> None:
         """Build the tokenizer now (a server does at startup); a tokenizer llguidance cannot read is
@@ -76,11 +77,7 @@ class SlotGrammars:
             else:
                 pending, output_ids = after, []
         if matcher is not None and output_ids and not matcher.consume_tokens(output_ids):
-            log.warning(
-                "slot %d: replayed tokens do not match its grammar (%s); unconstrained from here",
-                slot,
-                matcher.get_error(),
-            )
+            self._fail(slot, f"the replayed tokens do not match the grammar: {matcher.get_error()}")
             matcher = None
         self.matchers[slot] = matcher
         self.pending[slot] = pending if matcher is not None else -1
@@ -162,13 +159,18 @@ class SlotGrammars:
         if matcher.is_stopped():  # done (EOS taken): an ignore_eos request runs on, unconstrained
             self.matchers[slot], self.active[slot] = None, False
         elif not matcher.consume_token(token):
-            log.warning(
-                "slot %d: token %d rejected by its grammar (%s); unconstrained from here",
-                slot,
-                token,
-                matcher.get_error(),
-            )
+            self._fail(slot, matcher.get_error() or f"token {token} was rejected")
             self.matchers[slot], self.active[slot] = None, False
+
+    def _fail(self, slot: int, error: str) -> None:
+        """The slot's grammar cannot go on: its request is ended with an error (the scheduler, from the
+        step's `grammar_failures`), never left to run unconstrained."""
+        log.info("slot %d: its grammar failed (%s); the request ends with an error", slot, error)
+        self.failures.append((slot, error))
+
+    def take_failures(self) -> list[tuple[int, str]]:
+        failures, self.failures = self.failures, []
+        return failures
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher | None:
         pristine = self._pristine.get(grammar)

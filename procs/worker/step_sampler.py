@@ -103,6 +103,8 @@ class StepSampler:
         )
         lasts = rows.firsts + kept_rows.lens - 1
         self.last_sampled[rows.slots[lasts]] = result.next_token_ids[lasts]
+        if self.logits_state.grammars is not None:  # matchers advanced by `record` (or replayed at start)
+            result.grammar_failures = self.logits_state.grammars.take_failures()
 
     def _sample(
         self,
