@@ -2,8 +2,9 @@
 
 - `CappedSite`: a TCP site that answers connection number `max_connections` + 1 with an immediate
   503 (an OpenAI error body, `Retry-After`) instead of letting it wait for a file descriptor.
-- `DeadlinedHandler`: aiohttp's request handler with a deadline for each request's headers
-  (`header_timeout_s`, from the connection's start or from the first byte of a later request), beside
+- `ConnectionHandler`: aiohttp's request handler, logging a malformed request at INFO, with a deadline
+  for each request's headers (`header_timeout_s`, from the connection's start or from the first byte
+  of a later request), beside
   aiohttp's own idle timer (`keep_alive_timeout_s`): aiohttp has one timer for both, and a keep-alive
   longer than a load balancer's (60 s) would otherwise also give a slowloris client that long. The
   body has its own deadline in the handler (`body_timeout_s`).
@@ -15,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from batchserve.procs.api.errors import RETRY_AFTER_S, error_body
@@ -45,8 +47,13 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
-class DeadlinedHandler(RequestHandler):
-    """A request's headers must arrive within `header_timeout` seconds: from the connection's start for
+class ConnectionHandler(RequestHandler):
+    """aiohttp's handler of one connection, with a header deadline and quiet refusals.
+
+    A malformed request line or header (a 20 KB path, a bad header) is the client's error: answered 400
+    by aiohttp and logged here at INFO, without the traceback aiohttp logs at ERROR.
+
+    A request's headers must arrive within `header_timeout` seconds: from the connection's start for
     its first request, from the first byte of each later one. An idle keep-alive connection is
     aiohttp's to close (`keepalive_timeout`). Reads aiohttp's own counters (`_request_count`: requests
     whose headers it parsed; `_request_in_progress`; `_messages`: parsed, not yet handled):
@@ -76,6 +83,13 @@ class DeadlinedHandler(RequestHandler):
             self._header_deadline.cancel()
         super().connection_lost(exc)
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):  # the parser refused the request: 400, nothing failed here
+            log.info("refused a malformed request (%s %s)", exc.code, exc.message)
+            return
+        super().log_exception(*args, **kw)
+
     def _arm_header_deadline(self) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
@@ -92,7 +106,7 @@ class DeadlinedHandler(RequestHandler):
 
 class CappedSite(web.TCPSite):
     """`web.TCPSite` whose protocol factory refuses connections beyond `max_connections` and gives
-    each connection's requests `header_timeout` seconds for their headers (`DeadlinedHandler`)."""
+    each connection's requests `header_timeout` seconds for their headers (`ConnectionHandler`)."""
 
     def __init__(
         self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, header_timeout: float
@@ -114,7 +128,7 @@ class CappedSite(web.TCPSite):
                 self.refused += 1
                 return _Busy()
             # as `server()` builds aiohttp's handler, from the runner's settings (`_kwargs`)
-            return DeadlinedHandler(server, loop=loop, header_timeout=self.header_timeout, **server._kwargs)
+            return ConnectionHandler(server, loop=loop, header_timeout=self.header_timeout, **server._kwargs)
 
         self._server = await loop.create_server(
             protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
