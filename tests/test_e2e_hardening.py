@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import urllib.error
+import urllib.request
 
 import aiohttp
 import openai
@@ -91,6 +93,19 @@ def test_a_client_idle_for_12_s_posts_again_on_the_same_connection(server):
     first, second = asyncio.run(go())
     assert first[:2] == second[:2] == (200, "timeout=75"), (first, second)
     assert first[2] is second[2]  # the same connection
+
+
+def test_what_the_fuzzer_found_is_a_4xx(server):
+    """Schemathesis's finds (tests/test_openapi_fuzz.py): a repetition penalty past float32 killed the
+    worker; a control character in a stored response's id broke the X-Request-Id header (a 500)."""
+    status, answer = http(server.url + "/v1/completions", {"prompt": "w5", "repetition_penalty": 4.3e307})
+    assert status == 400 and answer["error"]["param"] == "repetition_penalty", answer
+    for method in ("GET", "DELETE"):
+        request = urllib.request.Request(server.url + "/v1/responses/%1F", method=method)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 404
+    assert http(server.url + "/health")[0] == 200
 
 
 def test_a_20_kb_path_is_a_400_logged_without_a_traceback(server):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
 from batchserve.procs.api.live_view import LiveView
 from batchserve.procs.api.lora_api import add_lora_routes
 from batchserve.procs.api.metrics import ApiMetrics
+from batchserve.procs.api.openapi import SERVED_KEY, serve_document
 from batchserve.procs.api.pooling_api import add_pooling_routes
 from batchserve.procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
 from batchserve.procs.api.responses_api import ResponsesEndpoint
@@ -76,6 +78,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DECODED_ENCODINGS = frozenset(
     {"identity", "gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ())}
 )
+
+
+STORED_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # what a stored response's id can be
 
 
 class ApiHandlers:
@@ -155,6 +160,8 @@ class ApiHandlers:
 
     def _stored(self, request: web.Request, action: Callable[[str, web.Request, str], dict]) -> web.Response:
         rid = request.match_info["response_id"]
+        if not STORED_ID_RE.fullmatch(rid):  # no id this server makes; not echoed in a header either
+            return error_response(404, "No response found with that id.", "response_id")
         try:
             return _json(action(rid, request, request.get(OWNER, "")), rid=rid)
         except Refusal as exc:
@@ -423,6 +430,8 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
     app.router.add_get("/dashboard/snapshot", handlers.live_view.handle)
+    app[SERVED_KEY] = handlers.served
+    app.router.add_get("/openapi.json", serve_document)
     if config.webui:
         add_webui_routes(app)
     add_tokenize_routes(app, handlers)

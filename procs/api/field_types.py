@@ -9,7 +9,6 @@ against the vocabulary) is checked after decoding, in `validation.py` and the to
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 from msgspec import Meta
@@ -46,7 +45,8 @@ Temperature = Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # presence and frequency: OpenAI's range
-RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=sys.float_info.max)]  # vLLM's: > 0 and finite
+FLOAT32_MAX = 3.4028234663852886e38  # the worker keeps penalties in float32 tensors
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=FLOAT32_MAX)]  # vLLM's: > 0 (and a float32)
 LogitBias = dict[
     Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")],  # token ids in decimal (JSON keys are strings)
     Annotated[float, Meta(ge=-100.0, le=100.0)],  # OpenAI's range
