@@ -11,6 +11,10 @@ vectors that look fine and rank badly. The rule, in order:
   `Dense` projection, max or weighted-mean pooling) are refused at start, naming them;
 - otherwise a decoder pools its last token and an encoder its first ([CLS]), and both normalise (what
   Qwen3-Embedding, gte-Qwen2, e5-mistral and bge were trained with; vLLM's defaults).
+A sentence-transformers 6 folder whose `sentence_bert_config.json` lists a `message` modality (it does
+whenever the tokenizer had a chat template when it was saved) embeds a text as sentence-transformers does
+then: as one user message rendered by the chat template (`ChatInput`, the tokenizer's); a cross-encoder
+folder that says so is refused, its pairs being messages too.
 Matryoshka dimensions (a request's `dimensions`: the vector cut to its first d entries, then
 normalised) are allowed where config.json says the model was trained for them: `matryoshka_dimensions`
 (the list of allowed sizes) or `is_matryoshka` (any size), as vLLM reads them.
@@ -30,6 +34,7 @@ from typing import Any, Literal, cast, get_args
 import msgspec
 import numpy as np
 
+from batchserve.shared.chat_format import read_chat_template
 from batchserve.shared.errors import ModelLoadError, Refusal
 
 PoolingType = Literal["last", "mean", "cls"]
@@ -73,6 +78,30 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
+# sentence-transformers' message format by model type, before it reads the template (its
+# KNOWN_MODEL_TYPES_MESSAGE_FORMATS), and the template text that says structured content (its _infer_format)
+_ST_FLAT_MODEL_TYPES = ("apertus", "deepseek_v3", "gpt_oss", "minicpm3", "seed_oss")
+_ST_STRUCTURED_PATTERNS = ("content[0]", ".type", "'type'", '"type"', "item.type", "message.content[")
+# chat-template kwargs that size the tokenization rather than feed the template: the cut ones are refused
+# (this server refuses an input too long rather than cutting it), the others change no vector
+_ST_CUT_KWARGS = ("truncation", "max_length")
+_ST_SIZE_KWARGS = ("padding", "return_tensors", "restore_suffix")
+
+
+class ChatInput(msgspec.Struct, frozen=True, kw_only=True):
+    """How sentence-transformers 6 embeds a text for a folder with the `message` modality: the one user
+    message `message(text)` rendered by the chat template with `template_kwargs` (its saved
+    `processing_kwargs["chat_template"]`; no generation prompt unless they ask for one), the rendering
+    tokenized without special tokens (the template writes those it wants)."""
+
+    structured: bool  # the content as [{"type": "text", "text": ...}], else the text itself ("flat")
+    template_kwargs: dict[str, Any] = {}
+
+    def message(self, text: str) -> list[dict[str, Any]]:
+        content: Any = [{"type": "text", "text": text}] if self.structured else text
+        return [{"role": "user", "content": content}]
+
+
 class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How the pooling runner turns a prompt's final hidden states into its vector: an embedding, or a
     cross-encoder's (`kind` "classify") logit of the pair its input holds, the score after `activation`."""
@@ -88,6 +117,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the true token, less the false token's where there is one; its pair is rendered by the chat template
     # as a "query" and a "document" message (sentence-transformers 6's pair roles).
     logit_tokens: tuple[int, ...] = ()
+    chat: ChatInput | None = None  # an embedder's texts go through the chat template (the tokenizer renders)
 
     def score(self, logit: float) -> float:
         """A cross-encoder's score of its logit."""
@@ -145,6 +175,7 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
             matryoshka=matryoshka,
             source="--pooling",
             hidden_size=hidden,
+            chat=read_chat_input(model_dir),
         )
     if not modules:
         encoder = (raw_config.get("architectures") or [""])[0] in ENCODER_ARCHITECTURES
@@ -158,6 +189,7 @@ def read_pooler(model_dir: Path, raw_config: dict[str, Any], override: str = "")
         matryoshka=matryoshka,
         source="modules.json",
         hidden_size=hidden,
+        chat=read_chat_input(model_dir),
     )
 
 
@@ -170,6 +202,11 @@ def _cross_encoder(model_dir: Path, raw: dict[str, Any], override: str) -> Poole
         raise ModelLoadError(f"{where}: a cross-encoder scores with one label, this one has {labels}")
     if override:
         raise ModelLoadError(f"--pooling {override}: a cross-encoder's head reads its [CLS] token, as trained")
+    if read_chat_input(model_dir) is not None:
+        raise ModelLoadError(
+            f"{model_dir / 'sentence_bert_config.json'}: modality_config lists 'message' (sentence-transformers "
+            "renders each pair through the chat template), which this server does not run for a cross-encoder"
+        )
     return PoolerConfig(
         pooling="cls",
         normalize=False,
@@ -264,6 +301,49 @@ def _st_pooling(folder: Path) -> PoolingType:
             f"(got {', '.join(other + [k for k in _ST_MODES if config.get(k)]) or 'none'})"
         )
     return chosen[0]
+
+
+def read_chat_input(model_dir: Path) -> ChatInput | None:
+    """How a sentence-transformers folder (it has `modules.json`) embeds a text when its Transformer module
+    lists the `message` modality (sentence-transformers then turns every text into a message), else None;
+    ModelLoadError for what it cannot be embedded with."""
+    path = model_dir / "sentence_bert_config.json"  # sentence-transformers 6 saves the Transformer at the root
+    if not (model_dir / "modules.json").is_file() or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+        message = (config.get("modality_config") or {}).get("message")
+        kwargs = dict((config.get("processing_kwargs") or {}).get("chat_template") or {})
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: not a sentence-transformers Transformer config ({exc})") from None
+    if not isinstance(message, dict):
+        return None  # text only: saved before modality_config, or by a tokenizer without a chat template
+    template = read_chat_template(model_dir)
+    if template is None:
+        raise ModelLoadError(f"{path}: modality_config lists 'message', but the tokenizer has no chat template")
+    cut = [key for key in _ST_CUT_KWARGS if key in kwargs]
+    if cut:
+        raise ModelLoadError(
+            f"{path}: processing_kwargs.chat_template sets {', '.join(cut)}, which this server does not run"
+        )
+    structured = _st_structured(model_dir, str(message.get("format", "auto")), template)
+    return ChatInput(
+        structured=structured, template_kwargs={k: v for k, v in kwargs.items() if k not in _ST_SIZE_KWARGS}
+    )
+
+
+def _st_structured(model_dir: Path, message_format: str, template: str) -> bool:
+    """Whether sentence-transformers gives the message's content structured: as saved, else ("auto") as it
+    infers it from the model type and the template's text."""
+    if message_format in ("structured", "flat"):
+        return message_format == "structured"
+    if message_format != "auto":
+        raise ModelLoadError(f"{model_dir}: message format {message_format!r} is not structured, flat or auto")
+    config = model_dir / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type in _ST_FLAT_MODEL_TYPES:
+        return False
+    return any(pattern in template for pattern in _ST_STRUCTURED_PATTERNS)
 
 
 def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | bool:

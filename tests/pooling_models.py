@@ -167,3 +167,38 @@ def build_decoder_reranker(out_dir: Path) -> Path:
     ]
     CrossEncoder(modules=modules, device="cpu").save(str(out_dir))
     return out_dir
+
+
+def build_message_embedder(
+    out_dir: Path,
+    template: str,
+    *,
+    pooling: str = "mean",
+    chat_kwargs: dict[str, Any] | None = None,
+    decoder: bool = False,
+) -> Path:
+    """A random BERT encoder (`build_encoder`; `decoder`: a Qwen3, its words `w3..`, padded on the left) whose
+    tokenizer has the chat `template`, saved by sentence-transformers 6 itself: its Transformer module then
+    lists the `message` modality (and the message format it infers from the template) in
+    sentence_bert_config.json, so `encode` renders each text as a user message through the template;
+    `chat_kwargs`: its saved `processing_kwargs["chat_template"]`."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    base = out_dir.parent / f"{out_dir.name}-base"
+    if decoder:
+        build_tiny_model(base, "qwen3", with_tokenizer=True)
+    else:
+        build_encoder(base)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = template
+    if decoder:
+        tokenizer.pad_token, tokenizer.padding_side = "<unk>", "left"
+    tokenizer.save_pretrained(base)
+    processing = {"chat_template": chat_kwargs} if chat_kwargs else None
+    transformer = Transformer(str(base), processing_kwargs=processing)
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(out_dir))
+    return out_dir

@@ -6,6 +6,10 @@
   end to fit k (a first text that leaves it no room is a 400 naming `truncate_prompt_tokens`);
 - a decoder reranker's pair (a "query" and a "document" message, rendered by the chat template) cuts the
   document's end until the rendering fits k.
+An embedder whose sentence-transformers folder lists the `message` modality (`shared.pooling.ChatInput`)
+embeds a text as sentence-transformers does: one user message rendered by the chat template, tokenized
+without special tokens; k then cuts the text's start until the rendering fits (the template's tokens
+kept, as a plain text keeps its special tokens).
 """
 
 from __future__ import annotations
@@ -17,19 +21,23 @@ import msgspec
 
 from batchserve.shared.errors import Refusal
 from batchserve.shared.messages import GenerateRequest
+from batchserve.shared.pooling import ChatInput
 
 PromptIds = Callable[..., tuple[list[int], str]]  # `PromptTokenizer.prompt_ids`
 CHAT_CUT_ROUNDS = 4  # a cut text re-tokenizes to about as many tokens: a few rounds settle its length
 
 
 def pooling_ids(
-    tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, keep: int | None
+    tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, keep: int | None, chat: ChatInput | None = None
 ) -> tuple[list[int], str]:
-    """(ids, the field they came from) of a pooling request, at most `keep` tokens when given."""
+    """(ids, the field they came from) of a pooling request, at most `keep` tokens when given; `chat`: how
+    the model's folder says a text is embedded (None: as it is tokenized)."""
     if request.prompt_pair is not None:
         ids, field = _pair_ids(tokenizer, request.prompt or "", request.prompt_pair, keep), "prompt"
     elif request.messages is not None:
         ids, field = _chat_pair_ids(tokenizer, prompt_ids, request, keep), "messages"
+    elif chat is not None and request.prompt:
+        ids, field = _chat_text_ids(tokenizer, prompt_ids, request, chat, keep), "prompt"
     elif keep is not None and request.prompt:
         ids, field = _last_tokens(tokenizer, request.prompt, keep), "prompt"
     else:
@@ -82,3 +90,36 @@ def _chat_pair_ids(tokenizer: Any, prompt_ids: PromptIds, request: GenerateReque
         cut = msgspec.structs.replace(document, content=tokenizer.decode(document_ids))
         ids, _ = prompt_ids(msgspec.structs.replace(request, messages=[*others, cut]), add_generation_prompt=False)
     return ids  # still over: `pooling_ids` refuses it
+
+
+def _chat_text_ids(
+    tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, chat: ChatInput, keep: int | None
+) -> list[int]:
+    """A text as the user message `chat` renders, its start cut until the rendering fits `keep`."""
+    text = request.prompt or ""
+    ids = _rendered_ids(tokenizer, prompt_ids, request, chat, text)
+    if keep is None or len(ids) <= keep:
+        return ids
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    for _ in range(CHAT_CUT_ROUNDS):
+        over = len(ids) - keep
+        if over <= 0:
+            return ids
+        if over >= len(text_ids):
+            break
+        text_ids = text_ids[over:]
+        ids = _rendered_ids(tokenizer, prompt_ids, request, chat, tokenizer.decode(text_ids))
+    return ids  # still over: `pooling_ids` refuses it
+
+
+def _rendered_ids(
+    tokenizer: Any, prompt_ids: PromptIds, request: GenerateRequest, chat: ChatInput, text: str
+) -> list[int]:
+    """The ids of `text` rendered as `chat`'s message: as sentence-transformers' apply_chat_template
+    tokenizes it (no special tokens added), with the prompt's length checks (`prompt_ids`)."""
+    try:
+        rendered = tokenizer.apply_chat_template(chat.message(text), tokenize=False, **chat.template_kwargs)
+    except Exception as exc:  # jinja raises for what a template does not accept
+        raise Refusal(f"the chat template cannot render this input: {exc}", "prompt") from None
+    ids, _ = prompt_ids(msgspec.structs.replace(request, prompt=rendered), add_special_tokens=False)
+    return ids

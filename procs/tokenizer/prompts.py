@@ -35,9 +35,10 @@ from batchserve.procs.tokenizer.tools import offered_tools, template_inputs
 from batchserve.shared.chat_format import HARMONY_STOPS, THINK_CLOSE, ChatFormat
 from batchserve.shared.checks import check_prompt_chars, max_prompt_chars, max_token_chars
 from batchserve.shared.config import ServerConfig
-from batchserve.shared.errors import Refusal
+from batchserve.shared.errors import ModelLoadError, Refusal
 from batchserve.shared.messages import GenerateRequest, PoolingParams, StopParams, TokenizedRequest
 from batchserve.shared.model import ModelSpec
+from batchserve.shared.pooling import ChatInput, read_chat_input
 
 log = logging.getLogger("batchserve.tokenizer")
 PROMPT_THINK_WINDOW = 8  # Qwen3 with thinking off ends its prompt with "<think>\n\n</think>\n\n"
@@ -87,16 +88,30 @@ def settle_max_tokens(
     return given
 
 
+def _pooling_chat(spec: ModelSpec) -> ChatInput | None:
+    """How the folder's sentence-transformers config says a text is embedded (`shared.pooling`). A folder it
+    refuses is refused by the worker at start on the pooling runner; the generate runner never pools."""
+    try:
+        return read_chat_input(spec.model_dir)
+    except ModelLoadError:
+        return None
+
+
 class PromptTokenizer:
     """Chat template + tokenization + the length checks of the tokenizer process, and the compiled
     grammar of a structured-output request (`grammar_tokenizer` builds llguidance's view of the
     tokenizer, on first use; None: structured output is refused)."""
 
     def __init__(
-        self, tokenizer: Any, max_context: int, grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None
+        self,
+        tokenizer: Any,
+        max_context: int,
+        grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None,
+        pooling_chat: ChatInput | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.pooling_chat = pooling_chat  # an embedder's texts as its chat template renders them
         self.vocab_size = len(tokenizer)
         self.chat_format = ChatFormat.of(getattr(tokenizer, "chat_template", None))
         self._grammar_tokenizer = grammar_tokenizer
@@ -112,7 +127,10 @@ class PromptTokenizer:
     def of(cls, spec: ModelSpec, tokenizer: Any = None) -> PromptTokenizer:
         """For a model (`tokenizer`: its tokenizer, if already loaded)."""
         return cls(
-            spec.load_tokenizer() if tokenizer is None else tokenizer, spec.context_length, spec.grammar_tokenizer
+            spec.load_tokenizer() if tokenizer is None else tokenizer,
+            spec.context_length,
+            spec.grammar_tokenizer,
+            _pooling_chat(spec),
         )
 
     @classmethod
@@ -270,7 +288,9 @@ class PromptTokenizer:
         """A pooling request: its input's ids, cut to `truncate_prompt_tokens` as vLLM cuts them
         (`pooling_inputs`), at most the context; it generates nothing (max_tokens 0: its one sampled row is
         its vector, SCHEDULING.md section 11)."""
-        ids, field = pooling_ids(self.tokenizer, self.prompt_ids, request, pooling.truncate_prompt_tokens)
+        ids, field = pooling_ids(
+            self.tokenizer, self.prompt_ids, request, pooling.truncate_prompt_tokens, self.pooling_chat
+        )
         if not ids:
             raise Refusal(f"{field} must not be empty", field)
         if len(ids) > self.max_context:

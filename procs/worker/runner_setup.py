@@ -53,9 +53,10 @@ def pooler_rule(spec: ModelSpec, tp: TensorParallel, runner: str, pooling: str) 
         if tp.world_size > 1:  # (its heads run on rank 0 alone, outside the ranks' broadcast steps)
             raise ModelLoadError("the pooling runner runs with tensor_parallel_size 1")
         log.info(
-            "pooling runner: %s pooling%s (from %s)",
+            "pooling runner: %s pooling%s%s (from %s)",
             pooler.pooling,
             ", normalised" if pooler.normalize else "",
+            ", texts as a user message through the chat template" if pooler.chat is not None else "",
             pooler.source,
         )
     return pooler

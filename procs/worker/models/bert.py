@@ -51,7 +51,8 @@ class BertConfig(ModelConfig):
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     position_offset: int = 0  # a RoBERTa's positions start at padding_idx + 1
-    sep_token_id: int = -1  # the tokenizer's [SEP]: a pair's second text follows the first one (-1: none)
+    # a cross-encoder's [SEP]: a pair's second text follows the first one (-1: none, every token type 0)
+    sep_token_id: int = -1
 
 
 @dataclass
@@ -69,6 +70,9 @@ class BertModel:
     (`procs.worker.models.base`) whose `hidden_states` is all the pooling runner asks of it."""
 
     PREFIXES = ("bert.", "")  # where a checkpoint keeps the encoder's tensors
+    # An embedder's input is one text, all type 0 as the tokenizer gives it, whatever [SEP]s it holds (a chat
+    # template's rendering may hold several); only a cross-encoder's is a pair.
+    PAIRS = False
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any], spec: ModelSpec) -> BertConfig:
@@ -97,7 +101,7 @@ class BertModel:
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
             hidden_act=act,
             position_offset=cls.position_offset(raw),
-            sep_token_id=sep_token_id(spec),
+            sep_token_id=sep_token_id(spec) if cls.PAIRS else -1,
         )
 
     @staticmethod
@@ -200,8 +204,8 @@ class BertModel:
         return h
 
     def _token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each token's type embedding: 1 past its input's first [SEP] (a pair's second text), else 0. A row
-        starts where the positions do not run on from the token before (inputs are whole: from 0)."""
+        """Each token's type embedding: a cross-encoder's 1 past its input's first [SEP] (a pair's second text),
+        else 0. A row starts where the positions do not run on from the token before (inputs are whole: from 0)."""
         sep = self.config.sep_token_id
         if sep < 0 or self.token_types.shape[0] < 2:
             return self.token_types[0]
@@ -247,6 +251,8 @@ class XLMRobertaModel(BertModel):
 class BertForSequenceClassification(BertModel):
     """A BERT cross-encoder: the encoder (`bert.`), its pooler (dense, tanh) on [CLS], the classifier."""
 
+    PAIRS = True
+
     def _take_head(self, take: WeightTaker) -> None:
         self.pooler = take.column([(self.prefix + "pooler.dense", None)], True)
         self.classifier = take.column([("classifier", None)], True)
@@ -258,6 +264,8 @@ class BertForSequenceClassification(BertModel):
 
 class XLMRobertaForSequenceClassification(XLMRobertaModel):
     """A RoBERTa cross-encoder: the encoder (`roberta.`), then its classifier (dense, tanh, out_proj) on [CLS]."""
+
+    PAIRS = True
 
     def _take_head(self, take: WeightTaker) -> None:
         self.dense = take.column([("classifier.dense", None)], True)
