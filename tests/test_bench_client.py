@@ -189,11 +189,11 @@ def test_transformers_baseline_times_a_chunk_per_token_as_a_server_streams_it(tm
     out with the token that completes the character, as batchserve streams them (ITLs are measured
     between chunks)."""
     import torch
+    from conftest import write_byte_tokenizer
     from transformers import AutoTokenizer
 
     from batchserve.loadtests.client import RequestResult
     from batchserve.loadtests.hf_baseline import _Pending, _StepTimer
-    from tests.conftest import write_byte_tokenizer
 
     write_byte_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
