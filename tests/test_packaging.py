@@ -128,6 +128,10 @@ def test_the_wheel_serves_from_outside_the_checkout(fresh_venv: Path, tmp_path: 
         text=True,
     )
     assert where.startswith(str(fresh_venv)), where
+    # Hugging Face's `kernels` (transformers >= 5.25 imports it) and ours side by side
+    both = "import importlib.util as u, batchserve.kernels.native; s = u.find_spec('kernels'); print(s and s.origin)"
+    hf_kernels = subprocess.check_output([str(fresh_venv / "bin" / "python"), "-c", both], cwd=tmp_path, text=True)
+    assert "batchserve" not in hf_kernels, hf_kernels
     assert "--model" in _run(fresh_venv, tmp_path, "serve", "--help")
 
     model = tiny_model_dir("llama", with_tokenizer=True)
