@@ -86,7 +86,7 @@ def expected_seed(seed: int, j: int) -> int:
         ("completions", {"best_of": 4}, "best_of"),
         ("completions", {"prompt": [[1], "a"]}, "prompt[1]"),
         ("completions", {"prompt": ["a", ""]}, "prompt[1]"),
-        ("completions", {"prompt": [[1, 2], [3, -4]]}, "prompt[1]"),
+        ("completions", {"prompt": [[1, 2], [3, -4]]}, "prompt[1][1]"),  # refused while decoding: the element itself
         ("completions", {"prompt": [[1], []]}, "prompt[1]"),
     ],
 )

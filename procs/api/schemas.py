@@ -212,7 +212,7 @@ def _param_of(message: str) -> str | None:
         prefix = path.group(1) + "." if path and path.group(1) else ""
         return prefix + missing.group(1)
     if path and path.group(1):
-        return path.group(1)
+        return path.group(1).removesuffix("[...]")  # a dict's value: named by the dict
     key = _KEY_RE.search(message)
     return key.group(1) if key and key.group(1) else None
 
