@@ -536,7 +536,7 @@ BAD = [
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k": "v" * 513}}, "metadata"),
-    ({"metadata": {"k": 1}}, "metadata[...]"),  # msgspec names a value of a mapping so
+    ({"metadata": {"k": 1}}, "metadata"),  # a value of a mapping: named by the mapping
     ({"previous_response_id": "resp_missing"}, "previous_response_id"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"top_logprobs": 3}, "top_logprobs"),
