@@ -43,3 +43,13 @@ def test_request_schemas_carry_the_structs_ranges_and_the_served_name():
     assert chat["temperature"]["anyOf"][0]["maximum"] == 2.0
     completions = document["paths"]["/v1/completions"]["post"]
     assert set(completions["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+def test_the_document_is_open_where_api_keys_guard_the_api():
+    """As /health: a client reads the document before it has a key; /v1/ stays guarded."""
+
+    async def go():
+        async with TestClient(TestServer(create_app(FakeEngine(), ServerConfig(api_key="secret")))) as client:
+            return (await client.get("/openapi.json")).status, (await client.get("/v1/models")).status
+
+    assert asyncio.run(go()) == (200, 401)
