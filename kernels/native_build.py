@@ -55,6 +55,8 @@ SIGNATURES = {
     "apply_token_bitmask": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
     "f32_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]),
     "int8_linear": (None, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]),
+    "block_dequantize": (ctypes.c_int, [_i64, _ptr, _i64, _ptr]),
+    "block_linear": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr]),
     "decode_layers": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, *[_ptr] * 14]),
     "rms_norm_groups": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64]),
     "moe_block": (ctypes.c_int, [_ptr, _ptr, _i64, _i64, _ptr]),
