@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.kernels import native
-from batchserve.kernels.moe import NativeMoeBlock, ProjectionStruct, projection
+from batchserve.kernels.moe import NativeMoeBlock
 from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.kernels.projection import ProjectedWeight, ProjectionStruct, projection
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -93,13 +94,13 @@ class LayerTensors:
     """What one layer's fused call reads (the model's `LayerWeights`, and its pools): a dense MLP's
     projections, or (`moe`) a mixture of experts in the C kernel; q/k norm weights or None."""
 
-    qkv: PanelWeight
+    qkv: ProjectedWeight
     qkv_bias: torch.Tensor | None
-    o: PanelWeight
+    o: ProjectedWeight
     o_bias: torch.Tensor | None
-    gate_up: PanelWeight | None
+    gate_up: ProjectedWeight | None
     gate_up_bias: torch.Tensor | None
-    down: PanelWeight | None
+    down: ProjectedWeight | None
     down_bias: torch.Tensor | None
     moe: NativeMoeBlock | None
     q_norm: torch.Tensor | None
@@ -121,13 +122,14 @@ def _fp32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
 
 
 def _projection(
-    weight: PanelWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int, name: str
+    weight: ProjectedWeight | None, bias: torch.Tensor | None, in_features: int, out_features: int, name: str
 ) -> ProjectionStruct:
-    if weight is not None and (weight.packed.shape[1] != in_features or weight.out_features != out_features):
-        raise ValueError(
-            f"{name}: panels for [{weight.out_features}, {weight.packed.shape[1]}], "
-            f"expected [{out_features}, {in_features}]"
-        )
+    if weight is not None:
+        weight_in = weight.packed.shape[1] if isinstance(weight, PanelWeight) else weight.in_features
+        if weight_in != in_features or weight.out_features != out_features:
+            raise ValueError(
+                f"{name}: weights for [{weight.out_features}, {weight_in}], expected [{out_features}, {in_features}]"
+            )
     _fp32_vector(bias, out_features, f"{name} bias")
     return projection(weight, bias)
 

@@ -25,6 +25,7 @@ import torch
 from batchserve.kernels import native
 from batchserve.kernels.ops import silu_and_mul_torch
 from batchserve.kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
+from batchserve.kernels.projection import ProjectionStruct, projection
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,6 @@ def _expert_loop(rows: torch.Tensor, grouped: torch.Tensor, experts: Experts) ->
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class ProjectionStruct(ctypes.Structure):
-    _fields_ = [("packed", _ptr), ("scale", _ptr), ("bias", _ptr)]
-
-
 class _StackedProjection(ctypes.Structure):
     _fields_ = [
         ("packed", _ptr),
@@ -234,13 +231,6 @@ class _MoeBlock(ctypes.Structure):
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def projection(weight: PanelWeight | None, bias: torch.Tensor | None = None) -> ProjectionStruct:
-    """The C struct of a panel weight (None: an absent projection)."""
-    if weight is None:
-        return ProjectionStruct(None, None, None)
-    return ProjectionStruct(weight.packed.data_ptr(), _ptr_of(weight.scale), _ptr_of(bias))
 
 
 def _stacked(weight: StackedPanels, bias: torch.Tensor | None) -> _StackedProjection:

@@ -9,13 +9,17 @@ sums its squares and the C SiLU exponentiates in their own way, a few ulp apart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from batchserve.kernels import native
 from batchserve.kernels.panel_linear import PanelWeight, pack_panels
+from batchserve.kernels.quant_blocks import BlockParts, BlockWeight, fuse_blocks
 from batchserve.shared.config import QUANTIZATIONS
 
-LinearWeight = torch.Tensor | PanelWeight  # what `pack_linear_weight` returns and `linear` takes
+# what `pack_linear_weight` returns and `linear` takes: GGUF blocks (`kernels.quant_blocks`) stay as they came
+LinearWeight = torch.Tensor | PanelWeight | BlockWeight | BlockParts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,24 +88,36 @@ def onednn_linear_available() -> bool:
     )
 
 
-def pack_linear_weight(weight: torch.Tensor, quantization: str = "none") -> LinearWeight:
+def pack_linear_weight(weight: torch.Tensor | BlockWeight, quantization: str = "none") -> LinearWeight:
     """The form `linear` runs fastest from. On the CPU at fp32: the C kernel's panels
     (`kernels.panel_linear`; fp32, or int8 with `quantization="int8"`, which needs them). Without the C
     kernels, oneDNN's pre-reordered layout (1.5-2x MKL's sgemm behind `F.linear` for decode batches on
     this CPU). Elsewhere (CUDA, bf16) the plain weight is already the best form."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
+    if isinstance(weight, BlockWeight):
+        return weight
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-    if quantization == "int8" or (on_cpu_fp32 and native.available()):
+    if quantization == "int8" or (on_cpu_fp32 and native.available()):  # auto and none: panels of the fp32
         return pack_panels(weight, quantization)
     if on_cpu_fp32 and onednn_linear_available():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
 
 
+def pack_linear_parts(parts: Sequence[torch.Tensor | BlockWeight], quantization: str = "none") -> LinearWeight:
+    """Projections fused along the output features, packed: in their blocks where every part came in blocks
+    (`WeightTaker.linear_weight` keeps them only where they run), else de-quantized and packed as one tensor."""
+    blocks = [p for p in parts if isinstance(p, BlockWeight)]
+    if blocks and len(blocks) == len(parts):
+        return fuse_blocks(blocks)
+    tensors = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
+    return pack_linear_weight(torch.cat(tensors, dim=0), quantization)
+
+
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), for a weight from `pack_linear_weight`."""
-    if isinstance(weight, PanelWeight):
+    if isinstance(weight, PanelWeight | BlockWeight | BlockParts):
         return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

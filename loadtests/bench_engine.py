@@ -34,6 +34,7 @@ from batchserve.procs.worker.models import layers
 from batchserve.procs.worker.models.moe import SparseMoeBlock
 from batchserve.procs.worker.step_probe import GREEDY
 from batchserve.shared.config import DEFAULT_MODEL, QUANTIZATIONS
+from batchserve.shared.gguf_convert import transformers_source
 from batchserve.shared.messages import ForwardBatch, LogitsParams, RequestParams, SlotStart, StepResult
 from batchserve.shared.model import resolve_model
 
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
-        "--quantization", default="none", choices=QUANTIZATIONS, help="the engine's weights: none (fp32) or int8"
+        "--quantization", default="auto", choices=QUANTIZATIONS, help="the engine's weights: auto, none or int8"
     )
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--feature-batches", default="1,32", help="batch sizes for the logits-feature costs")
@@ -475,13 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        source, kwargs = transformers_source(model_dir)
+        reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).eval()
     rng = np.random.default_rng(0)
 
     def prompts_for(b: int, n: int) -> list[list[int]]:
         return rng.integers(100, runner.vocab_size, size=(b, n)).tolist()
 
-    weights = "fp32" if args.quantization == "none" else args.quantization
+    weights = "fp32" if args.quantization in ("auto", "none") else args.quantization
     print(
         f"model {args.model} ({model_dir}), {weights} weights, CPU, torch threads {torch.get_num_threads()}, "
         f"prompt {args.prompt_len} tokens, {args.decode_steps} decode steps"

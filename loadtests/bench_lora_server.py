@@ -18,6 +18,7 @@ from batchserve.loadtests.bench import bench_once
 from batchserve.loadtests.bench_lora import PROJECTIONS
 from batchserve.loadtests.server_process import DEFAULT_SERVE_COMMAND, ServerProcess
 from batchserve.shared.config import DEFAULT_MODEL
+from batchserve.shared.gguf_convert import transformers_source
 from batchserve.shared.model import resolve_model
 
 
@@ -29,7 +30,8 @@ def make_adapters(out_dir: Path, count: int, rank: int) -> list[Path]:
     folders = []
     for i in range(count):
         torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL), dtype=torch.float32)
+        source, kwargs = transformers_source(resolve_model(DEFAULT_MODEL))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
         peft = get_peft_model(
             model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False)
         )

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="the engine's weights")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="the engine's weights")
     parser.add_argument(
         "--implementations",
         default=",".join(EXPERTS_IMPLEMENTATIONS),

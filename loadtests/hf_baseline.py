@@ -24,6 +24,7 @@ from typing import Any
 from batchserve.loadtests.client import Endpoint, RequestResult
 from batchserve.loadtests.workload import RequestSpec
 from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
+from batchserve.shared.gguf_convert import transformers_source
 
 
 @dataclass
@@ -98,7 +99,8 @@ class TransformersStaticBatcher:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
+        source, kwargs = transformers_source(Path(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(self.device).eval()
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="hf-static-batcher", daemon=True)
         self._thread.start()

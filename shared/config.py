@@ -74,11 +74,11 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = "auto"
     quantization: Annotated[
         Quantization,
-        _doc("""Weights of the linear layers and the LM head: none (as dtype),
-        or int8 (CPU, float32 only: weights rounded to int8 per output channel, fp32 arithmetic: a quarter
-        of the weight bytes a decode step reads, for a small loss of accuracy; see
-        docs/performance.md)."""),
-    ] = "none"
+        _doc("""Weights of the linear layers and the LM head: none (as the checkpoint has them: a
+        GGUF file's quantized blocks on the CPU, docs/models.md), auto (none, but a GGUF file whose fp32
+        weights fit in a quarter of the free memory is de-quantized: faster prefill today), or int8 (CPU,
+        float32 only: weights rounded to int8 per output channel, fp32 arithmetic; docs/performance.md)."""),
+    ] = "auto"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = (
         "auto"
     )
@@ -235,10 +235,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = ""
     draft_quantization: Annotated[
         Quantization,
-        _doc("""Weights of the draft model: none, or int8 (as
-        quantization; int8 of the served model itself is a draft that agrees with it on most tokens at a
-        quarter of its weight bytes)."""),
-    ] = "none"
+        _doc("""Weights of the draft model: auto, none or int8 (as quantization; int8 of the served
+        model itself is a draft that agrees with it on most tokens at a quarter of its weight bytes)."""),
+    ] = "auto"
     ngram_min: Annotated[int, _doc("Shortest match (in tokens) that prompt lookup proposes from.")] = NGRAM_MIN
     ngram_max: Annotated[int, _doc("Longest match (in tokens) that prompt lookup tries first.")] = NGRAM_MAX
     step_timeout_s: Annotated[

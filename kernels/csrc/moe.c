@@ -18,7 +18,7 @@ void silu_and_mul(const float *gate_up, int64_t rows, int64_t stride, int64_t ha
 
 static Projection expert(const StackedProjection *s, int64_t e) {
     Projection p = {(const char *)s->packed + e * s->packed_stride, s->scale ? s->scale + e * s->scale_stride : NULL,
-                    s->bias ? s->bias + e * s->bias_stride : NULL};
+                    s->bias ? s->bias + e * s->bias_stride : NULL, 0, NULL, 0};
     return p;
 }
 

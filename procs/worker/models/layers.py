@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from batchserve.kernels.ops import GATED_ACTIVATIONS, LinearWeight, linear, pack_linear_weight
+from batchserve.kernels.ops import GATED_ACTIVATIONS, LinearWeight, linear, pack_linear_parts, pack_linear_weight
+from batchserve.kernels.quant_blocks import BlockWeight
 from batchserve.procs.worker.parallel import TensorParallel
 
 
@@ -43,8 +44,10 @@ class _Linear:
 class ColumnParallelLinear(_Linear):
     """The projections `parts` [out_i / ranks, in] (with `biases`) fused along the output features."""
 
-    def __init__(self, parts: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, quantization: str):
-        self.weight = pack_linear_weight(torch.cat(list(parts), dim=0), quantization)
+    def __init__(
+        self, parts: Sequence[torch.Tensor | BlockWeight], biases: Sequence[torch.Tensor] | None, quantization: str
+    ):
+        self.weight = pack_linear_parts(parts, quantization)
         self.bias = None if biases is None else torch.cat(list(biases), dim=0)
 
 
@@ -55,7 +58,7 @@ class RowParallelLinear(_Linear):
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | BlockWeight,
         bias: torch.Tensor | None,
         quantization: str,
         tp: TensorParallel,
@@ -94,25 +97,28 @@ class GatedMLP:
 class VocabParallelEmbedding:
     """Token ids -> rows of the embedding table, from this rank's rows [start, start + rows) of it."""
 
-    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel):
+    def __init__(self, weight: torch.Tensor | BlockWeight, start: int, tp: TensorParallel):
         self.weight = weight
         self.start = start
         self.tp = tp
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self.weight[ids]
+            return self._rows(ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = self.weight[local.clamp(0, self.weight.shape[0] - 1)] * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(rows)
+        rows = self._rows(local.clamp(0, self.weight.shape[0] - 1))
+        return self.tp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids) if isinstance(self.weight, BlockWeight) else self.weight[ids]
 
 
 class ParallelLMHead:
     """Hidden rows -> float32 logits over the vocabulary, from this rank's rows [vocab shard, hidden] of
     the weight (the embedding table where the model ties them: a packed copy where packing applies)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, quantization: str, tp: TensorParallel):
+    def __init__(self, weight: torch.Tensor | BlockWeight, vocab_size: int, quantization: str, tp: TensorParallel):
         self.weight = pack_linear_weight(weight, quantization)
         self.vocab_size = vocab_size
         self.tp = tp

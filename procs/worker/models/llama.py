@@ -144,7 +144,7 @@ class LlamaModel:
         vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
         vocab = slice(vocab_start, vocab_start + vocab_rows)
         self.embed = VocabParallelEmbedding(
-            take("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows), vocab_start, tp
+            take.linear_weight("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows), vocab_start, tp
         )
         sparse = set(config.moe.sparse_layers) if config.moe else set()
         self.intermediate = (
@@ -172,7 +172,7 @@ class LlamaModel:
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             return ParallelLMHead(self.embed.weight, config.vocab_size, quantization, tp)
-        lm_head = take("lm_head.weight", rows=vocab, pad_rows=vocab_rows)
+        lm_head = take.linear_weight("lm_head.weight", rows=vocab, pad_rows=vocab_rows)
         return ParallelLMHead(lm_head, config.vocab_size, quantization, tp)
 
     def _ropes(

@@ -15,6 +15,8 @@ from batchserve.kernels import native
 from batchserve.kernels.attention import AttentionBackend
 from batchserve.kernels.decode_layers import DecodeLayers, LayerTensors, LoraPair
 from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.kernels.projection import ProjectedWeight
+from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
 from batchserve.kernels.rope import RotaryTables
 from batchserve.procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
 from batchserve.procs.worker.models.moe import SparseMoeBlock
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 def fuses_decode_layers(
     config: LlamaConfig, rope: RotaryTables, tp: TensorParallel, layers: list[LayerWeights]
 ) -> bool:
-    """Whether the fused call can run this model's layers: panel weights, MoE blocks in the C kernel, one
+    """Whether the fused call can run this model's layers: panel or block weights, MoE blocks in C, one
     rank (the call has no all-reduce between layers), every dim of a head rotating, and none of the
     switches the call does not compute (GELU, sandwich norms, soft-capping, sinks, the sliding layers' own
     rope, an output gate, linear layers)."""
@@ -105,11 +107,11 @@ def _layer_tensors(
     )
 
 
-def _panels(projection: ColumnParallelLinear | RowParallelLinear | None) -> PanelWeight | None:
+def _panels(projection: ColumnParallelLinear | RowParallelLinear | None) -> ProjectedWeight | None:
     """A projection's weight as the fused call reads it (None: no projection)."""
     if projection is None:
         return None
-    assert isinstance(projection.weight, PanelWeight)  # `_in_c`: every projection of the call is in panels
+    assert isinstance(projection.weight, IN_C)  # `_in_c`: every projection of the call is in panels or blocks
     return projection.weight
 
 
@@ -121,12 +123,15 @@ def _lora_pair(projection: Any) -> LoraPair | None:
     return None if stack is None else LoraPair(*stack)
 
 
+IN_C = (PanelWeight, BlockWeight, BlockParts)  # the weights the fused call's projections read
+
+
 def _in_c(layer: LayerWeights) -> bool:
-    """Whether the fused decode call can run this layer: panel projections, an MoE block in the C kernel."""
+    """Whether the fused decode call can run this layer: panel or block projections, an MoE block in C."""
     projections = [layer.qkv, layer.o]
     if isinstance(layer.mlp, SparseMoeBlock):
         if layer.mlp.native is None:
             return False
     else:
         projections += [layer.mlp.gate_up, layer.mlp.down]
-    return all(isinstance(p.weight, PanelWeight) for p in projections)
+    return all(isinstance(p.weight, IN_C) for p in projections)

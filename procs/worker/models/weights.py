@@ -1,6 +1,7 @@
 """`WeightTaker`: how a model takes its tensors from a checkpoint. Each tensor is taken once (what is left
 over at the end is an error the model raises), read only as far as this rank's share of it, converted to
-the model's dtype and device, and checked for its shape, naming it when it is missing or misshapen."""
+the model's dtype and device, and checked for its shape, naming it when it is missing or misshapen. A linear
+layer's weight kept in GGUF blocks (`procs.worker.gguf_tensors`) stays in them where the CPU kernels take it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from batchserve.kernels import native
+from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.procs.worker.gguf_tensors import BlockTensor
 from batchserve.procs.worker.models.base import Weight
 from batchserve.procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
 from batchserve.procs.worker.parallel import TensorParallel
@@ -24,6 +28,9 @@ class WeightTaker:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
+        # blocks run where the C kernels do (fp32 on the CPU) and nothing asked for another form
+        self.keeps_blocks = quantization == "none" and device.type == "cpu" and dtype == torch.float32
+        self.keeps_blocks = self.keeps_blocks and native.available()
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -71,12 +78,27 @@ class WeightTaker:
         del self.weights[name]
         return [weight[index].to(device=self.device, dtype=dtype or self.dtype).contiguous() for index in indices]
 
+    def linear_weight(
+        self, name: str, *, rows: slice | None = None, cols: slice | None = None, pad_rows: int = 0
+    ) -> torch.Tensor | BlockWeight:
+        """`self(name, ...)`, or the same share in its GGUF blocks where they are kept and a tensor-parallel
+        rank's columns start and end on block boundaries (padding rows of zero bytes are zeros in every type)."""
+        weight = self._get(name)
+        if not (self.keeps_blocks and isinstance(weight, BlockTensor) and weight.splits_at(cols)):
+            return self(name, rows=rows, cols=cols, pad_rows=pad_rows)
+        del self.weights[name]
+        blocks = weight.blocks(rows, cols)
+        if blocks.out_features < pad_rows:
+            padding = blocks.data.new_zeros((pad_rows - blocks.out_features, blocks.data.shape[1]))
+            blocks = BlockWeight(torch.cat((blocks.data, padding)), blocks.kind)
+        return blocks
+
     def column(self, projections: Sequence[tuple[str, slice | None]], bias: bool) -> ColumnParallelLinear:
         """The named projections' output `rows` (None: all of them) (`<name>.weight`, and `<name>.bias`
         with `bias`), fused along the output."""
         biases = [self(name + ".bias", rows=rows) for name, rows in projections] if bias else None
         return ColumnParallelLinear(
-            [self(name + ".weight", rows=rows) for name, rows in projections], biases, self.quantization
+            [self.linear_weight(name + ".weight", rows=rows) for name, rows in projections], biases, self.quantization
         )
 
     def row(
@@ -85,7 +107,7 @@ class WeightTaker:
         """The projection's input `cols` (None: all of them), and its whole bias with `bias`; `reduce`:
         summed over the ranks."""
         return RowParallelLinear(
-            self(projection + ".weight", cols=cols),
+            self.linear_weight(projection + ".weight", cols=cols),
             self(projection + ".bias") if bias else None,
             self.quantization,
             tp,

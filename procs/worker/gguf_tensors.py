@@ -1,0 +1,119 @@
+"""The weights a GGUF file keeps in quantized blocks, read from the file where it lies (`shared.gguf_convert`
+lists them in the converted folder's manifest): each a `BlockTensor`, a view of the `mmap`ed file.
+
+A linear layer takes its share as a `kernels.quant_blocks.BlockWeight` (no copy for a whole tensor, so
+the worker's resident memory is about the file's size); everything else that reads one (a layer on
+CUDA, `--quantization int8`, an architecture's own processing) indexes it like a safetensors slice and
+gets fp32 values, de-quantized by the C kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchserve.kernels import native
+from batchserve.kernels.quant_blocks import BLOCK_TYPES, BlockType, BlockWeight, dequantize_blocks
+from batchserve.shared.errors import ModelLoadError
+from batchserve.shared.gguf_convert import MANIFEST
+
+
+class BlockTensor:
+    """A 2-D GGUF tensor [rows, columns] in its blocks: data uint8 [rows, row_bytes]."""
+
+    def __init__(self, data: torch.Tensor, kind: BlockType):
+        self.data = data
+        self.kind = kind
+
+    def get_shape(self) -> list[int]:
+        return [self.data.shape[0], self.data.shape[1] // self.kind.block_bytes * self.kind.block]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.get_shape())
+
+    def splits_at(self, cols: slice | None) -> bool:
+        """Whether `cols` (None: all) start and stop on block boundaries."""
+        start, stop, _ = (cols or slice(None)).indices(self.get_shape()[1])
+        return start % self.kind.block == 0 and stop % self.kind.block == 0
+
+    def blocks(self, rows: slice | None = None, cols: slice | None = None) -> BlockWeight:
+        """`rows` (all of its columns) or `cols` (of every row; on block boundaries) as a linear layer's weight."""
+        weight = BlockWeight(self.data, self.kind)
+        if rows is not None:
+            weight = weight.take_rows(rows)
+        if cols is not None:
+            start, stop, _ = cols.indices(self.get_shape()[1])
+            weight = weight.take_columns(start, stop)
+        return weight
+
+    def as_fp32(self) -> Fp32View:
+        """This tensor as fp32 to whatever takes it (a loader that keeps no blocks)."""
+        return Fp32View(self)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """fp32 values of `index` (rows, or (rows, columns)), as a safetensors slice reads them."""
+        rows, *rest = index if isinstance(index, tuple) else (index,)
+        values = _dequantize(self.data[rows].contiguous(), self.kind)
+        return values[(slice(None), *rest)] if rest else values
+
+
+class Fp32View:
+    """A `BlockTensor` read as a safetensors slice of fp32 values (not kept in blocks by `WeightTaker`)."""
+
+    def __init__(self, blocks: BlockTensor):
+        self.blocks = blocks
+
+    def get_shape(self) -> list[int]:
+        return self.blocks.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.blocks[index]
+
+
+def block_fp32_bytes(model_dir: Path) -> int:
+    """The bytes the folder's block weights take de-quantized to fp32 (0: no GGUF blocks)."""
+    if not has_block_tensors(model_dir):
+        return 0
+    return int(json.loads((model_dir / MANIFEST).read_text()).get("fp32_bytes", 0))
+
+
+def _dequantize(data: torch.Tensor, kind: BlockType) -> torch.Tensor:
+    """The C kernels' de-quantization, or gguf-py's (the same values, slower) where they are not built."""
+    if native.available():
+        return dequantize_blocks(data, kind)
+    from gguf import GGMLQuantizationType, dequantize
+
+    return torch.from_numpy(dequantize(data.numpy(), GGMLQuantizationType(kind.id)))
+
+
+def _undo_rope_interleave(data: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q / k rows back in Hugging Face's order (transformers' `_reverse_permute_weights`)."""
+    rows, width = data.shape
+    return data.reshape(heads, rows // heads // 2, 2, width).transpose(1, 2).reshape(rows, width).contiguous()
+
+
+def has_block_tensors(model_dir: Path) -> bool:
+    return (model_dir / MANIFEST).is_file()
+
+
+def iter_block_tensors(model_dir: Path) -> Iterator[tuple[str, BlockTensor]]:
+    """(Hugging Face name, BlockTensor) for every tensor the folder's manifest keeps in the GGUF file."""
+    from gguf import GGUFReader
+
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    path = Path(manifest["file"])
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} reads its weights from {path}, which is gone: delete {model_dir} to redo it")
+    # copy-on-write: torch wants a writable array, and the pages stay the file's (nothing writes them)
+    by_name = {t.name: t for t in GGUFReader(str(path), "c").tensors}
+    for hf_name, entry in manifest["tensors"].items():
+        tensor = by_name[entry["name"]]
+        data = torch.from_numpy(tensor.data)
+        if entry["heads"]:
+            data = _undo_rope_interleave(data, entry["heads"])
+        yield hf_name, BlockTensor(data, BLOCK_TYPES[tensor.tensor_type.name])

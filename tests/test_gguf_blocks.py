@@ -1,0 +1,172 @@
+"""GGUF files served in their blocks (`shared.gguf_convert`, `procs.worker.gguf_tensors`,
+`kernels.quant_blocks`): tiny Llama models written as GGUF files of each block type (and a Q4_K_M-like mix)
+keep their 2-D weights in the file's blocks, and their greedy tokens are the de-quantized model's
+(transformers reading the same file) wherever that model's top two logits are further apart than the
+kernels' activation rounding can move them (each step teacher-forced)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gguf_files import write_llama_gguf
+from model_batches import generate_greedy
+
+from batchserve.kernels import native
+from batchserve.kernels.panel_linear import PanelWeight
+from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
+from batchserve.procs.worker import loader
+from batchserve.procs.worker.gguf_tensors import block_fp32_bytes
+from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.shared import gguf_convert
+from batchserve.shared.gguf_convert import MANIFEST
+from batchserve.shared.model import ModelLoadError, resolve_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
+
+# weights of a trained model's scale (the tests' usual 0.2 makes a random model's logits swing on any rounding)
+TINY = dict(
+    arch="llama",
+    with_tokenizer="bytes",
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    initializer_range=0.05,
+)
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
+NEW_TOKENS = 8
+# The activations' rounding to int8 (0.5-0.8 % of a layer's output) moves these models' logits (std ~0.8) by
+# up to ~0.07 (measured); a step whose reference top two are closer than twice that may pick either.
+MARGIN = 0.15
+
+
+def q4_k_m(name: str) -> str:
+    """llama-quantize's Q4_K_M choice, roughly: Q6_K for v, down and the embeddings, Q4_K elsewhere."""
+    return "Q6_K" if any(part in name for part in ("attn_v", "ffn_down", "token_embd", "output.")) else "Q4_K"
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (37, 5, 50)]
+
+
+def _reference(gguf, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens on the de-quantized file, with each step's top-2 margin."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            result = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            top2 = [s[0].topk(2).values for s in result.scores]
+            out.append((result.sequences[0, len(prompt) :].tolist(), [float(t[0] - t[1]) for t in top2]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir):
+    return tiny_model_dir(**TINY)
+
+
+@pytest.mark.parametrize("block_type", [*TYPES, "Q4_K_M"])
+def test_greedy_tokens_are_the_dequantized_models(block_type, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", q4_k_m if block_type == "Q4_K_M" else block_type)
+    runner = ModelRunner(resolve_model(gguf), device="cpu", page_size=4, kv_capacity_tokens=1024, quantization="none")
+    layer = runner.model.layers[0]
+    assert isinstance(layer.qkv.weight, BlockParts if block_type == "Q4_K_M" else BlockWeight)
+    assert isinstance(layer.mlp.down.weight, BlockWeight) and isinstance(runner.model.embed.weight, BlockWeight)
+    assert runner.model.fuse_decode_layers  # decode steps in the one C call, on the blocks
+    prompts = _prompts()
+    # teacher-forced: each reference step's prefix as a prompt of its own, so one close call does not end the run
+    steps = [
+        (p + tokens[:i], tokens[i], margins[i])
+        for p, (tokens, margins) in zip(prompts, _reference(gguf, prompts))
+        for i in range(NEW_TOKENS)
+    ]
+    got = generate_greedy(runner, [prefix for prefix, _, _ in steps], 1, chunk=16, arrival_gap=1)
+    decided = [(g[0], token) for g, (_, token, margin) in zip(got, steps) if margin > MARGIN]
+    assert all(ours == theirs for ours, theirs in decided), decided
+    assert len(decided) >= len(steps) // 3, len(decided)  # enough steps were decided to tell
+
+
+def test_the_converted_folder_keeps_the_weights_in_the_file(tiny_llama, tmp_path, monkeypatch):
+    """Only the norms are written out; the 2-D weights are read from the GGUF file where it lies."""
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
+    converted = resolve_model(gguf)
+    manifest = json.loads((converted / MANIFEST).read_text())
+    assert manifest["file"] == str(gguf.resolve())
+    assert manifest["tensors"]["model.layers.1.self_attn.q_proj.weight"] == {"name": "blk.1.attn_q.weight", "heads": 4}
+    assert manifest["tensors"]["model.layers.1.self_attn.k_proj.weight"]["heads"] == 2
+    assert (converted / "model.safetensors").stat().st_size < 16_000  # 5 norms of 256 floats
+
+
+def test_a_file_whose_fp32_tensors_would_not_fit_is_refused_saying_the_size(tiny_llama, tmp_path, monkeypatch):
+    """What stays in blocks needs no memory of its own; what is de-quantized must fit what is free."""
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_convert, "available_bytes", lambda: 100_000)  # the norms' 5 KB fit, fp32 weights don't
+    resolve_model(write_llama_gguf(tiny_llama, tmp_path / "q8.gguf", "Q8_0"))
+    with pytest.raises(ModelLoadError, match=r"f32\.gguf: its F32 tensors de-quantize to 0\.0 GB of fp32, more than"):
+        resolve_model(write_llama_gguf(tiny_llama, tmp_path / "f32.gguf", "F32"))
+
+
+def test_a_gguf_file_gone_after_conversion_is_named(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
+    converted = resolve_model(gguf)
+    gguf.rename(tmp_path / "moved.gguf")
+    with pytest.raises(ModelLoadError, match=r"reads its weights from .*tiny\.gguf, which is gone: delete"):
+        ModelRunner(converted, device="cpu", page_size=4, kv_capacity_tokens=1024, quantization="none")
+
+
+def test_tensor_parallel_ranks_split_the_blocks_and_give_tp1s_logits(tiny_llama, tmp_path, monkeypatch):
+    """Two ranks: column layers take their rows of blocks, row layers their columns on block boundaries
+    (each rank rounds its blocks of the input as one rank does), summed by the all-reduce."""
+    from test_tensor_parallel import ENGINE, step_batches, step_logits
+
+    from batchserve.procs.engine import OfflineEngine
+    from batchserve.shared.config import ServerConfig
+
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    converted = resolve_model(write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0"))
+    tp2 = OfflineEngine(ServerConfig(model=str(converted), tensor_parallel_size=2, quantization="none", **ENGINE))
+    try:
+        with tp2.direct_runner() as runner:
+            o = runner.model.layers[0].o.weight
+            assert isinstance(o, BlockWeight) and (o.out_features, o.in_features) == (256, 128)
+            got = step_logits(runner, step_batches(runner.vocab_size, runner.page_size))
+    finally:
+        tp2.close()
+    tp1 = ModelRunner(
+        converted, device="cpu", page_size=ENGINE["page_size"], kv_capacity_tokens=512, quantization="none"
+    )
+    want = step_logits(tp1, step_batches(tp1.vocab_size, tp1.page_size))
+    # the ranks' partial sums round differently from one rank's sum (~1e-7), which may move an activation
+    # across an int16 rounding step (1/32767 of its block's largest) in the next layer: up to ~2e-4 measured
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() <= 1e-3
+
+
+def test_auto_keeps_the_blocks_only_where_the_fp32_weights_would_crowd_the_memory(tiny_llama, tmp_path, monkeypatch):
+    """--quantization auto (the default): a file whose fp32 weights fit in a quarter of the free memory is
+    de-quantized at load (the fp32 panels prefill faster today); a larger one stays in its blocks."""
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    converted = resolve_model(write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q4_0"))
+    fits = ModelRunner(converted, device="cpu", page_size=4, kv_capacity_tokens=256)
+    assert isinstance(fits.model.layers[0].qkv.weight, PanelWeight)
+    monkeypatch.setattr(loader, "available_bytes", lambda: 4 * block_fp32_bytes(converted) - 1)
+    crowded = ModelRunner(converted, device="cpu", page_size=4, kv_capacity_tokens=256)
+    assert isinstance(crowded.model.layers[0].qkv.weight, BlockWeight)
