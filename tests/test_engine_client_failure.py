@@ -84,3 +84,43 @@ def test_a_dead_backend_fails_requests_in_flight_and_a_restart_clears_it(tmp_pat
         worker.wait()
         to_api.close()
         ctx.destroy(linger=0)
+
+
+def test_a_backend_silent_for_seconds_fails_requests_and_serving_resumes_with_its_heartbeats(tmp_path):
+    """A machine starved of CPU can stall a live process past the heartbeat limit (seen: a test server's
+    worker at start, under load 5 on 2 cores): that fails the requests in flight, but once its heartbeats
+    come back the server serves again; it does not answer 503 for ever."""
+    endpoints = Endpoints.in_dir(tmp_path)
+    ctx = zmq.Context()
+    to_api: Sender = Sender(ctx, endpoints.api)
+    pids = {name: os.getpid() for name in BACKEND_PROCESSES}
+
+    def beat() -> None:
+        for name, pid in pids.items():
+            to_api.send(Heartbeat(process=name, pid=pid, ready=True, host=socket.gethostname()))
+
+    async def go():
+        client = ZmqEngineClient(endpoints, "m", 64)
+        await client.start()
+        try:
+            beat()
+            await asyncio.sleep(0.3)
+            assert client.health_problem() is None
+            events = client.generate(GenerateRequest(rid="r1", prompt="hi"))
+            pending = asyncio.ensure_future(events.__anext__())
+            event = await asyncio.wait_for(pending, 8)  # no heartbeat from anyone past the limit
+            assert isinstance(event, RequestRejected) and "sent no heartbeat" in event.message
+            assert client.health_problem() is not None
+            deadline = time.monotonic() + 5
+            while client.health_problem() is not None:
+                assert time.monotonic() < deadline
+                beat()
+                await asyncio.sleep(0.2)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        to_api.close()
+        ctx.destroy(linger=0)

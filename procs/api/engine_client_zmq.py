@@ -11,7 +11,8 @@ Failure: a watch task looks at the backend processes every `WATCH_INTERVAL_S`. A
 ready and then dies (its pid is gone, checked where it runs on this host), stops sending heartbeats,
 or is reported stalled by the scheduler (`BackendFailure`) puts the client in a failed state: every
 request in flight ends at once with a 503 `RequestRejected` naming the cause, and new requests are
-refused, until every backend process has been restarted (new pids, ready again). The api process
+refused, until every backend process has been restarted (new pids, ready again), or, one that had only
+gone silent and still runs, sends heartbeats again. The api process
 does the same to whatever is still running when its drain times out (`fail_all`).
 
 The backend processes are the tokenizer, scheduler, detokenizer and this machine's worker ranks
@@ -85,15 +86,19 @@ class ZmqEngineClient:
         backends: tuple[str, ...] = BACKEND_PROCESSES,
         *,
         max_prompt_chars: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.backends = backends
         self.model_name = model_name
         self.max_context = max_context
         self.max_prompt_chars = max_prompt_chars  # shared.checks.max_prompt_chars of the model
+        self.vocab_size = vocab_size  # ids below it are surely in the vocabulary (the OpenAPI document's bound)
         self.draining = False
         self.failure: str | None = None  # why the backend cannot serve; None: it can (or is starting)
         self._failed_pids: dict[str, int] = {}  # the processes to be restarted before the failure clears
+        # failed by silence alone (alive, no heartbeat): back when their heartbeats are (a starved machine)
+        self._stalled: set[str] = set()
         self._streams: dict[str, asyncio.Queue[Any]] = {}  # rid -> its events (or its one answer)
         self._heartbeats: dict[str, _Beat] = {}
         self._host = socket.gethostname()
@@ -141,6 +146,7 @@ class ZmqEngineClient:
                     self._stats_listener(message)
                 elif isinstance(message, BackendFailure):
                     # The scheduler exits after reporting: both it and the process it names restart.
+                    self._stalled.discard(message.process)
                     self._fail(
                         f"the {message.process} process stopped making progress: {message.reason}",
                         (message.process, "scheduler"),
@@ -162,11 +168,12 @@ class ZmqEngineClient:
             if (
                 not lost
                 and self.backends_ready()
-                and all(self._heartbeats[name].pid != pid for name, pid in self._failed_pids.items())
+                and all(self._back(name, pid) for name, pid in self._failed_pids.items())
             ):
                 log.warning("every backend process is ready again; serving", extra={"fields": {"after": self.failure}})
                 self.failure = None
                 self._failed_pids = {}
+                self._stalled = set()
 
     def _lost_backends(self) -> list[tuple[str, tuple[str, ...]]]:
         """The backend processes that were ready and are gone: (why, (its name,)) each."""
@@ -179,6 +186,7 @@ class ZmqEngineClient:
             if beat.local and pid_gone(beat.pid):
                 lost.append((f"the {name} process (pid {beat.pid}) exited", (name,)))
             elif now - beat.at > HEARTBEAT_STALE_S:
+                self._stalled.add(name)
                 lost.append(
                     (
                         f"the {name} process (pid {beat.pid}) sent no heartbeat for {now - beat.at:.1f} s "
@@ -187,6 +195,16 @@ class ZmqEngineClient:
                     )
                 )
         return lost
+
+    def _back(self, name: str, failed_pid: int) -> bool:
+        """Whether a failed backend process serves again: restarted (another pid), or, where it had only gone
+        silent (a machine starved of CPU stalls a process for seconds), alive and sending heartbeats again. A
+        process that exited, or that its peers reported stuck (`BackendFailure`), must be restarted."""
+        beat = self._heartbeats[name]
+        if beat.pid != failed_pid:
+            return True
+        alive = not (beat.local and pid_gone(beat.pid))
+        return name in self._stalled and alive and time.monotonic() - beat.at <= HEARTBEAT_STALE_S
 
     def _fail(self, reason: str, processes: tuple[str, ...]) -> None:
         if self.failure is None:
