@@ -31,6 +31,17 @@ class ServerStartError(RuntimeError):
 # Ports a started server may take from its own on: its replicas' and its router's (`--data-parallel-size`,
 # `--router`: shared.parallel.replica_port), free when it starts.
 SERVER_PORT_SPAN = 16
+PROBE_TIMEOUT_S = 2.0  # for each readiness request
+
+
+def _probe_failure(exc: BaseException) -> str:
+    """What a failed readiness request met, in words."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code}"
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, TimeoutError):
+        return f"no answer within {PROBE_TIMEOUT_S:g} s (the port accepts connections; nothing answers)"
+    return f"{type(reason).__name__}: {reason}"
 
 
 class ServerProcess:
@@ -56,6 +67,10 @@ class ServerProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self._group_killed = False
+        # why the last readiness probe failed ("" while none has): said when the server is not ready in time,
+        # since a refused connection (nothing listens yet), a 503 (still starting) and a read timeout
+        # (something accepts the connection but answers nothing) are three different stories
+        self.not_ready = ""
 
     @property
     def base_url(self) -> str:
@@ -92,8 +107,9 @@ class ServerProcess:
                 return
             time.sleep(0.2)
         self.stop()
+        last = f" (last readiness probe: {self.not_ready})" if self.not_ready else ""
         raise ServerStartError(
-            f"server not ready after {self.health_timeout_s:.0f}s: {' '.join(self.command)}\n{self.log_tail()}"
+            f"server not ready after {self.health_timeout_s:.0f}s{last}: {' '.join(self.command)}\n{self.log_tail()}"
         )
 
     def ready(self) -> bool:
@@ -101,17 +117,22 @@ class ServerProcess:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=PROBE_TIMEOUT_S) as resp:
                 return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            self.not_ready = f"GET /health: {_probe_failure(exc)}"
             return False
 
     def serves_a_model(self) -> bool:
         """`/v1/models` lists one: a gateway answers /health before it has registered its workers."""
         try:
-            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=2) as resp:
-                return bool(json.loads(resp.read()).get("data"))
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError):
+            with urllib.request.urlopen(self.base_url + "/v1/models", timeout=PROBE_TIMEOUT_S) as resp:
+                if json.loads(resp.read()).get("data"):
+                    return True
+                self.not_ready = "GET /v1/models: no model listed yet"
+                return False
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError, AttributeError) as exc:
+            self.not_ready = f"GET /v1/models: {_probe_failure(exc)}"
             return False
 
     def stop(self, timeout: float | None = None) -> int | None:

@@ -76,10 +76,11 @@ def test_locust_against_the_real_server(real_server, tmp_path):
     assert all(entry["num_failures"] == 0 for entry in stats.values())
 
 
-def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tmp_path):
+def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tmp_path, capsys):
     """One server per --variant; the table gains the server's peak running requests, preemptions and steps.
-    With the whole remaining context reserved (ratio 1) only two 512-token requests fit in 1,024 tokens;
-    with 5 % all four questions run at once."""
+    The questions send no max_tokens, so each may run to the end of its context (capped at 128 tokens:
+    the wait is short): with the whole remaining context reserved (ratio 1) only two 128-token requests
+    fit in 256 tokens; with 5 % all four questions run at once."""
     model = tiny_model_dir("llama", with_tokenizer=True)
     out = tmp_path / "bench.json"
     status = cli_main(
@@ -100,11 +101,17 @@ def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tm
             "--warmup",
             "0",
             "--server-args",
-            "--kv-capacity-tokens 1024 --page-size 16",
+            "--max-context 128 --kv-capacity-tokens 256 --page-size 16",
             "--variant",
             "whole=--kv-reserve-ratio 1",
             "--variant",
             "five=--kv-reserve-ratio 0.05",
+            # a server that does not start, or a request that hangs, fails here with its log, not at
+            # pytest's 600 s timeout (the defaults: 600 s each)
+            "--health-timeout",
+            "180",
+            "--request-timeout",
+            "120",
             "--log-dir",
             str(tmp_path),
             "--output",
@@ -112,10 +119,11 @@ def test_compare_variants_report_peak_running_and_preemptions(tiny_model_dir, tm
             "--no-progress",
         ]
     )
-    assert status == 0, (tmp_path / "server-five.log").read_text()[-3000:]
+    logs = "".join(f"\n--- {log.name}\n" + log.read_text()[-3000:] for log in sorted(tmp_path.glob("server-*.log")))
+    assert status == 0, capsys.readouterr().err[-3000:] + logs
     runs = {run["config"]: run for run in json.loads(out.read_text())["runs"]}
     assert set(runs) == {"whole", "five"}
-    assert all(run["metrics"]["completed"] == 4 for run in runs.values())
+    assert all(run["metrics"]["completed"] == 4 for run in runs.values()), logs
     assert runs["whole"]["server"]["peak_running"] <= 2 and runs["whole"]["server"]["preemptions"] == 0
     assert runs["five"]["server"]["peak_running"] >= 3
     token_itl = runs["five"]["server"]["itl_token_ms"]  # the api's own per-token gaps over the run
