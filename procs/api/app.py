@@ -52,7 +52,7 @@ from batchserve.procs.api.fanout import EngineFailure, Fanout, choice_requests
 from batchserve.procs.api.live_view import LiveView
 from batchserve.procs.api.lora_api import add_lora_routes
 from batchserve.procs.api.metrics import ApiMetrics
-from batchserve.procs.api.openapi import SERVED_KEY, serve_document
+from batchserve.procs.api.openapi import DOCUMENT_KEY, ServedDocument, serve_document, server_facts
 from batchserve.procs.api.pooling_api import add_pooling_routes
 from batchserve.procs.api.responses import ChatShapes, ChoiceOutput, CompletionShapes, ResponseShapes, total_usage
 from batchserve.procs.api.responses_api import ResponsesEndpoint
@@ -430,7 +430,7 @@ def create_app(
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics_page)
     app.router.add_get("/dashboard/snapshot", handlers.live_view.handle)
-    app[SERVED_KEY] = handlers.served
+    app[DOCUMENT_KEY] = ServedDocument(server_facts(engine, config, pooler), handlers.served)
     app.router.add_get("/openapi.json", serve_document)
     if config.webui:
         add_webui_routes(app)

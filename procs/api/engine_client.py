@@ -31,6 +31,8 @@ Contract, as the app relies on it:
 - `update_adapter(update)` (the runtime LoRA endpoints, `lora_api.py`): a LoRA adapter loaded or
   unloaded, sent on the requests' own path, so that a request generated after it returns is not
   planned before it.
+- Optional `vocab_size`: token ids below it are in the tokenizer's vocabulary (None or absent: not known
+  here); the OpenAPI document bounds token ids by it (`openapi.server_facts`).
 - Optional lifecycle: if the client has `async start()` / `async close()`, the app awaits them on
   startup and cleanup, inside the event loop the server runs (so sockets and reader tasks are
   created on that loop).

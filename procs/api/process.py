@@ -9,6 +9,7 @@ may finish for up to `drain_timeout_s`; whatever is still running then ends with
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ async def serve(config: ServerConfig) -> int:
         spec.context_length,
         backend_processes(config),
         max_prompt_chars=max_prompt_chars(spec.context_length, model_token_chars(spec.model_dir)),
+        vocab_size=model_vocab_size(spec),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -73,6 +75,17 @@ async def serve(config: ServerConfig) -> int:
     finally:
         await runner.cleanup()
     return 0
+
+
+def model_vocab_size(spec: ModelSpec) -> int | None:
+    """How many token ids are surely the tokenizer's (tokenizer.json's own vocabulary: the tokenizer process
+    adds any added tokens besides) and the model's (config.json's logits width); None without a tokenizer.json.
+    The OpenAPI document's bound on token ids: this process does not load the tokenizer."""
+    path = spec.model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    vocab = (json.loads(path.read_text()).get("model") or {}).get("vocab") or ()
+    return min(len(vocab), spec.vocab_size or len(vocab)) or None
 
 
 async def _wait_for_backends(engine: ZmqEngineClient, stop: asyncio.Event, url: str) -> None:
