@@ -222,7 +222,9 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     if not body.strip():
         raise Refusal("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=schema)
+        decoded = msgspec.json.decode(body, type=schema)
+        _check_free_form_ints(decoded, "")
+        return decoded
     except msgspec.ValidationError as exc:
         message = str(exc)
         raise Refusal(f"invalid request: {message}", param=_param_of(message)) from None
@@ -235,3 +237,25 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise Refusal(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's nesting limit, reached by a crafted body
         raise Refusal("request body nests arrays or objects too deeply") from None
+
+
+# What the messages between the processes carry (msgpack): a free-form field's (chat_template_kwargs, a tool's
+# parameters) integer outside it could not be sent on, so it is refused here rather than failing there.
+INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _check_free_form_ints(value: object, field: str) -> None:
+    """Refusal naming the top-level field of the first integer outside `INT_RANGE` (the typed fields carry
+    ranges of their own; this finds the ones inside free-form objects)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise Refusal(f"invalid request: {field} holds an integer outside [-2**63, 2**64)", param=field)
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            _check_free_form_ints(getattr(value, name), field or name)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_free_form_ints(item, field)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_free_form_ints(item, field)
