@@ -1,9 +1,12 @@
 """Linear-layer weights kept in GGUF's quantized blocks, bit for bit as the file has them (read through
 `mmap`: resident memory about the file's size, no conversion at load), and their C kernels
 (`kernels/csrc/quant_blocks.h`): a block type's de-quantization (equal to gguf-py's numpy `dequantize`)
-and the linear layer, whose activations are rounded per block to int16 and dotted with the weight's
-integer blocks (ggml's scheme, with int16 where ggml has int8: `kernels/csrc/quant_blocks.h` says why;
-`loadtests/results/gguf_blocks_cpu.txt` has the speed).
+and the linear layer. Below `TILE_MIN_ROWS` rows (decode) the activations are rounded per block to int16 and
+dotted with the weight's integer blocks (ggml's scheme, with int16 where ggml has int8:
+`kernels/csrc/quant_blocks.h` says why), each weight byte read once; from there on (a prefill chunk) the weight
+is de-quantized a cache-sized tile at a time into fp32 panels for the fp32 panel kernel, bit for bit the
+de-quantized model's product (`kernels/csrc/quant_linear.c`; `loadtests/results/gguf_blocks_cpu.txt` has the
+speed).
 
 A `BlockWeight` is one [out, in] weight: `out` rows, each `in / block` blocks of `block_bytes` bytes.
 Rows may be taken (a tensor-parallel shard of the output features, llama.cpp's q/k row order undone)
@@ -45,6 +48,7 @@ BLOCK_TYPES = {
     )
 }
 BLOCK_TYPE_IDS = {t.id: t for t in BLOCK_TYPES.values()}
+TILE_MIN_ROWS = 48  # rows from which a call de-quantizes fp32 tiles (TILE_MIN_ROWS in csrc/quant_linear.c)
 
 
 def _check_blocks(data: torch.Tensor, kind: BlockType) -> None:

@@ -255,11 +255,12 @@ STUB(FORMAT_Q8_0) STUB(FORMAT_Q4_0) STUB(FORMAT_Q4_1) STUB(FORMAT_Q5_0) STUB(FOR
 
 
 def build_blocks(tmp_path, march: str, target: str, *extra: str) -> None:
-    """quant_linear.c and the k-quants alone (a whole library's build takes ~30 s on two cores) for `march`."""
+    """quant_linear.c, the k-quants and the panel kernel (the many-rows path) alone (a whole library's build
+    takes ~30 s on two cores) for `march`."""
     stubs = tmp_path / "legacy_stubs.c"
     stubs.write_text(LEGACY_STUBS)
     flags = [flag.replace("-march=native", f"-march={march}") for flag in native.BASE_FLAGS]
-    sources = [native.SOURCE_DIR / "quant_linear.c", native.SOURCE_DIR / "quant_kquants.c", stubs]
+    sources = [native.SOURCE_DIR / f for f in ("quant_linear.c", "quant_kquants.c", "panel_linear.c")] + [stubs]
     command = [native.compiler(), *flags, f"-I{native.SOURCE_DIR}", *extra, *map(str, sources), "-o", target, "-lm"]
     subprocess.run(command, check=True)
 

@@ -211,9 +211,9 @@ def test_linear_is_the_dequantized_product_up_to_the_activations_rounding(name: 
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_a_row_gives_the_same_bits_in_any_batch(name: str) -> None:
-    """Strided rows with a bias, 10 blocks a row (a group of 8 reduced together and 2 alone), in batches of
-    1 to 13 rows (groups of 4 and what is left), in order and reversed (each row at other places in its
-    group, beside other rows)."""
+    """Below TILE_MIN_ROWS (the int16 dots; more rows go through fp32 tiles): strided rows with a bias, 10
+    blocks a row (a group of 8 reduced together and 2 alone), in batches of 1 to 13 rows (groups of 4 and
+    what is left), in order and reversed (each row at other places in its group, beside other rows)."""
     rng = np.random.default_rng(4)
     k, n = 320, 37
     data = random_blocks(name, n, k // 32, rng)
@@ -226,7 +226,8 @@ def test_a_row_gives_the_same_bits_in_any_batch(name: str) -> None:
 
 
 IS_X86 = platform.machine() in ("x86_64", "AMD64")
-QUANT_SOURCES = sorted(native_build.SOURCE_DIR.glob("quant_*.c"))  # the quant kernels alone: a quick build
+# the quant kernels and the panel kernel their many-rows path calls: a quick build
+QUANT_SOURCES = sorted([*native_build.SOURCE_DIR.glob("quant_*.c"), native_build.SOURCE_DIR / "panel_linear.c"])
 
 
 def build_quant_library(target: Path, march: list[str]) -> ctypes.CDLL:

@@ -13,8 +13,8 @@
  *
  * The dot's arithmetic is fixed: the integer products of each block (or sub-block) are summed exactly in
  * integers, then turned into floats in one order the same on every path (AVX2 or plain C), so a row's result
- * is bit for bit the same whatever the vector width and whatever rows share its call: a request's output
- * does not depend on its batch. */
+ * is bit for bit the same whatever the vector width and whatever rows share its call: a decode row's output
+ * does not depend on its batch (calls of many rows, prefill chunks, take fp32 tiles: kernels/quant_blocks.py). */
 #ifndef BATCHSERVE_QUANT_BLOCKS_H
 #define BATCHSERVE_QUANT_BLOCKS_H
 

@@ -90,8 +90,8 @@ static inline void sub_block_q(const uint8_t *qs, const uint8_t *qh, int j, uint
         q[i] = (uint8_t)(((bytes[i] >> shift) & 0x0f) | (qh != NULL ? ((qh[i] >> j) & 1) << 4 : 0));
 }
 
-static void dequantize_q45_k(const uint8_t *src, int64_t blocks, float *out, int64_t bytes, int64_t qh_at,
-                             int64_t qs_at) {
+static void dequantize_q45_k(const uint8_t *restrict src, int64_t blocks, float *restrict out, int64_t bytes,
+                             int64_t qh_at, int64_t qs_at) {
     for (int64_t b = 0; b < blocks; b++, src += bytes, out += QK_K) {
         const float d = read_half(src), dmin = read_half(src + 2);
         uint64_t sc, mins;
@@ -104,11 +104,11 @@ static void dequantize_q45_k(const uint8_t *src, int64_t blocks, float *out, int
     }
 }
 
-static void dequantize_q4_k(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q4_k(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     dequantize_q45_k(src, blocks, out, Q4_K_BYTES, 0, Q4_K_QS);
 }
 
-static void dequantize_q5_k(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q5_k(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     dequantize_q45_k(src, blocks, out, Q5_K_BYTES, Q5_K_QH, Q5_K_QS);
 }
 
@@ -121,7 +121,7 @@ static inline void q6_part(const uint8_t *block, int h, int p, uint8_t q[32]) {
         q[i] = (uint8_t)(((ql[i] >> shift) & 0x0f) | ((qh[i] >> (2 * p)) & 3) << 4);
 }
 
-static void dequantize_q6_k(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q6_k(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q6_K_BYTES, out += QK_K) {
         const float d = read_half(src + Q6_K_D);
         const int8_t *scales = (const int8_t *)(src + Q6_K_SCALES);

@@ -78,7 +78,7 @@ static inline uint32_t read_u32(const uint8_t *p) { /* Q5's high bits: a little-
 
 /* ---- de-quantization: numpy's float32 operations, one rounding each, in its order ---- */
 
-static void dequantize_q8_0(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q8_0(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q8_0_BYTES, out += QK) {
         const float d = fp16(src);
         for (int i = 0; i < QK; i++)
@@ -86,7 +86,7 @@ static void dequantize_q8_0(const uint8_t *src, int64_t blocks, float *out) {
     }
 }
 
-static void dequantize_q4_0(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q4_0(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q4_0_BYTES, out += QK) {
         const float d = fp16(src);
         for (int j = 0; j < QK / 2; j++) {
@@ -96,7 +96,7 @@ static void dequantize_q4_0(const uint8_t *src, int64_t blocks, float *out) {
     }
 }
 
-static void dequantize_q4_1(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q4_1(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q4_1_BYTES, out += QK) {
         const float d = fp16(src), m = fp16(src + 2);
         for (int j = 0; j < QK / 2; j++) {
@@ -116,7 +116,7 @@ static inline void q5_values(const uint8_t *qh_bytes, const uint8_t *qs, int32_t
     }
 }
 
-static void dequantize_q5_0(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q5_0(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q5_0_BYTES, out += QK) {
         const float d = fp16(src);
         int32_t u[QK];
@@ -126,7 +126,7 @@ static void dequantize_q5_0(const uint8_t *src, int64_t blocks, float *out) {
     }
 }
 
-static void dequantize_q5_1(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_q5_1(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += Q5_1_BYTES, out += QK) {
         const float d = fp16(src), m = fp16(src + 2);
         int32_t u[QK];
@@ -138,7 +138,7 @@ static void dequantize_q5_1(const uint8_t *src, int64_t blocks, float *out) {
     }
 }
 
-static void dequantize_mxfp4(const uint8_t *src, int64_t blocks, float *out) {
+static void dequantize_mxfp4(const uint8_t *restrict src, int64_t blocks, float *restrict out) {
     for (int64_t b = 0; b < blocks; b++, src += MXFP4_BYTES, out += QK) {
         const float d = e8m0_half(src[0]);
         for (int j = 0; j < QK / 2; j++) {
