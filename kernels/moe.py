@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.kernels import native
+from batchserve.kernels.block_quantize import BLOCK_QUANTIZATIONS
 from batchserve.kernels.ops import silu_and_mul_torch
 from batchserve.kernels.panel_linear import PanelWeight, StackedPanels, pack_stacked_panels
 from batchserve.kernels.projection import ProjectionStruct, projection
@@ -89,6 +90,8 @@ def pack_experts(
     experts only: others are plain tensors, and int8 is refused for them."""
     if isinstance(activation, str) and activation not in ACTIVATIONS:
         raise ValueError(f"unknown expert activation {activation!r}")
+    if quantization in BLOCK_QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization}: experts are not kept in blocks yet; use int8 or none")
     if quantization == "int8" and activation != "silu":
         raise ValueError(f"int8 experts run in the C kernel, whose experts are SiLU-gated, not {activation}")
     on_cpu_fp32 = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32

@@ -10,10 +10,12 @@ sums its squares and the C SiLU exponentiates in their own way, a few ulp apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from batchserve.kernels import native
+from batchserve.kernels.block_quantize import BLOCK_QUANTIZATIONS, quantize_weight
 from batchserve.kernels.panel_linear import PanelWeight, pack_panels
 from batchserve.kernels.quant_blocks import BlockParts, BlockWeight, fuse_blocks
 from batchserve.shared.config import QUANTIZATIONS
@@ -88,13 +90,19 @@ def onednn_linear_available() -> bool:
     )
 
 
-def pack_linear_weight(weight: torch.Tensor | BlockWeight, quantization: str = "none") -> LinearWeight:
+def pack_linear_weight(
+    weight: torch.Tensor | BlockWeight, quantization: str = "none", *, head: bool = False
+) -> LinearWeight:
     """The form `linear` runs fastest from. On the CPU at fp32: the C kernel's panels
-    (`kernels.panel_linear`; fp32, or int8 with `quantization="int8"`, which needs them). Without the C
-    kernels, oneDNN's pre-reordered layout (1.5-2x MKL's sgemm behind `F.linear` for decode batches on
-    this CPU). Elsewhere (CUDA, bf16) the plain weight is already the best form."""
+    (`kernels.panel_linear`; fp32, or int8 with `quantization="int8"`, which needs them), or GGUF blocks (a
+    GGUF file's as they are; `q8_0`, `q4_0`, `q4_k` quantize into them: `kernels.block_quantize`, `head`: the
+    LM head's type). Without the C kernels, oneDNN's pre-reordered layout (1.5-2x MKL's sgemm behind `F.linear`
+    for decode batches on this CPU). Elsewhere (CUDA, bf16) the plain weight is already the best form."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
+    if quantization in BLOCK_QUANTIZATIONS:
+        dense = weight.dequantize() if isinstance(weight, BlockWeight) else weight
+        return quantize_weight(dense, quantization, head=head)
     if isinstance(weight, BlockWeight):
         return weight
     on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -108,6 +116,8 @@ def pack_linear_weight(weight: torch.Tensor | BlockWeight, quantization: str = "
 def pack_linear_parts(parts: Sequence[torch.Tensor | BlockWeight], quantization: str = "none") -> LinearWeight:
     """Projections fused along the output features, packed: in their blocks where every part came in blocks
     (`WeightTaker.linear_weight` keeps them only where they run), else de-quantized and packed as one tensor."""
+    if quantization in BLOCK_QUANTIZATIONS:  # each part quantized on its own: a fused weight of one type or parts
+        return fuse_blocks([cast(BlockWeight, pack_linear_weight(p, quantization)) for p in parts])
     blocks = [p for p in parts if isinstance(p, BlockWeight)]
     if blocks and len(blocks) == len(parts):
         return fuse_blocks(blocks)

@@ -3,7 +3,7 @@ panels of output columns, fp32 as the checkpoint has them or rounded to int8 (`-
 
 int8: each output channel is rounded symmetrically (scale = max |w| / 127); the kernel widens the
 weights to fp32 as it reads them and computes in fp32, so a decode step reads a quarter of the bytes
-for a small loss of accuracy (measured: `loadtests/results/int8_accuracy_cpu.txt`).
+for a small loss of accuracy (measured: `loadtests/results/int8_accuracy_cpu.txt` (now `quant_accuracy.py`)).
 """
 
 from __future__ import annotations

@@ -76,8 +76,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         Quantization,
         _doc("""Weights of the linear layers and the LM head: none (as the checkpoint has them: a
         GGUF file's quantized blocks on the CPU, docs/models.md), auto (none, but a GGUF file whose fp32
-        weights fit in a quarter of the free memory is de-quantized: faster prefill today), or int8 (CPU,
-        float32 only: weights rounded to int8 per output channel, fp32 arithmetic; docs/performance.md)."""),
+        weights fit in a quarter of the free memory is de-quantized: faster prefill today), int8 (CPU,
+        float32 only: weights rounded to int8 per output channel, fp32 arithmetic; docs/performance.md), or
+        q8_0, q4_0, q4_k (CPU, float32 only: quantized at load into GGUF's blocks, as llama-quantize would,
+        the LM head in Q6_K under q4_0 and q4_k; docs/models.md)."""),
     ] = "auto"
     device: Annotated[str, _doc("Device of the worker: auto (cuda when available, else cpu), cuda, cuda:N, cpu.")] = (
         "auto"
@@ -235,7 +237,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = ""
     draft_quantization: Annotated[
         Quantization,
-        _doc("""Weights of the draft model: auto, none or int8 (as quantization; int8 of the served
+        _doc("""Weights of the draft model: auto, none, int8, q8_0, q4_0 or q4_k (as quantization; int8 of the served
         model itself is a draft that agrees with it on most tokens at a quarter of its weight bytes)."""),
     ] = "auto"
     ngram_min: Annotated[int, _doc("Shortest match (in tokens) that prompt lookup proposes from.")] = NGRAM_MIN

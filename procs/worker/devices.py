@@ -42,8 +42,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8" and (device.type != "cpu" or dtype != torch.float32 or not native.available()):
+    on_cpu_kernels = device.type == "cpu" and dtype == torch.float32 and native.available()
+    if quantization not in ("auto", "none") and not on_cpu_kernels:  # int8 panels, GGUF blocks: C kernels
         raise ValueError(
-            f"quantization int8 runs on the CPU at dtype float32, with the C kernels (here: "
+            f"quantization {quantization} runs on the CPU at dtype float32, with the C kernels (here: "
             f"{device.type}, {dtype}, C kernels {'built' if native.available() else 'unavailable'})"
         )

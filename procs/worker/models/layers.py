@@ -119,7 +119,7 @@ class ParallelLMHead:
     the weight (the embedding table where the model ties them: a packed copy where packing applies)."""
 
     def __init__(self, weight: torch.Tensor | BlockWeight, vocab_size: int, quantization: str, tp: TensorParallel):
-        self.weight = pack_linear_weight(weight, quantization)
+        self.weight = pack_linear_weight(weight, quantization, head=True)
         self.vocab_size = vocab_size
         self.tp = tp
 

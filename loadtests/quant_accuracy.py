@@ -1,4 +1,5 @@
-"""What `--quantization int8` costs in accuracy, against fp32 on the same weights, in one run.
+"""What each `--quantization` (int8, q8_0, q4_0, q4_k by default) costs in accuracy, against `none` on the same
+weights (fp32, or a GGUF file's own blocks), in one run.
 
 - Greedy agreement over 50 prompts x 64 tokens (the 40 chat questions of the `questions` workload,
   then 10 openings of the fixed text below as plain completions; `ignore_eos`):
@@ -10,7 +11,8 @@
 - Perplexity on a fixed English text (`loadtests/data/english_text.txt`: public-domain passages,
   about a thousand tokens), from the prompt logprobs of each engine.
 
-    .venv/bin/python -m batchserve.loadtests.int8_accuracy [--model NAME] [--prompts 50] [--tokens 64]
+    .venv/bin/python -P -m batchserve.loadtests.quant_accuracy [--model NAME] [--prompts 50] [--tokens 64] \
+        [--quantizations int8,q8_0,q4_0,q4_k]
 """
 
 from __future__ import annotations
@@ -69,45 +71,49 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def agreement(reference: list[Completion], a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """(positions, of the generated ones, where teacher-forced top-1 tokens `a` and `b` agree; positions)."""
+    agree = total = 0
+    for r, x, y in zip(reference, a, b):
+        start = len(r.prompt_ids) - 1  # the prediction of the first generated token
+        agree += sum(p == q for p, q in zip(x[start:], y[start:]))
+        total += len(x) - start
+    return agree, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--quantizations", default="int8,q8_0,q4_0,q4_k")
     args = parser.parse_args()
 
     items = prompts(args.prompts)
+    names = ["none", *args.quantizations.split(",")]
     engines = {
         q: OfflineEngine(
-            ServerConfig(model=args.model, quantization=q, max_running_requests=64, kv_capacity_tokens=65536)
+            ServerConfig(model=args.model, quantization=q, max_running_requests=64, kv_capacity_tokens=16384)
         )
-        for q in ("none", "int8")
+        for q in names
     }
     text_ids = list(engines["none"].tokenizer.encode(TEXT.read_text()))
-    results = {}
-    for name, engine in engines.items():
-        results[name] = (generate(engine, items, args.tokens), perplexity(engine, text_ids))
-    reference, candidate = results["none"][0], results["int8"][0]
-    prefixes = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(reference, candidate)]
+    results = {name: (generate(e, items, args.tokens), perplexity(e, text_ids)) for name, e in engines.items()}
+    reference = results["none"][0]
     forced = [r.prompt_ids + r.token_ids for r in reference]
     top1 = {name: teacher_forced_top1(engine, forced) for name, engine in engines.items()}
-    agree = total = 0
-    for r, a, b in zip(reference, top1["none"], top1["int8"]):
-        start = len(r.prompt_ids) - 1  # the prediction of the first generated token
-        agree += sum(x == y for x, y in zip(a[start:], b[start:]))
-        total += len(a) - start
-
-    print(f"model {args.model}; {len(items)} prompts x {args.tokens} greedy tokens; fp32 (none) vs int8")
-    print(f"  identical completions                    {sum(p == args.tokens for p in prefixes)} / {len(items)}")
-    print(
-        f"  tokens before the first difference       mean {sum(prefixes) / len(prefixes):.1f}, "
-        f"median {sorted(prefixes)[len(prefixes) // 2]} (of {args.tokens})"
-    )
-    print(f"  teacher-forced top-1 agreement           {agree} / {total} = {100 * agree / total:.2f} %")
-    print(f"perplexity on {TEXT.name} ({len(text_ids)} tokens)")
-    for name, (_, ppl) in results.items():
-        print(f"  {name:5s} {ppl:8.3f}")
-    print(f"  int8 / fp32 perplexity: {results['int8'][1] / results['none'][1]:.4f}")
+    print(f"model {args.model}; {len(items)} prompts x {args.tokens} greedy tokens; each against none")
+    print(f"{'':6s} {'identical':>10s} {'mean prefix':>12s} {'forced top-1':>13s} {'perplexity':>11s} {'/ none':>7s}")
+    for name in names:
+        prefixes = [common_prefix(a.token_ids, b.token_ids) for a, b in zip(reference, results[name][0])]
+        agree, total = agreement(reference, top1["none"], top1[name])
+        identical = sum(p == args.tokens for p in prefixes)
+        ppl = results[name][1]
+        print(
+            f"{name:6s} {identical:>4d} / {len(items):<3d} {sum(prefixes) / len(prefixes):>12.1f} "
+            f"{100 * agree / total:>12.2f}% {ppl:>11.3f} {ppl / results['none'][1]:>7.4f}"
+        )
+    print(f"(perplexity on {TEXT.name}, {len(text_ids)} tokens; forced top-1: {total} positions)")
 
 
 if __name__ == "__main__":

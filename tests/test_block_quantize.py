@@ -1,0 +1,111 @@
+"""`--quantization q8_0 | q4_0 | q4_k` (`kernels.block_quantize`): an fp32 checkpoint quantized at load into GGUF
+blocks, as llama-quantize chooses them (Q5_0 for a layer not whole 256-value blocks wide under q4_k, the LM head
+in Q6_K under the 4-bit choices), and served by the block kernels: its greedy tokens are those of transformers
+running the same blocks de-quantized, wherever that model's top two logits are further apart than the kernels'
+activation rounding can move them (each step teacher-forced)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model_batches import generate_greedy
+
+from batchserve.kernels import native
+from batchserve.kernels.block_quantize import block_type_for, quantize_weight
+from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.procs.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
+
+# intermediate 544: the down projection's rows are 17 blocks of 32, not whole 256-blocks (Q4_K's)
+TINY = dict(
+    arch="llama",
+    with_tokenizer="bytes",
+    hidden_size=256,
+    intermediate_size=544,
+    num_attention_heads=4,
+    initializer_range=0.05,
+)
+NEW_TOKENS = 8
+MARGIN = 0.15  # as tests/test_gguf_blocks.py: the int16 activations move these logits by far less
+EXPECTED = {  # quantization -> (attention's type, the down projection's, the LM head's)
+    "q8_0": ("Q8_0", "Q8_0", "Q8_0"),
+    "q4_0": ("Q4_0", "Q4_0", "Q6_K"),
+    "q4_k": ("Q4_K", "Q5_0", "Q6_K"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir):
+    return tiny_model_dir(**TINY)
+
+
+def _reference(model_dir, quantization: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens (and each step's top-2 margin) with every linear layer's weight replaced by
+    its blocks de-quantized (the LM head its own copy, where it is tied to the embedding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            blocks = quantize_weight(module.weight.detach(), quantization, head=name == "lm_head")
+            module.weight = torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            result = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            top2 = [s[0].topk(2).values for s in result.scores]
+            out.append((result.sequences[0, len(prompt) :].tolist(), [float(t[0] - t[1]) for t in top2]))
+    return out
+
+
+@pytest.mark.parametrize("quantization", sorted(EXPECTED))
+def test_greedy_tokens_are_the_dequantized_blocks(quantization, tiny_llama):
+    runner = ModelRunner(tiny_llama, device="cpu", page_size=4, kv_capacity_tokens=1024, quantization=quantization)
+    layer, head = runner.model.layers[0], runner.model.lm_head.weight
+    weights = (layer.qkv.weight, layer.mlp.down.weight, head)
+    assert all(isinstance(w, BlockWeight) for w in weights)
+    assert tuple(w.kind.name for w in weights) == EXPECTED[quantization]
+    assert runner.model.fuse_decode_layers
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=generator).tolist() for n in (37, 5, 60)]
+    steps = [
+        (p + tokens[:i], tokens[i], margins[i])
+        for p, (tokens, margins) in zip(prompts, _reference(tiny_llama, quantization, prompts))
+        for i in range(NEW_TOKENS)
+    ]
+    got = generate_greedy(runner, [prefix for prefix, _, _ in steps], 1, chunk=64, arrival_gap=1)
+    decided = [(g[0], token) for g, (_, token, margin) in zip(got, steps) if margin > MARGIN]
+    assert all(ours == theirs for ours, theirs in decided), decided
+    assert len(decided) >= len(steps) // 3, len(decided)
+
+
+def test_the_blocks_are_gguf_pys_and_round_trip_within_the_types_error():
+    """Q8_0 / Q4_0 through gguf-py's own quantizer (the same bytes); every type's round trip on Gaussian
+    weights within its rms error (measured: Q8_0 0.54 %, Q4_0 8.6 %, Q4_K 7.8 %, Q6_K 1.9 % of their std)."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32))
+    q8 = quantize_weight(w, "q8_0")
+    assert np.array_equal(q8.data.numpy(), quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    bounds = {("q8_0", False): 0.006, ("q4_0", False): 0.095, ("q4_k", False): 0.085, ("q4_k", True): 0.021}
+    for (quantization, head), bound in bounds.items():
+        error = (quantize_weight(w, quantization, head=head).dequantize() - w).pow(2).mean().sqrt().item()
+        assert error < bound, (quantization, head, error)
+
+
+def test_a_layer_not_whole_blocks_wide_is_refused_naming_the_width():
+    assert block_type_for("q4_k", 544).name == "Q5_0" and block_type_for("q4_k", 512, head=True).name == "Q6_K"
+    with pytest.raises(ValueError, match=r"--quantization q8_0: a layer 100 inputs wide is not whole 32-value"):
+        block_type_for("q8_0", 100)
