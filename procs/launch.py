@@ -23,7 +23,7 @@ import msgspec
 from batchserve.procs.runtime import StopRequested
 from batchserve.shared.config import ServerConfig, add_config_arguments, config_from_args
 from batchserve.shared.logs import setup_logging
-from batchserve.shared.messages import PROCESS_NAMES
+from batchserve.shared.process_messages import PROCESS_NAMES
 
 # The processes: name -> module with `run(config: ServerConfig) -> int`, in start order.
 PROCESSES: dict[str, str] = {name: f"batchserve.procs.{name}.process" for name in PROCESS_NAMES}

@@ -20,8 +20,8 @@ import zmq
 
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.ipc import Endpoints, Sender
-from batchserve.shared.messages import Heartbeat
 from batchserve.shared.parallel import replica_dir
+from batchserve.shared.process_messages import Heartbeat
 from batchserve.shared.readiness import notify_ready, notify_stopping, notify_watchdog, watchdog_enabled
 from batchserve.shared.shm import remove_stale_segments
 

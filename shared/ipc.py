@@ -33,18 +33,16 @@ from batchserve.shared.codec import Decoder, Encoder
 from batchserve.shared.messages import (
     AbortRequest,
     AdapterUpdate,
-    BackendFailure,
     ForwardBatch,
     GenerateRequest,
-    Heartbeat,
     RequestRejected,
     SchedulerStats,
     StepResult,
     TextDelta,
     TokenDelta,
     TokenizedRequest,
-    WorkerInfo,
 )
+from batchserve.shared.process_messages import BackendFailure, Heartbeat, WorkerInfo
 from batchserve.shared.shm import ArrayWriter, ShmReader
 from batchserve.shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 

@@ -16,7 +16,6 @@ import msgspec
 import numpy as np
 
 from batchserve.shared.scheduler_view import SchedulerView
-from batchserve.shared.step_features import StepShape
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -421,6 +420,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_used_tokens: int
     kv_total_tokens: int
     kv_request_pages_max: int = 0  # the most KV pages one decoding request holds now
+    model_weight_bytes: int = 0  # the worker's weights (`WorkerInfo.weight_bytes`)
     batch_sizes: list[int] = []  # requests per step since the previous stats message
     # seconds each request admitted since then waited in the queue (arrival here to its first admission)
     queue_times: list[float] = []
@@ -443,58 +443,3 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     # mixture of experts: tokens routed to each expert of each MoE layer [layers, experts] since then
     expert_load: np.ndarray | None = None
     view: SchedulerView | None = None  # the live view's (`/dashboard`): requests, slots, pages, steps since then
-
-
-# ---------------------------------------------------------------------------------------------
-# Process control (`batchserve serve` and systemd units).
-
-
-class WorkerInfo(msgspec.Struct, tag=True, kw_only=True):
-    """worker -> scheduler once the model is loaded: what the KV pool and the model can hold."""
-
-    kv_capacity_tokens: int
-    eos_token_ids: list[int]
-    max_context: int
-    page_size: int
-    device_type: str = "cpu"  # "cpu" | "cuda": picks the default step-time target
-    # Steps timed at startup: (shape, seconds), for the step-cost model.
-    step_costs: list[tuple[StepShape, float]] = []
-    # A mixture-of-experts model's experts and experts per token (0 and 0: dense), for the step-cost model.
-    moe_experts: int = 0
-    moe_top_k: int = 0
-    rope_switch_length: int = 0  # the prompt length past which the rope's factors switch (0: never)
-    rope_dynamic_length: int = 0  # dynamic NTK: the prompt length past which its keys follow its length (0: never)
-    sliding_window: int = 0  # every layer's attention window, where they share one (0: not so)
-    # each layer's window for the step-cost model (0: none; empty: none slides or is linear): a linear-attention
-    # layer's is the keys whose reads cost what its state's do (`shared.step_features.layer_cost_windows`)
-    layer_windows: list[int] = []
-    sliding_rings: bool = False  # sliding layers keep window-sized rings (`kernels.kv_cache`): no prefix cache
-    # A hybrid model's linear layers' state bytes per request (`kernels.recurrent_state`; 0: none): a row
-    # continues its slot's state, so no prefix cache and no speculative rows.
-    recurrent_state_bytes: int = 0
-    state_snapshots: int = 0  # the states it keeps for the prefix cache (0: none, and no prefix cache for it)
-    pooling: bool = False  # the pooling runner: prefill-only requests, no prefix cache (SCHEDULING.md section 11)
-    bidirectional: bool = False  # an encoder: each input runs whole in one step (no chunks)
-    pid: int = 0  # the worker process (on the scheduler's machine): its end ends a step's wait at once
-
-
-# The five processes, in start order (`serve` and the systemd units): the slowest (model loading)
-# first, the api last, so that it serves only when all the others are up.
-PROCESS_NAMES = ("worker", "scheduler", "tokenizer", "detokenizer", "api")
-
-
-class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
-    """every process -> api about once a second; the api is healthy only while all are fresh and ready."""
-
-    process: str  # one of PROCESS_NAMES but "api", or a worker rank's `worker-RANK` (shared.parallel.worker_rank_name)
-    pid: int
-    ready: bool = True
-    host: str = ""  # socket.gethostname(): where `pid` may be checked for liveness
-
-
-class BackendFailure(msgspec.Struct, tag=True, kw_only=True):
-    """scheduler -> api: `process` stopped making progress (e.g. no step result within the step
-    timeout); the api fails every request in flight and answers 503 until the backend is restarted."""
-
-    process: str
-    reason: str

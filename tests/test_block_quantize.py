@@ -15,6 +15,7 @@ from batchserve.kernels import native
 from batchserve.kernels.block_quantize import block_type_for, quantize_weight
 from batchserve.kernels.quant_blocks import BlockWeight
 from batchserve.procs.worker.model_runner import ModelRunner
+from batchserve.procs.worker.weight_bytes import weight_bytes
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
 
@@ -109,3 +110,20 @@ def test_a_layer_not_whole_blocks_wide_is_refused_naming_the_width():
     assert block_type_for("q4_k", 544).name == "Q5_0" and block_type_for("q4_k", 512, head=True).name == "Q6_K"
     with pytest.raises(ValueError, match=r"--quantization q8_0: a layer 100 inputs wide is not whole 32-value"):
         block_type_for("q8_0", 100)
+
+
+def test_the_weight_bytes_are_the_blocks(tiny_llama):
+    """What /metrics reports (`batchserve_model_weight_bytes`): q4_k's layers take ~1/7 of fp32's bytes."""
+    sizes = {
+        q: weight_bytes(ModelRunner(tiny_llama, device="cpu", page_size=4, kv_capacity_tokens=64, quantization=q).model)
+        for q in ("none", "q4_k")
+    }
+    linear = sum(p.numel() for n, p in _linear_weights(tiny_llama))
+    assert sizes["none"] - sizes["q4_k"] > linear * 4 * 0.8, (sizes, linear)
+
+
+def _linear_weights(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]

@@ -203,3 +203,4 @@ def test_health_models_and_metrics(server, model):
     status, body = http(f"{server.url}/v1/models")
     assert status == 200 and body["data"][0]["id"] == str(model) and body["data"][0]["max_model_len"] == 512
     assert metric(server.url, "batchserve_kv_cache_total_tokens") == 4096
+    assert 0 < metric(server.url, "batchserve_model_weight_bytes") < 50e6  # a tiny model's

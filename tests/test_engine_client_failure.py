@@ -15,7 +15,8 @@ import zmq
 
 from batchserve.procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineClient
 from batchserve.shared.ipc import Endpoints, Sender
-from batchserve.shared.messages import BackendFailure, GenerateRequest, Heartbeat, RequestRejected
+from batchserve.shared.messages import GenerateRequest, RequestRejected
+from batchserve.shared.process_messages import BackendFailure, Heartbeat
 
 
 def _sleeper() -> subprocess.Popen:

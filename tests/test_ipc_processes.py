@@ -34,8 +34,8 @@ from batchserve.shared.messages import (
     StopParams,
     TokenDelta,
     TokenizedRequest,
-    WorkerInfo,
 )
+from batchserve.shared.process_messages import WorkerInfo
 from batchserve.shared.readiness import notify, notify_ready
 from batchserve.shared.shm import SharedRing
 

@@ -327,7 +327,7 @@ def test_the_server_streams_the_in_process_engines_tokens_with_and_without_overl
 def test_auto_overlaps_with_a_cuda_worker_only() -> None:
     from batchserve.procs.scheduler.config import overlap_schedule
     from batchserve.shared.config import ServerConfig
-    from batchserve.shared.messages import WorkerInfo
+    from batchserve.shared.process_messages import WorkerInfo
 
     def overlaps(setting: str, device: str) -> bool:
         info = WorkerInfo(kv_capacity_tokens=64, eos_token_ids=[], max_context=64, page_size=16, device_type=device)

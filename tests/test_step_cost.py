@@ -15,7 +15,8 @@ from batchserve.procs.scheduler.executor import ScriptedExecutor
 from batchserve.procs.scheduler.step_cost import CostWeights, StepCostModel
 from batchserve.procs.scheduler.step_time_cap import MIN_PREFILL_TOKENS, StepTimeCap
 from batchserve.shared.config import ServerConfig
-from batchserve.shared.messages import RequestParams, SamplingParams, StopParams, WorkerInfo
+from batchserve.shared.messages import RequestParams, SamplingParams, StopParams
+from batchserve.shared.process_messages import WorkerInfo
 from batchserve.shared.step_features import StepShape, attention_pairs, experts_read, step_shape
 
 TRUE = CostWeights(step=0.004, token=0.0015, row=0.0005, pairs_1k=0.0002)  # seconds

@@ -363,7 +363,7 @@ def test_worker_sends_ready_only_after_loading_its_model(short_tmp: Path, tiny_m
     import zmq
 
     from batchserve.shared.ipc import Endpoints, Receiver, SchedulerInbox
-    from batchserve.shared.messages import WorkerInfo
+    from batchserve.shared.process_messages import WorkerInfo
 
     host = FakeSystemd(short_tmp, tiny_settings(tiny_model_dir("llama", with_tokenizer=True)))
     worker = host.services[inst.worker_unit(0)]

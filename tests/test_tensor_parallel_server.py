@@ -32,7 +32,8 @@ from batchserve.procs.api.engine_client_zmq import BACKEND_PROCESSES, ZmqEngineC
 from batchserve.shared.commands import cli_command
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.ipc import Endpoints, Sender
-from batchserve.shared.messages import GenerateRequest, Heartbeat, RequestRejected
+from batchserve.shared.messages import GenerateRequest, RequestRejected
+from batchserve.shared.process_messages import Heartbeat
 
 FLAGS = ("--kv-capacity-tokens", "1024", "--max-running-requests", "16")
 TP2 = ("--tp", "2")

@@ -42,17 +42,15 @@ from batchserve.shared.errors import Refusal
 from batchserve.shared.ipc import ApiInbox, AsyncReceiver, AsyncSender, Endpoints, TokenizerInbox
 from batchserve.shared.liveness import pid_gone
 from batchserve.shared.messages import (
-    PROCESS_NAMES,
     AbortRequest,
     AdapterUpdate,
-    BackendFailure,
     GenerateRequest,
-    Heartbeat,
     RequestRejected,
     SchedulerStats,
     TextDelta,
 )
 from batchserve.shared.parallel import worker_process_names
+from batchserve.shared.process_messages import PROCESS_NAMES, BackendFailure, Heartbeat
 from batchserve.shared.tokenize_messages import DetokenizeAnswer, DetokenizeQuery, TokenizeAnswer, TokenizeQuery
 
 log = logging.getLogger("batchserve.api")

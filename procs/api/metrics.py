@@ -292,6 +292,9 @@ class ApiMetrics:
         self.waiting = Gauge("batchserve_num_requests_waiting", "Requests in the scheduler's waiting queue", registry=r)
         self.kv_used = Gauge("batchserve_kv_cache_used_tokens", "KV cache positions in use", registry=r)
         self.kv_total = Gauge("batchserve_kv_cache_total_tokens", "KV cache positions in the pool", registry=r)
+        self.weight_bytes = Gauge(
+            "batchserve_model_weight_bytes", "Bytes of the model's weights as the worker holds them", registry=r
+        )
         self.kv_usage = Gauge(
             "batchserve_kv_cache_usage_ratio", "KV cache positions in use, as a fraction of the pool (0..1)", registry=r
         )
@@ -333,6 +336,7 @@ class ApiMetrics:
         self._set(self.waiting, stats.num_waiting)
         self.kv_used.set(stats.kv_used_tokens)
         self.kv_total.set(stats.kv_total_tokens)
+        self.weight_bytes.set(stats.model_weight_bytes)
         self.request_pages.set(stats.kv_request_pages_max)
         self._set(self.kv_usage, stats.kv_used_tokens / stats.kv_total_tokens if stats.kv_total_tokens else 0.0)
         self.reserve_ratio.set(stats.kv_reserve_ratio)

@@ -20,7 +20,7 @@ from batchserve.shared.config import (
     ServerConfig,
     Speculative,
 )
-from batchserve.shared.messages import WorkerInfo
+from batchserve.shared.process_messages import WorkerInfo
 
 DEFAULT_MAX_STEP_MS = {"cpu": 300.0, "cuda": 100.0}
 NO_STEP_BOUND = -1.0  # max_step_ms that turns the bound off (config files are JSON: no inf)

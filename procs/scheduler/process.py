@@ -29,13 +29,12 @@ from batchserve.shared.ipc import ApiInbox, DetokenizerInbox, Receiver, Schedule
 from batchserve.shared.messages import (
     AbortRequest,
     AdapterUpdate,
-    BackendFailure,
     RequestRejected,
     SchedulerStats,
     StepResult,
     TokenizedRequest,
-    WorkerInfo,
 )
+from batchserve.shared.process_messages import BackendFailure, WorkerInfo
 from batchserve.shared.scheduler_view import SchedulerView
 from batchserve.shared.shm import DoubleBuffer
 
@@ -70,6 +69,7 @@ class SchedulerLoop:
         self._last_view = 0.0
         self._was_busy = False
         self.overlap = False  # overlap scheduling, decided from the worker's device
+        self.weight_bytes = 0  # the worker's weights, from its WorkerInfo, for /metrics
 
     def _open_sockets(self, config: ServerConfig, rt: ProcessRuntime) -> None:
         self.inbox: Receiver[SchedulerInbox] = Receiver(rt.ctx, rt.endpoints.scheduler, SchedulerInbox)
@@ -99,6 +99,7 @@ class SchedulerLoop:
         config = scheduler_config_from_server(self.config, info)
         self.overlap = overlap_schedule(self.config, info)
         self.executor.worker_pid = info.pid
+        self.weight_bytes = info.weight_bytes
         self.executor.cost = cost_model_for(config, info)
         self.scheduler = Scheduler(config, eos_token_ids=info.eos_token_ids, cost=self.executor.cost)
         if config.max_step_s:
@@ -117,6 +118,7 @@ class SchedulerLoop:
             extra={
                 "fields": {
                     "kv_capacity_tokens": info.kv_capacity_tokens,
+                    "weight_bytes": info.weight_bytes,
                     "page_size": info.page_size,
                     "max_context": info.max_context,
                     "policy": self.config.policy,
@@ -227,6 +229,7 @@ class SchedulerLoop:
                 kv_used_tokens=sched.kv_used_tokens,
                 kv_total_tokens=sched.kv_capacity_tokens,
                 kv_request_pages_max=sched.kv.max_decoding_pages(),
+                model_weight_bytes=self.weight_bytes,
                 batch_sizes=self._batch_sizes,
                 queue_times=self._queue_times,
                 preemptions=self._preemptions,

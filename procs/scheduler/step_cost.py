@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from batchserve.shared.messages import WorkerInfo
+from batchserve.shared.process_messages import WorkerInfo
 from batchserve.shared.step_features import StepShape, experts_read, step_shape
 
 if TYPE_CHECKING:

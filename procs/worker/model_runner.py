@@ -44,12 +44,14 @@ from batchserve.procs.worker.runner_setup import (
 )
 from batchserve.procs.worker.sample_rows import sampled_tokens
 from batchserve.procs.worker.step_sampler import StepSampler
+from batchserve.procs.worker.weight_bytes import weight_bytes
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.lora import held_at_start, parse_lora_modules, served_projections
-from batchserve.shared.messages import AdapterUpdate, ForwardBatch, StepResult, WorkerInfo
+from batchserve.shared.messages import AdapterUpdate, ForwardBatch, StepResult
 from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 from batchserve.shared.parallel import RankLayout
 from batchserve.shared.pooling import PoolerConfig
+from batchserve.shared.process_messages import WorkerInfo
 from batchserve.shared.step_features import StepShape
 
 log = logging.getLogger("batchserve.worker")
@@ -307,6 +309,7 @@ class ModelRunner:
             sliding_window=self._shared_window(),
             layer_windows=list(self.cost_windows),
             sliding_rings=bool(self.kv_cache.ring_layers),
+            weight_bytes=weight_bytes(self.model),
             recurrent_state_bytes=0 if states is None else states.bytes_per_request,
             state_snapshots=0 if states is None else states.num_snapshots,
             pooling=self.pooler is not None,

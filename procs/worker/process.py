@@ -24,8 +24,9 @@ import msgspec
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.ipc import Receiver, SchedulerInbox, Sender, StepsInbox, WorkerInbox
-from batchserve.shared.messages import ForwardBatch, WorkerInfo
+from batchserve.shared.messages import ForwardBatch
 from batchserve.shared.parallel import RankLayout, worker_rank_name
+from batchserve.shared.process_messages import WorkerInfo
 from batchserve.shared.shm import DoubleBuffer
 
 if TYPE_CHECKING:  # torch is imported only once the process runs
