@@ -201,9 +201,11 @@ def test_a_router_setting_the_block_does_not_implement_is_named(tiny_model_dir, 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
 def test_a_quantized_checkpoint_is_refused_by_its_method(tiny_model_dir, tmp_path, arch):
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    edited = _edited(tiny_model_dir(arch), tmp_path / arch, config=lambda raw: raw.update(quantization_config=fp8))
-    with pytest.raises(ModelLoadError, match=r"quantized checkpoint \(quantization_config quant_method 'fp8'"):
+    """AWQ, GPTQ and FP8 folders are served, their experts de-quantized at load (tests/test_hf_quantized.py);
+    a method that is not, such as bitsandbytes, is refused by name."""
+    nf4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    edited = _edited(tiny_model_dir(arch), tmp_path / arch, config=lambda raw: raw.update(quantization_config=nf4))
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoint \(quantization_config quant_method 'bitsandbytes'"):
         _runner(edited)
 
 

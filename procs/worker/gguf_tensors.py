@@ -23,11 +23,17 @@ from batchserve.shared.gguf_convert import MANIFEST
 
 
 class BlockTensor:
-    """A 2-D GGUF tensor [rows, columns] in its blocks: data uint8 [rows, row_bytes]."""
+    """A 2-D GGUF tensor [rows, columns] in its blocks: data uint8 [rows, row_bytes]. A sibling that builds its
+    blocks from other tensors (`procs.worker.hf_quantized_tensors`) overrides `data`, `get_shape`, `row_blocks`
+    and `rows_fp32`, and builds only the rows a rank takes."""
 
     def __init__(self, data: torch.Tensor, kind: BlockType):
-        self.data = data
+        self._data = data
         self.kind = kind
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data
 
     def get_shape(self) -> list[int]:
         return [self.data.shape[0], self.data.shape[1] // self.kind.block_bytes * self.kind.block]
@@ -43,13 +49,20 @@ class BlockTensor:
 
     def blocks(self, rows: slice | None = None, cols: slice | None = None) -> BlockWeight:
         """`rows` (all of its columns) or `cols` (of every row; on block boundaries) as a linear layer's weight."""
-        weight = BlockWeight(self.data, self.kind)
-        if rows is not None:
-            weight = weight.take_rows(rows)
+        weight = self.row_blocks(rows)
         if cols is not None:
             start, stop, _ = cols.indices(self.get_shape()[1])
             weight = weight.take_columns(start, stop)
         return weight
+
+    def row_blocks(self, rows: slice | None) -> BlockWeight:
+        """`rows` (None: all) of every column as a weight."""
+        weight = BlockWeight(self.data, self.kind)
+        return weight if rows is None else weight.take_rows(rows)
+
+    def rows_fp32(self, rows: Any) -> torch.Tensor:
+        """fp32 values of `rows` (an index of the first dimension), every column."""
+        return _dequantize(self.data[rows].contiguous(), self.kind)
 
     def as_fp32(self) -> Fp32View:
         """This tensor as fp32 to whatever takes it (a loader that keeps no blocks)."""
@@ -58,7 +71,7 @@ class BlockTensor:
     def __getitem__(self, index: Any) -> torch.Tensor:
         """fp32 values of `index` (rows, or (rows, columns)), as a safetensors slice reads them."""
         rows, *rest = index if isinstance(index, tuple) else (index,)
-        values = _dequantize(self.data[rows].contiguous(), self.kind)
+        values = self.rows_fp32(rows)
         return values[(slice(None), *rest)] if rest else values
 
 

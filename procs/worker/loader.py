@@ -6,12 +6,14 @@ metadata every process shares (architecture, context length, EOS ids) is `shared
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from batchserve.procs.worker.gguf_tensors import block_fp32_bytes, has_block_tensors, iter_block_tensors
+from batchserve.procs.worker.gguf_tensors import BlockTensor, block_fp32_bytes, has_block_tensors, iter_block_tensors
+from batchserve.procs.worker.hf_quantized import quantized_fp32_bytes, quantized_tensors
 from batchserve.procs.worker.models import ARCHITECTURES, model_class
 from batchserve.procs.worker.models.base import CausalLM, ModelConfig, Weight
 from batchserve.procs.worker.parallel import TensorParallel
@@ -62,21 +64,24 @@ def load_model(
 
 
 def resolve_quantization(model_dir: Path, quantization: str) -> tuple[str, bool]:
-    """`quantization` as the models take it ("none" for auto) and whether a GGUF file's block weights stay in
-    their blocks: auto de-quantizes them where their fp32 fits in a quarter of the memory free now (the
-    block kernels decode faster, fp32 panels prefill faster: loadtests/results/gguf_blocks_cpu.txt)."""
+    """`quantization` as the models take it ("none" for auto) and whether block weights (a GGUF file's, a
+    quantized folder's repacked) stay in their blocks: auto de-quantizes them where their fp32 fits in a quarter
+    of the memory free now (the block kernels decode faster, fp32 panels prefill faster:
+    loadtests/results/gguf_blocks_cpu.txt)."""
     if quantization != "auto":
         return quantization, True
-    return "none", block_fp32_bytes(model_dir) * 4 > available_bytes()
+    return "none", (block_fp32_bytes(model_dir) + quantized_fp32_bytes(model_dir)) * 4 > available_bytes()
 
 
 def iter_checkpoint(model_dir: Path, keep_blocks: bool = True) -> Iterator[tuple[str, Weight]]:
-    """Every tensor of the folder: its safetensors' and, for a GGUF file's folder, the blocks kept in the file
-    (read as fp32 by whatever takes them, without `keep_blocks`)."""
-    yield from iter_safetensors(model_dir)
+    """Every tensor of the folder: its safetensors' (a quantized folder's linear layers as blocks built from
+    them, `procs.worker.hf_quantized`) and, for a GGUF file's folder, the blocks kept in the file; without
+    `keep_blocks`, blocks are read as fp32 by whatever takes them."""
+    tensors = quantized_tensors(model_dir, iter_safetensors(model_dir))
     if has_block_tensors(model_dir):
-        for name, tensor in iter_block_tensors(model_dir):
-            yield name, tensor if keep_blocks else tensor.as_fp32()
+        tensors = itertools.chain(tensors, iter_block_tensors(model_dir))
+    for name, tensor in tensors:
+        yield name, tensor if keep_blocks or not isinstance(tensor, BlockTensor) else tensor.as_fp32()
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:

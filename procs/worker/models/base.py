@@ -21,6 +21,7 @@ import torch
 from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, plan_step
 from batchserve.kernels.recurrent_state import RecurrentShape
 from batchserve.kernels.rope import RotaryTables
+from batchserve.procs.worker.hf_quantized import scheme_of
 from batchserve.procs.worker.lora import LoraSlots
 from batchserve.procs.worker.parallel import TensorParallel
 from batchserve.shared.model import ModelLoadError, ModelSpec
@@ -68,15 +69,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls: type[Config], raw: dict[str, Any], spec: ModelSpec, **fields: Any) -> Config:
         """The common fields of config.json `raw`, plus the subclass's `fields`; ModelLoadError for a
-        quantized checkpoint (its weights would need that method's kernels)."""
+        quantized checkpoint of a method the loader does not serve (`procs.worker.hf_quantized`)."""
         quantization = raw.get("quantization_config")
         if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise ModelLoadError(
-                f"quantized checkpoint (quantization_config quant_method {method!r} in "
-                f"{config_path(spec)}) is not supported: serve its unquantized weights (bf16 or "
-                f"fp32; on the CPU, --quantization int8 quantizes them at load)"
-            )
+            scheme_of(quantization, config_path(spec))
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         try:
