@@ -74,9 +74,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     ] = "auto"
     quantization: Annotated[
         Quantization,
-        _doc("""Weights of the linear layers and the LM head: none (as the checkpoint has them: a
-        GGUF file's quantized blocks on the CPU, docs/models.md), auto (none, but a GGUF file whose fp32
-        weights fit in a quarter of the free memory is de-quantized: faster prefill today), int8 (CPU,
+        _doc("""Weights of the linear layers and the LM head: auto or none (as the checkpoint has them:
+        a GGUF file's quantized blocks, or an AWQ / GPTQ / FP8 folder's repacked into them, on the CPU;
+        docs/models.md), int8 (CPU,
         float32 only: weights rounded to int8 per output channel, fp32 arithmetic; docs/performance.md), or
         q8_0, q4_0, q4_k (CPU, float32 only: quantized at load into GGUF's blocks, as llama-quantize would,
         the LM head in Q6_K under q4_0 and q4_k; docs/models.md)."""),

@@ -11,9 +11,9 @@ from typing import Literal, get_args
 # The scheduler's batch-forming policies (procs/scheduler/managers.py implements each).
 Policy = Literal["mixed", "prefill-first", "fixed"]  # the default first
 POLICIES: tuple[str, ...] = get_args(Policy)
-# Weight formats of the linear layers (kernels/ops.pack_linear_weight implements each; auto: a GGUF file's blocks
-# where its fp32 weights would not fit easily, procs/worker/loader.resolve_quantization; q8_0, q4_0, q4_k:
-# quantized at load into GGUF blocks, kernels/block_quantize.py).
+# Weight formats of the linear layers (kernels/ops.pack_linear_weight implements each; auto: as none, a GGUF file's
+# or a quantized folder's blocks kept; q8_0, q4_0, q4_k: quantized at load into GGUF blocks,
+# kernels/block_quantize.py).
 Quantization = Literal["auto", "none", "int8", "q8_0", "q4_0", "q4_k"]  # the default first
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # Overlap scheduling (procs/scheduler/process.py): auto = on with a CUDA worker.

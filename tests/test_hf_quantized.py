@@ -23,9 +23,8 @@ from safetensors.torch import load_file, save_file
 from test_gguf_blocks import MARGIN, NEW_TOKENS, TINY, _prompts
 
 from batchserve.kernels import native
-from batchserve.kernels.panel_linear import PanelWeight
 from batchserve.kernels.quant_blocks import BlockWeight
-from batchserve.procs.worker import hf_quantized_tensors, loader
+from batchserve.procs.worker import hf_quantized_tensors
 from batchserve.procs.worker.gguf_tensors import BlockTensor
 from batchserve.procs.worker.loader import iter_checkpoint, load_model_config
 from batchserve.procs.worker.model_runner import ModelRunner
@@ -260,7 +259,7 @@ def test_repacked_blocks_dequantize_to_the_formats_reference(fmt, twins, monkeyp
         weight, reference = got[name], want[name].numpy()
         assert isinstance(weight, BlockTensor) and weight.kind.name == kind
         assert weight.get_shape() == list(reference.shape)
-        assert torch.equal(weight.as_fp32()[:], want[name])
+        assert torch.equal(weight[:], want[name])
         values = dequantize(weight.blocks().data.numpy(), GGMLQuantizationType[kind])
         err, limit = np.abs(values - reference), bound(kind, reference, folders.zero_scale.get(name))
         assert (err <= limit).all(), (name, float((err - limit).max()))
@@ -334,18 +333,16 @@ def test_kept_in_blocks_greedy_tokens_are_the_twins_where_it_is_sure(fmt, twins)
 
 
 @pytest.mark.parametrize("fmt", ["awq-g32", "gptq-asym-v2-whole-rows", "ct-fp8-channel"])
-def test_dequantized_at_load_the_model_is_its_twin(fmt, twins, monkeypatch):
-    """--quantization auto: the fp32 weights fit, so the blocks are de-quantized at load, to the reference itself:
-    every token is the plain twin's. Where they would crowd the memory, the blocks are kept."""
+def test_where_blocks_are_not_kept_the_model_is_its_twin(fmt, twins):
+    """At a dtype the block kernels do not run (bfloat16 here, as on CUDA) the folder's weights are read as the
+    reference values themselves: every token is the plain twin's at that dtype. At float32, auto keeps blocks."""
     folders = twins(fmt)
-    runner = _runner(folders.quantized)
-    assert isinstance(runner.model.layers[0].qkv.weight, PanelWeight)
+    bf16 = {"dtype": "bfloat16", "page_size": 4, "kv_capacity_tokens": 1024}
+    runner = ModelRunner(folders.quantized, device="cpu", **bf16)
+    assert isinstance(runner.model.layers[0].qkv.weight, torch.Tensor)
     prompts = _prompts()
-    assert generate_greedy(runner, prompts, NEW_TOKENS) == generate_greedy(_runner(folders.plain), prompts, NEW_TOKENS)
-    fp32_bytes = loader.quantized_fp32_bytes(folders.quantized)
-    plain = load_file(folders.plain / "model.safetensors")
-    assert fp32_bytes == sum(4 * t.numel() for n, t in plain.items() if is_linear(n))
-    monkeypatch.setattr(loader, "available_bytes", lambda: 4 * fp32_bytes - 1)
+    twin = ModelRunner(folders.plain, device="cpu", **bf16)
+    assert generate_greedy(runner, prompts, NEW_TOKENS) == generate_greedy(twin, prompts, NEW_TOKENS)
     if native.available():
         assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockWeight)
 
@@ -353,14 +350,16 @@ def test_dequantized_at_load_the_model_is_its_twin(fmt, twins, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8-block", "awq-g32"])
 def test_a_mixture_of_experts_serves_its_quantized_experts_de_quantized(fmt, twins):
     """Qwen3-MoE quantized experts (one tensor per expert, as published): the experts read as fp32 (exactly the
-    reference), the attention kept in blocks; de-quantized at load, every token is the twin's."""
+    reference), the attention kept in blocks at float32; where no blocks are kept (bfloat16), every token is the
+    twin's."""
     folders = twins(fmt, dict(arch="qwen3_moe"))
     prompts = [p[:20] for p in _prompts()]
-    assert generate_greedy(_runner(folders.quantized), prompts, 6) == generate_greedy(
-        _runner(folders.plain), prompts, 6
+    bf16 = {"dtype": "bfloat16", "page_size": 4, "kv_capacity_tokens": 1024}
+    assert generate_greedy(ModelRunner(folders.quantized, device="cpu", **bf16), prompts, 6) == generate_greedy(
+        ModelRunner(folders.plain, device="cpu", **bf16), prompts, 6
     )
     if native.available():
-        assert isinstance(_runner(folders.quantized, quantization="none").model.layers[0].qkv.weight, BlockWeight)
+        assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockWeight)
 
 
 @pytest.mark.skipif(not native.available(), reason="the blocks run in the C kernels")

@@ -64,35 +64,11 @@ class BlockTensor:
         """fp32 values of `rows` (an index of the first dimension), every column."""
         return _dequantize(self.data[rows].contiguous(), self.kind)
 
-    def as_fp32(self) -> Fp32View:
-        """This tensor as fp32 to whatever takes it (a loader that keeps no blocks)."""
-        return Fp32View(self)
-
     def __getitem__(self, index: Any) -> torch.Tensor:
         """fp32 values of `index` (rows, or (rows, columns)), as a safetensors slice reads them."""
         rows, *rest = index if isinstance(index, tuple) else (index,)
         values = self.rows_fp32(rows)
         return values[(slice(None), *rest)] if rest else values
-
-
-class Fp32View:
-    """A `BlockTensor` read as a safetensors slice of fp32 values (not kept in blocks by `WeightTaker`)."""
-
-    def __init__(self, blocks: BlockTensor):
-        self.blocks = blocks
-
-    def get_shape(self) -> list[int]:
-        return self.blocks.get_shape()
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.blocks[index]
-
-
-def block_fp32_bytes(model_dir: Path) -> int:
-    """The bytes the folder's block weights take de-quantized to fp32 (0: no GGUF blocks)."""
-    if not has_block_tensors(model_dir):
-        return 0
-    return int(json.loads((model_dir / MANIFEST).read_text()).get("fp32_bytes", 0))
 
 
 def _dequantize(data: torch.Tensor, kind: BlockType) -> torch.Tensor:

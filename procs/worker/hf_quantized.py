@@ -10,7 +10,6 @@ tensors and pass through. gpt-oss's `mxfp4` experts are its own (`procs.worker.m
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,21 +212,3 @@ def _fp8_weight(name: str, found: dict[str, Any], scheme: Scheme) -> Fp8Weight:
     else:
         raise ModelLoadError(f"checkpoint tensor {name} is float8 without {name}_scale_inv or {name}_scale")
     return Fp8Weight(name, found[name], scale, block)
-
-
-def quantized_fp32_bytes(model_dir: Path) -> int:
-    """The bytes the folder's quantized linear weights take de-quantized to fp32 (0: none)."""
-    from safetensors import safe_open
-
-    if folder_scheme(model_dir) is None:
-        return 0
-    total = 0
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                weight = handle.get_slice(name)
-                if name.endswith(".qweight"):  # 8 values per int32
-                    total += 32 * math.prod(weight.get_shape())
-                elif name.endswith(".weight") and weight.get_dtype() in FP8_DTYPES:
-                    total += 4 * math.prod(weight.get_shape())
-    return total

@@ -6,18 +6,16 @@ metadata every process shares (architecture, context length, EOS ids) is `shared
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from batchserve.procs.worker.gguf_tensors import BlockTensor, block_fp32_bytes, has_block_tensors, iter_block_tensors
-from batchserve.procs.worker.hf_quantized import quantized_fp32_bytes, quantized_tensors
+from batchserve.procs.worker.gguf_tensors import has_block_tensors, iter_block_tensors
+from batchserve.procs.worker.hf_quantized import quantized_tensors
 from batchserve.procs.worker.models import ARCHITECTURES, model_class
 from batchserve.procs.worker.models.base import CausalLM, ModelConfig, Weight
 from batchserve.procs.worker.parallel import TensorParallel
-from batchserve.shared.gguf_convert import available_bytes
 from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 
 __all__ = ["iter_checkpoint", "iter_safetensors", "load_model", "load_model_config"]
@@ -47,9 +45,9 @@ def load_model(
     """The model (`tp`'s rank's share of it) from its checkpoint, for requests up to `spec.context_length`
     tokens; without `lm_head`, the decoder alone (the pooling runner's)."""
     config = load_model_config(spec)
-    quantization, keep_blocks = resolve_quantization(spec.model_dir, quantization)
+    quantization = "none" if quantization == "auto" else quantization  # auto: blocks stay as the file has them
     # transformers' older checkpoints carry rotary tables, which the model computes itself
-    tensors = ((n, t) for n, t in iter_checkpoint(spec.model_dir, keep_blocks) if not n.endswith("rotary_emb.inv_freq"))
+    tensors = ((n, t) for n, t in iter_checkpoint(spec.model_dir) if not n.endswith("rotary_emb.inv_freq"))
     if not lm_head:
         config = dataclasses.replace(config, lm_head=False)
     return model_class(spec.architecture).from_tensors(
@@ -63,25 +61,13 @@ def load_model(
     )
 
 
-def resolve_quantization(model_dir: Path, quantization: str) -> tuple[str, bool]:
-    """`quantization` as the models take it ("none" for auto) and whether block weights (a GGUF file's, a
-    quantized folder's repacked) stay in their blocks: auto de-quantizes them where their fp32 fits in a quarter
-    of the memory free now (the block kernels decode faster, fp32 panels prefill faster:
-    loadtests/results/gguf_blocks_cpu.txt)."""
-    if quantization != "auto":
-        return quantization, True
-    return "none", (block_fp32_bytes(model_dir) + quantized_fp32_bytes(model_dir)) * 4 > available_bytes()
-
-
-def iter_checkpoint(model_dir: Path, keep_blocks: bool = True) -> Iterator[tuple[str, Weight]]:
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Weight]]:
     """Every tensor of the folder: its safetensors' (a quantized folder's linear layers as blocks built from
-    them, `procs.worker.hf_quantized`) and, for a GGUF file's folder, the blocks kept in the file; without
-    `keep_blocks`, blocks are read as fp32 by whatever takes them."""
-    tensors = quantized_tensors(model_dir, iter_safetensors(model_dir))
+    them, `procs.worker.hf_quantized`) and, for a GGUF file's folder, the blocks kept in the file (each read as
+    fp32 by whatever does not keep blocks: `WeightTaker`)."""
+    yield from quantized_tensors(model_dir, iter_safetensors(model_dir))
     if has_block_tensors(model_dir):
-        tensors = itertools.chain(tensors, iter_block_tensors(model_dir))
-    for name, tensor in tensors:
-        yield name, tensor if keep_blocks or not isinstance(tensor, BlockTensor) else tensor.as_fp32()
+        yield from iter_block_tensors(model_dir)
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, Weight]]:
