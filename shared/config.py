@@ -246,8 +246,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         float,
         _doc("""Seconds a model step may take before the worker counts as hung:
         every request in flight then fails (503 / an error event) and the scheduler exits for a restart.
-        Generous: a long prefill chunk on a CPU takes seconds. With tensor parallelism, also the
-        ranks' collective timeout (then above 2)."""),
+        Generous: a long prefill chunk on a CPU takes seconds (and a step the step-cost model predicts
+        longer waits three times its prediction). With tensor parallelism, also the ranks' collective
+        timeout (then above 2)."""),
     ] = 30.0
     # worker
     attention_backend: Annotated[

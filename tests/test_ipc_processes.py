@@ -317,6 +317,39 @@ def test_a_stalled_worker_ends_the_wait_within_the_step_timeout(tmp_path):
         rt.ctx.destroy(linger=0)
 
 
+def test_a_step_predicted_long_is_given_a_multiple_of_its_prediction(tmp_path):
+    """A big prefill chunk of a large model on a slow CPU takes longer than the step timeout and is not hung:
+    the wait is SLOW_STEP_FACTOR times the cost model's prediction where that is longer (a 2048-token step of a
+    1B model on two cores, ~40 s, was failed as a stall at 30 s)."""
+    from batchserve.procs.runtime import ProcessRuntime
+    from batchserve.procs.scheduler.remote_worker import SLOW_STEP_FACTOR, RemoteWorker
+    from batchserve.shared.messages import StepResult
+
+    class Predicts:
+        seconds = 0.0
+
+        def shape(self, prefix_lens, extend_lens):
+            return None
+
+        def predict(self, shape):
+            return self.seconds
+
+    rt = ProcessRuntime("scheduler", ServerConfig(runtime_dir=str(tmp_path)))
+    try:
+        worker = RemoteWorker(
+            Sender(rt.ctx, rt.endpoints.worker), Receiver(rt.ctx, rt.endpoints.steps, StepResult), rt, 30
+        )
+        batch = _one_token_batch(3)
+        assert worker.timeout_s(batch) == 30  # no cost model yet
+        worker.cost = cost = Predicts()
+        cost.seconds = 2.0
+        assert worker.timeout_s(batch) == 30
+        cost.seconds = 40.0
+        assert worker.timeout_s(batch) == SLOW_STEP_FACTOR * 40.0
+    finally:
+        rt.ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("stopping", [False, True])
 def test_a_dead_worker_ends_the_wait_at_once(tmp_path, stopping):
     """A killed worker's step never comes back: the wait ends as soon as its process is gone, not after

@@ -14,6 +14,9 @@ from batchserve.shared.liveness import pid_gone
 from batchserve.shared.messages import DRAFT_TOKEN, ForwardBatch, StepResult
 
 WORKER_STOP_GRACE_S = 5.0  # after SIGTERM, how long to wait for the step in flight
+# A step the cost model predicts long (a big prefill chunk of a large model on a slow CPU: 2048 tokens of a 1B
+# model take ~40 s on two cores) is slow, not hung: its wait is this many times its prediction, if longer.
+SLOW_STEP_FACTOR = 3.0
 
 
 class WorkerGone(RuntimeError):
@@ -29,8 +32,9 @@ class RemoteWorker:
     """The scheduler's executor: ForwardBatches out, their StepResults back in order. With overlap
     scheduling two steps are in flight (the worker runs one while the next waits in its socket).
 
-    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s`, and ends at
-    once when the worker process (`worker_pid`, from its `WorkerInfo`) is gone."""
+    The wait is the scheduler loop's progress watchdog: it never outlasts `step_timeout_s` (or SLOW_STEP_FACTOR
+    times the step's predicted time, where the cost model predicts more), and ends at once when the worker
+    process (`worker_pid`, from its `WorkerInfo`) is gone."""
 
     def __init__(
         self, to_worker: Sender[WorkerInbox], results: Receiver[StepsInbox], rt: ProcessRuntime, step_timeout_s: float
@@ -54,9 +58,17 @@ class RemoteWorker:
         self.to_worker.send(batch)
         self._sent[batch.step] = time.monotonic()
 
+    def timeout_s(self, batch: ForwardBatch) -> float:
+        """How long `batch` may take before the worker counts as stalled."""
+        if self.cost is None:
+            return self.step_timeout_s
+        predicted = self.cost.predict(self.cost.shape(batch.prefix_lens, batch.extend_lens))
+        return max(self.step_timeout_s, SLOW_STEP_FACTOR * predicted)
+
     def wait(self, batch: ForwardBatch) -> StepResult:
         """The result of `batch`, the oldest step in flight."""
         started = max(self._sent.pop(batch.step), self._last_result)
+        timeout_s = self.timeout_s(batch)
         stop_seen: float | None = None
         while True:
             result = self.results.recv(POLL_INTERVAL_S)
@@ -83,10 +95,10 @@ class RemoteWorker:
             if self.worker_pid and pid_gone(self.worker_pid):
                 gone = WorkerGone if self.rt.stopping.is_set() else WorkerStalled
                 raise gone(f"the worker process (pid {self.worker_pid}) exited with step {batch.step} in flight")
-            if now - started > self.step_timeout_s:
+            if now - started > timeout_s:
                 raise WorkerStalled(
                     f"no result for step {batch.step} ({batch.num_requests} requests, "
-                    f"{batch.num_tokens} tokens) within the step timeout of {self.step_timeout_s:g} s"
+                    f"{batch.num_tokens} tokens) within the step timeout of {timeout_s:g} s"
                 )
             if self.rt.stopping.is_set():
                 stop_seen = stop_seen or now
