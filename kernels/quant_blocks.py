@@ -144,8 +144,10 @@ def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the C structs of its parts are kept per weight
 class BlockParts:
-    """Block weights of different types fused along the output (a Q4_K_M file's q and k in Q4_K beside its v in
-    Q6_K): each part's rows in turn. Parts of one type are one `BlockWeight` instead (`fuse_blocks`)."""
+    """Block weights fused along the output (q, k and v; gate and up), each part where it lies: a GGUF file's
+    parts stay views of the `mmap`ed file (joining them would copy them out of it: the worker would hold both,
+    +0.35 GB of a 0.67 GB 1B Q4_K_M file), and parts may differ in type (a Q4_K_M file's v in Q6_K beside q
+    and k in Q4_K). Each part's rows in turn."""
 
     parts: tuple[BlockWeight, ...]
 
@@ -170,8 +172,6 @@ class BlockParts:
 
 
 def fuse_blocks(parts: list[BlockWeight]) -> BlockWeight | BlockParts:
-    """Projections' block weights fused along the output: one weight where they share a type."""
+    """Projections' block weights fused along the output, without a copy (`BlockParts`)."""
     check(len({p.in_features for p in parts}) == 1, "fused projections share their input features")
-    if len({p.kind for p in parts}) == 1:
-        return parts[0] if len(parts) == 1 else BlockWeight(torch.cat([p.data for p in parts]), parts[0].kind)
-    return BlockParts(tuple(parts))
+    return parts[0] if len(parts) == 1 else BlockParts(tuple(parts))

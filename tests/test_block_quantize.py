@@ -13,7 +13,7 @@ from model_batches import generate_greedy
 
 from batchserve.kernels import native
 from batchserve.kernels.block_quantize import block_type_for, quantize_weight
-from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
 from batchserve.procs.worker.model_runner import ModelRunner
 from batchserve.procs.worker.weight_bytes import weight_bytes
 
@@ -75,7 +75,9 @@ def _reference(model_dir, quantization: str, prompts: list[list[int]]) -> list[t
 def test_greedy_tokens_are_the_dequantized_blocks(quantization, tiny_llama):
     runner = ModelRunner(tiny_llama, device="cpu", page_size=4, kv_capacity_tokens=1024, quantization=quantization)
     layer, head = runner.model.layers[0], runner.model.lm_head.weight
-    weights = (layer.qkv.weight, layer.mlp.down.weight, head)
+    qkv = layer.qkv.weight
+    assert isinstance(qkv, BlockParts) and len({p.kind for p in qkv.parts}) == 1
+    weights = (qkv.parts[0], layer.mlp.down.weight, head)
     assert all(isinstance(w, BlockWeight) for w in weights)
     assert tuple(w.kind.name for w in weights) == EXPECTED[quantization]
     assert runner.model.fuse_decode_layers

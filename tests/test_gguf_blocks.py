@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from gguf import GGUFReader
 from gguf_files import write_llama_gguf
 from model_batches import generate_greedy
 
@@ -83,7 +84,7 @@ def test_greedy_tokens_are_the_dequantized_models(block_type, tiny_llama, tmp_pa
     gguf = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", q4_k_m if block_type == "Q4_K_M" else block_type)
     runner = ModelRunner(resolve_model(gguf), device="cpu", page_size=4, kv_capacity_tokens=1024, quantization="none")
     layer = runner.model.layers[0]
-    assert isinstance(layer.qkv.weight, BlockParts if block_type == "Q4_K_M" else BlockWeight)
+    assert isinstance(layer.qkv.weight, BlockParts)  # q, k and v where the file has them (no copy)
     assert isinstance(layer.mlp.down.weight, BlockWeight) and isinstance(runner.model.embed.weight, BlockWeight)
     assert runner.model.fuse_decode_layers  # decode steps in the one C call, on the blocks
     prompts = _prompts()
@@ -106,7 +107,10 @@ def test_the_converted_folder_keeps_the_weights_in_the_file(tiny_llama, tmp_path
     converted = resolve_model(gguf)
     manifest = json.loads((converted / MANIFEST).read_text())
     assert manifest["file"] == str(gguf.resolve())
-    assert manifest["tensors"]["model.layers.1.self_attn.q_proj.weight"] == {"name": "blk.1.attn_q.weight", "heads": 4}
+    q = manifest["tensors"]["model.layers.1.self_attn.q_proj.weight"]
+    assert {k: q[k] for k in ("name", "heads", "type")} == {"name": "blk.1.attn_q.weight", "heads": 4, "type": "Q8_0"}
+    [tensor] = [t for t in GGUFReader(str(gguf)).tensors if t.name == "blk.1.attn_q.weight"]
+    assert (q["offset"], q["shape"]) == (tensor.data_offset, list(tensor.data.shape))  # read without parsing
     assert manifest["tensors"]["model.layers.1.self_attn.k_proj.weight"]["heads"] == 2
     assert (converted / "model.safetensors").stat().st_size < 16_000  # 5 norms of 256 floats
 
@@ -164,4 +168,4 @@ def test_auto_keeps_the_blocks(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
     converted = resolve_model(write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q4_0"))
     runner = ModelRunner(converted, device="cpu", page_size=4, kv_capacity_tokens=256)
-    assert isinstance(runner.model.layers[0].qkv.weight, BlockWeight)
+    assert isinstance(runner.model.layers[0].qkv.weight, BlockParts)

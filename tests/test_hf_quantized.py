@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from test_gguf_blocks import MARGIN, NEW_TOKENS, TINY, _prompts
 
 from batchserve.kernels import native
-from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
 from batchserve.procs.worker import hf_quantized_tensors
 from batchserve.procs.worker.gguf_tensors import BlockTensor
 from batchserve.procs.worker.loader import iter_checkpoint, load_model_config
@@ -318,7 +318,8 @@ def test_kept_in_blocks_greedy_tokens_are_the_twins_where_it_is_sure(fmt, twins)
     folders = twins(fmt)
     runner = _runner(folders.quantized, quantization="none")
     layer = runner.model.layers[0]
-    assert isinstance(layer.qkv.weight, BlockWeight) and layer.qkv.weight.kind.name == FORMATS[fmt][2]
+    qkv = layer.qkv.weight
+    assert isinstance(qkv, BlockParts) and {p.kind.name for p in qkv.parts} == {FORMATS[fmt][2]}
     assert isinstance(layer.mlp.down.weight, BlockWeight) and runner.model.fuse_decode_layers
     prompts = _prompts()
     steps = [
@@ -344,7 +345,7 @@ def test_where_blocks_are_not_kept_the_model_is_its_twin(fmt, twins):
     twin = ModelRunner(folders.plain, device="cpu", **bf16)
     assert generate_greedy(runner, prompts, NEW_TOKENS) == generate_greedy(twin, prompts, NEW_TOKENS)
     if native.available():
-        assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockWeight)
+        assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockParts)
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "awq-g32"])
@@ -359,7 +360,7 @@ def test_a_mixture_of_experts_serves_its_quantized_experts_de_quantized(fmt, twi
         ModelRunner(folders.plain, device="cpu", **bf16), prompts, 6
     )
     if native.available():
-        assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockWeight)
+        assert isinstance(_runner(folders.quantized).model.layers[0].qkv.weight, BlockParts)
 
 
 @pytest.mark.skipif(not native.available(), reason="the blocks run in the C kernels")

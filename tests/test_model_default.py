@@ -9,7 +9,7 @@ import pytest
 import torch
 from model_batches import generate_greedy
 
-from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.kernels.quant_blocks import BlockParts
 from batchserve.procs.engine import OfflineEngine, request
 from batchserve.procs.worker.model_runner import ModelRunner
 from batchserve.shared.config import DEFAULT_MODEL, ServerConfig
@@ -61,7 +61,7 @@ TEXT = (
 
 def test_default_model_keeps_its_blocks_and_agrees_with_the_dequantized_model(default_model):
     _, tokenizer, _, runner = default_model
-    assert isinstance(runner.model.layers[0].qkv.weight, BlockWeight)
+    assert isinstance(runner.model.layers[0].qkv.weight, BlockParts)
     ids = tokenizer.encode(TEXT)
     engine = OfflineEngine(
         ServerConfig(

@@ -17,8 +17,9 @@ typedef struct Projection {
     const float *scale; /* int8 panels' scales; NULL: fp32 panels or blocks */
     const float *bias;
     int64_t block_type; /* 0: panels; else the GGUF block type of `packed`, out_features rows of blocks */
-    /* Blocks of another type for the output rows after this part's `rows` (a Q4_K_M file's v in Q6_K after
-     * q and k in Q4_K); NULL: this part runs to out_features. The first part's bias covers them all. */
+    /* The blocks of the output rows after this part's `rows` (fused projections' next part, where it lies: a
+     * GGUF file's k after q, in its own type); NULL: this part runs to out_features. The first part's bias
+     * covers them all. */
     const struct Projection *next;
     int64_t rows;
 } Projection;
