@@ -40,7 +40,8 @@ from batchserve.shared.errors import ModelLoadError  # noqa: F401 (raised here, 
 from batchserve.shared.gguf_convert import convert_gguf
 from batchserve.shared.rope import RopeConfig
 
-GGUF_LAYOUT = "-blocks"  # in a converted folder's name: folders of the fp32-only layout before it are not reused
+GGUF_LAYOUT = "-blocks2"  # in a converted folder's name: folders of earlier layouts (fp32 only; a manifest
+# without the blocks' offsets) are not reused
 
 
 @dataclass(frozen=True)

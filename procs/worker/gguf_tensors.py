@@ -92,17 +92,17 @@ def has_block_tensors(model_dir: Path) -> bool:
 
 def iter_block_tensors(model_dir: Path) -> Iterator[tuple[str, BlockTensor]]:
     """(Hugging Face name, BlockTensor) for every tensor the folder's manifest keeps in the GGUF file."""
-    from gguf import GGUFReader
+    import numpy as np
 
     manifest = json.loads((model_dir / MANIFEST).read_text())
     path = Path(manifest["file"])
     if not path.is_file():
         raise ModelLoadError(f"{model_dir} reads its weights from {path}, which is gone: delete {model_dir} to redo it")
     # copy-on-write: torch wants a writable array, and the pages stay the file's (nothing writes them)
-    by_name = {t.name: t for t in GGUFReader(str(path), "c").tensors}
+    file = np.memmap(path, dtype=np.uint8, mode="c")
     for hf_name, entry in manifest["tensors"].items():
-        tensor = by_name[entry["name"]]
-        data = torch.from_numpy(tensor.data)
+        (rows, row_bytes), start = entry["shape"], entry["offset"]
+        data = torch.from_numpy(file[start : start + rows * row_bytes].reshape(rows, row_bytes))
         if entry["heads"]:
             data = _undo_rope_interleave(data, entry["heads"])
-        yield hf_name, BlockTensor(data, BLOCK_TYPES[tensor.tensor_type.name])
+        yield hf_name, BlockTensor(data, BLOCK_TYPES[entry["type"]])
