@@ -116,10 +116,14 @@ def test_a_layer_not_whole_blocks_wide_is_refused_naming_the_width():
 
 def test_the_weight_bytes_are_the_blocks(tiny_llama):
     """What /metrics reports (`batchserve_model_weight_bytes`): q4_k's layers take ~1/7 of fp32's bytes."""
-    sizes = {
-        q: weight_bytes(ModelRunner(tiny_llama, device="cpu", page_size=4, kv_capacity_tokens=64, quantization=q).model)
+    runners = {
+        q: ModelRunner(tiny_llama, device="cpu", page_size=4, kv_capacity_tokens=4096, quantization=q)
         for q in ("none", "q4_k")
     }
+    sizes = {q: runner.worker_info().weight_bytes for q, runner in runners.items()}
+    assert sizes["q4_k"] == weight_bytes(runners["q4_k"].model)
+    generate_greedy(runners["q4_k"], [[5, 6, 7]], 2)  # steps leave views of the KV pool on the model: not weights
+    assert runners["q4_k"].worker_info().weight_bytes == sizes["q4_k"]
     linear = sum(p.numel() for n, p in _linear_weights(tiny_llama))
     assert sizes["none"] - sizes["q4_k"] > linear * 4 * 0.8, (sizes, linear)
 

@@ -107,6 +107,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self._max_context = self.spec.context_length
         draft, pooler = self._load_models(quantization, draft_model, draft_quantization, runner, pooling)
+        self.weight_bytes = weight_bytes(self.model)  # now, before steps cache the KV pool's views on it
         backend = agreed_backend(attention_backend, self.device, self.dtype, self.tp)
         self.kv_cache = build_kv_pool(
             self.model,
@@ -309,7 +310,7 @@ class ModelRunner:
             sliding_window=self._shared_window(),
             layer_windows=list(self.cost_windows),
             sliding_rings=bool(self.kv_cache.ring_layers),
-            weight_bytes=weight_bytes(self.model),
+            weight_bytes=self.weight_bytes,
             recurrent_state_bytes=0 if states is None else states.bytes_per_request,
             state_snapshots=0 if states is None else states.num_snapshots,
             pooling=self.pooler is not None,
