@@ -6,9 +6,12 @@ activation rounding can move them (each step teacher-forced)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+from greedy_where_sure import assert_greedy_where_sure
 from model_batches import generate_greedy
 
 from batchserve.kernels import native
@@ -42,9 +45,9 @@ def tiny_llama(tiny_model_dir):
     return tiny_model_dir(**TINY)
 
 
-def _reference(model_dir, quantization: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens (and each step's top-2 margin) with every linear layer's weight replaced by
-    its blocks de-quantized (the LM head its own copy, where it is tied to the embedding)."""
+def _reference(model_dir, quantization: str) -> Any:
+    """transformers' model with every linear layer's weight replaced by its blocks de-quantized (the LM head its
+    own copy, where it is tied to the embedding)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -52,23 +55,7 @@ def _reference(model_dir, quantization: str, prompts: list[list[int]]) -> list[t
         if isinstance(module, torch.nn.Linear):
             blocks = quantize_weight(module.weight.detach(), quantization, head=name == "lm_head")
             module.weight = torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            result = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-            top2 = [s[0].topk(2).values for s in result.scores]
-            out.append((result.sequences[0, len(prompt) :].tolist(), [float(t[0] - t[1]) for t in top2]))
-    return out
+    return model
 
 
 @pytest.mark.parametrize("quantization", sorted(EXPECTED))
@@ -83,15 +70,7 @@ def test_greedy_tokens_are_the_dequantized_blocks(quantization, tiny_llama):
     assert runner.model.fuse_decode_layers
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 250, (n,), generator=generator).tolist() for n in (37, 5, 60)]
-    steps = [
-        (p + tokens[:i], tokens[i], margins[i])
-        for p, (tokens, margins) in zip(prompts, _reference(tiny_llama, quantization, prompts))
-        for i in range(NEW_TOKENS)
-    ]
-    got = generate_greedy(runner, [prefix for prefix, _, _ in steps], 1, chunk=64, arrival_gap=1)
-    decided = [(g[0], token) for g, (_, token, margin) in zip(got, steps) if margin > MARGIN]
-    assert all(ours == theirs for ours, theirs in decided), decided
-    assert len(decided) >= len(steps) // 3, len(decided)
+    assert_greedy_where_sure(runner, _reference(tiny_llama, quantization), prompts, NEW_TOKENS, MARGIN, chunk=64)
 
 
 def test_the_blocks_are_gguf_pys_and_round_trip_within_the_types_error():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
+from greedy_where_sure import assert_greedy_where_sure
 from model_batches import generate_greedy
 from safetensors.torch import load_file, save_file
 from test_gguf_blocks import MARGIN, NEW_TOKENS, TINY, _prompts
@@ -286,30 +287,6 @@ def _runner(model_dir: Path, **kwargs) -> ModelRunner:
     return ModelRunner(model_dir, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=1024, **kwargs)
 
 
-def _reference(plain: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens on the twin of reference weights, with each step's top-2 margin."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            result = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-            top2 = [s[0].topk(2).values for s in result.scores]
-            out.append((result.sequences[0, len(prompt) :].tolist(), [float(t[0] - t[1]) for t in top2]))
-    return out
-
-
 @pytest.mark.skipif(not native.available(), reason="the blocks run in the C kernels")
 @pytest.mark.parametrize("fmt", ["awq-g128", "gptq-sym-v1", "fp8-block"])
 def test_kept_in_blocks_greedy_tokens_are_the_twins_where_it_is_sure(fmt, twins):
@@ -321,16 +298,10 @@ def test_kept_in_blocks_greedy_tokens_are_the_twins_where_it_is_sure(fmt, twins)
     qkv = layer.qkv.weight
     assert isinstance(qkv, BlockParts) and {p.kind.name for p in qkv.parts} == {FORMATS[fmt][2]}
     assert isinstance(layer.mlp.down.weight, BlockWeight) and runner.model.fuse_decode_layers
-    prompts = _prompts()
-    steps = [
-        (p + tokens[:i], tokens[i], margins[i])
-        for p, (tokens, margins) in zip(prompts, _reference(folders.plain, prompts))
-        for i in range(NEW_TOKENS)
-    ]
-    got = generate_greedy(runner, [prefix for prefix, _, _ in steps], 1, chunk=16, arrival_gap=1)
-    decided = [(g[0], token) for g, (_, token, margin) in zip(got, steps) if margin > MARGIN]
-    assert all(ours == theirs for ours, theirs in decided), decided
-    assert len(decided) >= len(steps) // 3, len(decided)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folders.plain, dtype=torch.float32).eval()
+    assert_greedy_where_sure(runner, reference, _prompts(), NEW_TOKENS, MARGIN)
 
 
 @pytest.mark.parametrize("fmt", ["awq-g32", "gptq-asym-v2-whole-rows", "ct-fp8-channel"])
