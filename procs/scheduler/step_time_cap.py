@@ -8,6 +8,9 @@ of the target could prefill with no decodes (never below `MIN_PREFILL_TOKENS`): 
 and a step runs past the target by at most that much. Overload then shows as the waiting queue's time
 (TTFT), not as longer steps for every stream.
 
+A step with nothing decoding is not bounded: the bound protects decoding streams' gaps, and there are none
+(a lone prompt in chunks of the floor took 1.8x its unbounded time to its first token on a 1B model).
+
 When the decodes alone take the target (a slow or shared machine, or a running set admitted before it
 slowed), the target is out of reach and throughput wins: the step is not bounded (it plans with the
 whole budget, as `--max-step-ms -1` does). Measured beside a CPU hog (SCHEDULING.md 6.5): stretching
@@ -41,7 +44,7 @@ class StepLoad(Protocol):
 
 class StepTimeCap:
     """SCHEDULING.md 6.5: the prompt tokens a step may carry within `target_s` beside its decodes, never
-    below the floor; None (the budget alone) when the decodes alone take the target."""
+    below the floor; None (the budget alone) when nothing decodes or the decodes alone take the target."""
 
     def __init__(self, cost: LinearStepCost, target_s: float, floor_share: float, budget: int) -> None:
         self.cost = cost
@@ -55,6 +58,8 @@ class StepTimeCap:
     def prompt_tokens(self, load: StepLoad) -> int | None:
         cost = self.cost
         decodes = load.decode_load()
+        if not decodes.rows:  # nothing decodes: no stream's gaps to bound, the budget alone (SCHEDULING.md 6.5)
+            return None
         planned_s = self.target_s / cost.margin
         decode_s = cost.predict(decodes)
         if decode_s < planned_s:
