@@ -23,7 +23,9 @@ def weight_bytes(model: Any) -> int:
             continue
         seen_objects.add(id(item))
         if isinstance(item, torch.Tensor):
-            if item.device.type != "meta":
+            if item.is_mkldnn:  # oneDNN's packed layout (no CPU C kernels): an opaque tensor, no storage to share
+                storages[id(item)] = item.numel() * item.element_size()
+            elif item.device.type != "meta":
                 storage = item.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(item, dict):
