@@ -17,7 +17,8 @@ JSON Schema cannot say, and the test's generation budget. The document says each
 - tools of distinct names; previous_response_id naming a stored response: left out (none is stored
   before the fuzzing); /v1/score's text_1 and text_2 of one length (for a pooling server).
 - JSON's integers: a whole number spelled as a float (3.0) is an integer to JSON Schema, not to msgspec,
-  which decodes only 3 as an `int`; written as 3.
+  which decodes only 3 as an `int`; written as 3. An integer inside a free-form object lies in INT_RANGE
+  (the document's description): one outside is clamped to it.
 
 Negative cases are left as generated: the server must answer them without a 5xx.
 """
@@ -34,6 +35,7 @@ import msgspec
 import schemathesis
 
 from batchserve.procs.api.responses_request import ResponsesRequest, to_chat
+from batchserve.procs.api.schemas import INT_RANGE
 from batchserve.shared.errors import Refusal
 
 URL = os.environ.get("FUZZ_URL", "http://127.0.0.1:8000")
@@ -74,6 +76,8 @@ def map_case(context: Any, case: Any) -> Any:
 def whole_numbers(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return min(max(value, INT_RANGE[0]), INT_RANGE[1])
     if isinstance(value, dict):
         return {k: whole_numbers(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -153,7 +153,7 @@ def openapi_document(app: web.Application, facts: ServerFacts, version: str) -> 
         paths.setdefault(op.path, {})[op.method] = entry
     return {
         "openapi": "3.1.0",
-        "info": {"title": "batchserve", "version": version},
+        "info": {"title": "batchserve", "version": version, "description": INTEGERS},
         "paths": paths,
         "components": {"schemas": {**narrowed(components, facts), "Error": ERROR}},
     }
@@ -220,8 +220,16 @@ async def serve_document(request: web.Request) -> web.Response:
     return web.Response(body=request.app[DOCUMENT_KEY].encoded(request.app), content_type=JSON)
 
 
+# What JSON Schema cannot say of the free-form fields (schemas.INT_RANGE): said in the document's description
+INTEGERS = (
+    "Integers anywhere in a request body, inside free-form objects too (a JSON schema, chat template variables, "
+    "a tool's parameters), lie in [-2**63, 2**64): the server's processes carry them as msgpack. Another is "
+    "refused with a 400 naming the field."
+)
+
+
 def _any_json(kind: type) -> dict[str, Any]:
     """`object` fields (a JSON schema, chat template variables, ...) take any JSON value."""
     if kind is object:
-        return {"description": "any JSON value"}
+        return {"description": "any JSON value (its integers within [-2**63, 2**64))"}
     raise TypeError(f"the OpenAPI document has no schema for {kind!r}: give the field a msgspec type")
