@@ -13,6 +13,8 @@ import pytest
 import torch
 from greedy_where_sure import assert_greedy_where_sure
 from model_batches import generate_greedy
+from test_gguf_blocks import MARGIN
+from test_gguf_blocks import TINY as GGUF_TINY
 
 from batchserve.kernels import native
 from batchserve.kernels.block_quantize import block_type_for, quantize_weight
@@ -23,16 +25,8 @@ from batchserve.procs.worker.weight_bytes import weight_bytes
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
 
 # intermediate 544: the down projection's rows are 17 blocks of 32, not whole 256-blocks (Q4_K's)
-TINY = dict(
-    arch="llama",
-    with_tokenizer="bytes",
-    hidden_size=256,
-    intermediate_size=544,
-    num_attention_heads=4,
-    initializer_range=0.05,
-)
+TINY = {**GGUF_TINY, "intermediate_size": 544}
 NEW_TOKENS = 8
-MARGIN = 0.15  # as tests/test_gguf_blocks.py: the int16 activations move these logits by far less
 EXPECTED = {  # quantization -> (attention's type, the down projection's, the LM head's)
     "q8_0": ("Q8_0", "Q8_0", "Q8_0"),
     "q4_0": ("Q4_0", "Q4_0", "Q6_K"),
