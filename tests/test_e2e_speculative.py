@@ -34,7 +34,15 @@ METHOD_FLAGS = {
 @pytest.fixture(scope="module", params=list(METHOD_FLAGS))
 def server(request, model, tmp_path_factory):
     flags = METHOD_FLAGS[request.param] + ([str(model)] if request.param == "draft" else [])
-    srv = start_server(model, tmp_path_factory.mktemp("e2e-spec") / "serve.log", "--kv-capacity-tokens", "4096", *flags)
+    # `--max-step-ms -1`: no step-cost model, so no break-even gate: whether a draft pays is the model's
+    # guess from a busy machine's timings, and one guessed "never" here (CI, stop 77): these tests are
+    # about what drafts give, the gate has its own (tests/test_step_cost.py,
+    # tests/test_speculative_scheduler.py)
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("e2e-spec") / "serve.log",
+        *("--kv-capacity-tokens", "4096", "--max-step-ms", "-1", *flags),
+    )
     yield srv
     srv.stop()
 
