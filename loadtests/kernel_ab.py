@@ -5,11 +5,15 @@ revision; vec8.h from the working tree.
 
 - `linear` (`kernels/csrc/panel_linear.c`): random weights of the default model's shapes, every layer's
   four linear layers + the LM head, read cold from memory as a decode step reads them; `--rows` tokens.
+- `blocks` (`kernels/csrc/quant_*.c`, with panel_linear.c for the tiles): GGUF block weights of the 1B Llama's
+  shapes (`loadtests/bench_gguf_model.py`'s llama-1b: 4 layers' and the LM head), Q4_K with Q6_K heads as in
+  a Q4_K_M file, and Q8_0; `--rows` tokens.
 - `attention` (`kernels/csrc/paged_decode_attention.c`): one decode step's attention over every layer,
   the default model's heads, `--rows` requests of about `--context` cached tokens each, in pages
   scattered over a pool of the server's size (as a running server's allocator leaves them).
 
     .venv/bin/python -m batchserve.loadtests.kernel_ab linear [--base HEAD] [--rows 1,2,3,8,32] [--rounds 25]
+    .venv/bin/python -m batchserve.loadtests.kernel_ab blocks [--base HEAD] [--rows 1,4,16]
     .venv/bin/python -m batchserve.loadtests.kernel_ab attention [--base HEAD] [--rows 1,16,32] [--context 400]
 """
 
@@ -33,21 +37,30 @@ from batchserve.shared.config import DEFAULT_MODEL
 from batchserve.shared.model import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+QUANT_SOURCES = ("quant_linear.c", "quant_legacy.c", "quant_kquants.c", "panel_linear.c")
 SOURCES = {
-    "linear": ("panel_linear.c", ("f32_linear", "int8_linear")),
-    "attention": ("paged_decode_attention.c", ("paged_decode_attention",)),
+    "linear": (("panel_linear.c",), ("f32_linear", "int8_linear")),
+    "blocks": (QUANT_SOURCES, ("block_linear",)),
+    "attention": (("paged_decode_attention.c",), ("paged_decode_attention",)),
 }
 POOL_TOKENS = 23280  # the default model's KV capacity on a 24 GiB CPU server
 PAGE_SIZE = 16
+BLOCK_VOCAB = 49152  # SmolLM2's tokenizer's, which the 1B Llama borrows
+BLOCK_LAYERS = 4  # of the 1B Llama's 16 layers in a `blocks` pass (with the head: ~70 MB of Q4_K, past the caches)
 
 Pass = Callable[[ctypes.CDLL], float]  # one timed pass of a kernel build over prepared inputs
 
 
-def build(cc: str, source: str, out_dir: Path, name: str, functions: tuple[str, ...]) -> ctypes.CDLL:
-    (out_dir / "vec8.h").write_text((native.SOURCE_DIR / "vec8.h").read_text())
-    (out_dir / f"{name}.c").write_text(source)
+def build(cc: str, sources: dict[str, str], out_dir: Path, name: str, functions: tuple[str, ...]) -> ctypes.CDLL:
+    """One library of `sources` (file name -> text) beside the working tree's headers."""
+    for header in native.SOURCE_DIR.glob("*.h"):
+        (out_dir / header.name).write_text(header.read_text())
+    paths = []
+    for file, text in sources.items():
+        paths.append(out_dir / f"{name}_{file}")
+        paths[-1].write_text(text)
     library = out_dir / f"{name}.so"
-    subprocess.run([cc, *native.BASE_FLAGS, "-fopenmp", str(out_dir / f"{name}.c"), "-o", str(library)], check=True)
+    subprocess.run([cc, *native.BASE_FLAGS, "-fopenmp", *map(str, paths), "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
     for fn in functions:  # the signatures kernels.native declares
         getattr(lib, fn).restype, getattr(lib, fn).argtypes = native.SIGNATURES[fn]
@@ -96,6 +109,40 @@ def linear_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple[st
 
             label = f"{'fp32' if quantization == 'none' else quantization} weights, {rows} rows"
             cases.append((label, one_pass, lambda outs=outs: [y.clone() for y in outs]))
+    return cases
+
+
+def block_cases(_config: ModelConfig, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
+    """(label, timed pass, its output) for Q4_K (Q6_K LM head) and Q8_0 weights at every row count: the 1B
+    Llama's four layers and its head, quantized as llama-quantize does (`kernels.block_quantize`)."""
+    from batchserve.kernels.block_quantize import quantize_weight
+    from batchserve.loadtests.bench_gguf_model import SHAPES
+
+    shape = SHAPES["llama-1b"]
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    kv = shape["kv_heads"] * hidden // shape["heads"]
+    layer = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    dims = layer * BLOCK_LAYERS + [(BLOCK_VOCAB, hidden)]
+    cases = []
+    for quantization in ("q4_k", "q8_0"):
+        weights = [
+            quantize_weight(torch.randn(out, k) * 0.02, quantization, head=i == len(dims) - 1)
+            for i, (out, k) in enumerate(dims)
+        ]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, max(k for _, k in dims))
+            outs = [torch.empty(rows, w.out_features) for w in weights]
+
+            def one_pass(lib: ctypes.CDLL, weights=weights, x=x, rows=rows, outs=outs) -> float:
+                started = time.perf_counter()
+                for w, y in zip(weights, outs):
+                    n, k = w.shape
+                    lib.block_linear(
+                        x.data_ptr(), rows, x.shape[1], w.data.data_ptr(), w.kind.id, None, n, k, y.data_ptr()
+                    )
+                return time.perf_counter() - started
+
+            cases.append((f"{quantization} blocks, {rows} rows", one_pass, lambda outs=outs: [y.clone() for y in outs]))
     return cases
 
 
@@ -156,24 +203,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=400, help="cached tokens per request (attention)")
     parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args(argv)
-    args.rows = args.rows or ("1,2,3,8,32" if args.kernel == "linear" else "1,16,32")
+    args.rows = args.rows or {"linear": "1,2,3,8,32", "blocks": "1,4,16"}.get(args.kernel, "1,16,32")
     cc = native.compiler()
     if cc is None:
         parser.error("no C compiler found (set CC)")
-    file, functions = SOURCES[args.kernel]
-    base_source = subprocess.run(
-        ["git", "show", f"{args.base}:kernels/csrc/{file}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    files, functions = SOURCES[args.kernel]
+    base_sources = {
+        file: subprocess.run(
+            ["git", "show", f"{args.base}:kernels/csrc/{file}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        for file in files
+    }
     with tempfile.TemporaryDirectory() as tmp:
         libs = {
-            "base": build(cc, base_source, Path(tmp), "base", functions),
-            "tree": build(cc, (native.SOURCE_DIR / file).read_text(), Path(tmp), "tree", functions),
+            "base": build(cc, base_sources, Path(tmp), "base", functions),
+            "tree": build(cc, {f: (native.SOURCE_DIR / f).read_text() for f in files}, Path(tmp), "tree", functions),
         }
         torch.manual_seed(0)
         config = load_model_config(ModelSpec.resolve(args.model))
-        cases = (linear_cases if args.kernel == "linear" else attention_cases)(config, args)
+        make_cases = {"linear": linear_cases, "blocks": block_cases, "attention": attention_cases}[args.kernel]
+        cases = make_cases(config, args)
+        shapes = "the 1B Llama's" if args.kernel == "blocks" else f"{args.model}'s"
         print(
-            f"{file}: working tree vs {args.base}; {args.model}'s shapes, {torch.get_num_threads()} threads, "
+            f"{', '.join(files)}: working tree vs {args.base}; {shapes} shapes, {torch.get_num_threads()} threads, "
             f"fastest of {args.rounds} alternating passes"
         )
         print(f"  {'case':<34} {'base ms':>9} {'tree ms':>9} {'ratio':>7}  same bits")
