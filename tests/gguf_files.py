@@ -1,8 +1,8 @@
 """GGUF files of tiny models, written as llama.cpp's converter lays out llama, qwen2moe and qwen3moe (tensor
 names, the llama family's interleaved q / k rows, stacked experts, metadata, a gpt2-style tokenizer), from a
 tiny Hugging Face folder saved with fused experts and the byte-level tokenizer (`conftest.build_tiny_model`).
-`write_llama_gguf` stores the 2-D weights in a GGUF block type: gguf-py quantizes the legacy types and
-MXFP4, `kquant_blocks` the k-quants."""
+`write_llama_gguf` stores the 2-D weights in a GGUF block type (in shards too): gguf-py quantizes the legacy
+types and MXFP4, `kquant_blocks` the k-quants."""
 
 from __future__ import annotations
 
@@ -59,11 +59,15 @@ def write_moe_gguf(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def write_llama_gguf(model_dir: Path, out: Path, block_type: Callable[[str], str] | str = "F32") -> Path:
+def write_llama_gguf(
+    model_dir: Path, out: Path, block_type: Callable[[str], str] | str = "F32", shard_tensors: int = 0
+) -> Path:
     """A Llama folder as llama.cpp's converter writes it; `block_type`: the GGUF type of each 2-D weight (by
-    its GGUF name; a name: all of them), the norms staying F32 as llama-quantize leaves them."""
+    its GGUF name; a name: all of them), the norms staying F32 as llama-quantize leaves them. `shard_tensors`
+    > 0: split into shards of that many tensors, as `gguf-split` does (OUT-00001-of-0000N.gguf ..., the
+    first one returned)."""
     config = json.loads((model_dir / "config.json").read_text())
-    writer = _writer(out, "llama", config)
+    writer = _writer(out, "llama", config, shard_tensors)
     _add_tokenizer(writer, model_dir, config["vocab_size"])
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for name, tensor in _tensors(load_file(str(model_dir / "model.safetensors"))):
@@ -76,14 +80,14 @@ def write_llama_gguf(model_dir: Path, out: Path, block_type: Callable[[str], str
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return out.with_name(f"{out.stem}-00001-of-{len(writer.tensors):05d}.gguf") if len(writer.tensors) > 1 else out
 
 
-def _writer(out: Path, arch: str, config: dict[str, Any]) -> Any:
+def _writer(out: Path, arch: str, config: dict[str, Any], shard_tensors: int = 0) -> Any:
     """A GGUF writer with the decoder's metadata every architecture here shares."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=shard_tensors)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])

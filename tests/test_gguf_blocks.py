@@ -14,6 +14,7 @@ import torch
 from gguf import GGUFReader
 from gguf_files import write_llama_gguf
 from greedy_where_sure import assert_greedy_where_sure
+from model_batches import generate_greedy
 
 from batchserve.kernels import native
 from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
@@ -80,13 +81,41 @@ def test_the_converted_folder_keeps_the_weights_in_the_file(tiny_llama, tmp_path
     gguf = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf", "Q8_0")
     converted = resolve_model(gguf)
     manifest = json.loads((converted / MANIFEST).read_text())
-    assert manifest["file"] == str(gguf.resolve())
+    assert manifest["files"] == [str(gguf.resolve())]
     q = manifest["tensors"]["model.layers.1.self_attn.q_proj.weight"]
     assert {k: q[k] for k in ("name", "heads", "type")} == {"name": "blk.1.attn_q.weight", "heads": 4, "type": "Q8_0"}
     [tensor] = [t for t in GGUFReader(str(gguf)).tensors if t.name == "blk.1.attn_q.weight"]
     assert (q["offset"], q["shape"]) == (tensor.data_offset, list(tensor.data.shape))  # read without parsing
     assert manifest["tensors"]["model.layers.1.self_attn.k_proj.weight"]["heads"] == 2
     assert (converted / "model.safetensors").stat().st_size < 16_000  # 5 norms of 256 floats
+
+
+def test_a_split_model_is_read_from_its_shards(tiny_llama, tmp_path, monkeypatch):
+    """gguf-split's shards (any of them named, or their folder): the tensors from every shard, the same logits
+    as the one file's."""
+    monkeypatch.setenv("BATCHSERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "whole").mkdir(), (tmp_path / "split").mkdir()
+    whole = write_llama_gguf(tiny_llama, tmp_path / "whole" / "tiny.gguf", "Q4_K")
+    first = write_llama_gguf(tiny_llama, tmp_path / "split" / "tiny.gguf", "Q4_K", shard_tensors=8)
+    shards = sorted(first.parent.glob("*.gguf"))
+    assert len(shards) > 2 and first == shards[0] and first.name.endswith(f"-00001-of-{len(shards):05d}.gguf")
+    converted = resolve_model(shards[-1])
+    assert resolve_model(first.parent) == converted  # the folder of one model's shards
+    manifest = json.loads((converted / MANIFEST).read_text())
+    assert manifest["files"] == [str(s.resolve()) for s in shards]
+    assert {entry["file"] for entry in manifest["tensors"].values()} == set(range(len(shards)))
+    greedy = [
+        generate_greedy(
+            ModelRunner(resolve_model(path), device="cpu", page_size=4, kv_capacity_tokens=1024, quantization="none"),
+            _prompts(),
+            NEW_TOKENS,
+        )
+        for path in (whole, first)
+    ]
+    assert greedy[0] == greedy[1]
+    shards[1].unlink()
+    with pytest.raises(ModelLoadError, match=rf"one of {len(shards)} shards; missing beside it: {shards[1].name}"):
+        resolve_model(first)
 
 
 def test_a_file_whose_fp32_tensors_would_not_fit_is_refused_saying_the_size(tiny_llama, tmp_path, monkeypatch):

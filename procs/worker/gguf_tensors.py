@@ -95,13 +95,17 @@ def iter_block_tensors(model_dir: Path) -> Iterator[tuple[str, BlockTensor]]:
     import numpy as np
 
     manifest = json.loads((model_dir / MANIFEST).read_text())
-    path = Path(manifest["file"])
-    if not path.is_file():
-        raise ModelLoadError(f"{model_dir} reads its weights from {path}, which is gone: delete {model_dir} to redo it")
+    paths = [Path(file) for file in manifest["files"]]
+    for path in paths:
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{model_dir} reads its weights from {path}, which is gone: delete {model_dir} to redo it"
+            )
     # copy-on-write: torch wants a writable array, and the pages stay the file's (nothing writes them)
-    file = np.memmap(path, dtype=np.uint8, mode="c")
+    files = [np.memmap(path, dtype=np.uint8, mode="c") for path in paths]
     for hf_name, entry in manifest["tensors"].items():
         (rows, row_bytes), start = entry["shape"], entry["offset"]
+        file = files[entry["file"]]
         data = torch.from_numpy(file[start : start + rows * row_bytes].reshape(rows, row_bytes))
         if entry["heads"]:
             data = _undo_rope_interleave(data, entry["heads"])
