@@ -108,19 +108,7 @@ def _write_tensors(gguf: Path, model: Any, out_dir: Path) -> None:
     parsed: dict[str, Any] = {"config": model.config.to_dict(), "tensors": {}}
     for shard, tensor in tensors:
         if tensor.name in kept:
-            permuted = [
-                n for part, n in heads.items() if part in tensor.name and processor_class is not TensorProcessor
-            ]
-            blocks[names[tensor.name]] = {
-                "name": tensor.name,
-                "file": shard,  # its shard's index in the manifest's files
-                "heads": permuted[0] if permuted else 0,
-                # where its blocks lie, so the worker maps them without parsing the file (gguf-py's reader
-                # takes ~8 s over a 49k-token vocabulary's metadata)
-                "type": tensor.tensor_type.name,
-                "offset": int(tensor.data_offset),
-                "shape": [int(n) for n in tensor.data.shape],
-            }
+            blocks[names[tensor.name]] = _block_entry(tensor, shard, heads)
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
@@ -138,6 +126,20 @@ def _write_tensors(gguf: Path, model: Any, out_dir: Path) -> None:
     )
     manifest = {"files": [str(shard.resolve()) for shard in shards], "tensors": blocks}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _block_entry(tensor: Any, shard: int, heads: dict[str, int]) -> dict[str, Any]:
+    """The manifest's entry of a tensor kept in blocks: where its blocks lie, so the worker maps them without
+    parsing the file (gguf-py's reader takes ~8 s over a 49k-token vocabulary's metadata)."""
+    permuted = [n for part, n in heads.items() if part in tensor.name]
+    return {
+        "name": tensor.name,
+        "file": shard,  # its shard's index in the manifest's files
+        "heads": permuted[0] if permuted else 0,
+        "type": tensor.tensor_type.name,
+        "offset": int(tensor.data_offset),
+        "shape": [int(n) for n in tensor.data.shape],
+    }
 
 
 def available_bytes() -> int:
