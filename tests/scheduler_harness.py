@@ -458,9 +458,9 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
         assert sched.num_waiting == len(waiting)
         assert sched.kv_used_tokens <= sched.kv_capacity_tokens
         assert sched.kv_used_tokens == P * sum(pages(b.prefilled + b.fed, P) for b in live)
-        assert sched.kv_reserved_tokens == P * sum(reservation(b, percent, P) for b in live)
+        assert sched.kv.reserved_pages() * sched.page_size == P * sum(reservation(b, percent, P) for b in live)
         if percent == 100:
-            assert sched.kv_reserved_tokens <= sched.kv_capacity_tokens
+            assert sched.kv.reserved_pages() * sched.page_size <= sched.kv_capacity_tokens
     else:
         raise AssertionError(f"not done after {max_steps} steps")
 
@@ -468,7 +468,7 @@ def run_and_check(config: SchedulerConfig, jobs: list[Job], max_steps: int = 500
     assert all(b.ended for b in books.values())
     assert not sched.has_unfinished()
     assert sched.num_running == sched.num_waiting == 0
-    assert sched.kv_used_tokens == 0 and sched.kv_reserved_tokens == 0
+    assert sched.kv_used_tokens == 0 and sched.kv.reserved_pages() * sched.page_size == 0
     assert sched.allocator.num_free == usable_pages
     assert sched.table.has_free_slot and sched.table.num_used == 0
     assert all(sched.rid_in_slot(s) is None for s in range(config.max_running_requests))

@@ -108,7 +108,7 @@ def run_overlapped(
         else:
             assert job.rid in ends
     # Nothing held: no slot, no reserved or used KV, every page free or in the cache unreferenced.
-    assert sched.num_running == sched.num_waiting == 0 and sched.kv_reserved_tokens == 0
+    assert sched.num_running == sched.num_waiting == 0 and sched.kv.reserved_pages() * sched.page_size == 0
     cached = sched.kv.cache.num_pages if sched.kv.cache is not None else 0
     assert sched.allocator.num_free + cached == sched.num_kv_pages
     assert sched.kv.cache is None or sched.kv.cache.num_referenced == 0

@@ -79,7 +79,7 @@ def test_forward_batch_fields_for_chunks_and_decode_with_pages_of_4() -> None:
     assert b.kv_locs.tolist() == [4, 5, 6]
     assert (b.page_table_slots.tolist(), b.page_table_cols.tolist(), b.page_table_pages.tolist()) == ([0], [0], [1])
     assert out.prefill == [("A", 3)] and out.new_tokens == [] and out.finished == []
-    assert sched.kv_used_tokens == 4 and sched.kv_reserved_tokens == 8  # ceil((5 + 3) / 4) pages
+    assert sched.kv_used_tokens == 4 and sched.kv.reserved_pages() * sched.page_size == 8  # ceil((5 + 3) / 4) pages
 
     out = sched.step(rec)  # last chunk: position 3 ends page 1, position 4 starts page 2; samples
     b = rec.batches[-1]
@@ -202,9 +202,9 @@ def test_abort_waiting_mid_chunk_and_running_frees_everything_at_once() -> None:
     assert sched.abort("W") and sched.num_waiting == 0
     assert sched.abort("M")  # mid-chunk: its slot and 2 pages come back now
     assert sched.num_running == 1 and sched.kv_used_tokens == 2
-    assert sched.kv_reserved_tokens == 2 + 8 - 1
+    assert sched.kv.reserved_pages() * sched.page_size == 2 + 8 - 1
     assert sched.abort("R")
-    assert sched.num_running == 0 and sched.kv_used_tokens == 0 and sched.kv_reserved_tokens == 0
+    assert sched.num_running == 0 and sched.kv_used_tokens == 0 and sched.kv.reserved_pages() * sched.page_size == 0
     assert sched.allocator.num_free == 64
     assert not sched.abort("R") and not sched.abort("nobody")
 

@@ -225,7 +225,7 @@ def test_aborting_a_preempted_request_while_it_waits_frees_nothing_twice() -> No
     assert sched.num_waiting == 0 and sched.step(ex).cancelled == ["B"]
     while sched.has_unfinished():
         sched.step(ex)
-    assert sched.allocator.num_free == 10 and sched.kv_reserved_tokens == 0
+    assert sched.allocator.num_free == 10 and sched.kv.reserved_pages() * sched.page_size == 0
 
 
 def test_preempted_requests_wait_ahead_of_new_ones_in_first_admission_order() -> None:

@@ -94,7 +94,7 @@ def test_scenarios_leave_no_slot_or_page_behind(path: Path, policy: str) -> None
     run_scenario(scenario, config, scheduler=scheduler)
     assert not scheduler.has_unfinished()
     assert scheduler.num_running == scheduler.num_waiting == 0
-    assert scheduler.kv_reserved_tokens == 0
+    assert scheduler.kv.reserved_pages() * scheduler.page_size == 0
     cached = scheduler.kv.cache.num_pages if scheduler.kv.cache is not None else 0  # unreferenced: free to evict
     assert scheduler.kv_used_tokens == 0
     assert scheduler.allocator.num_free + cached == config.num_kv_pages

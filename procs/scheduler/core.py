@@ -149,11 +149,6 @@ class Scheduler:
         return self.num_kv_pages * self.page_size
 
     @property
-    def kv_reserved_tokens(self) -> int:
-        """KV positions the admitted requests hold or have reserved (may exceed capacity when rho < 1)."""
-        return self.kv.reserved_pages() * self.page_size
-
-    @property
     def num_pool_pages(self) -> int:
         """Pages the worker's KV pool must have: the usable ones plus dummy page 0."""
         return self.num_kv_pages + 1
@@ -174,11 +169,6 @@ class Scheduler:
     def decode_load(self) -> StepShape:
         """The decode rows' shape next step: `StepPlanner.decode_load`."""
         return self.planner.decode_load()
-
-    def cached_prefix_tokens(self, rid: str) -> int:
-        """Of waiting request `rid`'s prompt, the tokens the prefix cache holds now (its admission would
-        not compute them, should they still be there)."""
-        return len(self.kv.lookup(self.requests[rid])) * self.page_size
 
     def rid_in_slot(self, slot: int) -> str | None:
         request = self.table.requests[slot]
