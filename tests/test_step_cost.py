@@ -370,3 +370,25 @@ def test_a_hybrid_models_prefill_counts_whole_chunks_of_its_linear_layers():
     assert step_shape([0, 5], [100, 1], windows).chunked == 128 * 3 / 4
     assert step_shape([5, 7], [1, 1], windows).chunked == 0
     assert step_shape([0], [100], (0, 0)).chunked == 0 and step_shape([0], [100], (8, 0)).chunked == 0
+
+
+def test_a_slow_models_probe_stays_short(tiny_model_dir, monkeypatch):
+    """An 8B model on 2 cores took 103 s to probe (4 s per 32 tokens, every step twice): a step slower than
+    REPEAT_MAX_S runs once, and the second chunk is cut to what STEP_MAX_S holds, keeping the fit's spread."""
+    from batchserve.procs.worker import step_probe
+    from batchserve.procs.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
+    timed: list[int] = []
+
+    def slow_step(_runner, batch) -> float:  # 150 ms a token: 4.8 s for 32
+        timed.append(len(batch.input_ids))
+        return 0.15 * len(batch.input_ids)
+
+    monkeypatch.setattr(step_probe, "timed_step", slow_step)
+    costs = step_probe.probe_step_costs(runner)
+    assert [(s.tokens, s.rows) for s, _ in costs] == [(32, 1), (64, 1), (1, 1), (16, 16)]
+    assert timed == [32, 32, 64, 1, 1, 16]  # warm-up, then each once but the 0.15 s decode (best of two)
+    StepCostModel(costs)  # still fits
+    assert step_probe.affordable_tokens(256, 32, 0.01) == 256  # a fast model's chunk as asked
+    assert step_probe.affordable_tokens(256, 32, 1.0) == 96  # 3 s of 32 tokens a second

@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 
 GREEDY = SamplingParams(temperature=0.0)
 CHUNK_BESIDE_DECODES = 100  # a probe step's chunk beside 16 decodes (a hybrid's linear layers pad it to 128)
+# A slow model's probe (an 8B model on 2 cores: 4 s for 32 tokens) would take minutes of the start: a step
+# slower than REPEAT_MAX_S runs once (its noise is small beside it), and the prefill chunks after the first
+# shrink to what a step of STEP_MAX_S holds, predicted from the first (never below MIN_SPREAD_TOKENS: the
+# fit needs a spread of tokens; the live steps refit it).
+REPEAT_MAX_S = 0.5
+STEP_MAX_S = 3.0
+MIN_SPREAD_TOKENS = 64
 
 
 def probe_step_costs(
@@ -28,8 +35,9 @@ def probe_step_costs(
 ) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of a few steps, the best of two runs each, after a warm-up step. Small ones: the
     fit only needs a spread of tokens and rows, and the scheduler refits on live steps (a large step would
-    add seconds to a CPU start). Prefill chunks alone, decode batches of 1 and 16 (and 4 for a mixture of
-    experts, whose cost bends as more of its experts are read), and 16 decodes beside a chunk."""
+    add seconds to a CPU start; a slow model's are cut shorter still: `affordable_tokens`). Prefill chunks
+    alone, decode batches of 1 and 16 (and 4 for a mixture of experts, whose cost bends as more of its
+    experts are read), and 16 decodes beside a chunk."""
     if decode_batches is None:
         decode_batches = (1, 4, 16) if getattr(runner.config, "moe", None) else (1, 16)
     context = min(256, runner.max_context - 1)
@@ -37,12 +45,28 @@ def probe_step_costs(
     shapes += [([context] * b, [1] * b) for b in decode_batches if b <= runner.max_running_requests]
     if runner.max_running_requests > 16 and context + CHUNK_BESIDE_DECODES < runner.max_context:
         shapes.append(([context] * 16 + [0], [1] * 16 + [CHUNK_BESIDE_DECODES]))
-    costs = []
+    costs: list[tuple[StepShape, float]] = []
     for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
-        batch = probe_batch(runner, prefix_lens, extend_lens)
-        seconds = min(timed_step(runner, batch) for _ in range(2))  # the faster run: less disturbed
+        first_tokens = shapes[0][1][0]
+        if costs and extend_lens[-1] > first_tokens:  # a longer chunk: no longer than a slow model allows
+            first_s = costs[min(1, len(costs) - 1)][1]  # the first chunk's time, past its warm-up
+            extend_lens = [*extend_lens[:-1], affordable_tokens(extend_lens[-1], first_tokens, first_s)]
+        seconds = repeated_step(runner, probe_batch(runner, prefix_lens, extend_lens))
         costs.append((step_shape(prefix_lens, extend_lens, runner.cost_windows), seconds))
     return costs[1:]
+
+
+def affordable_tokens(tokens: int, first_tokens: int, first_s: float) -> int:
+    """`tokens`, or fewer where a chunk of `first_tokens` took `first_s` and `tokens` would pass STEP_MAX_S
+    (never below MIN_SPREAD_TOKENS)."""
+    fits = int(first_tokens * STEP_MAX_S / max(first_s, 1e-9))
+    return min(tokens, max(MIN_SPREAD_TOKENS, fits))
+
+
+def repeated_step(runner: ModelRunner, batch: ForwardBatch) -> float:
+    """The faster of two runs (less disturbed), or the one run of a step slower than REPEAT_MAX_S."""
+    seconds = timed_step(runner, batch)
+    return seconds if seconds > REPEAT_MAX_S else min(seconds, timed_step(runner, batch))
 
 
 def probe_batch(runner: ModelRunner, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
