@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ BLOCK_VOCAB = 49152  # SmolLM2's tokenizer's, which the 1B Llama borrows
 BLOCK_LAYERS = 4  # of the 1B Llama's 16 layers in a `blocks` pass (with the head: ~70 MB of Q4_K, past the caches)
 
 Pass = Callable[[ctypes.CDLL], float]  # one timed pass of a kernel build over prepared inputs
+LayerCall = Callable[[ctypes.CDLL, Any, torch.Tensor, torch.Tensor], None]  # lib, weight, x, y: y = x @ weight.T
 
 
 def build(cc: str, sources: dict[str, str], out_dir: Path, name: str, functions: tuple[str, ...]) -> ctypes.CDLL:
@@ -75,40 +77,48 @@ def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return layer * config.num_layers + [(config.vocab_size, hidden)]
 
 
+def layer_cases(
+    label: str, weights: list[Any], width: int, args: argparse.Namespace, call: LayerCall
+) -> list[tuple[str, Pass, Callable[[], object]]]:
+    """(label, timed pass, its output) at every row count of `--rows`: a pass calls `call` for each weight."""
+    cases = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, width)
+        outs = [torch.empty(rows, w.out_features) for w in weights]
+
+        def one_pass(lib: ctypes.CDLL, x=x, outs=outs) -> float:
+            started = time.perf_counter()
+            for w, y in zip(weights, outs):
+                call(lib, w, x, y)
+            return time.perf_counter() - started
+
+        cases.append((f"{label}, {rows} rows", one_pass, lambda outs=outs: [y.clone() for y in outs]))
+    return cases
+
+
+def panel_call(lib: ctypes.CDLL, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    rows, k = x.shape[0], w.packed.shape[1]
+    if w.scale is not None:
+        lib.int8_linear(
+            x.data_ptr(), rows, k, w.packed.data_ptr(), w.scale.data_ptr(), None, w.out_features, k, y.data_ptr()
+        )
+    else:
+        lib.f32_linear(x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k, y.data_ptr())
+
+
+def block_call(lib: ctypes.CDLL, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    n, k = w.shape
+    lib.block_linear(x.data_ptr(), x.shape[0], x.shape[1], w.data.data_ptr(), w.kind.id, None, n, k, y.data_ptr())
+
+
 def linear_cases(config: ModelConfig, args: argparse.Namespace) -> list[tuple[str, Pass, Callable[[], object]]]:
     """(label, timed pass, its output) for int8 and fp32 weights at every row count."""
     dims = linear_shapes(config)
     cases = []
     for quantization in ("int8", "none"):
         weights = [pack_panels(torch.randn(out, k) * 0.05, quantization) for out, k in dims]
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, max(k for _, k in dims))
-            outs = [torch.empty(rows, w.out_features) for w in weights]
-
-            def one_pass(lib: ctypes.CDLL, weights=weights, x=x, rows=rows, outs=outs) -> float:
-                started = time.perf_counter()
-                for w, y in zip(weights, outs):
-                    k = w.packed.shape[1]
-                    if w.scale is not None:
-                        lib.int8_linear(
-                            x.data_ptr(),
-                            rows,
-                            k,
-                            w.packed.data_ptr(),
-                            w.scale.data_ptr(),
-                            None,
-                            w.out_features,
-                            k,
-                            y.data_ptr(),
-                        )
-                    else:
-                        lib.f32_linear(
-                            x.data_ptr(), rows, k, w.packed.data_ptr(), None, w.out_features, k, y.data_ptr()
-                        )
-                return time.perf_counter() - started
-
-            label = f"{'fp32' if quantization == 'none' else quantization} weights, {rows} rows"
-            cases.append((label, one_pass, lambda outs=outs: [y.clone() for y in outs]))
+        label = f"{'fp32' if quantization == 'none' else quantization} weights"
+        cases += layer_cases(label, weights, max(k for _, k in dims), args, panel_call)
     return cases
 
 
@@ -129,20 +139,7 @@ def block_cases(_config: ModelConfig, args: argparse.Namespace) -> list[tuple[st
             quantize_weight(torch.randn(out, k) * 0.02, quantization, head=i == len(dims) - 1)
             for i, (out, k) in enumerate(dims)
         ]
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, max(k for _, k in dims))
-            outs = [torch.empty(rows, w.out_features) for w in weights]
-
-            def one_pass(lib: ctypes.CDLL, weights=weights, x=x, rows=rows, outs=outs) -> float:
-                started = time.perf_counter()
-                for w, y in zip(weights, outs):
-                    n, k = w.shape
-                    lib.block_linear(
-                        x.data_ptr(), rows, x.shape[1], w.data.data_ptr(), w.kind.id, None, n, k, y.data_ptr()
-                    )
-                return time.perf_counter() - started
-
-            cases.append((f"{quantization} blocks, {rows} rows", one_pass, lambda outs=outs: [y.clone() for y in outs]))
+        cases += layer_cases(f"{quantization} blocks", weights, max(k for _, k in dims), args, block_call)
     return cases
 
 
