@@ -3,11 +3,10 @@
 Each field has a CLI flag (`--page-size`) and an environment variable (`BATCHSERVE_PAGE_SIZE`);
 a flag given on the command line wins over the environment, which wins over the default.
 
-Beside it: the values a choice setting takes, and the defaults the settings share
-(`shared.config_choices`); how a field becomes a flag, a variable and a row of the docs' table
-(`shared.config_flags`, which `add_config_arguments`, `config_from_args` and `config_table_markdown`
-apply to `ServerConfig`); which settings are the engine's and which the server's alone
-(`shared.config_scopes`).
+Beside it: the values a choice setting takes, and the defaults the settings share (`shared.config_choices`);
+how a field becomes a flag, a variable and a row of the docs' table (`shared.config_flags`, which
+`add_config_arguments`, `config_from_args` and `config_table_markdown` apply to `ServerConfig`); which settings
+are the engine's and which the server's alone (`shared.config_scopes`).
 """
 
 from __future__ import annotations
@@ -255,6 +254,10 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         str,
         _doc("""Attention kernels: auto, cpu (C kernels, fp32 CPU), torch or
         flashinfer (CUDA only)."""),
+    ] = "auto"
+    triton_kernels: Annotated[
+        OverlapSchedule,  # auto | on | off
+        _doc("Triton kernels for LoRA and Gated DeltaNet: auto (CUDA, triton + fla-core), on (CPU: interpreted), off."),
     ] = "auto"
     disable_cuda_graph: Annotated[bool, _doc("true: run decode steps eagerly instead of replaying CUDA graphs.")] = (
         False

@@ -16,6 +16,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 
+# The CUDA path's Triton kernels run on CPU tensors under Triton's interpreter (tests/test_triton_*.py): it must
+# be chosen before anything imports triton (torch may, lazily). Worker processes the tests start inherit it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_VOCAB = 320
 
 

@@ -21,11 +21,11 @@ PRODUCTION = ("procs", "kernels", "shared")
 
 # feature -> (the identifiers that name it, the most production modules that may use them today)
 FEATURES: dict[str, tuple[re.Pattern[str], int]] = {
-    "lora": (re.compile(r"lora|adapter", re.I), 38),
+    "lora": (re.compile(r"lora|adapter", re.I), 40),  # (+2: its CUDA kernels, kernels/triton/lora*.py)
     "speculation": (re.compile(r"draft|specul|ngram|proposer|spec_", re.I), 37),
     "pooling": (re.compile(r"pooling|pooler|pooled|rerank", re.I), 29),
     "structured output": (re.compile(r"grammar|bitmask|constraint", re.I), 18),
-    "recurrent state": (re.compile(r"recurrent|conv_state|ssm_state|linear_attention|gated_delta", re.I), 14),
+    "recurrent state": (re.compile(r"recurrent|conv_state|ssm_state|linear_attention|gated_delta", re.I), 15),
     "windows": (re.compile(r"window|sliding|ring_", re.I), 38),
 }
 

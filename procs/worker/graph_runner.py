@@ -140,7 +140,7 @@ class DecodeGraphRunner:
         graphs, outputs = self._graphs, self._graph_logits
         if lora is not None:
             graphs, outputs = self._lora_graphs_for(lora)
-            lora.pad_rows(lora.mask, size, self.max_batch_size)
+            lora.pad_rows(lora.row_adapter, size, self.max_batch_size)
             self.lora_steps += 1
         samples = np.asarray(batch.sample_lens, dtype=bool)
         if not samples.any():
@@ -158,12 +158,11 @@ class DecodeGraphRunner:
         """The graphs of steps with adapter rows at the adapters' current version: captured anew (the old
         ones released) after a load or an unload; none where nothing is captured (CPU)."""
         if self._graphs and self._lora_version != lora.version:
-            # the step's own inputs and mask, kept while the capture runs all-padding rows (the dummy page only)
-            mask, inputs = lora.mask, self._inputs.clone()
+            # the step's own inputs, kept while the capture runs all-padding rows (the dummy page only)
+            inputs = self._inputs.clone()
             self._inputs.zero_()
             self._lora_graphs, self._lora_logits = {}, {}
             self._capture(self._lora_graphs, self._lora_logits, lora)
-            lora.mask = mask
             self._inputs.copy_(inputs)
             self._lora_version = lora.version
             self.lora_captures += 1

@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 from batchserve.kernels.ops import linear, pack_linear_weight
+from batchserve.kernels.triton import enabled as triton_enabled
+from batchserve.kernels.triton.lora import RowGroups, add_lora
 from batchserve.shared.lora import PREFIX, PROJECTIONS, AdapterConfig, tensor_name
 from batchserve.shared.model import ModelLoadError
 
@@ -112,9 +114,15 @@ class LoraSlots:
         self.dtype = torch.float32
         self.columns: dict[int, tuple[int, int]] = {}  # adapter -> (first stacked column, rank)
         self.version = 0  # bumped by every load: the projections restack
-        self.mask: torch.Tensor | None = None  # [tokens, sum of ranks]: 1 on each row's adapter's columns
+        # The step's rows: each one's adapter, and from it (Triton kernels or not, `kernels.triton`) their groups
+        # by adapter or their mask, [tokens, sum of ranks], 1 on each row's adapter's columns
+        self.triton = triton_enabled()
+        self.row_adapter: np.ndarray | None = None
+        self.groups: RowGroups | None = None
+        self.mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}  # the mask repeated for projections of several parts
-        self._padded: torch.Tensor | None = None  # padded decode steps' masks, at one address per version
+        self._padded: torch.Tensor | None = None  # padded decode steps' masks and groups, at one address per version
+        self._padded_groups: RowGroups | None = None
         self._padded_version = -1
 
     @property
@@ -146,30 +154,49 @@ class LoraSlots:
         self.slot_adapter[slot] = adapter
 
     def plan(self, slots: list[int], extend_lens: list[int]) -> None:
-        """The step's mask of each row's adapter columns (None: no row has an adapter)."""
+        """The step's adapter of each row (`row_adapter`; None: no row has one), and from it the rows' mask or,
+        with the Triton kernels, their groups."""
         per_token = np.repeat(self.slot_adapter[np.asarray(slots, dtype=np.int64)], extend_lens)
-        self._masks = {}
-        if not per_token.any():
-            self.mask = None
+        self.row_adapter = per_token if per_token.any() else None
+        self._masks, self.mask, self.groups = {}, None, None
+        if self.row_adapter is None:
             return
-        mask = np.zeros((len(per_token), self.total_rank), dtype=np.float32)
-        for index in np.unique(per_token[per_token > 0]).tolist():
-            first, rank = self.columns[index]
-            mask[per_token == index, first : first + rank] = 1.0
-        self.mask = torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
+        if self.triton:
+            self.groups = RowGroups.of(per_token, self.stack_size, self.device)
+        else:
+            self.mask = torch.from_numpy(self._mask_rows(per_token)).to(device=self.device, dtype=self.dtype)
 
-    def pad_rows(self, mask: torch.Tensor | None, size: int, capacity: int) -> None:
-        """The step's `mask` (its n decode rows; None: none) as the first rows of `size` in a buffer of `capacity`
-        rows that keeps its address while the adapters stay as they are, the padding rows 0 (no adapter): a
-        captured CUDA graph of `size` rows reads it there (`procs.worker.graph_runner`)."""
+    def _mask_rows(self, row_adapter: np.ndarray) -> np.ndarray:
+        mask = np.zeros((len(row_adapter), self.total_rank), dtype=np.float32)
+        for index in np.unique(row_adapter[row_adapter > 0]).tolist():
+            first, rank = self.columns[index]
+            mask[row_adapter == index, first : first + rank] = 1.0
+        return mask
+
+    def pad_rows(self, row_adapter: np.ndarray | None, size: int, capacity: int) -> None:
+        """The step's rows' adapters (n rows; None: none) as the first of `size` rows, the padding rows 0 (no
+        adapter), in buffers of `capacity` rows that keep their addresses while the adapters stay as they
+        are: a captured CUDA graph of `size` rows reads them there (`procs.worker.graph_runner`)."""
+        rows = np.zeros(size, dtype=np.int64)
+        if row_adapter is not None:
+            rows[: len(row_adapter)] = row_adapter
         if self._padded is None or self._padded_version != self.version:
             self._padded = torch.zeros((capacity, self.total_rank), device=self.device, dtype=self.dtype)
+            self._padded_groups = RowGroups.of(np.zeros(capacity, dtype=np.int64), self.stack_size, self.device)
             self._padded_version = self.version
-        n = 0 if mask is None else mask.shape[0]
-        if mask is not None and n:
-            self._padded[:n].copy_(mask)
-        self._padded[n:size].zero_()
-        self.mask, self._masks = self._padded[:size], {}
+        self._masks = {}
+        if self.triton:
+            assert self._padded_groups is not None
+            self._padded_groups.copy_(RowGroups.of(rows, self.stack_size, self.device))
+            self.groups = self._padded_groups
+        else:
+            self._padded[:size].copy_(torch.from_numpy(self._mask_rows(rows)))
+            self.mask = self._padded[:size]
+
+    @property
+    def stack_size(self) -> int:
+        """Entries of the Triton kernels' per-adapter stacks: the highest adapter index + 1 (0: the base)."""
+        return max(self.adapters, default=0) + 1
 
     def mask_of(self, parts: int) -> torch.Tensor:
         """The step's mask for a projection of `parts` fused parts (each part's stacked pairs one after another)."""
@@ -182,7 +209,7 @@ class LoraSlots:
 
     @property
     def active(self) -> bool:
-        return self.mask is not None
+        return self.mask is not None or self.groups is not None
 
 
 @dataclass
@@ -198,12 +225,44 @@ class LoraTarget:
     parts: list[tuple[str, slice]]
     _stack: tuple[Any, Any] | None = None
     _version: int = -1
+    _grouped: tuple[torch.Tensor, torch.Tensor] | None = None
+    _grouped_version: int = -1
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.slots.groups is not None:  # the Triton kernels, over the rows grouped by adapter
+            grouped = self.grouped(out.shape[1])
+            return out if grouped is None else add_lora(x, *grouped, self.slots.groups, out)
         stack = self.stack(out.shape[1])
         if stack is not None:
             out += linear(linear(x, stack[0]) * self.slots.mask_of(len(self.parts)), stack[1])
         return out
+
+    def grouped(self, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Triton kernels' stacks, one entry per adapter index (0, the base, and unloaded ones: zeros):
+        A [adapters, parts x highest rank, in] and B [adapters, width, parts x highest rank], each part's
+        pair in its run of the rank columns and its output columns of B; None where no adapter targets it."""
+        if self._grouped_version != self.slots.version:
+            self._grouped, self._grouped_version = self._grouped_pairs(width), self.slots.version
+        return self._grouped
+
+    def _grouped_pairs(self, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        slots = self.slots
+        rank = max((adapter.config.rank for adapter in slots.adapters.values()), default=0)
+        present = [
+            (p, columns, i, pair)
+            for p, (module, columns) in enumerate(self.parts)
+            for i, adapter in slots.adapters.items()
+            if (pair := adapter.pairs.get((self.layer, module))) is not None
+        ]
+        if not present:
+            return None
+        a_like, b_like = present[0][3]
+        a = a_like.new_zeros((slots.stack_size, len(self.parts) * rank, a_like.shape[1]))
+        b = b_like.new_zeros((slots.stack_size, width, len(self.parts) * rank))
+        for p, columns, i, (pair_a, pair_b) in present:
+            a[i, p * rank : p * rank + pair_a.shape[0]] = pair_a
+            b[i, columns, p * rank : p * rank + pair_a.shape[0]] = pair_b
+        return a, b
 
     def stack(self, width: int) -> tuple[Any, Any] | None:
         """The loaded adapters' stacked A and B (restacked after a load or an unload) for a projection of `width`

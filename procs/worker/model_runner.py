@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import torch
 
+from batchserve.kernels.triton import select as triton_kernels_select
 from batchserve.procs.worker.batch_checks import check_batch
 from batchserve.procs.worker.devices import check_quantization, resolve_device, resolve_dtype
 from batchserve.procs.worker.draft_model import DraftModel
@@ -86,6 +87,7 @@ class ModelRunner:
         max_running_requests: int = 64,
         max_context: int = 0,
         attention_backend: str = "auto",
+        triton_kernels: str = "auto",
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int = 0,
         pad_decode: bool | None = None,
@@ -105,7 +107,7 @@ class ModelRunner:
         self.rank_steps = RankSteps(self.tp)
         self.device = self.tp.device if self.tp.layout.picks_device else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self._max_context = self.spec.context_length
+        triton_kernels_select(triton_kernels, self.device)
         draft, pooler = self._load_models(quantization, draft_model, draft_quantization, runner, pooling)
         self.weight_bytes = weight_bytes(self.model)  # now, before steps cache the KV pool's views on it
         backend = agreed_backend(attention_backend, self.device, self.dtype, self.tp)
@@ -115,7 +117,7 @@ class ModelRunner:
             tp=self.tp,
             dtype=self.dtype,
             device=self.device,
-            max_context=self._max_context,
+            max_context=self.spec.context_length,
             page_size=page_size,
             capacity_tokens=kv_capacity_tokens,
             budget_gb=lambda: kv_memory_budget_gb(self.device, kv_memory_gb, kv_memory_fraction),
@@ -194,6 +196,7 @@ class ModelRunner:
                 max_running_requests=config.max_running_requests,
                 max_context=config.max_context,
                 attention_backend=config.attention_backend,
+                triton_kernels=config.triton_kernels,
                 disable_cuda_graph=config.disable_cuda_graph,
                 cuda_graph_max_bs=config.cuda_graph_max_bs,
                 quantization=config.quantization,
@@ -279,7 +282,7 @@ class ModelRunner:
 
     @property
     def max_context(self) -> int:
-        return self._max_context
+        return self.spec.context_length
 
     @property
     def max_running_requests(self) -> int:
@@ -329,7 +332,7 @@ class ModelRunner:
             check_batch(
                 batch,
                 self.max_running_requests,
-                self._max_context,
+                self.spec.context_length,
                 self.kv_cache.num_pages * self.page_size,
                 self.vocab_size,
                 self.draft is not None,
