@@ -41,7 +41,7 @@
 #   5. a serving run: `python -m batchserve.procs.cli serve` on the random model (overlap scheduling: on, as
 #      `auto` is with a CUDA worker), then `batchserve bench` at
 #      concurrency 1 and 32 (request counts from step 4's decode rates, ~10-15 s each);
-#   6. pytest tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py;
+#   6. pytest tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py tests/gpu/test_cuda_triton.py;
 #   4b. a mixture of experts: the same random model as a Qwen3-MoE (tests/gpu/random_model.py --moe: 8
 #      experts of 768, top 2), check_gpu.py on it: the MoE layers' grouped experts (torch._grouped_mm over
 #      tokens sorted by expert, bf16) under graph capture, eager and on the torch backend, and their decode
@@ -355,7 +355,7 @@ fi
 
 # -- 6. pytest tests/gpu ---------------------------------------------------------------------------------
 if "$PYTHON" -P -c "import pytest" 2>/dev/null; then
-    run_step "pytest tests/gpu" "$(cap 90 0)" "$PYTHON" -P -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py
+    run_step "pytest tests/gpu" "$(cap 90 0)" "$PYTHON" -P -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_decode.py tests/gpu/test_cuda_architectures.py tests/gpu/test_cuda_pooling.py tests/gpu/test_cuda_triton.py
 else
     record "pytest tests/gpu" SKIP 0 "pytest is not installed here"
 fi

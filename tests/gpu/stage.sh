@@ -32,6 +32,8 @@ MSGSPEC_VERSION=${MSGSPEC_VERSION:-0.23.0}
 PYZMQ_VERSION=${PYZMQ_VERSION:-27.3.0}
 GGUF_VERSION=${GGUF_VERSION:-0.19.0}
 LLGUIDANCE_VERSION=${LLGUIDANCE_VERSION:-1.9.1}  # abi3 wheel, ~3 MB, no dependencies
+FLA_VERSION=${FLA_VERSION:-0.6.0}  # fla-core: Gated DeltaNet's Triton kernels (pure Python, ~1 MB; needs einops)
+EINOPS_VERSION=${EINOPS_VERSION:-0.8.2}
 FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.7.4}
 TVM_FFI_VERSION=${TVM_FFI_VERSION:-0.1.15.post2}  # flashinfer 0.7.4: apache-tvm-ffi>=0.1.11,<0.2
 PART1_BYTES=$((54 * 1024 * 1024))
@@ -171,8 +173,9 @@ fi
 # -- .gpu_stage ---------------------------------------------------------------------------------------
 STAGE=.gpu_stage
 rm -rf "$STAGE" && mkdir -p "$STAGE/wheels" "$STAGE/model"
-staged="msgspec pyzmq gguf llguidance apache-tvm-ffi"
-for spec in "msgspec $MSGSPEC_VERSION" "pyzmq $PYZMQ_VERSION" "gguf $GGUF_VERSION" "llguidance $LLGUIDANCE_VERSION"; do
+staged="msgspec pyzmq gguf llguidance apache-tvm-ffi fla-core einops"
+for spec in "msgspec $MSGSPEC_VERSION" "pyzmq $PYZMQ_VERSION" "gguf $GGUF_VERSION" "llguidance $LLGUIDANCE_VERSION" \
+    "fla-core $FLA_VERSION" "einops $EINOPS_VERSION"; do
     # shellcheck disable=SC2086
     cp "$(download $spec)" "$STAGE/wheels/"
 done
