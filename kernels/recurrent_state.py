@@ -62,6 +62,17 @@ class StateChunk:
     slot: int
 
 
+@dataclass(frozen=True)
+class PackedChunks:
+    """A step's chunks as packed sequences for the Triton kernels (`kernels.triton.gated_delta`): their bounds
+    (int64 [chunks + 1], on the device and on the host) and their slots, made once a step for every layer (fla
+    caches what it derives from the bounds by the tensor's identity)."""
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    slots: torch.Tensor
+
+
 class RecurrentStatePool:
     def __init__(
         self,
@@ -87,6 +98,7 @@ class RecurrentStatePool:
         self.decode_rows: torch.Tensor | None = None  # packed rows of the one-token rows; None: every row
         self.decode_slots = self._index[:0]  # their slots, a view of the fixed buffer
         self.chunks: list[StateChunk] = []
+        self.packed: PackedChunks | None = None  # the chunks packed (None: no chunk this step)
 
     @property
     def bytes_per_request(self) -> int:
@@ -137,3 +149,7 @@ class RecurrentStatePool:
         self.chunks = [
             StateChunk(int(s), int(n), int(slot)) for s, n, slot in zip(starts[~one], extend[~one], slots[~one])
         ]
+        self.packed = None
+        if self.chunks:
+            bounds = torch.from_numpy(np.concatenate(([0], np.cumsum(extend[~one]))))
+            self.packed = PackedChunks(bounds.to(device), bounds, torch.from_numpy(slots[~one]).to(device))

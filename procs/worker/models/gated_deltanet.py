@@ -3,7 +3,9 @@ model's linear layers, on packed rows with each request's state in the pool (`ke
 
 From the layer's input h: q | k | v (through a short causal convolution and SiLU), the output gate z, beta
 = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias), all from one fused projection;
-then the gated delta rule (`kernels.gated_delta`), a gated RMSNorm per value head, and out_proj.
+then the gated delta rule (`kernels.gated_delta` in torch, or flash-linear-attention's Triton kernels when
+`kernels.triton` is on: `kernels.triton.gated_delta`, the step's chunks packed into one call), a gated RMSNorm
+per value head, and out_proj.
 Checkpoints name the projections `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a` (Qwen3.5) or
 `in_proj_qkvz` / `in_proj_ba`, grouped by key head (Qwen3-Next), which `split_grouped_projections`
 turns into the first layout at load.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.kernels import native
+from batchserve.kernels import triton as triton_kernels
 from batchserve.kernels.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
@@ -26,6 +29,7 @@ from batchserve.kernels.gated_delta import (
     gated_rms_norm,
 )
 from batchserve.kernels.recurrent_state import RecurrentShape, RecurrentStatePool
+from batchserve.kernels.triton.gated_delta import chunk_rule, recurrent_step
 from batchserve.procs.worker.models.base import Weight
 from batchserve.procs.worker.models.layers import ColumnParallelLinear
 from batchserve.procs.worker.models.weights import WeightTaker
@@ -124,32 +128,73 @@ class GatedDeltaNet:
         qkv, z, b, a = self.in_proj(h).split(self.splits, dim=1)
         beta, g = b.sigmoid(), self.neg_a * F.softplus(a.float() + self.dt_bias)
         out = torch.empty((tokens, cfg.value_heads, cfg.value_dim), dtype=torch.float32, device=h.device)
-        conv, matrix, slots = states.conv[self.layer], states.matrix[self.layer], states.decode_slots
-        if slots.numel():
+        if states.decode_slots.numel():
             rows = states.decode_rows
             pick = (lambda x: x) if rows is None else (lambda x: x[rows])
-            if native.applies_to(qkv, conv, matrix):  # in place on the pools, one pass each: the same arithmetic
-                mixed = native.causal_conv1d_decode(pick(qkv), self.conv, conv, slots)
-                attended = native.gated_delta_decode(
-                    mixed, pick(g).contiguous(), pick(beta).contiguous(), matrix, slots, cfg.key_heads
-                )
-            else:
-                mixed, conv_state = causal_conv1d_step(pick(qkv), self.conv, conv[slots])
-                conv.index_copy_(0, slots, conv_state.to(conv.dtype))
-                attended, matrix_state = gated_delta_step(*self._qkv(mixed), pick(g), pick(beta), matrix[slots])
-                matrix.index_copy_(0, slots, matrix_state)
+            attended = self._decode(pick(qkv), pick(g), pick(beta), states)
             if rows is None:
                 out = attended
             else:
                 out[rows] = attended
-        for chunk in states.chunks:
-            span = slice(chunk.start, chunk.start + chunk.length)
-            mixed, conv[chunk.slot] = causal_conv1d(qkv[span], self.conv, conv[chunk.slot])
-            out[span], matrix[chunk.slot] = chunk_gated_delta_rule(
-                *self._qkv(mixed), g[span], beta[span], matrix[chunk.slot]
-            )
+        if states.chunks and triton_kernels.enabled():
+            self._packed_chunks(qkv, g, beta, states, out)
+        else:
+            conv, matrix = states.conv[self.layer], states.matrix[self.layer]
+            for chunk in states.chunks:
+                span = slice(chunk.start, chunk.start + chunk.length)
+                mixed, conv[chunk.slot] = causal_conv1d(qkv[span], self.conv, conv[chunk.slot])
+                out[span], matrix[chunk.slot] = chunk_gated_delta_rule(
+                    *self._qkv(mixed), g[span], beta[span], matrix[chunk.slot]
+                )
         normed = gated_rms_norm(out.to(h.dtype), z.view(tokens, cfg.value_heads, cfg.value_dim), self.norm, self.eps)
         return self.out(normed.reshape(tokens, cfg.value_size))
+
+    def _decode(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: RecurrentStatePool
+    ) -> torch.Tensor:
+        """The one-token rows (qkv, g, beta of those rows alone), their states read and written in the pool."""
+        conv, matrix, slots = states.conv[self.layer], states.matrix[self.layer], states.decode_slots
+        native_kernels = native.applies_to(qkv, conv, matrix)  # in place on the pools, one pass each: the same sums
+        if native_kernels:
+            mixed = native.causal_conv1d_decode(qkv, self.conv, conv, slots)
+        else:
+            mixed, conv_state = causal_conv1d_step(qkv, self.conv, conv[slots])
+            conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+        if triton_kernels.enabled():
+            attended, matrix_state = recurrent_step(*self._qkv(mixed), g, beta, matrix[slots])
+        elif native_kernels:
+            return native.gated_delta_decode(
+                mixed, g.contiguous(), beta.contiguous(), matrix, slots, self.config.key_heads
+            )
+        else:
+            attended, matrix_state = gated_delta_step(*self._qkv(mixed), g, beta, matrix[slots])
+        matrix.index_copy_(0, slots, matrix_state)
+        return attended
+
+    def _packed_chunks(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: RecurrentStatePool, out: torch.Tensor
+    ) -> None:
+        """The step's longer rows (`states.chunks`) into `out`: each through the convolution, then all of them
+        through the chunked delta rule in one Triton call, each from and back to its slot's state."""
+        conv, matrix = states.conv[self.layer], states.matrix[self.layer]
+        spans = [slice(chunk.start, chunk.start + chunk.length) for chunk in states.chunks]
+        mixed = []
+        for chunk, span in zip(states.chunks, spans):
+            one, conv[chunk.slot] = causal_conv1d(qkv[span], self.conv, conv[chunk.slot])
+            mixed.append(one)
+        packing = states.packed
+        assert packing is not None
+        attended, final = chunk_rule(
+            *self._qkv(torch.cat(mixed)),
+            torch.cat([g[span] for span in spans]),
+            torch.cat([beta[span] for span in spans]),
+            matrix[packing.slots],
+            packing.cu_seqlens,
+            packing.cu_seqlens_cpu,
+        )
+        matrix.index_copy_(0, packing.slots, final)
+        for span, start in zip(spans, packing.cu_seqlens_cpu.tolist()):
+            out[span] = attended[start : start + span.stop - span.start]
 
     def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
