@@ -21,6 +21,8 @@ import torch
 
 from batchserve.kernels.native_build import loaded_library
 from batchserve.kernels.native_checks import check, check_rows
+from batchserve.kernels.triton import enabled as triton_enabled
+from batchserve.kernels.triton.blocks import block_matmul
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,10 @@ class BlockWeight:
         return dequantize_blocks(self.data, self.kind)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows `ids` (an embedding lookup on a quantized table)."""
-        return dequantize_blocks(self.data[ids.reshape(-1)].contiguous(), self.kind).reshape(*ids.shape, -1)
+        """fp32 rows `ids` (an embedding lookup on a quantized table), de-quantized on the CPU (the few rows of a
+        step's tokens, where the table lies on a GPU), on the table's device."""
+        picked = self.data[ids.reshape(-1)].cpu().contiguous()
+        return dequantize_blocks(picked, self.kind).to(self.data.device).reshape(*ids.shape, -1)
 
     def take_rows(self, index: torch.Tensor | slice) -> BlockWeight:
         """The rows `index` selects (a copy where it is not a plain slice)."""
@@ -118,7 +122,10 @@ class BlockWeight:
 
 
 def block_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, in] fp32 (rows may be strided) times `weight`, plus bias [out]: [m, out] fp32."""
+    """x [m, in] fp32 (rows may be strided) times `weight`, plus bias [out]: [m, out] fp32; on the Triton path
+    (`kernels.triton`: the GPU) x in any float type, the result in x's."""
+    if triton_enabled():
+        return block_matmul(x, weight, bias)
     check(x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == weight.in_features, "x must be [m, in] fp32")
     check_rows(x, "x")
     if bias is not None:

@@ -97,10 +97,13 @@ class GatedMLP:
 class VocabParallelEmbedding:
     """Token ids -> rows of the embedding table, from this rank's rows [start, start + rows) of it."""
 
-    def __init__(self, weight: torch.Tensor | BlockWeight, start: int, tp: TensorParallel):
+    def __init__(
+        self, weight: torch.Tensor | BlockWeight, start: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
+    ):
         self.weight = weight
         self.start = start
         self.tp = tp
+        self.dtype = dtype  # a table kept in blocks gives fp32 rows: the model's type
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -111,7 +114,7 @@ class VocabParallelEmbedding:
         return self.tp.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.rows(ids) if isinstance(self.weight, BlockWeight) else self.weight[ids]
+        return self.weight.rows(ids).to(self.dtype) if isinstance(self.weight, BlockWeight) else self.weight[ids]
 
 
 class ParallelLMHead:

@@ -144,7 +144,10 @@ class LlamaModel:
         vocab_start, vocab_rows = tp.vocab_shard(config.vocab_size)
         vocab = slice(vocab_start, vocab_start + vocab_rows)
         self.embed = VocabParallelEmbedding(
-            take.linear_weight("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows), vocab_start, tp
+            take.linear_weight("model.embed_tokens.weight", rows=vocab, pad_rows=vocab_rows),
+            vocab_start,
+            tp,
+            take.dtype,
         )
         sparse = set(config.moe.sparse_layers) if config.moe else set()
         self.intermediate = (

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 import torch
 
 from batchserve.kernels import native
-from batchserve.kernels.quant_blocks import BlockWeight
+from batchserve.kernels.quant_blocks import BLOCK_TYPES, BlockWeight
+from batchserve.kernels.triton import enabled as triton_enabled
+from batchserve.kernels.triton.blocks import KINDS as TRITON_KINDS
 from batchserve.procs.worker.gguf_tensors import BlockTensor
 from batchserve.procs.worker.models.base import Weight
 from batchserve.procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
@@ -28,9 +30,12 @@ class WeightTaker:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
-        # blocks run where the C kernels do (fp32 on the CPU) and nothing asked for another form
-        self.keeps_blocks = quantization == "none" and device.type == "cpu" and dtype == torch.float32
-        self.keeps_blocks = self.keeps_blocks and native.available()
+        # Blocks are kept where kernels run them and nothing asked for another form: the Triton kernels' types
+        # (`kernels.triton.blocks`: the GPU, or the interpreter), else every type where the C kernels run (fp32 on
+        # the CPU); the rest is de-quantized at load.
+        c_kernels = device.type == "cpu" and dtype == torch.float32 and native.available()
+        kinds = set(TRITON_KINDS) if triton_enabled() else set(BLOCK_TYPES) if c_kernels else set()
+        self.block_kinds = kinds if quantization == "none" else set()
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -84,14 +89,14 @@ class WeightTaker:
         """`self(name, ...)`, or the same share in its GGUF blocks where they are kept and a tensor-parallel
         rank's columns start and end on block boundaries (padding rows of zero bytes are zeros in every type)."""
         weight = self._get(name)
-        if not (self.keeps_blocks and isinstance(weight, BlockTensor) and weight.splits_at(cols)):
+        if not (isinstance(weight, BlockTensor) and weight.kind.name in self.block_kinds and weight.splits_at(cols)):
             return self(name, rows=rows, cols=cols, pad_rows=pad_rows)
         del self.weights[name]
         blocks = weight.blocks(rows, cols)
         if blocks.out_features < pad_rows:
             padding = blocks.data.new_zeros((pad_rows - blocks.out_features, blocks.data.shape[1]))
             blocks = BlockWeight(torch.cat((blocks.data, padding)), blocks.kind)
-        return blocks
+        return blocks if self.device.type == "cpu" else BlockWeight(blocks.data.to(self.device), blocks.kind)
 
     def column(self, projections: Sequence[tuple[str, slice | None]], bias: bool) -> ColumnParallelLinear:
         """The named projections' output `rows` (None: all of them) (`<name>.weight`, and `<name>.bias`
