@@ -101,5 +101,6 @@ def test_hybrid_models_fp32_greedy_matches_transformers_on_cuda(tiny_model_dir, 
         max_running_requests=8,
         attention_backend="torch",
         cuda_graph_max_bs=8,
+        triton_kernels="off",  # the torch form (fla's kernels: tests/gpu/test_cuda_triton.py)
     )
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, chunk=8, arrival_gap=2) == expected
