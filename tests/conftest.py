@@ -224,3 +224,14 @@ def state_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ["XDG_STATE_HOME"] = str(path)
     os.environ.pop("STATE_DIRECTORY", None)
     return path
+
+
+@pytest.fixture
+def triton_on() -> Any:
+    """For a test that turns the Triton kernels on (`ModelRunner(triton_kernels="on")`, process-wide): off after it."""
+    yield
+    import torch
+
+    from batchserve.kernels import triton
+
+    triton.select("off", torch.device("cpu"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,9 +20,12 @@ from batchserve.procs.worker.model_runner import ModelRunner
 RING_STEP_TOKENS = 8  # the longest step after a prefix in model_batches' schedules: rings of 5 pages at a window of 8
 
 
-def small_runner(model_dir: Path, rings: bool = False, ring_step_tokens: int = RING_STEP_TOKENS) -> ModelRunner:
+def small_runner(
+    model_dir: Path, rings: bool = False, ring_step_tokens: int = RING_STEP_TOKENS, **kwargs: Any
+) -> ModelRunner:
     """A runner with pages of 4 tokens; `rings`: the sliding layers of a model that mixes them with global ones
-    keep their KV in rings sized for rows of `ring_step_tokens` (which prompts and outputs wrap)."""
+    keep their KV in rings sized for rows of `ring_step_tokens` (which prompts and outputs wrap); `kwargs`:
+    more of ModelRunner's settings."""
     return ModelRunner(
         model_dir,
         device="cpu",
@@ -30,6 +34,7 @@ def small_runner(model_dir: Path, rings: bool = False, ring_step_tokens: int = R
         kv_capacity_tokens=2048,
         max_running_requests=8,
         ring_step_tokens=ring_step_tokens if rings else 0,
+        **kwargs,
     )
 
 

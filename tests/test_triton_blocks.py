@@ -62,12 +62,6 @@ def _assert_greedy_until_unsure(runner, reference, prompts: list[list[int]], new
     assert sure >= len(prompts) * new_tokens // 2
 
 
-@pytest.fixture
-def triton_on():
-    yield
-    triton_kernels.select("off", torch.device("cpu"))
-
-
 def _triton_runner(model_dir, **kwargs) -> ModelRunner:
     return ModelRunner(
         model_dir,

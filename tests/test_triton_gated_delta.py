@@ -12,6 +12,7 @@ import pytest
 import torch
 import triton_interpreter
 from model_batches import generate_greedy
+from model_references import small_runner
 from test_model_equivalence import transformers_greedy
 
 pytest.importorskip("triton")
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:Run
 from batchserve.kernels import triton as triton_kernels  # noqa: E402
 from batchserve.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_step  # noqa: E402
 from batchserve.kernels.triton.gated_delta import chunk_rule, recurrent_step  # noqa: E402
-from batchserve.procs.worker.model_runner import ModelRunner  # noqa: E402
 
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 2, 4, 16, 8  # two value heads per key head
 LENGTHS = (70, 5)  # the first crosses a 64-token chunk
@@ -95,26 +95,11 @@ def qwen3_5(tiny_model_dir):
     return model_dir, transformers_greedy(model_dir, _prompts(), NEW_TOKENS)
 
 
-@pytest.fixture
-def triton_on():
-    yield
-    triton_kernels.select("off", torch.device("cpu"))
-
-
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_tiny_qwen3_5_through_the_triton_kernels_equals_transformers(qwen3_5, triton_on, schedule):
     model_dir, expected = qwen3_5
     batching, pad_decode = SCHEDULES[schedule]
-    runner = ModelRunner(
-        model_dir,
-        device="cpu",
-        dtype="float32",
-        page_size=4,
-        kv_capacity_tokens=2048,
-        max_running_requests=8,
-        triton_kernels="on",
-        pad_decode=pad_decode,
-    )
+    runner = small_runner(model_dir, triton_kernels="on", pad_decode=pad_decode)
     assert triton_kernels.enabled()
     before = triton_kernels.LAUNCHES["gated_delta"]
     assert generate_greedy(runner, _prompts(), NEW_TOKENS, **batching) == expected

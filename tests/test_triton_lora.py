@@ -72,12 +72,6 @@ def three_adapters(tiny_model_dir, tmp_path_factory):
     return base, folders, prompts, expected
 
 
-@pytest.fixture
-def triton_on():
-    yield
-    triton_kernels.select("off", torch.device("cpu"))
-
-
 @pytest.mark.parametrize("pad_decode", [False, True])
 def test_three_adapters_through_the_triton_kernels_equal_peft(three_adapters, triton_on, pad_decode):
     base, folders, prompts, expected = three_adapters
