@@ -16,7 +16,7 @@ from gguf_files import write_llama_gguf
 from greedy_where_sure import reference_greedy
 from model_batches import generate_greedy
 from test_gguf_blocks import NEW_TOKENS, TINY, _prompts, _reference
-from test_hf_quantized import _runner, twins  # noqa: F401 (twins: a fixture)
+from test_hf_quantized import FORMATS, twins  # noqa: F401 (twins: a fixture)
 
 pytest.importorskip("triton")
 pytest.importorskip("fla")
@@ -96,6 +96,14 @@ def test_a_gguf_file_keeps_its_blocks_on_the_triton_path(block_type, tiny_model_
     before = triton_kernels.LAUNCHES["blocks"]
     _assert_greedy_until_unsure(runner, _reference(gguf), _prompts()[:2], NEW_TOKENS // 2)
     assert (triton_kernels.LAUNCHES["blocks"] > before) == kept
+
+
+@pytest.mark.parametrize("fmt", ["gptq-sym-v1", "fp8-block", "ct-fp8-channel"])
+def test_gptq_and_fp8_folders_stay_in_blocks_on_the_triton_path(fmt, twins, triton_on):  # noqa: F811
+    """Their repacked blocks (test_hf_quantized checks their values) are kept for the kernel, not de-quantized."""
+    layer = _triton_runner(twins(fmt).quantized).model.layers[0]
+    assert {p.kind.name for p in layer.qkv.weight.parts} == {FORMATS[fmt][2]}
+    assert isinstance(layer.mlp.down.weight, BlockWeight)
 
 
 def test_an_awq_folder_runs_its_int4_blocks_through_the_triton_kernel(twins, triton_on):  # noqa: F811
