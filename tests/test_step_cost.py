@@ -374,11 +374,12 @@ def test_a_hybrid_models_prefill_counts_whole_chunks_of_its_linear_layers():
 
 def test_a_slow_models_probe_stays_short(tiny_model_dir, monkeypatch):
     """An 8B model on 2 cores took 103 s to probe (4 s per 32 tokens, every step twice): a step slower than
-    REPEAT_MAX_S runs once, and the second chunk is cut to what STEP_MAX_S holds, keeping the fit's spread."""
+    REPEAT_MAX_S runs once, the warm-up is a few tokens, and the longer chunks are cut to what STEP_MAX_S holds,
+    the solo one keeping the fit's spread of tokens."""
     from batchserve.procs.worker import step_probe
     from batchserve.procs.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=256, max_running_requests=16)
+    runner = ModelRunner(tiny_model_dir("llama"), device="cpu", kv_capacity_tokens=512, max_running_requests=32)
     timed: list[int] = []
 
     def slow_step(_runner, batch) -> float:  # 150 ms a token: 4.8 s for 32
@@ -387,8 +388,11 @@ def test_a_slow_models_probe_stays_short(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(step_probe, "timed_step", slow_step)
     costs = step_probe.probe_step_costs(runner)
-    assert [(s.tokens, s.rows) for s, _ in costs] == [(32, 1), (64, 1), (1, 1), (16, 16)]
-    assert timed == [32, 32, 64, 1, 1, 16]  # warm-up, then each once but the 0.15 s decode (best of two)
+    assert [(s.tokens, s.rows) for s, _ in costs] == [(10, 1), (30, 1), (1, 1), (16, 16), (36, 17)]
+    # A short warm-up (1.2 s: slow), then each once but the 0.15 s decode (best of two): the first chunk what
+    # 1.5 s holds, the second three times it (the fit's spread), the chunk beside 16 decodes what 3 s holds.
+    assert timed == [8, 10, 30, 1, 1, 16, 36]
     StepCostModel(costs)  # still fits
     assert step_probe.affordable_tokens(256, 32, 0.01) == 256  # a fast model's chunk as asked
+    assert step_probe.first_chunk(32, 0.05) == 32 and step_probe.first_chunk(32, 1.9) == 8  # the 8B model's
     assert step_probe.affordable_tokens(256, 32, 1.0) == 96  # 3 s of 32 tokens a second

@@ -28,12 +28,19 @@ CHUNK_BESIDE_DECODES = 100  # a probe step's chunk beside 16 decodes (a hybrid's
 REPEAT_MAX_S = 0.5
 STEP_MAX_S = 3.0
 MIN_SPREAD_TOKENS = 64
+MIN_BESIDE_TOKENS = 16  # the chunk beside decodes of a slow model: its tokens' spread is the solo chunks' job
+WARM_UP = ([0], [8])  # the first step, not timed: lazy set-up, a few tokens (an 8B model's 32 took 6 s)
+# A warm-up slower than this marks a slow model, whose first chunk shrinks (`first_chunk`) and whose second
+# keeps SPREAD times its tokens (at most MIN_SPREAD_TOKENS): an 8B model on 2 cores probed 32 and 64 tokens in
+# 20 s, half of its 43 s start.
+SLOW_WARM_UP_S = 1.0
+SPREAD = 3
 
 
 def probe_step_costs(
     runner: ModelRunner, prefill_tokens: tuple[int, ...] = (32, 256), decode_batches: tuple[int, ...] | None = None
 ) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of a few steps, the best of two runs each, after a warm-up step. Small ones: the
+    """(shape, seconds) of a few steps, the best of two runs each, after a short warm-up step. Small ones: the
     fit only needs a spread of tokens and rows, and the scheduler refits on live steps (a large step would
     add seconds to a CPU start; a slow model's are cut shorter still: `affordable_tokens`). Prefill chunks
     alone, decode batches of 1 and 16 (and 4 for a mixture of experts, whose cost bends as more of its
@@ -45,22 +52,35 @@ def probe_step_costs(
     shapes += [([context] * b, [1] * b) for b in decode_batches if b <= runner.max_running_requests]
     if runner.max_running_requests > 16 and context + CHUNK_BESIDE_DECODES < runner.max_context:
         shapes.append(([context] * 16 + [0], [1] * 16 + [CHUNK_BESIDE_DECODES]))
+    warm_s = timed_step(runner, probe_batch(runner, *WARM_UP))
+    shapes[0] = ([0], [first_chunk(shapes[0][1][0], warm_s)])
     costs: list[tuple[StepShape, float]] = []
-    for prefix_lens, extend_lens in [shapes[0], *shapes]:  # the first one twice: a warm-up
-        first_tokens = shapes[0][1][0]
+    first_tokens = shapes[0][1][0]
+    for prefix_lens, extend_lens in shapes:
         if costs and extend_lens[-1] > first_tokens:  # a longer chunk: no longer than a slow model allows
-            first_s = costs[min(1, len(costs) - 1)][1]  # the first chunk's time, past its warm-up
-            extend_lens = [*extend_lens[:-1], affordable_tokens(extend_lens[-1], first_tokens, first_s)]
+            spread = min(MIN_SPREAD_TOKENS, SPREAD * first_tokens)
+            floor = spread if len(extend_lens) == 1 else MIN_BESIDE_TOKENS
+            cut = affordable_tokens(extend_lens[-1], first_tokens, costs[0][1], floor)
+            extend_lens = [*extend_lens[:-1], cut]
         seconds = repeated_step(runner, probe_batch(runner, prefix_lens, extend_lens))
         costs.append((step_shape(prefix_lens, extend_lens, runner.cost_windows), seconds))
-    return costs[1:]
+    return costs
 
 
-def affordable_tokens(tokens: int, first_tokens: int, first_s: float) -> int:
+def first_chunk(tokens: int, warm_s: float) -> int:
+    """The first chunk's tokens: `tokens`, or for a slow model (its warm-up past SLOW_WARM_UP_S, the chunk past
+    STEP_MAX_S at its pace) what half of STEP_MAX_S holds, never below the warm-up's tokens."""
+    warm_tokens = WARM_UP[1][0]
+    if warm_s <= SLOW_WARM_UP_S or tokens * warm_s / warm_tokens <= STEP_MAX_S:
+        return tokens
+    return min(tokens, max(warm_tokens, int(warm_tokens * STEP_MAX_S / 2 / warm_s)))
+
+
+def affordable_tokens(tokens: int, first_tokens: int, first_s: float, floor: int = MIN_SPREAD_TOKENS) -> int:
     """`tokens`, or fewer where a chunk of `first_tokens` took `first_s` and `tokens` would pass STEP_MAX_S
-    (never below MIN_SPREAD_TOKENS)."""
+    (never below `floor`)."""
     fits = int(first_tokens * STEP_MAX_S / max(first_s, 1e-9))
-    return min(tokens, max(MIN_SPREAD_TOKENS, fits))
+    return min(tokens, max(floor, fits))
 
 
 def repeated_step(runner: ModelRunner, batch: ForwardBatch) -> float:
