@@ -290,8 +290,7 @@ class LlamaModel:
         # it (the next sublayer's, or the final norm), one fused add-and-norm per sublayer.
         residual = hidden
         h = rms_norm(hidden, self.layers[0].input_norm, eps)
-        triton_lora = self.lora is not None and self.lora.groups is not None  # (added by the layers' Python)
-        paged = attention.paged_rows() if self.fuse_decode_layers and not triton_lora else None
+        paged = attention.paged_rows() if self.fuse_decode_layers else None
         if paged is not None:  # LoRA rows too: the call adds their pairs as the layers' Python does
             mask = self.lora.mask if self.lora is not None else None
             return self._decode_layers_on(attention).run(h, residual, cos, sin, *paged, lora_mask=mask)

@@ -18,6 +18,7 @@ from batchserve.kernels.panel_linear import PanelWeight
 from batchserve.kernels.projection import ProjectedWeight
 from batchserve.kernels.quant_blocks import BlockParts, BlockWeight
 from batchserve.kernels.rope import RotaryTables
+from batchserve.kernels.triton import enabled as triton_enabled
 from batchserve.procs.worker.models.layers import ColumnParallelLinear, RowParallelLinear
 from batchserve.procs.worker.models.moe import SparseMoeBlock
 from batchserve.procs.worker.parallel import TensorParallel
@@ -32,7 +33,7 @@ def fuses_decode_layers(
     """Whether the fused call can run this model's layers: panel or block weights, MoE blocks in C, one
     rank (the call has no all-reduce between layers), every dim of a head rotating, and none of the
     switches the call does not compute (GELU, sandwich norms, soft-capping, sinks, the sliding layers' own
-    rope, an output gate, linear layers)."""
+    rope, an output gate, linear layers), and the Triton kernels not chosen (`kernels.triton`)."""
     plain = (
         config.hidden_act == "silu"
         and not config.sandwich_norms
@@ -43,7 +44,8 @@ def fuses_decode_layers(
         and not config.attn_output_gate
         and not config.linear_layers
     )
-    return native.available() and tp.world_size == 1 and plain and all(_in_c(layer) for layer in layers)
+    c_call = native.available() and not triton_enabled()  # the Triton kernels, where chosen, run every layer
+    return c_call and tp.world_size == 1 and plain and all(_in_c(layer) for layer in layers)
 
 
 def fused_decode_layers(
