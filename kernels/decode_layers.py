@@ -68,7 +68,7 @@ class _DecodeShape(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LoraPair:
-    """A projection's LoRA pairs as `procs.worker.lora.LoraTarget` stacks them: every adapter's A [width, in] and
+    """A projection's LoRA pairs as `procs.worker.lora.slots.LoraTarget` stacks them: every adapter's A [width, in] and
     B [out, width] as fp32 panels, width = its parts x the adapters' summed ranks."""
 
     a: PanelWeight

@@ -23,6 +23,7 @@ import torch
 
 from batchserve.loadtests.bench_engine import alternating, run_engine
 from batchserve.loadtests.bench_moe import SHAPE
+from batchserve.procs.worker.lora.step import load_lora_adapter, lora_of
 from batchserve.procs.worker.model_runner import ModelRunner
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,11 +51,11 @@ def build(out_dir: Path, layers: int, adapters: int, rank: int) -> tuple[Path, l
 @contextlib.contextmanager
 def spread_over(runner: ModelRunner, batch: int, adapters: int) -> Iterator[None]:
     """During decode, row i runs adapter i % adapters + 1 (the prefill ran on the base model)."""
-    runner.lora.slot_adapter[:batch] = np.arange(batch) % adapters + 1
+    lora_of(runner).slot_adapter[:batch] = np.arange(batch) % adapters + 1
     try:
         yield
     finally:
-        runner.lora.slot_adapter[:] = 0
+        lora_of(runner).slot_adapter[:] = 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=args.prompt_len + args.decode_steps + 64,
         )
         for index, folder in enumerate(folders, 1):
-            runner.load_lora_adapter(index, f"adapter{index}", str(folder), max_rank=args.rank)
+            load_lora_adapter(runner, index, f"adapter{index}", str(folder), max_rank=args.rank)
         print(
             f"Llama of the default model's shape, {args.layers} layers, fp32, torch threads {torch.get_num_threads()}; "
             f"{args.adapters} adapters of rank {args.rank} on all seven projections (built in "

@@ -22,7 +22,7 @@ OverlapSchedule = Literal["auto", "on", "off"]  # the default first
 SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 # Speculative decoding (the worker verifies): off, prompt lookup (procs/scheduler/ngram.py proposes) or a
-# draft model (procs/worker/draft_model.py proposes).
+# draft model (procs/worker/speculation/draft_model.py proposes).
 Speculative = Literal["off", "ngram", "draft"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)
 # The gateway in front of the replicas (procs/router.py): none, or the Shepherd Model Gateway.

@@ -2,7 +2,7 @@
 spelling: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}), adapter i of the list being index
 i + 1 in every process (0: the base model; one loaded at run time takes the next index never used, so a
 name loaded again is a new index: its cached KV is not the old weights'); requests carry the index
-(`RequestParams.adapter`), the worker's slots run it (`procs.worker.lora`). What a PEFT folder must be to
+(`RequestParams.adapter`), the worker's slots run it (`procs.worker.lora.slots`). What a PEFT folder must be to
 be served (`AdapterConfig`, `check_adapter`) is read here, by the worker at load and by the api before a
 runtime load."""
 

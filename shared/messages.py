@@ -150,7 +150,7 @@ class ForwardBatch(msgspec.Struct, kw_only=True):
     A decode row of k tokens (prefix_lens[i] > 0, extend_lens[i] == sample_lens[i] == k) feeds the
     request's last token, then k - 1 proposed tokens; each of its k positions samples one token.
     With a draft model (`--speculative draft`) the proposed tokens are `DRAFT_TOKEN`s, which the
-    worker's draft model fills before the step runs (`procs.worker.draft_model`).
+    worker's draft model fills before the step runs (`procs.worker.speculation.draft_model`).
     """
 
     step: int
@@ -204,7 +204,7 @@ class StepResult(msgspec.Struct, kw_only=True):
     # one position. The tokens of the others are in next_token_ids and do not count.
     accepted_lens: list[int] = []
     # Seconds the worker's draft model spent proposing this step's draft tokens (its passes after the
-    # first, which runs every step to keep its KV; `procs.worker.draft_model`); 0 without one.
+    # first, which runs every step to keep its KV; `procs.worker.speculation.draft_model`); 0 without one.
     draft_s: float = 0.0
     # Seconds of one-off work in this step (adapters loaded, CUDA graphs captured for adapter rows): not what a
     # step of its shape costs, so the scheduler's step-cost fit leaves them out.

@@ -12,6 +12,7 @@ import torch
 from batchserve.kernels import native
 from batchserve.kernels.decode_layers import DecodeLayers
 from batchserve.procs.scheduler import Scheduler, SchedulerConfig
+from batchserve.procs.worker.lora.step import load_lora_adapter
 from batchserve.shared.messages import RequestParams, SamplingParams, StopParams
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the C kernels")
@@ -36,7 +37,7 @@ def run(
         model_dir, device="cpu", max_running_requests=3, kv_capacity_tokens=512, quantization=quantization
     )
     for index, folder in enumerate(adapter_folders, 1):
-        runner.load_lora_adapter(index, f"adapter{index}", str(folder), max_rank=16)
+        load_lora_adapter(runner, index, f"adapter{index}", str(folder), max_rank=16)
     model = runner.model
     assert model.fuse_decode_layers  # every architecture's layers qualify
     model.fuse_decode_layers = fuse
@@ -113,7 +114,7 @@ def test_one_call_per_step_gives_the_python_loops_logits_bit_for_bit(tiny_model_
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_lora_rows_in_the_one_call_give_the_python_loops_logits_bit_for_bit(tiny_model_dir, tmp_path, quantization):
     """Rows of two adapters (all seven projections with rsLoRA; q, v and down) beside base rows: the call adds
-    each row's pairs as the layers' Python does (procs/worker/lora.py), so the logits are the same bits."""
+    each row's pairs as the layers' Python does (procs/worker/lora/slots.py), so the logits are the same bits."""
     from test_lora_worker import ADAPTERS, make_adapter
 
     model_dir = tiny_model_dir("llama")

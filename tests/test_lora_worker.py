@@ -16,6 +16,7 @@ from model_batches import generate_greedy
 from model_references import torch_only
 from test_model_equivalence import SCHEDULES, transformers_greedy
 
+from batchserve.procs.worker.lora.step import enable_lora, load_lora_adapter, lora_of
 from batchserve.procs.worker.model_runner import ModelRunner
 from batchserve.shared.model import ModelLoadError
 
@@ -83,7 +84,7 @@ def runner_with_adapters(base: Path, folders: dict[str, Path], **kwargs) -> Mode
         base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=2048, max_running_requests=8, **kwargs
     )
     for index, (name, folder) in enumerate(folders.items(), 1):
-        runner.load_lora_adapter(index, name, str(folder), max_rank=16)
+        load_lora_adapter(runner, index, name, str(folder), max_rank=16)
     return runner
 
 
@@ -144,7 +145,7 @@ def test_what_peft_would_run_otherwise_is_refused_naming_the_field(setup, tmp_pa
         base, device="cpu", dtype="float32", page_size=4, kv_capacity_tokens=256, max_running_requests=2
     )
     with pytest.raises(ModelLoadError, match=message):
-        runner.load_lora_adapter(1, "bad", str(folder), max_rank=16)
+        load_lora_adapter(runner, 1, "bad", str(folder), max_rank=16)
 
 
 def test_a_step_that_loads_an_adapter_reports_the_load_apart_from_its_cost(setup):
@@ -156,10 +157,10 @@ def test_a_step_that_loads_an_adapter_reports_the_load_apart_from_its_cost(setup
 
     base, folders, _, _ = setup
     runner = runner_with_adapters(base, {})
-    runner.enable_lora(16)
+    enable_lora(runner, 16)
     batch = probe_batch(runner, [0], [4])
     loading = runner.execute(
         msgspec.structs.replace(batch, adapter_updates=[AdapterUpdate(index=1, name="a", path=str(folders["a"]))])
     )
-    assert loading.setup_s > 0 and 1 in runner.lora.adapters
+    assert loading.setup_s > 0 and 1 in lora_of(runner).adapters
     assert runner.execute(probe_batch(runner, [0], [4])).setup_s == 0.0

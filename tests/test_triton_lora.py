@@ -19,6 +19,7 @@ pytest.importorskip("fla")
 
 from batchserve.kernels import triton as triton_kernels  # noqa: E402
 from batchserve.kernels.triton.lora import RowGroups, add_lora  # noqa: E402
+from batchserve.procs.worker.lora.step import lora_of
 
 
 def _reference(x, a, b, row_adapter, out):
@@ -76,7 +77,8 @@ def three_adapters(tiny_model_dir, tmp_path_factory):
 def test_three_adapters_through_the_triton_kernels_equal_peft(three_adapters, triton_on, pad_decode):
     base, folders, prompts, expected = three_adapters
     runner = runner_with_adapters(base, folders, triton_kernels="on", attention_backend="torch", pad_decode=pad_decode)
-    assert runner.lora is not None and runner.lora.triton
+    slots = lora_of(runner)
+    assert slots is not None and slots.triton
     chosen = [1, 0, 3, 2]  # a, base, c, b
     names = ["base", "a", "b", "c"]
     before = triton_kernels.LAUNCHES["lora"]

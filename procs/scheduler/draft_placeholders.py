@@ -1,6 +1,6 @@
 """The scheduler's side of a draft model (`--speculative draft`): rows of placeholders.
 
-The draft model runs in the worker, on the step itself (`procs/worker/draft_model.py`), so the
+The draft model runs in the worker, on the step itself (`procs/worker/speculation/draft_model.py`), so the
 scheduler proposes no tokens: it gives a speculative row `DRAFT_TOKEN`s, as many as the row may carry,
 and plans, reserves and bounds the row by that width like any draft (SCHEDULING.md 6.4). The worker
 fills them before the model runs; verification and rollback are the same as for prompt lookup.

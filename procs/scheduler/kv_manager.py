@@ -60,7 +60,7 @@ class KVManager:
         self.prefill_budget = config.prefill_budget
         # Tokens at the end of a request's KV that a draft model may not hold yet: the last draft token
         # of a row accepted whole is fed to the draft only with the request's next row
-        # (procs/worker/draft_model.py), so a request released after such a row leaves its page out of
+        # (procs/worker/speculation/draft_model.py), so a request released after such a row leaves its page out of
         # the cache (a later request would read a draft KV the draft never wrote there).
         self.draft_lag = 1 if config.speculative == "draft" else 0
         self._attached: list[PageTableUpdates] = []  # cached pages of new admissions, for the next batch

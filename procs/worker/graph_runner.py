@@ -13,7 +13,7 @@ asked (`pad_decode=True`, as the tests do to check the padding logic on CPU): wi
 padding is pure cost.
 
 A step with LoRA adapter rows runs a second set of graphs, captured with the adapters' stacked pairs
-(`procs.worker.lora`): the rows' adapter mask is an input, copied into a static buffer whose padding
+(`procs.worker.lora.slots`): the rows' adapter mask is an input, copied into a static buffer whose padding
 rows are 0 (no adapter). The set is captured at the first such step after an adapter load or unload
 (the pairs are restacked then), so the base model's graphs, captured at start, stay as they are. That
 step takes the capture's time too (`StepResult.setup_s`, which the step-cost fit leaves out); a server
@@ -31,7 +31,7 @@ import torch
 
 from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, CudaGraphAttentionBackend, plan_step
 from batchserve.kernels.kv_cache import KVCache
-from batchserve.procs.worker.lora import LoraSlots
+from batchserve.procs.worker.lora.slots import LoraSlots
 from batchserve.procs.worker.models.base import CausalLM
 from batchserve.shared.messages import ForwardBatch
 
@@ -77,6 +77,7 @@ class DecodeGraphRunner:
         self.steps_per_size: Counter[int] = Counter()  # padded steps run, by padded size
         self.lora_steps = 0  # padded steps with adapter rows
         self.lora_captures = 0  # captures of the adapter graphs (one after each adapter load or unload in use)
+        self.adapters: LoraSlots | None = None  # the LoRA slots, once enabled (`procs.worker.lora.step`)
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # device memory taken by capture (torch.cuda.mem_get_info before/after)
         if self.can_capture(attention):
@@ -113,9 +114,9 @@ class DecodeGraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def forward_logits(self, batch: ForwardBatch, lora: LoraSlots | None = None) -> torch.Tensor | None:
-        """float32 logits of the batch's sampling rows, one position each (page table already applied);
-        `lora`: the adapters, where the step has adapter rows (their mask planned for its n rows)."""
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """float32 logits of the batch's sampling rows, one position each (page table already applied; where
+        the step has adapter rows, their mask planned for its n rows)."""
         n = batch.num_requests
         size = self.bucket_for(n)
         if self._staged_copy is not None:
@@ -138,6 +139,7 @@ class DecodeGraphRunner:
         )
         self.steps_per_size[size] += 1
         graphs, outputs = self._graphs, self._graph_logits
+        lora = self.adapters if self.adapters is not None and self.adapters.active else None
         if lora is not None:
             graphs, outputs = self._lora_graphs_for(lora)
             lora.pad_rows(lora.row_adapter, size, self.max_batch_size)

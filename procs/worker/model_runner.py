@@ -1,5 +1,7 @@
 """`ModelRunner`: the worker's engine core. Owns the model, the KV pool and the page table, and
-executes one `ForwardBatch` per call: apply page-table updates, run the packed forward, sample.
+executes one `ForwardBatch` per call as the stages of the step pipeline (`procs.worker.step_hooks`): apply
+page-table updates, run the packed forward, sample; the features it was started with plug in at the
+pipeline's hooks (registered by `procs.worker.features`).
 
 With tensor parallelism one `ModelRunner` runs on every rank, each with its share of the model and
 of the KV heads (`procs.worker.parallel`): rank 0's `execute` broadcasts the step
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import msgspec
@@ -23,16 +24,14 @@ import torch
 from batchserve.kernels.triton import select as triton_kernels_select
 from batchserve.procs.worker.batch_checks import check_batch
 from batchserve.procs.worker.devices import check_quantization, resolve_device, resolve_dtype
-from batchserve.procs.worker.draft_model import DraftModel
+from batchserve.procs.worker.features import register_configured, register_features
 from batchserve.procs.worker.grammar_masks import SlotGrammars
 from batchserve.procs.worker.kv_cache import kv_memory_budget_gb
 from batchserve.procs.worker.kv_pool import build_kv_pool
 from batchserve.procs.worker.loader import load_model
 from batchserve.procs.worker.logits_state import SlotLogitsState
-from batchserve.procs.worker.lora import LoraAdapter, LoraSlots
-from batchserve.procs.worker.models.base import CausalLM, ModelConfig, eager_forward, eager_hidden_states
+from batchserve.procs.worker.models.base import CausalLM, ModelConfig, eager_forward
 from batchserve.procs.worker.parallel import TensorParallel, join, rank_device
-from batchserve.procs.worker.pooler import SlotPooler
 from batchserve.procs.worker.rank_steps import RankStep, RankSteps, RankStop
 from batchserve.procs.worker.runner_setup import (
     agreed_backend,
@@ -44,12 +43,12 @@ from batchserve.procs.worker.runner_setup import (
     ring_rows_within,
 )
 from batchserve.procs.worker.sample_rows import sampled_tokens
+from batchserve.procs.worker.step_hooks import StepHooks
 from batchserve.procs.worker.step_sampler import StepSampler
 from batchserve.procs.worker.weight_bytes import weight_bytes
 from batchserve.shared.config import ServerConfig
-from batchserve.shared.lora import held_at_start, parse_lora_modules, served_projections
-from batchserve.shared.messages import AdapterUpdate, ForwardBatch, StepResult
-from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
+from batchserve.shared.messages import ForwardBatch, StepResult
+from batchserve.shared.model import ModelSpec
 from batchserve.shared.parallel import RankLayout
 from batchserve.shared.pooling import PoolerConfig
 from batchserve.shared.process_messages import WorkerInfo
@@ -59,7 +58,6 @@ log = logging.getLogger("batchserve.worker")
 # BATCHSERVE_DEBUG_CHECKS=1: check every ForwardBatch before running it (`procs.worker.batch_checks`). The
 # scheduler plans batches that pass by construction; the check is for debugging a scheduler change.
 DEBUG_CHECKS = os.environ.get("BATCHSERVE_DEBUG_CHECKS", "") not in ("", "0")
-EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
 
 
 class ModelRunner:
@@ -71,7 +69,7 @@ class ModelRunner:
     `max_context` 0 means the model's max_position_embeddings. `pad_decode`: run decode steps on the
     padded static buffers CUDA graphs replay (None: only where graphs are captured).
     `draft_model`: a model with this one's tokenizer that proposes speculative decoding's draft tokens
-    (`procs.worker.draft_model`; its weights in `draft_quantization`), its KV in this pool's pages.
+    (`procs.worker.speculation.draft_model`; its weights in `draft_quantization`), its KV in this pool's pages.
     """
 
     def __init__(
@@ -127,10 +125,11 @@ class ModelRunner:
         )
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = attention_for(backend, self.model, self.kv_cache)
-        self.draft = None if draft is None else DraftModel.in_pool(draft, self.kv_cache, attention_backend)
         self.cost_windows = cost_windows(self.model, self.tp, self.dtype)
-        self._start_slots(max_running_requests, pooler)
-        disable_cuda_graph = disable_cuda_graph or pooler is not None  # the pooling runner never decodes
+        self.hooks = StepHooks()  # the features' hooks in each step (`procs.worker.step_hooks`)
+        register_features(self, draft, pooler, attention_backend)
+        self._start_slots(max_running_requests)
+        disable_cuda_graph = disable_cuda_graph or self.hooks.head is not None  # a head that is not sampling
         self.graph_runner = decode_graph_runner(
             self.model, self.attention, self.kv_cache, self.tp, disable_cuda_graph, cuda_graph_max_bs, pad_decode
         )
@@ -157,9 +156,9 @@ class ModelRunner:
             return None, pooler
         return load_model(draft_spec, dtype=self.dtype, device=self.device, quantization=draft_quantization), pooler
 
-    def _start_slots(self, max_running_requests: int, pooler: PoolerConfig | None) -> None:
-        """What each request slot keeps between steps: its grammar, its sampling state and last token
-        (`self.sampler`), its LoRA adapter, its prompt's length, and the pooling runner's pooled states."""
+    def _start_slots(self, max_running_requests: int) -> None:
+        """What each request slot keeps between steps, beside what its features keep: its grammar, its
+        sampling state and last token (`self.sampler`), and its prompt's length."""
         self.grammars = SlotGrammars(
             max_running_requests, self.config.vocab_size, device=self.device, tokenizer=self.spec.grammar_tokenizer
         )
@@ -167,14 +166,9 @@ class ModelRunner:
             SlotLogitsState(max_running_requests, self.config.vocab_size, self.device, self.grammars),
             max_running_requests,
             self.device,
-            self.draft,
+            self.hooks.verifier,
         )
-        self.lora: LoraSlots | None = None  # LoRA adapters, with enable_lora (`update_lora_adapter`)
         self.prompt_lens = np.zeros(max_running_requests, dtype=np.int64)  # each slot's SlotStart.prompt_len
-        self.pooler = (
-            None if pooler is None else SlotPooler(pooler, max_running_requests, self.config.hidden_size, self.device)
-        )
-        self._expert_load_sent = time.monotonic()
 
     @classmethod
     def from_config(
@@ -211,42 +205,11 @@ class ModelRunner:
                 runner=config.runner,
                 pooling=config.pooling,
             )
-            if config.enable_lora:  # refused here, at start, on a model that cannot run adapters
-                runner.enable_lora(config.max_lora_rank)
-            modules = held_at_start(parse_lora_modules(config.lora_modules), config.max_cpu_loras)
-            for index, module in enumerate(modules, 1):  # index 0: the base model
-                runner.load_lora_adapter(index, module.name, module.path)
+            register_configured(runner, config)
         except BaseException:
             tp.close()
             raise
         return runner
-
-    def enable_lora(self, max_rank: int) -> LoraSlots:
-        """LoRA slots on the model's projections (ModelLoadError where its layers cannot run adapters)."""
-        if self.pooler is not None:
-            raise ModelLoadError("LoRA adapters are not served by the pooling runner (embeddings)")
-        served = served_projections(read_model_json(self.spec.model_dir))
-        self.lora = self.model.enable_lora(LoraSlots(self.max_running_requests, self.device, max_rank, served))
-        return self.lora
-
-    def load_lora_adapter(self, index: int, name: str, path: str, max_rank: int | None = None) -> None:
-        """Adapter `index` from PEFT folder `path` (LoRA enabled first, up to `max_rank`, if it is not yet)."""
-        if self.lora is None and max_rank is not None:
-            self.enable_lora(max_rank)
-        self.update_lora_adapter(AdapterUpdate(index=index, name=name, path=path))
-
-    def update_lora_adapter(self, update: AdapterUpdate) -> None:
-        """Load PEFT adapter `update.path` as adapter `update.index` (>= 1) of the slots that name it
-        (`SlotStart.adapter`), or unload that adapter (no path; no slot runs it any more)."""
-        if self.lora is None:
-            raise ModelLoadError(f"LoRA adapter {update.name}: the worker was started without enable_lora")
-        if not update.path:
-            self.lora.remove(update.index)
-            return
-        self.lora.add(
-            update.index,
-            LoraAdapter.load(update.name, update.path, self.lora, self.config.num_layers, self.dtype, self.device),
-        )
 
     def close(self) -> None:
         """Rank 0: tell the followers to stop; every rank: leave the group."""
@@ -266,7 +229,7 @@ class ModelRunner:
             if isinstance(message, RankStop) or not keep_following():
                 return
             if isinstance(message, RankStep):
-                self._start_adapters(message.batch)  # rank 0's `execute` does the same
+                self.hooks.start(message.batch)  # rank 0's `execute` does the same
                 with torch.inference_mode():
                     self._forward(message.batch, message.logits_rows)
 
@@ -316,84 +279,55 @@ class ModelRunner:
             weight_bytes=self.weight_bytes,
             recurrent_state_bytes=0 if states is None else states.bytes_per_request,
             state_snapshots=0 if states is None else states.num_snapshots,
-            pooling=self.pooler is not None,
+            pooling=self.hooks.head is not None,
             bidirectional=self.config.bidirectional,
         )
 
     def _shared_window(self) -> int:
-        """Every layer's window where they share one, and no draft model reads the KV whole; else 0."""
+        """Every layer's window where they share one, and no feature that rewrites the rows (a draft model)
+        reads the KV whole; else 0."""
         windows = set(self.config.windows)
-        return windows.pop() if len(windows) == 1 and self.draft is None else 0
+        return windows.pop() if len(windows) == 1 and not self.hooks.rewrites else 0
 
     # -- one step ---------------------------------------------------------------------------------
 
     def execute(self, batch: ForwardBatch) -> StepResult:
+        """One step, as the stages of `procs.worker.step_hooks` (the features' hooks between them)."""
         if DEBUG_CHECKS:
-            check_batch(
-                batch,
-                self.max_running_requests,
-                self.spec.context_length,
-                self.kv_cache.num_pages * self.page_size,
-                self.vocab_size,
-                self.draft is not None,
-            )
+            self._check(batch)
         batch = self.sampler.fill_future_tokens(batch)
-        captured_before = self.graph_runner.capture_seconds if self.graph_runner else 0.0
-        loading_s = self._start_adapters(batch)
+        captured_before = self._captured_s()
+        setup_s = self.hooks.start(batch)
         self.sampler.start(batch.slot_starts)
-        drafts = None
-        if self.draft is not None:  # it runs every step, so that its KV holds what the model's holds
-            for start in batch.slot_starts:
-                self.draft.start(start.slot)
-            batch, drafts = self.draft.propose(self._apply_page_table(batch))
-        if self.pooler is not None:
-            return self._pooled_step(batch)
+        batch = self.hooks.rewrite(batch)
         with torch.inference_mode():
+            if self.hooks.head is not None:  # a step that ends in something other than tokens
+                return self._head_step(batch)
             prompt_chunks, extra_rows = self.sampler.prompt_rows(batch)
             logits = self.step_logits(batch, extra_rows)
-            captured_s = (self.graph_runner.capture_seconds if self.graph_runner else 0.0) - captured_before
             result = StepResult(
                 step=batch.step,
                 next_token_ids=np.zeros(0, dtype=np.int32),
-                setup_s=loading_s + captured_s,
-                draft_s=0.0 if self.draft is None else self.draft.proposing_s,
+                setup_s=setup_s + self._captured_s() - captured_before,
             )
-            if time.monotonic() - self._expert_load_sent >= EXPERT_LOAD_INTERVAL_S:
-                result.expert_load = self.model.take_expert_load()
-                self._expert_load_sent = time.monotonic()
+            self.hooks.annotate(result)
             if logits is not None:
-                self.sampler.sample(batch, logits, prompt_chunks, drafts, result)
+                self.sampler.sample(batch, logits, prompt_chunks, result)
         return result
 
-    def _pooled_step(self, batch: ForwardBatch) -> StepResult:
-        """The pooling runner's step: each sampling row's pooled vector, where a token would be."""
-        assert self.pooler is not None
-        with torch.inference_mode():
-            hidden = self.step_logits(batch)  # the pooling runner's forward: hidden states (`forward_logits`)
-            assert hidden is not None
-            pooled = self.pooler.head(self.model, self.pooler.pool(hidden, batch), hidden.dtype)
-        return StepResult(
-            step=batch.step, next_token_ids=np.zeros(pooled.shape[0], dtype=np.int32), pooled=pooled.cpu().numpy()
-        )
+    def _head_step(self, batch: ForwardBatch) -> StepResult:
+        """The step of a head that replaces sampling: its forward pass (`forward_logits`), then its result."""
+        assert self.hooks.head is not None
+        hidden = self.step_logits(batch)
+        assert hidden is not None
+        return self.hooks.head.result(batch, hidden)
 
-    def _start_adapters(self, batch: ForwardBatch) -> float:
-        """The step's LoRA loads and unloads, then each starting slot's adapter (on every rank); the seconds
-        the loads and unloads took."""
-        started = time.perf_counter()
-        for update in batch.adapter_updates:
-            self.update_lora_adapter(update)
-        if self.lora is not None:
-            for start in batch.slot_starts:
-                self.lora.start(start.slot, start.adapter)
-        return time.perf_counter() - started if batch.adapter_updates else 0.0
+    def _check(self, batch: ForwardBatch) -> None:
+        limits = (self.max_running_requests, self.spec.context_length, self.kv_cache.num_pages * self.page_size)
+        check_batch(batch, *limits, self.vocab_size, bool(self.hooks.rewrites))
 
-    def _apply_page_table(self, batch: ForwardBatch) -> ForwardBatch:
-        """Apply the batch's page-table updates now (the draft model reads the same table); the batch
-        without them, so that the forward pass does not apply them again (no other rank needs them: a
-        draft model runs with one rank only, `check_config`)."""
-        self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
-        none = np.zeros(0, dtype=np.int32)
-        return msgspec.structs.replace(batch, page_table_slots=none, page_table_cols=none, page_table_pages=none)
+    def _captured_s(self) -> float:
+        return self.graph_runner.capture_seconds if self.graph_runner else 0.0
 
     def step_logits(self, batch: ForwardBatch, extra_rows: np.ndarray | None = None) -> torch.Tensor | None:
         """Rank 0: the forward part of a step, broadcast to the other ranks: page table applied, the
@@ -406,16 +340,9 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, extra_rows: np.ndarray | None) -> torch.Tensor | None:
         """One step's page-table updates and forward pass, as every rank runs it."""
         self.kv_cache.apply_page_table_updates(batch.page_table_slots, batch.page_table_cols, batch.page_table_pages)
-        if self.lora is not None:  # the rows of each adapter
-            self.lora.plan(batch.slots, batch.extend_lens)
-        states = self.kv_cache.states
-        if states is not None:  # a cached prefix's state into its slot before, a prompt's kept after
-            states.restore(
-                [(start.slot, start.restore_state) for start in batch.slot_starts if start.restore_state >= 0]
-            )
+        self.hooks.before_forward(batch)
         logits = self.forward_logits(self._rope_rows(batch), extra_rows)
-        if states is not None:
-            states.save(batch.state_saves)
+        self.hooks.after_forward(batch)
         return logits
 
     def _rope_rows(self, batch: ForwardBatch) -> ForwardBatch:
@@ -434,20 +361,10 @@ class ModelRunner:
         """Run the batch's forward pass (page table already applied): float32 logits of the sampled
         positions (each row's last sample_lens[i] tokens), then of `extra_rows` (packed token indices),
         or None if there are none."""
-        if self.pooler is not None:  # the pooling runner: every token's final hidden state (`_pooled_step`)
-            return eager_hidden_states(
-                self.model,
-                self.attention,
-                batch.slots,
-                batch.prefix_lens,
-                batch.extend_lens,
-                batch.input_ids,
-                batch.positions,
-                batch.kv_locs,
-            )
+        if self.hooks.head is not None:  # a head's forward pass (the pooling runner: every token's hidden state)
+            return self.hooks.head.forward(batch)
         if extra_rows is None and self.graph_runner and self.graph_runner.handles(batch):
-            adapters = self.lora if self.lora is not None and self.lora.active else None  # their own graphs
-            return self.graph_runner.forward_logits(batch, adapters)
+            return self.graph_runner.forward_logits(batch)
         rows = sampled_tokens(batch.extend_lens, batch.sample_lens)
         if extra_rows is not None:
             rows = np.concatenate([rows, extra_rows])

@@ -16,11 +16,11 @@ import torch
 from batchserve.kernels.attention import BACKENDS, AttentionBackend, create_backend, resolve_backend_name
 from batchserve.kernels.kv_cache import KVCache
 from batchserve.procs.worker.devices import check_quantization
-from batchserve.procs.worker.draft_model import DraftModel
 from batchserve.procs.worker.graph_runner import DecodeGraphRunner
 from batchserve.procs.worker.kv_cache import kv_bytes_per_token
 from batchserve.procs.worker.models.base import CausalLM
 from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.procs.worker.speculation.draft_model import DraftModel
 from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 from batchserve.shared.pooling import PoolerConfig, pooler_for
 from batchserve.shared.step_features import layer_cost_windows

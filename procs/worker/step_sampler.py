@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from batchserve.kernels.sampling import rejection_sample, sample_batch, sample_with_scores, speculative_noise
-from batchserve.procs.worker.draft_model import DraftDistributions, DraftModel
 from batchserve.procs.worker.logits_state import SlotLogitsState
 from batchserve.procs.worker.sample_rows import SampleRows
+from batchserve.procs.worker.step_hooks import RowDistributions, VerifiesRows
 from batchserve.shared.messages import (
     FUTURE_TOKEN,
     ForwardBatch,
@@ -35,15 +35,20 @@ PromptChunks = list[tuple[int, range, np.ndarray]]
 
 
 class StepSampler:
-    """Samples the steps of one runner's slots (see the module's docstring); `draft`: the draft model whose
-    proposals the rows carry, told what verification accepted (None: no draft model)."""
+    """Samples the steps of one runner's slots (see the module's docstring); `verifier`: the feature whose
+    proposals the rows carry, with the distributions it drew them from, told what verification accepted
+    (None: proposals are one token for sure, prompt lookup's)."""
 
     def __init__(
-        self, logits_state: SlotLogitsState, max_running_requests: int, device: torch.device, draft: DraftModel | None
+        self,
+        logits_state: SlotLogitsState,
+        max_running_requests: int,
+        device: torch.device,
+        verifier: VerifiesRows | None,
     ) -> None:
         self.logits_state = logits_state
         self.device = device
-        self.draft = draft
+        self.verifier = verifier
         self.last_sampled = np.zeros(max_running_requests, dtype=np.int32)  # what FUTURE_TOKEN inputs feed
 
     def start(self, slot_starts: Sequence[SlotStart]) -> None:
@@ -75,7 +80,6 @@ class StepSampler:
         batch: ForwardBatch,
         logits: torch.Tensor,
         prompt_chunks: PromptChunks,
-        drafts: DraftDistributions | None,
         result: StepResult,
     ) -> None:
         """Into `result`: the prompt logprobs of `prompt_chunks` (their rows' logits follow the sampled
@@ -88,6 +92,7 @@ class StepSampler:
             return
         rows = SampleRows.of_batch(batch)
         sampling = [p for p, n in zip(batch.sampling, batch.sample_lens) for _ in range(n)]
+        drafts = None if self.verifier is None else self.verifier.distributions
         token_ids, result.logprob_rows, result.logprobs = self._sample(logits[:num_sampled], sampling, rows, drafts)
         result.next_token_ids = token_ids.to(torch.int32).cpu().numpy()
         kept_rows, kept = rows, None
@@ -95,8 +100,8 @@ class StepSampler:
             accepted = rows.accepted(result.next_token_ids)
             result.accepted_lens = accepted.tolist()
             kept_rows, kept = rows.kept(accepted)
-            if self.draft is not None:
-                self.draft.verified(batch, accepted)
+            if self.verifier is not None:
+                self.verifier.verified(batch, accepted)
         self.logits_state.record(
             kept_rows,
             token_ids if kept is None else token_ids.index_select(0, torch.from_numpy(kept).to(self.device)),
@@ -111,7 +116,7 @@ class StepSampler:
         logits: torch.Tensor,
         sampling: list[SamplingParams],
         rows: SampleRows,
-        drafts: DraftDistributions | None = None,
+        drafts: RowDistributions | None = None,
     ) -> tuple[torch.Tensor, list[int], list[TokenLogprobs]]:
         """Adjust (penalties, bias, bans) and sample, one logit row per sampled position; logprobs from
         the logits as the model gave them. The caller counts the tokens it keeps. `drafts`: where a
@@ -134,7 +139,7 @@ class StepSampler:
         return token_ids, wanted.tolist(), state.sampled_logprobs(raw, token_ids[row_index], rows.slots[wanted])
 
     def _rejection_sample(
-        self, scores: torch.Tensor, rows: SampleRows, drafts: DraftDistributions, token_ids: torch.Tensor
+        self, scores: torch.Tensor, rows: SampleRows, drafts: RowDistributions, token_ids: torch.Tensor
     ) -> torch.Tensor:
         """`token_ids` with the positions `drafts` names sampled by rejection against their draft
         distributions (`scores`: the filtered scores the positions were sampled from)."""

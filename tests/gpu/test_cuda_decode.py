@@ -11,6 +11,7 @@ from test_graph_runner import PAGE_SIZE, decode_batch, prefill, prompts_for
 from batchserve.kernels.attention import AttentionMetadata, create_backend
 from batchserve.kernels.kv_cache import KVCache
 from batchserve.procs.worker.graph_runner import DecodeGraphRunner
+from batchserve.procs.worker.lora.step import load_lora_adapter
 from batchserve.procs.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -267,9 +268,9 @@ def test_graph_replay_with_adapter_rows_matches_eager(model_dir, tmp_path):
     outputs = {}
     for label, graphs in (("graphs", True), ("eager", False)):
         runner = cuda_runner(model_dir, "flashinfer", graphs)
-        runner.load_lora_adapter(1, "a", str(folders["a"]), max_rank=16)
+        load_lora_adapter(runner, 1, "a", str(folders["a"]), max_rank=16)
         first = generate_greedy(runner, prompts, 6, adapters=[min(c, 1) for c in chosen], arrival_gap=1)
-        runner.load_lora_adapter(2, "b", str(folders["b"]))  # the adapter graphs are captured again
+        load_lora_adapter(runner, 2, "b", str(folders["b"]))  # the adapter graphs are captured again
         second = generate_greedy(runner, prompts, 6, adapters=chosen, arrival_gap=1)
         base = generate_greedy(runner, prompts, 6, arrival_gap=1)
         outputs[label] = (first, second, base)

@@ -16,6 +16,7 @@ from test_cuda_decode import cuda_runner, model_dir, random_adapter  # noqa: F40
 from test_graph_runner import prompts_for
 
 from batchserve.kernels import triton as triton_kernels
+from batchserve.procs.worker.lora.step import load_lora_adapter
 from batchserve.procs.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,7 +36,7 @@ def test_lora_triton_kernels_agree_with_the_masked_matmuls_under_graphs(model_di
     for setting in ("on", "off"):
         runner = cuda_runner(model_dir, "auto", graphs=True, triton_kernels=setting)
         for index, name in enumerate("abc", 1):
-            runner.load_lora_adapter(index, name, str(folders[name]), max_rank=16)
+            load_lora_adapter(runner, index, name, str(folders[name]), max_rank=16)
         before = triton_kernels.LAUNCHES["lora"]
         outputs[setting] = generate_greedy(runner, prompts, 8, adapters=chosen, arrival_gap=1)
         base = generate_greedy(runner, prompts, 8, arrival_gap=1)

@@ -22,7 +22,7 @@ from batchserve.kernels.attention import AttentionBackend, AttentionMetadata, pl
 from batchserve.kernels.recurrent_state import RecurrentShape
 from batchserve.kernels.rope import RotaryTables
 from batchserve.procs.worker.hf_quantized import scheme_of
-from batchserve.procs.worker.lora import LoraSlots
+from batchserve.procs.worker.lora.slots import LoraSlots
 from batchserve.procs.worker.parallel import TensorParallel
 from batchserve.shared.model import ModelLoadError, ModelSpec
 from batchserve.shared.rope import RopeConfig
@@ -226,7 +226,7 @@ class CausalLM(Protocol):
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
         """LoRA pairs on the model's projections, read from `slots` (returned), each cut as this rank's share
-        (`procs.worker.lora`); ModelLoadError where its layers cannot run adapters."""
+        (`procs.worker.lora.slots`); ModelLoadError where its layers cannot run adapters."""
         ...
 
 

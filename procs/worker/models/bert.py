@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from batchserve.kernels.attention import AttentionBackend
 from batchserve.kernels.rope import RotaryTables
-from batchserve.procs.worker.lora import LoraSlots
+from batchserve.procs.worker.lora.slots import LoraSlots
 from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
 from batchserve.procs.worker.models.weights import WeightTaker
 from batchserve.procs.worker.parallel import TensorParallel

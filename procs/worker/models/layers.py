@@ -29,7 +29,7 @@ from batchserve.procs.worker.parallel import TensorParallel
 
 
 class _Linear:
-    """x @ weight.T (+ bias) on the packed weight; with `lora` (`procs.worker.lora.LoraTarget`), the step's
+    """x @ weight.T (+ bias) on the packed weight; with `lora` (`procs.worker.lora.slots.LoraTarget`), the step's
     adapters' rows get their LoRA pairs added."""
 
     weight: LinearWeight

@@ -23,7 +23,7 @@ from batchserve.kernels.attention import AttentionBackend
 from batchserve.kernels.decode_layers import DecodeLayers
 from batchserve.kernels.ops import add_rms_norm, apply_rotary, rms_norm, rms_norm_groups
 from batchserve.kernels.rope import RotaryTables
-from batchserve.procs.worker.lora import LoraSlots, attach
+from batchserve.procs.worker.lora.slots import LoraSlots, attach
 from batchserve.procs.worker.models.base import ModelConfig, RankHeads, Weight, config_path
 from batchserve.procs.worker.models.layers import GatedMLP, ParallelLMHead, VocabParallelEmbedding
 from batchserve.procs.worker.models.llama_fused import fused_decode_layers, fuses_decode_layers
@@ -197,7 +197,7 @@ class LlamaModel:
         return rope, local_rope
 
     def enable_lora(self, slots: LoraSlots) -> LoraSlots:
-        """LoRA pairs on every layer's seven projections (`procs.worker.lora`; a mixture of experts' attention
+        """LoRA pairs on every layer's seven projections (`procs.worker.lora.slots`; a mixture of experts' attention
         alone), read from `slots` (returned), each cut as this rank's share of its projection (`slots.shards`)."""
         cfg = self.config
         if ("gate_proj" in slots.served) != (cfg.moe is None):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from batchserve.procs.worker.lora import LoraSlots, LoraTarget
+from batchserve.procs.worker.lora.slots import LoraSlots, LoraTarget
 from batchserve.procs.worker.models.base import Weight, config_path, with_defaults
 from batchserve.procs.worker.models.gated_deltanet import DeltaNetConfig, GatedDeltaNet, split_grouped_projections
 from batchserve.procs.worker.models.llama import LayerWeights, LlamaConfig, LlamaModel
