@@ -24,8 +24,8 @@ PRODUCTION = ("procs", "kernels", "shared")
 FEATURES: dict[str, tuple[re.Pattern[str], int]] = {
     "lora": (re.compile(r"lora|adapter", re.I), 38),  # (+2: its CUDA kernels, kernels/triton/lora*.py)
     "speculation": (re.compile(r"draft|specul|ngram|proposer|spec_", re.I), 36),
-    "pooling": (re.compile(r"pooling|pooler|pooled|rerank", re.I), 28),
-    "structured output": (re.compile(r"grammar|bitmask|constraint", re.I), 18),
+    "pooling": (re.compile(r"pooling|pooler|pooled|rerank", re.I), 27),
+    "structured output": (re.compile(r"grammar|bitmask|constraint", re.I), 17),
     "recurrent state": (re.compile(r"recurrent|conv_state|ssm_state|linear_attention|gated_delta", re.I), 15),
     "windows": (re.compile(r"window|sliding|ring_", re.I), 38),
 }
@@ -38,7 +38,8 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "recurrent state": ("procs/worker/recurrent/",),
     "windows": (),
 }
-REGISTRATION = ("procs/worker/features.py",)  # where the worker's features are registered (each may be named)
+# where the features are registered, in the worker and in the scheduler (each may name them all)
+REGISTRATION = ("procs/worker/features.py", "procs/scheduler/features.py")
 
 
 def identifiers(tree: ast.AST) -> Iterator[str]:

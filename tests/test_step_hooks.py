@@ -1,7 +1,8 @@
 """The worker's step pipeline (`procs.worker.step_hooks`): a feature registered as the DESIGN.md map says
 ("how to add a feature") is called at each of its hooks in the stages' order, on every step, and a
 feature that changes nothing changes no output; two features cannot both be the step's verifier or head;
-the stages (`ModelRunner.execute`) name no feature, and the pipeline's core imports no feature package."""
+the stages (`ModelRunner.execute`, `Scheduler.launch` and `complete`) name no feature, and the worker's
+pipeline core imports no feature package."""
 
 from __future__ import annotations
 
@@ -83,13 +84,20 @@ def test_the_step_has_one_head_and_one_verifier():
 WORKER = Path(__file__).resolve().parent.parent / "procs" / "worker"
 
 
-def test_the_stages_name_no_feature_and_the_core_imports_no_feature_package():
-    tree = ast.parse((WORKER / "model_runner.py").read_text())
-    execute = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "execute")
-    assert execute.end_lineno is not None and execute.end_lineno - execute.lineno + 1 <= 40
-    names = set(identifiers(execute))
+@pytest.mark.parametrize(
+    "module, function",
+    [("worker/model_runner.py", "execute"), ("scheduler/core.py", "launch"), ("scheduler/core.py", "complete")],
+)
+def test_the_stages_are_short_and_name_no_feature(module, function):
+    tree = ast.parse((WORKER.parent / module).read_text())
+    stages = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    assert stages.end_lineno is not None and stages.end_lineno - stages.lineno + 1 <= 40
+    names = set(identifiers(stages))
     for feature, (pattern, _) in FEATURES.items():
         assert not [name for name in names if pattern.search(name)], feature
+
+
+def test_the_worker_core_imports_no_feature_package():
     packages = {p.rstrip("/").replace("/", ".") for own in PACKAGES.values() for p in own}
     for core in ("model_runner.py", "step_hooks.py", "step_sampler.py"):  # (graph_runner.py: LoRA graphs, not yet)
         imported = {

@@ -44,16 +44,18 @@ from batchserve.procs.scheduler.batch import build_forward_batch
 from batchserve.procs.scheduler.config import SchedulerConfig
 from batchserve.procs.scheduler.deltas import token_deltas
 from batchserve.procs.scheduler.executor import Executor
+from batchserve.procs.scheduler.features import register_features
 from batchserve.procs.scheduler.input_checks import checked_draft, checked_prompt, checked_result
 from batchserve.procs.scheduler.kv_manager import KVManager
 from batchserve.procs.scheduler.managers import DecodeManager, PrefillManager
 from batchserve.procs.scheduler.request import Request, Status
 from batchserve.procs.scheduler.request_table import RequestTable
 from batchserve.procs.scheduler.step_cost import LinearStepCost
+from batchserve.procs.scheduler.step_hooks import SchedulerHooks
 from batchserve.procs.scheduler.step_launch import advance_launched
-from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput
+from batchserve.procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
 from batchserve.procs.scheduler.step_planning import PlannedStep, Proposer, StepPlanner, default_proposer
-from batchserve.procs.scheduler.step_results import kept_tokens, record_logprobs, record_pooled, settle_rows
+from batchserve.procs.scheduler.step_results import kept_tokens, record_logprobs, settle_rows
 from batchserve.shared.errors import Refusal
 from batchserve.shared.messages import DEFAULT_PARAMS, RequestParams, StepResult, TokenDelta
 from batchserve.shared.step_features import StepShape
@@ -121,6 +123,8 @@ class Scheduler:
         # next row starts, so it must complete before the next launch.
         self._wide_rows_in_flight = False
         self._arrivals = 0  # arrival sequence numbers (the waiting queue's order among equal priorities)
+        self.hooks = SchedulerHooks()  # the features at the step's hooks (`procs.scheduler.step_hooks`)
+        register_features(self)
 
     @property
     def steps_out_of_reach(self) -> int:
@@ -262,7 +266,7 @@ class Scheduler:
     def launch(self, prefill_tokens: int | None = None, *, drain: Callable[[], None] | None = None) -> LaunchedStep:
         """The first half of a step: plan, preempt, allocate, pack the batch, and advance every count the
         batch decides (KV positions, prefill progress, tokens sampled, the decode set). `complete` applies
-        the sampled tokens when they come back.
+        the sampled tokens when they come back. Its stages and hooks: `procs.scheduler.step_hooks`.
 
         Overlap scheduling calls this while earlier launched steps are still running: a decode whose last
         token is not back yet is fed `FUTURE_TOKEN`, which the worker replaces by the token it sampled last
@@ -270,6 +274,20 @@ class Scheduler:
         dropped when it comes back. Preemption needs every token known (a victim's tokens become its
         prompt): if this step must preempt while steps run, `drain` is called first to complete them.
         """
+        out = self._open_step()
+        self.hooks.run_before_plan(out, drain)
+        planned = self._plan_step(out, prefill_tokens, drain)
+        if planned.plan.is_empty:
+            return LaunchedStep(planned.plan, None, out)
+        return self._pack_step(out, planned)
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Launched steps not completed yet."""
+        return self._launched
+
+    def _open_step(self) -> StepOutput:
+        """A new step's output, with the aborts since the last one."""
         if self._wide_rows_in_flight:
             raise RuntimeError(
                 "a step with rows wider than one token is in flight: complete it before launching "
@@ -281,28 +299,28 @@ class Scheduler:
             out.ended = {r.rid: r for r in self._cancelled}
             self._cancelled = []
         self._step += 1
-        if self.by_priority and self.config.policy != "fixed":
-            self._preempt_for_head(out, drain)
-        if self.config.rope_switch_length:
-            self._recompute_at_rope_switch(out, drain)
-        self.kv.drop_out_of_window()
+        return out
+
+    def _plan_step(self, out: StepOutput, prefill_tokens: int | None, drain: Callable[[], None] | None) -> PlannedStep:
+        """The policy's plan within the step's prefill cap, its pages fitted (step 3b), first admissions'
+        queue times noted, and its predicted time under the step-time bound."""
         planner = self.planner
-        if not self._launched and planner.proposer is not None:  # a draft follows the last token: it must be back
-            planner.propose_drafts()
         out.prefill_cap = prefill_tokens if planner.cap is None else planner.prompt_cap(prefill_tokens)
         planned = self._fit_pages(planner.plan(out.prefill_cap), out, drain)
-        plan = planned.plan
         if self.prefill_manager.first_admissions:
             self._take_first_admissions(out)
-        if plan.is_empty:
-            return LaunchedStep(plan, None, out)
-        if planner.cap is not None:
+        if planner.cap is not None and not planned.plan.is_empty:
             out.predicted_s = planner.predicted_s(planned)
+        return planned
+
+    def _pack_step(self, out: StepOutput, planned: PlannedStep) -> LaunchedStep:
+        """Allocate the planned step's pages, pack its batch, and advance what it decides."""
+        plan = planned.plan
         updates = self.kv.allocate(planned.slots, planned.growth)
         batch = build_forward_batch(out.step, plan, updates, self.table, self.page_size, self._eos_tuple)
         self._launched += 1
-        # the decode set's drafts go into this batch's rows, which are then wider than one token
-        self._wide_rows_in_flight = bool(plan.decode_slots.shape[0]) and bool(self.decode_manager.drafting)
+        # rows wider than one token (a decode row with proposals) decide where their request's next row starts
+        self._wide_rows_in_flight = bool(plan.decode_slots.shape[0]) and self.decode_manager.has_wide_rows
         return advance_launched(plan, batch, out, self.table, self.kv, self.prefill_manager, self.decode_manager)
 
     # ------------------------------------------------------------------ preemption
@@ -325,7 +343,7 @@ class Scheduler:
             planned = self.planner.replan(plan)
         return planned
 
-    def _preempt_for_head(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
+    def preempt_for_head(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
         """SCHEDULING.md section 8, before the policy plans: the head of the waiting queue preempts
         admitted requests of a lower priority when that lets it fit (`PrefillManager.victims_for_head`)."""
         victims = self.prefill_manager.victims_for_head()
@@ -337,7 +355,7 @@ class Scheduler:
         if victims:
             out.preempted = self._preempt(victims)
 
-    def _recompute_at_rope_switch(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
+    def recompute_at_rope_switch(self, out: StepOutput, drain: Callable[[], None] | None) -> None:
         """A rope that switches factors with the length (longrope), transformers' rule: a sequence that
         grows past the switch has every key recomputed with the long factors (Phi-3's `generate` drops
         its cache there). A decoding request about to compute the switch position is recomputed at
@@ -380,57 +398,57 @@ class Scheduler:
         """The second half of a step: record the sampled tokens, check stop conditions, and release the
         requests that finished (their slot and every KV page). Rows of requests that ended while the
         step ran (finished by an earlier step's token, or aborted) are dropped, and so are a row's
-        tokens after the one that ends its request."""
-        batch, out = launched.batch, launched.out
-        assert batch is not None, "an empty step has nothing to complete"
+        tokens after the one that ends its request. Its stages and hooks: `procs.scheduler.step_hooks`."""
+        assert launched.batch is not None, "an empty step has nothing to complete"
         self._launched -= 1
         self._wide_rows_in_flight = False
-        table = self.table
+        kept = self._record_tokens(launched, result)
+        record_logprobs(self.requests, launched, result, kept)
+        self.hooks.run_on_tokens(launched, result, kept)
+        self._finish_ended(kept, launched.out)
+        self.hooks.run_after_complete(launched.out, result)
+        return launched.out
+
+    def _record_tokens(self, launched: LaunchedStep, result: StepResult) -> KeptTokens:
+        """The step's tokens that count, settled into their rows and written to the request table."""
+        table, out, batch = self.table, launched.out, launched.batch
+        assert batch is not None
         token_ids, accepted = checked_result(batch, launched, result)
         one_per_row = token_ids.shape[0] == launched.sample_slots.shape[0]  # no slot has two tokens
         kept = kept_tokens(table, self.eos_token_ids, launched, token_ids, accepted)
         if not one_per_row:  # a row of one token keeps it: nothing to settle
             settle_rows(table, self.kv, launched, kept, out, self.planner.min_acceptance)
-        slots, index, token_ids, rids = kept.slots, kept.index, kept.token_ids, kept.rids
+        slots, index, token_ids = kept.slots, kept.index, kept.token_ids
         table.output_ids[slots, index] = token_ids
         latest = table.generated[slots] == index + 1  # its row's last token, and no later step has fed this slot yet
         table.last_token[slots[latest]] = token_ids[latest]
-        out.new_tokens = list(zip(rids, token_ids.tolist()))
+        out.new_tokens = list(zip(kept.rids, token_ids.tolist()))
         out.token_counts = (index + 1).tolist()
         if one_per_row:
             table.reported[slots] = index + 1
         else:  # a row's tokens are in order: its last one's count
             np.maximum.at(table.reported, slots, index + 1)
-        requests = self.requests
-        record_logprobs(requests, launched, result, kept)
-        record_pooled(launched, result, kept)
-        done = np.flatnonzero(kept.ends).tolist()
-        if done:
-            out.finished = [rids[i] for i in done]
-            out.finish_reasons = {
-                rids[i]: "stop" if kept.stopped[i] or rids[i] in out.pooled else "length" for i in done
-            }
-            finished = [requests[rid] for rid in out.finished]
-            out.ended.update(zip(out.finished, finished))
-            self._end(finished, Status.FINISHED)
-        if result.grammar_failures:
-            self._fail_grammars(result.grammar_failures, out)
-        if not self._launched:  # nothing in flight reads the pages behind a window: give them back now
-            self.kv.drop_out_of_window()
-        return out
+        return kept
 
-    def _fail_grammars(self, failures: list[tuple[int, str]], out: StepOutput) -> None:
-        """End the requests whose grammar failed this step (still running: one that finished in this step
-        keeps its end) with an error for the client, as cancellations that free their slot and pages."""
-        for slot, error in failures:
-            request = self.table.requests[slot]
-            if request is None or self.requests.get(request.rid) is not request:
-                continue
-            param = request.params.logits.grammar_param
-            out.errors[request.rid] = (f"the output could not be held to {param or 'its constraint'}: {error}", param)
-            out.cancelled.append(request.rid)
-            out.ended[request.rid] = request
-            self._end([request], Status.CANCELLED)
+    def _finish_ended(self, kept: KeptTokens, out: StepOutput) -> None:
+        """The requests a kept token ended: finished, with their reason, their slot and pages freed."""
+        done = np.flatnonzero(kept.ends).tolist()
+        if not done:
+            return
+        rids = kept.rids
+        out.finished = [rids[i] for i in done]
+        out.finish_reasons = {rids[i]: "stop" if kept.stopped[i] else "length" for i in done}
+        finished = [self.requests[rid] for rid in out.finished]
+        out.ended.update(zip(out.finished, finished))
+        self._end(finished, Status.FINISHED)
+
+    def end_with_error(self, request: Request, message: str, param: str | None, out: StepOutput) -> None:
+        """End a running request with an error for the client (`out.errors`), as a cancellation that frees
+        its slot and pages."""
+        out.errors[request.rid] = (message, param)
+        out.cancelled.append(request.rid)
+        out.ended[request.rid] = request
+        self._end([request], Status.CANCELLED)
 
     # ------------------------------------------------------------------ the lifecycle's exits
     def _end(self, requests: list[Request], status: Status) -> None:

@@ -203,6 +203,11 @@ class DecodeManager:
     def __contains__(self, slot: int) -> bool:
         return slot in self.running
 
+    @property
+    def has_wide_rows(self) -> bool:
+        """Whether a running request's next row is wider than one token (it has a draft)."""
+        return bool(self.drafting)
+
     def add(self, request: Request) -> None:
         self.running[request.slot] = request
         self._view = None

@@ -137,7 +137,7 @@ def record_logprobs(live: Mapping[str, Request], launched: LaunchedStep, result:
 
 def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) -> None:
     """Into `launched.out`: the pooling runner's answer, each kept row's vector in place of its token
-    (float32 bytes, `TokenDelta.pooled`)."""
+    (float32 bytes, `TokenDelta.pooled`); each such row is its request's stop."""
     if result.pooled is None:
         return
     pooled = np.asarray(result.pooled, dtype="<f4")
@@ -147,3 +147,4 @@ def record_pooled(launched: LaunchedStep, result: StepResult, kept: KeptTokens) 
         )
     at = range(len(kept.rids)) if kept.positions is None else kept.positions.tolist()
     launched.out.pooled = {rid: pooled[i].tobytes() for rid, i in zip(kept.rids, at)}
+    kept.stopped[:] = True  # a vector is the whole answer: its request stops (finish reason "stop")

@@ -15,6 +15,7 @@ from batchserve.procs.worker.pooling.step import PoolingStep
 from batchserve.procs.worker.recurrent.step import RecurrentStateStep
 from batchserve.procs.worker.speculation.draft_model import DraftModel
 from batchserve.procs.worker.speculation.step import DraftStep
+from batchserve.procs.worker.step_hooks import StepHooks
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.lora import held_at_start, parse_lora_modules
 from batchserve.shared.messages import StepResult
@@ -41,10 +42,10 @@ class ExpertLoadReport:
 
 def register_features(
     runner: ModelRunner, draft: CausalLM | None, pooler: PoolerConfig | None, attention_backend: str
-) -> None:
-    """Register the features the runner's loaded models turn on, in the order their hooks run: the
-    recurrent states of a hybrid model, a draft model, the pooling runner's head, the experts' load."""
-    hooks, kv_cache = runner.hooks, runner.kv_cache
+) -> StepHooks:
+    """The runner's step hooks, with the features its loaded models turn on, in the order their hooks run:
+    the recurrent states of a hybrid model, a draft model, the pooling runner's head, the experts' load."""
+    hooks, kv_cache = StepHooks(), runner.kv_cache
     if kv_cache.states is not None:
         hooks.register(RecurrentStateStep(kv_cache.states))
     if draft is not None:
@@ -54,6 +55,7 @@ def register_features(
         hooks.register(PoolingStep(slots, runner.model, runner.attention))
     if getattr(runner.config, "moe", None) is not None:
         hooks.register(ExpertLoadReport(runner.model))
+    return hooks
 
 
 def register_configured(runner: ModelRunner, config: ServerConfig) -> None:

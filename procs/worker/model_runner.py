@@ -43,7 +43,6 @@ from batchserve.procs.worker.runner_setup import (
     ring_rows_within,
 )
 from batchserve.procs.worker.sample_rows import sampled_tokens
-from batchserve.procs.worker.step_hooks import StepHooks
 from batchserve.procs.worker.step_sampler import StepSampler
 from batchserve.procs.worker.weight_bytes import weight_bytes
 from batchserve.shared.config import ServerConfig
@@ -126,8 +125,7 @@ class ModelRunner:
         self.tp.start_serving()  # the last start-up agreement is done: steps' collectives get the step timeout
         self.attention = attention_for(backend, self.model, self.kv_cache)
         self.cost_windows = cost_windows(self.model, self.tp, self.dtype)
-        self.hooks = StepHooks()  # the features' hooks in each step (`procs.worker.step_hooks`)
-        register_features(self, draft, pooler, attention_backend)
+        self.hooks = register_features(self, draft, pooler, attention_backend)  # (`procs.worker.step_hooks`)
         self._start_slots(max_running_requests)
         disable_cuda_graph = disable_cuda_graph or self.hooks.head is not None  # a head that is not sampling
         self.graph_runner = decode_graph_runner(
