@@ -30,7 +30,8 @@ the decode set, `KVManager` owns the pages (reservation, preemption victims, all
 `batch.build_forward_batch` packs the plan for the worker; the policy (`managers.POLICY_PLANNERS`)
 chooses the batch. `step_launch` records what a launched batch decides, `step_results` reads the tokens
 that come back, and `input_checks` checks what comes in from outside (requests, drafts, step results).
-This module runs the step and applies what came back.
+This module runs the step as stages and applies what came back; the features (windows, drafts, the pooling
+runner's vectors, failed grammars) join at the hooks of `step_hooks`, registered by `features`.
 """
 
 from __future__ import annotations
