@@ -5,7 +5,7 @@ A rope whose factors switch with the length (longrope) has two tables, short and
 one a key has is transformers' rule for Phi-3: a sequence no longer than the original context has the
 short factors; once it grows past it, every key has the long ones (Phi-3's `generate` drops its cache
 there and recomputes the sequence; the scheduler recomputes such a request too,
-`Scheduler._recompute_at_rope_switch`). `RotaryTables.rows` maps (position, the request's prompt length
+`Scheduler.recompute_at_rope_switch`). `RotaryTables.rows` maps (position, the request's prompt length
 as prefilled) to a table row, long when either passes the switch: a prompt longer than the original
 context is long from its first chunk.
 

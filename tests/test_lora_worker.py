@@ -164,3 +164,5 @@ def test_a_step_that_loads_an_adapter_reports_the_load_apart_from_its_cost(setup
     )
     assert loading.setup_s > 0 and 1 in lora_of(runner).adapters
     assert runner.execute(probe_batch(runner, [0], [4])).setup_s == 0.0
+    with pytest.raises(ModelLoadError, match="enabled already"):  # one set of slots on the projections
+        enable_lora(runner, 16)

@@ -3,7 +3,7 @@
  * what goes away is the Python around a dozen small calls per layer, a large share of a small step.
  * Llama-family layers with panel weights (fp32 or int8) or GGUF blocks: qkv bias, q/k norms per head or over the whole
  * projection, clipped q/k/v, and a dense MLP or a mixture of experts (csrc/moe.c); LoRA adapters' pairs added
- * to a projection's rows as procs/worker/lora.py adds them (the same kernels, the same order). */
+ * to a projection's rows as procs/worker/lora/slots.py adds them (the same kernels, the same order). */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -27,7 +27,7 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
                            int64_t window, float softcap, const float *sinks);
 void silu_and_mul(const float *gate_up, int64_t rows, int64_t stride, int64_t half, float *out);
 
-/* A projection's LoRA pairs (procs/worker/lora.py's LoraTarget): every adapter's A stacked [width, in] and B
+/* A projection's LoRA pairs (procs/worker/lora/slots.py's LoraTarget): every adapter's A stacked [width, in] and B
  * [out, width] as fp32 panels, width = parts x the adapters' summed ranks; a.packed NULL: none. */
 typedef struct {
     Projection a, b;
@@ -61,7 +61,7 @@ typedef struct {
     int64_t num_chunks;
 } DecodeShape;
 
-/* y [rows, out_features] += (x A^T * mask) B^T: each row's own adapter's term (procs/worker/lora.py, add_to). */
+/* y [rows, out_features] += (x A^T * mask) B^T: each row's own adapter's term (procs/worker/lora/slots.py, add_to). */
 static void add_lora(const LoraPair *l, const DecodeShape *s, const float *x, int64_t rows, int64_t x_stride,
                      int64_t in, int64_t out_features, float *y) {
     if (l->a.packed == NULL || s->lora_mask == NULL) return;

@@ -54,6 +54,8 @@ def enable_lora(runner: ModelRunner, max_rank: int) -> LoraStep:
     cannot run adapters)."""
     if runner.hooks.head is not None:
         raise ModelLoadError("LoRA adapters are not served by the pooling runner (embeddings)")
+    if runner.hooks.find(LoraStep) is not None:
+        raise ModelLoadError("LoRA is enabled already: its slots are on the model's projections")
     served = served_projections(read_model_json(runner.spec.model_dir))
     slots = runner.model.enable_lora(LoraSlots(runner.max_running_requests, runner.device, max_rank, served))
     if runner.graph_runner is not None:
