@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from batchserve.procs.worker.devices import check_quantization
 from batchserve.procs.worker.lora.step import enable_lora, load_lora_adapter
 from batchserve.procs.worker.models.base import CausalLM
+from batchserve.procs.worker.parallel import TensorParallel
 from batchserve.procs.worker.pooling.pooler import SlotPooler
 from batchserve.procs.worker.pooling.step import PoolingStep
 from batchserve.procs.worker.recurrent.step import RecurrentStateStep
@@ -19,12 +23,31 @@ from batchserve.procs.worker.step_hooks import StepHooks
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.lora import held_at_start, parse_lora_modules
 from batchserve.shared.messages import StepResult
+from batchserve.shared.model import ModelSpec
 from batchserve.shared.pooling import PoolerConfig
 
 if TYPE_CHECKING:
     from batchserve.procs.worker.model_runner import ModelRunner
 
 EXPERT_LOAD_INTERVAL_S = 1.0  # how often a step's result carries a mixture of experts' routed-token counts
+
+
+def draft_spec_for(
+    draft_model: str,
+    quantization: str,
+    target: ModelSpec,
+    tp: TensorParallel,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ModelSpec | None:
+    """The draft model's spec (None: no draft model), checked before either model loads: a wrong draft
+    fails at once."""
+    if not draft_model:
+        return None
+    if tp.world_size > 1:
+        raise ValueError("a draft model runs with tensor_parallel_size 1 only")
+    check_quantization(quantization, device, dtype)
+    return DraftModel.spec_for(draft_model, target)
 
 
 class ExpertLoadReport:

@@ -24,7 +24,7 @@ import torch
 from batchserve.kernels.triton import select as triton_kernels_select
 from batchserve.procs.worker.batch_checks import check_batch
 from batchserve.procs.worker.devices import check_quantization, resolve_device, resolve_dtype
-from batchserve.procs.worker.features import register_configured, register_features
+from batchserve.procs.worker.features import draft_spec_for, register_configured, register_features
 from batchserve.procs.worker.grammar_masks import SlotGrammars
 from batchserve.procs.worker.kv_cache import kv_memory_budget_gb
 from batchserve.procs.worker.kv_pool import build_kv_pool
@@ -38,7 +38,6 @@ from batchserve.procs.worker.runner_setup import (
     attention_for,
     cost_windows,
     decode_graph_runner,
-    draft_spec_for,
     pooler_rule,
     ring_rows_within,
 )

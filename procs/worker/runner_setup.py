@@ -3,7 +3,7 @@
 Some must come out the same on every worker rank, since each rank runs the same steps and their
 collectives must agree in shape: the attention backend ("auto" resolves by what each machine has), and
 whether decode steps run padded into CUDA graphs. The others follow from the model and the flags: a
-draft model's spec (checked before either model loads), the pooling runner's rule, the attention kernels
+pooling runner's rule, the attention kernels
 over this rank's heads, and the step-cost model's window of each layer.
 """
 
@@ -15,35 +15,15 @@ import torch
 
 from batchserve.kernels.attention import BACKENDS, AttentionBackend, create_backend, resolve_backend_name
 from batchserve.kernels.kv_cache import KVCache
-from batchserve.procs.worker.devices import check_quantization
 from batchserve.procs.worker.graph_runner import DecodeGraphRunner
 from batchserve.procs.worker.kv_cache import kv_bytes_per_token
 from batchserve.procs.worker.models.base import CausalLM
 from batchserve.procs.worker.parallel import TensorParallel
-from batchserve.procs.worker.speculation.draft_model import DraftModel
 from batchserve.shared.model import ModelLoadError, ModelSpec, read_model_json
 from batchserve.shared.pooling import PoolerConfig, pooler_for
 from batchserve.shared.step_features import layer_cost_windows
 
 log = logging.getLogger("batchserve.worker")
-
-
-def draft_spec_for(
-    draft_model: str,
-    quantization: str,
-    target: ModelSpec,
-    tp: TensorParallel,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> ModelSpec | None:
-    """The draft model's spec (None: no draft model), checked before either model loads: a wrong draft
-    fails at once."""
-    if not draft_model:
-        return None
-    if tp.world_size > 1:
-        raise ValueError("a draft model runs with tensor_parallel_size 1 only")
-    check_quantization(quantization, device, dtype)
-    return DraftModel.spec_for(draft_model, target)
 
 
 def pooler_rule(spec: ModelSpec, tp: TensorParallel, runner: str, pooling: str) -> PoolerConfig | None:

@@ -24,6 +24,7 @@ from batchserve.kernels.rope import RotaryTables
 from batchserve.procs.worker.hf_quantized import scheme_of
 from batchserve.procs.worker.lora.slots import LoraSlots
 from batchserve.procs.worker.parallel import TensorParallel
+from batchserve.shared.messages import ForwardBatch
 from batchserve.shared.model import ModelLoadError, ModelSpec
 from batchserve.shared.rope import RopeConfig
 
@@ -277,19 +278,10 @@ def eager_forward(
     )
 
 
-def eager_hidden_states(
-    model: CausalLM,
-    attention: AttentionBackend,
-    slots: list[int],
-    prefix_lens: list[int],
-    extend_lens: list[int],
-    input_ids: np.ndarray,
-    positions: np.ndarray,
-    kv_locs: np.ndarray,
-) -> torch.Tensor:
-    """`eager_forward`'s pass without the LM head: every token's final hidden state."""
-    to_device = _planned(attention, slots, prefix_lens, extend_lens, kv_locs)
-    return model.hidden_states(to_device(input_ids), to_device(positions), attention)
+def eager_hidden_states(model: CausalLM, attention: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+    """`eager_forward`'s pass over `batch`'s rows without the LM head: every token's final hidden state."""
+    to_device = _planned(attention, batch.slots, batch.prefix_lens, batch.extend_lens, batch.kv_locs)
+    return model.hidden_states(to_device(batch.input_ids), to_device(batch.positions), attention)
 
 
 def _planned(

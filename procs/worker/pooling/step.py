@@ -21,16 +21,7 @@ class PoolingStep:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Every token's final hidden state."""
-        return eager_hidden_states(
-            self.model,
-            self.attention,
-            batch.slots,
-            batch.prefix_lens,
-            batch.extend_lens,
-            batch.input_ids,
-            batch.positions,
-            batch.kv_locs,
-        )
+        return eager_hidden_states(self.model, self.attention, batch)
 
     def result(self, batch: ForwardBatch, hidden: torch.Tensor) -> StepResult:
         """Each sampling row's pooled vector, where a token would be."""

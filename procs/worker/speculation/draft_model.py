@@ -32,10 +32,10 @@ import msgspec
 import numpy as np
 import torch
 
-from batchserve.kernels.attention import create_backend
 from batchserve.kernels.kv_cache import KVCache
 from batchserve.kernels.sampling import draft_sample
 from batchserve.procs.worker.models.base import CausalLM, eager_forward
+from batchserve.procs.worker.runner_setup import attention_for
 from batchserve.shared.messages import DRAFT_TOKEN, ForwardBatch
 from batchserve.shared.model import ModelLoadError, ModelSpec
 
@@ -65,17 +65,7 @@ class DraftModel:
     def __init__(self, model: CausalLM, kv_cache: KVCache, attention_backend: str) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        heads, cfg = model.heads, model.config
-        self.attention = create_backend(
-            attention_backend,
-            kv_cache,
-            heads.num_heads,
-            heads.num_kv_heads,
-            cfg.head_dim,
-            cfg.attention_scale,
-            cfg.windows,
-            cfg.attn_softcap,
-        )
+        self.attention = attention_for(attention_backend, model, kv_cache)
         self._pending: dict[int, _Pending] = {}
         self.proposing_s = 0.0  # the last `propose`'s time for its draft tokens (StepResult.draft_s)
 
