@@ -23,9 +23,10 @@ def register_features(scheduler: Scheduler) -> None:
         hooks.before_plan.append(scheduler.recompute_at_rope_switch)
 
     def release_behind_windows(out: StepOutput, drain: Drain) -> None:
-        kv.drop_out_of_window()  # (nothing without a shared sliding window)
+        kv.drop_out_of_window()
 
-    hooks.before_plan.append(release_behind_windows)
+    if kv.window:  # a window every layer shares: the pages behind it go back
+        hooks.before_plan.append(release_behind_windows)
     if planner.proposer is not None:
 
         def propose_drafts(out: StepOutput, drain: Drain) -> None:
@@ -52,4 +53,5 @@ def register_features(scheduler: Scheduler) -> None:
         if not scheduler.steps_in_flight:  # nothing in flight reads the pages behind a window: give them back
             kv.drop_out_of_window()
 
-    hooks.after_complete.append(release_when_idle)
+    if kv.window:
+        hooks.after_complete.append(release_when_idle)
