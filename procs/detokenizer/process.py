@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from batchserve.procs.detokenizer.decoder_cache import load_decoding_tokenizer
 from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
 from batchserve.procs.detokenizer.logprobs import LogprobTexts
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
@@ -90,7 +91,7 @@ def run(config: ServerConfig) -> int:
         inbox: Receiver[DetokenizerInbox] = Receiver(rt.ctx, rt.endpoints.detokenizer, TokenDelta)
         to_api: Sender[ApiInbox] = Sender(rt.ctx, rt.endpoints.api)
         to_scheduler: Sender[SchedulerInbox] = Sender(rt.ctx, rt.endpoints.scheduler)
-        detokenizers = Detokenizers(ModelSpec.from_config(config).load_tokenizer())
+        detokenizers = Detokenizers(load_decoding_tokenizer(ModelSpec.from_config(config).model_dir))
         rt.ready()
         while not rt.stopping.is_set():
             delta = inbox.recv(POLL_INTERVAL_S)
