@@ -42,12 +42,11 @@ def load_decoding_tokenizer(model_dir: Path) -> object:
     """The tokenizer the detokenizer decodes with: the cached backend when there is one, else transformers'
     tokenizer (its backend then cached for the next start)."""
     path = cache_dir() / "tokenizers" / f"{tokenizer_key(model_dir)}.json"
-    try:
-        return tokenizers.Tokenizer.from_file(str(path))
-    except FileNotFoundError:
-        pass
-    except Exception as exc:  # a damaged cache file: built again below, and replaced
-        log.warning("ignoring the cached tokenizer %s: %s", path, exc)
+    if path.is_file():
+        try:
+            return tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # a damaged cache file (tokenizers raises plain Exception): built again, replaced
+            log.warning("ignoring the cached tokenizer %s: %s", path, exc)
     tokenizer = load_tokenizer(model_dir)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer):
