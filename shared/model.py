@@ -41,6 +41,7 @@ from batchserve.shared.errors import ModelLoadError  # noqa: F401 (raised here, 
 from batchserve.shared.gguf_convert import convert_gguf
 from batchserve.shared.gguf_shards import gguf_shards, single_model
 from batchserve.shared.rope import RopeConfig
+from batchserve.shared.tokenizer_cache import build_tokenizer, load_cached_tokenizer
 
 GGUF_LAYOUT = "-blocks3"  # in a converted folder's name: folders of earlier layouts (fp32 only; a manifest
 # without the blocks' offsets or their files) are not reused
@@ -274,8 +275,8 @@ class ModelSpec:
         return ChatFormat.of(self.chat_template)
 
     def load_tokenizer(self) -> Any:
-        """The Hugging Face tokenizer (with its chat template)."""
-        return load_tokenizer(self.model_dir)
+        """The Hugging Face tokenizer (with its chat template), through `shared.tokenizer_cache`."""
+        return load_cached_tokenizer(self.model_dir)
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's tokenizer (`shared.grammar`), built the same way by the tokenizer process and
@@ -291,13 +292,9 @@ class ModelSpec:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
-    """The Hugging Face tokenizer (with chat template) of a model, resolved like `resolve_model`."""
-    from transformers import AutoTokenizer
-
-    model_dir = resolve_model(name_or_path)
-    if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()):
-        raise ModelLoadError(f"model folder {model_dir} has no tokenizer files")
-    return AutoTokenizer.from_pretrained(model_dir)
+    """The Hugging Face tokenizer (with chat template) of a model, resolved like `resolve_model`, built by
+    transformers (not cached)."""
+    return build_tokenizer(resolve_model(name_or_path))
 
 
 def _as_ids(value: Any) -> list[int]:

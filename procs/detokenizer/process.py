@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 
-from batchserve.procs.detokenizer.decoder_cache import load_decoding_tokenizer
 from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
 from batchserve.procs.detokenizer.logprobs import LogprobTexts
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
@@ -20,6 +19,7 @@ from batchserve.shared.config import ServerConfig
 from batchserve.shared.ipc import ApiInbox, DetokenizerInbox, Receiver, SchedulerInbox, Sender
 from batchserve.shared.messages import NO_STOP, AbortRequest, RequestRejected, TextDelta, TokenDelta, Usage
 from batchserve.shared.model import ModelSpec
+from batchserve.shared.tokenizer_cache import load_decoding_tokenizer
 
 log = logging.getLogger("batchserve.detokenizer")
 
