@@ -9,9 +9,9 @@ a class's own decoder, the special flags of tokenizer_config.json), exact by con
   cache folder, and is trusted as they are.
 - `load_decoding_tokenizer`: the Rust `tokenizers.Tokenizer` alone, serialized, for a process that only
   decodes (the detokenizer: `incremental.make_decode` and `special_token_ids` read nothing else).
-The key hashes every non-weight file of the folder and transformers' version, so an edited tokenizer or
-an upgrade builds it again; a damaged cache file is built again and replaced; a cache that cannot be
-written only costs the next start its speed.
+The key hashes every non-weight file of the folder and the versions of transformers, tokenizers and
+Python, so an edited tokenizer or an upgrade builds it again; a damaged cache file is built again and
+replaced; a cache that cannot be written only costs the next start its speed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import importlib.metadata
 import logging
 import os
 import pickle
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".npz", ".h5"
 
 
 def tokenizer_key(model_dir: Path) -> str:
-    """A digest of the folder's non-weight files (names and bytes) and of transformers' version."""
-    digest = hashlib.sha256(importlib.metadata.version("transformers").encode())
+    """A digest of the folder's non-weight files (names and bytes), and of the versions that build and read
+    the cache: transformers', tokenizers' and Python's."""
+    versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")] + [sys.version]
+    digest = hashlib.sha256("\0".join(versions).encode())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:32]
