@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from batchserve.procs.detokenizer.incremental import IncrementalDetokenizer
-from batchserve.procs.scheduler.adapter_updates import AdapterHoldingExecutor, WorkerAdapters
 from batchserve.procs.scheduler.config import check_config, scheduler_config_from_server
 from batchserve.procs.scheduler.core import Scheduler
 from batchserve.procs.scheduler.executor import Executor
+from batchserve.procs.scheduler.lora.adapter_updates import AdapterHoldingExecutor, WorkerAdapters
 from batchserve.procs.scheduler.step_cost import cost_model_for
 from batchserve.procs.tokenizer.prompts import PromptTokenizer
 from batchserve.shared.config import ServerConfig

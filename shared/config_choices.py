@@ -21,7 +21,7 @@ OverlapSchedule = Literal["auto", "on", "off"]  # the default first
 # The waiting queue's order (procs/scheduler/SCHEDULING.md section 8): arrival, or priority then arrival.
 SchedulingPolicy = Literal["fcfs", "priority"]  # the default first
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
-# Speculative decoding (the worker verifies): off, prompt lookup (procs/scheduler/ngram.py proposes) or a
+# Speculative decoding (the worker verifies): off, prompt lookup (procs/scheduler/speculation/ngram.py proposes) or a
 # draft model (procs/worker/speculation/draft_model.py proposes).
 Speculative = Literal["off", "ngram", "draft"]  # the default first
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(Speculative)

@@ -25,7 +25,7 @@ class LoraModule:
 
 def held_at_start(modules: list[LoraModule], max_cpu_loras: int) -> list[LoraModule]:
     """The adapters the worker loads at start (the first `max_cpu_loras`; 0: all), which the scheduler counts
-    as held (`procs.scheduler.adapter_updates`): the others load when a request needs them."""
+    as held (`procs.scheduler.lora.adapter_updates`): the others load when a request needs them."""
     return modules[: max_cpu_loras or None]
 
 

@@ -22,7 +22,7 @@ from test_lora_engine import PROMPTS, engine_for, generate, setup  # noqa: F401 
 from test_lora_worker import NEW_TOKENS
 
 from batchserve.procs.api.app import create_app
-from batchserve.procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
+from batchserve.procs.scheduler.lora.adapter_updates import WorkerAdapters, adapters_in_use
 from batchserve.procs.scheduler.request import Status
 from batchserve.shared.config import ServerConfig
 from batchserve.shared.lora import PREFIX

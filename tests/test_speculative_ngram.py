@@ -1,4 +1,4 @@
-"""Speculative decoding's pieces: the n-gram proposer (`procs.scheduler.ngram`) and the worker's
+"""Speculative decoding's pieces: the n-gram proposer (`procs.scheduler.speculation.ngram`) and the worker's
 verification of proposed tokens (`SampleRows.accepted` / `kept`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchserve.procs.scheduler.ngram import MAX_PAUSE, NgramProposer, pause_after
+from batchserve.procs.scheduler.speculation.ngram import MAX_PAUSE, NgramProposer, pause_after
 from batchserve.procs.worker.sample_rows import SampleRows
 
 

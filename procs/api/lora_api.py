@@ -4,7 +4,7 @@ here (its config and its tensors' names, `shared.lora.check_adapter`), gives the
 index and sends the load on the requests' path (`shared.messages.AdapterUpdate`), so that a request sent
 after the answer runs on it; `POST /v1/unload_lora_adapter` `{"lora_name"}` answers a new request naming it
 with 404 at once, while the requests in flight finish on its weights and the worker frees them after
-the last (`procs.scheduler.adapter_updates`). Under `/v1/`, so with API keys they need one. A name loaded
+the last (`procs.scheduler.lora.adapter_updates`). Under `/v1/`, so with API keys they need one. A name loaded
 again is a new index: its prefix cache never serves the old weights' KV. With data-parallel replicas the
 replica that takes the update (a gateway picks one) passes it on to the others, so every replica serves
 the same adapters.

@@ -62,7 +62,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # A long prompt's chunk leaves half of a step to the requests behind it (SCHEDULING.md section 9); off: the chapter.
     fair_prefill: bool = False
     # Speculative decoding: "ngram" proposes up to `num_speculative_tokens` tokens per decode row by
-    # prompt lookup (`procs/scheduler/ngram.py`), matches of `ngram_min`..`ngram_max` tokens; "draft"
+    # prompt lookup (`procs/scheduler/speculation/ngram.py`), matches of `ngram_min`..`ngram_max` tokens; "draft"
     # plans rows of `num_speculative_tokens` placeholders that the worker's draft model fills.
     speculative: Speculative = "off"
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS

@@ -16,10 +16,10 @@ from collections import deque
 from typing import TypedDict
 
 from batchserve.procs.runtime import POLL_INTERVAL_S, ProcessRuntime
-from batchserve.procs.scheduler.adapter_updates import WorkerAdapters, adapters_in_use
 from batchserve.procs.scheduler.config import check_config, overlap_schedule, scheduler_config_from_server
 from batchserve.procs.scheduler.core import Scheduler
 from batchserve.procs.scheduler.live_view import StepLog, build_view
+from batchserve.procs.scheduler.lora.adapter_updates import WorkerAdapters, adapters_in_use
 from batchserve.procs.scheduler.remote_worker import RemoteWorker, WorkerGone, WorkerStalled
 from batchserve.procs.scheduler.step_cost import cost_model_for
 from batchserve.procs.scheduler.step_output import LaunchedStep, StepOutput

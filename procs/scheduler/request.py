@@ -69,7 +69,7 @@ class Request:
     `params.priority` (lower first) and `arrival` (its arrival's sequence number) order the waiting queue
     under the priority scheduling policy (SCHEDULING.md section 8).
     `spec_misses` / `spec_pause`: its proposals in a row with nothing accepted, and the steps it still
-    skips for them (`procs.scheduler.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
+    skips for them (`procs.scheduler.speculation.ngram`); `draft_tokens` / `accepted_tokens`: its draft tokens so
     far and the accepted ones (its usage reports them)."""
 
     __slots__ = (

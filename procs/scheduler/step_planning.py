@@ -14,11 +14,11 @@ import numpy as np
 
 from batchserve.procs.scheduler.batch import StepPlan
 from batchserve.procs.scheduler.config import SchedulerConfig
-from batchserve.procs.scheduler.draft_placeholders import DraftPlaceholders
 from batchserve.procs.scheduler.kv_manager import KVManager
 from batchserve.procs.scheduler.managers import POLICY_PLANNERS, DecodeManager, PrefillManager
-from batchserve.procs.scheduler.ngram import NgramProposer
 from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.procs.scheduler.speculation.draft_placeholders import DraftPlaceholders
+from batchserve.procs.scheduler.speculation.ngram import NgramProposer
 from batchserve.procs.scheduler.step_cost import LinearStepCost
 from batchserve.procs.scheduler.step_time_cap import StepTimeCap
 from batchserve.shared.step_features import StepShape, step_shape

@@ -12,9 +12,9 @@ import numpy as np
 
 from batchserve.procs.scheduler.executor import ExecutorError
 from batchserve.procs.scheduler.kv_manager import KVManager
-from batchserve.procs.scheduler.ngram import pause_after
 from batchserve.procs.scheduler.request import Request
 from batchserve.procs.scheduler.request_table import RequestTable
+from batchserve.procs.scheduler.speculation.ngram import pause_after
 from batchserve.procs.scheduler.step_output import KeptTokens, LaunchedStep, StepOutput
 from batchserve.shared.messages import StepResult
 
