@@ -23,6 +23,7 @@ import os
 import pickle
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,9 @@ def _cached(model_dir: Path, suffix: str) -> Path:
 def load_cached_tokenizer(model_dir: Path) -> Any:
     """The Hugging Face tokenizer (with its chat template), from the cache when it is there."""
     path = _cached(model_dir, ".pickle")
-    if path.is_file():
-        try:
-            return pickle.loads(path.read_bytes())
-        except Exception as exc:  # a damaged file (unpickling raises whatever its bytes lead to)
-            log.warning("ignoring the cached tokenizer %s: %s", path, exc)
+    cached = _read(path, lambda: pickle.loads(path.read_bytes()))
+    if cached is not None:
+        return cached
     tokenizer = build_tokenizer(model_dir)
     try:
         _write_atomically(path, pickle.dumps(tokenizer))
@@ -80,11 +79,9 @@ def load_decoding_tokenizer(model_dir: Path) -> object:
     transformers' tokenizer (its backend then cached for the next start; a slow tokenizer, without a Rust
     backend, is used as it is)."""
     path = _cached(model_dir, ".json")
-    if path.is_file():
-        try:
-            return tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # a damaged file (tokenizers raises plain Exception)
-            log.warning("ignoring the cached tokenizer %s: %s", path, exc)
+    cached = _read(path, lambda: tokenizers.Tokenizer.from_file(str(path)))
+    if cached is not None:
+        return cached
     tokenizer = build_tokenizer(model_dir)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer):
@@ -92,14 +89,30 @@ def load_decoding_tokenizer(model_dir: Path) -> object:
     return tokenizer
 
 
+def _read(path: Path, read: Callable[[], Any]) -> Any:
+    """What `read` makes of the cached file at `path`; None when there is none or it is damaged (unpickling
+    and tokenizers raise whatever its bytes lead to, plain Exception included): built again, replaced."""
+    if not path.is_file():
+        return None
+    try:
+        return read()
+    except Exception as exc:
+        log.warning("ignoring the cached tokenizer %s: %s", path, exc)
+        return None
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that a reader sees the whole file or none (another process may start at
-    once)."""
+    once); a failed write leaves no temporary file behind."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as out:
+            tmp = out.name
             out.write(data)
-        os.chmod(out.name, 0o644)  # readable by a service account, as the C kernels' library is
-        os.replace(out.name, path)
+        os.chmod(tmp, 0o644)  # readable by a service account, as the C kernels' library is
+        os.replace(tmp, path)
     except OSError as exc:
         log.info("could not cache the tokenizer at %s: %s", path, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
